@@ -1,0 +1,67 @@
+"""The one root exception of qmpprof and its tree.
+
+Every error a user can cause or meet maps to one line on stderr and an exit code::
+
+    QmpprofError                 exit 1   anything qmpprof reports to the user
+    ├── UsageError               exit 2   bad command-line value
+    ├── ConnectError             exit 3   no socket, refused, not a QMP server
+    ├── GuestGoneError           exit 4   QEMU closed the connection mid-run
+    ├── TransportError           exit 5   QEMU answered with an error we cannot handle
+    │   └── MemoryReadError      exit 5   guest memory not mapped / not readable
+    └── ElfError                 exit 6   unreadable or malformed ELF file
+
+Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
+the sampler counts them and reports them at the end.
+"""
+
+from __future__ import annotations
+
+
+class QmpprofError(Exception):
+    """Root of every error qmpprof reports to the user."""
+
+    exit_code = 1
+
+
+class UsageError(QmpprofError):
+    """A command-line value is wrong."""
+
+    exit_code = 2
+
+
+class ConnectError(QmpprofError):
+    """Could not connect to QEMU, or the peer is not a QMP server / gdbstub."""
+
+    exit_code = 3
+
+
+class GuestGoneError(QmpprofError):
+    """QEMU went away (socket closed) while qmpprof was using it."""
+
+    exit_code = 4
+
+
+class TransportError(QmpprofError):
+    """QEMU answered a command with an error."""
+
+    exit_code = 5
+
+
+class MemoryReadError(TransportError):
+    """Guest memory at an address could not be read (unmapped page)."""
+
+    def __init__(self, addr: int, size: int, detail: str = "") -> None:
+        self.addr = addr
+        self.size = size
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"cannot read {size} bytes of guest memory at {addr:#x}{suffix}")
+
+
+class ElfError(QmpprofError):
+    """An ELF file is missing, unreadable or malformed."""
+
+    exit_code = 6
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: not a usable ELF file: {detail}")

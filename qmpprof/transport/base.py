@@ -1,0 +1,38 @@
+"""The seam between the sampler and QEMU: what any transport (QMP, gdbstub, a test fake) offers."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from qmpprof.model import Registers
+
+
+class GuestTransport(Protocol):
+    """An open connection to one QEMU guest.
+
+    Errors: ``GuestGoneError`` when QEMU went away, ``TransportError`` for a refused command,
+    ``MemoryReadError`` when guest memory is not mapped.
+    """
+
+    async def is_running(self) -> bool:
+        """True when the guest is running (QMP ``query-status``), False when paused."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    async def cont(self) -> None: ...
+
+    async def cpus(self) -> list[int]:
+        """Indexes of the guest's vCPUs."""
+        ...
+
+    async def registers(self, cpu: int) -> Registers: ...
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        """Read guest-virtual memory as seen by ``cpu`` (its current page tables).
+
+        ``addr`` is an unsigned 64-bit address; the read may span pages only if all are mapped.
+        """
+        ...
+
+    async def close(self) -> None: ...
