@@ -1,0 +1,22 @@
+"""Folded stacks: one line per unique stack, ``root;...;leaf COUNT``, sorted for clean diffs."""
+
+from __future__ import annotations
+
+from qmpprof.profile import Profile
+
+
+def render(profile: Profile) -> str:
+    lines = [f"{';'.join(names)} {count}" for names, count in profile.counts().items()]
+    lines.sort()
+    return "".join(line + "\n" for line in lines)
+
+
+def parse(text: str) -> list[tuple[tuple[str, ...], int]]:
+    """Read folded text back: (frames root first, count) a line; lines without a count are skipped."""
+    stacks: list[tuple[tuple[str, ...], int]] = []
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        stacks.append((tuple(stack.split(";")), int(count)))
+    return stacks
