@@ -94,7 +94,8 @@ class Process:
     @property
     def label(self) -> str:
         if self.pid is None:
-            return f"cr3={self.cr3:#x}"
+            space = f"cr3={self.cr3:#x}"
+            return space if self.program is None else f"{self.program} ({space})"
         return f"{self.program or '[unknown]'} (pid {self.pid})"
 
 

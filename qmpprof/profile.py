@@ -31,11 +31,10 @@ class Naming:
 
 def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
     if frame.symbol is None:
-        name = f"{frame.pc:#x}" if naming.show_addresses else UNKNOWN
-        if frame.module and not naming.show_addresses:
-            name = f"{UNKNOWN} {frame.module}"
-        elif frame.module:
-            name = f"{frame.module}@{frame.pc:#x}"
+        # A program without symbols is still told apart by address; elsewhere an address that
+        # no symbol covers is one [unknown] bucket unless addresses are asked for.
+        by_address = naming.show_addresses or frame.module == UNKNOWN
+        name = f"{frame.pc:#x}" if by_address else UNKNOWN
     else:
         name = frame.symbol
         if naming.offsets:

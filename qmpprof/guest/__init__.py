@@ -1,0 +1,1 @@
+"""How a guest OS tells its processes apart: the Emerald metadata page, else CR3."""
