@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from qmpprof.errors import UsageError
-from qmpprof.output import folded
+from qmpprof.output import folded, speedscope, svg
 from qmpprof.profile import Profile
 
 
@@ -16,10 +16,20 @@ class Writer(Protocol):
     def __call__(self, profile: Profile) -> str: ...
 
 
-WRITERS: dict[str, Writer] = {"folded": folded.render}
+WRITERS: dict[str, Writer] = {
+    "folded": folded.render,
+    "speedscope": speedscope.render,
+    "svg": svg.render,
+}
 
 # Longest suffix first, so that ".speedscope.json" wins over ".json".
-EXTENSIONS: tuple[tuple[str, str], ...] = ((".folded", "folded"), (".txt", "folded"))
+EXTENSIONS: tuple[tuple[str, str], ...] = (
+    (".speedscope.json", "speedscope"),
+    (".folded", "folded"),
+    (".json", "speedscope"),
+    (".svg", "svg"),
+    (".txt", "folded"),
+)
 
 
 def format_for(path: Path, fmt: str | None) -> str:

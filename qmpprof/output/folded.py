@@ -12,7 +12,7 @@ def render(profile: Profile) -> str:
 
 
 def parse(text: str) -> list[tuple[tuple[str, ...], int]]:
-    """Read folded text back: (frames root first, count) a line; lines without a count are skipped."""
+    """Read folded text back: (frames root first, count) per line; countless lines are skipped."""
     stacks: list[tuple[tuple[str, ...], int]] = []
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")

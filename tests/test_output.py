@@ -1,0 +1,104 @@
+"""Every writer against golden files on one hand-built profile, and format choice by file name.
+
+Regenerate the goldens after an intended change with ``QMPPROF_REGEN_GOLDEN=1 pytest
+tests/test_output.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from qmpprof.errors import UsageError
+from qmpprof.output import EXTENSIONS, WRITERS, format_for, write_profile
+from qmpprof.profile import Profile, TimedStack
+
+GOLDEN = Path(__file__).parent / "golden"
+REGENERATE = os.environ.get("QMPPROF_REGEN_GOLDEN") == "1"
+GOLDEN_NAMES = {"folded": "profile.folded", "speedscope": "profile.speedscope.json"}
+
+K, U = True, False  # kernel flags, per frame name
+
+
+def hand_built_profile() -> Profile:
+    """Two vCPUs, kernel-only and process samples, recursion, a truncated stack, names that
+    need XML escaping, and one sample appended out of time order (the sampler's vCPUs race)."""
+    stacks = [
+        (0.00, 0, ("kernel", "kmain", "idle_loop"), (U, K, K)),
+        (0.01, 0, ("kernel", "kmain", "idle_loop"), (U, K, K)),
+        (
+            0.02,
+            0,
+            ("shell (pid 3)", "_start", "main", "read_line", "sys_read_[k]"),
+            (U, U, U, U, K),
+        ),
+        (0.03, 0, ("shell (pid 3)", "_start", "main", 'parse<T>&"x"'), (U, U, U, U)),
+        (0.00, 1, ("worker (pid 4)", "_start", "main", "compute", "compute"), (U, U, U, U, U)),
+        (0.02, 1, ("kernel", "[truncated]", "page_fault"), (U, U, K)),
+        (0.01, 1, ("worker (pid 4)", "_start", "main", "compute"), (U, U, U, U)),
+        (0.03, 1, ("worker (pid 4)", "_start", "main", "compute", "compute"), (U, U, U, U, U)),
+    ]
+    profile = Profile(interval_ms=10.0)
+    profile.samples = [TimedStack(t, cpu, names, kernel) for t, cpu, names, kernel in stacks]
+    profile.facts = {
+        "guest": "fixtures/guest/emerald.elf",
+        "duration": "0.04 s",
+        "samples": "8",
+        "rate": "100 Hz",
+    }
+    return profile
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_writer_matches_its_golden_file(fmt: str) -> None:
+    golden = GOLDEN / GOLDEN_NAMES.get(fmt, f"profile.{fmt}")
+    text = WRITERS[fmt](hand_built_profile())
+    if REGENERATE:
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_writer_is_deterministic_and_keeps_the_profile(fmt: str) -> None:
+    profile = hand_built_profile()
+    before = list(profile.samples)
+    assert WRITERS[fmt](profile) == WRITERS[fmt](hand_built_profile())
+    assert profile.samples == before
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("out.svg", "svg"),
+        ("OUT.SVG", "svg"),
+        ("run.speedscope.json", "speedscope"),
+        ("run.json", "speedscope"),
+        ("run.folded", "folded"),
+        ("run.txt", "folded"),
+        ("run", "folded"),
+    ],
+)
+def test_format_follows_the_file_name(name: str, fmt: str) -> None:
+    assert format_for(Path(name), None) == fmt
+
+
+def test_longer_suffixes_come_first() -> None:
+    suffixes = [suffix for suffix, _ in EXTENSIONS]
+    for i, suffix in enumerate(suffixes):
+        assert not any(later.endswith(suffix) for later in suffixes[i + 1 :] if later != suffix)
+    assert {fmt for _, fmt in EXTENSIONS} == set(WRITERS)
+
+
+def test_an_explicit_format_wins_and_an_unknown_one_is_a_usage_error() -> None:
+    assert format_for(Path("out.svg"), "speedscope") == "speedscope"
+    with pytest.raises(UsageError, match="choose from folded, speedscope, svg"):
+        format_for(Path("out.svg"), "png")
+
+
+def test_write_profile_writes_the_format_the_name_implies(tmp_path: Path) -> None:
+    path = tmp_path / "flame.svg"
+    assert write_profile(hand_built_profile(), path) == "svg"
+    assert path.read_text(encoding="utf-8") == WRITERS["svg"](hand_built_profile())
+    assert [p.name for p in tmp_path.iterdir()] == ["flame.svg"]
