@@ -1,0 +1,186 @@
+"""ProcessTracker over a fake guest: metadata page, .text matching, caching, pid reuse, no page."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from guestvm import BUILD_ROOT
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import MemoryReadError
+from qmpprof.guest.metadata import METADATA_ADDR
+from qmpprof.guest.processes import ProcessTracker
+from qmpprof.guest.programs import ProgramIndex
+from qmpprof.memory import PAGE, PageCache, page_of
+from qmpprof.model import Registers
+from qmpprof.unwind.chain import Module
+
+KERNEL_CR3 = 0x1000
+
+
+class PagedGuest:
+    """Guest memory per address space (CR3); counts reads."""
+
+    def __init__(self) -> None:
+        self.spaces: dict[int, dict[int, bytes]] = {}
+        self.cr3_of: dict[int, int] = {}
+        self.reads = 0
+
+    def put(self, cr3: int, addr: int, data: bytes) -> None:
+        pages = self.spaces.setdefault(cr3, {})
+        for pos in range(page_of(addr), addr + len(data), PAGE):
+            page = bytearray(pages.get(pos, bytes(PAGE)))
+            lo, hi = max(pos, addr), min(pos + PAGE, addr + len(data))
+            page[lo - pos : hi - pos] = data[lo - addr : hi - addr]
+            pages[pos] = bytes(page)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        self.reads += 1
+        pages = self.spaces.get(self.cr3_of[cpu], {})
+        out = b""
+        for pos in range(addr, addr + size, PAGE):
+            if pos not in pages:
+                raise MemoryReadError(addr, size)
+            out += pages[pos]
+        return out[:size]
+
+    # The rest of GuestTransport is not used by the tracker.
+    async def is_running(self) -> bool:
+        return True
+
+    async def stop(self) -> None: ...
+
+    async def cont(self) -> None: ...
+
+    async def cpus(self) -> list[int]:
+        return sorted(self.cr3_of)
+
+    async def registers(self, cpu: int) -> Registers:
+        raise AssertionError("not used")
+
+    async def close(self) -> None: ...
+
+
+def metadata_page(pid: int, image: ElfImage, text_addr: int | None = None) -> bytes:
+    eh = image.section_addr(".eh_frame") or 0
+    eh_data = image.section(".eh_frame") or b""
+    lo, hi = image.load_range
+    text = image.text_addr if text_addr is None else text_addr
+    words = (pid, lo, hi - lo, 0x40, eh, len(eh_data), text, image.text_size)
+    return struct.pack("<8Q", *words)
+
+
+def regs(cpu: int, cr3: int, cpl: int = 3) -> Registers:
+    return Registers(cpu=cpu, rip=0x401000, rsp=0x7FF000, rbp=0, cpl=cpl, cr3=cr3)
+
+
+@pytest.fixture
+def images(guest_build: None) -> dict[str, ElfImage]:
+    user = BUILD_ROOT / "cfi" / "user"
+    return {p.stem: ElfImage.load(p) for p in sorted(user.glob("*.elf"))}
+
+
+def start(guest: PagedGuest, cpu: int, cr3: int, pid: int, image: ElfImage, text: bytes) -> None:
+    guest.cr3_of[cpu] = cr3
+    guest.put(cr3, METADATA_ADDR, metadata_page(pid, image))
+    guest.put(cr3, image.text_addr, text)
+    eh = image.section(".eh_frame")
+    if eh:
+        guest.put(cr3, image.section_addr(".eh_frame") or 0, eh)
+
+
+def tracker(images: dict[str, ElfImage], **kw: object) -> ProcessTracker:
+    kernel = Module(name="kernel", start=1 << 63, end=(1 << 64) - 1, kernel=True)
+    return ProcessTracker([kernel], ProgramIndex(list(images.values())), **kw)  # type: ignore[arg-type]
+
+
+async def test_two_instances_of_one_program_both_get_symbols(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    spin = images["spin"]
+    start(guest, 0, 0xA000, 1, spin, spin.text_bytes)
+    start(guest, 1, 0xB000, 2, spin, spin.text_bytes)
+    t = tracker(images)
+    first = await t.identify(guest, regs(0, 0xA000), PageCache())
+    second = await t.identify(guest, regs(1, 0xB000), PageCache())
+    assert first.process is not None and second.process is not None
+    assert (first.process.label, second.process.label) == ("spin (pid 1)", "spin (pid 2)")
+    for ident in (first, second):
+        user = ident.space.find(spin.text_addr + 1)
+        assert user is not None and user.symbols is not None and user.name == "spin"
+
+
+async def test_a_known_process_is_not_read_again(images: dict[str, ElfImage]) -> None:
+    guest = PagedGuest()
+    start(guest, 0, 0xA000, 1, images["spin"], images["spin"].text_bytes)
+    t = tracker(images)
+    await t.identify(guest, regs(0, 0xA000), PageCache())
+    reads = guest.reads
+    again = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
+    assert guest.reads == reads + 1  # the metadata page only, no .text
+    assert again.process is not None and again.process.program == "spin"
+
+
+async def test_reused_pid_running_another_program_is_identified_again(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    start(guest, 0, 0xA000, 1, images["spin"], images["spin"].text_bytes)
+    t = tracker(images)
+    assert (await t.identify(guest, regs(0, 0xA000), PageCache())).process.program == "spin"  # type: ignore[union-attr]
+    guest.spaces.clear()
+    start(guest, 0, 0xA000, 1, images["sys"], images["sys"].text_bytes)
+    ident = await t.identify(guest, regs(0, 0xA000), PageCache())
+    assert ident.process is not None and ident.process.label == "sys (pid 1)"
+
+
+async def test_unknown_program_is_unwound_with_eh_frame_from_guest_memory(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    sys_image = images["sys"]
+    patched = bytes(b ^ 0xFF for b in sys_image.text_bytes)  # no ELF has this .text
+    start(guest, 0, 0xC000, 9, sys_image, patched)
+    ident = await tracker(images).identify(guest, regs(0, 0xC000), PageCache())
+    assert ident.process is not None and ident.process.label == "[unknown] (pid 9)"
+    user = ident.space.find(sys_image.text_addr)
+    assert user is not None and user.symbols is None
+    assert user.cfi is not None
+    assert user.cfi.row_for(sys_image.symbols.address_of("main") or 0) is not None
+
+
+async def test_kernel_thread_without_a_page_belongs_to_the_kernel(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    guest.cr3_of[0] = KERNEL_CR3
+    ident = await tracker(images).identify(guest, regs(0, KERNEL_CR3, cpl=0), PageCache())
+    assert ident.process is None
+
+
+async def test_without_metadata_spaces_are_told_apart_by_cr3_and_text(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    spin = images["spin"]
+    guest.cr3_of[0] = 0xA000
+    guest.put(0xA000, spin.text_addr, spin.text_bytes)
+    guest.cr3_of[1] = 0xB000
+    guest.put(0xB000, spin.text_addr, bytes(len(spin.text_bytes)))
+    t = tracker(images)
+    known = await t.identify(guest, regs(0, 0xA000), PageCache())
+    unknown = await t.identify(guest, regs(1, 0xB000), PageCache())
+    assert known.process is not None and known.process.label == "spin (cr3=0xa000)"
+    assert unknown.process is not None and unknown.process.label == "cr3=0xb000"
+    assert t.metadata_addr is None  # user code ran without a page: stop asking for it
+    # The same address space in kernel mode (a system call) stays attributed to its process.
+    in_kernel = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
+    assert in_kernel.process == known.process
+
+
+def test_program_index_ignores_files_that_are_not_elf(tmp_path: Path) -> None:
+    (tmp_path / "README").write_text("not a program")
+    assert len(ProgramIndex.from_dir(tmp_path)) == 0
