@@ -1,0 +1,228 @@
+"""``scripts/bench``: boot the bundled guest once and measure every way of sampling it, side by
+side: guest pause per sample, achieved rate at two intervals, and how much the guest slowed
+down (its progress counter while sampled, against unsampled runs of the same length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from qmpprof.bench import report
+from qmpprof.bench.guest import Fixture, Guest, boot
+from qmpprof.bench.methods import (
+    EmeraldHmp,
+    FloorQmp,
+    GdbBatch,
+    GdbMiLoop,
+    GdbstubLoop,
+    Method,
+    Paced,
+    run_paced,
+)
+from qmpprof.bench.offline import offline
+from qmpprof.bench.qmpprof_run import QmpprofSampler
+from qmpprof.errors import QmpprofError
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ("floor", "qmpprof-qmp", "emerald", "gdb-loop", "gdb-batch", "gdbstub", "qmpprof-gdb")
+
+
+@dataclass
+class Run:
+    """One method at one interval."""
+
+    method: str
+    interval_ms: float
+    samples: int
+    errors: int
+    median_ms: float | None
+    p95_ms: float | None
+    rate_hz: float
+    progress_per_s: float
+    baseline_per_s: float  # unsampled progress in the same length of time just before
+    slowdown: float | None = None  # 1 - progress_per_s / baseline_per_s
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    duration: float = 3.0
+    intervals: tuple[float, ...] = (0.010, 0.002)
+    batch_samples: int = 8
+    variant: str = "cfi"
+    methods: tuple[str, ...] = METHODS
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _progress_around(
+    counter: Callable[[], Awaitable[int]], body: Callable[[], Awaitable[Paced]]
+) -> tuple[Paced, float]:
+    """Run ``body``; return what it achieved and the guest's progress per second meanwhile."""
+    c0, t0 = await counter(), time.perf_counter()
+    paced = await body()
+    c1, t1 = await counter(), time.perf_counter()
+    return paced, (c1 - c0) / (t1 - t0)
+
+
+async def _idle(duration: float) -> Paced:
+    await asyncio.sleep(duration)
+    return Paced()
+
+
+async def baseline(guest: Guest, duration: float) -> float:
+    return (await _progress_around(guest.read_progress, functools.partial(_idle, duration)))[1]
+
+
+def _run(name: str, interval: float, paced: Paced, progress: float, base: float) -> Run:
+    pauses = [p * 1e3 for p in paced.pauses]
+    return Run(
+        method=name,
+        interval_ms=interval * 1e3,
+        samples=len(pauses),
+        errors=paced.errors,
+        median_ms=statistics.median(pauses) if pauses else None,
+        p95_ms=percentile(pauses, 0.95) if pauses else None,
+        rate_hz=paced.rate,
+        progress_per_s=progress,
+        baseline_per_s=base,
+        slowdown=1 - progress / base if base > 0 else None,
+        notes=list(paced.details),
+    )
+
+
+def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampler:
+    kernel = str(fixture.kernel)
+    user_dir = fixture.kernel.parent / "user"
+    if name == "floor":
+        return FloorQmp(guest.witness)
+    if name == "emerald":
+        return EmeraldHmp(guest.witness)
+    if name == "gdbstub":
+        return GdbstubLoop(guest.gdb_address)
+    if name == "gdb-loop":
+        return GdbMiLoop(guest.gdb_address, kernel)
+    if name == "gdb-batch":
+        return GdbBatch(guest.gdb_address, kernel)
+    target = ["--qmp-socket", guest.qmp_path] if name == "qmpprof-qmp" else []
+    target = target or ["--gdb", guest.gdb_address]
+    return QmpprofSampler(name, fixture.kernel, user_dir, target)
+
+
+async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> list[Run]:
+    """Every interval of one method, set up once; setup and teardown are not measured."""
+    method = _methods(name, guest, fixture)
+    intervals = cfg.intervals[:1] if name == "gdb-batch" else cfg.intervals
+    limit = cfg.batch_samples if name == "gdb-batch" else 0
+    runs = []
+    counter = guest.read_progress
+    exclusive = name == "qmpprof-qmp"  # its QMP connection must be the only one
+    if exclusive:
+        guest.release_qmp()
+    try:
+        await method.setup()
+        if isinstance(method, QmpprofSampler) and exclusive:
+            counter = functools.partial(method.read_u64, guest.progress_addr)
+        for interval in intervals:
+            if isinstance(method, QmpprofSampler):
+                # The sampler's duration is guest run time: about the same wall time.
+                body = functools.partial(method.run, interval, cfg.duration * 0.9)
+            else:
+                body = functools.partial(run_paced, method, interval, cfg.duration, limit)
+            # Other load on the host moves the guest's speed: compare with a run just before.
+            base = (await _progress_around(counter, functools.partial(_idle, cfg.duration)))[1]
+            paced, progress = await _progress_around(counter, body)
+            runs.append(_run(name, interval, paced, progress, base))
+    finally:
+        await method.teardown()
+        if exclusive:
+            guest.reclaim_qmp()
+    words = getattr(method, "words", 0)
+    if words and runs:
+        runs[0].notes.append(f"{words / max(1, sum(r.samples for r in runs)):.1f} words/sample")
+    return runs
+
+
+async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
+    fixture = Fixture.find(ROOT, cfg.variant)
+    load_start = _load()
+    runs: list[Run] = []
+    with boot(ROOT, fixture, cfg.variant) as guest:
+        await asyncio.sleep(0.5)  # let the workload settle past its start-up
+        before = await baseline(guest, cfg.duration)
+        log(f"unsampled guest progress: {before:.0f}/s")
+        for name in cfg.methods:
+            try:
+                runs += await measure(name, guest, fixture, cfg)
+            except QmpprofError as err:
+                failed = Paced(errors=1, details=[str(err)])
+                runs.append(_run(name, cfg.intervals[0], failed, 0.0, 0.0))
+            for run in runs:
+                if run.method == name:
+                    log(report.run_line(run.method, asdict(run)))
+        after = await baseline(guest, cfg.duration)
+        log(f"unsampled guest progress: {after:.0f}/s (again, at the end)")
+    result: dict[str, object] = {
+        "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
+        "config": {
+            "duration_s": cfg.duration,
+            "intervals_ms": [i * 1e3 for i in cfg.intervals],
+            "variant": cfg.variant,
+            "kernel": str(fixture.kernel.relative_to(ROOT)),
+            "progress_symbol": fixture.progress_symbol,
+        },
+        "baseline_progress_per_s": [before, after],
+        "runs": [asdict(r) for r in runs],
+    }
+    result.update(report.headline(runs, cfg.intervals[0] * 1e3))
+    result.update(offline(fixture.kernel, log))
+    return result
+
+
+def _load() -> list[float]:
+    """The host's load average: on a shared 2-core machine the numbers depend on it."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per run (default 3)")
+    p.add_argument("--variant", default="cfi", choices=("cfi", "fp"), help="guest build")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    p.add_argument("--batch-samples", type=int, default=8, help="gdb -batch runs (default 8)")
+    ns = p.parse_args(argv)
+    methods = tuple(m for m in ns.methods.split(",") if m)
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown method {unknown[0]!r} (known: {', '.join(METHODS)})")
+    cfg = Config(ns.duration, (0.010, 0.002), ns.batch_samples, ns.variant, methods)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(bench(cfg, log))
+    except QmpprofError as err:
+        print(f"bench: {err}", file=sys.stderr)
+        return err.exit_code
+    print(report.table(result))
+    if ns.json:
+        Path(ns.json).write_text(report.to_json(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

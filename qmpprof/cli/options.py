@@ -1,0 +1,156 @@
+"""The command line of the profiling command: flags, their checks, and the Options they produce.
+
+Every bad value becomes a UsageError (one line, exit 2), never argparse's own usage dump.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+from qmpprof import __version__
+from qmpprof.errors import UsageError
+from qmpprof.model import KERNEL_BOUNDARY, Mode
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    qmp_socket: Path
+    qmp_tcp: tuple[str, int] | None
+    transport: Literal["qmp", "gdb"]
+    gdb: str | None
+    memory: Literal["auto", "memsave", "hmp"]
+    interval_ms: float
+    duration: float
+    output: Path | None
+    fmt: str | None
+    one_shot: bool
+    json: bool
+    show_addresses: bool
+    keep: Mode | None
+    verbose: bool
+    kernel: Path | None
+    user_dir: Path | None
+    cpus: tuple[int, ...] | None
+    kernel_boundary: int
+    jitter: float
+
+    @property
+    def guest(self) -> str:
+        """Where the guest is, as the user named it."""
+        if self.gdb is not None:
+            return self.gdb
+        if self.qmp_tcp is not None:
+            return f"{self.qmp_tcp[0]}:{self.qmp_tcp[1]}"
+        return str(self.qmp_socket)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="qmpprof",
+        description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
+        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...'.",
+    )
+    add = p.add_argument
+    add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
+    add("--qmp", metavar="HOST:PORT", help="QMP over TCP (memory is then read with HMP x)")
+    add("--transport", choices=("qmp", "gdb"), help="qmp (default) or gdb (QEMU's gdbstub)")
+    add("--gdb", metavar="HOST:PORT", help="gdbstub address (implies --transport gdb)")
+    add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
+        help="how QMP reads memory (default: memsave on a local socket, else HMP x)")  # fmt: skip
+    add("--interval", metavar="MS", type=float, default=10.0, help="guest run time between samples")
+    add("--duration", metavar="S", type=float, default=5.0, help="guest run time to profile")
+    add("--jitter", metavar="FRACTION", type=float, nargs="?", const=0.2, default=0.0,
+        help="randomise each interval by +-FRACTION (default 0.2 when given)")  # fmt: skip
+    add("-o", "--output", metavar="FILE", help="write the profile here (else print top stacks)")
+    add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
+    add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
+    add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
+    add("--show-addresses", action="store_true", help="show frame addresses")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("-k", "--kernel-only", action="store_true", help="keep kernel samples")
+    mode.add_argument("-u", "--user-only", action="store_true", help="keep user samples")
+    add("-v", "--verbose", action="store_true", help="more detail in the summary")
+    add("--kernel", metavar="ELF", help="the guest kernel's ELF file (symbols, CFI)")
+    add("--user-dir", metavar="DIR", help="directory of the guest's user program ELF files")
+    add("--cpus", metavar="LIST", help="vCPUs to sample, e.g. 0,2-3 (default: all)")
+    add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
+        help="lowest kernel address (default %(default)s)")  # fmt: skip
+    add("--version", action="version", version=f"qmpprof {__version__}")
+    return p
+
+
+def parse(argv: list[str]) -> Options:
+    ns = parser().parse_args(argv)
+    if ns.interval <= 0:
+        raise UsageError(f"--interval must be positive, not {ns.interval:g}")
+    if ns.duration <= 0:
+        raise UsageError(f"--duration must be positive, not {ns.duration:g}")
+    if not 0 <= ns.jitter < 1:
+        raise UsageError(f"--jitter must be a fraction in [0, 1), not {ns.jitter:g}")
+    if ns.json and not ns.one_shot:
+        raise UsageError("--json needs --one-shot")
+    transport: Literal["qmp", "gdb"] = ns.transport or ("gdb" if ns.gdb else "qmp")
+    if transport == "gdb" and not ns.gdb:
+        raise UsageError("--transport gdb needs --gdb HOST:PORT")
+    keep = Mode.KERNEL if ns.kernel_only else Mode.USER if ns.user_only else None
+    return Options(
+        qmp_socket=Path(ns.qmp_socket),
+        qmp_tcp=parse_host_port(ns.qmp) if ns.qmp else None,
+        transport=transport,
+        gdb=ns.gdb,
+        memory=ns.memory,
+        interval_ms=ns.interval,
+        duration=ns.duration,
+        output=Path(ns.output) if ns.output else None,
+        fmt=ns.format,
+        one_shot=ns.one_shot,
+        json=ns.json,
+        show_addresses=ns.show_addresses,
+        keep=keep,
+        verbose=ns.verbose,
+        kernel=Path(ns.kernel) if ns.kernel else None,
+        user_dir=Path(ns.user_dir) if ns.user_dir else None,
+        cpus=parse_cpus(ns.cpus) if ns.cpus else None,
+        kernel_boundary=parse_address(ns.kernel_boundary),
+        jitter=ns.jitter,
+    )
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``0,2-3`` -> (0, 2, 3)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise UsageError(f"--cpus: not a vCPU list: {text!r} (e.g. 0,2-3)") from None
+        if first < 0 or last < first:
+            raise UsageError(f"--cpus: bad range {part.strip()!r}")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"not HOST:PORT: {text!r}")
+    return (host or "localhost", int(port))
+
+
+def parse_address(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""), 0)
+    except ValueError:
+        raise UsageError(f"--kernel-boundary: not an address: {text!r}") from None
+    if not 0 < value < 1 << 64:
+        raise UsageError(f"--kernel-boundary: out of range: {text!r}")
+    return value

@@ -1,0 +1,164 @@
+"""ElfImage: what qmpprof needs from one x86_64 ELF file — text, symbols, CFI, identity.
+
+The only module that imports pyelftools (for the headers). Bulk data is read directly from
+the file bytes: symbol tables with ``struct.iter_unpack`` (pyelftools decodes one symbol at a
+time, which costs seconds on a binary with 100 000 symbols), CFI by ``qmpprof.unwind.cfi``.
+Symbols, CFI and the text hash are built on first use, so loading a large ELF is cheap.
+Every problem with the file becomes an ``ElfError`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from elftools.common.exceptions import ELFError as PyElfError
+from elftools.elf.elffile import ELFFile
+
+from qmpprof.elf.symbols import Symbol, SymbolTable
+from qmpprof.errors import ElfError
+from qmpprof.unwind.cfi import CfiTable
+
+_SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
+_SHF_EXECINSTR = 0x4
+_STT_NOTYPE, _STT_FUNC = 0, 2
+_STB_RANK = {1: 0, 2: 1, 0: 2}  # GLOBAL, WEAK, LOCAL: which alias names a shared address
+_SHN_UNDEF, _SHN_LORESERVE, _SHN_ABS = 0, 0xFF00, 0xFFF1
+
+
+class ElfImage:
+    """One ELF file, loaded with ``ElfImage.load(path)``."""
+
+    def __init__(self, path: str, data: bytes, elf: Any) -> None:
+        self.path = path
+        self.name = Path(path).stem
+        self._data = data
+        self._sections: dict[str, Any] = {}
+        for sec in elf.iter_sections():
+            self._sections.setdefault(sec.name, sec.header)
+        self._section_list = [sec.header for sec in elf.iter_sections()]
+        loads = [seg.header for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
+        if loads:
+            low = min(h["p_vaddr"] for h in loads)
+            high = max(h["p_vaddr"] + h["p_memsz"] for h in loads)
+        else:
+            low = high = 0
+        self.load_range: tuple[int, int] = (low, high)
+        self.entry: int = elf.header["e_entry"]
+        text = self._sections.get(".text")
+        self.text_addr: int = text["sh_addr"] if text is not None else 0
+        self.text_size: int = text["sh_size"] if text is not None else 0
+        self.build_id = self._build_id()
+
+    @classmethod
+    def load(cls, path: str | Path) -> ElfImage:
+        """Read and check an x86_64 ELF file; raises ElfError, never anything else."""
+        text = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except OSError as err:
+            raise ElfError(text, err.strerror or str(err)) from err
+        if not data.startswith(b"\x7fELF"):
+            raise ElfError(text, "no ELF magic")
+        try:
+            elf = ELFFile(io.BytesIO(data))
+            if elf.elfclass != 64 or elf["e_machine"] != "EM_X86_64":
+                raise ElfError(text, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64")
+            image = cls(text, data, elf)
+            image._check_bounds()
+        except ElfError:
+            raise
+        except PyElfError as err:
+            raise ElfError(text, f"malformed ({err})") from err
+        except Exception as err:  # pyelftools reports some corruptions as arbitrary errors
+            raise ElfError(text, f"malformed ({type(err).__name__}: {err})") from err
+        return image
+
+    def _check_bounds(self) -> None:
+        for header in self._section_list:
+            if header["sh_type"] != "SHT_NOBITS" and header["sh_offset"] + header["sh_size"] > len(
+                self._data
+            ):
+                raise ElfError(self.path, "truncated (a section runs past the end of the file)")
+
+    def section(self, name: str) -> bytes | None:
+        """The bytes of a section, or None if it is absent or has no file contents (NOBITS)."""
+        header = self._sections.get(name)
+        if header is None or header["sh_type"] == "SHT_NOBITS":
+            return None
+        start: int = header["sh_offset"]
+        return self._data[start : start + header["sh_size"]]
+
+    def section_addr(self, name: str) -> int | None:
+        header = self._sections.get(name)
+        return None if header is None else int(header["sh_addr"])
+
+    @property
+    def text_bytes(self) -> bytes:
+        return self.section(".text") or b""
+
+    @cached_property
+    def text_sha256(self) -> str:
+        return hashlib.sha256(self.text_bytes).hexdigest()
+
+    @cached_property
+    def symbols(self) -> SymbolTable:
+        symbols: list[Symbol] = []
+        for name in (".symtab", ".dynsym"):
+            symbols += self._read_symbols(name)
+        return SymbolTable(symbols)
+
+    @cached_property
+    def cfi(self) -> CfiTable | None:
+        eh = self.section(".eh_frame")
+        if eh:
+            return CfiTable.parse(
+                eh,
+                self.section_addr(".eh_frame") or 0,
+                hdr=self.section(".eh_frame_hdr"),
+                hdr_addr=self.section_addr(".eh_frame_hdr") or 0,
+            )
+        debug = self.section(".debug_frame")
+        if debug:
+            return CfiTable.parse(debug, 0, kind="debug_frame")
+        return None
+
+    def _read_symbols(self, name: str) -> list[Symbol]:
+        header = self._sections.get(name)
+        data = self.section(name)
+        if header is None or data is None or header["sh_link"] >= len(self._section_list):
+            return []
+        strtab_header = self._section_list[header["sh_link"]]
+        start = strtab_header["sh_offset"]
+        strtab = self._data[start : start + strtab_header["sh_size"]]
+        executable = {i for i, h in enumerate(self._section_list) if h["sh_flags"] & _SHF_EXECINSTR}
+        out: list[Symbol] = []
+        usable = len(data) - len(data) % _SYM.size
+        for st_name, info, _other, shndx, value, size in _SYM.iter_unpack(data[:usable]):
+            kind = info & 0xF
+            if shndx == _SHN_UNDEF or not st_name:
+                continue
+            # Assembly entry stubs are often NOTYPE labels: keep those that sit in code.
+            code = kind == _STT_FUNC or (kind == _STT_NOTYPE and shndx in executable)
+            if not code or (shndx >= _SHN_LORESERVE and shndx != _SHN_ABS):
+                continue
+            end = strtab.find(b"\0", st_name)
+            label = strtab[st_name : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
+            if label.startswith(".L") or label.startswith("$"):
+                continue  # local assembler labels and ARM-style mapping symbols
+            out.append(Symbol(value, size, label, _STB_RANK.get(info >> 4, 3)))
+        return out
+
+    def _build_id(self) -> str | None:
+        note = self.section(".note.gnu.build-id")
+        if note is None or len(note) < 16:
+            return None
+        namesz, descsz, note_type = struct.unpack_from("<III", note)
+        desc = 12 + (namesz + 3) // 4 * 4
+        if note_type != 3 or desc + descsz > len(note):  # NT_GNU_BUILD_ID
+            return None
+        return note[desc : desc + descsz].hex()

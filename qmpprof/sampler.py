@@ -1,0 +1,363 @@
+"""The one asyncio orchestrator: when to stop the guest, what to read while it is stopped, and
+what to do after it runs again.
+
+Per tick: ``stop``; the registers of every selected vCPU (pipelined); per vCPU, identify the
+process and read its stack window into a fresh PageCache, then unwind (refetching pages the
+unwinder asks for, a bounded number of times); ``cont``. Naming frames, filtering and counting
+happen after ``cont``, while the guest runs again.
+
+Timing: the interval is guest *run* time between samples. After ``cont`` the sampler waits
+until the guest has run a full interval (optionally jittered), however long the previous pause
+took; the duration counts the same run time, so a 5 s run at 10 ms asks for 500 ticks.
+
+Safety: the guest is left in the run state it had. A paused guest is sampled once without
+stop/cont. Errors inside one sample are counted (stats), never raised; only GuestGoneError and
+transport failures around stop/cont end a run, and the profile collected so far stays here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from qmpprof.errors import (
+    GuestGoneError,
+    MemoryReadError,
+    QmpprofError,
+    TransportError,
+    UsageError,
+)
+from qmpprof.memory import PAGE, PageCache, PageMissing, fetch, page_of
+from qmpprof.model import KERNEL_BOUNDARY, Mode, Process, Registers, Sample, Stack
+from qmpprof.profile import Naming, Profile
+from qmpprof.stats import SamplerStats
+from qmpprof.transport.base import GuestTransport
+
+_STACK_ENDS_LIMIT = 4096
+
+Space = TypeVar("Space")
+Space_co = TypeVar("Space_co", covariant=True)
+Space_contra = TypeVar("Space_contra", contravariant=True)
+Raw = TypeVar("Raw")
+
+
+class Identified(Protocol[Space_co]):
+    """Who was running on a vCPU: the process (None for the kernel) and the address space
+    (modules, CFI, symbols) to unwind and name its stack with."""
+
+    @property
+    def process(self) -> Process | None: ...
+
+    @property
+    def space(self) -> Space_co: ...
+
+
+class Symbolizer(Protocol[Space_co]):
+    """Gives the address space for a sample. Called while the guest is stopped, so it may read
+    guest memory (a metadata page, ``.text``) through the transport and the sample's cache."""
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identified[Space_co]: ...
+
+
+class StackUnwinder(Protocol[Space_contra, Raw]):
+    """unwind() runs while stopped and may raise PageMissing; symbolize() runs after cont."""
+
+    def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
+
+    def symbolize(self, raw: Raw, space: Space_contra) -> Stack: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KernelIdentity(Generic[Space]):
+    process: Process | None
+    space: Space
+
+
+class KernelSymbolizer(Generic[Space]):
+    """The default: every sample is unwound and named in one space (the kernel's modules)."""
+
+    def __init__(self, space: Space) -> None:
+        self._identity = KernelIdentity(None, space)
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> KernelIdentity[Space]:
+        return self._identity
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerConfig:
+    interval: float = 0.010  # seconds of guest run time between ticks
+    duration: float = 5.0  # seconds of guest run time to profile
+    jitter: float = 0.0  # each interval is scaled by a uniform factor in [1-jitter, 1+jitter]
+    cpus: tuple[int, ...] | None = None  # None: every vCPU
+    window: int = 16384  # stack bytes read at RSP in one call
+    kernel_boundary: int = KERNEL_BOUNDARY
+    keep: Mode | None = None  # --kernel-only / --user-only
+    max_refetch: int = 8  # pages fetched on the unwinder's demand per sample
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0 or self.duration <= 0:
+            raise UsageError("the interval and the duration must be positive")
+        if not 0 <= self.jitter < 1:
+            raise UsageError("jitter must be a fraction in [0, 1)")
+
+
+@dataclass(slots=True)
+class _Captured(Generic[Space, Raw]):
+    """One vCPU's state taken while stopped; turned into a Sample after cont."""
+
+    regs: Registers
+    time: float
+    mode: Mode
+    space: Space | None = None
+    process: Process | None = None
+    raw: Raw | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    was_running: bool
+    last: tuple[Sample, ...]  # the samples of the last tick (what --one-shot prints)
+
+
+class Sampler(Generic[Space, Raw]):
+    """Samples one guest into ``self.profile`` and ``self.stats``."""
+
+    def __init__(
+        self,
+        transport: GuestTransport,
+        unwinder: StackUnwinder[Space, Raw],
+        symbolizer: Symbolizer[Space],
+        config: SamplerConfig,
+        naming: Naming | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: Callable[[], float] = random.random,
+        on_tick: Callable[[SamplerStats], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.unwinder = unwinder
+        self.symbolizer = symbolizer
+        self.config = config
+        self.naming = naming or Naming()
+        self.profile = Profile(interval_ms=config.interval * 1e3)
+        self.stats = SamplerStats()
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng
+        self._on_tick = on_tick
+        self._stop_requested = False
+        self._start = 0.0
+        self._resumed = 0.0  # when the guest last ran again: the interval counts from there
+        self._stack_ends: dict[tuple[int, int], int] = {}  # (space, RSP page) -> first unmapped
+
+    def request_stop(self) -> None:
+        """End the run after the current tick (safe from a signal handler)."""
+        self._stop_requested = True
+
+    async def run(self, *, one_shot: bool = False) -> RunOutcome:
+        """Profile for the configured duration (or one tick). A paused guest is sampled once,
+        without stop/cont, and stays paused."""
+        was_running = await self.transport.is_running()
+        cpus = await self._select_cpus()
+        self._start = self._clock()
+        if not was_running:
+            return RunOutcome(False, tuple(await self._tick(cpus, stop=False)))
+        if one_shot:
+            return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
+        last: list[Sample] = []
+        target = max(1, round(self.config.duration / self.config.interval))
+        resumed = self._start
+        while self.stats.ticks < target and not self._stop_requested:
+            await self._sleep(max(0.0, self._next_interval() - (self._clock() - resumed)))
+            if self._stop_requested:
+                break
+            self.stats.run_time += self._clock() - resumed
+            last = await self._tick(cpus, stop=True)
+            resumed = self._resumed
+            if self._on_tick is not None:
+                self._on_tick(self.stats)
+        return RunOutcome(True, tuple(last))
+
+    async def _select_cpus(self) -> tuple[int, ...]:
+        present = await self.transport.cpus()
+        if self.config.cpus is None:
+            return tuple(present)
+        absent = sorted(set(self.config.cpus) - set(present))
+        if absent:
+            raise UsageError(f"no vCPU {absent[0]} in this guest (it has {present})")
+        return self.config.cpus
+
+    def _next_interval(self) -> float:
+        jitter = self.config.jitter
+        return self.config.interval * (1 + jitter * (2 * self._rng() - 1))
+
+    async def _tick(self, cpus: Sequence[int], *, stop: bool) -> list[Sample]:
+        """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
+        began = self._clock()
+        if stop:
+            await self.transport.stop()
+            self._phase("stop", began)
+            try:
+                captured = await self._capture_all(cpus)
+            except BaseException:
+                await self._resume_quietly()
+                raise
+            mark = self._clock()
+            await self.transport.cont()
+            self._resumed = self._clock()
+            self._phase("cont", mark)
+        else:
+            captured = await self._capture_all(cpus)
+        self.stats.pauses.append(self._clock() - began)
+        self.stats.wall_time = self._clock() - self._start
+        self.stats.ticks += 1
+        return [s for s in map(self._finish, captured) if s is not None]
+
+    async def _resume_quietly(self) -> None:
+        # Already failing (or cancelled): resume if QEMU still listens, keep the first error.
+        with contextlib.suppress(QmpprofError):
+            await self.transport.cont()
+
+    async def _capture_all(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+        mark = self._clock()
+        # Pipelined: QMP matches replies by id, and the round trips overlap.
+        results = await asyncio.gather(
+            *(self.transport.registers(cpu) for cpu in cpus), return_exceptions=True
+        )
+        self._phase("registers", mark)
+        captured = []
+        for regs in results:
+            if isinstance(regs, TransportError):
+                self.stats.errors[f"registers: {regs}"] += 1
+            elif isinstance(regs, BaseException):
+                raise regs
+            else:
+                # Memory reads stay sequential: memsave writes one file per transport.
+                captured.append(await self._capture(regs))
+        return captured
+
+    async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
+        mode = Mode.KERNEL if regs.rip >= self.config.kernel_boundary else Mode.USER
+        if (regs.cpl == 3) != (mode is Mode.USER):
+            self.stats.cpl_mismatch += 1
+        captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
+        if self.config.keep is not None and mode is not self.config.keep:
+            return captured  # filtered after cont; no need to read its memory
+        cache = PageCache()
+        mark = self._clock()
+        try:
+            identity = await self.symbolizer.identify(self.transport, regs, cache)
+            captured.process, captured.space = identity.process, identity.space
+            await self._prefetch(regs, cache)
+            captured.raw = await self._unwind(regs, cache, identity.space)
+            self._learn_stack_end(regs, cache)
+        except GuestGoneError:
+            raise
+        except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
+            captured.error = f"{type(err).__name__}: {err}"
+        self._phase("memory", mark)
+        return captured
+
+    async def _prefetch(self, regs: Registers, cache: PageCache) -> None:
+        """The stack window in one read, cut at the stack's end once a sample has found it.
+
+        memsave fails whole if one page is unmapped, and a failed read costs as much as a good
+        one; so when the window fails, read it page by page up to the first unmapped page (the
+        top of the stack), once: later samples at this RSP page read just up to there."""
+        start = page_of(regs.rsp)
+        end = min(page_of(regs.rsp + self.config.window - 1) + PAGE, 1 << 64)
+        key = self._stack_key(regs)
+        end = min(end, self._stack_ends.get(key, end))
+        try:
+            data = await self.transport.read(regs.cpu, start, end - start)
+        except TransportError:
+            self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
+            await self._read_up_to_hole(regs.cpu, cache, start, end)
+            return
+        for page in range(start, end, PAGE):
+            cache.pages[page] = data[page - start : page - start + PAGE]
+
+    async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
+        for page in range(start, end, PAGE):
+            try:
+                cache.pages[page] = await self.transport.read(cpu, page, PAGE)
+            except MemoryReadError:
+                cache.pages[page] = None
+                return
+
+    def _stack_key(self, regs: Registers) -> tuple[int, int]:
+        # Kernel stacks look the same under every CR3; user stacks belong to their CR3.
+        space = 0 if regs.rsp >= self.config.kernel_boundary else regs.cr3
+        return (space, page_of(regs.rsp))
+
+    def _learn_stack_end(self, regs: Registers, cache: PageCache) -> None:
+        """Remember the first unmapped page above RSP that this sample met."""
+        page = page_of(regs.rsp) + PAGE
+        while cache.pages.get(page) is not None:
+            page += PAGE
+        if page in cache.pages:
+            if len(self._stack_ends) >= _STACK_ENDS_LIMIT:
+                self._stack_ends.clear()
+            self._stack_ends[self._stack_key(regs)] = page
+
+    async def _unwind(self, regs: Registers, cache: PageCache, space: Space) -> Raw:
+        fetched = 0
+        while True:
+            mark = self._clock()
+            try:
+                raw = self.unwinder.unwind(regs, cache, space)
+            except PageMissing as miss:
+                self._phase("unwind", mark, memory=True)
+                page = page_of(miss.addr)
+                if page in cache.pages:
+                    raise TransportError(f"unwinder asked again for page {page:#x}") from miss
+                if fetched < self.config.max_refetch:
+                    fetched += 1
+                    await fetch(self.transport, cache, regs.cpu, page, PAGE)
+                else:
+                    cache.pages[page] = None  # out of budget: the walk stops there, truncated
+                continue
+            self._phase("unwind", mark, memory=True)
+            return raw
+
+    def _finish(self, captured: _Captured[Space, Raw]) -> Sample | None:
+        """After cont: name the frames, filter, count, add to the profile."""
+        if self.config.keep is not None and captured.mode is not self.config.keep:
+            self.stats.filtered += 1
+            return None
+        if captured.error is not None or captured.space is None or captured.raw is None:
+            self.stats.errors[captured.error or "no stack"] += 1
+            return None
+        try:
+            stack = self.unwinder.symbolize(captured.raw, captured.space)
+        except Exception as err:  # as in _capture: counted, the run goes on
+            self.stats.errors[f"symbolize: {type(err).__name__}: {err}"] += 1
+            return None
+        if self.config.keep is Mode.KERNEL:
+            stack = Stack(tuple(f for f in stack.frames if f.kernel), stack.stop)
+        regs = captured.regs
+        sample = Sample(
+            captured.time, regs.cpu, captured.mode, regs.cpl, regs.cr3, stack, captured.process
+        )
+        self.profile.add(sample, self.naming)
+        self.stats.samples += 1
+        self.stats.truncated += stack.truncated
+        return sample
+
+    def _phase(self, name: str, since: float, *, memory: bool = False) -> None:
+        elapsed = self._clock() - since
+        self.stats.phase_time[name] += elapsed
+        if memory:
+            # unwind() time was also inside the caller's "memory" span: count it once.
+            self.stats.phase_time["memory"] -= elapsed

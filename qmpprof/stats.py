@@ -1,0 +1,84 @@
+"""What a sampling run measured about itself: counts, pauses, where the pause time went.
+
+Failures inside one sample are counted here by kind, never raised; filtered samples (not asked
+for with --kernel-only / --user-only) are counted apart, they are not failures.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+# Phases of one pause, in the order they happen while the guest is stopped.
+PHASES = ("stop", "registers", "memory", "unwind", "cont")
+
+
+@dataclass(slots=True)
+class SamplerStats:
+    ticks: int = 0  # stop/cont cycles (each samples every selected vCPU)
+    samples: int = 0  # vCPU samples added to the profile
+    truncated: int = 0  # of those, stacks whose walk did not reach the outermost frame
+    filtered: int = 0  # vCPU samples left out by the mode filter
+    cpl_mismatch: int = 0  # RIP's side of the kernel boundary disagreed with CPL
+    errors: Counter[str] = field(default_factory=Counter)
+    pauses: list[float] = field(default_factory=list)  # seconds the guest was stopped, per tick
+    phase_time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    run_time: float = 0.0  # seconds the guest ran between samples
+    wall_time: float = 0.0  # seconds from the first to the last tick
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    def rate_hz(self) -> float:
+        """Ticks per second of guest run time (the rate the profile represents)."""
+        return self.ticks / self.run_time if self.run_time > 0 else 0.0
+
+    def wall_rate_hz(self) -> float:
+        return self.ticks / self.wall_time if self.wall_time > 0 else 0.0
+
+    def running_fraction(self) -> float:
+        """Fraction of wall time the guest ran (the rest it spent stopped by qmpprof)."""
+        if self.wall_time <= 0:
+            return 1.0
+        return max(0.0, 1.0 - sum(self.pauses) / self.wall_time)
+
+    def pause_ms(self) -> tuple[float, float, float]:
+        """Median, 95th percentile and maximum pause per tick, in milliseconds."""
+        if not self.pauses:
+            return (0.0, 0.0, 0.0)
+        ordered = sorted(self.pauses)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return (statistics.median(ordered) * 1e3, p95 * 1e3, ordered[-1] * 1e3)
+
+    def phase_ms(self) -> dict[str, float]:
+        """Mean milliseconds per tick spent in each phase of the pause."""
+        n = max(1, len(self.pauses))
+        return {name: total * 1e3 / n for name, total in self.phase_time.items()}
+
+    def summary_lines(self, unique_stacks: int) -> list[str]:
+        median, p95, worst = self.pause_ms()
+        lines = [
+            f"Samples: {self.samples}  Errors: {self.error_count}  Truncated: {self.truncated}"
+            f"  Filtered: {self.filtered}  Unique stacks: {unique_stacks}"
+        ]
+        if self.run_time > 0:  # not for a single snapshot
+            lines.append(
+                f"Rate: {self.rate_hz():.1f} Hz of guest run time ({self.wall_rate_hz():.1f} Hz"
+                f" wall), {self.ticks} ticks, guest ran {self.running_fraction():.1%} of"
+                f" {self.wall_time:.2f} s"
+            )
+        lines.append(
+            f"Pause per sample: median {median:.2f} ms, p95 {p95:.2f} ms, max {worst:.2f} ms"
+        )
+        lines.extend(f"  error: {kind} x{n}" for kind, n in self.errors.most_common())
+        return lines
+
+    def detail_lines(self) -> list[str]:
+        """Where the pause time went (for --verbose)."""
+        phases = ", ".join(f"{name} {ms:.3f}" for name, ms in self.phase_ms().items())
+        lines = [f"Pause breakdown (mean ms per tick): {phases}"]
+        if self.cpl_mismatch:
+            lines.append(f"CPL disagreed with the kernel boundary in {self.cpl_mismatch} samples")
+        return lines

@@ -1,0 +1,191 @@
+"""GuestTransport over QMP, with qemu.qmp's asyncio client (the only module importing qemu.qmp).
+
+Registers come from HMP ``info registers`` (``human-monitor-command`` with ``cpu-index``).
+Memory comes from QMP ``memsave`` into a private file when QEMU shares our filesystem (a Unix
+socket), else from HMP ``x/Ngx`` (QMP over TCP: assume QEMU's filesystem is not ours). The
+automatic choice falls back to ``x`` for good when ``memsave`` cannot write our file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from qemu.qmp import ConnectError as QmpConnectError
+from qemu.qmp import ExecInterruptedError, ExecuteError, QMPClient, QMPError, StateError
+
+from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
+from qmpprof.model import Registers
+from qmpprof.transport import hmp
+
+MemoryPath = Literal["auto", "memsave", "hmp"]
+_GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
+_INVALID_ADDR = "Invalid addr"
+
+
+class QmpTransport:
+    """An open QMP session with one QEMU. Create it with ``await QmpTransport.connect(...)``."""
+
+    def __init__(self, client: QMPClient, memory: Literal["memsave", "hmp"], auto: bool) -> None:
+        self._client = client
+        self.memory: Literal["memsave", "hmp"] = memory
+        self._auto = auto
+        self._dump_dir: str | None = None
+        self._dump_fd = -1
+        # memsave reuses one file: concurrent reads would overwrite each other's bytes.
+        self._dump_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str | os.PathLike[str] | None = None,
+        tcp: tuple[str, int] | None = None,
+        *,
+        memory: MemoryPath = "auto",
+        timeout: float = 5.0,
+    ) -> QmpTransport:
+        """Connect and negotiate; ConnectError (one clear line) when that is not possible."""
+        if (socket_path is None) == (tcp is None):
+            raise ValueError("give exactly one of socket_path and tcp")
+        where = f"{tcp[0]}:{tcp[1]}" if tcp is not None else str(socket_path)
+        if socket_path is not None and not Path(socket_path).exists():
+            raise ConnectError(f"no QMP socket at {where} (is QEMU running with -qmp unix:...?)")
+        client = QMPClient("qmpprof")
+        address: str | tuple[str, int] = tcp if tcp is not None else os.fspath(socket_path or "")
+        try:
+            await asyncio.wait_for(client.connect(address), timeout)
+        except TimeoutError as err:
+            await _quiet_disconnect(client)
+            raise ConnectError(
+                f"{where}: no QMP greeting within {timeout:g} s"
+                " (not a QMP server, or another client is connected)"
+            ) from err
+        except QmpConnectError as err:
+            raise ConnectError(f"{where}: {_connect_reason(err)}") from err
+        chosen: Literal["memsave", "hmp"] = "hmp" if tcp is not None else "memsave"
+        if memory != "auto":
+            chosen = memory
+        return cls(client, chosen, auto=memory == "auto")
+
+    async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
+        try:
+            return await self._client.execute(cmd, args)
+        except ExecuteError as err:
+            raise TransportError(f"QEMU refused {cmd}: {err}") from err
+        except _GONE as err:
+            raise GuestGoneError("QEMU closed the QMP connection") from err
+        except QMPError as err:
+            raise TransportError(f"{cmd}: {err}") from err
+
+    async def hmp(self, command: str, cpu: int | None = None) -> str:
+        """Run a human monitor command (on vCPU ``cpu``) and return its text."""
+        args: dict[str, object] = {"command-line": command}
+        if cpu is not None:
+            args["cpu-index"] = cpu
+        reply = await self._execute("human-monitor-command", args)
+        if not isinstance(reply, str):
+            raise TransportError(f"human-monitor-command returned {type(reply).__name__}")
+        return reply
+
+    async def status(self) -> str:
+        """The run state QEMU reports (running, paused, prelaunch, ...)."""
+        reply = await self._execute("query-status")
+        if not isinstance(reply, dict) or not isinstance(reply.get("status"), str):
+            raise TransportError(f"unexpected query-status reply: {reply!r}")
+        return str(reply["status"])
+
+    async def is_running(self) -> bool:
+        return await self.status() == "running"
+
+    async def stop(self) -> None:
+        await self._execute("stop")
+
+    async def cont(self) -> None:
+        await self._execute("cont")
+
+    async def cpus(self) -> list[int]:
+        reply = await self._execute("query-cpus-fast")
+        if not isinstance(reply, list):
+            raise TransportError(f"unexpected query-cpus-fast reply: {reply!r}")
+        return sorted(int(c["cpu-index"]) for c in reply if isinstance(c, dict))
+
+    async def registers(self, cpu: int) -> Registers:
+        text = await self.hmp("info registers", cpu)
+        if "CPU#" not in text:
+            # QEMU answers an unknown cpu-index with an error text, not a QMP error.
+            raise TransportError(f"no registers for vCPU {cpu}: {text.strip()[:80]}")
+        return hmp.parse_registers(text)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        if self.memory == "memsave":
+            try:
+                return await self._memsave(cpu, addr, size)
+            except _MemsaveUnusable as err:
+                if not self._auto:
+                    raise TransportError(f"memsave cannot be used: {err}") from err
+                self.memory = "hmp"
+        text = await self.hmp(hmp.x_command(addr, size), cpu)
+        return hmp.parse_x(text, addr, size)
+
+    async def _memsave(self, cpu: int, addr: int, size: int) -> bytes:
+        async with self._dump_lock:
+            path = self._dump_path()
+            os.ftruncate(self._dump_fd, 0)
+            # QMP's val is a signed int64: kernel addresses go over as negative numbers.
+            val = addr - (1 << 64) if addr >= 1 << 63 else addr
+            args = {"val": val, "size": size, "filename": path, "cpu-index": cpu}
+            try:
+                await self._execute("memsave", args)
+            except TransportError as err:
+                if _INVALID_ADDR in str(err):
+                    raise MemoryReadError(addr, size, "not mapped") from err
+                raise _MemsaveUnusable(str(err)) from err
+            data = os.pread(self._dump_fd, size, 0)
+        if len(data) != size:
+            # QEMU wrote a file of that name somewhere else (another mount namespace).
+            raise _MemsaveUnusable(f"{path} holds {len(data)} bytes, not {size}")
+        return data
+
+    def _dump_path(self) -> str:
+        if self._dump_dir is None:
+            self._dump_dir = tempfile.mkdtemp(prefix="qmpprof-")  # mode 0700
+            path = os.path.join(self._dump_dir, "memsave.bin")
+            self._dump_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return os.path.join(self._dump_dir, "memsave.bin")
+
+    async def close(self) -> None:
+        if self._dump_dir is not None:
+            os.close(self._dump_fd)
+            shutil.rmtree(self._dump_dir, ignore_errors=True)
+            self._dump_dir = None
+        await _quiet_disconnect(self._client)
+
+
+class _MemsaveUnusable(Exception):
+    """memsave failed for a reason other than an unmapped address."""
+
+
+async def _quiet_disconnect(client: QMPClient) -> None:
+    # disconnect() re-raises the reader's EOFError when QEMU is already gone: nothing to do then.
+    with contextlib.suppress(QMPError, OSError, EOFError):
+        await client.disconnect()
+
+
+def _connect_reason(err: QmpConnectError) -> str:
+    cause = err.exc
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (QEMU not listening there?)"
+    if isinstance(cause, FileNotFoundError):
+        return "no such socket"
+    if isinstance(cause, PermissionError):
+        return "permission denied"
+    if isinstance(cause, EOFError | ConnectionResetError):
+        return "closed the connection during the QMP greeting (not a QMP server, or busy?)"
+    if isinstance(cause, QMPError):
+        return f"not a QMP server ({cause})"
+    return f"cannot connect: {cause}"

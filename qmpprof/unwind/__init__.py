@@ -1,0 +1,1 @@
+"""Stack unwinding: CFI interpreter, frame-pointer and prologue fallbacks, the stack walker."""

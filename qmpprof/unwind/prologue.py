@@ -1,0 +1,150 @@
+"""Prologue/epilogue analysis for the frame the CPU stopped in when it has no CFI.
+
+Frame pointers are wrong at a few places even in code built with them: at a function's first
+instruction (before ``push rbp``), between ``push rbp`` and ``mov rbp, rsp``, at ``ret`` after
+the frame was torn down, and in leaf functions that never set one up. This module disassembles
+the function from its start up to the pc (capstone is confined here) and tracks how far the
+stack pointer is below the CFA. The answer is only needed for the interrupted frame: a caller
+is always at a call site, where its frame is fully set up.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import capstone
+
+# Functions longer than this are not scanned: the linear scan is a heuristic, and a sample
+# must not spend milliseconds disassembling.
+_MAX_SCAN = 4096
+_CACHE_LIMIT = 1 << 14
+_LEA_RSP = re.compile(r"rsp, \[rbp - (0x[0-9a-f]+|\d+)\]")
+
+
+@dataclass(frozen=True, slots=True)
+class PrologueRule:
+    """At this pc the CFA is ``rsp + cfa_offset`` (return address at CFA-8); the caller's RBP
+    is saved at ``CFA + rbp_offset`` when ``rbp_offset`` is set, else RBP is unchanged."""
+
+    cfa_offset: int
+    rbp_offset: int | None = None
+
+
+@dataclass(slots=True)
+class _Scan:
+    depth: int = 0  # bytes pushed since entry, below the return address
+    rbp_saved_at: int | None = None  # depth right after `push rbp`
+    frame_depth: int | None = None  # depth when `mov rbp, rsp` ran (frame pointer live)
+
+    def copy(self) -> _Scan:
+        return _Scan(self.depth, self.rbp_saved_at, self.frame_depth)
+
+    def rule(self) -> PrologueRule | None:
+        if self.frame_depth is not None:
+            return None  # RBP is a valid frame pointer here: the frame-pointer walk is exact
+        rbp = None if self.rbp_saved_at is None else -8 - self.rbp_saved_at
+        return PrologueRule(8 + self.depth, rbp)
+
+
+class PrologueAnalyzer:
+    """Caches one answer per (code, pc)."""
+
+    def __init__(self) -> None:
+        self._cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+        self._cache: dict[tuple[int, int, int | None], PrologueRule | None] = {}
+
+    def analyze(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        """How to find the caller at link address ``pc`` inside ``code`` (which starts at
+        ``code_addr``); ``func_start`` comes from the symbol table. None: use frame pointers."""
+        key = (code_addr, pc, func_start)
+        if key not in self._cache:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = self._analyze(code, code_addr, pc, func_start)
+        return self._cache[key]
+
+    def _insn_at(self, code: bytes, code_addr: int, pc: int) -> tuple[str, str] | None:
+        off = pc - code_addr
+        if not 0 <= off < len(code):
+            return None
+        for _addr, _size, mnemonic, op_str in self._cs.disasm_lite(code[off : off + 16], pc, 1):
+            return mnemonic, op_str
+        return None
+
+    def _analyze(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        here = self._insn_at(code, code_addr, pc)
+        if here is None:
+            return None
+        if here[0] == "ret":
+            return PrologueRule(8)  # epilogue done: only the return address is left
+        if func_start is None or not 0 <= pc - func_start <= _MAX_SCAN:
+            return self._without_symbol(code, code_addr, pc, here)
+        start = func_start - code_addr
+        if start < 0:
+            return None
+        return self._scan(code[start : pc - code_addr], func_start)
+
+    def _without_symbol(
+        self, code: bytes, code_addr: int, pc: int, here: tuple[str, str]
+    ) -> PrologueRule | None:
+        if here == ("push", "rbp"):
+            return PrologueRule(8)  # most likely a function's first instruction
+        before = pc - code_addr - 1
+        if here == ("mov", "rbp, rsp") and before >= 0 and code[before] == 0x55:
+            return PrologueRule(16, -16)  # right after `push rbp`
+        return None
+
+    def _scan(self, body: bytes, func_start: int) -> PrologueRule | None:
+        state = _Scan()
+        body_state = state.copy()  # the state before the current epilogue run started
+        for _addr, _size, mnemonic, op_str in self._cs.disasm_lite(body, func_start):
+            if mnemonic in ("ret", "jmp"):
+                # Code after an early return is reached by a jump from the body: the stack
+                # is as it was before that epilogue began.
+                state = body_state.copy()
+                continue
+            epilogue = mnemonic in ("pop", "leave") or (
+                mnemonic == "add" and op_str.startswith("rsp,")
+            )
+            if not epilogue:
+                body_state = state.copy()
+            if not _track(state, mnemonic, op_str):
+                return None
+        return state.rule()
+
+
+def _track(state: _Scan, mnemonic: str, op_str: str) -> bool:
+    """Apply one instruction's effect on the stack; False if it moves RSP unpredictably."""
+    if mnemonic == "push":
+        state.depth += 8
+        if op_str == "rbp" and state.rbp_saved_at is None:
+            state.rbp_saved_at = state.depth
+    elif mnemonic == "pop":
+        if op_str == "rbp" and state.rbp_saved_at == state.depth:
+            state.rbp_saved_at = None
+            state.frame_depth = None
+        state.depth -= 8
+    elif mnemonic == "leave":
+        if state.frame_depth is None:
+            return False
+        state.depth = state.frame_depth - 8
+        state.frame_depth = None
+        state.rbp_saved_at = None
+    elif mnemonic == "mov" and op_str == "rbp, rsp":
+        state.frame_depth = state.depth
+    elif mnemonic in ("sub", "add") and op_str.startswith("rsp, "):
+        try:
+            amount = int(op_str[5:], 0)
+        except ValueError:
+            return False
+        state.depth += amount if mnemonic == "sub" else -amount
+    elif mnemonic == "lea" and state.frame_depth is not None and (m := _LEA_RSP.fullmatch(op_str)):
+        state.depth = state.frame_depth + int(m[1], 0)  # epilogue of a frame with saved regs
+    elif op_str.startswith("rsp,") and mnemonic not in ("cmp", "test"):
+        return state.frame_depth is not None  # e.g. `and rsp, -16`: fine under a frame pointer
+    return state.depth >= 0

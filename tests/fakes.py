@@ -1,0 +1,177 @@
+"""A scripted fake GuestTransport, a virtual clock, and a frame-pointer unwinder for unit tests.
+
+The fake transport keeps guest memory as pages, records every call, advances the virtual clock
+by a cost per call (so pause and timing policy are checked by counting, never by sleeping), and
+runs an optional hook before each call (to raise GuestGoneError on the n-th stop, for example).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from qmpprof.errors import MemoryReadError
+from qmpprof.memory import PAGE, PageCache, page_of
+from qmpprof.model import KERNEL_BOUNDARY, Frame, Registers, Stack, StopReason
+
+
+@dataclass
+class FakeClock:
+    now: float = 0.0
+    sleeps: list[float] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FakeTransport:
+    """Registers per vCPU (fixed, or a function of the tick number) and paged memory."""
+
+    def __init__(
+        self,
+        regs: dict[int, Registers] | Callable[[int, int], Registers],
+        memory: dict[int, bytes] | None = None,
+        *,
+        clock: FakeClock | None = None,
+        running: bool = True,
+        costs: dict[str, float] | None = None,
+        hook: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._regs = regs
+        self.pages: dict[int, bytes] = dict(memory or {})
+        self.clock = clock or FakeClock()
+        self.running = running
+        self.costs = costs or {}
+        self.hook = hook
+        self.calls: list[str] = []
+        self.stops = 0
+        self.closed = False
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.hook is not None:
+            self.hook(name, self.stops)
+        self.clock.now += self.costs.get(name.split(":")[0], 0.0)
+
+    async def is_running(self) -> bool:
+        self._call("is_running")
+        return self.running
+
+    async def stop(self) -> None:
+        self._call("stop")
+        self.stops += 1
+        self.running = False
+
+    async def cont(self) -> None:
+        self._call("cont")
+        self.running = True
+
+    async def cpus(self) -> list[int]:
+        self._call("cpus")
+        if isinstance(self._regs, dict):
+            return sorted(self._regs)
+        return [0]
+
+    async def registers(self, cpu: int) -> Registers:
+        self._call(f"registers:{cpu}")
+        if isinstance(self._regs, dict):
+            return self._regs[cpu]
+        return self._regs(cpu, self.stops)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        self._call(f"read:{addr:#x}+{size:#x}")
+        out = bytearray()
+        for page in range(page_of(addr), addr + size, PAGE):
+            if page not in self.pages:
+                raise MemoryReadError(addr, size, "not mapped")
+            out += self.pages[page]
+        start = addr - page_of(addr)
+        return bytes(out[start : start + size])
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def regs(cpu: int, rip: int, rsp: int = 0, rbp: int = 0, cpl: int | None = None) -> Registers:
+    """Registers with CPL following the kernel boundary unless given."""
+    if cpl is None:
+        cpl = 0 if rip >= KERNEL_BOUNDARY else 3
+    gprs = {16: rip, 7: rsp, 6: rbp}
+    return Registers(cpu=cpu, rip=rip, rsp=rsp, rbp=rbp, cpl=cpl, cr3=0x1000, gprs=gprs)
+
+
+def frame_chain(
+    stack_top: int, returns: Iterable[int], gap: int = 0
+) -> tuple[int, dict[int, bytes]]:
+    """Lay out a frame-pointer chain growing down from ``stack_top``.
+
+    Returns (rbp of the leaf, pages). Each frame is ``gap`` bytes of locals then
+    [saved rbp][return address]; the outermost saved rbp is 0.
+    """
+    mem: dict[int, int] = {}
+    rbp = 0
+    pos = stack_top
+    for ret in reversed(list(returns)):
+        pos -= 16 + gap
+        mem[pos], mem[pos + 8] = rbp, ret
+        rbp = pos
+    lo, hi = page_of(pos), page_of(stack_top - 1) + PAGE
+    image = bytearray(hi - lo)
+    for addr, value in mem.items():
+        struct.pack_into("<Q", image, addr - lo, value)
+    return rbp, {p: bytes(image[p - lo : p - lo + PAGE]) for p in range(lo, hi, PAGE)}
+
+
+@dataclass(frozen=True)
+class FakeSpace:
+    """Symbols as sorted (start, end, name) ranges."""
+
+    symbols: tuple[tuple[int, int, str], ...] = ()
+
+    def name(self, pc: int) -> tuple[str | None, int]:
+        starts = [s for s, _, _ in self.symbols]
+        i = bisect.bisect_right(starts, pc) - 1
+        if i >= 0 and pc < self.symbols[i][1]:
+            return self.symbols[i][2], pc - self.symbols[i][0]
+        return None, 0
+
+
+RawStack = tuple[tuple[int, ...], StopReason]
+
+
+class FramePointerUnwinder:
+    """The leaf's RIP, then [rbp+8] return addresses along the saved-rbp chain."""
+
+    def __init__(self, max_depth: int = 64, on_symbolize: Callable[[], None] | None = None) -> None:
+        self.max_depth = max_depth
+        self.on_symbolize = on_symbolize
+        self.unwinds = 0
+
+    def unwind(self, regs: Registers, cache: PageCache, space: FakeSpace) -> RawStack:
+        self.unwinds += 1
+        pcs = [regs.rip]
+        rbp = regs.rbp
+        while rbp != 0:
+            if len(pcs) >= self.max_depth:
+                return tuple(pcs), StopReason.DEPTH
+            saved, ret = cache.read_u64(rbp), cache.read_u64(rbp + 8)
+            if saved is None or ret is None:
+                return tuple(pcs), StopReason.READ_FAILED
+            pcs.append(ret)
+            rbp = saved
+        return tuple(pcs), StopReason.END
+
+    def symbolize(self, raw: RawStack, space: FakeSpace) -> Stack:
+        if self.on_symbolize is not None:
+            self.on_symbolize()
+        frames = []
+        for pc in raw[0]:
+            symbol, offset = space.name(pc)
+            frames.append(Frame(pc, pc >= KERNEL_BOUNDARY, symbol, offset))
+        return Stack(tuple(frames), raw[1])

@@ -1,0 +1,216 @@
+"""End to end: the qmpprof command against the bundled guest in a real QEMU (tests/guestvm.py).
+
+Sample count and guest slowdown of a 5 s run, SIGINT/SIGTERM mid-run, a paused guest, QEMU
+killed mid-run, --kernel-only/--user-only, two vCPUs. Every QEMU is killed by running_guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+from guestvm import Guest, expected, free_tcp_port, running_guest
+
+from qmpprof.cli import main
+from qmpprof.output import folded
+from qmpprof.transport.qmp import QmpTransport
+
+pytestmark = pytest.mark.qemu
+
+
+def progress_addr(guest: Guest) -> int:
+    """The progress counter's address (a data symbol: qmpprof's tables hold only code)."""
+    with open(guest.kernel_elf, "rb") as f:
+        symtab = ELFFile(f).get_section_by_name(".symtab")
+        assert isinstance(symtab, SymbolTableSection)
+        (symbol,) = symtab.get_symbol_by_name(expected()["progress_symbol"])
+        return int(symbol["st_value"])
+
+
+async def _qmp(guest: Guest, what: str) -> object:
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        if what == "status":
+            return await transport.status()
+        if what == "stop":
+            await transport.stop()
+            return None
+        data = await transport.read(0, progress_addr(guest), 8)
+        return int.from_bytes(data, "little")
+    finally:
+        await transport.close()
+
+
+def qmp(guest: Guest, what: str) -> object:
+    return asyncio.run(_qmp(guest, what))
+
+
+def progress(guest: Guest) -> int:
+    value = qmp(guest, "progress")
+    assert isinstance(value, int)
+    return value
+
+
+def cli_args(guest: Guest, *extra: str) -> list[str]:
+    return ["--qmp-socket", str(guest.qmp_socket), "--kernel", str(guest.kernel_elf), *extra]
+
+
+def spawn(guest: Guest, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "qmpprof", *cli_args(guest, *extra)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_sampling(proc: subprocess.Popen[str], seconds: float = 1.0) -> None:
+    """Until qmpprof says it samples (under load, starting takes a while), then ``seconds``."""
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert line.startswith("qmpprof: sampling "), line + proc.communicate()[1]
+    time.sleep(seconds)
+    assert proc.poll() is None, proc.communicate()
+
+
+def test_five_seconds_at_10ms_keeps_samples_and_guest_speed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.folded"
+    with running_guest(tmp_path) as guest:
+        before, t0 = progress(guest), time.monotonic()
+        time.sleep(2.0)
+        unprofiled = (progress(guest) - before) / (time.monotonic() - t0)
+        before, t0 = progress(guest), time.monotonic()
+        rc = main(cli_args(guest, "--interval", "10", "--duration", "5", "-o", str(out), "-v"))
+        total = time.monotonic() - t0
+        done = progress(guest)
+        assert qmp(guest, "status") == "running"
+    err = capsys.readouterr().err
+    print(err, file=sys.stderr)
+    assert rc == 0
+    samples = sum(count for _, count in folded.parse(out.read_text()))
+    assert samples >= 450  # 90 % of 5 s / 10 ms
+    ran = re.search(r"guest ran ([\d.]+)% of ([\d.]+) s", err)
+    assert ran is not None
+    sampling = float(ran.group(2))
+    # Progress outside the sampling window (connecting, loading the ELF) ran at full speed.
+    profiled = (done - before - unprofiled * (total - sampling)) / sampling
+    print(f"progress: {unprofiled:.0f}/s unprofiled, {profiled:.0f}/s profiled", file=sys.stderr)
+    assert profiled >= 0.8 * unprofiled
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_run_writes_output_and_guest_runs(tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "sig.folded"
+    with running_guest(tmp_path) as guest:
+        proc = spawn(guest, "--duration", "60", "-o", str(out))
+        wait_sampling(proc)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert qmp(guest, "status") == "running"
+        first = progress(guest)
+        time.sleep(0.3)
+        assert progress(guest) > first
+    assert "Traceback" not in err
+    assert sum(c for _, c in folded.parse(out.read_text())) > 20
+    assert f"Wrote {out}" in err
+
+
+def test_paused_guest_stays_paused_and_one_shot_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with running_guest(tmp_path) as guest:
+        qmp(guest, "stop")
+        rc = main(cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "2"))
+        assert qmp(guest, "status") == "paused"
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "the guest is paused: took one sample without resuming it" in captured.err
+    assert captured.out.startswith("vCPU 0: ")
+    outermost = expected()["outermost"]
+    assert outermost["user"] in captured.out or outermost["kernel_thread"] in captured.out
+
+
+def test_qemu_killed_mid_run_keeps_partial_output(tmp_path: Path) -> None:
+    out = tmp_path / "partial.folded"
+    with running_guest(tmp_path) as guest:
+        proc = spawn(guest, "--duration", "60", "-o", str(out))
+        wait_sampling(proc)
+        guest.process.kill()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 4
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"qmpprof: error: QEMU closed the QMP connection; the samples collected so far are in {out}"
+    )
+    assert sum(c for _, c in folded.parse(out.read_text())) > 20
+
+
+@pytest.mark.parametrize("flag", ["--kernel-only", "--user-only"])
+def test_mode_filters_keep_only_what_was_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    out = tmp_path / "mode.folded"
+    with running_guest(tmp_path) as guest:
+        args = cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "1.5")
+        rc = main([*args, flag, "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    stacks = folded.parse(out.read_text())
+    roots = {names[0] for names, _ in stacks}
+    kept = sum(c for _, c in stacks)
+    counts = re.search(r"Samples: (\d+)  Errors: (\d+)  Truncated: \d+  Filtered: (\d+)", err)
+    assert counts is not None
+    assert int(counts.group(1)) == kept and int(counts.group(2)) == 0
+    assert int(counts.group(3)) > 10  # the guest runs both: each filter drops a good share
+    processes = {f"{p} (pid {pid})" for p in ("spin", "sys") for pid in (1, 2, 3)}
+    if flag == "--kernel-only":
+        # Kernel samples only, user frames cut; in a process's context its label is the root.
+        assert "kernel" in roots and roots <= {"kernel", *processes}
+        assert all(
+            n.endswith("_[k]") for names, _ in stacks if names[0] != "kernel" for n in names[1:]
+        )
+    else:
+        assert roots and roots <= processes
+        assert not any(names[-1].endswith("_[k]") for names, _ in stacks)
+
+
+def test_two_vcpus_are_both_sampled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with running_guest(tmp_path, smp=2) as guest:
+        assert main(cli_args(guest, "--one-shot", "--json")) == 0
+        one_shot = json.loads(capsys.readouterr().out)
+        rc = main(cli_args(guest, "--duration", "0.5", "--cpus", "0-1"))
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert [s["cpu"] for s in one_shot] == [0, 1]
+    assert all(s["frames"] and s["frames"][0]["address"] for s in one_shot)
+    ticks = re.search(r"(\d+) ticks", err)
+    samples = re.search(r"Samples: (\d+)", err)
+    assert ticks is not None and samples is not None
+    assert int(samples.group(1)) == 2 * int(ticks.group(1)) == 100
+
+
+def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_tcp_port()
+    out = tmp_path / "gdb.folded"
+    with running_guest(tmp_path, gdb_port=port) as guest:
+        args = ["--gdb", f"127.0.0.1:{port}", "--kernel", str(guest.kernel_elf)]
+        rc = main([*args, "--duration", "1", "-o", str(out), "-v"])
+        assert qmp(guest, "status") == "running"
+    err = capsys.readouterr().err
+    print(err, file=sys.stderr)
+    assert rc == 0
+    stacks = folded.parse(out.read_text())
+    assert sum(c for _, c in stacks) == 100
+    assert any("kworker_main" in names for names, _ in stacks)

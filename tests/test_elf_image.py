@@ -1,0 +1,133 @@
+"""ElfImage on real gcc output (checked against binutils) and on every kind of bad file."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import ElfError
+
+DATA = Path(__file__).parent / "data" / "unwind"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("elf") / "work"
+    subprocess.run(["gcc", "-O2", "-o", str(out), str(DATA / "work.c")], check=True)
+    return out
+
+
+def binutils(*args: str) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+
+def test_identity_and_layout_match_binutils(work: Path, tmp_path: Path) -> None:
+    image = ElfImage.load(work)
+    assert (image.path, image.name) == (str(work), "work")
+    build_id = re.search(r"Build ID: ([0-9a-f]+)", binutils("readelf", "-n", str(work)))
+    assert build_id is not None and image.build_id == build_id[1]
+    text = re.search(r"\.text\s+PROGBITS\s+([0-9a-f]+)\s+[0-9a-f]+\s+([0-9a-f]+)",
+                     binutils("readelf", "-SW", str(work)))  # fmt: skip
+    assert text is not None
+    assert (image.text_addr, image.text_size) == (int(text[1], 16), int(text[2], 16))
+    raw = tmp_path / "text.bin"
+    subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(work), str(raw)],
+                   check=True)  # fmt: skip
+    assert image.text_bytes == raw.read_bytes()
+    assert image.text_sha256 == hashlib.sha256(raw.read_bytes()).hexdigest()
+    loads = re.findall(r"LOAD\s+0x[0-9a-f]+ (0x[0-9a-f]+) 0x[0-9a-f]+ 0x[0-9a-f]+ (0x[0-9a-f]+)",
+                       binutils("readelf", "-lW", str(work)))  # fmt: skip
+    assert image.load_range == (
+        min(int(v, 16) for v, _ in loads),
+        max(int(v, 16) + int(s, 16) for v, s in loads),
+    )
+
+
+def test_symbols_match_nm(work: Path) -> None:
+    image = ElfImage.load(work)
+    for line in binutils("nm", "-S", "--defined-only", str(work)).splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[2] in "Tt" and fields[3].startswith("uw_"):
+            addr, size = int(fields[0], 16), int(fields[1], 16)
+            assert image.symbols.lookup(addr) == (fields[3], 0)
+            assert image.symbols.lookup(addr + size - 1) == (fields[3], size - 1)
+            assert image.symbols.address_of(fields[3]) == addr
+
+
+def test_sections_and_cfi(work: Path) -> None:
+    image = ElfImage.load(work)
+    eh = image.section(".eh_frame")
+    assert eh is not None and len(eh) > 64
+    assert image.section_addr(".eh_frame") is not None
+    assert image.section(".bss") is None  # NOBITS: no bytes in the file
+    assert image.section(".no-such-section") is None
+    assert image.section_addr(".no-such-section") is None
+    assert image.cfi is not None
+    main = image.symbols.address_of("main")
+    assert main is not None and image.cfi.row_for(main) is not None
+
+
+def test_stripped_binary_keeps_dynamic_symbols_only(work: Path, tmp_path: Path) -> None:
+    stripped = tmp_path / "stripped"
+    subprocess.run(["strip", "-o", str(stripped), str(work)], check=True)
+    image = ElfImage.load(stripped)
+    assert image.symbols.address_of("main") is None
+    assert image.text_sha256 == ElfImage.load(work).text_sha256  # same code, same identity
+
+
+def test_assembly_labels_without_a_type_are_symbols(tmp_path: Path) -> None:
+    source = tmp_path / "entry.s"
+    source.write_text(".text\n.globl isr_stub\nisr_stub:\n nop\n iretq\n.globl data_label\n"
+                      ".data\ndata_label: .quad 0\n")  # fmt: skip
+    lib = tmp_path / "entry.so"
+    subprocess.run(["gcc", "-shared", "-nostdlib", "-o", str(lib), str(source)], check=True)
+    image = ElfImage.load(lib)
+    stub = image.symbols.address_of("isr_stub")
+    assert stub is not None and image.symbols.lookup(stub + 1) == ("isr_stub", 1)
+    assert image.symbols.address_of("data_label") is None  # not code
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ElfError, match="No such file") as err:
+        ElfImage.load(tmp_path / "nope")
+    assert err.value.path == str(tmp_path / "nope")
+
+
+def test_garbage_file(tmp_path: Path) -> None:
+    path = tmp_path / "garbage"
+    path.write_bytes(b"#!/bin/sh\necho not an elf\n")
+    with pytest.raises(ElfError, match="no ELF magic"):
+        ElfImage.load(path)
+
+
+@pytest.mark.parametrize("keep", [16, 64, 300, 0.5])
+def test_truncated_elf(work: Path, tmp_path: Path, keep: float) -> None:
+    data = work.read_bytes()
+    size = int(len(data) * keep) if isinstance(keep, float) else keep
+    path = tmp_path / "truncated"
+    path.write_bytes(data[:size])
+    with pytest.raises(ElfError) as err:
+        ElfImage.load(path)
+    assert "\n" not in str(err.value)
+
+
+def test_32_bit_elf_is_rejected(tmp_path: Path) -> None:
+    source, obj = tmp_path / "t.s", tmp_path / "t.o"
+    source.write_text("nop\n")
+    subprocess.run(["as", "--32", "-o", str(obj), str(source)], check=True)
+    with pytest.raises(ElfError, match="32-bit"):
+        ElfImage.load(obj)
+
+
+def test_other_machine_is_rejected(work: Path, tmp_path: Path) -> None:
+    data = bytearray(work.read_bytes())
+    data[18:20] = (183).to_bytes(2, "little")  # e_machine = EM_AARCH64
+    path = tmp_path / "arm"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ElfError, match="not x86_64"):
+        ElfImage.load(path)

@@ -1,0 +1,297 @@
+"""The sampler over a scripted fake transport: tick structure, timing policy (by counting calls
+on a virtual clock), run-state safety, errors as data, filtering, page refetching, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import FakeClock, FakeSpace, FakeTransport, FramePointerUnwinder, frame_chain, regs
+
+from qmpprof.errors import GuestGoneError, TransportError, UsageError
+from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
+from qmpprof.sampler import KernelSymbolizer, Sampler, SamplerConfig
+
+K = KERNEL_BOUNDARY
+SPACE = FakeSpace(
+    (
+        (0x40_1000, 0x40_1100, "user_main"),
+        (K + 0x1000, K + 0x1100, "kmain"),
+        (K + 0x2000, K + 0x2100, "schedule"),
+        (K + 0x3000, K + 0x3100, "idle_loop"),
+    )
+)
+STACK_TOP = K + 0x20_0000
+
+
+def kernel_cpu(cpu: int = 0) -> tuple[Registers, dict[int, bytes]]:
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010])
+    return regs(cpu, K + 0x3004, rsp=rbp - 32, rbp=rbp), pages
+
+
+def make(
+    transport: FakeTransport,
+    unwinder: FramePointerUnwinder | None = None,
+    **config: object,
+) -> Sampler[FakeSpace, tuple[tuple[int, ...], StopReason]]:
+    return Sampler(
+        transport,
+        unwinder or FramePointerUnwinder(),
+        KernelSymbolizer(SPACE),
+        SamplerConfig(**config),  # type: ignore[arg-type]
+        clock=transport.clock,
+        sleep=transport.clock.sleep,
+        rng=lambda: 0.5,
+    )
+
+
+async def test_every_tick_stops_once_samples_every_cpu_and_resumes() -> None:
+    r0, pages = kernel_cpu(0)
+    r1 = regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)
+    transport = FakeTransport({0: r0, 1: r1}, pages)
+    sampler = make(transport, duration=0.03, interval=0.01)
+    outcome = await sampler.run()
+    assert transport.calls.count("stop") == 3
+    assert transport.calls.count("cont") == 3
+    assert transport.calls[-1] == "cont"
+    first_tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont") + 1]
+    assert first_tick[:3] == ["stop", "registers:0", "registers:1"]
+    assert sampler.stats.samples == 6 and sampler.stats.ticks == 3
+    assert [s.cpu for s in outcome.last] == [0, 1]
+    assert sampler.profile.counts()[("kernel", "kmain", "schedule", "idle_loop")] == 6
+
+
+async def test_interval_is_guest_run_time_not_wall_clock_slots() -> None:
+    r0, pages = kernel_cpu()
+    clock = FakeClock()
+    # A slow pause (4 ms) and slow post-processing after cont (3 ms).
+    transport = FakeTransport({0: r0}, pages, clock=clock, costs={"stop": 0.004})
+
+    def slow_symbolize() -> None:
+        clock.now += 0.003
+
+    sampler = make(transport, FramePointerUnwinder(on_symbolize=slow_symbolize), duration=0.05)
+    await sampler.run()
+    # The first wait is a full interval; later ones only subtract what ran after cont.
+    assert clock.sleeps[0] == pytest.approx(0.010)
+    assert clock.sleeps[1:] == pytest.approx([0.007] * 4)
+    assert sampler.stats.ticks == 5
+    assert sampler.stats.run_time == pytest.approx(0.05)
+    assert sampler.stats.pause_ms()[0] == pytest.approx(4.0)
+    assert sampler.stats.rate_hz() == pytest.approx(100.0)
+
+
+async def test_jitter_scales_each_interval() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        KernelSymbolizer(SPACE),
+        SamplerConfig(duration=0.03, jitter=0.5),
+        clock=transport.clock,
+        sleep=transport.clock.sleep,
+        rng=iter([0.0, 1.0, 0.5]).__next__,
+    )
+    await sampler.run()
+    assert transport.clock.sleeps == pytest.approx([0.005, 0.015, 0.010])
+
+
+async def test_paused_guest_is_sampled_once_without_stop_or_cont() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages, running=False)
+    outcome = await make(transport).run()
+    assert "stop" not in transport.calls and "cont" not in transport.calls
+    assert not outcome.was_running
+    assert [f.symbol for f in outcome.last[0].stack.frames] == ["idle_loop", "schedule", "kmain"]
+
+
+async def test_one_shot_on_running_guest_stops_and_resumes_once() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    outcome = await make(transport).run(one_shot=True)
+    assert (transport.calls.count("stop"), transport.calls.count("cont")) == (1, 1)
+    assert outcome.was_running and len(outcome.last) == 1
+
+
+class Bug(Exception):
+    pass
+
+
+async def test_guest_resumed_when_an_exception_escapes_while_stopped() -> None:
+    r0, pages = kernel_cpu()
+
+    def hook(name: str, stops: int) -> None:
+        if name == "registers:0" and stops == 2:
+            raise Bug
+
+    transport = FakeTransport({0: r0}, pages, hook=hook)
+    sampler = make(transport)
+    with pytest.raises(Bug):
+        await sampler.run()
+    assert transport.calls[-1] == "cont" and transport.running
+    assert sampler.stats.samples == 1
+
+
+async def test_guest_resumed_when_cancelled_while_stopped() -> None:
+    r0, pages = kernel_cpu()
+    blocked = asyncio.Event()
+
+    class Blocking(FakeTransport):
+        async def read(self, cpu: int, addr: int, size: int) -> bytes:
+            blocked.set()
+            await asyncio.Event().wait()  # never answers
+            raise AssertionError
+
+    transport = Blocking({0: r0}, pages)
+    task = asyncio.create_task(make(transport).run())
+    await blocked.wait()
+    assert not transport.running
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert transport.calls[-1] == "cont" and transport.running
+
+
+async def test_qemu_gone_keeps_what_was_collected() -> None:
+    r0, pages = kernel_cpu()
+
+    def hook(name: str, stops: int) -> None:
+        if name == "stop" and stops == 3:
+            raise GuestGoneError("QEMU closed the QMP connection")
+
+    transport = FakeTransport({0: r0}, pages, hook=hook)
+    sampler = make(transport)
+    with pytest.raises(GuestGoneError):
+        await sampler.run()
+    assert sampler.stats.samples == 3
+    assert sum(sampler.profile.counts().values()) == 3
+
+
+async def test_errors_in_one_sample_are_counted_and_the_run_goes_on() -> None:
+    r0, pages = kernel_cpu(0)
+
+    def hook(name: str, stops: int) -> None:
+        if name == "registers:1":
+            raise TransportError("no registers for vCPU 1")
+        if name.startswith("read") and stops == 2:
+            raise RuntimeError("reader bug")
+
+    transport = FakeTransport({0: r0, 1: r0}, pages, hook=hook)
+    sampler = make(transport, duration=0.03)
+    await sampler.run()
+    assert sampler.stats.ticks == 3
+    assert sampler.stats.samples == 2
+    assert sampler.stats.errors["registers: no registers for vCPU 1"] == 3
+    assert sampler.stats.errors["RuntimeError: reader bug"] == 1
+    assert sampler.stats.error_count == 4
+
+
+@pytest.mark.parametrize(
+    ("keep", "kept_mode", "filtered"), [(Mode.KERNEL, Mode.KERNEL, 2), (Mode.USER, Mode.USER, 2)]
+)
+async def test_mode_filter_counts_filtered_apart_from_errors(
+    keep: Mode, kept_mode: Mode, filtered: int
+) -> None:
+    # The kernel vCPU's chain ends in a user frame (a system call): --kernel-only drops it.
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, 0x40_1010])
+    kernel = regs(0, K + 0x3004, rsp=rbp, rbp=rbp)
+    user = regs(1, 0x40_1020, rsp=0, rbp=0)
+    transport = FakeTransport({0: kernel, 1: user}, pages)
+    sampler = make(transport, duration=0.02, keep=keep)
+    await sampler.run()
+    assert sampler.stats.filtered == filtered
+    assert sampler.stats.samples == 2 and sampler.stats.error_count == 0
+    stacks = set(sampler.profile.counts())
+    if kept_mode is Mode.KERNEL:
+        assert stacks == {("kernel", "schedule", "idle_loop")}
+    else:
+        assert stacks == {("kernel", "user_main")}
+        # The filtered kernel vCPU's stack is never read, only the user one's (at 0).
+        reads = {c for c in transport.calls if c.startswith("read")}
+        assert reads and all(c.startswith("read:0x0+") for c in reads)
+
+
+async def test_pages_the_unwinder_misses_are_fetched_while_stopped() -> None:
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010], gap=0x1800)
+    r0 = regs(0, K + 0x3004, rsp=rbp, rbp=rbp)
+    transport = FakeTransport({0: r0}, pages)
+    unwinder = FramePointerUnwinder()
+    sampler = make(transport, unwinder, window=4096)
+    outcome = await sampler.run(one_shot=True)
+    assert outcome.last[0].stack.stop is StopReason.END
+    assert unwinder.unwinds > 1
+    reads = [c for c in transport.calls if c.startswith("read")]
+    assert len(reads) == unwinder.unwinds
+    assert transport.calls.index("cont") > transport.calls.index(reads[-1])
+
+
+async def test_refetch_budget_bounds_reads_and_truncates() -> None:
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010], gap=0x1800)
+    r0 = regs(0, K + 0x3004, rsp=rbp, rbp=rbp)
+    transport = FakeTransport({0: r0}, pages)
+    sampler = make(transport, window=4096, max_refetch=0)
+    outcome = await sampler.run(one_shot=True)
+    assert outcome.last[0].stack.stop is StopReason.READ_FAILED
+    assert sampler.stats.truncated == 1
+    assert sum(c.startswith("read") for c in transport.calls) == 1
+    assert sampler.profile.counts() == {("kernel", "[truncated]", "schedule", "idle_loop"): 1}
+
+
+async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() -> None:
+    r0, pages = kernel_cpu()  # RSP's page is the last mapped one
+    transport = FakeTransport({0: r0}, pages)
+    sampler = make(transport, window=64 * 1024, duration=0.03)
+    await sampler.run()
+    reads = [c for c in transport.calls if c.startswith("read")]
+    rsp_page = r0.rsp & ~0xFFF
+    first = [f"read:{rsp_page:#x}+0x11000", f"read:{rsp_page:#x}+0x1000"]
+    assert reads[:3] == [*first, f"read:{rsp_page + 0x1000:#x}+0x1000"]
+    # Later ticks know where the stack ends: one read each.
+    assert reads[3:] == [f"read:{rsp_page:#x}+0x1000"] * 2
+    assert sampler.stats.samples == 3 and sampler.stats.truncated == 0
+
+
+async def test_request_stop_ends_after_the_current_tick() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    sampler = make(transport, duration=10.0)
+    sampler._on_tick = lambda stats: sampler.request_stop() if stats.ticks == 2 else None
+    await sampler.run()
+    assert sampler.stats.ticks == 2
+    assert transport.calls[-1] == "cont"
+
+
+async def test_cpl_disagreeing_with_the_boundary_is_counted() -> None:
+    r0, pages = kernel_cpu()
+    odd = regs(0, r0.rip, rsp=r0.rsp, rbp=r0.rbp, cpl=3)
+    transport = FakeTransport({0: odd}, pages)
+    sampler = make(transport, duration=0.02)
+    await sampler.run()
+    assert sampler.stats.cpl_mismatch == 2
+    assert any("CPL disagreed" in line for line in sampler.stats.detail_lines())
+
+
+async def test_selecting_an_absent_cpu_is_a_usage_error() -> None:
+    r0, pages = kernel_cpu()
+    with pytest.raises(UsageError, match="no vCPU 3"):
+        await make(FakeTransport({0: r0}, pages), cpus=(0, 3)).run()
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(UsageError):
+        SamplerConfig(interval=0)
+    with pytest.raises(UsageError):
+        SamplerConfig(jitter=1.5)
+
+
+async def test_summary_reports_counts_rate_and_pauses() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages, costs={"stop": 0.001, "cont": 0.001})
+    sampler = make(transport, duration=0.1)
+    await sampler.run()
+    lines = sampler.stats.summary_lines(len(sampler.profile.counts()))
+    assert lines[0] == "Samples: 10  Errors: 0  Truncated: 0  Filtered: 0  Unique stacks: 1"
+    assert "Rate: 100.0 Hz of guest run time" in lines[1]
+    assert "median 2.00 ms" in lines[2]
+    assert sampler.stats.running_fraction() == pytest.approx(10 / 12, rel=0.02)

@@ -1,0 +1,292 @@
+"""The stack walker over hand-built stacks in a fake PageCache: CFI, frame pointers, prologue
+analysis, kernel->user trap frames, and every way a walk ends."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from test_cfi import cie, fde, uleb
+
+from qmpprof.elf.symbols import Symbol, SymbolTable
+from qmpprof.memory import PAGE, PageCache, PageMissing, page_of
+from qmpprof.model import Registers, StopReason
+from qmpprof.unwind.cfi import CfiTable
+from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
+
+RSP, RBX, RIP = 7, 3, 16
+KBASE = 0xFFFF_FFFF_8000_0000
+KSTACK = 0xFFFF_C900_0000_2000
+USTACK = 0x7FF0_0000
+STACK = 0x7000_0000
+
+
+def memory(words: dict[int, int], unmapped: tuple[int, ...] = ()) -> PageCache:
+    """A page cache holding ``words`` (8-byte values); other pages of their stacks read as 0."""
+    cache = PageCache()
+    pages: dict[int, bytearray] = {}
+    for addr, value in words.items():
+        page = pages.setdefault(page_of(addr), bytearray(PAGE))
+        struct.pack_into("<Q", page, addr - page_of(addr), value)
+    for base, page in pages.items():
+        cache.pages[base] = bytes(page)
+    for base in unmapped:
+        cache.pages[base] = None
+    return cache
+
+
+def regs(rip: int, rsp: int, rbp: int = 0, cpl: int = 3) -> Registers:
+    return Registers(cpu=0, rip=rip, rsp=rsp, rbp=rbp, cpl=cpl, cr3=0x1000)
+
+
+# --- CFI ---------------------------------------------------------------------------------
+
+
+def cfi_module() -> Module:
+    data = cie()
+    a_insns = bytes([0x40 | 1]) + b"\x0e" + uleb(16) + bytes([0x80 | RBX]) + uleb(2)  # push rbx
+    for begin, insns in (
+        (0x1000, a_insns),  # A: after 1 byte, CFA = rsp+16, rbx at CFA-16
+        (0x1100, b"\x0e" + uleb(32)),  # B: CFA = rsp+32 throughout
+        (0x1200, b"\x07" + uleb(RIP)),  # C: the outermost frame, return address undefined
+        (0x1300, b"\x0e" + uleb(0)),  # D: a broken row whose CFA is the stack pointer itself
+    ):
+        data += fde(0, len(data), begin, 0x100, insns)
+    table = CfiTable.parse(data, 0x500)
+    return Module("prog", 0x1000, 0x2000, kernel=False, cfi=table)
+
+
+def test_cfi_walk_to_the_outermost_frame() -> None:
+    space = AddressSpace([cfi_module()])
+    mem = memory({STACK + 8: 0x1150, STACK + 16 + 24: 0x1250})
+    raw = Unwinder().unwind(regs(0x1010, STACK), mem, space)
+    assert raw.pcs == (0x1010, 0x1150, 0x1250)
+    assert raw.stop is StopReason.END
+    assert raw.via == (Via.REGS, Via.CFI, Via.CFI)
+    assert raw.exact == (True, False, False)
+
+
+def test_cfi_row_at_function_entry_uses_the_cie_rule() -> None:
+    space = AddressSpace([cfi_module()])
+    mem = memory({STACK: 0x1150, STACK + 8 + 24: 0x1250})
+    raw = Unwinder().unwind(regs(0x1000, STACK), mem, space)
+    assert raw.pcs == (0x1000, 0x1150, 0x1250)
+
+
+def test_stack_pointer_that_does_not_grow_is_a_loop() -> None:
+    space = AddressSpace([cfi_module()])
+    raw = Unwinder().unwind(regs(0x1310, STACK), memory({STACK - 8: 0x1310}), space)
+    assert raw.pcs == (0x1310,) and raw.stop is StopReason.LOOP
+
+
+def test_unmapped_stack_page_truncates() -> None:
+    space = AddressSpace([cfi_module()])
+    sp = STACK + PAGE - 16  # A's frame fits in this page, B's return address is on the next
+    mem = memory({sp + 8: 0x1150}, unmapped=(STACK + PAGE,))
+    raw = Unwinder().unwind(regs(0x1010, sp), mem, space)
+    assert raw.pcs == (0x1010, 0x1150) and raw.stop is StopReason.READ_FAILED
+
+
+def test_page_missing_propagates_and_a_rerun_succeeds() -> None:
+    space = AddressSpace([cfi_module()])
+    mem = memory({STACK + 8: 0x1150})
+    del mem.pages[page_of(STACK)]
+    unwinder = Unwinder()
+    with pytest.raises(PageMissing) as missing:
+        unwinder.unwind(regs(0x1010, STACK), mem, space)
+    assert page_of(missing.value.addr) == page_of(STACK)
+    mem.pages.update(memory({STACK + 8: 0x1150, STACK + 16 + 24: 0x1250}).pages)
+    assert unwinder.unwind(regs(0x1010, STACK), mem, space).pcs == (0x1010, 0x1150, 0x1250)
+
+
+# --- Frame pointers ----------------------------------------------------------------------
+
+
+def fp_chain(depth: int, outer_rbp: int = 0) -> tuple[dict[int, int], int]:
+    """``depth`` frames linked by saved RBPs, 32 bytes apart; returns words and the leaf RBP."""
+    words: dict[int, int] = {}
+    for i in range(depth):
+        rbp = STACK + 16 + 32 * i
+        words[rbp] = rbp + 32 if i < depth - 1 else outer_rbp  # saved rbp
+        words[rbp + 8] = 0x400000 + 0x100 * (i + 1)  # return address
+    return words, STACK + 16
+
+
+def test_frame_pointer_walk_ends_at_a_zero_rbp() -> None:
+    words, rbp = fp_chain(3)
+    raw = Unwinder().unwind(regs(0x400010, STACK, rbp), memory(words), AddressSpace([]))
+    assert raw.pcs == (0x400010, 0x400100, 0x400200, 0x400300)
+    assert raw.stop is StopReason.END
+    assert raw.via[1:] == (Via.FRAME_POINTER,) * 3
+
+
+def test_depth_cap() -> None:
+    words, rbp = fp_chain(50)
+    raw = Unwinder(max_depth=10).unwind(regs(0x400010, STACK, rbp), memory(words), AddressSpace([]))
+    assert len(raw.pcs) == 10 and raw.stop is StopReason.DEPTH
+
+
+def test_rbp_below_the_stack_pointer_is_not_a_frame_pointer() -> None:
+    raw = Unwinder().unwind(regs(0x400010, STACK, STACK - 64), memory({}), AddressSpace([]))
+    assert raw.pcs == (0x400010,) and raw.stop is StopReason.NO_CFI
+
+
+def test_non_canonical_return_address_is_bad() -> None:
+    words = {STACK + 16: 0, STACK + 24: 0x0000_9000_0000_0000}
+    raw = Unwinder().unwind(regs(0x400010, STACK, STACK + 16), memory(words), AddressSpace([]))
+    assert raw.stop is StopReason.BAD_RETURN
+
+
+# --- Prologue analysis -------------------------------------------------------------------
+
+CODE = bytes.fromhex(
+    "55"  # 0x1000 P: push rbp
+    "4889e5"  # 0x1001 mov rbp, rsp
+    "4883ec10"  # 0x1004 sub rsp, 0x10
+    "90"  # 0x1008 nop
+    "c9"  # 0x1009 leave
+    "c3"  # 0x100a ret
+    "9090909090"  # 0x100b padding
+    "53"  # 0x1010 L: push rbx  (a leaf without a frame pointer)
+    "4883ec08"  # 0x1011 sub rsp, 8
+    "90"  # 0x1015 nop
+    "4883c408"  # 0x1016 add rsp, 8
+    "5b"  # 0x101a pop rbx
+    "c3"  # 0x101b ret
+)
+CALLER = 0x1150  # a return address into M, which has a frame-pointer frame
+OUTER = STACK + 0x800  # M's frame: saved rbp 0 and return address 0 end the walk
+
+
+def prologue_module(with_symbols: bool = True) -> Module:
+    symbols = SymbolTable([Symbol(0x1000, 0xB, "P"), Symbol(0x1010, 0xC, "L")])
+    return Module(
+        "prog", 0x1000, 0x2000, kernel=False,
+        symbols=symbols if with_symbols else None, code=CODE, code_addr=0x1000,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pc", "ra_slot", "via"),
+    [
+        (0x1000, STACK, Via.PROLOGUE),  # before push rbp: return address at [rsp]
+        (0x1001, STACK + 8, Via.PROLOGUE),  # after push rbp, before mov rbp, rsp
+        (0x1008, None, Via.FRAME_POINTER),  # frame set up: RBP is right
+        (0x100A, STACK, Via.PROLOGUE),  # at ret after leave
+        (0x1015, STACK + 16, Via.PROLOGUE),  # leaf: push rbx; sub rsp, 8
+        (0x101A, STACK + 8, Via.PROLOGUE),  # leaf epilogue: after add rsp, 8
+    ],
+)
+def test_prologue_cases(pc: int, ra_slot: int | None, via: Via) -> None:
+    words = {OUTER: 0, OUTER + 8: 0}
+    rbp = OUTER
+    if ra_slot is None:  # P's frame: rbp points at [saved rbp, return address]
+        rbp = STACK + 0x10
+        words |= {rbp: OUTER, rbp + 8: CALLER}
+    else:
+        words[ra_slot] = CALLER
+        if pc == 0x1001:
+            words[STACK] = OUTER  # the pushed rbp
+    raw = Unwinder().unwind(regs(pc, STACK, rbp), memory(words), AddressSpace([prologue_module()]))
+    assert raw.pcs == (pc, CALLER)
+    assert raw.via[1] is via
+    assert raw.stop is StopReason.END
+
+
+@pytest.mark.parametrize(("pc", "ra_slot"), [(0x1000, STACK), (0x1001, STACK + 8), (0x100A, STACK)])
+def test_prologue_without_symbols(pc: int, ra_slot: int) -> None:
+    words = {OUTER: 0, OUTER + 8: 0, ra_slot: CALLER, STACK: OUTER} | {ra_slot: CALLER}
+    space = AddressSpace([prologue_module(with_symbols=False)])
+    raw = Unwinder().unwind(regs(pc, STACK, OUTER), memory(words), space)
+    assert raw.pcs == (pc, CALLER) and raw.via[1] is Via.PROLOGUE
+
+
+# --- Kernel -> user trap frames ----------------------------------------------------------
+
+
+def kernel_module(signal: bool) -> Module:
+    data = cie()  # offset 0: ordinary functions
+    stub_cie = len(data)
+    data += cie(aug=b"zRS" if signal else b"zR")
+    # The interrupt stub: the CPU pushed SS, RSP, RFLAGS, CS, RIP; CFA = rsp + 40,
+    # user RIP at CFA-40, user RSP at CFA-16.
+    stub = (
+        b"\x0e" + uleb(40)  # def_cfa_offset 40
+        + bytes([0x80 | RIP]) + uleb(5)  # offset rip, CFA-40
+        + bytes([0x80 | RSP]) + uleb(2)  # offset rsp, CFA-16
+    )  # fmt: skip
+    data += fde(stub_cie, len(data), KBASE, 0x100, stub)
+    data += fde(0, len(data), KBASE + 0x100, 0x100, b"\x0e" + uleb(16))  # handler: one push
+    cfi = CfiTable.parse(data, KBASE + 0x10000)
+    return Module("kernel", KBASE, KBASE + 0x10000, kernel=True, cfi=cfi)
+
+
+def user_module() -> Module:
+    data = cie()
+    data += fde(0, len(data), 0x401000, 0x100, b"\x0e" + uleb(16))  # f: one push
+    data += fde(0, len(data), 0x401100, 0x100, b"\x07" + uleb(RIP))  # main: outermost
+    return Module("user", 0x400000, 0x500000, kernel=False, cfi=CfiTable.parse(data, 0x402000))
+
+
+@pytest.mark.parametrize("signal", [True, False])
+def test_trap_frame_crosses_into_the_interrupted_user_stack(signal: bool) -> None:
+    trap = KSTACK + 16  # the handler's CFA: where the CPU's interrupt frame starts
+    words = {
+        KSTACK + 8: KBASE + 0x50,  # handler's return address into the stub
+        trap: 0x401010,  # interrupted user RIP
+        trap + 24: USTACK,  # interrupted user RSP (lower than the kernel stack)
+        USTACK + 8: 0x401150,  # f's return address into main
+    }
+    space = AddressSpace([kernel_module(signal), user_module()])
+    raw = Unwinder().unwind(regs(KBASE + 0x110, KSTACK, cpl=0), memory(words), space)
+    assert raw.pcs == (KBASE + 0x110, KBASE + 0x50, 0x401010, 0x401150)
+    assert raw.exact == (True, False, True, False)
+    assert raw.stop is StopReason.END
+    names = [f.kernel for f in Unwinder().symbolize(raw, space).frames]
+    assert names == [True, True, False, False]
+
+
+def test_frame_pointer_walk_crosses_a_fake_trap_frame_into_user_code() -> None:
+    # The fp kernel's entry stubs push [user rbp, interrupted rip] and point rbp at them.
+    handler_rbp, stub_rbp, user_rbp = KSTACK + 0x40, KSTACK + 0x100, USTACK + 0x20
+    words = {
+        handler_rbp: stub_rbp,  # handler frame: saved rbp...
+        handler_rbp + 8: KBASE + 0x50,  # ...and the return address into the stub
+        stub_rbp: user_rbp,  # the stub's fake frame: the user's rbp...
+        stub_rbp + 8: 0x401010,  # ...and the interrupted user rip
+        user_rbp: 0,  # the user function's frame: outermost
+        user_rbp + 8: 0x401150,
+    }
+    space = AddressSpace(
+        [
+            Module("kernel", KBASE, KBASE + 0x10000, kernel=True),
+            Module("user", 0x400000, 0x500000, kernel=False),
+        ]
+    )
+    raw = Unwinder().unwind(regs(KBASE + 0x110, KSTACK, handler_rbp, cpl=0), memory(words), space)
+    assert raw.pcs == (KBASE + 0x110, KBASE + 0x50, 0x401010, 0x401150)
+    assert raw.exact == (True, False, True, False)
+    assert raw.stop is StopReason.END
+
+
+def test_user_code_never_returns_into_the_kernel() -> None:
+    words = {USTACK + 8: KBASE + 0x10}
+    raw = Unwinder().unwind(regs(0x401010, USTACK), memory(words), AddressSpace([user_module()]))
+    assert raw.pcs == (0x401010,) and raw.stop is StopReason.BAD_RETURN
+
+
+# --- Symbolize ---------------------------------------------------------------------------
+
+
+def test_symbolize_looks_callers_up_at_return_address_minus_one() -> None:
+    symbols = SymbolTable([Symbol(0x1000, 0x100, "a"), Symbol(0x1100, 0x100, "b")])
+    module = Module("prog", 0x5000, 0x6000, kernel=False, bias=0x4000, symbols=symbols)
+    space = AddressSpace([module])
+    raw = RawStack((0x5100, 0x5100, 0x9999), StopReason.NO_CFI, (True, False, False))
+    stack = Unwinder().symbolize(raw, space)
+    leaf, caller, unknown = stack.frames
+    assert (leaf.symbol, leaf.offset, leaf.module) == ("b", 0, "prog")
+    assert (caller.symbol, caller.offset) == ("a", 0x100)  # a call was a's last instruction
+    assert (unknown.symbol, unknown.module, unknown.kernel) == (None, None, False)
+    assert stack.stop is StopReason.NO_CFI and stack.truncated
+    assert Unwinder().symbolize(raw, space) == stack  # the cached frames are the same

@@ -1,0 +1,153 @@
+"""CfiTable against the strongest oracle at hand: for every FDE of real gcc/g++ output, every
+row readelf --debug-dump=frames-interp prints must equal the row CfiTable.row_for compiles."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.model import DWARF_REGS
+from qmpprof.unwind.cfi import CfiTable, Kind, RegRule, Rule
+
+DATA = Path(__file__).parent / "data" / "unwind"
+
+_SECTION = re.compile(r"^Contents of the (\.\w+) section")
+_CIE = re.compile(r"^([0-9a-f]+) [0-9a-f]+ [0-9a-f]+ CIE ")
+_FDE = re.compile(
+    r"^([0-9a-f]+) [0-9a-f]+ [0-9a-f]+ FDE cie=([0-9a-f]+) pc=([0-9a-f]+)\.\.([0-9a-f]+)"
+)
+_ROW = re.compile(r"^([0-9a-f]{16}) (.*)$")  # a row's LOC is a full 64-bit address
+_VALUE = re.compile(r"r\d+ \([^)]*\)|\S+")  # "r9 (r9)" is the only value with a space inside
+REG_NAMES = (*DWARF_REGS[:16], "rip", *(f"xmm{i}" for i in range(16)))
+
+
+@dataclass
+class Entry:
+    """A CIE or FDE as readelf interprets it: rows of (loc, {"CFA": ..., column: rule})."""
+
+    offset: int
+    cie: int | None = None
+    pc_begin: int = 0
+    pc_end: int = 0
+    rows: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+
+
+def readelf_frames(path: Path) -> dict[str, dict[int, Entry]]:
+    """Entries by section (.eh_frame, .debug_frame) and offset."""
+    text = subprocess.run(
+        ["readelf", "--debug-dump=frames-interp", str(path)], capture_output=True, text=True
+    ).stdout
+    sections: dict[str, dict[int, Entry]] = {}
+    entries: dict[int, Entry] = {}
+    current: Entry | None = None
+    columns: list[str] = []
+    for line in text.splitlines():
+        if m := _SECTION.match(line):
+            entries = sections.setdefault(m[1], {})
+        elif m := _FDE.match(line):
+            current = Entry(int(m[1], 16), int(m[2], 16), int(m[3], 16), int(m[4], 16))
+            entries[current.offset] = current
+        elif m := _CIE.match(line):
+            current = Entry(int(m[1], 16))
+            entries[current.offset] = current
+        elif line.startswith("   LOC"):
+            columns = line.split()[1:]
+        elif current is not None and (m := _ROW.match(line)):
+            values = _VALUE.findall(m[2])
+            current.rows.append((int(m[1], 16), dict(zip(columns, values, strict=True))))
+    return sections
+
+
+def _reg_text(rule: RegRule) -> str:
+    simple = {Kind.UNDEFINED: "u", Kind.SAME: "s", Kind.EXPRESSION: "exp"}
+    if rule.kind in simple:
+        return simple[rule.kind]
+    if rule.kind is Kind.VAL_EXPRESSION:
+        return "vexp"
+    if rule.kind is Kind.OFFSET:
+        return f"c{rule.value:+d}"
+    if rule.kind is Kind.VAL_OFFSET:
+        return f"v{rule.value:+d}"
+    return f"r{rule.value} ({REG_NAMES[rule.value]})"
+
+
+def render(rule: Rule, columns: list[str]) -> dict[str, str]:
+    """Our row in readelf's notation, for readelf's columns."""
+    cfa = "exp" if rule.cfa_expr is not None else f"{REG_NAMES[rule.cfa_reg]}{rule.cfa_offset:+d}"
+    regs = dict(rule.regs)
+    out = {"CFA": cfa}
+    for column in columns[1:]:
+        number = rule.ra if column == "ra" else REG_NAMES.index(column)
+        out[column] = _reg_text(regs[number]) if number in regs else "u"
+    # Every register we have a rule for must be a column readelf shows.
+    named = {rule.ra if c == "ra" else REG_NAMES.index(c) for c in columns[1:]}
+    assert set(regs) <= named, (hex(rule.start), regs)
+    return out
+
+
+def compare(table: CfiTable, entries: dict[int, Entry]) -> int:
+    """Assert every readelf row; return how many were compared."""
+    fdes = [e for e in entries.values() if e.cie is not None]
+    assert sorted((f.pc_begin, f.pc_end) for f in table.fdes()) == sorted(
+        (e.pc_begin, e.pc_end) for e in fdes
+    )
+    compared = 0
+    for entry in fdes:
+        assert entry.cie is not None
+        # An FDE without instructions prints no rows: it has the CIE's initial row.
+        rows = entry.rows or [(entry.pc_begin, r) for _, r in entries[entry.cie].rows]
+        for loc, want in rows:
+            if not entry.pc_begin <= loc < entry.pc_end:
+                continue  # readelf prints advances past the FDE's range too
+            rule = table.row_for(loc)
+            assert rule is not None, hex(loc)
+            assert render(rule, list(want)) == want, hex(loc)
+            compared += 1
+    return compared
+
+
+def build(tmp: Path, name: str, source: str, *flags: str) -> Path:
+    out = tmp / name
+    compiler = "g++" if source.endswith(".cc") else "gcc"
+    subprocess.run([compiler, *flags, "-o", str(out), str(DATA / source)], check=True)
+    return out
+
+
+VARIANTS = {
+    "o2-omit-fp": ("work.c", "-O2", "-fomit-frame-pointer"),
+    "o0-fp": ("work.c", "-O0", "-fno-omit-frame-pointer"),
+    "cfi-ops": ("cfi_ops.s", "-shared", "-nostdlib"),
+    "cxx-exceptions": ("throw.cc", "-O1", "-mno-accumulate-outgoing-args", "-mpush-args"),
+    "static-libc": ("work.c", "-O2", "-static"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_eh_frame_rows_match_readelf(variant: str, tmp_path: Path) -> None:
+    source, *flags = VARIANTS[variant]
+    image = ElfImage.load(build(tmp_path, variant, source, *flags))
+    assert image.cfi is not None
+    compared = compare(image.cfi, readelf_frames(Path(image.path))[".eh_frame"])
+    assert compared >= 10
+
+
+def test_debug_frame_rows_match_readelf(tmp_path: Path) -> None:
+    path = build(tmp_path, "dbg", "work.c", "-O2", "-g", "-fno-asynchronous-unwind-tables")
+    image = ElfImage.load(path)
+    data = image.section(".debug_frame")
+    assert data is not None
+    table = CfiTable.parse(data, 0, kind="debug_frame")
+    assert compare(table, readelf_frames(path)[".debug_frame"]) >= 10
+
+
+def test_eh_frame_without_hdr_scans_the_same_rows(tmp_path: Path) -> None:
+    image = ElfImage.load(build(tmp_path, "fp", "work.c", "-O2"))
+    data = image.section(".eh_frame")
+    assert data is not None
+    table = CfiTable.parse(data, image.section_addr(".eh_frame") or 0)  # no .eh_frame_hdr
+    assert compare(table, readelf_frames(Path(image.path))[".eh_frame"]) >= 10
