@@ -58,6 +58,7 @@ def test_writes_the_output_and_says_where(
     assert stacks[("kernel", "[unknown]")] == 5  # the user vCPU: no user ELFs given
     captured = capsys.readouterr()
     assert captured.out == ""
+    assert captured.err.startswith("qmpprof: sampling qmp-socket every 10 ms for 0.05 s")
     assert "Samples: 10  Errors: 0" in captured.err
     assert f"Wrote {out} (folded); view it: flamegraph.pl {out}" in captured.err
     assert "\r" not in captured.err  # no progress line when stderr is not a terminal
@@ -225,3 +226,15 @@ def test_second_interrupt_cancels_a_hung_run_and_still_resumes_and_writes(
     assert transport.calls[-1] == "cont" and transport.running
     assert sum(c for _, c in folded.parse(out.read_text())) == 2
     assert capsys.readouterr().err.endswith("qmpprof: interrupted\n")
+
+
+def test_progress_line_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scripted_guest(monkeypatch)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(profile_cmd, "_PROGRESS_EVERY", 0.0)
+    assert main(["--duration", "0.03", "--cpus", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "\rqmpprof: 1 samples" in err and "\rqmpprof: 3 samples" in err
+    assert " s left" in err and "\r\033[K" in err  # cleared before the summary

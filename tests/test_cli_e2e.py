@@ -214,3 +214,13 @@ def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 100
     assert any("kworker_main" in names for names, _ in stacks)
+
+
+def test_forced_hmp_memory_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "hmp.folded"
+    with running_guest(tmp_path) as guest:
+        rc = main(cli_args(guest, "--memory", "hmp", "--duration", "0.5", "-o", str(out)))
+    assert rc == 0, capsys.readouterr().err
+    stacks = folded.parse(out.read_text())
+    assert sum(c for _, c in stacks) == 50
+    assert any(names[-1] == "checksum_leaf" and "kworker_main" in names for names, _ in stacks)

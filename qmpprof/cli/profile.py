@@ -11,7 +11,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -105,7 +105,15 @@ class _Progress:
             self.err.write("\r\033[K")
 
 
-async def run(opts: Options, out: TextIO | None = None, err: TextIO | None = None) -> int:
+async def run(
+    opts: Options,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    *,
+    on_start: Callable[[Sampler[AddressSpace, RawStack]], Awaitable[None]] | None = None,
+) -> int:
+    """``on_start`` runs once connected, right before sampling (``qmpprof record`` resumes its
+    QEMU there, so that sampling begins with the guest's first instruction)."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap sys.stdout
     if opts.output is not None:
         format_for(opts.output, opts.fmt)  # a bad --format fails now, not after the run
@@ -131,6 +139,8 @@ async def run(opts: Options, out: TextIO | None = None, err: TextIO | None = Non
         started = time.time()
         outcome: RunOutcome | None = None
         try:
+            if on_start is not None:
+                await on_start(sampler)
             outcome = await sampler.run(one_shot=opts.one_shot)
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
