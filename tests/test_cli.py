@@ -55,7 +55,8 @@ def test_writes_the_output_and_says_where(
     assert main(["--duration", "0.05", "--interval", "10", "-o", str(out)]) == 0
     stacks = dict(folded.parse(out.read_text()))
     assert sum(stacks.values()) == 10  # 5 ticks x 2 vCPUs
-    assert stacks[("kernel", "[unknown]")] == 5  # the user vCPU: no user ELFs given
+    # The user vCPU: no metadata page, no user ELFs: its address space is named by CR3.
+    assert stacks[("cr3=0x1000", "[unknown]")] == 5
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("qmpprof: sampling qmp-socket every 10 ms for 0.05 s")
@@ -72,7 +73,7 @@ def test_prints_top_stacks_without_output(
     assert main(["--duration", "0.03", "--cpus", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Top 1 of 1 stacks (3 samples), root first:")
-    assert "100.0%  kernel;[unknown]" in out
+    assert "100.0%  cr3=0x1000;[unknown]" in out
 
 
 @pytest.mark.parametrize(("flag", "kept", "filtered"), [("-k", 2, 2), ("--user-only", 2, 2)])
@@ -167,7 +168,7 @@ def test_bad_values_are_one_line_usage_errors(
 
 def test_cpu_lists_and_addresses() -> None:
     assert options.parse_cpus("0,2-3, 5") == (0, 2, 3, 5)
-    assert options.parse_address("0xffff_ffff_8000_0000") == K
+    assert options.parse_address("0xffff_ffff_8000_0000", "--kernel-boundary") == K
     assert options.parse_host_port(":4444") == ("localhost", 4444)
     opts = options.parse([])
     assert (opts.interval_ms, opts.duration, opts.qmp_socket) == (10.0, 5.0, Path("qmp-socket"))

@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     add("--duration", metavar="S", type=float, default=5.0,
         help="guest run time to profile (default 5)")  # fmt: skip
     add("-o", "--output", metavar="FILE", default="demo.svg",
-        help="the flame graph (default demo.svg); the folded stacks go next to it (.folded)")  # fmt: skip
+        help="flame graph to write (default demo.svg); FILE.folded goes next to it")  # fmt: skip
     return p
 
 
@@ -113,7 +113,9 @@ def run(argv: list[str], out: TextIO, err: TextIO) -> int:
     folded = folded_path(svg)
     qemu = shutil.which(QEMU)
     if qemu is None:
-        raise QmpprofError(f"{QEMU} not found: install QEMU (Debian: apt-get install qemu-system-x86)")
+        raise QmpprofError(
+            f"{QEMU} not found: install QEMU (Debian: apt-get install qemu-system-x86)"
+        )
     build = ensure_built(find_checkout(), ns.variant, err)
     flags = ["--kernel", str(build / "kernel.elf"), "--user-dir", str(build / "user"),
              "--duration", str(ns.duration), "-o", str(svg), "--format", "svg"]  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Literal, NoReturn
 
 from qmpprof import __version__
 from qmpprof.errors import UsageError
+from qmpprof.guest import metadata
 from qmpprof.model import KERNEL_BOUNDARY, Mode
 
 
@@ -36,6 +37,9 @@ class Options:
     cpus: tuple[int, ...] | None
     kernel_boundary: int
     jitter: float
+    metadata_addr: int | None
+    metadata_layout: tuple[str, ...]
+    offsets: bool
 
     @property
     def guest(self) -> str:
@@ -74,15 +78,26 @@ def parser() -> argparse.ArgumentParser:
     add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
     add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
     add("--show-addresses", action="store_true", help="show frame addresses")
+    add("--offsets", action="store_true", help="name frames function+offset")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("-k", "--kernel-only", action="store_true", help="keep kernel samples")
-    mode.add_argument("-u", "--user-only", action="store_true", help="keep user samples")
+    mode.add_argument("-k", "--kernel-only", action="store_true",
+        help="keep only samples taken in kernel mode (RIP at or above the kernel boundary), "
+             "with only their kernel frames: the user frames below a system call or "
+             "interrupt are dropped")  # fmt: skip
+    mode.add_argument("-u", "--user-only", action="store_true",
+        help="keep only samples taken in user mode (RIP below the kernel boundary)")  # fmt: skip
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
     add("--kernel", metavar="ELF", help="the guest kernel's ELF file (symbols, CFI)")
     add("--user-dir", metavar="DIR", help="directory of the guest's user program ELF files")
     add("--cpus", metavar="LIST", help="vCPUs to sample, e.g. 0,2-3 (default: all)")
     add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
         help="lowest kernel address (default %(default)s)")  # fmt: skip
+    add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
+        help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
+    add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
+        help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
+    add("--no-metadata", action="store_true",
+        help="the guest has no metadata page: tell processes apart by CR3")  # fmt: skip
     add("--version", action="version", version=f"qmpprof {__version__}")
     return p
 
@@ -119,9 +134,21 @@ def parse(argv: list[str]) -> Options:
         kernel=Path(ns.kernel) if ns.kernel else None,
         user_dir=Path(ns.user_dir) if ns.user_dir else None,
         cpus=parse_cpus(ns.cpus) if ns.cpus else None,
-        kernel_boundary=parse_address(ns.kernel_boundary),
+        kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
         jitter=ns.jitter,
+        metadata_addr=None
+        if ns.no_metadata
+        else parse_address(ns.metadata_addr, "--metadata-addr"),
+        metadata_layout=_layout(ns.metadata_layout),
+        offsets=ns.offsets,
     )
+
+
+def _layout(text: str) -> tuple[str, ...]:
+    try:
+        return metadata.parse_layout(text)
+    except ValueError as err:
+        raise UsageError(f"--metadata-layout: {err}") from None
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -146,11 +173,11 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return (host or "localhost", int(port))
 
 
-def parse_address(text: str) -> int:
+def parse_address(text: str, flag: str) -> int:
     try:
         value = int(text.replace("_", ""), 0)
     except ValueError:
-        raise UsageError(f"--kernel-boundary: not an address: {text!r}") from None
+        raise UsageError(f"{flag}: not an address: {text!r}") from None
     if not 0 < value < 1 << 64:
-        raise UsageError(f"--kernel-boundary: out of range: {text!r}")
+        raise UsageError(f"{flag}: out of range: {text!r}")
     return value

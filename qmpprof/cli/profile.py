@@ -23,7 +23,7 @@ from qmpprof.guest.processes import ProcessTracker
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.output import format_for, write_profile
 from qmpprof.profile import Naming
-from qmpprof.sampler import KernelSymbolizer, RunOutcome, Sampler, SamplerConfig, Symbolizer
+from qmpprof.sampler import RunOutcome, Sampler, SamplerConfig, Symbolizer
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 from qmpprof.transport.qmp import QmpTransport
@@ -35,13 +35,15 @@ _HMP_WINDOW = 4096  # HMP x is formatting-bound: read less up front, fetch the r
 
 
 def build_symbolizer(opts: Options) -> Symbolizer[AddressSpace]:
-    """The address spaces to unwind in: the kernel ELF, plus user programs when given."""
+    """The address spaces to unwind in: the kernel ELF, plus the process running at each sample
+    (from the metadata page, else by CR3) with its program's ELF when ``--user-dir`` has it."""
     modules = []
     if opts.kernel is not None:
         modules.append(Module.from_image(ElfImage.load(opts.kernel), kernel=True))
-    if opts.user_dir is not None:
-        return ProcessTracker(modules, ProgramIndex.from_dir(opts.user_dir))
-    return KernelSymbolizer(AddressSpace(modules))
+    programs = ProgramIndex.from_dir(opts.user_dir) if opts.user_dir else ProgramIndex([])
+    return ProcessTracker(
+        modules, programs, metadata_addr=opts.metadata_addr, layout=opts.metadata_layout
+    )
 
 
 async def connect(opts: Options) -> GuestTransport:
@@ -126,7 +128,7 @@ async def run(
             Unwinder(kernel_boundary=opts.kernel_boundary),
             symbolizer,
             _config(opts, transport),
-            Naming(show_addresses=opts.show_addresses),
+            Naming(show_addresses=opts.show_addresses, offsets=opts.offsets),
             on_tick=progress,
         )
         loop = asyncio.get_running_loop()
