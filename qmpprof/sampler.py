@@ -61,6 +61,11 @@ class Symbolizer(Protocol[Space_co]):
     """Gives the address space for a sample. Called while the guest is stopped, so it may read
     guest memory (a metadata page, ``.text``) through the transport and the sample's cache."""
 
+    def prefetch(self) -> Sequence[tuple[int, int]]:
+        """(address, size) ranges to read on every vCPU at every tick, before the registers
+        are known: they are pipelined with stop and the register reads."""
+        ...
+
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identified[Space_co]: ...
@@ -85,6 +90,9 @@ class KernelSymbolizer(Generic[Space]):
 
     def __init__(self, space: Space) -> None:
         self._identity = KernelIdentity(None, space)
+
+    def prefetch(self) -> Sequence[tuple[int, int]]:
+        return ()
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -206,10 +214,8 @@ class Sampler(Generic[Space, Raw]):
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
         if stop:
-            await self.transport.stop()
-            self._phase("stop", began)
             try:
-                captured = await self._capture_all(cpus)
+                captured = await self._capture_all(cpus, stop=True)
             except BaseException:
                 await self._resume_quietly()
                 raise
@@ -218,7 +224,7 @@ class Sampler(Generic[Space, Raw]):
             self._resumed = self._clock()
             self._phase("cont", mark)
         else:
-            captured = await self._capture_all(cpus)
+            captured = await self._capture_all(cpus, stop=False)
         self.stats.pauses.append(self._clock() - began)
         self.stats.wall_time = self._clock() - self._start
         self.stats.ticks += 1
@@ -229,32 +235,49 @@ class Sampler(Generic[Space, Raw]):
         with contextlib.suppress(QmpprofError):
             await self.transport.cont()
 
-    async def _capture_all(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+    async def _capture_all(self, cpus: Sequence[int], *, stop: bool) -> list[_Captured[Space, Raw]]:
+        """Stop, registers and the fixed-address reads (the metadata page) are independent of
+        each other: they go out together and QEMU answers them in order, so the pause costs
+        one round trip for all of them instead of one each. QMP matches replies by id."""
         mark = self._clock()
-        # Pipelined: QMP matches replies by id, and the round trips overlap.
+        caches = {cpu: PageCache() for cpu in cpus}
+        fixed = [
+            fetch(self.transport, caches[cpu], cpu, addr, size)
+            for cpu in cpus
+            for addr, size in self.symbolizer.prefetch()
+        ]
+        head = [self.transport.stop()] if stop else []
         results = await asyncio.gather(
-            *(self.transport.registers(cpu) for cpu in cpus), return_exceptions=True
+            *head,
+            *(self.transport.registers(cpu) for cpu in cpus),
+            *fixed,
+            return_exceptions=True,
         )
+        for result in results:
+            if isinstance(result, GuestGoneError | asyncio.CancelledError):
+                raise result
+        if stop and isinstance(results[0], BaseException):
+            raise results[0]
         self._phase("registers", mark)
-        captured = []
-        for regs in results:
+        regs_of = results[len(head) : len(head) + len(cpus)]
+        taken: list[tuple[Registers, PageCache]] = []
+        for cpu, regs in zip(cpus, regs_of, strict=True):
             if isinstance(regs, TransportError):
                 self.stats.errors[f"registers: {regs}"] += 1
             elif isinstance(regs, BaseException):
                 raise regs
-            else:
-                # Memory reads stay sequential: memsave writes one file per transport.
-                captured.append(await self._capture(regs))
-        return captured
+            elif isinstance(regs, Registers):
+                taken.append((regs, caches[cpu]))
+        # A refused fixed read is retried by the symbolizer itself; nothing else to do here.
+        return list(await asyncio.gather(*(self._capture(r, c) for r, c in taken)))
 
-    async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
+    async def _capture(self, regs: Registers, cache: PageCache) -> _Captured[Space, Raw]:
         mode = Mode.KERNEL if regs.rip >= self.config.kernel_boundary else Mode.USER
         if (regs.cpl == 3) != (mode is Mode.USER):
             self.stats.cpl_mismatch += 1
         captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
         if self.config.keep is not None and mode is not self.config.keep:
             return captured  # filtered after cont; no need to read its memory
-        cache = PageCache()
         mark = self._clock()
         try:
             identity = await self.symbolizer.identify(self.transport, regs, cache)

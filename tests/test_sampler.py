@@ -295,3 +295,29 @@ async def test_summary_reports_counts_rate_and_pauses() -> None:
     assert "Rate: 100.0 Hz of guest run time" in lines[1]
     assert "median 2.00 ms" in lines[2]
     assert sampler.stats.running_fraction() == pytest.approx(10 / 12, rel=0.02)
+
+
+class PrefetchingSymbolizer(KernelSymbolizer[FakeSpace]):
+    """Asks for a fixed range (like the metadata page) on every vCPU at every tick."""
+
+    def prefetch(self) -> tuple[tuple[int, int], ...]:
+        return ((K + 0x10_0000, 64),)
+
+
+async def test_fixed_reads_are_sent_with_stop_and_registers_before_any_stack_read() -> None:
+    r0, pages = kernel_cpu(0)
+    transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)}, pages)
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        PrefetchingSymbolizer(SPACE),
+        SamplerConfig(duration=0.01, interval=0.01),
+        clock=transport.clock,
+        sleep=transport.clock.sleep,
+        rng=lambda: 0.5,
+    )
+    await sampler.run()
+    tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
+    fixed = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
+    assert tick[:5] == ["stop", "registers:0", "registers:1", fixed, fixed]
+    assert sampler.stats.samples == 2  # an unmapped fixed page costs nothing more

@@ -56,6 +56,12 @@ class ProcessTracker:
         self._by_cr3: dict[int, Identity] = {}
         self._user_cr3s: set[int] = set()
 
+    def prefetch(self) -> Sequence[tuple[int, int]]:
+        """The metadata page: read with the registers, whatever the vCPU runs."""
+        if self.metadata_addr is None:
+            return ()
+        return ((self.metadata_addr, 8 * len(self.layout)),)
+
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:

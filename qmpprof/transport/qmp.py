@@ -36,9 +36,9 @@ class QmpTransport:
         self.memory: Literal["memsave", "hmp"] = memory
         self._auto = auto
         self._dump_dir: str | None = None
-        self._dump_fd = -1
-        # memsave reuses one file: concurrent reads would overwrite each other's bytes.
-        self._dump_lock = asyncio.Lock()
+        # One file per read in flight (reads are pipelined), reused: free files wait here.
+        self._free_dumps: list[tuple[str, int]] = []
+        self._all_dumps: list[int] = []
 
     @classmethod
     async def connect(
@@ -133,9 +133,9 @@ class QmpTransport:
         return hmp.parse_x(text, addr, size)
 
     async def _memsave(self, cpu: int, addr: int, size: int) -> bytes:
-        async with self._dump_lock:
-            path = self._dump_path()
-            os.ftruncate(self._dump_fd, 0)
+        path, fd = self._take_dump()
+        try:
+            os.ftruncate(fd, 0)
             # QMP's val is a signed int64: kernel addresses go over as negative numbers.
             val = addr - (1 << 64) if addr >= 1 << 63 else addr
             args = {"val": val, "size": size, "filename": path, "cpu-index": cpu}
@@ -145,22 +145,31 @@ class QmpTransport:
                 if _INVALID_ADDR in str(err):
                     raise MemoryReadError(addr, size, "not mapped") from err
                 raise _MemsaveUnusable(str(err)) from err
-            data = os.pread(self._dump_fd, size, 0)
+            data = os.pread(fd, size, 0)
+        finally:
+            self._free_dumps.append((path, fd))
         if len(data) != size:
             # QEMU wrote a file of that name somewhere else (another mount namespace).
             raise _MemsaveUnusable(f"{path} holds {len(data)} bytes, not {size}")
         return data
 
-    def _dump_path(self) -> str:
+    def _take_dump(self) -> tuple[str, int]:
+        """A private file for one memsave: a free one, or a new one in our 0700 directory."""
+        if self._free_dumps:
+            return self._free_dumps.pop()
         if self._dump_dir is None:
             self._dump_dir = tempfile.mkdtemp(prefix="qmpprof-")  # mode 0700
-            path = os.path.join(self._dump_dir, "memsave.bin")
-            self._dump_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        return os.path.join(self._dump_dir, "memsave.bin")
+        path = os.path.join(self._dump_dir, f"memsave-{len(self._all_dumps)}.bin")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._all_dumps.append(fd)
+        return path, fd
 
     async def close(self) -> None:
         if self._dump_dir is not None:
-            os.close(self._dump_fd)
+            for fd in self._all_dumps:
+                os.close(fd)
+            self._all_dumps.clear()
+            self._free_dumps.clear()
             shutil.rmtree(self._dump_dir, ignore_errors=True)
             self._dump_dir = None
         await _quiet_disconnect(self._client)
