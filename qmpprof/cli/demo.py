@@ -70,8 +70,8 @@ def ensure_built(checkout: Path, variant: str, err: TextIO) -> Path:
     script = checkout / "scripts" / "build-fixtures"
     print(f"qmpprof: building the bundled guest ({script})", file=err, flush=True)
     try:
-        # make's output goes to stderr: stdout is for the demo's result.
-        done = subprocess.run([script], stdout=err, check=False)
+        # make's output goes to stderr (file descriptor 2): stdout is for the demo's result.
+        done = subprocess.run([script], stdout=2, check=False)
     except OSError as error:
         raise QmpprofError(f"cannot run {script}: {error.strerror}") from None
     if done.returncode != 0 or not (build / "kernel.elf").is_file():
@@ -100,7 +100,7 @@ def hottest(profile: Profile, n: int = TOP) -> str:
     total = len(profile.samples)
     if not total:
         return "No samples.\n"
-    lines = [f"Hottest functions ({total} samples; the function itself was running):"]
+    lines = [f"Hottest functions ({total} samples in the function itself; _[k]: kernel code):"]
     lines += [f"{c:7d} {c / total:6.1%}  {name}" for name, c in profile.top_functions(n)]
     return "\n".join(lines) + "\n"
 

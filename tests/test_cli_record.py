@@ -1,0 +1,302 @@
+"""``qmpprof record``: argument handling through main([...]), then real QEMU runs as
+subprocesses: the bundled guest's boot profiled from its first instruction, the end at
+--duration, a guest that powers off by itself, SIGTERM and Ctrl-C mid-run, QEMU failing to start.
+
+Every recording runs in a session of its own, killed whole if the test fails half-way, and
+QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an orderly exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures
+
+from qmpprof.cli import main, record
+from qmpprof.errors import UsageError
+from qmpprof.output import folded
+from qmpprof.transport.qmp import QmpTransport
+
+QEMU = "qemu-system-x86_64"
+KERNEL = BUILD_ROOT / "cfi" / "kernel.elf"
+USER_DIR = BUILD_ROOT / "cfi" / "user"
+WORKLOAD = {"kworker_main", "spin_hot", "spin_cold", "sys_user_work", "compute_leaf_[k]"}
+RUN_TIMEOUT = 120.0  # a loaded 2-core host runs TCG guests many times slower than usual
+
+# A multiboot guest that spins a moment, then powers the machine off through the PIIX4 ACPI
+# PM1a control register (port 0x604 on QEMU's pc machine, once SeaBIOS has set it up: S5).
+POWER_OFF_GUEST = """
+        .text
+        .code32
+        .globl _start
+        .align 4
+        .long 0x1BADB002, 0, -0x1BADB002   # multiboot magic, flags, checksum
+_start: mov $0x4000000, %ecx
+1:      dec %ecx
+        jnz 1b
+        mov $0x604, %dx
+        mov $0x2000, %ax                   # SLP_EN | SLP_TYP 0: soft off
+        outw %ax, %dx
+        ud2
+"""
+
+
+# ---- arguments, no QEMU ---------------------------------------------------------------------
+
+
+def test_split_command_takes_everything_after_the_double_dash() -> None:
+    flags, command = record.split_command(["-o", "x.svg", "--", QEMU, "--", "-S"])
+    assert (flags, command) == (["-o", "x.svg"], [QEMU, "--", "-S"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--duration", "1"], "record needs the QEMU command after '--'"),
+        (["--duration", "1", "--"], "no QEMU command after '--'"),
+    ],
+)
+def test_the_command_is_required(args: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        record.split_command(args)
+
+
+def test_parse_points_the_options_at_the_private_socket() -> None:
+    opts = record.parse(["--duration", "2", "-k"], Path("/tmp/x/qmp.sock"))
+    assert opts.qmp_socket == Path("/tmp/x/qmp.sock")
+    assert opts.duration == 2.0 and opts.transport == "qmp"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [["--qmp-socket", "s"], ["--qmp", "h:1"], ["--gdb", "h:1"], ["--one-shot"], ["--json"]],
+)
+def test_connection_flags_are_refused_in_one_line(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["record", *flag, "--", QEMU]) == 2
+    err = capsys.readouterr().err
+    assert err == f"qmpprof: error: {flag[0]} does not apply to record: it starts QEMU itself\n"
+
+
+def test_help_shows_record_usage_without_connection_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["record", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qmpprof record [options] -- QEMU-COMMAND [ARGS...]")
+    assert "--duration" in out and "--qmp-socket" not in out and "--one-shot" not in out
+
+
+def test_a_missing_qemu_binary_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["record", "--", "/nonexistent/qemu-system-x86_64", "-S"]) == 2
+    err = capsys.readouterr().err
+    assert err == "qmpprof: error: /nonexistent/qemu-system-x86_64: command not found\n"
+
+
+def test_bad_profiling_flags_fail_before_qemu_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    # Were QEMU started, a command that is not there would fail with "command not found".
+    assert main(["record", "--interval", "0", "--", "/nonexistent/qemu"]) == 2
+    assert capsys.readouterr().err == "qmpprof: error: --interval must be positive, not 0\n"
+
+
+def test_qmp_option_escapes_commas() -> None:
+    value = record.qmp_option(Path("/tmp/a,b/qmp.sock"))
+    assert value == "unix:/tmp/a,,b/qmp.sock,server=on,wait=off"
+
+
+@pytest.mark.parametrize(("status", "text"), [(0, "status 0"), (1, "status 1"), (-9, "signal 9")])
+def test_describe_status(status: int, text: str) -> None:
+    assert record.describe_status(status).endswith(text)
+
+
+# ---- real QEMU ------------------------------------------------------------------------------
+
+
+def guest_command(tmp_path: Path, smp: int = 1, *extra: str) -> list[str]:
+    """The bundled guest's QEMU command line (scripts/run-guest's), console and pid in files."""
+    build_fixtures()
+    return [
+        QEMU, "-kernel", str(KERNEL), "-accel", "tcg", "-smp", str(smp), "-m", "128M",
+        "-display", "none", "-no-reboot", "-monitor", "none",
+        "-serial", f"file:{tmp_path / 'console.txt'}", "-pidfile", str(tmp_path / "qemu.pid"),
+        *extra,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def recording(flags: list[str], command: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """``qmpprof record`` as a subprocess in a session of its own (killed whole afterwards)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qmpprof", "record", *flags, "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def wait_for(path: Path, text: str, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while text not in (path.read_text(errors="replace") if path.exists() else ""):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never showed {text!r}"
+        time.sleep(0.05)
+
+
+def samples(path: Path) -> dict[tuple[str, ...], int]:
+    return dict(folded.parse(path.read_text()))
+
+
+def qemu_pid(tmp_path: Path) -> int:
+    return int((tmp_path / "qemu.pid").read_text())
+
+
+def gone(pid: int) -> bool:
+    """The process has ended and been reaped (by record, its parent)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.qemu
+def test_record_profiles_the_boot_from_the_first_instruction(tmp_path: Path) -> None:
+    out = tmp_path / "boot.folded"
+    flags = ["--duration", "0.5", "--interval", "2", "--kernel", str(KERNEL), "-o", str(out)]
+    with recording(flags, guest_command(tmp_path, 2)) as proc:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, err
+    stacks = samples(out)
+    # kmain brings up the second vCPU (INIT-SIPI-SIPI and delay loops): milliseconds of guest
+    # time, which 2 ms samples from the first instruction on see. Before it ran the firmware
+    # (SeaBIOS, the PVH loader): no symbols there.
+    assert any("kmain" in names for names in stacks), stacks
+    assert any(names == ("kernel", "[unknown]") for names in stacks), stacks
+    # The end came from --duration (0.5 s / 2 ms = 250 ticks), then qmpprof quit QEMU, which
+    # exited in order (it deletes its pid file then).
+    assert " 250 ticks" in err
+    assert err.splitlines()[-1] == f"qmpprof: stopped {QEMU}"
+    assert not (tmp_path / "qemu.pid").exists()
+    assert "Traceback" not in err
+
+
+@pytest.mark.qemu
+def test_a_guest_that_powers_off_ends_the_recording_normally(tmp_path: Path) -> None:
+    if shutil.which("as") is None or shutil.which("ld") is None:
+        pytest.fail("binutils (as, ld) are needed to build the power-off guest: run scripts/setup")
+    source, elf = tmp_path / "off.S", tmp_path / "off.elf"
+    source.write_text(POWER_OFF_GUEST)
+    subprocess.run(["as", "--32", str(source), "-o", str(tmp_path / "off.o")], check=True)
+    subprocess.run(
+        ["ld", "-m", "elf_i386", "-Ttext=0x100000", "-e", "_start", "-o", str(elf),
+         str(tmp_path / "off.o")],
+        check=True,
+    )  # fmt: skip
+    out = tmp_path / "off.folded"
+    command = [QEMU, "-accel", "tcg", "-kernel", str(elf), "-display", "none", "-no-reboot",
+               "-monitor", "none", "-serial", "none"]  # fmt: skip
+    with recording(["--duration", "60", "-o", str(out)], command) as proc:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, err
+    assert err.splitlines()[-1] == f"qmpprof: {QEMU} exited (status 0); profiled until then"
+    assert f"Wrote {out}" in err
+    assert out.exists()  # partial (a guest of one loop: a few samples, maybe none) but written
+    assert "Traceback" not in err
+
+
+async def _status(socket: Path) -> str:
+    transport = await QmpTransport.connect(socket)
+    try:
+        return await transport.status()
+    finally:
+        await transport.close()
+
+
+@pytest.mark.qemu
+def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> None:
+    out = tmp_path / "term.folded"
+    user_dir = Path(tempfile.mkdtemp(prefix="qr-", dir="/tmp"))  # short: a socket path
+    try:
+        # The user's own -qmp stays usable next to qmpprof's.
+        user_qmp = ["-qmp", f"unix:{user_dir / 'user.sock'},server=on,wait=off"]
+        flags = ["--duration", "300", "--user-dir", str(USER_DIR)]
+        with recording([*flags, "--kernel", str(KERNEL), "-o", str(out)],
+                       guest_command(tmp_path, 1, *user_qmp)) as proc:  # fmt: skip
+            wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
+            # It answers; "paused" when the question lands inside one of qmpprof's samples.
+            assert asyncio.run(_status(user_dir / "user.sock")) in ("running", "paused")
+            pid = qemu_pid(tmp_path)
+            time.sleep(1.0)  # let samples of the workload accumulate
+            proc.send_signal(signal.SIGTERM)  # qmpprof only, not its QEMU
+            _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        shutil.rmtree(user_dir, ignore_errors=True)
+    assert proc.returncode == 0, err
+    assert err.splitlines()[-1] == f"qmpprof: stopped {QEMU}"
+    assert gone(pid) and not (tmp_path / "qemu.pid").exists()
+    stacks = samples(out)
+    assert f"Samples: {sum(stacks.values())} " in err
+    assert WORKLOAD & {name for names in stacks for name in names}, stacks
+
+
+@pytest.mark.qemu
+def test_ctrl_c_reaches_qmpprof_and_qemu_and_the_output_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "int.folded"
+    flags = ["--duration", "300", "--kernel", str(KERNEL), "--user-dir", str(USER_DIR)]
+    with recording([*flags, "-o", str(out)], guest_command(tmp_path)) as proc:
+        wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
+        pid = qemu_pid(tmp_path)
+        time.sleep(1.0)  # let samples of the workload accumulate: QEMU stops at once
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole process group
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, err
+    # Which of the two ends first is a race: both are a normal end.
+    assert err.splitlines()[-1] in (
+        f"qmpprof: stopped {QEMU}",
+        f"qmpprof: {QEMU} exited (status 0); profiled until then",
+    )
+    assert gone(pid)
+    stacks = samples(out)
+    assert f"Samples: {sum(stacks.values())} " in err
+    assert WORKLOAD & {name for names in stacks for name in names}, stacks
+    assert "Traceback" not in err
+
+
+@pytest.mark.qemu
+def test_qemu_that_cannot_start_the_guest_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    command = [QEMU, "-accel", "tcg", "-kernel", "/nonexistent", "-display", "none"]
+    assert main(["record", "--", *command]) == 4
+    err = capfd.readouterr().err
+    assert "could not open kernel file '/nonexistent'" in err  # QEMU's own word, passed through
+    assert err.splitlines()[-1] == (
+        f"qmpprof: error: {QEMU} exited (status 1) before the guest started"
+    )
+
+
+@pytest.mark.qemu
+def test_an_unusable_kernel_elf_stops_the_qemu_it_started(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    not_elf = tmp_path / "vmlinux"
+    not_elf.write_text("not an ELF file")
+    rc = main(["record", "--kernel", str(not_elf), "--", *guest_command(tmp_path)])
+    err = capfd.readouterr().err
+    assert rc == 6, err
+    assert err.splitlines()[-1].startswith(f"qmpprof: error: {not_elf}: not a usable ELF file")
+    # QEMU had started (paused); record quit it in order: QEMU deletes its pid file then.
+    assert (tmp_path / "console.txt").exists() and not (tmp_path / "qemu.pid").exists()
