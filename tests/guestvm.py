@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elftools.elf.elffile import ELFFile
+from qemu.qmp import ExecuteError, QMPClient
 
 ROOT = Path(__file__).resolve().parent.parent
 GUEST_SOURCES = ROOT / "fixtures" / "guest"
@@ -158,7 +159,13 @@ def running_guest(
     build_fixtures()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-", dir="/tmp"))
-    console = tmp_path / f"console-{variant}-{smp}.txt"
+    # A fresh, empty file per boot: a console left by an earlier boot would show the workload
+    # line before this QEMU has even truncated the file.
+    fd, console_name = tempfile.mkstemp(
+        prefix=f"console-{variant}-smp{smp}-", suffix=".txt", dir=tmp_path
+    )
+    os.close(fd)
+    console = Path(console_name)
     cmd = [
         str(ROOT / "scripts" / "run-guest"),
         "--variant", variant,
@@ -227,10 +234,8 @@ class SymbolIndex:
 @cache
 def _text_of(path: Path) -> tuple[int, bytes]:
     with path.open("rb") as f:
-        section = ELFFile(f).get_section_by_name(".text")
-        if section is None:
-            raise ValueError(f"{path} has no .text")
-        return section["sh_addr"], section.data()
+        text = section(ELFFile(f), ".text")
+        return text["sh_addr"], text.data()
 
 
 def user_elf_for_text(user_dir: Path, text_address: int, text: bytes) -> Path | None:
@@ -246,10 +251,10 @@ def parse_metadata(page: bytes) -> dict[str, int]:
     return dict(zip(METADATA_FIELDS, struct.unpack_from("<8Q", page), strict=True))
 
 
-async def memsave(qmp: Any, addr: int, size: int, cpu: int = 0) -> bytes:
+async def memsave(qmp: QMPClient, addr: int, size: int, cpu: int = 0) -> bytes:
     """Read guest-virtual memory through QMP ``memsave`` as ``cpu`` sees it (its CR3).
 
-    ``qmp`` is a connected ``qemu.qmp.QMPClient``. The address goes out as a signed int64 and the
+    The address goes out as a signed int64 and the
     bytes come back through a private temporary file (QEMU writes it on this host).
     """
     fd, name = tempfile.mkstemp(prefix="qg-mem-")
@@ -264,17 +269,15 @@ async def memsave(qmp: Any, addr: int, size: int, cpu: int = 0) -> bytes:
         os.unlink(name)
 
 
-async def current_metadata(qmp: Any, cpu: int = 0) -> dict[str, int] | None:
+async def current_metadata(qmp: QMPClient, cpu: int = 0) -> dict[str, int] | None:
     """The metadata page under ``cpu``'s CR3, or None if none is mapped (a kernel thread)."""
-    from qemu.qmp import ExecuteError
-
     try:
         return parse_metadata(await memsave(qmp, METADATA_ADDR, 64, cpu))
     except ExecuteError:
         return None
 
 
-async def current_user_elf(qmp: Any, guest: Guest, cpu: int = 0) -> Path | None:
+async def current_user_elf(qmp: QMPClient, guest: Guest, cpu: int = 0) -> Path | None:
     """The user ELF of the process current on ``cpu`` (guest stopped), by its .text bytes."""
     meta = await current_metadata(qmp, cpu)
     if meta is None or meta["text_size"] == 0:
