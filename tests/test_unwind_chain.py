@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from test_cfi import cie, fde, uleb
+from test_cfi import PLT_EXPR, cie, fde, sleb, uleb
 
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.memory import PAGE, PageCache, PageMissing, page_of
@@ -290,3 +290,69 @@ def test_symbolize_looks_callers_up_at_return_address_minus_one() -> None:
     assert (unknown.symbol, unknown.module, unknown.kernel) == (None, None, False)
     assert stack.stop is StopReason.NO_CFI and stack.truncated
     assert Unwinder().symbolize(raw, space) == stack  # the cached frames are the same
+
+
+def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
+    # Two static programs linked at the same address: at 0x1001 one has just pushed rbp, the
+    # other is at the first instruction of a function that starts with `nop; ret`-like code.
+    other_code = bytes.fromhex("90c3") + CODE[2:]  # 0x1000 nop, 0x1001 ret
+    other = Module("other", 0x1000, 0x2000, kernel=False, code=other_code, code_addr=0x1000)
+    words = {STACK: OUTER, STACK + 8: CALLER, OUTER: 0, OUTER + 8: 0}
+    unwinder = Unwinder()
+    first = unwinder.unwind(
+        regs(0x1001, STACK, OUTER), memory(words), AddressSpace([prologue_module()])
+    )
+    second = unwinder.unwind(regs(0x1001, STACK, OUTER), memory(words), AddressSpace([other]))
+    assert first.pcs == (0x1001, CALLER)  # return address above the pushed rbp
+    assert second.pcs[:2] == (0x1001, OUTER)  # at `ret`: the return address is [rsp]
+
+
+def test_code_outside_long_mode_is_not_walked() -> None:
+    legacy = Registers(cpu=0, rip=0x7C00, rsp=0x7000, rbp=0x7010, cpl=0, cr3=0, long_mode=False)
+    raw = Unwinder().unwind(legacy, memory({}), AddressSpace([]))
+    assert raw.pcs == (0x7C00,) and raw.stop is StopReason.NO_CFI
+
+
+def rules_module() -> Module:
+    r12, r13, r14 = 12, 13, 14
+    data = cie()
+    for begin, insns in (
+        # F1: CFA = rsp+16; rbx's caller value is CFA+32 (val_offset, factored: -4 * -8).
+        (0x1000, b"\x0e" + uleb(16) + b"\x15" + uleb(RBX) + sleb(-4)),
+        # F2: CFA = rbx + 0; the caller's r12 is in rbx (register rule).
+        (0x1100, b"\x0c" + uleb(RBX) + uleb(0) + b"\x09" + uleb(r12) + uleb(RBX)),
+        # F3: CFA = r12 + 16; rbx saved at the address CFA - 16 (expression: DW_OP_lit16, minus).
+        (0x1200, b"\x0c" + uleb(r12) + uleb(16) + b"\x10" + uleb(RBX) + b"\x02\x40\x1c"),
+        # F4: CFA = rbx + 8 (def_cfa_expression: DW_OP_breg3 8); r13 same value, r14 undefined.
+        (0x1300, b"\x0f\x02\x73\x08" + b"\x08" + uleb(r13) + b"\x07" + uleb(r14)),
+        # F5: the outermost frame.
+        (0x1400, b"\x07" + uleb(RIP)),
+        # A PLT stub: CFA = rsp+8, or rsp+16 at offsets 11..15 of each 16-byte entry.
+        (0x1500, b"\x0f" + uleb(len(PLT_EXPR)) + PLT_EXPR),
+    ):
+        data += fde(0, len(data), begin, 0x100, insns)
+    return Module("rules", 0x1000, 0x2000, kernel=False, cfi=CfiTable.parse(data, 0x3000))
+
+
+def test_every_register_rule_kind_feeds_the_next_frame() -> None:
+    # Each frame's CFA depends on a register the previous rule recovered: a wrong rule
+    # derails the walk.
+    s = STACK
+    words = {
+        s + 8: 0x1150,  # F1's return address (CFA1 = s+16); rbx := CFA1 + 32 = s+48
+        s + 40: 0x1250,  # F2's return address (CFA2 = rbx = s+48); r12 := rbx
+        s + 56: 0x1350,  # F3's return address (CFA3 = r12 + 16 = s+64)
+        s + 48: s + 88,  # F3: rbx saved at CFA3 - 16
+        s + 88: 0x1450,  # F4's return address (CFA4 = rbx + 8 = s+96)
+    }
+    raw = Unwinder().unwind(regs(0x1010, s), memory(words), AddressSpace([rules_module()]))
+    assert raw.pcs == (0x1010, 0x1150, 0x1250, 0x1350, 0x1450)
+    assert raw.stop is StopReason.END
+    assert set(raw.via[1:]) == {Via.CFI}
+
+
+@pytest.mark.parametrize(("pc", "ra_slot"), [(0x1504, STACK), (0x150C, STACK + 8)])
+def test_plt_stub_cfa_expression(pc: int, ra_slot: int) -> None:
+    words = {ra_slot: 0x1450}
+    raw = Unwinder().unwind(regs(pc, STACK), memory(words), AddressSpace([rules_module()]))
+    assert raw.pcs == (pc, 0x1450) and raw.stop is StopReason.END

@@ -12,8 +12,8 @@ import pytest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.memory import PAGE, PageCache
-from qmpprof.model import DWARF_REGS, RIP, Registers, StopReason
-from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
+from qmpprof.model import DWARF_REGS, RIP, Registers, Stack, StopReason
+from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
 DATA = Path(__file__).parent / "data" / "unwind"
 
@@ -30,11 +30,12 @@ def snapshot(binary: Path, location: str, caller: str = "") -> dict[str, object]
     return snap
 
 
-def unwind_snapshot(binary: Path, snap: dict[str, object]) -> tuple[list[str | None], list[Via]]:
+def replay(binary: Path, snap: dict[str, object]) -> tuple[RawStack, Stack]:
+    """Unwind and symbolize the snapshot's registers over its stack memory."""
     image = ElfImage.load(binary)
     main_link = image.symbols.address_of("main")
     assert main_link is not None
-    bias = int(str(snap["main"])) - main_link
+    bias = int(str(snap["main"])) - main_link  # PIE: where the program was loaded
     space = AddressSpace([Module.from_image(image, kernel=False, bias=bias)])
     cache = PageCache()
     stack = snap["stack"]
@@ -48,8 +49,12 @@ def unwind_snapshot(binary: Path, snap: dict[str, object]) -> tuple[list[str | N
     registers = Registers(0, gprs[RIP], regs["rsp"], regs["rbp"], 3, 0, gprs=gprs)
     unwinder = Unwinder()
     raw = unwinder.unwind(registers, cache, space)
-    names = [frame.symbol for frame in unwinder.symbolize(raw, space).frames]
-    return names, list(raw.via)
+    return raw, unwinder.symbolize(raw, space)
+
+
+def unwind_snapshot(binary: Path, snap: dict[str, object]) -> tuple[list[str | None], list[Via]]:
+    raw, stack = replay(binary, snap)
+    return [frame.symbol for frame in stack.frames], list(raw.via)
 
 
 def gdb_names(snap: dict[str, object]) -> list[str]:
@@ -114,21 +119,6 @@ def test_frame_pointer_and_prologue_unwind_match_gdb(
 
 def test_outermost_frame_of_a_static_binary_ends_cleanly(tmp_path: Path) -> None:
     binary = build(tmp_path, "-O2", "-static")
-    snap = snapshot(binary, "*uw_leaf", "uw_many_saved")
-    image = ElfImage.load(binary)
-    space = AddressSpace([Module.from_image(image, kernel=False)])
-    cache = PageCache()
-    stack = snap["stack"]
-    assert isinstance(stack, bytes)
-    start = int(str(snap["stack_start"]))
-    for off in range(0, len(stack), PAGE):
-        cache.pages[start + off] = stack[off : off + PAGE]
-    regs = snap["regs"]
-    assert isinstance(regs, dict)
-    gprs = {i: regs[name] for i, name in enumerate(DWARF_REGS)}
-    raw = Unwinder().unwind(
-        Registers(0, regs["rip"], regs["rsp"], regs["rbp"], 3, 0, gprs=gprs), cache, space
-    )
-    names = [f.symbol for f in Unwinder().symbolize(raw, space).frames]
-    assert names[-1] == "_start"  # glibc's _start marks the return address undefined
+    raw, stack = replay(binary, snapshot(binary, "*uw_leaf", "uw_many_saved"))
+    assert stack.frames[-1].symbol == "_start"  # glibc's _start marks the return address undefined
     assert raw.stop is StopReason.END

@@ -151,3 +151,29 @@ def test_eh_frame_without_hdr_scans_the_same_rows(tmp_path: Path) -> None:
     assert data is not None
     table = CfiTable.parse(data, image.section_addr(".eh_frame") or 0)  # no .eh_frame_hdr
     assert compare(table, readelf_frames(Path(image.path))[".eh_frame"]) >= 10
+
+
+@pytest.mark.parametrize("variant", ["cfi", "fp"])
+def test_bundled_guest_cfi_matches_readelf(variant: str, guest_build: None) -> None:
+    build_dir = Path(__file__).parent.parent / "fixtures" / "build" / variant
+    section = ".eh_frame" if variant == "cfi" else ".debug_frame"  # fp: no .eh_frame at all
+    elfs = [build_dir / "kernel.elf", *sorted((build_dir / "user").glob("*.elf"))]
+    assert len(elfs) >= 3
+    for path in elfs:
+        image = ElfImage.load(path)
+        assert image.cfi is not None and image.cfi.kind == section[1:]
+        assert compare(image.cfi, readelf_frames(path)[section]) >= 5, path
+    kernel = ElfImage.load(build_dir / "kernel.elf")
+    assert kernel.cfi is not None
+    # The syscall entry stub describes the interrupted user frame as a signal frame.
+    entry = kernel.symbols.address_of("entry_syscall")
+    dispatch = kernel.symbols.address_of("syscall_dispatch")
+    assert entry is not None and dispatch is not None
+    call_rows = [
+        rule
+        for fde in kernel.cfi.fdes()
+        if fde.pc_begin == entry
+        for rule in kernel.cfi.rows(fde)
+        if rule.reg(7) is not None
+    ]
+    assert call_rows and all(rule.signal for rule in call_rows)

@@ -19,6 +19,7 @@ from typing import Any
 from elftools.common.exceptions import ELFError as PyElfError
 from elftools.elf.elffile import ELFFile
 
+from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.errors import ElfError
 from qmpprof.unwind.cfi import CfiTable
@@ -97,8 +98,9 @@ class ElfImage:
         header = self._sections.get(name)
         return None if header is None else int(header["sh_addr"])
 
-    @property
+    @cached_property
     def text_bytes(self) -> bytes:
+        # One bytes object per image: every Module built from it shares it (and its hash).
         return self.section(".text") or b""
 
     @cached_property
@@ -126,6 +128,11 @@ class ElfImage:
         if debug:
             return CfiTable.parse(debug, 0, kind="debug_frame")
         return None
+
+    @cached_property
+    def lines(self) -> LineTable | None:
+        """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
+        return LineTable(self._data) if self.section(".debug_line") else None
 
     def _read_symbols(self, name: str) -> list[Symbol]:
         header = self._sections.get(name)

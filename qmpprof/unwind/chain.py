@@ -11,17 +11,18 @@ Synchronous on purpose: no asyncio, no transport.
 from __future__ import annotations
 
 import enum
-from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from qmpprof.elf.image import ElfImage
-from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memory import PageCache
 from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stack, StopReason
-from qmpprof.unwind.cfi import CfiTable, Kind, Rule
+from qmpprof.unwind.cfi import Kind, Rule
 from qmpprof.unwind.expr import evaluate
 from qmpprof.unwind.prologue import PrologueAnalyzer
+from qmpprof.unwind.space import AddressSpace, Module
+from qmpprof.unwind.symbolize import frames_at
+
+__all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
 MASK64 = (1 << 64) - 1
 _CACHE_LIMIT = 1 << 16
@@ -34,67 +35,6 @@ class Via(enum.Enum):
     CFI = "cfi"
     PROLOGUE = "prologue"
     FRAME_POINTER = "frame-pointer"
-
-
-@dataclass(frozen=True, slots=True)
-class Module:
-    """Code loaded in the guest at [start, end); ``bias`` = runtime address - link address."""
-
-    name: str
-    start: int
-    end: int
-    kernel: bool
-    bias: int = 0
-    symbols: SymbolTable | None = None
-    cfi: CfiTable | None = None
-    code: bytes | None = None  # .text, for prologue analysis
-    code_addr: int = 0  # link address of code[0]
-
-    @classmethod
-    def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
-        low, high = image.load_range
-        return cls(
-            image.name, low + bias, high + bias, kernel, bias,
-            image.symbols, image.cfi, image.text_bytes, image.text_addr,
-        )  # fmt: skip
-
-
-class AddressSpace:
-    """The modules of one address space, searchable by runtime pc (results cached per pc)."""
-
-    def __init__(self, modules: Sequence[Module]) -> None:
-        self.modules = tuple(sorted(modules, key=lambda m: m.start))
-        self._starts = [m.start for m in self.modules]
-        self._found: dict[int, Module | None] = {}
-        self.frames: dict[tuple[int, bool, int], Frame] = {}  # Unwinder.symbolize's cache
-        self._rules: dict[int, tuple[Module | None, Rule | None]] = {}
-
-    def find(self, pc: int) -> Module | None:
-        try:
-            return self._found[pc]
-        except KeyError:
-            pass
-        i = bisect_right(self._starts, pc) - 1
-        module = self.modules[i] if i >= 0 and pc < self.modules[i].end else None
-        if len(self._found) >= _CACHE_LIMIT:
-            self._found.clear()
-        self._found[pc] = module
-        return module
-
-    def rule_at(self, pc: int) -> tuple[Module | None, Rule | None]:
-        """The module holding runtime address ``pc`` and its CFI row there (cached per pc)."""
-        try:
-            return self._rules[pc]
-        except KeyError:
-            pass
-        module = self.find(pc)
-        rule = None
-        if module is not None and module.cfi is not None:
-            rule = module.cfi.row_for(pc - module.bias)
-        if len(self._rules) >= _CACHE_LIMIT:
-            self._rules.clear()
-        self._rules[pc] = (module, rule)
-        return module, rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +55,19 @@ def _canonical(pc: int) -> bool:
 class Unwinder:
     """Walks stacks (``unwind``) and names their frames (``symbolize``)."""
 
-    def __init__(self, *, kernel_boundary: int = KERNEL_BOUNDARY, max_depth: int = 128) -> None:
+    def __init__(
+        self, *, kernel_boundary: int = KERNEL_BOUNDARY, max_depth: int = 128, lines: bool = False
+    ) -> None:
         self.kernel_boundary = kernel_boundary
         self.max_depth = max_depth
+        self.lines = lines  # symbolize's default: add file:line and inlined frames (--lines)
         self._prologue = PrologueAnalyzer()
 
     def unwind(self, regs: Registers, memory: PageCache, space: AddressSpace) -> RawStack:
+        """Walk the stack ``regs`` describe. Raises ``PageMissing`` for a page the cache has
+        not fetched: fetch it and call again (the walk has no side effects)."""
+        if not regs.long_mode:  # 32-bit or real-mode code: 8-byte stack slots would be wrong
+            return RawStack((regs.rip,), StopReason.NO_CFI, (True,), (Via.REGS,))
         cur = dict(regs.gprs)
         cur[RIP], cur[RSP], cur[RBP] = regs.rip, regs.rsp, regs.rbp
         pc, exact, via = regs.rip, True, Via.REGS
@@ -223,32 +170,25 @@ class Unwinder:
             new[RBP] = rbp
         return new, Via.PROLOGUE, False
 
-    def symbolize(self, raw: RawStack, space: AddressSpace) -> Stack:
-        """Name each frame; callers are looked up at return address - 1 (the call instruction)."""
+    def symbolize(self, raw: RawStack, space: AddressSpace, *, lines: bool | None = None) -> Stack:
+        """Name each frame; callers are looked up at return address - 1 (the call instruction).
+        With ``lines`` (default: the constructor's), frames get file:line and the functions
+        inlined at a pc become frames of their own."""
+        if lines is None:
+            lines = self.lines
         cache = space.frames
         boundary = self.kernel_boundary
         exacts = raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
-        frames = []
+        frames: list[Frame] = []
         for pc, exact in zip(raw.pcs, exacts, strict=True):
-            key = (pc, exact, boundary)
-            frame = cache.get(key)
-            if frame is None:
+            key = (pc, exact, boundary, lines)
+            found = cache.get(key)
+            if found is None:
                 if len(cache) >= _CACHE_LIMIT:
                     cache.clear()
-                frame = cache[key] = self._frame(pc, exact, space)
-            frames.append(frame)
+                found = cache[key] = frames_at(pc, exact, space, boundary, lines)
+            frames += found
         return Stack(tuple(frames), raw.stop)
-
-    def _frame(self, pc: int, exact: bool, space: AddressSpace) -> Frame:
-        lookup = pc if exact else pc - 1
-        module = space.find(lookup)
-        if module is None:
-            return Frame(pc, pc >= self.kernel_boundary)
-        hit = None if module.symbols is None else module.symbols.lookup(lookup - module.bias)
-        if hit is None:
-            return Frame(pc, module.kernel, module=module.name)
-        name, offset = hit
-        return Frame(pc, module.kernel, name, offset + (pc - lookup), module.name)
 
 
 def _fast_cfi_step(

@@ -48,18 +48,20 @@ class _Scan:
 
 
 class PrologueAnalyzer:
-    """Caches one answer per (code, pc)."""
+    """Caches one answer per (code, pc); one analyzer serves every address space."""
 
     def __init__(self) -> None:
         self._cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-        self._cache: dict[tuple[int, int, int | None], PrologueRule | None] = {}
+        self._cache: dict[tuple[bytes, int, int, int | None], PrologueRule | None] = {}
 
     def analyze(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` inside ``code`` (which starts at
         ``code_addr``); ``func_start`` comes from the symbol table. None: use frame pointers."""
-        key = (code_addr, pc, func_start)
+        # The code itself is part of the key: programs linked at the same address (every
+        # static user program at 0x401000) must not share answers. bytes cache their hash.
+        key = (code, code_addr, pc, func_start)
         if key not in self._cache:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()

@@ -1,0 +1,173 @@
+"""Source positions for --lines: file:line of a pc and the chain of functions inlined there.
+
+Reads DWARF (.debug_line, .debug_info) through pyelftools, lazily: nothing is parsed until the
+first lookup, a compilation unit's line table and DIE tree are decoded the first time one of
+its pcs is asked for, and every answer is cached per pc. Broken or missing DWARF gives empty
+answers, never an exception: line numbers are a nicety, the profile must still come out.
+"""
+
+from __future__ import annotations
+
+import io
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+from elftools.elf.elffile import ELFFile
+
+_CACHE_LIMIT = 1 << 15
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFrame:
+    """One logical frame at a pc: ``function`` is None for the outermost (real) function, whose
+    name comes from the symbol table; inlined callees carry their DWARF name."""
+
+    function: str | None
+    file: str | None
+    line: int | None
+
+
+class _Unit:
+    """The line table and the function DIEs of one compilation unit."""
+
+    def __init__(self, dwarf: Any, cu: Any) -> None:
+        self.files: list[str] = []
+        self.file_base = 1
+        self.rows: list[tuple[int, int, int]] = []  # (address, file index, line); line 0 = gap
+        self.starts: list[int] = []
+        program = dwarf.line_program_for_CU(cu)
+        if program is None:
+            return
+        base = 0 if program.header.version >= 5 else 1  # DWARF 5 numbers files from 0
+        self.files = [entry.name.decode("utf-8", "replace") for entry in program["file_entry"]]
+        self.file_base = base
+        for entry in program.get_entries():
+            state = entry.state
+            if state is None:
+                continue
+            line = 0 if state.end_sequence else state.line
+            self.rows.append((state.address, state.file, line))
+        self.rows.sort(key=lambda row: row[0])
+        self.starts = [row[0] for row in self.rows]
+
+    def file(self, index: int) -> str | None:
+        i = index - self.file_base
+        return self.files[i] if 0 <= i < len(self.files) else None
+
+    def line_at(self, pc: int) -> tuple[str | None, int | None]:
+        i = bisect_right(self.starts, pc) - 1
+        if i < 0 or self.rows[i][2] == 0:
+            return None, None
+        _addr, file_index, line = self.rows[i]
+        return self.file(file_index), line
+
+
+class LineTable:
+    """``frames(pc)``: the source frames at a link address, innermost first."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._dwarf: Any = None
+        self._ranges: list[tuple[int, int, Any]] | None = None
+        self._starts: list[int] = []
+        self._units: dict[int, _Unit] = {}
+        self._cache: dict[int, tuple[SourceFrame, ...]] = {}
+
+    def frames(self, pc: int) -> tuple[SourceFrame, ...]:
+        if pc not in self._cache:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            try:
+                self._cache[pc] = self._frames(pc)
+            except Exception:  # pyelftools raises many kinds of errors on odd DWARF
+                self._cache[pc] = ()
+        return self._cache[pc]
+
+    def _frames(self, pc: int) -> tuple[SourceFrame, ...]:
+        cu = self._cu_for(pc)
+        if cu is None:
+            return ()
+        unit = self._units.get(cu.cu_offset)
+        if unit is None:
+            unit = self._units[cu.cu_offset] = _Unit(self._dwarf, cu)
+        file, line = unit.line_at(pc)
+        chain = _inline_chain(cu.get_top_DIE(), pc, self._dwarf, cu)
+        out: list[SourceFrame] = []
+        for die in reversed(chain):  # innermost inlined call first
+            out.append(SourceFrame(_name(die), file, line))
+            call_file = die.attributes.get("DW_AT_call_file")
+            file = unit.file(call_file.value) if call_file is not None else None
+            call_line = die.attributes.get("DW_AT_call_line")
+            line = call_line.value if call_line is not None else None
+        out.append(SourceFrame(None, file, line))
+        return tuple(out)
+
+    def _cu_for(self, pc: int) -> Any:
+        if self._ranges is None:
+            self._ranges = []
+            elf = ELFFile(io.BytesIO(self._data))
+            if not elf.has_dwarf_info():
+                return None
+            self._dwarf = elf.get_dwarf_info()
+            for cu in self._dwarf.iter_CUs():
+                for low, high in _die_ranges(cu.get_top_DIE(), self._dwarf, cu):
+                    self._ranges.append((low, high, cu))
+            self._ranges.sort(key=lambda r: r[0])
+            self._starts = [r[0] for r in self._ranges]
+        i = bisect_right(self._starts, pc) - 1
+        if i >= 0 and pc < self._ranges[i][1]:
+            return self._ranges[i][2]
+        return None
+
+
+def _inline_chain(die: Any, pc: int, dwarf: Any, cu: Any) -> list[Any]:
+    """The DW_TAG_inlined_subroutine DIEs containing pc, outermost first."""
+    chain: list[Any] = []
+    for child in die.iter_children():
+        tag = child.tag
+        if tag not in ("DW_TAG_subprogram", "DW_TAG_inlined_subroutine", "DW_TAG_lexical_block"):
+            continue
+        if any(low <= pc < high for low, high in _die_ranges(child, dwarf, cu)):
+            if tag == "DW_TAG_inlined_subroutine":
+                chain.append(child)
+            return chain + _inline_chain(child, pc, dwarf, cu)
+    return chain
+
+
+def _die_ranges(die: Any, dwarf: Any, cu: Any) -> list[tuple[int, int]]:
+    attrs = die.attributes
+    if "DW_AT_low_pc" in attrs and "DW_AT_high_pc" in attrs:
+        low = attrs["DW_AT_low_pc"].value
+        high = attrs["DW_AT_high_pc"]
+        # DWARF 4+: a constant-class high_pc is a length, an address-class one an address.
+        end = high.value if high.form == "DW_FORM_addr" else low + high.value
+        return [(low, end)]
+    if "DW_AT_ranges" not in attrs:
+        return []
+    base = cu.get_top_DIE().attributes.get("DW_AT_low_pc")
+    base_addr = base.value if base is not None else 0
+    out = []
+    for entry in dwarf.range_lists().get_range_list_at_offset(attrs["DW_AT_ranges"].value, cu=cu):
+        if hasattr(entry, "base_address"):
+            base_addr = entry.base_address
+        elif getattr(entry, "is_absolute", False):
+            out.append((entry.begin_offset, entry.end_offset))
+        else:
+            out.append((base_addr + entry.begin_offset, base_addr + entry.end_offset))
+    return out
+
+
+def _name(die: Any) -> str | None:
+    for _ in range(4):  # follow abstract_origin / specification links to the named DIE
+        name = die.attributes.get("DW_AT_name")
+        if name is not None:
+            text: str = name.value.decode("utf-8", "replace")
+            return text
+        for link in ("DW_AT_abstract_origin", "DW_AT_specification"):
+            if link in die.attributes:
+                die = die.get_DIE_from_attribute(link)
+                break
+        else:
+            return None
+    return None

@@ -1,0 +1,111 @@
+"""--lines: file:line and inlined frames for every instruction, checked against addr2line -i."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.elf.lines import LineTable
+from qmpprof.model import StopReason
+from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
+
+DATA = Path(__file__).parent / "data" / "unwind"
+
+
+@pytest.fixture(scope="module")
+def inline_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lines") / "inline"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(out), str(DATA / "inline.c")], check=True)
+    return out
+
+
+def instructions(binary: Path, function: str) -> list[int]:
+    text = subprocess.run(
+        ["objdump", "-d", f"--disassemble={function}", str(binary)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return [int(m[1], 16) for m in re.finditer(r"^\s+([0-9a-f]+):", text, re.MULTILINE)]
+
+
+def addr2line(
+    binary: Path, addrs: list[int]
+) -> dict[int, list[tuple[str, str | None, int | None]]]:
+    """addr2line -i's (function, file basename, line) chain per address, innermost first."""
+    text = subprocess.run(
+        ["addr2line", "-a", "-i", "-f", "-e", str(binary), *(hex(a) for a in addrs)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    out: dict[int, list[tuple[str, str | None, int | None]]] = {}
+    current: list[tuple[str, str | None, int | None]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("0x"):
+            current = out.setdefault(int(lines[i], 16), [])
+            i += 1
+            continue
+        function, position = lines[i], lines[i + 1].split(" (discriminator")[0]
+        path, _, line = position.rpartition(":")
+        current.append(
+            (
+                function,
+                None if path == "??" else Path(path).name,
+                int(line) if line.isdigit() else None,
+            )
+        )
+        i += 2
+    return out
+
+
+def test_every_instruction_matches_addr2line(inline_binary: Path) -> None:
+    image = ElfImage.load(inline_binary)
+    assert isinstance(image.lines, LineTable)
+    addrs = instructions(inline_binary, "outer") + instructions(inline_binary, "main")
+    expected = addr2line(inline_binary, addrs)
+    inlined_seen = 0
+    for addr in addrs:
+        frames = image.lines.frames(addr)
+        got = [(f.function, f.file, f.line) for f in frames]
+        want = expected[addr]
+        # The outermost frame's name comes from the symbol table, not from DWARF.
+        assert [g[1:] for g in got] == [w[1:] for w in want], hex(addr)
+        assert [g[0] for g in got[:-1]] == [w[0] for w in want[:-1]], hex(addr)
+        assert got[-1][0] is None
+        inlined_seen += len(got) > 1
+    assert inlined_seen >= 5  # the test binary really has inlined code
+
+
+def test_symbolize_with_lines_expands_inlined_frames(inline_binary: Path) -> None:
+    image = ElfImage.load(inline_binary)
+    assert image.lines is not None
+    outer = image.symbols.address_of("outer")
+    assert outer is not None
+    pc = next(a for a in instructions(inline_binary, "outer") if len(image.lines.frames(a)) == 3)
+    space = AddressSpace([Module.from_image(image, kernel=False)])
+    raw = RawStack((pc,), StopReason.END, (True,))
+    plain = Unwinder().symbolize(raw, space)
+    assert [f.symbol for f in plain.frames] == ["outer"] and plain.frames[0].line is None
+    detailed = Unwinder(lines=True).symbolize(raw, space)
+    assert Unwinder(lines=True).symbolize(raw, space, lines=False) == plain
+    assert [(f.symbol, f.inlined) for f in detailed.frames] == [
+        ("mix", True),
+        ("round2", True),
+        ("outer", False),
+    ]
+    assert all(f.file == "inline.c" and f.line for f in detailed.frames)
+    assert detailed.frames[-1].offset == pc - outer
+
+
+def test_no_dwarf_means_no_lines(tmp_path: Path) -> None:
+    binary = tmp_path / "nodebug"
+    subprocess.run(["gcc", "-O2", "-o", str(binary), str(DATA / "inline.c")], check=True)
+    assert ElfImage.load(binary).lines is None
+
+
+def test_broken_dwarf_gives_empty_answers() -> None:
+    table = LineTable(b"\x7fELF" + b"\x00" * 60)
+    assert table.frames(0x1000) == ()
