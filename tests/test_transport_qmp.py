@@ -158,13 +158,28 @@ async def test_memsave_file_is_private_and_removed(tmp_path: Path) -> None:
     with bios_qemu(tmp_path) as (sock, _):
         transport = await QmpTransport.connect(sock)
         await transport.read(0, BIOS, 4096)
-        directory = Path(transport._dump_dir or "")
-        dump = directory / "memsave.bin"
-        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-        assert stat.S_IMODE(dump.stat().st_mode) == 0o600
-        await transport.read(0, BIOS, 4096)
-        assert [p.name for p in directory.iterdir()] == ["memsave.bin"]  # reused
-        await transport.close()
+        try:
+            directory = Path(transport._dump_dir or "")
+            dump = directory / "memsave-0.bin"
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+            assert stat.S_IMODE(dump.stat().st_mode) == 0o600
+            await transport.read(0, BIOS, 4096)
+            assert [p.name for p in directory.iterdir()] == ["memsave-0.bin"]  # reused
+            # Pipelined reads each get a file of their own, and each its own bytes back.
+            low, high = await asyncio.gather(
+                transport.read(0, BIOS, 4096), transport.read(0, BIOS + 4096, 4096)
+            )
+            assert low != high
+            assert (low, high) == (
+                await transport.read(0, BIOS, 4096),
+                await transport.read(0, BIOS + 4096, 4096),
+            )
+            assert sorted(p.name for p in directory.iterdir()) == [
+                "memsave-0.bin",
+                "memsave-1.bin",
+            ]
+        finally:
+            await transport.close()
         assert not directory.exists()
 
 
@@ -187,7 +202,8 @@ async def test_auto_falls_back_to_hmp_when_memsave_cannot_write(tmp_path: Path) 
 
 def _emptied(transport: QmpTransport) -> str:
     directory = transport._dump_dir or ""
-    os.unlink(os.path.join(directory, "memsave.bin"))  # our fd stays open
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))  # our fds stay open
     return directory
 
 
