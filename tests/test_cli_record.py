@@ -186,7 +186,8 @@ def test_record_profiles_the_boot_from_the_first_instruction(tmp_path: Path) -> 
     # time, which 2 ms samples from the first instruction on see. Before it ran the firmware
     # (SeaBIOS, the PVH loader): no symbols there.
     assert any("kmain" in names for names in stacks), stacks
-    assert any(names == ("kernel", "[unknown]") for names in stacks), stacks
+    # Not in long mode there is no stack to walk: the leaf alone, marked as cut short.
+    assert any(names == ("kernel", "[truncated]", "[unknown]") for names in stacks), stacks
     # The end came from --duration (0.5 s / 2 ms = 250 ticks), then qmpprof quit QEMU, which
     # exited in order (it deletes its pid file then).
     assert " 250 ticks" in err

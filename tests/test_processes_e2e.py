@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import pytest
 from guestvm import expected, running_guest
@@ -68,8 +67,10 @@ def program_of(root: str) -> str:
 
 
 @pytest.mark.parametrize("variant", ["cfi", "fp"])
-def test_processes_are_named_and_the_known_split_is_measured(tmp_path: Path, variant: str) -> None:
-    stacks = profile(tmp_path, variant)
+def test_processes_are_named_and_the_known_split_is_measured(
+    tmp_path_factory: pytest.TempPathFactory, variant: str
+) -> None:
+    stacks = profile(tmp_path_factory, variant)
     shape = expected()
     by_root = shares_by_root(stacks)
     roots = set(by_root)
