@@ -61,9 +61,9 @@ class Symbolizer(Protocol[Space_co]):
     """Gives the address space for a sample. Called while the guest is stopped, so it may read
     guest memory (a metadata page, ``.text``) through the transport and the sample's cache."""
 
-    def prefetch(self) -> Sequence[tuple[int, int]]:
-        """(address, size) ranges to read on every vCPU at every tick, before the registers
-        are known: they are pipelined with stop and the register reads."""
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        """(address, size) ranges identify() will need for this sample: they are read together
+        with the stack window, in the same round trip."""
         ...
 
     async def identify(
@@ -91,7 +91,7 @@ class KernelSymbolizer(Generic[Space]):
     def __init__(self, space: Space) -> None:
         self._identity = KernelIdentity(None, space)
 
-    def prefetch(self) -> Sequence[tuple[int, int]]:
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         return ()
 
     async def identify(
@@ -236,22 +236,12 @@ class Sampler(Generic[Space, Raw]):
             await self.transport.cont()
 
     async def _capture_all(self, cpus: Sequence[int], *, stop: bool) -> list[_Captured[Space, Raw]]:
-        """Stop, registers and the fixed-address reads (the metadata page) are independent of
-        each other: they go out together and QEMU answers them in order, so the pause costs
-        one round trip for all of them instead of one each. QMP matches replies by id."""
+        """Stop and every vCPU's registers go out together and QEMU answers them in order, so
+        the pause pays one round trip for all of them. QMP matches replies by id."""
         mark = self._clock()
-        caches = {cpu: PageCache() for cpu in cpus}
-        fixed = [
-            fetch(self.transport, caches[cpu], cpu, addr, size)
-            for cpu in cpus
-            for addr, size in self.symbolizer.prefetch()
-        ]
         head = [self.transport.stop()] if stop else []
         results = await asyncio.gather(
-            *head,
-            *(self.transport.registers(cpu) for cpu in cpus),
-            *fixed,
-            return_exceptions=True,
+            *head, *(self.transport.registers(cpu) for cpu in cpus), return_exceptions=True
         )
         for result in results:
             if isinstance(result, GuestGoneError | asyncio.CancelledError):
@@ -259,30 +249,35 @@ class Sampler(Generic[Space, Raw]):
         if stop and isinstance(results[0], BaseException):
             raise results[0]
         self._phase("registers", mark)
-        regs_of = results[len(head) : len(head) + len(cpus)]
-        taken: list[tuple[Registers, PageCache]] = []
-        for cpu, regs in zip(cpus, regs_of, strict=True):
+        taken: list[Registers] = []
+        for regs in results[len(head) :]:
             if isinstance(regs, TransportError):
                 self.stats.errors[f"registers: {regs}"] += 1
             elif isinstance(regs, BaseException):
                 raise regs
             elif isinstance(regs, Registers):
-                taken.append((regs, caches[cpu]))
-        # A refused fixed read is retried by the symbolizer itself; nothing else to do here.
-        return list(await asyncio.gather(*(self._capture(r, c) for r, c in taken)))
+                taken.append(regs)
+        return list(await asyncio.gather(*(self._capture(regs) for regs in taken)))
 
-    async def _capture(self, regs: Registers, cache: PageCache) -> _Captured[Space, Raw]:
+    async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
         mode = Mode.KERNEL if regs.rip >= self.config.kernel_boundary else Mode.USER
         if (regs.cpl == 3) != (mode is Mode.USER):
             self.stats.cpl_mismatch += 1
         captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
         if self.config.keep is not None and mode is not self.config.keep:
             return captured  # filtered after cont; no need to read its memory
+        cache = PageCache()
         mark = self._clock()
         try:
+            # The stack window and what identify() needs are independent: one round trip.
+            # A refused identity read is retried (and counted) by identify() itself.
+            wanted = self.symbolizer.reads_for(regs)
+            await asyncio.gather(
+                self._prefetch(regs, cache),
+                *(fetch(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
+            )
             identity = await self.symbolizer.identify(self.transport, regs, cache)
             captured.process, captured.space = identity.process, identity.space
-            await self._prefetch(regs, cache)
             captured.raw = await self._unwind(regs, cache, identity.space)
             self._learn_stack_end(regs, cache)
         except GuestGoneError:

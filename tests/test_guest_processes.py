@@ -91,9 +91,17 @@ def start(guest: PagedGuest, cpu: int, cr3: int, pid: int, image: ElfImage, text
         guest.put(cr3, image.section_addr(".eh_frame") or 0, eh)
 
 
-def tracker(images: dict[str, ElfImage], **kw: object) -> ProcessTracker:
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tracker(images: dict[str, ElfImage], clock: Clock | None = None) -> ProcessTracker:
     kernel = Module(name="kernel", start=1 << 63, end=(1 << 64) - 1, kernel=True)
-    return ProcessTracker([kernel], ProgramIndex(list(images.values())), **kw)  # type: ignore[arg-type]
+    programs = ProgramIndex(list(images.values()))
+    return ProcessTracker([kernel], programs, clock=clock or Clock())
 
 
 async def test_two_instances_of_one_program_both_get_symbols(
@@ -116,12 +124,21 @@ async def test_two_instances_of_one_program_both_get_symbols(
 async def test_a_known_process_is_not_read_again(images: dict[str, ElfImage]) -> None:
     guest = PagedGuest()
     start(guest, 0, 0xA000, 1, images["spin"], images["spin"].text_bytes)
-    t = tracker(images)
+    clock = Clock()
+    t = tracker(images, clock)
     await t.identify(guest, regs(0, 0xA000), PageCache())
     reads = guest.reads
+    # Within RECHECK of the last reading: no read at all, not even the metadata page.
+    clock.now += t.recheck / 2
+    assert t.reads_for(regs(0, 0xA000)) == ()
     again = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
-    assert guest.reads == reads + 1  # the metadata page only, no .text
+    assert guest.reads == reads
     assert again.process is not None and again.process.program == "spin"
+    # Later the page is read again (pipelined by the sampler with the stack), but not .text.
+    clock.now += t.recheck
+    assert t.reads_for(regs(0, 0xA000)) == ((METADATA_ADDR, 64),)
+    await t.identify(guest, regs(0, 0xA000), PageCache())
+    assert guest.reads == reads + 1
 
 
 async def test_reused_pid_running_another_program_is_identified_again(
@@ -129,10 +146,12 @@ async def test_reused_pid_running_another_program_is_identified_again(
 ) -> None:
     guest = PagedGuest()
     start(guest, 0, 0xA000, 1, images["spin"], images["spin"].text_bytes)
-    t = tracker(images)
+    clock = Clock()
+    t = tracker(images, clock)
     assert (await t.identify(guest, regs(0, 0xA000), PageCache())).process.program == "spin"  # type: ignore[union-attr]
     guest.spaces.clear()
     start(guest, 0, 0xA000, 1, images["sys"], images["sys"].text_bytes)
+    clock.now += t.recheck + 0.01
     ident = await t.identify(guest, regs(0, 0xA000), PageCache())
     assert ident.process is not None and ident.process.label == "sys (pid 1)"
 

@@ -297,20 +297,20 @@ async def test_summary_reports_counts_rate_and_pauses() -> None:
     assert sampler.stats.running_fraction() == pytest.approx(10 / 12, rel=0.02)
 
 
-class PrefetchingSymbolizer(KernelSymbolizer[FakeSpace]):
-    """Asks for a fixed range (like the metadata page) on every vCPU at every tick."""
+class ReadingSymbolizer(KernelSymbolizer[FakeSpace]):
+    """Needs a fixed range (like the metadata page) to identify every sample."""
 
-    def prefetch(self) -> tuple[tuple[int, int], ...]:
+    def reads_for(self, regs: Registers) -> tuple[tuple[int, int], ...]:
         return ((K + 0x10_0000, 64),)
 
 
-async def test_fixed_reads_are_sent_with_stop_and_registers_before_any_stack_read() -> None:
+async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     r0, pages = kernel_cpu(0)
     transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)}, pages)
     sampler = Sampler(
         transport,
         FramePointerUnwinder(),
-        PrefetchingSymbolizer(SPACE),
+        ReadingSymbolizer(SPACE),
         SamplerConfig(duration=0.01, interval=0.01),
         clock=transport.clock,
         sleep=transport.clock.sleep,
@@ -318,6 +318,7 @@ async def test_fixed_reads_are_sent_with_stop_and_registers_before_any_stack_rea
     )
     await sampler.run()
     tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
-    fixed = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
-    assert tick[:5] == ["stop", "registers:0", "registers:1", fixed, fixed]
-    assert sampler.stats.samples == 2  # an unmapped fixed page costs nothing more
+    assert tick[:3] == ["stop", "registers:0", "registers:1"]
+    identity = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
+    assert tick.count(identity) == 2  # one per vCPU, while the guest is stopped
+    assert sampler.stats.samples == 2  # an unmapped identity page costs nothing more

@@ -1,7 +1,8 @@
 """Which process a vCPU was running, and the address space to unwind and name its stack with.
 
 With the Emerald metadata page: the page is read under the sampled vCPU's CR3 (the sampler's
-page cache, while the guest is stopped); a new (CR3, page contents) pair means a new process,
+page cache, while the guest is stopped) when that address space was not confirmed within the
+last RECHECK seconds; a new (CR3, page contents) pair means a new process,
 whose ``.text`` is read once and matched against the user ELF files. A reused pid with another
 program has other page contents or another CR3, so it is identified again. A program with no
 matching ELF is unwound with the ``.eh_frame`` read from guest memory and named by address.
@@ -14,7 +15,8 @@ under that CR3; without a match the user stack is walked with frame pointers.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.guest import metadata
@@ -28,6 +30,11 @@ from qmpprof.unwind.cfi import CfiTable
 from qmpprof.unwind.chain import AddressSpace, Module
 
 UNKNOWN_PROGRAM = UNKNOWN
+# The metadata page of an address space is read again once its last reading is this old
+# (seconds): a new process reusing a page-table root is recognised within that time, and most
+# samples need no read of it at all.
+RECHECK = 0.25
+_RECENT_LIMIT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,8 @@ class ProcessTracker:
         *,
         metadata_addr: int | None = metadata.METADATA_ADDR,
         layout: tuple[str, ...] = metadata.FIELDS,
+        recheck: float = RECHECK,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kernel_modules = tuple(kernel_modules)
         self.programs = programs
@@ -55,12 +64,22 @@ class ProcessTracker:
         self._by_page: dict[tuple[int, ProcessInfo], Identity] = {}
         self._by_cr3: dict[int, Identity] = {}
         self._user_cr3s: set[int] = set()
+        # CR3 -> (identity, when the metadata page last confirmed it).
+        self._recent: dict[int, tuple[Identity, float]] = {}
+        self.recheck = recheck
+        self.clock = clock
 
-    def prefetch(self) -> Sequence[tuple[int, int]]:
-        """The metadata page: read with the registers, whatever the vCPU runs."""
-        if self.metadata_addr is None:
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        """The metadata page, unless this address space was identified a moment ago."""
+        if self.metadata_addr is None or self._fresh(regs.cr3) is not None:
             return ()
         return ((self.metadata_addr, 8 * len(self.layout)),)
+
+    def _fresh(self, cr3: int) -> Identity | None:
+        seen = self._recent.get(cr3)
+        if seen is None or self.clock() - seen[1] > self.recheck:
+            return None
+        return seen[0]
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -69,18 +88,12 @@ class ProcessTracker:
         if regs.cpl == 3:
             self._user_cr3s.add(regs.cr3)
         if self.metadata_addr is not None:
-            await fetch(transport, cache, regs.cpu, self.metadata_addr, 8 * len(self.layout))
-            page = cache.read(self.metadata_addr, 8 * len(self.layout))
-            info = None if page is None else metadata.parse(page, self.layout)
-            if info is not None:
-                found = self._by_page.get((regs.cr3, info))
-                if found is None:
-                    found = await self._from_page(transport, regs, info)
-                    self._by_page[(regs.cr3, info)] = found
+            fresh = self._fresh(regs.cr3)
+            if fresh is not None and (fresh.process is not None or regs.cpl != 3):
+                return fresh
+            found = await self._from_metadata(transport, regs, cache)
+            if found is not None:
                 return found
-            if regs.cpl == 3:
-                # User code runs without a page: this kernel does not follow the convention.
-                self.metadata_addr = None
         if regs.cr3 not in self._user_cr3s:
             return self.kernel
         found = self._by_cr3.get(regs.cr3)
@@ -88,6 +101,32 @@ class ProcessTracker:
             found = await self._from_cr3(transport, regs)
             self._by_cr3[regs.cr3] = found
         return found
+
+    async def _from_metadata(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity | None:
+        assert self.metadata_addr is not None
+        await fetch(transport, cache, regs.cpu, self.metadata_addr, 8 * len(self.layout))
+        page = cache.read(self.metadata_addr, 8 * len(self.layout))
+        info = None if page is None else metadata.parse(page, self.layout)
+        if info is None:
+            if regs.cpl == 3:
+                # User code runs without a page: this kernel does not follow the convention.
+                self.metadata_addr = None
+                return None
+            self._remember(regs.cr3, self.kernel)
+            return self.kernel
+        found = self._by_page.get((regs.cr3, info))
+        if found is None:
+            found = await self._from_page(transport, regs, info)
+            self._by_page[(regs.cr3, info)] = found
+        self._remember(regs.cr3, found)
+        return found
+
+    def _remember(self, cr3: int, identity: Identity) -> None:
+        if len(self._recent) >= _RECENT_LIMIT:
+            self._recent.clear()
+        self._recent[cr3] = (identity, self.clock())
 
     async def _from_page(
         self, transport: GuestTransport, regs: Registers, info: ProcessInfo
