@@ -33,7 +33,7 @@ UNKNOWN_PROGRAM = UNKNOWN
 # The metadata page of an address space is read again once its last reading is this old
 # (seconds): a new process reusing a page-table root is recognised within that time, and most
 # samples need no read of it at all.
-RECHECK = 0.25
+RECHECK = 0.5
 _RECENT_LIMIT = 4096
 
 

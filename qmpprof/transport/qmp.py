@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from qemu.qmp import ConnectError as QmpConnectError
-from qemu.qmp import ExecInterruptedError, ExecuteError, QMPClient, QMPError, StateError
+from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMPError, StateError
 
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.model import Registers
@@ -59,7 +60,7 @@ class QmpTransport:
         where = f"{tcp[0]}:{tcp[1]}" if tcp is not None else str(socket_path)
         if socket_path is not None and not Path(socket_path).exists():
             raise ConnectError(f"no QMP socket at {where} (is QEMU running with -qmp unix:...?)")
-        client = QMPClient("qmpprof")
+        client = _QuietClient("qmpprof")
         address: str | tuple[str, int] = tcp if tcp is not None else os.fspath(socket_path or "")
         try:
             await asyncio.wait_for(client.connect(address), timeout)
@@ -185,6 +186,22 @@ class QmpTransport:
     async def close(self) -> None:
         self._discard_dumps()
         await _quiet_disconnect(self._client)
+
+
+class _QuietClient(QMPClient):
+    """qemu.qmp's message hooks format every message for a debug log line even when nobody
+    logs (a JSON encoding of each 3 KiB register dump, per sample). The hooks are there for
+    subclasses: these format only when debug logging is on."""
+
+    def _cb_outbound(self, msg: Message) -> Message:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("--> %s", msg)
+        return msg
+
+    def _cb_inbound(self, msg: Message) -> Message:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("<-- %s", msg)
+        return msg
 
 
 class _MemsaveUnusable(Exception):
