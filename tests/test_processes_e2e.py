@@ -37,7 +37,7 @@ def profile(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Stacks:
                 "--qmp-socket", str(guest.qmp_socket),
                 "--kernel", str(guest.kernel_elf),
                 "--user-dir", str(guest.user_dir),
-                "--interval", "2", "--duration", "10", "--jitter",
+                "--interval", "2", "--duration", "10", "--jitter", "0.5",
                 "-o", str(out),
             ]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
