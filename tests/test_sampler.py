@@ -32,12 +32,13 @@ def kernel_cpu(cpu: int = 0) -> tuple[Registers, dict[int, bytes]]:
 def make(
     transport: FakeTransport,
     unwinder: FramePointerUnwinder | None = None,
+    symbolizer: KernelSymbolizer[FakeSpace] | None = None,
     **config: object,
 ) -> Sampler[FakeSpace, tuple[tuple[int, ...], StopReason]]:
     return Sampler(
         transport,
         unwinder or FramePointerUnwinder(),
-        KernelSymbolizer(SPACE),
+        symbolizer or KernelSymbolizer(SPACE),
         SamplerConfig(**config),  # type: ignore[arg-type]
         clock=transport.clock,
         sleep=transport.clock.sleep,
@@ -307,15 +308,7 @@ class ReadingSymbolizer(KernelSymbolizer[FakeSpace]):
 async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     r0, pages = kernel_cpu(0)
     transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)}, pages)
-    sampler = Sampler(
-        transport,
-        FramePointerUnwinder(),
-        ReadingSymbolizer(SPACE),
-        SamplerConfig(duration=0.01, interval=0.01),
-        clock=transport.clock,
-        sleep=transport.clock.sleep,
-        rng=lambda: 0.5,
-    )
+    sampler = make(transport, symbolizer=ReadingSymbolizer(SPACE), duration=0.01, interval=0.01)
     await sampler.run()
     tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
     assert tick[:3] == ["stop", "registers:0", "registers:1"]
