@@ -249,3 +249,16 @@ def test_forced_hmp_memory_path(tmp_path: Path, capsys: pytest.CaptureFixture[st
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 50
     assert any(names[-1] == "checksum_leaf" and "kworker_main" in names for names, _ in stacks)
+
+
+def test_lines_name_frames_by_file_and_line(tmp_path: Path) -> None:
+    out = tmp_path / "lines.folded"
+    with running_guest(tmp_path) as guest:
+        args = [*cli_args(guest, "--user-dir", str(guest.user_dir), "--lines", "--duration", "1")]
+        assert main([*args, "-o", str(out)]) == 0
+    stacks = [frames for frames, _ in folded.parse(out.read_text())]
+    named = re.compile(r"^\w+ \([\w.]+\.[cS]:\d+\)(_\[[ik]\])*$")
+    frames = [f for stack in stacks for f in stack[1:] if not f.startswith("[")]
+    assert frames and all(named.match(f) for f in frames), frames
+    assert any(f.startswith("compute_leaf (syscall.c:") for f in frames)
+    assert any(f.startswith("spin_hot (spin.c:") for f in frames)

@@ -40,6 +40,7 @@ class Options:
     metadata_addr: int | None
     metadata_layout: tuple[str, ...]
     offsets: bool
+    lines: bool
 
     @property
     def guest(self) -> str:
@@ -79,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
     add("--show-addresses", action="store_true", help="show frame addresses")
     add("--offsets", action="store_true", help="name frames function+offset")
+    add("--lines", action="store_true",
+        help="name frames 'function (file:line)' from DWARF, with inlined functions as frames "
+             "of their own, marked _[i]")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("-k", "--kernel-only", action="store_true",
         help="keep only samples taken in kernel mode (RIP at or above the kernel boundary), "
@@ -141,6 +145,7 @@ def parse(argv: list[str]) -> Options:
         else parse_address(ns.metadata_addr, "--metadata-addr"),
         metadata_layout=_layout(ns.metadata_layout),
         offsets=ns.offsets,
+        lines=ns.lines,
     )
 
 

@@ -125,10 +125,10 @@ async def run(
         progress = _Progress(err, opts.duration)
         sampler = Sampler(
             transport,
-            Unwinder(kernel_boundary=opts.kernel_boundary),
+            Unwinder(kernel_boundary=opts.kernel_boundary, lines=opts.lines),
             symbolizer,
             _config(opts, transport),
-            Naming(show_addresses=opts.show_addresses, offsets=opts.offsets),
+            Naming(show_addresses=opts.show_addresses, offsets=opts.offsets, lines=opts.lines),
             on_tick=progress,
         )
         loop = asyncio.get_running_loop()
