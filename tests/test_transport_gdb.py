@@ -1,5 +1,6 @@
-"""GdbTransport: packet framing and the register parser (captured packets, a scripted stub),
-then end to end against a real QEMU's gdbstub, with QMP as the independent witness."""
+"""GdbTransport (and its pipelined channel): against a scripted stub, then end to end against a
+real QEMU's gdbstub, with QMP on a plain socket as the independent witness. The packet code has
+its own tests (test_transport_gdbpackets.py), whose captured packets serve here too."""
 
 from __future__ import annotations
 
@@ -16,161 +17,12 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, Guest, build_fixtures, free_tcp_port, gdb_backtrace, running_guest
+from test_transport_gdbpackets import CAPTURED_G, monitor_fields
 
 from qmpprof.bench.rawqmp import RawQmp
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
-from qmpprof.transport.gdb import (
-    REGISTER_NAMES,
-    GdbTransport,
-    checksum,
-    decode_body,
-    decode_registers,
-    encode_packet,
-    parse_registers,
-    parse_thread_ids,
-)
-
-# Captured from QEMU 7.2 (SeaBIOS idle in 32-bit protected mode): the `g` reply and the
-# `info registers` text of the same stop.
-CAPTURED_G = (
-    "0000000000000000000800000000000080f415fc000000004602010000000000"
-    "e8300003000000000008000000000000102fcc9c00000000bc1f0a"
-    + "0"
-    * 138
-    + "3928010000000000460200000800000010000000100000001000000010000000"
-    "1000000000d0f3030000000000d0f30300000000000000000000000011"
-    + "0" * 254
-    + "7f03"  # the x87 control word (FCW=037f)
-    + "0" * 572
-    + "801f0000"  # MXCSR=00001f80, the last register
-).encode()
-CAPTURED_INFO_REGISTERS = """\
-EAX=00000000 EBX=00000800 ECX=fc15f480 EDX=00010246
-ESI=030030e8 EDI=00000800 EBP=9ccc2f10 ESP=000a1fbc
-EIP=00012839 EFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=1
-CS =0008 03f3d000 ffffffff 00cf9f00 DPL=0 CS32 [CRA]
-FS =0010 03f3d000 ffffffff 00cf9300 DPL=0 DS   [-WA]
-CR0=00000011 CR2=00000000 CR3=00000000 CR4=00000000
-EFER=0000000000000000
-"""
-
-
-def monitor_fields(text: str) -> dict[str, int]:
-    """NAME=hex fields of `info registers`, first occurrence wins (the witness's own parser)."""
-    fields: dict[str, int] = {}
-    for name, value in re.findall(r"\b([A-Z][A-Z0-9]*) ?=([0-9a-f]+)\b", text):
-        fields.setdefault(name, int(value, 16))
-    return fields
-
-
-# --- framing -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "framed",
-    [
-        b"$PacketSize=1000;qXfer:features:read+;vContSupported+;multiprocess+#92",
-        b"$OK#9a",
-        b"$T05thread:p01.01;#06",
-        b"$mp01.01#cd",
-        b"$vCont;c;C;s;S#62",
-    ],
-)
-def test_checksum_matches_captured_packets(framed: bytes) -> None:
-    body, _, cs = framed[1:].partition(b"#")
-    assert checksum(body) == int(cs, 16)
-    assert encode_packet(body) == framed
-
-
-def test_escaping_round_trips_reserved_bytes() -> None:
-    body = b"a$b#c}d*e"
-    framed = encode_packet(body)
-    # Each reserved byte becomes `}` followed by the byte XOR 0x20.
-    assert framed[1:-3] == b"a}\x04b}\x03c}]d}\x0ae"
-    assert int(framed[-2:], 16) == checksum(framed[1:-3])
-    assert decode_body(framed[1:-3]) == body
-
-
-@pytest.mark.parametrize(
-    ("encoded", "decoded"),
-    [
-        (b"0* ", b"0000"),  # the spec's example: ' ' is 32, so three more copies
-        (b'ab*"c', b"abbbbbbc"),  # '"' is 34: five more
-        (b"plain", b"plain"),
-    ],
-)
-def test_run_length_decoding(encoded: bytes, decoded: bytes) -> None:
-    assert decode_body(encoded) == decoded
-
-
-@pytest.mark.parametrize(
-    ("reply", "tids"),
-    [
-        (b"m01", {1: b"01"}),
-        (b"m1,2,a", {1: b"1", 2: b"2", 10: b"a"}),
-        (b"mp01.01,p01.02", {1: b"p01.01", 2: b"p01.02"}),  # after a multiprocess+ gdb
-        (b"l", {}),
-        (b"", {}),
-    ],
-)
-def test_thread_lists(reply: bytes, tids: dict[int, bytes]) -> None:
-    assert parse_thread_ids(reply) == tids
-
-
-def test_malformed_thread_list_is_a_transport_error() -> None:
-    with pytest.raises(TransportError):
-        parse_thread_ids(b"mzz")
-
-
-# --- registers ---------------------------------------------------------------------------------
-
-
-def test_captured_registers_agree_with_info_registers() -> None:
-    regs = decode_registers(CAPTURED_G)
-    mon = monitor_fields(CAPTURED_INFO_REGISTERS)
-    for name in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", "ip"):
-        assert regs["r" + name] == mon["E" + name.upper()], name
-    assert regs["eflags"] == mon["EFL"]
-    assert regs["cs"] == mon["CS"]
-    assert (regs["cr0"], regs["cr3"], regs["efer"]) == (mon["CR0"], mon["CR3"], mon["EFER"])
-    assert regs["fs_base"] == 0x03F3D000  # the base column of the FS line
-
-
-def test_captured_registers_fill_the_model() -> None:
-    model = parse_registers(0, CAPTURED_G)
-    assert (model.rip, model.rsp, model.rbp) == (0x12839, 0xA1FBC, 0x9CCC2F10)
-    assert model.gprs[1] == 0x10246  # DWARF 1 is rdx
-    assert model.gprs[3] == 0x800  # DWARF 3 is rbx
-    assert model.gprs[2] == 0xFC15F480  # rcx
-    assert model.cpl == 0
-    assert model.long_mode is False
-    assert model.fs_base == 0x03F3D000
-
-
-def test_long_mode_user_registers_by_hand() -> None:
-    # gdb order rax rbx rcx rdx ...: value 0x1000+i at gdb position i tells the mapping apart.
-    gprs = [0xFFFF_8000_0000_1000 + i for i in range(16)]
-    rip = 0x40_1234
-    segments = [0x202, 0x33, 0x2B, 0, 0, 0, 0]  # eflags, then CS with RPL 3 (user)
-    tail = [0x7000, 0xFFFF_8880_0000_0000, 0, 0x8005_0033, 0, 0x1234_5000, 0x20, 0, 0xD01]
-    raw = struct.pack("<17Q7I9Q", *gprs, rip, *segments, *tail) + bytes(372)
-    model = parse_registers(1, raw.hex().encode())
-    assert model.cpu == 1
-    assert model.gprs[0] == gprs[0]  # rax
-    assert model.gprs[1] == gprs[3]  # rdx
-    assert model.gprs[2] == gprs[2]  # rcx
-    assert model.gprs[3] == gprs[1]  # rbx
-    assert [model.gprs[n] for n in range(4, 16)] == gprs[4:]
-    assert (model.gprs[16], model.rip) == (rip, rip)
-    assert (model.cpl, model.cr3, model.long_mode) == (3, 0x1234_5000, True)
-    assert (model.fs_base, model.gs_base) == (0x7000, 0xFFFF_8880_0000_0000)
-
-
-@pytest.mark.parametrize("payload", [b"00" * 100, b"zz" * 608])
-def test_malformed_register_packets_are_transport_errors(payload: bytes) -> None:
-    with pytest.raises(TransportError):
-        parse_registers(0, payload)
-
+from qmpprof.transport.gdb import GdbTransport
+from qmpprof.transport.gdbpackets import REGISTER_NAMES, encode_packet
 
 # --- protocol against a scripted stub ----------------------------------------------------------
 
@@ -185,6 +37,8 @@ def qemu_like(body: bytes) -> bytes | None:
         return b"m01" if body == b"qfThreadInfo" else b"l"
     if body.startswith(b"Hg") or body == b"D":
         return b"OK"
+    if body == b"qC":
+        return b"QC01"
     if body == b"g":
         return CAPTURED_G
     if body.startswith(b"m"):
@@ -202,11 +56,22 @@ def qemu_like(body: bytes) -> bytes | None:
 class FakeStub:
     """A gdbstub on a local port that answers with ``respond`` and records what it was sent."""
 
-    def __init__(self, respond: Responder = qemu_like, greeting: bytes = b"", hang_up: int = 0):
+    def __init__(
+        self,
+        respond: Responder = qemu_like,
+        greeting: bytes = b"",
+        hang_up: int = 0,
+        slow: dict[bytes, float] | None = None,
+        hold: tuple[int, int] | None = None,
+    ):
         self.respond = respond
+        self.slow = slow or {}  # packets answered only after this many seconds
         self.greeting = greeting
         self.hang_up = hang_up  # close the connection after this many packets (0: never)
         self.packets: list[bytes] = []
+        # (first, last): the answers to packets first..last-1 (counting from 1) wait until
+        # packet `last` has come; a client that waits for an answer before it sends on hangs.
+        self.hold = hold
         self.server: asyncio.Server | None = None
         self.handlers: list[asyncio.Task[None]] = []
 
@@ -240,23 +105,30 @@ class FakeStub:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         buf = b""
+        held: list[bytes] = []
         while data := await reader.read(65536):
             buf += data
             while buf := buf.lstrip(b"+"):
                 if buf[:1] == b"\x03":
-                    buf = buf[1:]
-                    self.packets.append(b"\x03")
-                    writer.write(encode_packet(b"T02thread:01;"))
-                    continue
-                end = buf.find(b"#")
-                if not buf.startswith(b"$") or end < 0 or len(buf) < end + 3:
-                    break
-                body, buf = buf[1:end], buf[end + 3 :]
+                    body, buf, answer = b"\x03", buf[1:], encode_packet(b"T02thread:01;")
+                else:
+                    end = buf.find(b"#")
+                    if not buf.startswith(b"$") or end < 0 or len(buf) < end + 3:
+                        break
+                    body, buf = buf[1:end], buf[end + 3 :]
+                    reply = self.respond(body)
+                    answer = b"+" + (b"" if reply is None else encode_packet(reply))
+                    if body == b"qCorrupt":
+                        answer = b"+" + encode_packet(b"OK")[:-2] + b"00"  # a wrong checksum
                 self.packets.append(body)
                 if self.hang_up and len(self.packets) >= self.hang_up:
                     return
-                reply = self.respond(body)
-                writer.write(b"+" + (b"" if reply is None else encode_packet(reply)))
+                if body in self.slow:
+                    await asyncio.sleep(self.slow[body])
+                held.append(answer)
+                if not self.hold or not self.hold[0] <= len(self.packets) < self.hold[1]:
+                    writer.write(b"".join(held))
+                    held.clear()
 
 
 async def test_attach_to_a_running_guest_resumes_it() -> None:
@@ -285,19 +157,20 @@ async def test_was_running_given_by_the_caller_wins() -> None:
         transport = await GdbTransport.connect(stub.address, was_running=True)
         assert await transport.is_running()
         await transport.stop()
-        assert stub.packets[-1] == b"\x03"
+        assert stub.packets[-2:] == [b"\x03", b"qC"]  # the qC is answered after the stop
         assert not await transport.is_running()
         await transport.close(running=True)
         assert stub.packets[-1] == b"D"
 
 
-async def test_reads_are_chunked_to_the_stub_limit_and_selected_once() -> None:
+async def test_reads_are_chunked_to_the_stub_limit() -> None:
     async with FakeStub() as stub, await GdbTransport.connect(stub.address) as transport:
         data = await transport.read(0, 0x1100, 0x1801)
         assert data == bytes(a & 0xFF for a in range(0x1100, 0x2901))
         await transport.registers(0)
         reads = [p for p in stub.packets if p[:1] in (b"m", b"H", b"g")]
-        assert reads == [b"Hg01", b"m1100,800", b"m1900,800", b"m2100,800", b"m2900,1", b"g"]
+        chunks = [b"m1100,800", b"m1900,800", b"m2100,800", b"m2900,1"]
+        assert reads == [b"Hg01", *chunks, b"Hg01", b"g"]  # every request selects its vCPU
 
 
 async def test_error_reply_is_a_memory_read_error() -> None:
@@ -322,9 +195,81 @@ async def test_stub_hanging_up_is_guest_gone() -> None:
 
 async def test_bad_checksum_is_a_transport_error() -> None:
     async with FakeStub() as stub, await GdbTransport.connect(stub.address) as transport:
-        transport._reader.feed_data(b"$OK#00")  # a packet whose checksum is wrong
         with pytest.raises(TransportError, match="checksum"):
+            await transport.query("qCorrupt")
+        with pytest.raises(TransportError, match="checksum"):  # the stream is not trusted
             await transport.query("qC")
+
+
+def two_vcpus(body: bytes, selected: list[int]) -> bytes | None:
+    """QEMU with two vCPUs whose RIP is 0x1000 * thread id; thread 2 refuses `g`."""
+    if body == b"qfThreadInfo":
+        return b"m01,02"
+    if body.startswith(b"Hg"):
+        selected[0] = int(body[2:], 16)
+        return b"OK"
+    if body == b"g":
+        if selected[0] == 2 and len(selected) > 1:
+            return b"E01"
+        regs = struct.pack("<17Q7I9Q", *([0] * 16), 0x1000 * selected[0], *([0] * 16))
+        return (regs + bytes(372)).hex().encode()
+    return qemu_like(body)
+
+
+async def test_concurrent_register_reads_are_pipelined() -> None:
+    selected = [1]
+    # Packets 4-7 are Hg01 g Hg02 g: no answer before all four came, so a client that waited
+    # for the first answer before sending the second request would time out.
+    async with (
+        FakeStub(lambda body: two_vcpus(body, selected), hold=(4, 7)) as stub,
+        await GdbTransport.connect(stub.address, timeout=2) as transport,
+    ):
+        assert await transport.cpus() == [0, 1]
+        results = await asyncio.gather(
+            transport.registers(0),
+            transport.registers(1),
+            transport.registers(7),
+            return_exceptions=True,
+        )
+        assert [r.rip for r in results[:2] if not isinstance(r, BaseException)] == [0x1000, 0x2000]
+        assert isinstance(results[2], TransportError) and "no vCPU 7" in str(results[2])
+        assert stub.packets[3:] == [b"Hg01", b"g", b"Hg02", b"g"]  # nothing for vCPU 7
+        selected.append(1)  # from now on thread 2 refuses its registers
+        results = await asyncio.gather(
+            transport.registers(0), transport.registers(1), return_exceptions=True
+        )
+        assert not isinstance(results[0], BaseException) and results[0].rip == 0x1000
+        assert isinstance(results[1], TransportError)
+
+
+async def test_a_late_reply_is_not_taken_for_the_next_one() -> None:
+    def respond(body: bytes) -> bytes | None:
+        return {b"qSlow": b"late", b"qC": b"QC01"}.get(body) or qemu_like(body)
+
+    async with (
+        FakeStub(respond, slow={b"qSlow": 0.3}) as stub,
+        await GdbTransport.connect(stub.address, timeout=0.1) as transport,
+    ):
+        with pytest.raises(TransportError, match="did not answer"):
+            await transport.query("qSlow")
+        await asyncio.sleep(0.3)  # the late reply arrives meanwhile
+        assert await transport.query("qC") == "QC01"
+
+
+async def test_stop_and_registers_is_one_round_trip() -> None:
+    # Packets: qSupported, qfThreadInfo, qsThreadInfo, c (resume after attach), then \x03 qC
+    # Hg01 g: the stop reply and the first answers wait until the g came.
+    async with (
+        FakeStub(greeting=encode_packet(b"T02thread:01;"), hold=(5, 8)) as stub,
+        await GdbTransport.connect(stub.address, timeout=2) as transport,
+    ):
+        assert await transport.is_running()
+        (regs,) = await transport.stop_and_registers([0])
+        assert regs.rip == 0x12839  # the captured packet's
+        assert not await transport.is_running()
+        assert stub.packets[3:] == [b"c", b"\x03", b"qC", b"Hg01", b"g"]
+        (again,) = await transport.stop_and_registers([0])  # paused: no second \x03
+        assert again.rip == regs.rip and stub.packets[8:] == [b"Hg01", b"g"]
 
 
 async def test_a_qmp_server_is_not_a_gdbstub() -> None:
@@ -343,11 +288,6 @@ async def test_nothing_listening_is_a_connect_error() -> None:
         await GdbTransport.connect(f"127.0.0.1:{port}")
     with pytest.raises(ConnectError, match=r"no-such\.sock"):
         await GdbTransport.connect("/nonexistent/no-such.sock")
-
-
-def test_register_names_cover_the_parsed_prefix() -> None:
-    assert len(REGISTER_NAMES) == 33
-    assert REGISTER_NAMES[16:18] == ("rip", "eflags")
 
 
 # --- end to end against QEMU's gdbstub -----------------------------------------------------------
@@ -417,6 +357,15 @@ async def test_registers_agree_with_info_registers(tmp_path: Path) -> None:
             assert (model.fs_base, model.gs_base) == (int(bases["FS"], 16), int(bases["GS"], 16))
             assert (model.cpu, model.cpl, model.long_mode) == (cpu, mon["CPL"], True)
             assert (model.rip, model.rsp, model.gprs[1]) == (mon["RIP"], mon["RSP"], mon["RDX"])
+        both = await asyncio.gather(transport.registers(0), transport.registers(1))
+        for cpu, regs in enumerate(both):
+            assert regs.rip == monitor_fields(qmp.hmp("info registers", cpu=cpu))["RIP"]
+        await transport.cont()
+        fused = await transport.stop_and_registers([0, 1])
+        assert not qmp.running()
+        for cpu, regs in enumerate(fused):
+            mon = monitor_fields(qmp.hmp("info registers", cpu=cpu))
+            assert (regs.rip, regs.rsp, regs.cr3) == (mon["RIP"], mon["RSP"], mon["CR3"])
         await transport.close(running=True)
         assert qmp.running()
 
@@ -487,6 +436,10 @@ async def test_a_qmp_stop_behind_its_back_is_noticed(tmp_path: Path) -> None:
         await transport.registers(0)  # the stop reply QEMU sent is read as a notification
         assert not await transport.is_running()
         await transport.stop()  # already paused: returns without waiting for a stop reply
+        await transport.cont()
+        qmp.execute("stop")  # and at once, before the transport read that stop reply:
+        await asyncio.wait_for(transport.stop(), 2)  # no second stop reply comes: no hang
+        assert not qmp.running() and not await transport.is_running()
         await transport.close(running=True)
         assert qmp.running()
 

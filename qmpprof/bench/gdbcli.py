@@ -97,6 +97,9 @@ class GdbMi:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def gdb_batch_backtrace(address: str, elf: str | None) -> int:

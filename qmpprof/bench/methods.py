@@ -54,7 +54,7 @@ class Paced:
         return len(self.pauses) / self.elapsed if self.elapsed else 0.0
 
 
-async def run_paced(method: Method, interval: float, duration: float, limit: int = 0) -> Paced:
+async def run_paced(method: Method, interval: float, duration: float, *, limit: int = 0) -> Paced:
     """Sample for ``duration`` seconds, letting the guest run ``interval`` after each resume.
 
     That is how qmpprof's sampler paces itself (the interval is guest run time), so the achieved
@@ -104,16 +104,17 @@ class FloorQmp:
 class EmeraldHmp:
     """(c) An Emerald-style reader: stop, ``info registers``, one HMP ``x/1gx`` per stack word.
 
-    It walks the frame-pointer chain (two words a frame) while RBP points into the stack above
-    RSP, and otherwise reads ``scan`` words up from RSP, as a scanning unwinder does.
+    It follows the frame-pointer chain (two words a frame) while RBP points into the stack above
+    RSP, then reads words up from RSP until it has read ``words_per_sample`` (16: a return
+    address and one saved register for each of 8 frames), so every sample costs the same.
     """
 
     name = "emerald"
 
-    def __init__(self, qmp: RawQmp, depth: int = 16, scan: int = 16) -> None:
+    def __init__(self, qmp: RawQmp, words_per_sample: int = 16, depth: int = 16) -> None:
         self._qmp = qmp
+        self._want = words_per_sample
         self._depth = depth
-        self._scan = scan
         self.words = 0
 
     async def setup(self) -> None:
@@ -126,14 +127,13 @@ class EmeraldHmp:
         return value
 
     def _walk(self, rsp: int, rbp: int) -> None:
-        frames = 0
-        while rsp <= rbp < rsp + 16 * PAGE and rbp % 8 == 0 and frames < self._depth:
+        read = 0
+        while rsp <= rbp < rsp + 16 * PAGE and rbp % 8 == 0 and read < 2 * self._depth:
             self._word(rbp + 8)  # the return address
             rbp = self._word(rbp)  # the caller's frame
-            frames += 1
-        if frames == 0:
-            for i in range(self._scan):
-                self._word(rsp + 8 * i)
+            read += 2
+        for i in range(self._want - read):
+            self._word(rsp + 8 * i)
 
     async def sample(self) -> float:
         t0 = time.perf_counter()
@@ -151,24 +151,29 @@ class EmeraldHmp:
 
 
 class GdbstubLoop:
-    """(e) qmpprof's gdbstub transport: stop, ``g``, the RSP page with ``m``, cont."""
+    """(e) qmpprof's gdbstub transport: stop, ``g``, the RSP page with ``m``, cont. ``fused``
+    sends the stop and the register request in one write (``stop_and_registers``)."""
 
-    name = "gdbstub"
-
-    def __init__(self, gdb_address: str) -> None:
+    def __init__(self, gdb_address: str, *, fused: bool = False) -> None:
         self._address = gdb_address
+        self._fused = fused
+        self.name = "gdbstub-fused" if fused else "gdbstub"
         self._transport: GdbTransport | None = None
 
     async def setup(self) -> None:
-        self._transport = await GdbTransport.connect(self._address, was_running=True)
+        self._transport = await GdbTransport.connect(self._address)
 
     async def sample(self) -> float:
         transport = self._transport
         assert transport is not None
         t0 = time.perf_counter()
-        await transport.stop()
+        if self._fused:
+            (regs,) = await transport.stop_and_registers([0])
+        else:
+            await transport.stop()
         try:
-            regs = await transport.registers(0)
+            if not self._fused:
+                regs = await transport.registers(0)
             await transport.read(0, regs.rsp & ~(PAGE - 1), PAGE)
         finally:
             await transport.cont()

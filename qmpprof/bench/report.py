@@ -17,6 +17,7 @@ PAUSE_KEYS = {
     "gdb-loop": "gdb_loop_pause_ms",
     "gdb-batch": "gdb_batch_pause_ms",
     "gdbstub": "gdbstub_pause_ms",
+    "gdbstub-fused": "gdbstub_fused_pause_ms",
     "qmpprof-gdb": "qmpprof_gdb_pause_ms",
 }
 # Slowdown at 100 Hz of the two qmpprof runs (and the bare gdbstub loop for reference).
@@ -32,7 +33,10 @@ class RunLike(Protocol):
     method: str
     interval_ms: float
     median_ms: float | None
+    rate_hz: float
+    stopped_fraction: float | None
     slowdown: float | None
+    slowdown_se: float | None
 
 
 def machine() -> dict[str, object]:
@@ -57,14 +61,22 @@ def machine() -> dict[str, object]:
     }
 
 
-def headline(runs: Sequence[RunLike], interval_ms: float) -> dict[str, float | None]:
-    """The named numbers: median pauses and 100 Hz slowdowns, at ``interval_ms``."""
+def headline(runs: Sequence[RunLike], interval_ms: float) -> dict[str, Any]:
+    """The named numbers at ``interval_ms``: median pauses, 100 Hz slowdowns (with their
+    standard errors and the share of time the guest stood stopped), and every run's rate."""
     at = {r.method: r for r in runs if r.interval_ms == interval_ms}
-    out: dict[str, float | None] = {}
+    out: dict[str, Any] = {}
     for method, key in PAUSE_KEYS.items():
         out[key] = at[method].median_ms if method in at else None
     for method, key in OVERHEAD_KEYS.items():
-        out[key] = at[method].slowdown if method in at else None
+        run = at.get(method)
+        out[key] = run.slowdown if run else None
+        out[key + "_se"] = run.slowdown_se if run else None
+        out[key.replace("overhead", "stopped")] = run.stopped_fraction if run else None
+    rates: dict[str, dict[str, float]] = {}
+    for r in runs:
+        rates.setdefault(r.method, {})[f"{r.interval_ms:g}ms"] = r.rate_hz
+    out["rate_hz"] = rates
     return out
 
 
@@ -82,24 +94,27 @@ def run_line(name: str, run: dict[str, Any]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    """One row per method and interval; pauses also as multiples of the floor's and of the
-    gdbstub loop's at the same interval."""
+    """One row per method and interval: pauses (also as multiples of the floor's and of the
+    gdbstub loop's at the same interval), the share of wall time the guest stood stopped, and
+    the guest's slowdown by its progress counter (+- one standard error)."""
     runs: list[dict[str, Any]] = result["runs"]
     floor = {r["interval_ms"]: r["median_ms"] for r in runs if r["method"] == "floor"}
     stub = {r["interval_ms"]: r["median_ms"] for r in runs if r["method"] == "gdbstub"}
     header = (
         f"{'method':12} {'interval':>8} {'samples':>7} {'errors':>6} {'median ms':>9}"
-        f" {'p95 ms':>8} {'rate Hz':>8} {'slowdown':>8} {'x floor':>8} {'x gdbstub':>9}"
+        f" {'p95 ms':>8} {'rate Hz':>8} {'stopped':>7} {'slowdown':>14} {'x floor':>7}"
+        f" {'x gdbstub':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in runs:
         median = r["median_ms"]
         f, s = floor.get(r["interval_ms"]), stub.get(r["interval_ms"])
+        slowdown = _fmt(r["slowdown"], ".1%") + " +- " + _fmt(r["slowdown_se"], ".0%")
         lines.append(
             f"{r['method']:12} {r['interval_ms']:6.0f}ms {r['samples']:7d} {r['errors']:6d}"
             f" {_fmt(median, '9.3f')} {_fmt(r['p95_ms'], '8.3f')} {r['rate_hz']:8.1f}"
-            f" {_fmt(r['slowdown'], '8.1%')}"
-            f" {_fmt(median / f if median and f else None, '8.2f')}"
+            f" {_fmt(r['stopped_fraction'], '7.1%')} {slowdown:>14}"
+            f" {_fmt(median / f if median and f else None, '7.2f')}"
             f" {_fmt(median / s if median and s else None, '9.2f')}"
         )
     base = result["baseline_progress_per_s"]

@@ -1,6 +1,7 @@
 """``scripts/bench``: boot the bundled guest once and measure every way of sampling it, side by
 side: guest pause per sample, achieved rate at two intervals, and how much the guest slowed
-down (its progress counter while sampled, against unsampled runs of the same length).
+down (its progress counter while sampled, in stretches alternating with unsampled ones).
+See docs/bench.md.
 """
 
 from __future__ import annotations
@@ -33,7 +34,17 @@ from qmpprof.bench.qmpprof_run import QmpprofSampler
 from qmpprof.errors import QmpprofError
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ("floor", "qmpprof-qmp", "emerald", "gdb-loop", "gdb-batch", "gdbstub", "qmpprof-gdb")
+_SEGMENT = 0.5  # seconds of one sampled (and one unsampled) stretch
+METHODS = (
+    "floor",
+    "qmpprof-qmp",
+    "emerald",
+    "gdb-loop",
+    "gdb-batch",
+    "gdbstub",
+    "gdbstub-fused",
+    "qmpprof-gdb",
+)
 
 
 @dataclass
@@ -47,9 +58,11 @@ class Run:
     median_ms: float | None
     p95_ms: float | None
     rate_hz: float
+    stopped_fraction: float | None  # of the sampled stretches' wall time, the guest was paused
     progress_per_s: float
-    baseline_per_s: float  # unsampled progress in the same length of time just before
+    baseline_per_s: float  # unsampled progress, in stretches alternating with the sampled ones
     slowdown: float | None = None  # 1 - progress_per_s / baseline_per_s
+    slowdown_se: float | None = None  # its standard error, from the spread between stretches
     notes: list[str] = field(default_factory=list)
 
 
@@ -82,12 +95,57 @@ async def _idle(duration: float) -> Paced:
     return Paced()
 
 
+@dataclass
+class Alternated:
+    """The sampled stretches merged, and the guest's progress rate in every stretch."""
+
+    paced: Paced = field(default_factory=Paced)
+    sampled: list[float] = field(default_factory=list)  # progress per second, sampled
+    idle: list[float] = field(default_factory=list)  # progress per second, left alone
+
+    def slowdown(self) -> tuple[float | None, float | None]:
+        """1 - sampled/idle progress, and its standard error (from the spread of stretches)."""
+        if not self.idle or statistics.mean(self.idle) <= 0:
+            return None, None
+        base = statistics.mean(self.idle)
+        slowdown = 1 - statistics.mean(self.sampled) / base
+        if len(self.idle) < 2:
+            return slowdown, None
+        var = statistics.variance(self.sampled) + statistics.variance(self.idle)
+        return slowdown, (var / len(self.idle)) ** 0.5 / base
+
+
+async def _alternate(
+    counter: Callable[[], Awaitable[int]],
+    body: Callable[[float], Awaitable[Paced]],
+    segments: int,
+    segment: float,
+) -> Alternated:
+    """Alternate unsampled and sampled stretches (ABAB...), so that drifts in the host's load
+    hit both alike; the spread between stretches tells how much the host's load moved."""
+    out = Alternated()
+    for _ in range(segments):
+        for rates, run in ((out.idle, _idle), (out.sampled, body)):
+            c0, t0 = await counter(), time.perf_counter()
+            paced = await run(segment)
+            c1, t1 = await counter(), time.perf_counter()
+            rates.append((c1 - c0) / (t1 - t0))
+            if rates is out.sampled:
+                out.paced.pauses += paced.pauses
+                out.paced.errors += paced.errors
+                out.paced.elapsed += paced.elapsed
+                out.paced.details = (out.paced.details + paced.details)[:3]
+    return out
+
+
 async def baseline(guest: Guest, duration: float) -> float:
     return (await _progress_around(guest.read_progress, functools.partial(_idle, duration)))[1]
 
 
-def _run(name: str, interval: float, paced: Paced, progress: float, base: float) -> Run:
+def _run(name: str, interval: float, alt: Alternated) -> Run:
+    paced = alt.paced
     pauses = [p * 1e3 for p in paced.pauses]
+    slowdown, slowdown_se = alt.slowdown()
     return Run(
         method=name,
         interval_ms=interval * 1e3,
@@ -96,9 +154,11 @@ def _run(name: str, interval: float, paced: Paced, progress: float, base: float)
         median_ms=statistics.median(pauses) if pauses else None,
         p95_ms=percentile(pauses, 0.95) if pauses else None,
         rate_hz=paced.rate,
-        progress_per_s=progress,
-        baseline_per_s=base,
-        slowdown=1 - progress / base if base > 0 else None,
+        stopped_fraction=sum(paced.pauses) / paced.elapsed if paced.elapsed else None,
+        progress_per_s=statistics.mean(alt.sampled) if alt.sampled else 0.0,
+        baseline_per_s=statistics.mean(alt.idle) if alt.idle else 0.0,
+        slowdown=slowdown,
+        slowdown_se=slowdown_se,
         notes=list(paced.details),
     )
 
@@ -110,8 +170,8 @@ def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampl
         return FloorQmp(guest.witness)
     if name == "emerald":
         return EmeraldHmp(guest.witness)
-    if name == "gdbstub":
-        return GdbstubLoop(guest.gdb_address)
+    if name in ("gdbstub", "gdbstub-fused"):
+        return GdbstubLoop(guest.gdb_address, fused=name == "gdbstub-fused")
     if name == "gdb-loop":
         return GdbMiLoop(guest.gdb_address, kernel)
     if name == "gdb-batch":
@@ -125,7 +185,7 @@ async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> lis
     """Every interval of one method, set up once; setup and teardown are not measured."""
     method = _methods(name, guest, fixture)
     intervals = cfg.intervals[:1] if name == "gdb-batch" else cfg.intervals
-    limit = cfg.batch_samples if name == "gdb-batch" else 0
+    limit = 1 if name == "gdb-batch" else 0  # one gdb run per segment
     runs = []
     counter = guest.read_progress
     exclusive = name == "qmpprof-qmp"  # its QMP connection must be the only one
@@ -136,15 +196,13 @@ async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> lis
         if isinstance(method, QmpprofSampler) and exclusive:
             counter = functools.partial(method.read_u64, guest.progress_addr)
         for interval in intervals:
+            body: Callable[[float], Awaitable[Paced]]
             if isinstance(method, QmpprofSampler):
-                # The sampler's duration is guest run time: about the same wall time.
-                body = functools.partial(method.run, interval, cfg.duration * 0.9)
+                body = functools.partial(method.run, interval)
             else:
-                body = functools.partial(run_paced, method, interval, cfg.duration, limit)
-            # Other load on the host moves the guest's speed: compare with a run just before.
-            base = (await _progress_around(counter, functools.partial(_idle, cfg.duration)))[1]
-            paced, progress = await _progress_around(counter, body)
-            runs.append(_run(name, interval, paced, progress, base))
+                body = functools.partial(run_paced, method, interval, limit=limit)
+            segments = cfg.batch_samples if limit else max(1, round(cfg.duration / _SEGMENT))
+            runs.append(_run(name, interval, await _alternate(counter, body, segments, _SEGMENT)))
     finally:
         await method.teardown()
         if exclusive:
@@ -167,8 +225,8 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
             try:
                 runs += await measure(name, guest, fixture, cfg)
             except QmpprofError as err:
-                failed = Paced(errors=1, details=[str(err)])
-                runs.append(_run(name, cfg.intervals[0], failed, 0.0, 0.0))
+                failed = Alternated(Paced(errors=1, details=[str(err)]))
+                runs.append(_run(name, cfg.intervals[0], failed))
             for run in runs:
                 if run.method == name:
                     log(report.run_line(run.method, asdict(run)))

@@ -1,0 +1,128 @@
+"""Pure code of the GDB remote serial protocol as QEMU 7.2's x86_64 gdbstub speaks it: packet
+framing (checksum, escaping, run-length encoding), the ``g`` register layout, thread lists.
+
+No I/O here: ``qmpprof.transport.gdb`` does the talking and hands the packets over.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from qmpprof.errors import TransportError
+from qmpprof.model import Registers
+
+# QEMU 7.2's x86_64 `g` layout (i386-64bit.xml): rax rbx rcx rdx rsi rdi rbp rsp r8..r15 rip (u64),
+# eflags cs ss ds es fs gs (u32), fs_base gs_base k_gs_base cr0 cr2 cr3 cr4 cr8 efer (u64); the
+# x87/SSE registers that follow are not needed for unwinding.
+REGISTER_NAMES: tuple[str, ...] = (
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "rip",
+    "eflags", "cs", "ss", "ds", "es", "fs", "gs",
+    "fs_base", "gs_base", "k_gs_base", "cr0", "cr2", "cr3", "cr4", "cr8", "efer",
+)  # fmt: skip
+_CORE = struct.Struct("<17Q7I9Q")
+# gdb numbers rax rbx rcx rdx; DWARF numbers rax rdx rcx rbx (psABI): positions 0..16 -> DWARF.
+_GDB_TO_DWARF = (0, 3, 2, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+_EFER_LMA = 1 << 10
+_ESCAPED = frozenset(b"$#}*")
+
+
+def checksum(body: bytes) -> int:
+    """The packet checksum: the sum of the body's bytes modulo 256."""
+    return sum(body) & 0xFF
+
+
+def encode_packet(body: bytes) -> bytes:
+    """Frame ``body`` as ``$body#cs``, escaping the bytes the framing reserves."""
+    if _ESCAPED.intersection(body):
+        out = bytearray()
+        for b in body:
+            if b in _ESCAPED:
+                out += bytes((0x7D, b ^ 0x20))
+            else:
+                out.append(b)
+        body = bytes(out)
+    return b"$" + body + b"#%02x" % checksum(body)
+
+
+def decode_body(data: bytes) -> bytes:
+    """Undo the escaping (``}`` + byte^0x20) and run-length encoding (``X*n``) of a packet body.
+
+    A run ``X*n`` stands for X followed by ``ord(n) - 29`` more copies of X.
+    """
+    if b"}" not in data and b"*" not in data:
+        return data
+    out = bytearray()
+    i = 0
+    while i < len(data):
+        b = data[i]
+        if b == 0x7D and i + 1 < len(data):
+            out.append(data[i + 1] ^ 0x20)
+            i += 2
+        elif b == 0x2A and out and i + 1 < len(data):
+            out += bytes((out[-1],)) * (data[i + 1] - 29)
+            i += 2
+        else:
+            out.append(b)
+            i += 1
+    return bytes(out)
+
+
+def decode_registers(payload: bytes) -> dict[str, int]:
+    """The named registers of a ``g`` reply (hex text), in QEMU's x86_64 layout."""
+    try:
+        raw = bytes.fromhex(payload.decode("ascii"))
+    except ValueError as err:
+        raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
+    if len(raw) < _CORE.size:
+        raise TransportError(
+            f"register packet of {len(raw)} bytes, expected at least {_CORE.size} (x86_64)"
+        )
+    return dict(zip(REGISTER_NAMES, _CORE.unpack_from(raw), strict=True))
+
+
+def parse_registers(cpu: int, payload: bytes) -> Registers:
+    """Build the model's Registers from a ``g`` reply.
+
+    ``long_mode`` is EFER.LMA: the stub hides CS.L, so a compatibility-mode (32-bit) process under a
+    64-bit kernel reads as long mode, with the 32-bit values QEMU zero-extends. ``halted`` is
+    unknown to the stub and stays False.
+    """
+    regs = decode_registers(payload)
+    values = [regs[name] for name in REGISTER_NAMES[:17]]
+    gprs = {_GDB_TO_DWARF[i]: v for i, v in enumerate(values)}
+    return Registers(
+        cpu=cpu,
+        rip=regs["rip"],
+        rsp=regs["rsp"],
+        rbp=regs["rbp"],
+        cpl=regs["cs"] & 3,
+        cr3=regs["cr3"],
+        fs_base=regs["fs_base"],
+        gs_base=regs["gs_base"],
+        long_mode=bool(regs["efer"] & _EFER_LMA),
+        gprs=gprs,
+    )
+
+
+def parse_thread_ids(reply: bytes) -> dict[int, bytes]:
+    """Thread ids of one ``qfThreadInfo``/``qsThreadInfo`` reply (``m1,2`` or ``l``), each
+    mapped to the spelling ``Hg`` takes back.
+
+    A stub that once talked to a gdb announcing ``multiprocess+`` keeps spelling ids ``pPID.TID``
+    (QEMU never resets it), so both forms are read.
+    """
+    if not reply.startswith(b"m"):
+        return {}
+    ids: dict[int, bytes] = {}
+    for token in reply[1:].split(b","):
+        try:
+            ids[int(token.rpartition(b".")[2].removeprefix(b"p"), 16)] = token
+        except ValueError as err:
+            raise TransportError(f"malformed thread list from the gdbstub: {reply!r}") from err
+    return ids
+
+
+def is_stop_reply(reply: bytes) -> bool:
+    """A stop reply (T/S) or an exit notice (W/X): the stub's word that the guest stopped."""
+    return reply[:1] in (b"T", b"S", b"W", b"X")

@@ -1,0 +1,118 @@
+"""scripts/bench: its arithmetic and reports by hand, and every sampling method once against the
+bundled guest (that they sample and leave the guest running; speed is never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from guestvm import free_tcp_port, running_guest
+
+from qmpprof.bench import report
+from qmpprof.bench.guest import symbol_address
+from qmpprof.bench.methods import (
+    EmeraldHmp,
+    FloorQmp,
+    GdbBatch,
+    GdbMiLoop,
+    GdbstubLoop,
+    Method,
+    Paced,
+    run_paced,
+)
+from qmpprof.bench.rawqmp import RawQmp
+from qmpprof.bench.run import Alternated, Run, percentile
+
+
+def test_percentile_and_rate() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.95) == 96.0
+    assert percentile([3.0], 0.95) == 3.0
+    assert Paced([0.001] * 50, elapsed=2.0).rate == 25.0
+
+
+def test_slowdown_and_its_standard_error() -> None:
+    alt = Alternated(sampled=[90.0, 70.0], idle=[100.0, 100.0])
+    slowdown, se = alt.slowdown()
+    assert slowdown == pytest.approx(0.2)
+    # variance of the sampled stretches (200) plus the idle ones (0), over 2 pairs, / 100
+    assert se == pytest.approx((200 / 2) ** 0.5 / 100)
+    assert Alternated().slowdown() == (None, None)
+
+
+def _run(method: str, interval: float, median: float | None, slowdown: float | None) -> Run:
+    return Run(method, interval, 10, 0, median, median, 50.0, 0.1, 90.0, 100.0, slowdown, 0.01)
+
+
+def test_headline_keys_and_table() -> None:
+    runs = [
+        _run("floor", 10.0, 1.5, 0.2),
+        _run("gdbstub", 10.0, 0.5, 0.05),
+        _run("gdbstub", 2.0, 0.4, 0.2),
+        _run("qmpprof-qmp", 10.0, 3.0, 0.25),
+    ]
+    head = report.headline(runs, 10.0)
+    assert head["floor_pause_ms"] == 1.5
+    assert head["gdbstub_pause_ms"] == 0.5  # the 10 ms run, not the 2 ms one
+    assert head["qmp_overhead_100hz"] == 0.25
+    assert head["gdb_batch_pause_ms"] is None  # not measured: reported as missing
+    assert (head["qmp_stopped_100hz"], head["qmp_overhead_100hz_se"]) == (0.1, 0.01)
+    assert head["rate_hz"]["gdbstub"] == {"10ms": 50.0, "2ms": 50.0}
+    result: dict[str, Any] = {
+        "runs": [r.__dict__ for r in runs],
+        "baseline_progress_per_s": [100.0, 101.0],
+        "elf_load_ms": 2.0,
+        "offline_samples_per_s": None,
+        **head,
+    }
+    text = report.table(result)
+    floor_row = next(line for line in text.splitlines() if line.startswith("floor"))
+    assert "1.00" in floor_row and "3.00" in floor_row  # x floor, x gdbstub
+    qmp_row = next(line for line in text.splitlines() if line.startswith("qmpprof-qmp"))
+    assert "2.00" in qmp_row and "6.00" in qmp_row
+    assert json.loads(report.to_json(result))["floor_pause_ms"] == 1.5
+
+
+def _progress(qmp: RawQmp, addr: int) -> int:
+    value: int = struct.unpack("<Q", qmp.memsave(addr, 8))[0]
+    return value
+
+
+@pytest.mark.qemu
+async def test_every_method_samples_the_guest_and_leaves_it_running(tmp_path: Path) -> None:
+    port = free_tcp_port()
+    with running_guest(tmp_path, "cfi", 1, gdb_port=port) as guest:
+        gdb = f"127.0.0.1:{port}"
+        kernel = str(guest.kernel_elf)
+        with RawQmp(str(guest.qmp_socket)) as qmp:
+            emerald = EmeraldHmp(qmp)
+            gdb_loop = GdbMiLoop(gdb, kernel)
+            methods: list[Method] = [
+                FloorQmp(qmp),
+                emerald,
+                GdbstubLoop(gdb),
+                GdbstubLoop(gdb, fused=True),
+                gdb_loop,
+                GdbBatch(gdb, kernel),
+            ]
+            for method in methods:
+                await method.setup()
+                try:
+                    paced = await run_paced(method, 0.002, 10.0, limit=2)
+                finally:
+                    await method.teardown()
+                assert paced.errors == 0, (method.name, paced.details)
+                assert len(paced.pauses) == 2 and all(p > 0 for p in paced.pauses), method.name
+                assert qmp.running(), f"{method.name} left the guest paused"
+            assert emerald.words >= 2  # one HMP round trip per word
+            assert gdb_loop.frames >= 2  # gdb printed a backtrace each time
+            addr = symbol_address(guest.kernel_elf, "progress_counter")
+            first = _progress(qmp, addr)
+            deadline = time.monotonic() + 5
+            while _progress(qmp, addr) == first:
+                assert time.monotonic() < deadline, "the guest makes no progress after the bench"
+                time.sleep(0.02)
