@@ -301,3 +301,9 @@ def test_an_unusable_kernel_elf_stops_the_qemu_it_started(
     assert err.splitlines()[-1].startswith(f"qmpprof: error: {not_elf}: not a usable ELF file")
     # QEMU had started (paused); record quit it in order: QEMU deletes its pid file then.
     assert (tmp_path / "console.txt").exists() and not (tmp_path / "qemu.pid").exists()
+
+
+def test_the_run_is_named_by_the_qemu_binary_and_what_it_boots() -> None:
+    command = ["/usr/bin/qemu-system-x86_64", "-m", "128M", "-kernel", "/x/kernel.elf", "-S"]
+    assert record.command_label(command) == "qemu-system-x86_64 -kernel kernel.elf"
+    assert record.command_label(["qemu-system-x86_64"]) == "qemu-system-x86_64"

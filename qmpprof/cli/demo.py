@@ -121,7 +121,9 @@ def run(argv: list[str], out: TextIO, err: TextIO) -> int:
              "--duration", str(ns.duration), "-o", str(svg), "--format", "svg"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="qmpprof-demo-") as workdir:
         console = Path(workdir, "console.txt")
-        recorded = record.record(flags, qemu_command(qemu, build / "kernel.elf", ns.smp, console))
+        command = qemu_command(qemu, build / "kernel.elf", ns.smp, console)
+        label = f"bundled guest ({ns.variant} build, {ns.smp} vCPU{'s' if ns.smp > 1 else ''})"
+        recorded = record.record(flags, command, label=label)
         if recorded.exit_status is not None:
             # The bundled guest never powers off: QEMU ending means it crashed.
             lines = console.read_text(errors="replace").splitlines() if console.exists() else []

@@ -41,10 +41,13 @@ class Options:
     metadata_layout: tuple[str, ...]
     offsets: bool
     lines: bool
+    label: str | None = None  # what titles call the guest (record, demo); else where it is
 
     @property
     def guest(self) -> str:
-        """Where the guest is, as the user named it."""
+        """What was profiled: the label given, else where the guest is, as the user named it."""
+        if self.label is not None:
+            return self.label
         if self.gdb is not None:
             return self.gdb
         if self.qmp_tcp is not None:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -126,14 +126,19 @@ def record(
     command: Sequence[str],
     out: TextIO | None = None,
     err: TextIO | None = None,
+    *,
+    label: str | None = None,
 ) -> Recorded:
-    """Start ``command`` with qmpprof's QMP socket, profile it with ``flags``, stop it."""
+    """Start ``command`` with qmpprof's QMP socket, profile it with ``flags``, stop it.
+
+    ``label`` names the run in titles (default: the QEMU binary and its -kernel file)."""
     workdir = tempfile.mkdtemp(prefix="qmpprof-")  # mode 0700: the socket is ours alone
     if len(workdir) > _SOCKET_PATH_MAX - len("/qmp.sock"):
         Path(workdir).rmdir()
         workdir = tempfile.mkdtemp(prefix="qmpprof-", dir="/tmp")
     try:
         opts = parse(flags, Path(workdir, "qmp.sock"))  # bad flags never start QEMU
+        opts = replace(opts, label=label or command_label(command))
         qemu = start(command, opts.qmp_socket)
         # SIGTERM before or after sampling (which handles it itself) ends the run as Ctrl-C
         # does, through the clean-up below, instead of leaving QEMU behind.
@@ -147,6 +152,16 @@ def record(
             qemu.wait()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def command_label(command: Sequence[str]) -> str:
+    """``qemu-system-x86_64 -kernel kernel.elf``: the binary and what it boots, if said."""
+    words = [Path(command[0]).name]
+    for flag in ("-kernel", "-hda", "-drive", "-cdrom"):
+        if flag in command[1:-1]:
+            words += [flag, Path(command[command.index(flag) + 1]).name]
+            break
+    return " ".join(words)
 
 
 def qmp_option(path: Path) -> str:

@@ -26,7 +26,7 @@ PAD = 10  # left and right margin
 FRAME_HEIGHT = 16
 FONT_SIZE = 12
 CHAR_WIDTH = FONT_SIZE * 0.59  # average Verdana advance, as flamegraph.pl estimates it
-TOP = 60  # title, buttons, subtitle and legend
+TOP = 76  # title and buttons, subtitle, legend
 BOTTOM = 34  # the details line
 MIN_WIDTH = 0.1  # pixels
 ROOT = "all"
@@ -136,12 +136,12 @@ def _frame(placed: _Placed, total: int, height: int) -> str:
 
 
 def _legend() -> list[str]:
-    """A swatch per colour family, under the Reset Zoom control."""
+    """A swatch per colour family, on a line of its own under the subtitle."""
     items = []
     for i, (family, text) in enumerate(LEGEND):
         x = PAD + i * 80
-        items.append(f'<rect x="{x}" y="33" width="10" height="10" fill="{colour(text, family)}"/>')
-        items.append(f'<text x="{x + 14}" y="42">{text}</text>')
+        items.append(f'<rect x="{x}" y="49" width="10" height="10" fill="{colour(text, family)}"/>')
+        items.append(f'<text x="{x + 14}" y="58">{text}</text>')
     return items
 
 
