@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -44,6 +44,7 @@ Space = TypeVar("Space")
 Space_co = TypeVar("Space_co", covariant=True)
 Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
+T = TypeVar("T")
 
 
 class Identified(Protocol[Space_co]):
@@ -245,8 +246,8 @@ class Sampler(Generic[Space, Raw]):
             await self.transport.stop()
             self._phase("stop", mark)
             mark = self._clock()
-        results = await asyncio.gather(
-            *(self.transport.registers(cpu) for cpu in cpus), return_exceptions=True
+        results = await _together(
+            [self.transport.registers(cpu) for cpu in cpus], return_exceptions=True
         )
         for result in results:
             if isinstance(result, GuestGoneError | asyncio.CancelledError):
@@ -260,7 +261,8 @@ class Sampler(Generic[Space, Raw]):
                 raise regs
             elif isinstance(regs, Registers):
                 taken.append(regs)
-        return list(await asyncio.gather(*(self._capture(regs) for regs in taken)))
+        captured = await _together([self._capture(regs) for regs in taken])
+        return [c for c in captured if isinstance(c, _Captured)]  # exceptions were raised
 
     async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
         mode = Mode.KERNEL if regs.rip >= self.config.kernel_boundary else Mode.USER
@@ -275,9 +277,11 @@ class Sampler(Generic[Space, Raw]):
             # The stack window and what identify() needs are independent: one round trip.
             # A refused identity read is retried (and counted) by identify() itself.
             wanted = self.symbolizer.reads_for(regs)
-            await asyncio.gather(
-                self._prefetch(regs, cache),
-                *(fetch(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
+            await _together(
+                [
+                    self._prefetch(regs, cache),
+                    *(fetch(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
+                ]
             )
             identity = await self.symbolizer.identify(self.transport, regs, cache)
             captured.process, captured.space = identity.process, identity.space
@@ -382,3 +386,18 @@ class Sampler(Generic[Space, Raw]):
         if memory:
             # unwind() time was also inside the caller's "memory" span: count it once.
             self.stats.phase_time["memory"] -= elapsed
+
+
+async def _together(
+    calls: list[Coroutine[object, object, T]], *, return_exceptions: bool = False
+) -> list[T | BaseException]:
+    """asyncio.gather, except that a lone call is awaited directly: gather wraps each call in
+    a task, which costs event-loop turns in the middle of the guest's pause."""
+    if len(calls) != 1:
+        return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
+    try:
+        return [await calls[0]]
+    except Exception as err:
+        if not return_exceptions:
+            raise
+        return [err]
