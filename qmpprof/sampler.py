@@ -274,7 +274,7 @@ class Sampler(Generic[Space, Raw]):
         cache = PageCache()
         mark = self._clock()
         try:
-            # The stack window and what identify() needs are independent: one round trip.
+            # The stack window and what identify() needs are independent: issued together.
             # A refused identity read is retried (and counted) by identify() itself.
             wanted = self.symbolizer.reads_for(regs)
             await _together(
