@@ -9,7 +9,7 @@ import pytest
 from guestvm import BUILD_ROOT
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import MemoryReadError
+from qmpprof.errors import MemoryReadError, UsageError
 from qmpprof.guest.metadata import METADATA_ADDR
 from qmpprof.guest.processes import ProcessTracker
 from qmpprof.guest.programs import ProgramIndex
@@ -203,3 +203,8 @@ async def test_without_metadata_spaces_are_told_apart_by_cr3_and_text(
 def test_program_index_ignores_files_that_are_not_elf(tmp_path: Path) -> None:
     (tmp_path / "README").write_text("not a program")
     assert len(ProgramIndex.from_dir(tmp_path)) == 0
+
+
+def test_a_missing_user_dir_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="not a directory"):
+        ProgramIndex.from_dir(tmp_path / "missing")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import ElfError
+from qmpprof.errors import UsageError
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -31,7 +31,7 @@ class ProgramIndex:
         A file that starts like an ELF but cannot be parsed is an error: the user pointed us at it.
         """
         if not directory.is_dir():
-            raise ElfError(str(directory), "not a directory")
+            raise UsageError(f"--user-dir {directory}: not a directory")
         images = []
         for path in sorted(directory.iterdir()):
             if path.is_file() and _looks_like_elf(path):
