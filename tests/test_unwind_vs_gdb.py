@@ -21,6 +21,7 @@ from guestvm import METADATA_ADDR, free_tcp_port, running_guest
 
 from qmpprof.bench.gdbcli import GdbMi
 from qmpprof.elf.image import ElfImage
+from qmpprof.errors import GuestGoneError
 from qmpprof.guest.processes import ProcessTracker
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.model import Sample
@@ -100,33 +101,52 @@ def ours(sample: Sample) -> list[str]:
     return [f.symbol or "??" for f in sample.stack.frames]
 
 
+GDB_CRASHES_ALLOWED = 3
+
+
 async def compare(variant: str, tmp_path: Path) -> tuple[int, list[str]]:
+    """Compare until 2 * STOPS stacks were compared. Debian's gdb 13 sometimes aborts (an
+    internal error, SIGABRT) while it swaps the user symbol file: that moment is dropped, gdb
+    is started again and the crash is reported; more than a few crashes fail the test."""
     port = free_tcp_port()
     rng = random.Random(f"qmpprof-{variant}")
-    agree, disagreements = 0, []
+    agree, disagreements, crashes = 0, [], 0
     seen: set[tuple[str, ...]] = set()
     with running_guest(tmp_path, variant, 2, gdb_port=port) as guest:
-        oracle = Oracle(guest.kernel_elf, guest.user_dir, port, tmp_path / "qg.py")
+
+        def start_oracle() -> Oracle:
+            return Oracle(guest.kernel_elf, guest.user_dir, port, tmp_path / "qg.py")
+
+        oracle = start_oracle()
         transport = await QmpTransport.connect(guest.qmp_socket)
         kernel = Module.from_image(ElfImage.load(guest.kernel_elf), kernel=True)
         tracker = ProcessTracker([kernel], ProgramIndex.from_dir(guest.user_dir))
         unwinder = Unwinder()
         try:
-            for stop in range(STOPS):
+            stop = 0
+            while agree + len(disagreements) < 2 * STOPS:
+                stop += 1
                 time.sleep(rng.uniform(0.002, 0.03))
                 oracle.stop()
                 sampler = Sampler(transport, unwinder, tracker, SamplerConfig())
                 outcome = await sampler.run(one_shot=True)
                 assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
-                for sample in outcome.last:
-                    theirs = oracle.stack(sample.cpu)
-                    mine = ours(sample)
+                try:
+                    pairs = [(s.cpu, ours(s), oracle.stack(s.cpu)) for s in outcome.last]
+                except GuestGoneError:
+                    crashes += 1
+                    print(f"stop {stop}: gdb died (crash {crashes}); this moment is dropped")
+                    assert crashes <= GDB_CRASHES_ALLOWED, "gdb keeps crashing"
+                    oracle.close()
+                    oracle = start_oracle()
+                    continue
+                for cpu, mine, theirs in pairs:
                     seen.add(tuple(theirs))
                     if mine == theirs:
                         agree += 1
                     else:
                         disagreements.append(
-                            f"stop {stop} cpu {sample.cpu}:\n  gdb     {theirs}\n  qmpprof {mine}"
+                            f"stop {stop} cpu {cpu}:\n  gdb     {theirs}\n  qmpprof {mine}"
                         )
                 oracle.resume()
         finally:
@@ -146,5 +166,5 @@ def test_stacks_agree_with_gdb(variant: str, tmp_path: Path) -> None:
     total = agree + len(disagreements)
     print(f"\n{variant}: qmpprof agrees with gdb on {agree}/{total} stacks ({agree / total:.1%})")
     print("\n".join(disagreements))
-    assert total == 2 * STOPS
+    assert total >= 2 * STOPS
     assert agree / total >= REQUIRED, "\n".join(disagreements)

@@ -5,6 +5,7 @@ async records with ``*``, and every answer ends with a ``(gdb)`` prompt line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
@@ -57,8 +58,11 @@ class GdbMi:
     def command(self, command: str) -> list[str]:
         """Send one MI command; the lines up to its prompt. ``^error`` raises TransportError."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write(command.encode() + b"\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(command.encode() + b"\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError as err:
+            raise GuestGoneError("gdb exited") from err
         lines = self._until(lambda line: line.startswith("^"))
         if lines[-1].startswith("^error"):
             raise TransportError(f"gdb: {command}: {lines[-1]}")
@@ -99,7 +103,8 @@ class GdbMi:
                 self._proc.wait()
             for pipe in (self._proc.stdin, self._proc.stdout):
                 if pipe is not None:
-                    pipe.close()
+                    with contextlib.suppress(OSError):  # gdb died: nothing left to flush to
+                        pipe.close()
 
 
 def gdb_batch_backtrace(address: str, elf: str | None) -> int:
