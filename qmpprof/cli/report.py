@@ -39,18 +39,25 @@ def one_shot_text(samples: Sequence[Sample], show_addresses: bool) -> str:
 
 
 def one_shot_json(samples: Sequence[Sample]) -> str:
+    """Addresses and CR3 as hex strings: JSON numbers above 2**53 lose digits in JavaScript
+    and in many other readers, and every kernel address is above it."""
     doc = [
         {
             "cpu": s.cpu,
             "mode": s.mode.value,
             "cpl": s.cpl,
-            "cr3": s.cr3,
+            "cr3": f"{s.cr3:#x}",
             "process": None
             if s.process is None
             else {"pid": s.process.pid, "program": s.process.program, "label": s.process.label},
             "stop": s.stack.stop.value,
             "frames": [
-                {"address": f.pc, "symbol": f.symbol, "offset": f.offset, "module": f.module}
+                {
+                    "address": f"{f.pc:#x}",
+                    "symbol": f.symbol,
+                    "offset": f.offset,
+                    "module": f.module,
+                }
                 for f in s.stack.frames
             ],
         }
