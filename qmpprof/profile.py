@@ -85,10 +85,6 @@ class Profile:
     def counts(self) -> Counter[tuple[str, ...]]:
         return Counter(s.names for s in self.samples)
 
-    def kernel_names(self) -> set[str]:
-        """Frame names that belong to kernel code (writers colour them apart)."""
-        return {n for s in self.samples for n, k in zip(s.names, s.kernel, strict=True) if k}
-
     @property
     def cpus(self) -> list[int]:
         return sorted({s.cpu for s in self.samples})

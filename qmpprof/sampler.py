@@ -81,27 +81,6 @@ class StackUnwinder(Protocol[Space_contra, Raw]):
 
 
 @dataclass(frozen=True, slots=True)
-class KernelIdentity(Generic[Space]):
-    process: Process | None
-    space: Space
-
-
-class KernelSymbolizer(Generic[Space]):
-    """The default: every sample is unwound and named in one space (the kernel's modules)."""
-
-    def __init__(self, space: Space) -> None:
-        self._identity = KernelIdentity(None, space)
-
-    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        return ()
-
-    async def identify(
-        self, transport: GuestTransport, regs: Registers, cache: PageCache
-    ) -> KernelIdentity[Space]:
-        return self._identity
-
-
-@dataclass(frozen=True, slots=True)
 class SamplerConfig:
     interval: float = 0.010  # seconds of guest run time between ticks
     duration: float = 5.0  # seconds of guest run time to profile
@@ -249,9 +228,6 @@ class Sampler(Generic[Space, Raw]):
         results = await _together(
             [self.transport.registers(cpu) for cpu in cpus], return_exceptions=True
         )
-        for result in results:
-            if isinstance(result, GuestGoneError | asyncio.CancelledError):
-                raise result
         self._phase("registers", mark)
         taken: list[Registers] = []
         for regs in results:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from qmpprof.errors import MemoryReadError
 from qmpprof.memory import PAGE, PageCache, page_of
-from qmpprof.model import KERNEL_BOUNDARY, Frame, Registers, Stack, StopReason
+from qmpprof.model import KERNEL_BOUNDARY, Frame, Process, Registers, Stack, StopReason
+from qmpprof.transport.base import GuestTransport
 
 
 @dataclass
@@ -175,3 +177,29 @@ class FramePointerUnwinder:
             symbol, offset = space.name(pc)
             frames.append(Frame(pc, pc >= KERNEL_BOUNDARY, symbol, offset))
         return Stack(tuple(frames), raw[1])
+
+
+Space = TypeVar("Space")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelIdentity(Generic[Space]):
+    """Every sample belongs to the kernel, in one address space."""
+
+    process: Process | None
+    space: Space
+
+
+class KernelSymbolizer(Generic[Space]):
+    """A Symbolizer with no processes: every sample is unwound and named in one space."""
+
+    def __init__(self, space: Space) -> None:
+        self._identity = KernelIdentity(None, space)
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return ()
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> KernelIdentity[Space]:
+        return self._identity

@@ -6,11 +6,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fakes import FakeClock, FakeSpace, FakeTransport, FramePointerUnwinder, frame_chain, regs
+from fakes import (
+    FakeClock,
+    FakeSpace,
+    FakeTransport,
+    FramePointerUnwinder,
+    KernelSymbolizer,
+    frame_chain,
+    regs,
+)
 
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
-from qmpprof.sampler import KernelSymbolizer, Sampler, SamplerConfig
+from qmpprof.sampler import Sampler, SamplerConfig
 
 K = KERNEL_BOUNDARY
 SPACE = FakeSpace(
