@@ -205,15 +205,30 @@ def skipped_below_interrupted_leaf(gdb: list[str], ours: list[str]) -> bool:
     return False
 
 
+def stopped_in_an_entry_stub_before_its_frame(gdb: list[str], ours: list[str]) -> bool:
+    """The other: the whole VM stopped on the first instructions of an entry stub (interrupts
+    are off there), where the user's return address is still in RCX, in no stack frame."""
+    stubs = set(expected()["entry_stubs"])
+    return len(ours) < len(gdb) and gdb[: len(ours)] == ours and ours[-1] in stubs
+
+
+def known_blind_spot(mismatch: Mismatch) -> bool:
+    _, gdb, ours = mismatch
+    return skipped_below_interrupted_leaf(gdb, ours) or stopped_in_an_entry_stub_before_its_frame(
+        gdb, ours
+    )
+
+
 def test_frame_pointers_and_prologues_alone_agree_with_gdb(tmp_path: Path) -> None:
     """The fp build with every CFI section removed from qmpprof's copies (gdb keeps its own):
     the fallbacks alone, frame pointers and prologue analysis, through the entry stubs' frames.
-    Every disagreement must be the known blind spot of frame pointers; there are few."""
+    Every disagreement must be one of the two known blind spots of frame pointers; they are
+    rare."""
     agree, disagreements = asyncio.run(compare("fp", tmp_path, cfi=False))
     total = agree + len(disagreements)
     print(f"\nfp without CFI: qmpprof agrees with gdb on {agree}/{total} stacks")
     print(listing(disagreements))
     assert total >= 2 * STOPS
-    unexplained = [m for m in disagreements if not skipped_below_interrupted_leaf(m[1], m[2])]
+    unexplained = [m for m in disagreements if not known_blind_spot(m)]
     assert not unexplained, listing(unexplained)
     assert agree / total >= 0.95
