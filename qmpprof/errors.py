@@ -8,7 +8,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── GuestGoneError           exit 4   QEMU closed the connection mid-run
     ├── TransportError           exit 5   QEMU answered with an error we cannot handle
     │   └── MemoryReadError      exit 5   guest memory not mapped / not readable
-    └── ElfError                 exit 6   unreadable or malformed ELF file
+    ├── ElfError                 exit 6   unreadable or malformed ELF file
+    └── ProfileError             exit 7   a saved profile that cannot be read back
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
@@ -65,3 +66,13 @@ class ElfError(QmpprofError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"{path}: not a usable ELF file: {detail}")
+
+
+class ProfileError(QmpprofError):
+    """A saved profile (``qmpprof report``'s input) is missing, unreadable or not one of ours."""
+
+    exit_code = 7
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: not a readable qmpprof profile: {detail}")

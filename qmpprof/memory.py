@@ -1,75 +1,27 @@
-"""Guest memory for one sample: page-split reads over a transport, and a per-sample page cache.
-
-The unwinder is synchronous and never touches the transport. It reads through a ``PageCache``;
-when it asks for a page the cache has not fetched yet, ``PageMissing`` tells the sampler which
-page to fetch (while the guest is still stopped), and the sampler runs the unwind again.
-Unwinding costs microseconds, a round trip to QEMU a fraction of a millisecond, so restarting
-is cheaper than making the unwinder asynchronous.
-"""
+"""Guest memory for one sample over a transport: page-split reads into the sample's ``PageCache``,
+and the stack-reading policy (one window at RSP, cut at the stack's end once known; the pages the
+unwinder asks for, a bounded number per sample)."""
 
 from __future__ import annotations
 
-import struct
+from collections.abc import Callable
+from typing import TypeVar
 
-from qmpprof.errors import MemoryReadError
+from qmpprof.errors import MemoryReadError, TransportError
+from qmpprof.memo import Memo
+from qmpprof.model import Registers
+from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
 from qmpprof.transport.base import GuestTransport
 
-PAGE = 4096
-_U64 = struct.Struct("<Q")
+# Stack bytes read at RSP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and
+# gdbstub reads of it are pipelined. HMP ``x`` is formatting-bound: read one page up front there.
+WINDOW = 16384
+HMP_WINDOW = 4096
+MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
+_UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
+_STACK_ENDS_LIMIT = 4096
 
-
-class PageMissing(Exception):
-    """The page holding ``addr`` has not been fetched yet."""
-
-    def __init__(self, addr: int) -> None:
-        super().__init__(f"page {addr & ~(PAGE - 1):#x} not fetched")
-        self.addr = addr
-
-
-def page_of(addr: int) -> int:
-    return addr & ~(PAGE - 1)
-
-
-class PageCache:
-    """Pages of one vCPU's address space fetched during one sample.
-
-    A page maps to its bytes, or to None when QEMU said it is not mapped.
-    """
-
-    __slots__ = ("pages",)
-
-    def __init__(self) -> None:
-        self.pages: dict[int, bytes | None] = {}
-
-    def read(self, addr: int, size: int) -> bytes | None:
-        """Bytes at ``addr``; None if any page is unmapped; PageMissing if one is not fetched."""
-        first = page_of(addr)
-        off = addr - first
-        if off + size <= PAGE:
-            try:
-                page = self.pages[first]
-            except KeyError:
-                raise PageMissing(addr) from None
-            return None if page is None else page[off : off + size]
-        out = bytearray()
-        pos = addr
-        end = addr + size
-        while pos < end:
-            base = page_of(pos)
-            take = min(end, base + PAGE) - pos
-            try:
-                page = self.pages[base]
-            except KeyError:
-                raise PageMissing(pos) from None
-            if page is None:
-                return None
-            out += page[pos - base : pos - base + take]
-            pos += take
-        return bytes(out)
-
-    def read_u64(self, addr: int) -> int | None:
-        data = self.read(addr, 8)
-        return None if data is None else _U64.unpack(data)[0]
+T = TypeVar("T")
 
 
 async def fetch(
@@ -110,3 +62,76 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, 1))
     return runs
+
+
+class StackReader:
+    """Reads the stack of each sampled vCPU: the window at RSP in one read, and the pages the
+    unwinder asks for.
+
+    memsave fails whole if one page is unmapped, and a failed read costs as much as a good one;
+    so when the window fails, it is read page by page up to the first unmapped page (the top of
+    the stack), once: later samples at this RSP page read just up to there.
+    """
+
+    def __init__(
+        self, transport: GuestTransport, window: int = WINDOW, max_refetch: int = MAX_REFETCH
+    ) -> None:
+        self.transport = transport
+        self.window = window
+        self.max_refetch = max_refetch
+        self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
+
+    async def prefetch(self, regs: Registers, cache: PageCache) -> None:
+        """The stack window at RSP, cut at the stack's end once a sample has found it."""
+        start = page_of(regs.rsp)
+        end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
+        key = _stack_key(regs)
+        end = min(end, self._stack_ends.get(key, end))
+        try:
+            data = await self.transport.read(regs.cpu, start, end - start)
+        except TransportError:
+            self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
+            await self._read_up_to_hole(regs.cpu, cache, start, end)
+            return
+        for page in range(start, end, PAGE):
+            cache.pages[page] = data[page - start : page - start + PAGE]
+
+    async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
+        for page in range(start, end, PAGE):
+            try:
+                cache.pages[page] = await self.transport.read(cpu, page, PAGE)
+            except MemoryReadError:
+                cache.pages[page] = None
+                return
+
+    def learn(self, regs: Registers, cache: PageCache) -> None:
+        """Remember the first unmapped page above RSP that this sample met."""
+        page = page_of(regs.rsp) + PAGE
+        while cache.pages.get(page) is not None:
+            page += PAGE
+        if page in cache.pages:
+            self._stack_ends.put(_stack_key(regs), page)
+
+    async def complete(self, cpu: int, cache: PageCache, attempt: Callable[[], T]) -> T:
+        """``attempt()`` (a pure walk over ``cache``) run until it needs no page it lacks: each
+        ``PageMissing`` fetches that page and runs it again. Past ``max_refetch`` pages a missing
+        page counts as unmapped, so the walk stops there, truncated."""
+        fetched = 0
+        while True:
+            try:
+                return attempt()
+            except PageMissing as miss:
+                page = page_of(miss.addr)
+                if page in cache.pages:
+                    raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
+                if fetched < self.max_refetch:
+                    fetched += 1
+                    await fetch(self.transport, cache, cpu, page, PAGE)
+                else:
+                    cache.pages[page] = None
+
+
+def _stack_key(regs: Registers) -> tuple[int, int]:
+    # Kernel stacks (upper half) look the same under every CR3; user stacks belong to their CR3.
+    space = 0 if regs.rsp >= _UPPER_HALF else regs.cr3
+    return (space, page_of(regs.rsp))

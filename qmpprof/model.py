@@ -51,18 +51,42 @@ class StopReason(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Mapping:
+    """Where one module's code sits in the guest: a kernel image, a kernel module, a program or a
+    library (``path`` and ``build_id`` when a file was matched), or code known only by its range.
+    Frames point at their mapping; pprof writes one mapping per module."""
+
+    name: str
+    start: int
+    end: int
+    kernel: bool
+    bias: int = 0  # runtime address - link address
+    path: str | None = None
+    build_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Frame:
-    """One frame of a stack. ``pc`` is the frame's address (the leaf's RIP, a caller's return
-    address). ``symbol`` is None when no symbol covers the address."""
+    """One frame of a stack, as data: names are made from it only when a profile is written.
+
+    ``pc`` is the frame's address (the leaf's RIP, a caller's return address). ``symbol`` is
+    None when no symbol covers the address; ``offset`` is ``pc`` minus the symbol's start.
+    ``file``/``line`` come from DWARF when the module has it. The functions inlined at a pc are
+    frames of their own with ``inlined`` set, innermost first, before the real function's frame.
+    """
 
     pc: int
     kernel: bool
     symbol: str | None = None
     offset: int = 0
-    module: str | None = None
+    module: Mapping | None = None
     file: str | None = None
     line: int | None = None
     inlined: bool = False
+
+    @property
+    def module_name(self) -> str | None:
+        return None if self.module is None else self.module.name
 
 
 @dataclass(frozen=True, slots=True)

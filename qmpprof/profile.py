@@ -1,104 +1,141 @@
-"""Counted stacks: what a run collected, turned into named frames root first, plus run facts.
+"""What a run collected: samples as frames (data, not names), counted, plus the run's facts.
 
-A Profile keeps every sample in time order (speedscope's time view needs them) and the counts of
-unique stacks (folded output and flame graphs need those). Pure data and pure transforms only.
+Identical frames and identical stacks are stored once (interned); each sample costs an entry
+in three flat arrays (time, vCPU, stack id: 14 bytes), which keep the time order speedscope's
+time view needs. Names are made only when a profile is written (``naming.py``), so one profile
+can be rendered in every naming mode and every format. Pure data and pure transforms only.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from qmpprof.model import Frame, Sample
-
-KERNEL_ROOT = "kernel"
-KERNEL_SUFFIX = "_[k]"
-INLINED_SUFFIX = "_[i]"
-TRUNCATED = "[truncated]"
-UNKNOWN = "[unknown]"
+from qmpprof.model import Frame, Mode, Process, Sample, Stack, StopReason
+from qmpprof.naming import Naming, stack_names
 
 
 @dataclass(frozen=True, slots=True)
-class Naming:
-    """How frames are turned into names."""
+class StackRecord:
+    """One distinct stack: who ran it, in which mode, its frames (ids, leaf first), how its
+    walk ended."""
 
-    show_addresses: bool = False  # append @0x... to every frame
-    offsets: bool = False  # function+0x1f
-    lines: bool = False  # function (file:line)
-    mark_kernel: bool = True  # _[k] on kernel frames when the sample belongs to a process
+    process: Process | None
+    mode: Mode
+    stop: StopReason
+    frames: tuple[int, ...]
 
-
-def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
-    if frame.symbol is None:
-        # A program without symbols is still told apart by address; elsewhere an address that
-        # no symbol covers is one [unknown] bucket unless addresses are asked for.
-        by_address = naming.show_addresses or frame.module == UNKNOWN
-        name = f"{frame.pc:#x}" if by_address else UNKNOWN
-    else:
-        name = frame.symbol
-        if naming.offsets:
-            name = f"{name}+{frame.offset:#x}"
-        if naming.lines and frame.file is not None:
-            name = f"{name} ({frame.file}:{frame.line})"
-        if naming.show_addresses:
-            name = f"{name} @{frame.pc:#x}"
-    if frame.inlined:
-        name += INLINED_SUFFIX
-    if mark_kernel and frame.kernel:
-        name += KERNEL_SUFFIX
-    return name.replace(";", ":").replace("\n", " ")
-
-
-def stack_names(sample: Sample, naming: Naming) -> tuple[str, ...]:
-    """Names of a sample's frames root first: the context (process or ``kernel``) is the root."""
-    root = sample.process.label if sample.process is not None else KERNEL_ROOT
-    mark = naming.mark_kernel and sample.process is not None
-    names = [frame_name(f, naming, mark) for f in reversed(sample.stack.frames)]
-    if sample.stack.truncated:
-        names.insert(0, TRUNCATED)
-    return (root.replace(";", ":"), *names)
+    @property
+    def truncated(self) -> bool:
+        return self.stop is not StopReason.END
 
 
 @dataclass(frozen=True, slots=True)
-class TimedStack:
-    time: float
-    cpu: int
-    names: tuple[str, ...]
-    kernel: tuple[bool, ...]  # per name: is it a kernel frame (for colouring)
+class NamedStack:
+    names: tuple[str, ...]  # root first
+    kernel: tuple[bool, ...]  # per name: kernel code (for colouring)
 
 
 @dataclass(slots=True)
 class Profile:
     """Everything a run collected. ``facts`` are shown in titles and summaries (ordered)."""
 
-    samples: list[TimedStack] = field(default_factory=list)
-    facts: dict[str, str] = field(default_factory=dict)
     interval_ms: float = 10.0
+    facts: dict[str, str] = field(default_factory=dict)
+    frames: list[Frame] = field(default_factory=list)
+    stacks: list[StackRecord] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # samples per stack id
+    times: array[float] = field(default_factory=lambda: array("d"))  # seconds since the start
+    cpus_of: array[int] = field(default_factory=lambda: array("H"))
+    stack_of: array[int] = field(default_factory=lambda: array("I"))
+    _frame_ids: dict[Frame, int] = field(default_factory=dict, repr=False, compare=False)
+    _stack_ids: dict[tuple[object, ...], int] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
-    def add(self, sample: Sample, naming: Naming) -> None:
-        names = stack_names(sample, naming)
-        pad = len(names) - len(sample.stack.frames)
-        kernel = (False,) * pad + tuple(f.kernel for f in reversed(sample.stack.frames))
-        self.samples.append(TimedStack(sample.time, sample.cpu, names, kernel))
+    def add(self, sample: Sample) -> None:
+        stack = sample.stack
+        key = (sample.process, sample.mode, stack.stop, stack.frames)
+        sid = self._stack_ids.get(key)
+        if sid is None:
+            sid = self._intern(sample.process, sample.mode, stack.stop, stack.frames)
+            self._stack_ids[key] = sid
+        self.counts[sid] += 1
+        self.times.append(sample.time)
+        self.cpus_of.append(sample.cpu)
+        self.stack_of.append(sid)
 
-    def counts(self) -> Counter[tuple[str, ...]]:
-        return Counter(s.names for s in self.samples)
+    def _intern(
+        self, process: Process | None, mode: Mode, stop: StopReason, frames: tuple[Frame, ...]
+    ) -> int:
+        ids = []
+        for frame in frames:
+            fid = self._frame_ids.get(frame)
+            if fid is None:
+                fid = self._frame_ids[frame] = len(self.frames)
+                self.frames.append(frame)
+            ids.append(fid)
+        self.stacks.append(StackRecord(process, mode, stop, tuple(ids)))
+        self.counts.append(0)
+        return len(self.stacks) - 1
+
+    def __len__(self) -> int:
+        """The number of samples."""
+        return len(self.times)
+
+    @property
+    def truncated(self) -> int:
+        return sum(c for s, c in zip(self.stacks, self.counts, strict=True) if s.truncated)
 
     @property
     def cpus(self) -> list[int]:
-        return sorted({s.cpu for s in self.samples})
+        return sorted(set(self.cpus_of))
 
-    def top_functions(self, n: int = 10) -> list[tuple[str, int]]:
+    def frames_of(self, record: StackRecord) -> list[Frame]:
+        return [self.frames[i] for i in record.frames]
+
+    def named(self, naming: Naming) -> list[NamedStack]:
+        """Per stack id, its names root first."""
+        return [
+            NamedStack(*stack_names(s.process, self.frames_of(s), s.stop, naming))
+            for s in self.stacks
+        ]
+
+    def named_counts(self, naming: Naming) -> Counter[tuple[str, ...]]:
+        """Samples per distinct named stack, root first (stacks that differ only in what the
+        naming does not show, an offset say, are one)."""
+        out: Counter[tuple[str, ...]] = Counter()
+        for named, count in zip(self.named(naming), self.counts, strict=True):
+            if count:
+                out[named.names] += count
+        return out
+
+    def timeline(self) -> Iterator[tuple[float, int, int]]:
+        """(time, vCPU, stack id) per sample, in the order they were added."""
+        return zip(self.times, self.cpus_of, self.stack_of, strict=True)
+
+    def top_functions(self, naming: Naming, n: int = 10) -> list[tuple[str, int]]:
         """Self samples per leaf frame name, most first."""
-        leaves = Counter(s.names[-1] for s in self.samples)
+        leaves: Counter[str] = Counter()
+        for names, count in self.named_counts(naming).items():
+            leaves[names[-1]] += count
         return sorted(leaves.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
-    @classmethod
-    def from_stacks(cls, stacks: Iterable[tuple[str, ...]], interval_ms: float = 10.0) -> Profile:
-        """A profile from plain name tuples (for tests and for re-reading folded files)."""
-        profile = cls(interval_ms=interval_ms)
-        for i, names in enumerate(stacks):
-            kernel = tuple(n.endswith(KERNEL_SUFFIX) for n in names)
-            profile.samples.append(TimedStack(i * interval_ms / 1000, 0, names, kernel))
-        return profile
+    def select(self, keep: Mode | None = None, cpus: Sequence[int] | None = None) -> Profile:
+        """The samples of one mode (kernel mode: only their kernel frames) and of some vCPUs."""
+        out = Profile(self.interval_ms, dict(self.facts))
+        wanted = None if cpus is None else set(cpus)
+        for time, cpu, sid in self.timeline():
+            record = self.stacks[sid]
+            if keep is not None and record.mode is not keep:
+                continue
+            if wanted is not None and cpu not in wanted:
+                continue
+            frames = self.frames_of(record)
+            if keep is Mode.KERNEL:
+                frames = [f for f in frames if f.kernel]
+            stack = Stack(tuple(frames), record.stop)
+            out.add(Sample(time, cpu, record.mode, 0, 0, stack, record.process))
+        return out

@@ -2,9 +2,9 @@
 what to do after it runs again.
 
 Per tick: ``stop``; the registers of every selected vCPU (pipelined); per vCPU, identify the
-process and read its stack window into a fresh PageCache, then unwind (refetching pages the
-unwinder asks for, a bounded number of times); ``cont``. Naming frames, filtering and counting
-happen after ``cont``, while the guest runs again.
+process (the guest identifier) and read its stack (``memory.StackReader``) into a fresh
+PageCache, then unwind; ``cont``. Resolving frames, filtering and adding to the profile happen
+after ``cont``, while the guest runs again. The sampler orchestrates; the profile counts.
 
 Timing: the interval is guest *run* time between samples. After ``cont`` the sampler waits
 until the guest has run a full interval (optionally jittered), however long the previous pause
@@ -25,59 +25,27 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from qmpprof.errors import (
-    GuestGoneError,
-    MemoryReadError,
-    QmpprofError,
-    TransportError,
-    UsageError,
-)
-from qmpprof.memory import PAGE, PageCache, PageMissing, fetch, page_of
+from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
+from qmpprof.guest.base import GuestIdentifier
+from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader, fetch
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Process, Registers, Sample, Stack
-from qmpprof.profile import Naming, Profile
+from qmpprof.pages import PageCache
+from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 
-_STACK_ENDS_LIMIT = 4096
-
 Space = TypeVar("Space")
-Space_co = TypeVar("Space_co", covariant=True)
 Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
 T = TypeVar("T")
 
 
-class Identified(Protocol[Space_co]):
-    """Who was running on a vCPU: the process (None for the kernel) and the address space
-    (modules, CFI, symbols) to unwind and name its stack with."""
-
-    @property
-    def process(self) -> Process | None: ...
-
-    @property
-    def space(self) -> Space_co: ...
-
-
-class Symbolizer(Protocol[Space_co]):
-    """Gives the address space for a sample. Called while the guest is stopped, so it may read
-    guest memory (a metadata page, ``.text``) through the transport and the sample's cache."""
-
-    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        """(address, size) ranges identify() will need for this sample: they are read together
-        with the stack window, in the same round trip."""
-        ...
-
-    async def identify(
-        self, transport: GuestTransport, regs: Registers, cache: PageCache
-    ) -> Identified[Space_co]: ...
-
-
 class StackUnwinder(Protocol[Space_contra, Raw]):
-    """unwind() runs while stopped and may raise PageMissing; symbolize() runs after cont."""
+    """unwind() runs while stopped and may raise PageMissing; resolve() runs after cont."""
 
     def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
 
-    def symbolize(self, raw: Raw, space: Space_contra) -> Stack: ...
+    def resolve(self, raw: Raw, space: Space_contra) -> Stack: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +54,10 @@ class SamplerConfig:
     duration: float = 5.0  # seconds of guest run time to profile
     jitter: float = 0.0  # each interval is scaled by a uniform factor in [1-jitter, 1+jitter]
     cpus: tuple[int, ...] | None = None  # None: every vCPU
-    window: int = 16384  # stack bytes read at RSP in one call
+    window: int = WINDOW  # stack bytes read at RSP in one call
     kernel_boundary: int = KERNEL_BOUNDARY
     keep: Mode | None = None  # --kernel-only / --user-only
-    max_refetch: int = 8  # pages fetched on the unwinder's demand per sample
+    max_refetch: int = MAX_REFETCH  # pages fetched on the unwinder's demand per sample
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.duration <= 0:
@@ -124,9 +92,8 @@ class Sampler(Generic[Space, Raw]):
         self,
         transport: GuestTransport,
         unwinder: StackUnwinder[Space, Raw],
-        symbolizer: Symbolizer[Space],
+        identifier: GuestIdentifier[Space],
         config: SamplerConfig,
-        naming: Naming | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -135,9 +102,9 @@ class Sampler(Generic[Space, Raw]):
     ) -> None:
         self.transport = transport
         self.unwinder = unwinder
-        self.symbolizer = symbolizer
+        self.identifier = identifier
         self.config = config
-        self.naming = naming or Naming()
+        self.stacks = StackReader(transport, config.window, config.max_refetch)
         self.profile = Profile(interval_ms=config.interval * 1e3)
         self.stats = SamplerStats()
         self._clock = clock
@@ -147,7 +114,6 @@ class Sampler(Generic[Space, Raw]):
         self._stop_requested = False
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
-        self._stack_ends: dict[tuple[int, int], int] = {}  # (space, RSP page) -> first unmapped
 
     def request_stop(self) -> None:
         """End the run after the current tick (safe from a signal handler)."""
@@ -252,17 +218,17 @@ class Sampler(Generic[Space, Raw]):
         try:
             # The stack window and what identify() needs are independent: issued together.
             # A refused identity read is retried (and counted) by identify() itself.
-            wanted = self.symbolizer.reads_for(regs)
+            wanted = self.identifier.reads_for(regs)
             await _together(
                 [
-                    self._prefetch(regs, cache),
+                    self.stacks.prefetch(regs, cache),
                     *(fetch(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
                 ]
             )
-            identity = await self.symbolizer.identify(self.transport, regs, cache)
+            identity = await self.identifier.identify(self.transport, regs, cache)
             captured.process, captured.space = identity.process, identity.space
             captured.raw = await self._unwind(regs, cache, identity.space)
-            self._learn_stack_end(regs, cache)
+            self.stacks.learn(regs, cache)
         except GuestGoneError:
             raise
         except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
@@ -270,67 +236,22 @@ class Sampler(Generic[Space, Raw]):
         self._phase("memory", mark)
         return captured
 
-    async def _prefetch(self, regs: Registers, cache: PageCache) -> None:
-        """The stack window in one read, cut at the stack's end once a sample has found it.
-
-        memsave fails whole if one page is unmapped, and a failed read costs as much as a good
-        one; so when the window fails, read it page by page up to the first unmapped page (the
-        top of the stack), once: later samples at this RSP page read just up to there."""
-        start = page_of(regs.rsp)
-        end = min(page_of(regs.rsp + self.config.window - 1) + PAGE, 1 << 64)
-        key = self._stack_key(regs)
-        end = min(end, self._stack_ends.get(key, end))
-        try:
-            data = await self.transport.read(regs.cpu, start, end - start)
-        except TransportError:
-            self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
-            await self._read_up_to_hole(regs.cpu, cache, start, end)
-            return
-        for page in range(start, end, PAGE):
-            cache.pages[page] = data[page - start : page - start + PAGE]
-
-    async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
-        for page in range(start, end, PAGE):
-            try:
-                cache.pages[page] = await self.transport.read(cpu, page, PAGE)
-            except MemoryReadError:
-                cache.pages[page] = None
-                return
-
-    def _stack_key(self, regs: Registers) -> tuple[int, int]:
-        # Kernel stacks look the same under every CR3; user stacks belong to their CR3.
-        space = 0 if regs.rsp >= self.config.kernel_boundary else regs.cr3
-        return (space, page_of(regs.rsp))
-
-    def _learn_stack_end(self, regs: Registers, cache: PageCache) -> None:
-        """Remember the first unmapped page above RSP that this sample met."""
-        page = page_of(regs.rsp) + PAGE
-        while cache.pages.get(page) is not None:
-            page += PAGE
-        if page in cache.pages:
-            if len(self._stack_ends) >= _STACK_ENDS_LIMIT:
-                self._stack_ends.clear()
-            self._stack_ends[self._stack_key(regs)] = page
-
     async def _unwind(self, regs: Registers, cache: PageCache, space: Space) -> Raw:
-        fetched = 0
-        while True:
+        unwinds = 0.0  # time in unwind() proper: the rest of the memory phase is reading
+
+        def attempt() -> Raw:
+            nonlocal unwinds
             mark = self._clock()
             try:
-                raw = self.unwinder.unwind(regs, cache, space)
-            except PageMissing as miss:
-                self._phase("unwind", mark, memory=True)
-                page = page_of(miss.addr)
-                if page in cache.pages:
-                    raise TransportError(f"unwinder asked again for page {page:#x}") from miss
-                if fetched < self.config.max_refetch:
-                    fetched += 1
-                    await fetch(self.transport, cache, regs.cpu, page, PAGE)
-                else:
-                    cache.pages[page] = None  # out of budget: the walk stops there, truncated
-                continue
-            self._phase("unwind", mark, memory=True)
-            return raw
+                return self.unwinder.unwind(regs, cache, space)
+            finally:
+                unwinds += self._clock() - mark
+
+        try:
+            return await self.stacks.complete(regs.cpu, cache, attempt)
+        finally:
+            self.stats.phase_time["unwind"] += unwinds
+            self.stats.phase_time["memory"] -= unwinds  # counted once, as unwinding
 
     def _finish(self, captured: _Captured[Space, Raw]) -> Sample | None:
         """After cont: name the frames, filter, count, add to the profile."""
@@ -341,9 +262,9 @@ class Sampler(Generic[Space, Raw]):
             self.stats.errors[captured.error or "no stack"] += 1
             return None
         try:
-            stack = self.unwinder.symbolize(captured.raw, captured.space)
+            stack = self.unwinder.resolve(captured.raw, captured.space)
         except Exception as err:  # as in _capture: counted, the run goes on
-            self.stats.errors[f"symbolize: {type(err).__name__}: {err}"] += 1
+            self.stats.errors[f"resolve: {type(err).__name__}: {err}"] += 1
             return None
         if self.config.keep is Mode.KERNEL:
             stack = Stack(tuple(f for f in stack.frames if f.kernel), stack.stop)
@@ -351,17 +272,11 @@ class Sampler(Generic[Space, Raw]):
         sample = Sample(
             captured.time, regs.cpu, captured.mode, regs.cpl, regs.cr3, stack, captured.process
         )
-        self.profile.add(sample, self.naming)
-        self.stats.samples += 1
-        self.stats.truncated += stack.truncated
+        self.profile.add(sample)
         return sample
 
-    def _phase(self, name: str, since: float, *, memory: bool = False) -> None:
-        elapsed = self._clock() - since
-        self.stats.phase_time[name] += elapsed
-        if memory:
-            # unwind() time was also inside the caller's "memory" span: count it once.
-            self.stats.phase_time["memory"] -= elapsed
+    def _phase(self, name: str, since: float) -> None:
+        self.stats.phase_time[name] += self._clock() - since
 
 
 async def _together(

@@ -7,6 +7,7 @@ for with --kernel-only / --user-only) are counted apart, they are not failures.
 from __future__ import annotations
 
 import statistics
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -17,12 +18,10 @@ PHASES = ("stop", "registers", "memory", "unwind", "cont")
 @dataclass(slots=True)
 class SamplerStats:
     ticks: int = 0  # stop/cont cycles (each samples every selected vCPU)
-    samples: int = 0  # vCPU samples added to the profile
-    truncated: int = 0  # of those, stacks whose walk did not reach the outermost frame
     filtered: int = 0  # vCPU samples left out by the mode filter
     cpl_mismatch: int = 0  # RIP's side of the kernel boundary disagreed with CPL
     errors: Counter[str] = field(default_factory=Counter)
-    pauses: list[float] = field(default_factory=list)  # seconds the guest was stopped, per tick
+    pauses: array[float] = field(default_factory=lambda: array("d"))  # seconds stopped, per tick
     phase_time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     run_time: float = 0.0  # seconds the guest ran between samples
     wall_time: float = 0.0  # seconds from the first to the last tick
@@ -57,10 +56,11 @@ class SamplerStats:
         n = max(1, len(self.pauses))
         return {name: total * 1e3 / n for name, total in self.phase_time.items()}
 
-    def summary_lines(self, unique_stacks: int) -> list[str]:
+    def summary_lines(self, samples: int, truncated: int, unique_stacks: int) -> list[str]:
+        """``samples`` (of which ``truncated``) and ``unique_stacks`` are the profile's counts."""
         median, p95, worst = self.pause_ms()
         lines = [
-            f"Samples: {self.samples}  Errors: {self.error_count}  Truncated: {self.truncated}"
+            f"Samples: {samples}  Errors: {self.error_count}  Truncated: {truncated}"
             f"  Filtered: {self.filtered}  Unique stacks: {unique_stacks}"
         ]
         if self.run_time > 0:  # not for a single snapshot

@@ -8,15 +8,31 @@ runs an optional hook before each call (to raise GuestGoneError on the n-th stop
 from __future__ import annotations
 
 import bisect
+import re
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from qmpprof.dwarf.cfi import CfiTable
+from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import MemoryReadError
-from qmpprof.memory import PAGE, PageCache, page_of
-from qmpprof.model import KERNEL_BOUNDARY, Frame, Process, Registers, Stack, StopReason
+from qmpprof.model import (
+    KERNEL_BOUNDARY,
+    Frame,
+    Mapping,
+    Mode,
+    Process,
+    Registers,
+    Sample,
+    Stack,
+    StopReason,
+)
+from qmpprof.pages import PAGE, PageCache, page_of
+from qmpprof.profile import Profile
 from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.space import Module
 
 
 @dataclass
@@ -150,9 +166,9 @@ RawStack = tuple[tuple[int, ...], StopReason]
 class FramePointerUnwinder:
     """The leaf's RIP, then [rbp+8] return addresses along the saved-rbp chain."""
 
-    def __init__(self, max_depth: int = 64, on_symbolize: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_depth: int = 64, on_resolve: Callable[[], None] | None = None) -> None:
         self.max_depth = max_depth
-        self.on_symbolize = on_symbolize
+        self.on_resolve = on_resolve
         self.unwinds = 0
 
     def unwind(self, regs: Registers, cache: PageCache, space: FakeSpace) -> RawStack:
@@ -169,9 +185,9 @@ class FramePointerUnwinder:
             rbp = saved
         return tuple(pcs), StopReason.END
 
-    def symbolize(self, raw: RawStack, space: FakeSpace) -> Stack:
-        if self.on_symbolize is not None:
-            self.on_symbolize()
+    def resolve(self, raw: RawStack, space: FakeSpace) -> Stack:
+        if self.on_resolve is not None:
+            self.on_resolve()
         frames = []
         for pc in raw[0]:
             symbol, offset = space.name(pc)
@@ -190,8 +206,8 @@ class KernelIdentity(Generic[Space]):
     space: Space
 
 
-class KernelSymbolizer(Generic[Space]):
-    """A Symbolizer with no processes: every sample is unwound and named in one space."""
+class KernelIdentifier(Generic[Space]):
+    """A GuestIdentifier with no processes: every sample is unwound and named in one space."""
 
     def __init__(self, space: Space) -> None:
         self._identity = KernelIdentity(None, space)
@@ -203,3 +219,61 @@ class KernelSymbolizer(Generic[Space]):
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> KernelIdentity[Space]:
         return self._identity
+
+
+def named_sample(
+    names: Sequence[str], time: float = 0.0, cpu: int = 0, kernel: Sequence[bool] | None = None
+) -> Sample:
+    """A sample whose frames render as ``names`` (root first) in the default naming.
+
+    ``names[0]`` is the context: ``kernel``, ``PROGRAM (pid N)`` or ``cr3=0x...``; a
+    ``[truncated]`` right after it marks a walk that stopped early. A frame is kernel code when
+    ``kernel`` says so, else when its name ends in ``_[k]`` (the suffix is then the naming's)."""
+    root, *rest = names
+    stop = StopReason.END
+    flags = list(kernel) if kernel is not None else [n.endswith("_[k]") for n in names]
+    if rest and rest[0] == "[truncated]":
+        rest, flags, stop = rest[1:], [flags[0], *flags[2:]], StopReason.DEPTH
+    frames = tuple(
+        Frame(zlib.crc32(name.encode()), is_kernel, name.removesuffix("_[k]"))
+        for name, is_kernel in zip(reversed(rest), reversed(flags[1:]), strict=True)
+    )
+    process = _process(root)
+    mode = Mode.KERNEL if frames and frames[0].kernel else Mode.USER
+    return Sample(time, cpu, mode, 0 if mode is Mode.KERNEL else 3, 0, Stack(frames, stop), process)
+
+
+def _process(root: str) -> Process | None:
+    if root == "kernel":
+        return None
+    found = re.fullmatch(r"(.+) \(pid (\d+)\)", root)
+    if found:
+        return Process(int(found[2]), found[1], 0)
+    if root.startswith("cr3="):
+        return Process(None, None, int(root[4:], 16))
+    raise ValueError(f"not a context name: {root!r}")
+
+
+def profile_of(stacks: Iterable[Sequence[str]], interval_ms: float = 10.0) -> Profile:
+    """A profile with one sample per name tuple, 10 ms apart on vCPU 0."""
+    profile = Profile(interval_ms)
+    for i, names in enumerate(stacks):
+        profile.add(named_sample(names, i * interval_ms / 1000))
+    return profile
+
+
+def make_module(
+    name: str,
+    start: int,
+    end: int,
+    kernel: bool,
+    *,
+    bias: int = 0,
+    symbols: SymbolTable | None = None,
+    cfi: CfiTable | None = None,
+    code: bytes | None = None,
+    code_addr: int = 0,
+) -> Module:
+    """A Module from its parts, with the unwinding steps they allow."""
+    mapping = Mapping(name, start, end, kernel, bias)
+    return Module.build(mapping, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols)

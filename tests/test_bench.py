@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 from guestvm import free_tcp_port, running_guest
-
-from qmpprof.bench import report
-from qmpprof.bench.guest import symbol_address
-from qmpprof.bench.methods import (
+from support.bench import report
+from support.bench.guest import symbol_address
+from support.bench.methods import (
     EmeraldHmp,
     FloorQmp,
     GdbBatch,
@@ -24,8 +23,8 @@ from qmpprof.bench.methods import (
     Paced,
     run_paced,
 )
-from qmpprof.bench.rawqmp import RawQmp
-from qmpprof.bench.run import Alternated, Run, percentile
+from support.bench.rawqmp import RawQmp
+from support.bench.run import Alternated, Run, percentile
 
 
 def test_percentile_and_rate() -> None:

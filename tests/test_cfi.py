@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from qmpprof.unwind.cfi import CfiTable, Kind, RegRule, Rule
-from qmpprof.unwind.expr import evaluate
+from qmpprof.dwarf.cfi import CfiTable, Kind, RegRule, Rule
+from qmpprof.dwarf.expr import evaluate
 
 RSP, RBP, RBX, R12, RIP = 7, 6, 3, 12, 16
 SECTION = 0x2000  # address the hand-built section pretends to live at

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from fakes import FakeTransport, frame_chain, regs
 
+from qmpprof import session
 from qmpprof.cli import main, options
-from qmpprof.cli import profile as profile_cmd
+from qmpprof.cli import sample as sample_cmd
 from qmpprof.errors import GuestGoneError, UsageError
 from qmpprof.model import KERNEL_BOUNDARY
 from qmpprof.output import folded
@@ -40,10 +41,10 @@ def scripted_guest(
         hook=hook,
     )
 
-    async def connect(opts: options.Options) -> FakeTransport:
+    async def connect(spec: session.RunSpec) -> FakeTransport:
         return transport
 
-    monkeypatch.setattr(profile_cmd, "connect", connect)
+    monkeypatch.setattr(session, "connect", connect)
     return transport
 
 
@@ -172,9 +173,14 @@ def test_cpu_lists_and_addresses() -> None:
     assert options.parse_cpus("0,2-3, 5") == (0, 2, 3, 5)
     assert options.parse_address("0xffff_ffff_8000_0000", "--kernel-boundary") == K
     assert options.parse_host_port(":4444") == ("localhost", 4444)
-    opts = options.parse([])
-    assert (opts.interval_ms, opts.duration, opts.qmp_socket) == (10.0, 5.0, Path("qmp-socket"))
-    assert opts.kernel_boundary == K and opts.keep is None and opts.cpus is None
+    spec = options.parse([]).spec
+    sampling = spec.sampling
+    assert (sampling.interval, sampling.duration, spec.qmp_socket) == (
+        0.01,
+        5.0,
+        Path("qmp-socket"),
+    )
+    assert sampling.kernel_boundary == K and sampling.keep is None and sampling.cpus is None
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -220,10 +226,10 @@ def test_second_interrupt_cancels_a_hung_run_and_still_resumes_and_writes(
     rbp, pages = frame_chain(K + 0x20_0000, [K + 0x2010])
     transport = Hung({0: regs(0, K + 0x3004, rsp=rbp, rbp=rbp)}, pages)
 
-    async def connect(opts: options.Options) -> FakeTransport:
+    async def connect(spec: session.RunSpec) -> FakeTransport:
         return transport
 
-    monkeypatch.setattr(profile_cmd, "connect", connect)
+    monkeypatch.setattr(session, "connect", connect)
     out = tmp_path / "hung.folded"
     assert main(["--duration", "10", "-o", str(out)]) == 130
     assert transport.calls[-1] == "cont" and transport.running
@@ -236,7 +242,7 @@ def test_progress_line_only_on_a_terminal(
 ) -> None:
     scripted_guest(monkeypatch)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    monkeypatch.setattr(profile_cmd, "_PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(sample_cmd, "_PROGRESS_EVERY", 0.0)
     assert main(["--duration", "0.03", "--cpus", "0"]) == 0
     err = capsys.readouterr().err
     assert "\rqmpprof: 1 samples" in err and "\rqmpprof: 3 samples" in err

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes import profile_of
 from guestvm import ROOT, build_fixtures, expected
 
 from qmpprof.cli import demo, main
 from qmpprof.errors import QmpprofError, UsageError
 from qmpprof.output import folded
-from qmpprof.profile import Profile
 
 RUN_TIMEOUT = 180.0  # boot, 2 s of guest run time and the pauses, on a loaded 2-core host
 
@@ -89,7 +89,7 @@ def test_a_failed_build_is_one_error(tmp_path: Path) -> None:
 
 
 def test_hottest_lists_self_samples_most_first() -> None:
-    profile = Profile.from_stacks(
+    profile = profile_of(
         [("kernel", "a", "b"), ("kernel", "a", "b"), ("kernel", "a"), ("p (pid 1)", "c_[k]")]
     )
     lines = demo.hottest(profile).splitlines()
@@ -99,7 +99,7 @@ def test_hottest_lists_self_samples_most_first() -> None:
         ["1", "25.0%", "a"],
         ["1", "25.0%", "c_[k]"],
     ]
-    assert demo.hottest(Profile()) == "No samples.\n"
+    assert demo.hottest(profile_of([])) == "No samples.\n"
 
 
 def workload_functions() -> set[str]:

@@ -74,8 +74,8 @@ def test_the_command_is_required(args: list[str], message: str) -> None:
 
 def test_parse_points_the_options_at_the_private_socket() -> None:
     opts = record.parse(["--duration", "2", "-k"], Path("/tmp/x/qmp.sock"))
-    assert opts.qmp_socket == Path("/tmp/x/qmp.sock")
-    assert opts.duration == 2.0 and opts.transport == "qmp"
+    assert opts.spec.qmp_socket == Path("/tmp/x/qmp.sock")
+    assert opts.spec.sampling.duration == 2.0 and opts.spec.transport == "qmp"
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import pytest
 from browser import chromium, expect, serve, speedscope_release, speedscope_schema
 from test_output import hand_built_profile
 
+from qmpprof.naming import Naming
 from qmpprof.output import speedscope, svg
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def page(context: BrowserContext, tmp_path: Path) -> Iterator[Page]:
     """The hand-built profile's flame graph, opened from a file:// URL; fails on any JS error."""
     errors: list[str] = []
     path = tmp_path / "flame.svg"
-    path.write_text(svg.render(hand_built_profile()), encoding="utf-8")
+    path.write_text(svg.render(hand_built_profile(), Naming()), encoding="utf-8")
     tab = context.new_page()
     tab.on("pageerror", lambda err: errors.append(str(err)))
     tab.goto(path.as_uri())
@@ -124,7 +125,7 @@ def test_the_url_fragment_restores_zoom_and_search(page: Page) -> None:
 def test_speedscope_file_follows_the_published_schema() -> None:
     from jsonschema import Draft7Validator
 
-    document = json.loads(speedscope.render(hand_built_profile()))
+    document = json.loads(speedscope.render(hand_built_profile(), Naming()))
     errors = [e.message for e in Draft7Validator(speedscope_schema()).iter_errors(document)]
     assert errors == []
 
@@ -132,7 +133,7 @@ def test_speedscope_file_follows_the_published_schema() -> None:
 def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Path) -> None:
     (tmp_path / "viewer").symlink_to(speedscope_release())
     (tmp_path / "run.speedscope.json").write_text(
-        speedscope.render(hand_built_profile()), encoding="utf-8"
+        speedscope.render(hand_built_profile(), Naming()), encoding="utf-8"
     )
     errors: list[str] = []
     tab = context.new_page()

@@ -8,12 +8,13 @@ from typing import Any
 from test_output import hand_built_profile
 
 from qmpprof import __version__
+from qmpprof.naming import Naming
 from qmpprof.output import speedscope
 from qmpprof.profile import Profile
 
 
 def document(profile: Profile) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(speedscope.render(profile))
+    loaded: dict[str, Any] = json.loads(speedscope.render(profile, Naming()))
     return loaded
 
 

@@ -6,10 +6,12 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from fakes import named_sample, profile_of
 from test_output import hand_built_profile
 
+from qmpprof.naming import Naming
 from qmpprof.output import svg
-from qmpprof.profile import Profile, TimedStack
+from qmpprof.profile import Profile
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 FULL = svg.WIDTH - 2 * svg.PAD
@@ -32,6 +34,10 @@ def rect(g: ET.Element) -> ET.Element:
     return found
 
 
+def render(profile: Profile) -> str:
+    return svg.render(profile, Naming())
+
+
 def family(fill: str) -> str:
     """The palette a fill colour came from, told apart by its channels."""
     match = re.fullmatch(r"rgb\((\d+),(\d+),(\d+)\)", fill)
@@ -47,7 +53,7 @@ def family(fill: str) -> str:
 
 
 def test_widths_are_shares_of_all_samples_and_the_root_is_at_the_bottom() -> None:
-    found = frames(svg.render(hand_built_profile()))
+    found = frames(render(hand_built_profile()))
     base = rect(found["all (8 samples, 100.00%)", 0])
     main = rect(found["main (3 samples, 37.50%)", 3])
     assert float(base.attrib["width"]) == pytest.approx(FULL)
@@ -61,7 +67,7 @@ def test_widths_are_shares_of_all_samples_and_the_root_is_at_the_bottom() -> Non
 
 
 def test_colour_families_tell_kernel_user_and_contexts_apart() -> None:
-    found = frames(svg.render(hand_built_profile()))
+    found = frames(render(hand_built_profile()))
     fills = {key: rect(g).attrib["fill"] for key, g in found.items()}
     assert family(fills["kmain (2 samples, 25.00%)", 2]) == "kernel"
     assert family(fills["sys_read_[k] (1 samples, 12.50%)", 5]) == "kernel"
@@ -83,14 +89,14 @@ def test_colour_depends_on_the_name_only() -> None:
 
 
 def test_kernel_flag_without_suffix_comes_from_the_samples() -> None:
-    profile = Profile()
-    profile.samples = [TimedStack(0.0, 0, ("kernel", "schedule"), (False, True))]
-    found = frames(svg.render(profile))
+    profile = profile_of([])
+    profile.add(named_sample(("kernel", "schedule"), kernel=(False, True)))
+    found = frames(render(profile))
     assert family(rect(found["schedule (1 samples, 100.00%)", 2]).attrib["fill"]) == "kernel"
 
 
 def test_title_and_subtitle_show_the_facts() -> None:
-    root = ET.fromstring(svg.render(hand_built_profile()))
+    root = ET.fromstring(render(hand_built_profile()))
     assert root.findtext(".//s:text[@id='title']", namespaces=NS) == (
         "qmpprof: fixtures/guest/emerald.elf"
     )
@@ -101,8 +107,8 @@ def test_title_and_subtitle_show_the_facts() -> None:
 
 
 def test_names_are_escaped_and_invalid_xml_characters_replaced() -> None:
-    profile = Profile.from_stacks([("kernel", "a<b>&\"c'", "bad\x01name")])
-    found = frames(svg.render(profile))  # parses: the escaping held
+    profile = profile_of([("kernel", "a<b>&\"c'", "bad\x01name")])
+    found = frames(render(profile))  # parses: the escaping held
     assert ("a<b>&\"c' (1 samples, 100.00%)", 2) in found
     assert ("bad\ufffdname (1 samples, 100.00%)", 3) in found
 
@@ -110,11 +116,11 @@ def test_names_are_escaped_and_invalid_xml_characters_replaced() -> None:
 def test_frames_below_the_minimum_width_are_left_out_but_counted() -> None:
     # One sample in 20000 is 0.06 px wide at 1180 px: below the 0.1 px default.
     stacks = [("kernel", "busy")] * 19999 + [("kernel", "rare")]
-    text = svg.render(Profile.from_stacks(stacks))
+    text = render(profile_of(stacks))
     found = frames(text)
     assert ("kernel (20000 samples, 100.00%)", 1) in found
     assert not any(tip.startswith("rare") for tip, _ in found)
-    assert ("rare (1 samples, 0.01%)", 2) in frames(svg.render(Profile.from_stacks(stacks), 0))
+    assert ("rare (1 samples, 0.01%)", 2) in frames(svg.render(profile_of(stacks), Naming(), 0))
 
 
 @pytest.mark.parametrize(
@@ -130,12 +136,12 @@ def test_labels_fit_their_frame(name: str, px: float, label: str) -> None:
 
 
 def test_an_empty_profile_is_still_a_valid_graph() -> None:
-    root = ET.fromstring(svg.render(Profile()))
+    root = ET.fromstring(render(Profile()))
     assert root.find(".//s:g[@class='f']", NS) is None
     assert any(t.text == "No samples" for t in root.iterfind(".//s:text", NS))
 
 
 def test_the_file_is_self_contained() -> None:
-    text = svg.render(hand_built_profile())
+    text = render(hand_built_profile())
     assert "<script><![CDATA[" in text
     assert not re.search(r"(src|href)=", text)

@@ -11,13 +11,14 @@ from fakes import (
     FakeSpace,
     FakeTransport,
     FramePointerUnwinder,
-    KernelSymbolizer,
+    KernelIdentifier,
     frame_chain,
     regs,
 )
 
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
+from qmpprof.naming import Naming
 from qmpprof.sampler import Sampler, SamplerConfig
 
 K = KERNEL_BOUNDARY
@@ -40,13 +41,13 @@ def kernel_cpu(cpu: int = 0) -> tuple[Registers, dict[int, bytes]]:
 def make(
     transport: FakeTransport,
     unwinder: FramePointerUnwinder | None = None,
-    symbolizer: KernelSymbolizer[FakeSpace] | None = None,
+    identifier: KernelIdentifier[FakeSpace] | None = None,
     **config: object,
 ) -> Sampler[FakeSpace, tuple[tuple[int, ...], StopReason]]:
     return Sampler(
         transport,
         unwinder or FramePointerUnwinder(),
-        symbolizer or KernelSymbolizer(SPACE),
+        identifier or KernelIdentifier(SPACE),
         SamplerConfig(**config),  # type: ignore[arg-type]
         clock=transport.clock,
         sleep=transport.clock.sleep,
@@ -65,9 +66,9 @@ async def test_every_tick_stops_once_samples_every_cpu_and_resumes() -> None:
     assert transport.calls[-1] == "cont"
     first_tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont") + 1]
     assert first_tick[:3] == ["stop", "registers:0", "registers:1"]
-    assert sampler.stats.samples == 6 and sampler.stats.ticks == 3
+    assert len(sampler.profile) == 6 and sampler.stats.ticks == 3
     assert [s.cpu for s in outcome.last] == [0, 1]
-    assert sampler.profile.counts()[("kernel", "kmain", "schedule", "idle_loop")] == 6
+    assert sampler.profile.named_counts(Naming())[("kernel", "kmain", "schedule", "idle_loop")] == 6
 
 
 async def test_interval_is_guest_run_time_not_wall_clock_slots() -> None:
@@ -79,7 +80,7 @@ async def test_interval_is_guest_run_time_not_wall_clock_slots() -> None:
     def slow_symbolize() -> None:
         clock.now += 0.003
 
-    sampler = make(transport, FramePointerUnwinder(on_symbolize=slow_symbolize), duration=0.05)
+    sampler = make(transport, FramePointerUnwinder(on_resolve=slow_symbolize), duration=0.05)
     await sampler.run()
     # The first wait is a full interval; later ones only subtract what ran after cont.
     assert clock.sleeps[0] == pytest.approx(0.010)
@@ -96,7 +97,7 @@ async def test_jitter_scales_each_interval() -> None:
     sampler = Sampler(
         transport,
         FramePointerUnwinder(),
-        KernelSymbolizer(SPACE),
+        KernelIdentifier(SPACE),
         SamplerConfig(duration=0.03, jitter=0.5),
         clock=transport.clock,
         sleep=transport.clock.sleep,
@@ -139,7 +140,7 @@ async def test_guest_resumed_when_an_exception_escapes_while_stopped() -> None:
     with pytest.raises(Bug):
         await sampler.run()
     assert transport.calls[-1] == "cont" and transport.running
-    assert sampler.stats.samples == 1
+    assert len(sampler.profile) == 1
 
 
 async def test_guest_resumed_when_cancelled_while_stopped() -> None:
@@ -173,8 +174,8 @@ async def test_qemu_gone_keeps_what_was_collected() -> None:
     sampler = make(transport)
     with pytest.raises(GuestGoneError):
         await sampler.run()
-    assert sampler.stats.samples == 3
-    assert sum(sampler.profile.counts().values()) == 3
+    assert len(sampler.profile) == 3
+    assert sum(sampler.profile.named_counts(Naming()).values()) == 3
 
 
 async def test_errors_in_one_sample_are_counted_and_the_run_goes_on() -> None:
@@ -190,7 +191,7 @@ async def test_errors_in_one_sample_are_counted_and_the_run_goes_on() -> None:
     sampler = make(transport, duration=0.03)
     await sampler.run()
     assert sampler.stats.ticks == 3
-    assert sampler.stats.samples == 2
+    assert len(sampler.profile) == 2
     assert sampler.stats.errors["registers: no registers for vCPU 1"] == 3
     assert sampler.stats.errors["RuntimeError: reader bug"] == 1
     assert sampler.stats.error_count == 4
@@ -210,8 +211,8 @@ async def test_mode_filter_counts_filtered_apart_from_errors(
     sampler = make(transport, duration=0.02, keep=keep)
     await sampler.run()
     assert sampler.stats.filtered == filtered
-    assert sampler.stats.samples == 2 and sampler.stats.error_count == 0
-    stacks = set(sampler.profile.counts())
+    assert len(sampler.profile) == 2 and sampler.stats.error_count == 0
+    stacks = set(sampler.profile.named_counts(Naming()))
     if kept_mode is Mode.KERNEL:
         assert stacks == {("kernel", "schedule", "idle_loop")}
     else:
@@ -242,9 +243,11 @@ async def test_refetch_budget_bounds_reads_and_truncates() -> None:
     sampler = make(transport, window=4096, max_refetch=0)
     outcome = await sampler.run(one_shot=True)
     assert outcome.last[0].stack.stop is StopReason.READ_FAILED
-    assert sampler.stats.truncated == 1
+    assert sampler.profile.truncated == 1
     assert sum(c.startswith("read") for c in transport.calls) == 1
-    assert sampler.profile.counts() == {("kernel", "[truncated]", "schedule", "idle_loop"): 1}
+    assert sampler.profile.named_counts(Naming()) == {
+        ("kernel", "[truncated]", "schedule", "idle_loop"): 1
+    }
 
 
 async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() -> None:
@@ -258,7 +261,7 @@ async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() ->
     assert reads[:3] == [*first, f"read:{rsp_page + 0x1000:#x}+0x1000"]
     # Later ticks know where the stack ends: one read each.
     assert reads[3:] == [f"read:{rsp_page:#x}+0x1000"] * 2
-    assert sampler.stats.samples == 3 and sampler.stats.truncated == 0
+    assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
 async def test_request_stop_ends_after_the_current_tick() -> None:
@@ -299,14 +302,17 @@ async def test_summary_reports_counts_rate_and_pauses() -> None:
     transport = FakeTransport({0: r0}, pages, costs={"stop": 0.001, "cont": 0.001})
     sampler = make(transport, duration=0.1)
     await sampler.run()
-    lines = sampler.stats.summary_lines(len(sampler.profile.counts()))
+    profile = sampler.profile
+    lines = sampler.stats.summary_lines(
+        len(profile), profile.truncated, len(profile.named_counts(Naming()))
+    )
     assert lines[0] == "Samples: 10  Errors: 0  Truncated: 0  Filtered: 0  Unique stacks: 1"
     assert "Rate: 100.0 Hz of guest run time" in lines[1]
     assert "median 2.00 ms" in lines[2]
     assert sampler.stats.running_fraction() == pytest.approx(10 / 12, rel=0.02)
 
 
-class ReadingSymbolizer(KernelSymbolizer[FakeSpace]):
+class ReadingIdentifier(KernelIdentifier[FakeSpace]):
     """Needs a fixed range (like the metadata page) to identify every sample."""
 
     def reads_for(self, regs: Registers) -> tuple[tuple[int, int], ...]:
@@ -316,10 +322,10 @@ class ReadingSymbolizer(KernelSymbolizer[FakeSpace]):
 async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     r0, pages = kernel_cpu(0)
     transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)}, pages)
-    sampler = make(transport, symbolizer=ReadingSymbolizer(SPACE), duration=0.01, interval=0.01)
+    sampler = make(transport, identifier=ReadingIdentifier(SPACE), duration=0.01, interval=0.01)
     await sampler.run()
     tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
     assert tick[:3] == ["stop", "registers:0", "registers:1"]
     identity = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
     assert tick.count(identity) == 2  # one per vCPU, while the guest is stopped
-    assert sampler.stats.samples == 2  # an unmapped identity page costs nothing more
+    assert len(sampler.profile) == 2  # an unmapped identity page costs nothing more

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, Guest, build_fixtures, free_tcp_port, gdb_backtrace, running_guest
+from support.bench.rawqmp import RawQmp
 from test_transport_gdbpackets import CAPTURED_G, monitor_fields
 
-from qmpprof.bench.rawqmp import RawQmp
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.gdbpackets import REGISTER_NAMES, encode_packet

@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from support.synthetic import load_time, offline_rate, running_code_path, synthetic_stack
+
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import StopReason
-from qmpprof.unwind.bench import load_time, offline_rate, running_code_path, synthetic_stack
 from qmpprof.unwind.chain import Unwinder, Via
 
 DATA = Path(__file__).parent / "data" / "unwind"
@@ -23,7 +24,7 @@ def test_synthetic_stack_unwinds_through_every_chosen_frame(tmp_path: Path) -> N
     assert raw.stop is StopReason.END
     assert set(raw.via[1:]) == {Via.CFI}
     assert len(set(raw.pcs)) == 12
-    assert all(frame.symbol for frame in Unwinder().symbolize(raw, space).frames)
+    assert all(frame.symbol for frame in Unwinder().resolve(raw, space).frames)
 
 
 def test_offline_rate_and_load_time_report_numbers() -> None:

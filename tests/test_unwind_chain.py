@@ -6,12 +6,13 @@ from __future__ import annotations
 import struct
 
 import pytest
+from fakes import make_module
 from test_cfi import PLT_EXPR, cie, fde, sleb, uleb
 
+from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.memory import PAGE, PageCache, PageMissing, page_of
 from qmpprof.model import Registers, StopReason
-from qmpprof.unwind.cfi import CfiTable
+from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
 RSP, RBX, RIP = 7, 3, 16
@@ -53,7 +54,7 @@ def cfi_module() -> Module:
     ):
         data += fde(0, len(data), begin, 0x100, insns)
     table = CfiTable.parse(data, 0x500)
-    return Module("prog", 0x1000, 0x2000, kernel=False, cfi=table)
+    return make_module("prog", 0x1000, 0x2000, kernel=False, cfi=table)
 
 
 def test_cfi_walk_to_the_outermost_frame() -> None:
@@ -160,7 +161,7 @@ OUTER = STACK + 0x800  # M's frame: saved rbp 0 and return address 0 end the wal
 
 def prologue_module(with_symbols: bool = True) -> Module:
     symbols = SymbolTable([Symbol(0x1000, 0xB, "P"), Symbol(0x1010, 0xC, "L")])
-    return Module(
+    return make_module(
         "prog", 0x1000, 0x2000, kernel=False,
         symbols=symbols if with_symbols else None, code=CODE, code_addr=0x1000,
     )  # fmt: skip
@@ -218,14 +219,14 @@ def kernel_module(signal: bool) -> Module:
     data += fde(stub_cie, len(data), KBASE, 0x100, stub)
     data += fde(0, len(data), KBASE + 0x100, 0x100, b"\x0e" + uleb(16))  # handler: one push
     cfi = CfiTable.parse(data, KBASE + 0x10000)
-    return Module("kernel", KBASE, KBASE + 0x10000, kernel=True, cfi=cfi)
+    return make_module("kernel", KBASE, KBASE + 0x10000, kernel=True, cfi=cfi)
 
 
 def user_module() -> Module:
     data = cie()
     data += fde(0, len(data), 0x401000, 0x100, b"\x0e" + uleb(16))  # f: one push
     data += fde(0, len(data), 0x401100, 0x100, b"\x07" + uleb(RIP))  # main: outermost
-    return Module("user", 0x400000, 0x500000, kernel=False, cfi=CfiTable.parse(data, 0x402000))
+    return make_module("user", 0x400000, 0x500000, kernel=False, cfi=CfiTable.parse(data, 0x402000))
 
 
 @pytest.mark.parametrize("signal", [True, False])
@@ -242,7 +243,7 @@ def test_trap_frame_crosses_into_the_interrupted_user_stack(signal: bool) -> Non
     assert raw.pcs == (KBASE + 0x110, KBASE + 0x50, 0x401010, 0x401150)
     assert raw.exact == (True, False, True, False)
     assert raw.stop is StopReason.END
-    names = [f.kernel for f in Unwinder().symbolize(raw, space).frames]
+    names = [f.kernel for f in Unwinder().resolve(raw, space).frames]
     assert names == [True, True, False, False]
 
 
@@ -259,8 +260,8 @@ def test_frame_pointer_walk_crosses_a_fake_trap_frame_into_user_code() -> None:
     }
     space = AddressSpace(
         [
-            Module("kernel", KBASE, KBASE + 0x10000, kernel=True),
-            Module("user", 0x400000, 0x500000, kernel=False),
+            make_module("kernel", KBASE, KBASE + 0x10000, kernel=True),
+            make_module("user", 0x400000, 0x500000, kernel=False),
         ]
     )
     raw = Unwinder().unwind(regs(KBASE + 0x110, KSTACK, handler_rbp, cpl=0), memory(words), space)
@@ -280,23 +281,23 @@ def test_user_code_never_returns_into_the_kernel() -> None:
 
 def test_symbolize_looks_callers_up_at_return_address_minus_one() -> None:
     symbols = SymbolTable([Symbol(0x1000, 0x100, "a"), Symbol(0x1100, 0x100, "b")])
-    module = Module("prog", 0x5000, 0x6000, kernel=False, bias=0x4000, symbols=symbols)
+    module = make_module("prog", 0x5000, 0x6000, kernel=False, bias=0x4000, symbols=symbols)
     space = AddressSpace([module])
     raw = RawStack((0x5100, 0x5100, 0x9999), StopReason.NO_CFI, (True, False, False))
-    stack = Unwinder().symbolize(raw, space)
+    stack = Unwinder().resolve(raw, space)
     leaf, caller, unknown = stack.frames
-    assert (leaf.symbol, leaf.offset, leaf.module) == ("b", 0, "prog")
+    assert (leaf.symbol, leaf.offset, leaf.module_name) == ("b", 0, "prog")
     assert (caller.symbol, caller.offset) == ("a", 0x100)  # a call was a's last instruction
-    assert (unknown.symbol, unknown.module, unknown.kernel) == (None, None, False)
+    assert (unknown.symbol, unknown.module_name, unknown.kernel) == (None, None, False)
     assert stack.stop is StopReason.NO_CFI and stack.truncated
-    assert Unwinder().symbolize(raw, space) == stack  # the cached frames are the same
+    assert Unwinder().resolve(raw, space) == stack  # the cached frames are the same
 
 
 def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
     # Two static programs linked at the same address: at 0x1001 one has just pushed rbp, the
     # other is at the first instruction of a function that starts with `nop; ret`-like code.
     other_code = bytes.fromhex("90c3") + CODE[2:]  # 0x1000 nop, 0x1001 ret
-    other = Module("other", 0x1000, 0x2000, kernel=False, code=other_code, code_addr=0x1000)
+    other = make_module("other", 0x1000, 0x2000, kernel=False, code=other_code, code_addr=0x1000)
     words = {STACK: OUTER, STACK + 8: CALLER, OUTER: 0, OUTER + 8: 0}
     unwinder = Unwinder()
     first = unwinder.unwind(
@@ -331,7 +332,7 @@ def rules_module() -> Module:
         (0x1500, b"\x0f" + uleb(len(PLT_EXPR)) + PLT_EXPR),
     ):
         data += fde(0, len(data), begin, 0x100, insns)
-    return Module("rules", 0x1000, 0x2000, kernel=False, cfi=CfiTable.parse(data, 0x3000))
+    return make_module("rules", 0x1000, 0x2000, kernel=False, cfi=CfiTable.parse(data, 0x3000))
 
 
 def test_every_register_rule_kind_feeds_the_next_frame() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.memory import PAGE, PageCache
 from qmpprof.model import DWARF_REGS, RIP, Registers, Stack, StopReason
+from qmpprof.pages import PAGE, PageCache
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
 DATA = Path(__file__).parent / "data" / "unwind"
@@ -49,7 +49,7 @@ def replay(binary: Path, snap: dict[str, object]) -> tuple[RawStack, Stack]:
     registers = Registers(0, gprs[RIP], regs["rsp"], regs["rbp"], 3, 0, gprs=gprs)
     unwinder = Unwinder()
     raw = unwinder.unwind(registers, cache, space)
-    return raw, unwinder.symbolize(raw, space)
+    return raw, unwinder.resolve(raw, space)
 
 
 def unwind_snapshot(binary: Path, snap: dict[str, object]) -> tuple[list[str | None], list[Via]]:

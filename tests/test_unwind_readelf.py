@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from qmpprof.dwarf.cfi import CfiTable, Kind, RegRule, Rule
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import DWARF_REGS
-from qmpprof.unwind.cfi import CfiTable, Kind, RegRule, Rule
 
 DATA = Path(__file__).parent / "data" / "unwind"
 

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import pytest
 from guestvm import METADATA_ADDR, expected, free_tcp_port, running_guest
+from support.bench.gdbcli import GdbMi
 
-from qmpprof.bench.gdbcli import GdbMi
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import GuestGoneError
-from qmpprof.guest.processes import ProcessTracker
+from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.model import Sample
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import Module, Unwinder
+from qmpprof.unwind.steps import CfiStep
 
 pytestmark = pytest.mark.qemu
 
@@ -140,8 +141,8 @@ async def compare(variant: str, tmp_path: Path, *, cfi: bool = True) -> tuple[in
             for elf in sorted(guest.user_dir.glob("*.elf")):
                 without_cfi(elf, user_dir)
         kernel = Module.from_image(ElfImage.load(kernel_elf), kernel=True)
-        assert kernel.cfi is not None or not cfi
-        tracker = ProcessTracker([kernel], ProgramIndex.from_dir(user_dir))
+        assert isinstance(kernel.steps[0], CfiStep) or not cfi
+        tracker = EmeraldIdentifier([kernel], ProgramIndex.from_dir(user_dir))
         unwinder = Unwinder()
         try:
             stop = 0

@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TextIO
 
 from qmpprof.cli import record
+from qmpprof.cli.options import Parser
 from qmpprof.errors import GuestGoneError, QmpprofError, UsageError
+from qmpprof.naming import Naming
 from qmpprof.output import write_profile
 from qmpprof.profile import Profile
 
@@ -29,13 +31,8 @@ MAX_SMP = 4  # what the bundled kernel supports
 TOP = 10
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="qmpprof demo",
         description="Boot the bundled guest OS in QEMU, profile it, write a flame graph.",
     )
@@ -97,11 +94,11 @@ def folded_path(svg: Path) -> Path:
 
 def hottest(profile: Profile, n: int = TOP) -> str:
     """The functions that were running (the leaf of the stack) most often."""
-    total = len(profile.samples)
+    total = len(profile)
     if not total:
         return "No samples.\n"
     lines = [f"Hottest functions ({total} samples in the function itself; _[k]: kernel code):"]
-    lines += [f"{c:7d} {c / total:6.1%}  {name}" for name, c in profile.top_functions(n)]
+    lines += [f"{c:7d} {c / total:6.1%}  {name}" for name, c in profile.top_functions(Naming(), n)]
     return "\n".join(lines) + "\n"
 
 
@@ -138,13 +135,4 @@ def run(argv: list[str], out: TextIO, err: TextIO) -> int:
 
 
 def main(args: list[str]) -> int:
-    try:
-        return run(args, sys.stdout, sys.stderr)
-    except SystemExit as exit_:  # -h
-        return exit_.code if isinstance(exit_.code, int) else 0
-    except KeyboardInterrupt:
-        print("qmpprof: interrupted", file=sys.stderr)
-        return record.EXIT_INTERRUPTED
-    except QmpprofError as error:
-        print(f"qmpprof: error: {error}", file=sys.stderr)
-        return error.exit_code
+    return run(args, sys.stdout, sys.stderr)

@@ -8,79 +8,45 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 from qmpprof import __version__
 from qmpprof.errors import UsageError
 from qmpprof.guest import metadata
 from qmpprof.model import KERNEL_BOUNDARY, Mode
+from qmpprof.naming import Naming
+from qmpprof.output import format_for
+from qmpprof.sampler import SamplerConfig
+from qmpprof.session import GUEST_OSES, RunSpec, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
 class Options:
-    qmp_socket: Path
-    qmp_tcp: tuple[str, int] | None
-    transport: Literal["qmp", "gdb"]
-    gdb: str | None
-    memory: Literal["auto", "memsave", "hmp"]
-    interval_ms: float
-    duration: float
-    output: Path | None
+    spec: RunSpec  # what to profile and how (session.py builds the run from it)
+    outputs: tuple[Path, ...]
     fmt: str | None
     one_shot: bool
     json: bool
-    show_addresses: bool
-    keep: Mode | None
+    naming: Naming
     verbose: bool
-    kernel: Path | None
-    user_dir: Path | None
-    cpus: tuple[int, ...] | None
-    kernel_boundary: int
-    jitter: float
-    metadata_addr: int | None
-    metadata_layout: tuple[str, ...]
-    offsets: bool
-    lines: bool
     label: str | None = None  # what titles call the guest (record, demo); else where it is
 
     @property
     def guest(self) -> str:
         """What was profiled: the label given, else where the guest is, as the user named it."""
-        if self.label is not None:
-            return self.label
-        if self.gdb is not None:
-            return self.gdb
-        if self.qmp_tcp is not None:
-            return f"{self.qmp_tcp[0]}:{self.qmp_tcp[1]}"
-        return str(self.qmp_socket)
+        return self.label if self.label is not None else self.spec.where
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """Every command's parser: a bad flag is a UsageError (one line), not argparse's dump."""
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="qmpprof",
-        description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
-        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...'.",
-    )
+def add_view_flags(p: argparse.ArgumentParser) -> None:
+    """How frames are named and which samples are kept: the profiling command's and report's."""
     add = p.add_argument
-    add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
-    add("--qmp", metavar="HOST:PORT", help="QMP over TCP (memory is then read with HMP x)")
-    add("--transport", choices=("qmp", "gdb"), help="qmp (default) or gdb (QEMU's gdbstub)")
-    add("--gdb", metavar="HOST:PORT", help="gdbstub address (implies --transport gdb)")
-    add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
-        help="how QMP reads memory (default: memsave on a local socket, else HMP x)")  # fmt: skip
-    add("--interval", metavar="MS", type=float, default=10.0, help="guest run time between samples")
-    add("--duration", metavar="S", type=float, default=5.0, help="guest run time to profile")
-    add("--jitter", metavar="FRACTION", type=float, nargs="?", const=0.2, default=0.0,
-        help="randomise each interval by +-FRACTION (default 0.2 when given)")  # fmt: skip
-    add("-o", "--output", metavar="FILE", help="write the profile here (else print top stacks)")
-    add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
-    add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
-    add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
     add("--show-addresses", action="store_true", help="show frame addresses")
     add("--offsets", action="store_true", help="name frames function+offset")
     add("--lines", action="store_true",
@@ -93,18 +59,64 @@ def parser() -> argparse.ArgumentParser:
              "interrupt are dropped")  # fmt: skip
     mode.add_argument("-u", "--user-only", action="store_true",
         help="keep only samples taken in user mode (RIP below the kernel boundary)")  # fmt: skip
+    add("--cpus", metavar="LIST", help="vCPUs to keep, e.g. 0,2-3 (default: all)")
+
+
+def naming_of(ns: argparse.Namespace) -> Naming:
+    return Naming.of(offsets=ns.offsets, lines=ns.lines, show_addresses=ns.show_addresses)
+
+
+def mode_of(ns: argparse.Namespace) -> Mode | None:
+    return Mode.KERNEL if ns.kernel_only else Mode.USER if ns.user_only else None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="qmpprof",
+        description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
+        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...'.",
+    )
+    add = p.add_argument
+    add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
+    add("--qmp", metavar="HOST:PORT", help="QMP over TCP (memory is then read with HMP x)")
+    add("--transport", choices=("qmp", "gdb"), help="qmp (default) or gdb (QEMU's gdbstub)")
+    add("--gdb", metavar="HOST:PORT", help="gdbstub address (implies --transport gdb)")
+    add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
+        help="how QMP reads memory (default: memsave on a local socket, else HMP x)")  # fmt: skip
+    add("--interval", metavar="MS", type=float, default=10.0, help="guest run time between samples")
+    add("--duration", metavar="S", type=float, default=5.0, help="guest run time to profile")
+    add("--jitter", metavar="FRACTION", type=float, nargs="?", const=0.2, default=0.0,
+        help="randomise each interval by +-FRACTION (default 0.2 when given)")  # fmt: skip
+    add(
+        "-o",
+        "--output",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="write the profile here (else print top stacks); repeat for several files: "
+        "FILE.svg, FILE.folded, FILE.speedscope.json, FILE.qmpprof (re-renderable)",
+    )
+    add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
+    add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
+    add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
+    add_view_flags(p)
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
     add("--kernel", metavar="ELF", help="the guest kernel's ELF file (symbols, CFI)")
     add("--user-dir", metavar="DIR", help="directory of the guest's user program ELF files")
-    add("--cpus", metavar="LIST", help="vCPUs to sample, e.g. 0,2-3 (default: all)")
     add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
         help="lowest kernel address (default %(default)s)")  # fmt: skip
     add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
         help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
     add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
         help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
-    add("--no-metadata", action="store_true",
-        help="the guest has no metadata page: tell processes apart by CR3")  # fmt: skip
+    add("--no-metadata", action="store_true", help="the same as --os cr3")
+    add(
+        "--os",
+        choices=GUEST_OSES,
+        default="auto",
+        help="how the guest tells its processes apart: the Emerald metadata page (emerald), "
+        "page-table roots alone (cr3), or the page when it is there (auto, the default)",
+    )
     add("--version", action="version", version=f"qmpprof {__version__}")
     return p
 
@@ -119,36 +131,45 @@ def parse(argv: list[str]) -> Options:
         raise UsageError(f"--jitter must be a fraction in [0, 1), not {ns.jitter:g}")
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
-    transport: Literal["qmp", "gdb"] = ns.transport or ("gdb" if ns.gdb else "qmp")
+    if ns.format is not None and len(ns.output) > 1:
+        raise UsageError("--format applies to one -o; with several, their names choose")
+    transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "qmp")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
-    keep = Mode.KERNEL if ns.kernel_only else Mode.USER if ns.user_only else None
-    return Options(
+    outputs = tuple(Path(o) for o in ns.output)
+    for path in outputs:
+        format_for(path, ns.format)  # a bad --format fails now, not after the run
+    # A saved profile keeps source lines, so that it can be rendered with --lines later.
+    saved = any(format_for(path, ns.format) == "qmpprof" for path in outputs)
+    spec = RunSpec(
         qmp_socket=Path(ns.qmp_socket),
         qmp_tcp=parse_host_port(ns.qmp) if ns.qmp else None,
         transport=transport,
         gdb=ns.gdb,
         memory=ns.memory,
-        interval_ms=ns.interval,
-        duration=ns.duration,
-        output=Path(ns.output) if ns.output else None,
+        kernel=Path(ns.kernel) if ns.kernel else None,
+        user_dir=Path(ns.user_dir) if ns.user_dir else None,
+        os="cr3" if ns.no_metadata else ns.os,
+        metadata_addr=parse_address(ns.metadata_addr, "--metadata-addr"),
+        metadata_layout=_layout(ns.metadata_layout),
+        lines=ns.lines or saved,
+        sampling=SamplerConfig(
+            interval=ns.interval / 1e3,
+            duration=ns.duration,
+            jitter=ns.jitter,
+            cpus=parse_cpus(ns.cpus) if ns.cpus else None,
+            kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
+            keep=mode_of(ns),
+        ),
+    )
+    return Options(
+        spec=spec,
+        outputs=outputs,
         fmt=ns.format,
         one_shot=ns.one_shot,
         json=ns.json,
-        show_addresses=ns.show_addresses,
-        keep=keep,
+        naming=naming_of(ns),
         verbose=ns.verbose,
-        kernel=Path(ns.kernel) if ns.kernel else None,
-        user_dir=Path(ns.user_dir) if ns.user_dir else None,
-        cpus=parse_cpus(ns.cpus) if ns.cpus else None,
-        kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
-        jitter=ns.jitter,
-        metadata_addr=None
-        if ns.no_metadata
-        else parse_address(ns.metadata_addr, "--metadata-addr"),
-        metadata_layout=_layout(ns.metadata_layout),
-        offsets=ns.offsets,
-        lines=ns.lines,
     )
 
 

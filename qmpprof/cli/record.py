@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import options, profile
+from qmpprof.cli import options, sample
 from qmpprof.cli.options import Options
 from qmpprof.errors import (
     ConnectError,
@@ -42,13 +42,11 @@ from qmpprof.errors import (
     UsageError,
 )
 from qmpprof.profile import Profile
-from qmpprof.sampler import Sampler
+from qmpprof.session import Run
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.qmp import QmpTransport
-from qmpprof.unwind.chain import AddressSpace, RawStack
 
 USAGE = "%(prog)s [options] -- QEMU-COMMAND [ARGS...]"
-EXIT_INTERRUPTED = 130
 START_TIMEOUT = 30.0  # QEMU creates its QMP socket within ~0.1 s; leave room for a loaded host
 EXIT_TIMEOUT = 5.0  # for QEMU to end after quit, or after it closed the QMP connection
 _POLL = 0.01
@@ -139,7 +137,7 @@ def record(
     try:
         opts = parse(flags, Path(workdir, "qmp.sock"))  # bad flags never start QEMU
         opts = replace(opts, label=label or command_label(command))
-        qemu = start(command, opts.qmp_socket)
+        qemu = start(command, opts.spec.qmp_socket)
         # SIGTERM before or after sampling (which handles it itself) ends the run as Ctrl-C
         # does, through the clean-up below, instead of leaving QEMU behind.
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -199,15 +197,15 @@ async def _record(
     err: TextIO | None,
 ) -> Recorded:
     exited: int | None = None
-    started: list[Sampler[AddressSpace, RawStack]] = []
+    started: list[Run] = []
 
-    async def resume(sampler: Sampler[AddressSpace, RawStack]) -> None:
+    async def resume(sampler: Run) -> None:
         started.append(sampler)
         await sampler.transport.cont()
 
     try:
-        await _wait_socket(opts.qmp_socket, qemu, name)
-        await profile.run(opts, out, err, on_start=resume)
+        await _wait_socket(opts.spec.qmp_socket, qemu, name)
+        await sample.run(opts, out, err, on_start=resume)
     except (ConnectError, GuestGoneError, TransportError) as error:
         # The connection failed: because QEMU ended (the guest powered off, or QEMU could not
         # start it), or for a reason of its own while QEMU still runs (then it is stopped below).
@@ -220,7 +218,7 @@ async def _record(
             ) from error
     finally:
         if qemu.poll() is None:
-            await _stop(opts.qmp_socket, qemu)
+            await _stop(opts.spec.qmp_socket, qemu)
     sampler = started[0]
     return Recorded(sampler.profile, sampler.stats, exited)
 
@@ -263,19 +261,9 @@ async def _stop(qmp_socket: Path, qemu: subprocess.Popen[bytes]) -> None:
 
 
 def main(args: list[str]) -> int:
-    err = sys.stderr
-    try:
-        flags, command = split_command(args)
-        recorded = record(flags, command)
-    except SystemExit as exit_:  # -h, --version
-        return exit_.code if isinstance(exit_.code, int) else 0
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("qmpprof: interrupted", file=err)
-        return EXIT_INTERRUPTED
-    except QmpprofError as error:
-        print(f"qmpprof: error: {error}", file=err)
-        return error.exit_code
-    print(end_line(command[0], recorded), file=err)
+    flags, command = split_command(args)
+    recorded = record(flags, command)
+    print(end_line(command[0], recorded), file=sys.stderr)
     return 0
 
 

@@ -1,103 +1,49 @@
-"""What the profiling command prints: one-shot stacks (text or JSON), top stacks, the live
-progress line and the end summary. Pure functions from data to text."""
+"""``qmpprof report PROFILE``: render a saved profile (``.qmpprof``) again, in any format, any
+naming, for some modes or vCPUs. Without ``-o`` it prints the top stacks."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+import argparse
+import sys
 from pathlib import Path
 
-from qmpprof.cli.options import Options
-from qmpprof.model import Frame, Sample
-from qmpprof.profile import Profile
-from qmpprof.stats import SamplerStats
-
-_VIEWERS = {
-    "folded": "flamegraph.pl {path} > flame.svg (or load it at https://www.speedscope.app)",
-    "svg": "open {path} in a web browser",
-    "speedscope": "load {path} at https://www.speedscope.app",
-}
+from qmpprof.cli import text
+from qmpprof.cli.options import Parser, add_view_flags, mode_of, naming_of, parse_cpus
+from qmpprof.errors import UsageError
+from qmpprof.output import format_for, native, write_profile
 
 
-def frame_text(frame: Frame, show_addresses: bool) -> str:
-    name = f"{frame.symbol}+{frame.offset:#x}" if frame.symbol else "[unknown]"
-    if frame.module:
-        name += f" ({Path(frame.module).name})"
-    return f"{frame.pc:#018x} {name}" if show_addresses else name
-
-
-def one_shot_text(samples: Sequence[Sample], show_addresses: bool) -> str:
-    lines = []
-    for s in samples:
-        who = f"  {s.process.label}" if s.process is not None else ""
-        lines.append(f"vCPU {s.cpu}: {s.mode.value} (CPL {s.cpl}, CR3 {s.cr3:#x}){who}")
-        for i, frame in enumerate(s.stack.frames):
-            lines.append(f"  #{i:<2} {frame_text(frame, show_addresses)}")
-        if s.stack.truncated:
-            lines.append(f"  [truncated: {s.stack.stop.value}]")
-    return "\n".join(lines) + "\n"
-
-
-def one_shot_json(samples: Sequence[Sample]) -> str:
-    """Addresses and CR3 as hex strings: JSON numbers above 2**53 lose digits in JavaScript
-    and in many other readers, and every kernel address is above it."""
-    doc = [
-        {
-            "cpu": s.cpu,
-            "mode": s.mode.value,
-            "cpl": s.cpl,
-            "cr3": f"{s.cr3:#x}",
-            "process": None
-            if s.process is None
-            else {"pid": s.process.pid, "program": s.process.program, "label": s.process.label},
-            "stop": s.stack.stop.value,
-            "frames": [
-                {
-                    "address": f"{f.pc:#x}",
-                    "symbol": f.symbol,
-                    "offset": f.offset,
-                    "module": f.module,
-                }
-                for f in s.stack.frames
-            ],
-        }
-        for s in samples
-    ]
-    return json.dumps(doc, indent=2) + "\n"
-
-
-def top_stacks(profile: Profile, n: int = 10) -> str:
-    counts = profile.counts()
-    total = sum(counts.values())
-    if not total:
-        return "No samples.\n"
-    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
-    lines = [f"Top {len(ordered)} of {len(counts)} stacks ({total} samples), root first:"]
-    lines += [f"{c:7d} {c / total:6.1%}  {';'.join(names)}" for names, c in ordered]
-    return "\n".join(lines) + "\n"
-
-
-def start_line(opts: Options) -> str:
-    """Said once sampling starts (signals are handled from then on)."""
-    where = opts.gdb or (
-        f"{opts.qmp_tcp[0]}:{opts.qmp_tcp[1]}" if opts.qmp_tcp else opts.qmp_socket
+def parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="qmpprof report",
+        description="Render a profile saved as .qmpprof again: any format, any naming.",
+        epilog="Example: qmpprof report run.qmpprof -o run.svg --lines",
     )
-    return (
-        f"qmpprof: sampling {where} every {opts.interval_ms:g} ms for {opts.duration:g} s"
-        " of guest run time (Ctrl-C stops early)"
-    )
+    add = p.add_argument
+    add("profile", metavar="PROFILE", help="a profile written with -o FILE.qmpprof")
+    add("-o", "--output", metavar="FILE", action="append", default=[],
+        help="write it here, in the format its name implies (repeatable); else print the top "
+             "stacks")  # fmt: skip
+    add("--format", metavar="FMT", help="output format (default: from the file name)")
+    add_view_flags(p)
+    return p
 
 
-def progress_line(stats: SamplerStats, duration: float) -> str:
-    median = stats.pause_ms()[0]
-    left = max(0.0, duration - stats.run_time)
-    return (
-        f"\rqmpprof: {stats.samples} samples  {stats.wall_rate_hz():.0f} Hz"
-        f"  pause {median:.2f} ms  errors {stats.error_count}  {left:.1f} s left  "
-    )
-
-
-def written_line(path: Path, fmt: str) -> str:
-    return (
-        f"Wrote {path} ({fmt}); view it: {_VIEWERS.get(fmt, 'any text viewer').format(path=path)}"
-    )
+def main(args: list[str]) -> int:
+    ns = parser().parse_args(args)
+    if ns.format is not None and len(ns.output) > 1:
+        raise UsageError("--format applies to one -o; with several, their names choose")
+    outputs = [Path(o) for o in ns.output]
+    for path in outputs:
+        format_for(path, ns.format)  # a bad --format fails before the profile is read
+    keep = mode_of(ns)
+    profile = native.load(Path(ns.profile))
+    if keep is not None or ns.cpus:
+        profile = profile.select(keep, parse_cpus(ns.cpus) if ns.cpus else None)
+    naming = naming_of(ns)
+    if not outputs:
+        sys.stdout.write(text.top_stacks(profile, naming))
+    for path in outputs:
+        fmt = write_profile(profile, path, ns.format, naming)
+        print(text.written_line(path, fmt), file=sys.stderr)
+    return 0

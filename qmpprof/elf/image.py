@@ -2,7 +2,7 @@
 
 The only module that imports pyelftools (for the headers). Bulk data is read directly from
 the file bytes: symbol tables with ``struct.iter_unpack`` (pyelftools decodes one symbol at a
-time, which costs seconds on a binary with 100 000 symbols), CFI by ``qmpprof.unwind.cfi``.
+time, which costs seconds on a binary with 100 000 symbols), CFI by ``qmpprof.dwarf.cfi``.
 Symbols, CFI and the text hash are built on first use, so loading a large ELF is cheap.
 Every problem with the file becomes an ``ElfError`` with a one-line reason.
 """
@@ -19,10 +19,10 @@ from typing import Any
 from elftools.common.exceptions import ELFError as PyElfError
 from elftools.elf.elffile import ELFFile
 
+from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.errors import ElfError
-from qmpprof.unwind.cfi import CfiTable
 
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
 _SHF_EXECINSTR = 0x4
@@ -132,7 +132,11 @@ class ElfImage:
     @cached_property
     def lines(self) -> LineTable | None:
         """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
-        return LineTable(self._data) if self.section(".debug_line") else None
+        return LineTable(self._dwarf) if self.section(".debug_line") else None
+
+    def _dwarf(self) -> Any:
+        elf = ELFFile(io.BytesIO(self._data))
+        return elf.get_dwarf_info() if elf.has_dwarf_info() else None
 
     def _read_symbols(self, name: str) -> list[Symbol]:
         header = self._sections.get(name)

@@ -8,12 +8,12 @@ answers, never an exception: line numbers are a nicety, the profile must still c
 
 from __future__ import annotations
 
-import io
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elftools.elf.elffile import ELFFile
+from qmpprof.memo import Memo
 
 _CACHE_LIMIT = 1 << 15
 
@@ -66,23 +66,25 @@ class _Unit:
 class LineTable:
     """``frames(pc)``: the source frames at a link address, innermost first."""
 
-    def __init__(self, data: bytes) -> None:
-        self._data = data
+    def __init__(self, open_dwarf: Callable[[], Any]) -> None:
+        # pyelftools stays in image.py: it hands over a function giving its DWARFInfo (or None).
+        self._open_dwarf = open_dwarf
         self._dwarf: Any = None
         self._ranges: list[tuple[int, int, Any]] | None = None
         self._starts: list[int] = []
         self._units: dict[int, _Unit] = {}
-        self._cache: dict[int, tuple[SourceFrame, ...]] = {}
+        self._cache: Memo[int, tuple[SourceFrame, ...]] = Memo(_CACHE_LIMIT)
 
     def frames(self, pc: int) -> tuple[SourceFrame, ...]:
-        if pc not in self._cache:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            try:
-                self._cache[pc] = self._frames(pc)
-            except Exception:  # pyelftools raises many kinds of errors on odd DWARF
-                self._cache[pc] = ()
-        return self._cache[pc]
+        try:
+            return self._cache[pc]
+        except KeyError:
+            pass
+        try:
+            found = self._frames(pc)
+        except Exception:  # pyelftools raises many kinds of errors on odd DWARF
+            found = ()
+        return self._cache.put(pc, found)
 
     def _frames(self, pc: int) -> tuple[SourceFrame, ...]:
         cu = self._cu_for(pc)
@@ -106,10 +108,9 @@ class LineTable:
     def _cu_for(self, pc: int) -> Any:
         if self._ranges is None:
             self._ranges = []
-            elf = ELFFile(io.BytesIO(self._data))
-            if not elf.has_dwarf_info():
+            self._dwarf = self._open_dwarf()
+            if self._dwarf is None:
                 return None
-            self._dwarf = elf.get_dwarf_info()
             for cu in self._dwarf.iter_CUs():
                 for low, high in _die_ranges(cu.get_top_DIE(), self._dwarf, cu):
                     self._ranges.append((low, high, cu))

@@ -1,42 +1,59 @@
-"""Writers: one module per output format behind the Writer Protocol, and atomic file output."""
+"""The output formats, one registry entry each (renderer, file extensions, text or binary, how
+to view the file), and atomic file output. A new format is a module with ``render`` and one
+entry in FORMATS."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from qmpprof.errors import UsageError
-from qmpprof.output import folded, speedscope, svg
+from qmpprof.naming import Naming
+from qmpprof.output import folded, native, speedscope, svg
 from qmpprof.profile import Profile
 
-
-class Writer(Protocol):
-    def __call__(self, profile: Profile) -> str: ...
+Renderer = Callable[[Profile, Naming], str | bytes]
 
 
-WRITERS: dict[str, Writer] = {
-    "folded": folded.render,
-    "speedscope": speedscope.render,
-    "svg": svg.render,
-}
+@dataclass(frozen=True, slots=True)
+class Format:
+    name: str
+    render: Renderer  # returns bytes when ``binary``, else text
+    extensions: tuple[str, ...]  # lower case, the first is what qmpprof names such files
+    binary: bool
+    viewer: str  # how to look at it, with {path}
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("folded", folded.render, (".folded", ".txt"), False,
+               "flamegraph.pl {path} > flame.svg (or load it at https://www.speedscope.app)"),
+        Format("svg", svg.render, (".svg",), False, "open {path} in a web browser"),
+        Format("speedscope", speedscope.render, (".speedscope.json", ".json"), False,
+               "load {path} at https://www.speedscope.app"),
+        Format("qmpprof", native.render, (".qmpprof",), True,
+               "qmpprof report {path} -o flame.svg (any format, any naming)"),
+    )
+}  # fmt: skip
 
 # Longest suffix first, so that ".speedscope.json" wins over ".json".
-EXTENSIONS: tuple[tuple[str, str], ...] = (
-    (".speedscope.json", "speedscope"),
-    (".folded", "folded"),
-    (".json", "speedscope"),
-    (".svg", "svg"),
-    (".txt", "folded"),
+EXTENSIONS: tuple[tuple[str, str], ...] = tuple(
+    sorted(
+        ((ext, f.name) for f in FORMATS.values() for ext in f.extensions),
+        key=lambda pair: -len(pair[0]),
+    )
 )
 
 
 def format_for(path: Path, fmt: str | None) -> str:
     """The format named by ``fmt``, else the one the file name implies, else folded."""
     if fmt is not None:
-        if fmt not in WRITERS:
-            raise UsageError(f"unknown format {fmt!r} (choose from {', '.join(sorted(WRITERS))})")
+        if fmt not in FORMATS:
+            raise UsageError(f"unknown format {fmt!r} (choose from {', '.join(sorted(FORMATS))})")
         return fmt
     name = path.name.lower()
     for suffix, found in EXTENSIONS:
@@ -45,21 +62,33 @@ def format_for(path: Path, fmt: str | None) -> str:
     return "folded"
 
 
-def write_profile(profile: Profile, path: Path, fmt: str | None = None) -> str:
+def render(profile: Profile, fmt: str, naming: Naming | None = None) -> bytes:
+    """The file contents of ``profile`` in format ``fmt``."""
+    out = FORMATS[fmt].render(profile, naming or Naming())
+    return out if isinstance(out, bytes) else out.encode("utf-8")
+
+
+def write_profile(
+    profile: Profile, path: Path, fmt: str | None = None, naming: Naming | None = None
+) -> str:
     """Render ``profile`` and write it to ``path`` atomically (a reader never sees half a file).
 
     Returns the format used.
     """
     chosen = format_for(path, fmt)
-    text = WRITERS[chosen](profile)
+    data = render(profile, chosen, naming)
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return chosen
+
+
+def viewer_hint(fmt: str, path: Path) -> str:
+    return FORMATS[fmt].viewer.format(path=path)

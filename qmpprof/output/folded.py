@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from qmpprof.naming import Naming
 from qmpprof.profile import Profile
 
 
-def render(profile: Profile) -> str:
-    lines = [f"{';'.join(names)} {count}" for names, count in profile.counts().items()]
-    lines.sort()
+def render(profile: Profile, naming: Naming) -> str:
+    counts = profile.named_counts(naming)
+    lines = sorted(f"{';'.join(names)} {count}" for names, count in counts.items())
     return "".join(line + "\n" for line in lines)
 
 

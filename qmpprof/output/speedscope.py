@@ -10,8 +10,9 @@ import json
 from typing import Any
 
 from qmpprof import __version__
+from qmpprof.naming import Naming
 from qmpprof.output.facts import title
-from qmpprof.profile import Profile, TimedStack
+from qmpprof.profile import Profile
 
 SCHEMA = "https://www.speedscope.app/file-format-schema.json"
 UNIT = "milliseconds"
@@ -23,29 +24,31 @@ def _ms(seconds: float) -> float:
 
 
 def _cpu_profile(
-    cpu: int, stacks: list[TimedStack], frame_index: dict[str, int], interval_ms: float
+    cpu: int, timeline: list[tuple[float, int, int]], frames: list[list[int]], interval_ms: float
 ) -> dict[str, Any]:
-    samples = [[frame_index[name] for name in stack.names] for stack in stacks]
+    samples = [frames[sid] for _time, _cpu, sid in timeline]
     return {
         "type": "sampled",
         "name": f"vcpu {cpu}",
         "unit": UNIT,
-        "startValue": _ms(stacks[0].time),
-        "endValue": round(_ms(stacks[-1].time) + interval_ms, 3),
+        "startValue": _ms(timeline[0][0]),
+        "endValue": round(_ms(timeline[-1][0]) + interval_ms, 3),
         "samples": samples,
         "weights": [interval_ms] * len(samples),
     }
 
 
-def render(profile: Profile) -> str:
+def render(profile: Profile, naming: Naming) -> str:
     # A stable sort: samples taken at the same instant keep the sampler's order.
-    ordered = sorted(profile.samples, key=lambda s: s.time)
+    ordered = sorted(profile.timeline(), key=lambda entry: entry[0])
+    named = profile.named(naming)
     frame_index: dict[str, int] = {}
-    for stack in ordered:
-        for name in stack.names:
-            frame_index.setdefault(name, len(frame_index))
+    frames: list[list[int]] = [[] for _ in named]  # per stack id, its frame indices
+    for _time, _cpu, sid in ordered:
+        if not frames[sid]:
+            frames[sid] = [frame_index.setdefault(n, len(frame_index)) for n in named[sid].names]
     profiles = [
-        _cpu_profile(cpu, [s for s in ordered if s.cpu == cpu], frame_index, profile.interval_ms)
+        _cpu_profile(cpu, [e for e in ordered if e[1] == cpu], frames, profile.interval_ms)
         for cpu in profile.cpus
     ]
     document = {

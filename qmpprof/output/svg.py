@@ -17,9 +17,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, Naming
 from qmpprof.output.facts import summary, title
 from qmpprof.output.flamegraph_js import SCRIPT, STYLE
-from qmpprof.profile import KERNEL_SUFFIX, TRUNCATED, Profile
+from qmpprof.profile import NamedStack, Profile
 
 WIDTH = 1200
 PAD = 10  # left and right margin
@@ -59,11 +60,15 @@ class _Placed:
     depth: int  # 0 is the ``all`` base
 
 
-def _tree(profile: Profile) -> _Node:
+def _tree(profile: Profile, naming: Naming) -> _Node:
     root = _Node(ROOT)
-    # Real runs repeat the same few stacks thousands of times: walk each unique one once.
-    unique = Counter((stack.names, stack.kernel) for stack in profile.samples)
-    for (names, flags), count in unique.items():
+    # Real runs repeat the same few stacks thousands of times: walk each distinct one once.
+    unique: Counter[NamedStack] = Counter()
+    for named, count in zip(profile.named(naming), profile.counts, strict=True):
+        if count:
+            unique[named] += count
+    for named, count in unique.items():
+        names, flags = named.names, named.kernel
         root.count += count
         node = root
         for name, kernel in zip(names, flags, strict=True):
@@ -164,8 +169,8 @@ def _chrome(profile: Profile, height: int) -> list[str]:
     ]
 
 
-def render(profile: Profile, min_width: float = MIN_WIDTH) -> str:
-    root = _tree(profile)
+def render(profile: Profile, naming: Naming, min_width: float = MIN_WIDTH) -> str:
+    root = _tree(profile, naming)
     total = root.count
     # Below min_width pixels a frame is invisible anyway; leaving it out keeps big graphs fast.
     min_samples = max(min_width * total / (WIDTH - 2 * PAD), 1)

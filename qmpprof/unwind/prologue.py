@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import capstone
 
+from qmpprof.memo import Memo
+
 # Functions longer than this are not scanned: the linear scan is a heuristic, and a sample
 # must not spend milliseconds disassembling.
 _MAX_SCAN = 4096
@@ -52,7 +54,9 @@ class PrologueAnalyzer:
 
     def __init__(self) -> None:
         self._cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-        self._cache: dict[tuple[bytes, int, int, int | None], PrologueRule | None] = {}
+        self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
+            _CACHE_LIMIT
+        )
 
     def analyze(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
@@ -62,11 +66,10 @@ class PrologueAnalyzer:
         # The code itself is part of the key: programs linked at the same address (every
         # static user program at 0x401000) must not share answers. bytes cache their hash.
         key = (code, code_addr, pc, func_start)
-        if key not in self._cache:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[key] = self._analyze(code, code_addr, pc, func_start)
-        return self._cache[key]
+        try:
+            return self._cache[key]
+        except KeyError:
+            return self._cache.put(key, self._analyze(code, code_addr, pc, func_start))
 
     def _insn_at(self, code: bytes, code_addr: int, pc: int) -> tuple[str, str] | None:
         off = pc - code_addr

@@ -1,8 +1,9 @@
-"""Where code lives in one guest address space: modules (ELF images at a bias) and lookups.
+"""Where code lives in one guest address space: modules (code at a bias) and lookups by pc.
 
-An AddressSpace is immutable once built, so it also carries the per-pc caches of the stack
-walker (module + CFI row) and of symbolization (frames): a sampler keeps one AddressSpace per
-process and the caches stay warm across samples.
+A Module is what the walker and the namer need of one piece of code: its mapping (name, range,
+bias, file), the unwinding steps it supports, its symbols and source lines. An AddressSpace is
+immutable once built, so it also carries the per-pc caches of the walker (module) and of frame
+resolution: a sampler keeps one AddressSpace per process and the caches stay warm.
 """
 
 from __future__ import annotations
@@ -11,36 +12,68 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import SymbolTable
-from qmpprof.model import Frame
-from qmpprof.unwind.cfi import CfiTable, Rule
+from qmpprof.memo import Memo
+from qmpprof.model import Frame, Mapping
+from qmpprof.unwind.steps import FRAME_POINTER_ONLY, UnwindStep, steps_for
 
-_CACHE_LIMIT = 1 << 16
 
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Module:
-    """Code loaded in the guest at [start, end); ``bias`` = runtime address - link address."""
+    """Code loaded in the guest at [start, end), with what it offers for unwinding and naming."""
 
-    name: str
-    start: int
-    end: int
-    kernel: bool
-    bias: int = 0
+    mapping: Mapping
+    steps: tuple[UnwindStep, ...] = FRAME_POINTER_ONLY
     symbols: SymbolTable | None = None
-    cfi: CfiTable | None = None
-    code: bytes | None = None  # .text, for prologue analysis
-    code_addr: int = 0  # link address of code[0]
-    lines: LineTable | None = None  # DWARF source lines, for --lines
+    lines: LineTable | None = None  # DWARF source lines and inlined functions
+
+    @property
+    def name(self) -> str:
+        return self.mapping.name
+
+    @property
+    def start(self) -> int:
+        return self.mapping.start
+
+    @property
+    def end(self) -> int:
+        return self.mapping.end
+
+    @property
+    def kernel(self) -> bool:
+        return self.mapping.kernel
+
+    @property
+    def bias(self) -> int:
+        return self.mapping.bias
+
+    @classmethod
+    def build(
+        cls,
+        mapping: Mapping,
+        *,
+        cfi: CfiTable | None = None,
+        code: bytes | None = None,
+        code_addr: int = 0,
+        symbols: SymbolTable | None = None,
+        lines: LineTable | None = None,
+    ) -> Module:
+        """A module with the unwinding steps its CFI and code allow (``code`` starts at link
+        address ``code_addr``)."""
+        steps = steps_for(mapping.bias, cfi, code, code_addr, symbols)
+        return cls(mapping, steps, symbols, lines)
 
     @classmethod
     def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
         low, high = image.load_range
-        return cls(
-            image.name, low + bias, high + bias, kernel, bias,
-            image.symbols, image.cfi, image.text_bytes, image.text_addr, image.lines,
+        mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
+                          image.build_id)  # fmt: skip
+        return cls.build(
+            mapping, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
+            symbols=image.symbols, lines=image.lines,
         )  # fmt: skip
 
 
@@ -50,10 +83,9 @@ class AddressSpace:
     def __init__(self, modules: Sequence[Module]) -> None:
         self.modules = tuple(sorted(modules, key=lambda m: m.start))
         self._starts = [m.start for m in self.modules]
-        self._found: dict[int, Module | None] = {}
-        # Unwinder.symbolize's cache: (pc, exact, kernel boundary, lines) -> frames at pc
-        self.frames: dict[tuple[int, bool, int, bool], tuple[Frame, ...]] = {}
-        self._rules: dict[int, tuple[Module | None, Rule | None]] = {}
+        self._found: Memo[int, Module | None] = Memo()
+        # Unwinder.resolve's cache: (pc, exact, kernel boundary, lines) -> frames at pc
+        self.frames: Memo[tuple[int, bool, int, bool], tuple[Frame, ...]] = Memo()
 
     def find(self, pc: int) -> Module | None:
         try:
@@ -62,22 +94,4 @@ class AddressSpace:
             pass
         i = bisect_right(self._starts, pc) - 1
         module = self.modules[i] if i >= 0 and pc < self.modules[i].end else None
-        if len(self._found) >= _CACHE_LIMIT:
-            self._found.clear()
-        self._found[pc] = module
-        return module
-
-    def rule_at(self, pc: int) -> tuple[Module | None, Rule | None]:
-        """The module holding runtime address ``pc`` and its CFI row there (cached per pc)."""
-        try:
-            return self._rules[pc]
-        except KeyError:
-            pass
-        module = self.find(pc)
-        rule = None
-        if module is not None and module.cfi is not None:
-            rule = module.cfi.row_for(pc - module.bias)
-        if len(self._rules) >= _CACHE_LIMIT:
-            self._rules.clear()
-        self._rules[pc] = (module, rule)
-        return module, rule
+        return self._found.put(pc, module)

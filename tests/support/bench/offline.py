@@ -1,5 +1,5 @@
 """The offline half of the cost: loading ELF files (symbols, CFI) and unwinding plus naming
-samples with no guest involved. The unwinder's own benchmark (``qmpprof.unwind.bench``) does the
+samples with no guest involved. The unwinder's own benchmark (``support.synthetic``) does the
 measuring; this module picks the ELF files and keeps going if it is missing or fails."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def elf_load_ms(path: Path, repeat: int = 3) -> float:
 
 
 def offline(kernel: Path, log: Callable[[str], None]) -> dict[str, object]:
-    """``elf_load_ms`` (the guest kernel), and from ``qmpprof.unwind.bench``:
+    """``elf_load_ms`` (the guest kernel), and from ``support.synthetic``:
     ``offline_samples_per_s`` (a 10-frame stack through the CFI of the largest ELF mapped into
     this Python) and ``elf_load_big`` (load, symbols and CFI index times of that ELF)."""
     out: dict[str, object] = {
@@ -35,9 +35,9 @@ def offline(kernel: Path, log: Callable[[str], None]) -> dict[str, object]:
         "elf_load_big": None,
     }
     try:
-        unwind_bench: Any = importlib.import_module("qmpprof.unwind.bench")
+        unwind_bench: Any = importlib.import_module("support.synthetic")
     except ImportError:
-        log("offline: qmpprof.unwind.bench is missing: no offline unwind rate")
+        log("offline: support.synthetic is missing: no offline unwind rate")
         return out
     big = unwind_bench.running_code_path()
     for key, call in (

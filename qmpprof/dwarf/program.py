@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from qmpprof.unwind.encoding import CfiDecodeError, Reader
+from qmpprof.dwarf.encoding import CfiDecodeError, Reader
 
 
 class Kind(enum.IntEnum):

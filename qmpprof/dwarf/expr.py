@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from qmpprof.unwind.encoding import MASK64, CfiDecodeError, Reader
+from qmpprof.dwarf.encoding import MASK64, CfiDecodeError, Reader
 
 ReadU64 = Callable[[int], "int | None"]
 

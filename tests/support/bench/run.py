@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qmpprof.bench import report
-from qmpprof.bench.guest import Fixture, Guest, boot
-from qmpprof.bench.methods import (
+from qmpprof.errors import QmpprofError
+from support.bench import report
+from support.bench.guest import Fixture, Guest, boot
+from support.bench.methods import (
     EmeraldHmp,
     FloorQmp,
     GdbBatch,
@@ -29,9 +30,9 @@ from qmpprof.bench.methods import (
     Paced,
     run_paced,
 )
-from qmpprof.bench.offline import offline
-from qmpprof.bench.qmpprof_run import QmpprofSampler
-from qmpprof.errors import QmpprofError
+from support.bench.offline import offline
+from support.bench.qmpprof_run import QmpprofSampler
+from support.bench.soak import soak
 
 ROOT = Path(__file__).resolve().parents[2]
 _SEGMENT = 0.5  # seconds of one sampled (and one unsampled) stretch
@@ -176,9 +177,9 @@ def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampl
         return GdbMiLoop(guest.gdb_address, kernel)
     if name == "gdb-batch":
         return GdbBatch(guest.gdb_address, kernel)
-    target = ["--qmp-socket", guest.qmp_path] if name == "qmpprof-qmp" else []
-    target = target or ["--gdb", guest.gdb_address]
-    return QmpprofSampler(name, fixture.kernel, user_dir, target)
+    if name == "qmpprof-qmp":
+        return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path)
+    return QmpprofSampler(name, fixture.kernel, user_dir, gdb=guest.gdb_address)
 
 
 async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> list[Run]:
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", default="cfi", choices=("cfi", "fp"), help="guest build")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     p.add_argument("--batch-samples", type=int, default=8, help="gdb -batch runs (default 8)")
+    p.add_argument(
+        "--soak", action="store_true", help="only the memory soak: peak RSS, 3k vs 30k samples"
+    )
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)
     unknown = sorted(set(methods) - set(METHODS))
@@ -272,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        result = asyncio.run(bench(cfg, log))
+        result = soak(ROOT, log) if ns.soak else asyncio.run(bench(cfg, log))
     except QmpprofError as err:
         print(f"bench: {err}", file=sys.stderr)
         return err.exit_code
-    print(report.table(result))
+    print(report.to_json(result) if ns.soak else report.table(result))
     if ns.json:
         Path(ns.json).write_text(report.to_json(result))
     return 0

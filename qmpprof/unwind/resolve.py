@@ -1,4 +1,4 @@
-"""Frames for one pc of a walked stack: module, symbol + offset, and (for --lines) source
+"""Frames for one pc of a walked stack: module, symbol + offset, and (with lines) source
 positions with the functions inlined at that pc expanded into frames of their own."""
 
 from __future__ import annotations
@@ -16,21 +16,19 @@ def frames_at(
     module = space.find(lookup)
     if module is None:
         return (Frame(pc, pc >= kernel_boundary),)
+    mapping, kernel = module.mapping, module.kernel
     link = lookup - module.bias
     hit = None if module.symbols is None else module.symbols.lookup(link)
     if hit is None:
-        return (Frame(pc, module.kernel, module=module.name),)
+        return (Frame(pc, kernel, module=mapping),)
     name, offset = hit
     offset += pc - lookup
-    if not lines or module.lines is None:
-        return (Frame(pc, module.kernel, name, offset, module.name),)
-    sources = module.lines.frames(link)
+    sources = module.lines.frames(link) if lines and module.lines is not None else ()
     if not sources:
-        return (Frame(pc, module.kernel, name, offset, module.name),)
+        return (Frame(pc, kernel, name, offset, mapping),)
     inlined = tuple(
-        Frame(pc, module.kernel, src.function or "[inlined]", 0, module.name, src.file, src.line,
-              inlined=True)
+        Frame(pc, kernel, src.function or "[inlined]", 0, mapping, src.file, src.line, inlined=True)
         for src in sources[:-1]
-    )  # fmt: skip
+    )
     outer = sources[-1]
-    return (*inlined, Frame(pc, module.kernel, name, offset, module.name, outer.file, outer.line))
+    return (*inlined, Frame(pc, kernel, name, offset, mapping, outer.file, outer.line))

@@ -1,19 +1,18 @@
 """qmpprof itself as a benchmarked method: the real sampler (unwinding, process tracking,
-symbols) built the way the ``qmpprof`` command builds it, over QMP or over the gdbstub."""
+symbols) built by ``qmpprof.session`` as the command builds it, over QMP or the gdbstub."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
-from qmpprof.bench.methods import Paced
-from qmpprof.cli.options import parse
-from qmpprof.cli.profile import build_symbolizer, connect
-from qmpprof.sampler import Sampler, SamplerConfig, Symbolizer
+from qmpprof.guest.base import GuestIdentifier
+from qmpprof.sampler import Sampler
+from qmpprof.session import RunSpec, build_identifier, connect, sampler_config, unwinder
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.chain import AddressSpace, Unwinder
-
-_WINDOW = 16384  # what the command reads at RSP over QMP memsave and over the gdbstub
+from qmpprof.unwind.chain import AddressSpace
+from support.bench.methods import Paced
 
 
 class QmpprofSampler:
@@ -23,34 +22,36 @@ class QmpprofSampler:
     sampling, so the guest's progress measured around ``run`` is the sampler's alone.
     """
 
-    def __init__(self, name: str, kernel: Path, user_dir: Path | None, target: list[str]) -> None:
+    def __init__(
+        self, name: str, kernel: Path, user_dir: Path | None, *, qmp: str = "", gdb: str = ""
+    ) -> None:
+        """Over the QMP socket ``qmp``, else over the gdbstub at ``gdb``."""
         self.name = name
-        self._argv = ["--kernel", str(kernel), *target]
-        if user_dir is not None:
-            self._argv += ["--user-dir", str(user_dir)]
+        if qmp:
+            self._spec = RunSpec(qmp_socket=Path(qmp), kernel=kernel, user_dir=user_dir)
+        else:
+            self._spec = RunSpec(transport="gdb", gdb=gdb, kernel=kernel, user_dir=user_dir)
         self._transport: GuestTransport | None = None
-        self._symbolizer: Symbolizer[AddressSpace] | None = None
+        self._identifier: GuestIdentifier[AddressSpace] | None = None
         self.samples = 0
         self.truncated = 0
 
     async def setup(self) -> None:
-        opts = parse(self._argv)
-        self._symbolizer = build_symbolizer(opts)
-        self._transport = await connect(opts)
-        self._boundary = opts.kernel_boundary
+        self._identifier = build_identifier(self._spec)
+        self._transport = await connect(self._spec)
 
     async def run(self, interval: float, duration: float) -> Paced:
-        assert self._transport is not None and self._symbolizer is not None
-        config = SamplerConfig(interval=interval, duration=duration, window=_WINDOW)
-        sampler = Sampler(
-            self._transport, Unwinder(kernel_boundary=self._boundary), self._symbolizer, config
+        assert self._transport is not None and self._identifier is not None
+        config = dataclasses.replace(
+            sampler_config(self._spec, self._transport), interval=interval, duration=duration
         )
+        sampler = Sampler(self._transport, unwinder(self._spec), self._identifier, config)
         start = time.perf_counter()
         outcome = await sampler.run()
         elapsed = time.perf_counter() - start
         stats = sampler.stats
-        self.samples += stats.samples
-        self.truncated += stats.truncated
+        self.samples += len(sampler.profile)
+        self.truncated += sampler.profile.truncated
         details = [f"{kind} x{n}" for kind, n in stats.errors.most_common(3)]
         if not outcome.was_running:
             details.append("the guest was paused: one sample only")

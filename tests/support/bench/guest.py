@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qmpprof.bench.rawqmp import RawQmp
 from qmpprof.errors import ConnectError, QmpprofError, TransportError
+from support.bench.rawqmp import RawQmp
 
 _BOOT_TIMEOUT = 20.0
 DEFAULT_PROGRESS_SYMBOL = "progress_counter"

@@ -12,10 +12,10 @@ import struct
 import time
 from pathlib import Path
 
+from qmpprof.dwarf.cfi import Kind, Rule
 from qmpprof.elf.image import ElfImage
-from qmpprof.memory import PAGE, PageCache, page_of
 from qmpprof.model import RSP, Registers
-from qmpprof.unwind.cfi import Kind, Rule
+from qmpprof.pages import PAGE, PageCache, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 
 STACK_TOP = 0x7FFF_0000_0000  # where the synthetic stack starts (grows up from here)
@@ -97,14 +97,14 @@ def offline_rate(path: str | Path | None = None, *, depth: int = 10, samples: in
     raw: RawStack = unwinder.unwind(regs, cache, space)
     if len(raw.pcs) != expected:
         raise RuntimeError(f"synthetic stack unwound to {len(raw.pcs)} frames, not {expected}")
-    unwinder.symbolize(raw, space)
+    unwinder.resolve(raw, space)
     # Best of several batches: the machine is shared, the fastest batch is the per-core rate.
     batch = max(1, samples // 5)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(batch):
-            unwinder.symbolize(unwinder.unwind(regs, cache, space), space)
+            unwinder.resolve(unwinder.unwind(regs, cache, space), space)
         best = min(best, time.perf_counter() - start)
     return batch / best
 

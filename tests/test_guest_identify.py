@@ -1,4 +1,5 @@
-"""ProcessTracker over a fake guest: metadata page, .text matching, caching, pid reuse, no page."""
+"""The guest identifiers over a fake guest: the Emerald metadata page, .text matching, caching,
+pid reuse, no page; CR3 alone."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from guestvm import BUILD_ROOT
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
+from qmpprof.guest.cr3 import Cr3Identifier
+from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.metadata import METADATA_ADDR
-from qmpprof.guest.processes import ProcessTracker
 from qmpprof.guest.programs import ProgramIndex
-from qmpprof.memory import PAGE, PageCache, page_of
-from qmpprof.model import Registers
-from qmpprof.unwind.chain import Module
+from qmpprof.model import Mapping, Registers
+from qmpprof.pages import PAGE, PageCache, page_of
+from qmpprof.unwind.space import Module
+from qmpprof.unwind.steps import CfiStep
 
 KERNEL_CR3 = 0x1000
 
@@ -98,10 +101,14 @@ class Clock:
         return self.now
 
 
-def tracker(images: dict[str, ElfImage], clock: Clock | None = None) -> ProcessTracker:
-    kernel = Module(name="kernel", start=1 << 63, end=(1 << 64) - 1, kernel=True)
+KERNEL = Module(Mapping("kernel", 1 << 63, (1 << 64) - 1, kernel=True))
+
+
+def tracker(
+    images: dict[str, ElfImage], clock: Clock | None = None, *, fallback: bool = True
+) -> EmeraldIdentifier:
     programs = ProgramIndex(list(images.values()))
-    return ProcessTracker([kernel], programs, clock=clock or Clock())
+    return EmeraldIdentifier([KERNEL], programs, clock=clock or Clock(), fallback=fallback)
 
 
 async def test_two_instances_of_one_program_both_get_symbols(
@@ -167,8 +174,9 @@ async def test_unknown_program_is_unwound_with_eh_frame_from_guest_memory(
     assert ident.process is not None and ident.process.label == "[unknown] (pid 9)"
     user = ident.space.find(sys_image.text_addr)
     assert user is not None and user.symbols is None
-    assert user.cfi is not None
-    assert user.cfi.row_for(sys_image.symbols.address_of("main") or 0) is not None
+    cfi = user.steps[0]
+    assert isinstance(cfi, CfiStep)
+    assert cfi.table.row_for(sys_image.symbols.address_of("main") or 0) is not None
 
 
 async def test_kernel_thread_without_a_page_belongs_to_the_kernel(
@@ -198,6 +206,33 @@ async def test_without_metadata_spaces_are_told_apart_by_cr3_and_text(
     # The same address space in kernel mode (a system call) stays attributed to its process.
     in_kernel = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
     assert in_kernel.process == known.process
+
+
+async def test_emerald_without_fallback_keeps_asking_for_the_page(
+    images: dict[str, ElfImage],
+) -> None:
+    guest = PagedGuest()
+    guest.cr3_of[0] = 0xB000
+    guest.put(0xB000, 0x401000, bytes(16))
+    t = tracker(images, fallback=False)
+    ident = await t.identify(guest, regs(0, 0xB000), PageCache())
+    assert ident.process is not None and ident.process.label == "cr3=0xb000"
+    assert t.metadata_addr == METADATA_ADDR  # --os emerald: a later process may have a page
+    spin = images["spin"]
+    start(guest, 1, 0xA000, 7, spin, spin.text_bytes)
+    later = await t.identify(guest, regs(1, 0xA000), PageCache())
+    assert later.process is not None and later.process.label == "spin (pid 7)"
+
+
+async def test_cr3_identifier_never_reads_a_metadata_page(images: dict[str, ElfImage]) -> None:
+    guest = PagedGuest()
+    spin = images["spin"]
+    start(guest, 0, 0xA000, 1, spin, spin.text_bytes)
+    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())))
+    assert t.reads_for(regs(0, 0xA000)) == ()
+    ident = await t.identify(guest, regs(0, 0xA000), PageCache())
+    assert ident.process is not None and ident.process.label == "spin (cr3=0xa000)"
+    assert (await t.identify(guest, regs(1, 0x5000, cpl=0), PageCache())).process is None
 
 
 def test_program_index_ignores_files_that_are_not_elf(tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qmpprof.bench.gdbcli import GdbMi, gdb_batch_backtrace
-from qmpprof.bench.rawqmp import RawQmp
 from qmpprof.errors import MemoryReadError, QmpprofError
 from qmpprof.transport import hmp
 from qmpprof.transport.gdb import GdbTransport
+from support.bench.gdbcli import GdbMi, gdb_batch_backtrace
+from support.bench.rawqmp import RawQmp
 
 PAGE = 4096
 _U64 = struct.Struct("<Q")

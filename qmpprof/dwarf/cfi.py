@@ -14,7 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Literal
 
-from qmpprof.unwind.encoding import (
+from qmpprof.dwarf.encoding import (
     PE_ABSPTR,
     PE_DATAREL,
     PE_OMIT,
@@ -23,12 +23,12 @@ from qmpprof.unwind.encoding import (
     Reader,
     pointer_size,
 )
-from qmpprof.unwind.program import Cie, Kind, RegRule, Rule, compile_rows
+from qmpprof.dwarf.program import Cie, Kind, RegRule, Rule, compile_rows
+from qmpprof.memo import Memo
 
 __all__ = ["CfiTable", "Fde", "Kind", "RegRule", "Rule"]
 
 FrameKind = Literal["eh_frame", "debug_frame"]
-_PC_CACHE_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class CfiTable:
         self._offsets: list[int] = []
         self._cies: dict[int, Cie | None] = {}
         self._fdes: dict[int, tuple[Fde, list[int], list[Rule]] | None] = {}
-        self._pc_cache: dict[int, Rule | None] = {}
+        self._pc_cache: Memo[int, Rule | None] = Memo()
 
     @classmethod
     def parse(
@@ -78,11 +78,7 @@ class CfiTable:
             return self._pc_cache[pc]
         except KeyError:
             pass
-        rule = self._lookup(pc)
-        if len(self._pc_cache) >= _PC_CACHE_LIMIT:
-            self._pc_cache.clear()
-        self._pc_cache[pc] = rule
-        return rule
+        return self._pc_cache.put(pc, self._lookup(pc))
 
     def fdes(self) -> list[Fde]:
         """Every decodable FDE in pc order (for tests, tools and the readelf comparison)."""

@@ -1,0 +1,98 @@
+"""What the command line prints: one-shot stacks (text or JSON), top stacks, the live progress
+line and the end summary. Pure functions from data to text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from qmpprof.cli.options import Options
+from qmpprof.model import Frame, Sample
+from qmpprof.naming import Detail, Naming, frame_name
+from qmpprof.output import viewer_hint
+from qmpprof.profile import Profile
+from qmpprof.stats import SamplerStats
+
+_LISTING = Naming(Detail.OFFSET)
+
+
+def frame_text(frame: Frame, show_addresses: bool) -> str:
+    """A frame of a one-shot listing: ``function+0x1f (module)``, the address first if asked."""
+    name = frame_name(frame, _LISTING, mark_kernel=False)
+    if frame.module is not None:
+        name += f" ({Path(frame.module.name).name})"
+    return f"{frame.pc:#018x} {name}" if show_addresses else name
+
+
+def one_shot_text(samples: Sequence[Sample], show_addresses: bool) -> str:
+    lines = []
+    for s in samples:
+        who = f"  {s.process.label}" if s.process is not None else ""
+        lines.append(f"vCPU {s.cpu}: {s.mode.value} (CPL {s.cpl}, CR3 {s.cr3:#x}){who}")
+        for i, frame in enumerate(s.stack.frames):
+            lines.append(f"  #{i:<2} {frame_text(frame, show_addresses)}")
+        if s.stack.truncated:
+            lines.append(f"  [truncated: {s.stack.stop.value}]")
+    return "\n".join(lines) + "\n"
+
+
+def one_shot_json(samples: Sequence[Sample]) -> str:
+    """Addresses and CR3 as hex strings: JSON numbers above 2**53 lose digits in JavaScript
+    and in many other readers, and every kernel address is above it."""
+    doc = [
+        {
+            "cpu": s.cpu,
+            "mode": s.mode.value,
+            "cpl": s.cpl,
+            "cr3": f"{s.cr3:#x}",
+            "process": None
+            if s.process is None
+            else {"pid": s.process.pid, "program": s.process.program, "label": s.process.label},
+            "stop": s.stack.stop.value,
+            "frames": [
+                {
+                    "address": f"{f.pc:#x}",
+                    "symbol": f.symbol,
+                    "offset": f.offset,
+                    "module": f.module_name,
+                }
+                for f in s.stack.frames
+            ],
+        }
+        for s in samples
+    ]
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def top_stacks(profile: Profile, naming: Naming, n: int = 10) -> str:
+    counts = profile.named_counts(naming)
+    total = sum(counts.values())
+    if not total:
+        return "No samples.\n"
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+    lines = [f"Top {len(ordered)} of {len(counts)} stacks ({total} samples), root first:"]
+    lines += [f"{c:7d} {c / total:6.1%}  {';'.join(names)}" for names, c in ordered]
+    return "\n".join(lines) + "\n"
+
+
+def start_line(opts: Options) -> str:
+    """Said once sampling starts (signals are handled from then on)."""
+    sampling = opts.spec.sampling
+    return (
+        f"qmpprof: sampling {opts.spec.where} every {sampling.interval * 1e3:g} ms for"
+        f" {sampling.duration:g} s of guest run time (Ctrl-C stops early)"
+    )
+
+
+def progress_line(stats: SamplerStats, samples: int, duration: float) -> str:
+    median = stats.pause_ms()[0]
+    left = max(0.0, duration - stats.run_time)
+    return (
+        f"\rqmpprof: {samples} samples  {stats.wall_rate_hz():.0f} Hz"
+        f"  pause {median:.2f} ms  errors {stats.error_count}  {left:.1f} s left  "
+    )
+
+
+def written_line(path: Path, fmt: str) -> str:
+    return f"Wrote {path} ({fmt}); view it: {viewer_hint(fmt, path)}"

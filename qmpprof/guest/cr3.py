@@ -1,0 +1,61 @@
+"""Processes told apart by their page-table root (CR3) alone: for guests that say nothing else.
+
+A CR3 never seen in user mode belongs to the kernel (idle, kernel threads, boot). A user address
+space's program is found by reading, under that CR3, the ``.text`` range of each ELF of
+``--user-dir`` and comparing its bytes; without a match its user stack is walked with frame
+pointers and it is named by its CR3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qmpprof.guest.base import Identity, read_range
+from qmpprof.guest.programs import ProgramIndex
+from qmpprof.memo import Memo
+from qmpprof.model import Process, Registers
+from qmpprof.pages import PageCache
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.space import AddressSpace, Module
+
+
+class Cr3Identifier:
+    """A GuestIdentifier by CR3; also the fallback of identifiers that know more."""
+
+    def __init__(self, kernel_modules: Sequence[Module], programs: ProgramIndex) -> None:
+        self.kernel_modules = tuple(kernel_modules)
+        self.programs = programs
+        self.kernel = Identity(None, AddressSpace(self.kernel_modules))
+        self._by_cr3: Memo[int, Identity] = Memo(4096)
+        self._user_cr3s: set[int] = set()
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return ()
+
+    def note(self, regs: Registers) -> None:
+        """Remember that this address space runs user code (call for every sample)."""
+        if regs.cpl == 3:
+            self._user_cr3s.add(regs.cr3)
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        self.note(regs)
+        if regs.cr3 not in self._user_cr3s:
+            return self.kernel
+        found = self._by_cr3.get(regs.cr3)
+        if found is None:
+            found = self._by_cr3.put(regs.cr3, await self._from_cr3(transport, regs))
+        return found
+
+    async def _from_cr3(self, transport: GuestTransport, regs: Registers) -> Identity:
+        for image in self.programs.images:
+            text = await read_range(transport, regs.cpu, image.text_addr, image.text_size)
+            if text is not None and self.programs.match(text) is image:
+                module = Module.from_image(image, kernel=False)
+                return self.with_module(Process(None, image.name, regs.cr3), module)
+        return Identity(Process(None, None, regs.cr3), self.kernel.space)
+
+    def with_module(self, process: Process, user: Module) -> Identity:
+        """The identity of a process whose user code is ``user``, beside the kernel's modules."""
+        return Identity(process, AddressSpace([*self.kernel_modules, user]))

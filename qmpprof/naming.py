@@ -1,0 +1,99 @@
+"""How frames become names, in one place: for every writer, the one-shot listing and the
+top-stacks summary alike. A profile keeps frames as data; names are made from them only here.
+
+One naming option: ``function`` (the default), ``offset`` (``function+0x1f``) or ``line``
+(``function (file:line)``, with the functions inlined at a pc as frames of their own, marked
+``_[i]``; without it inlined frames are folded into the function they were inlined in).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qmpprof.model import Frame, Process, StopReason
+
+KERNEL_ROOT = "kernel"
+KERNEL_SUFFIX = "_[k]"
+INLINED_SUFFIX = "_[i]"
+TRUNCATED = "[truncated]"
+UNKNOWN = "[unknown]"
+
+
+class Detail(enum.Enum):
+    FUNCTION = "function"
+    OFFSET = "offset"
+    LINE = "line"
+
+
+@dataclass(frozen=True, slots=True)
+class Naming:
+    """How frames are turned into names."""
+
+    detail: Detail = Detail.FUNCTION
+    show_addresses: bool = False  # append @0x... to every frame
+    mark_kernel: bool = True  # _[k] on kernel frames when the sample belongs to a process
+
+    @classmethod
+    def of(
+        cls, *, offsets: bool = False, lines: bool = False, show_addresses: bool = False
+    ) -> Naming:
+        """From the command line's flags (--lines wins over --offsets)."""
+        detail = Detail.LINE if lines else Detail.OFFSET if offsets else Detail.FUNCTION
+        return cls(detail, show_addresses)
+
+
+def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
+    if frame.symbol is None:
+        # A program without symbols is still told apart by address; elsewhere an address that
+        # no symbol covers is one [unknown] bucket unless addresses are asked for.
+        by_address = naming.show_addresses or frame.module_name == UNKNOWN
+        name = f"{frame.pc:#x}" if by_address else UNKNOWN
+    else:
+        name = frame.symbol
+        if naming.detail is Detail.OFFSET:
+            name = f"{name}+{frame.offset:#x}"
+        elif naming.detail is Detail.LINE and frame.file is not None:
+            name = f"{name} ({frame.file}:{frame.line})"
+        if naming.show_addresses:
+            name = f"{name} @{frame.pc:#x}"
+    if frame.inlined:
+        name += INLINED_SUFFIX
+    if mark_kernel and frame.kernel:
+        name += KERNEL_SUFFIX
+    return clean(name)
+
+
+def clean(name: str) -> str:
+    """Folded stacks separate frames with ';' and stacks with newlines: neither may appear."""
+    return name.replace(";", ":").replace("\n", " ")
+
+
+def context_name(process: Process | None) -> str:
+    return KERNEL_ROOT if process is None else clean(process.label)
+
+
+def visible(frames: Sequence[Frame], naming: Naming) -> list[Frame]:
+    """The frames a naming shows: inlined frames only when it names source lines."""
+    if naming.detail is Detail.LINE:
+        return list(frames)
+    return [f for f in frames if not f.inlined]
+
+
+def stack_names(
+    process: Process | None, frames: Sequence[Frame], stop: StopReason, naming: Naming
+) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """Names of a stack's frames root first, the context (process or ``kernel``) as the root
+    and ``[truncated]`` under it when the walk did not reach the outermost frame; and for each
+    name whether it is kernel code (writers colour by it)."""
+    mark = naming.mark_kernel and process is not None
+    shown = visible(frames, naming)[::-1]
+    names = [context_name(process)]
+    kernel = [False]
+    if stop is not StopReason.END:
+        names.append(TRUNCATED)
+        kernel.append(False)
+    names += (frame_name(f, naming, mark) for f in shown)
+    kernel += (f.kernel for f in shown)
+    return tuple(names), tuple(kernel)

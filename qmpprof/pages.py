@@ -1,0 +1,69 @@
+"""Guest memory as the unwinder sees it: the pages one sample fetched, and ``PageMissing``.
+
+The unwinder is synchronous and never touches the transport. It reads through a ``PageCache``;
+when it asks for a page the cache has not fetched yet, ``PageMissing`` tells the sampler which
+page to fetch (while the guest is still stopped), and the sampler runs the unwind again.
+Unwinding costs microseconds, a round trip to QEMU a fraction of a millisecond, so restarting
+is cheaper than making the unwinder asynchronous.
+"""
+
+from __future__ import annotations
+
+import struct
+
+PAGE = 4096
+_U64 = struct.Struct("<Q")
+
+
+class PageMissing(Exception):
+    """The page holding ``addr`` has not been fetched yet."""
+
+    def __init__(self, addr: int) -> None:
+        super().__init__(f"page {addr & ~(PAGE - 1):#x} not fetched")
+        self.addr = addr
+
+
+def page_of(addr: int) -> int:
+    return addr & ~(PAGE - 1)
+
+
+class PageCache:
+    """Pages of one vCPU's address space fetched during one sample.
+
+    A page maps to its bytes, or to None when QEMU said it is not mapped.
+    """
+
+    __slots__ = ("pages",)
+
+    def __init__(self) -> None:
+        self.pages: dict[int, bytes | None] = {}
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        """Bytes at ``addr``; None if any page is unmapped; PageMissing if one is not fetched."""
+        first = page_of(addr)
+        off = addr - first
+        if off + size <= PAGE:
+            try:
+                page = self.pages[first]
+            except KeyError:
+                raise PageMissing(addr) from None
+            return None if page is None else page[off : off + size]
+        out = bytearray()
+        pos = addr
+        end = addr + size
+        while pos < end:
+            base = page_of(pos)
+            take = min(end, base + PAGE) - pos
+            try:
+                page = self.pages[base]
+            except KeyError:
+                raise PageMissing(pos) from None
+            if page is None:
+                return None
+            out += page[pos - base : pos - base + take]
+            pos += take
+        return bytes(out)
+
+    def read_u64(self, addr: int) -> int | None:
+        data = self.read(addr, 8)
+        return None if data is None else _U64.unpack(data)[0]

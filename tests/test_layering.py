@@ -1,0 +1,148 @@
+"""The package's imports against the layering rules declared in docs/architecture.md.
+
+The rules are read from the ```layering block of that page, so the page and the check cannot
+drift apart. Imports are read with ast (top-level and inside functions alike), never executed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "qmpprof"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, name: str) -> set[str]:
+    """Every module ``source`` imports (``from x import y`` counts x and x.y)."""
+    package = name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+@cache
+def graph() -> dict[str, set[str]]:
+    """Module -> what it imports (qmpprof modules that exist, and third-party top names)."""
+    sources = {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    out: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        edges = set()
+        for target in imports_of(source, name):
+            if target.split(".")[0] == "qmpprof":
+                if target in sources:
+                    edges.add(target)
+            else:
+                edges.add(target)
+        out[name] = edges
+    return out
+
+
+def within(name: str, prefix: str) -> bool:
+    """``name`` is ``prefix`` or inside it; the package root stands for itself alone."""
+    return name == prefix or (prefix != "qmpprof" and name.startswith(prefix + "."))
+
+
+def reach(start: str) -> dict[str, str]:
+    """Everything ``start`` imports directly or through qmpprof modules: target -> one path."""
+    g = graph()
+    seen: dict[str, str] = {}
+    todo = [(start, start)]
+    while todo:
+        node, path = todo.pop()
+        for target in g.get(node, ()):
+            if target not in seen:
+                seen[target] = f"{path} -> {target}"
+                todo.append((target, seen[target]))
+    return seen
+
+
+def rules() -> list[str]:
+    found = re.search(r"```layering\n(.*?)```", DOC.read_text(), re.S)
+    assert found is not None, f"{DOC} has no ```layering block"
+    return [line.strip() for line in found[1].splitlines() if line.strip()]
+
+
+def names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",")]
+
+
+def breaches(rule: str) -> list[str]:
+    g = graph()
+    if m := re.fullmatch(r"nothing but (.+) imports (\S+)", rule):
+        allowed, target = names(m[1]), m[2]
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if not any(within(mod, a) for a in allowed)
+            for t in edges
+            if within(t, target)
+        ]
+    if m := re.fullmatch(r"(\S+) does not import (.+)", rule):
+        owner, banned = m[1], names(m[2])
+        out = []
+        for mod in (mod for mod in g if within(mod, owner)):
+            for target, path in reach(mod).items():
+                if any(within(target, b) for b in banned):
+                    out.append(path)
+        return out
+    if m := re.fullmatch(r"(\S+) imports only (.+)", rule):
+        owner, allowed = m[1], names(m[2])
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if within(mod, owner)
+            for t in edges
+            if t.split(".")[0] == "qmpprof" and not any(within(t, a) for a in allowed)
+        ]
+    if m := re.fullmatch(r"(\S+) only in (.+)", rule):
+        library, homes = m[1], names(m[2])
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if not any(within(mod, h) for h in homes)
+            for t in edges
+            if within(t, library)
+        ]
+    raise AssertionError(f"not a layering rule: {rule!r}")
+
+
+@pytest.mark.parametrize("rule", rules())
+def test_layering_rule_holds(rule: str) -> None:
+    found = breaches(rule)
+    assert not found, f"{rule}:\n  " + "\n  ".join(sorted(found))
+
+
+def test_the_check_sees_a_breach() -> None:
+    """The rules bite: a module of unwind importing the transport is found, also indirectly."""
+    g = graph()
+    g["qmpprof.unwind.chain"].add("qmpprof.memory")
+    try:
+        found = breaches("qmpprof.unwind does not import qmpprof.transport")
+    finally:
+        g["qmpprof.unwind.chain"].discard("qmpprof.memory")
+    assert any("qmpprof.memory -> qmpprof.transport" in path for path in found)
+    assert imports_of("from . import steps", "qmpprof.unwind.chain") >= {"qmpprof.unwind"}
+
+
+def test_every_module_is_seen() -> None:
+    assert {"qmpprof.sampler", "qmpprof.unwind.chain", "qmpprof.cli"} <= set(graph())

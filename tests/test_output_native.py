@@ -1,0 +1,126 @@
+"""The saved profile (.qmpprof): a round trip keeps every frame, stack, sample and fact, so any
+naming renders the same from the file as from the run; bad files are one-line errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from fakes import named_sample
+from test_output import hand_built_profile
+
+from qmpprof.errors import ProfileError
+from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
+from qmpprof.naming import Detail, Naming
+from qmpprof.output import native, render
+from qmpprof.profile import Profile
+
+KERNEL = Mapping("vmlinux", 0xFFFF_FFFF_8100_0000, 0xFFFF_FFFF_8200_0000, True, 0x1000,
+                 "/boot/vmlinux", "ab12")  # fmt: skip
+NAMINGS = [
+    Naming(),
+    Naming(Detail.OFFSET),
+    Naming(Detail.LINE),
+    Naming(Detail.FUNCTION, show_addresses=True),
+]
+
+
+def detailed_profile() -> Profile:
+    """Frames with mappings, offsets, lines and an inlined frame; kernel and user samples."""
+    leaf_inlined = Frame(KERNEL.start + 0x10, True, "helper", 0, KERNEL, "lib.c", 7, inlined=True)
+    leaf = Frame(KERNEL.start + 0x10, True, "do_work", 0x10, KERNEL, "work.c", 42)
+    caller = Frame(KERNEL.start + 0x205, True, "syscall_entry", 0x5, KERNEL, "entry.S", 3)
+    user = Frame(0x401234, False, "main", 0x34)
+    profile = Profile(2.0, {"guest": "test", "samples": "3"})
+    shell = Process(3, "shell", 0xA000)
+    stack = Stack((leaf_inlined, leaf, caller, user))
+    profile.add(Sample(0.002, 0, Mode.KERNEL, 0, 0xA000, stack, shell))
+    profile.add(Sample(0.004, 1, Mode.USER, 3, 0xA000, Stack((user,)), shell))
+    profile.add(Sample(0.006, 0, Mode.KERNEL, 0, 0, Stack((caller,), StopReason.DEPTH), None))
+    return profile
+
+
+@pytest.mark.parametrize("naming", NAMINGS, ids=lambda n: f"{n.detail.value}{n.show_addresses}")
+@pytest.mark.parametrize("build", [hand_built_profile, detailed_profile])
+def test_round_trip_renders_the_same_in_every_naming(
+    tmp_path: Path, naming: Naming, build: object
+) -> None:
+    assert callable(build)
+    profile = build()
+    path = tmp_path / "run.qmpprof"
+    path.write_bytes(render(profile, "qmpprof"))
+    again = native.load(path)
+    assert again.named_counts(naming) == profile.named_counts(naming)
+    assert list(again.timeline()) == list(profile.timeline())
+    assert again.frames == profile.frames and again.facts == profile.facts
+    for fmt in ("folded", "speedscope", "svg"):
+        assert render(again, fmt, naming) == render(profile, fmt, naming)
+
+
+def test_naming_modes_show_what_the_frames_hold() -> None:
+    profile = detailed_profile()
+    plain = profile.named_counts(Naming())
+    assert ("shell (pid 3)", "main", "syscall_entry_[k]", "do_work_[k]") in plain
+    lines = profile.named_counts(Naming(Detail.LINE))
+    assert (
+        "shell (pid 3)", "main", "syscall_entry (entry.S:3)_[k]", "do_work (work.c:42)_[k]",
+        "helper (lib.c:7)_[i]_[k]",
+    ) in lines  # fmt: skip
+    offsets = profile.named_counts(Naming(Detail.OFFSET))
+    assert ("kernel", "[truncated]", "syscall_entry+0x5") in offsets
+    assert sum(plain.values()) == sum(lines.values()) == sum(offsets.values()) == 3
+
+
+def test_identical_samples_are_stored_once() -> None:
+    profile = Profile()
+    for i in range(5000):
+        profile.add(named_sample(("kernel", "kmain", "idle_loop"), i / 1000, cpu=i % 2))
+    assert len(profile) == 5000 and len(profile.stacks) == 1 and len(profile.frames) == 2
+    per_sample = sum(a.itemsize for a in (profile.times, profile.cpus_of, profile.stack_of))
+    assert per_sample <= 16
+    assert profile.counts == [5000]
+
+
+def test_select_keeps_a_mode_and_vcpus() -> None:
+    profile = detailed_profile()
+    kernel = profile.select(Mode.KERNEL)
+    assert len(kernel) == 2
+    assert ("shell (pid 3)", "syscall_entry_[k]", "do_work_[k]") in kernel.named_counts(Naming())
+    assert len(profile.select(cpus=[1])) == 1 and len(profile.select(Mode.USER, [0])) == 0
+
+
+def write_gz(path: Path, doc: object) -> Path:
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not gzip", "not gzipped JSON"),
+        (gzip.compress(b"{"), "not gzipped JSON"),
+        (gzip.compress(b'{"kind": "other"}'), "no qmpprof profile header"),
+        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 9}'), "version 9"),
+        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 1}'), "malformed"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.qmpprof"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError, match=message) as caught:
+        native.load(path)
+    assert "\n" not in str(caught.value) and caught.value.exit_code == 7
+
+
+def test_a_sample_pointing_at_no_stack_is_malformed(tmp_path: Path) -> None:
+    doc = json.loads(gzip.decompress(render(detailed_profile(), "qmpprof")))
+    doc["samples"]["stack"][0] = 99
+    with pytest.raises(ProfileError, match="malformed"):
+        native.load(write_gz(tmp_path / "x.qmpprof", doc))
+
+
+def test_a_missing_file_is_a_profile_error(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="No such file"):
+        native.load(tmp_path / "missing.qmpprof")
