@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from guestvm import free_tcp_port, running_guest
 from support.bench import report
+from support.bench import run as bench_run
 from support.bench.guest import symbol_address
 from support.bench.methods import (
     EmeraldHmp,
@@ -115,3 +117,11 @@ async def test_every_method_samples_the_guest_and_leaves_it_running(tmp_path: Pa
             while _progress(qmp, addr) == first:
                 assert time.monotonic() < deadline, "the guest makes no progress after the bench"
                 time.sleep(0.02)
+
+
+def test_the_bench_finds_the_checkout_and_its_entry_point_runs() -> None:
+    assert (bench_run.ROOT / "scripts" / "run-guest").is_file()
+    done = subprocess.run(
+        [str(bench_run.ROOT / "scripts" / "bench"), "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "--soak" in done.stdout, done.stderr

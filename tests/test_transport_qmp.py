@@ -132,6 +132,16 @@ async def test_status_stop_cont_and_registers_of_each_cpu(bios: QmpTransport) ->
 
 
 @pytest.mark.qemu
+async def test_events_are_not_kept(bios: QmpTransport) -> None:
+    """Every stop and cont makes QEMU send an event; a long run must not keep them all."""
+    for _ in range(50):
+        await bios.stop()
+        await bios.cont()
+    events = bios._client.events
+    assert events.empty() and not events.history
+
+
+@pytest.mark.qemu
 async def test_memsave_and_hmp_read_the_same_bytes(bios: QmpTransport) -> None:
     assert bios.memory == "memsave"
     await bios.stop()

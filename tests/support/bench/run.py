@@ -34,7 +34,7 @@ from support.bench.offline import offline
 from support.bench.qmpprof_run import QmpprofSampler
 from support.bench.soak import soak
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _SEGMENT = 0.5  # seconds of one sampled (and one unsampled) stretch
 METHODS = (
     "floor",
