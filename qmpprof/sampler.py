@@ -58,12 +58,17 @@ class SamplerConfig:
     kernel_boundary: int = KERNEL_BOUNDARY
     keep: Mode | None = None  # --kernel-only / --user-only
     max_refetch: int = MAX_REFETCH  # pages fetched on the unwinder's demand per sample
+    # The most of the wall time the guest may stand stopped (a fraction): intervals lengthen
+    # when pauses grow, and the run then ends by guest run time. None: no budget.
+    max_overhead: float | None = None
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.duration <= 0:
             raise UsageError("the interval and the duration must be positive")
         if not 0 <= self.jitter < 1:
             raise UsageError("jitter must be a fraction in [0, 1)")
+        if self.max_overhead is not None and not 0 < self.max_overhead < 1:
+            raise UsageError("the overhead budget must be a fraction in (0, 1)")
 
 
 @dataclass(slots=True)
@@ -114,6 +119,10 @@ class Sampler(Generic[Space, Raw]):
         self._stop_requested = False
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
+        self.interval = config.interval  # now: lengthened when pauses outgrow the budget
+        self._pause_avg = 0.0  # recent pauses, exponentially weighted
+        self.stats.requested_hz = 1 / config.interval
+        self.stats.budget = config.max_overhead
 
     def request_stop(self) -> None:
         """End the run after the current tick (safe from a signal handler)."""
@@ -132,13 +141,14 @@ class Sampler(Generic[Space, Raw]):
         last: list[Sample] = []
         target = max(1, round(self.config.duration / self.config.interval))
         resumed = self._start
-        while self.stats.ticks < target and not self._stop_requested:
+        while self.stats.ticks < target and not self._stop_requested and not self._budget_done():
             await self._sleep(max(0.0, self._next_interval() - (self._clock() - resumed)))
             if self._stop_requested:
                 break
             self.stats.run_time += self._clock() - resumed
             last = await self._tick(cpus, stop=True)
             resumed = self._resumed
+            self._adapt()
             if self._on_tick is not None:
                 self._on_tick(self.stats)
         return RunOutcome(True, tuple(last))
@@ -154,7 +164,21 @@ class Sampler(Generic[Space, Raw]):
 
     def _next_interval(self) -> float:
         jitter = self.config.jitter
-        return self.config.interval * (1 + jitter * (2 * self._rng() - 1))
+        return self.interval * (1 + jitter * (2 * self._rng() - 1))
+
+    def _adapt(self) -> None:
+        """Under a budget, the next interval is long enough that pause / (pause + interval)
+        stays within it, pauses being weighted towards the recent ones."""
+        budget = self.config.max_overhead
+        if budget is None:
+            return
+        pause = self.stats.pauses[-1]
+        self._pause_avg = pause if self.stats.ticks == 1 else 0.8 * self._pause_avg + 0.2 * pause
+        self.interval = max(self.config.interval, self._pause_avg * (1 - budget) / budget)
+
+    def _budget_done(self) -> bool:
+        # With a budget the tick count is not known in advance: the run ends by run time.
+        return self.config.max_overhead is not None and self.stats.run_time >= self.config.duration
 
     async def _tick(self, cpus: Sequence[int], *, stop: bool) -> list[Sample]:
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""

@@ -69,8 +69,10 @@ def build_identifier(spec: RunSpec) -> GuestIdentifier[AddressSpace]:
     """The guest identifier over the kernel ELF and the programs of ``--user-dir``."""
     modules = []
     if spec.kernel is not None:
-        modules.append(Module.from_image(ElfImage.load(spec.kernel), kernel=True))
+        modules.append(Module.from_image(ElfImage.load(spec.kernel).prepare(), kernel=True))
     programs = ProgramIndex.from_dir(spec.user_dir) if spec.user_dir else ProgramIndex([])
+    for image in programs.images:
+        image.prepare()
     if spec.os == "cr3":
         return Cr3Identifier(modules, programs)
     return EmeraldIdentifier(

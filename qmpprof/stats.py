@@ -25,6 +25,8 @@ class SamplerStats:
     phase_time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     run_time: float = 0.0  # seconds the guest ran between samples
     wall_time: float = 0.0  # seconds from the first to the last tick
+    requested_hz: float = 0.0  # the rate asked for (1 / --interval)
+    budget: float | None = None  # --max-overhead, as a fraction
 
     @property
     def error_count(self) -> int:
@@ -66,13 +68,27 @@ class SamplerStats:
         if self.run_time > 0:  # not for a single snapshot
             lines.append(
                 f"Rate: {self.rate_hz():.1f} Hz of guest run time ({self.wall_rate_hz():.1f} Hz"
-                f" wall), {self.ticks} ticks, guest ran {self.running_fraction():.1%} of"
-                f" {self.wall_time:.2f} s"
+                f" wall; {self.requested_hz:.1f} Hz asked), {self.ticks} ticks, guest ran"
+                f" {self.running_fraction():.1%} of {self.wall_time:.2f} s"
             )
+            stopped = 1 - self.running_fraction()
+            if self.budget is not None:
+                lines.append(
+                    f"Overhead: the guest stood stopped {stopped:.1%} of the wall time"
+                    f" (budget {self.budget:.1%})"
+                )
+        first = self.pauses[0] * 1e3 if self.pauses else 0.0
         lines.append(
-            f"Pause per sample: median {median:.2f} ms, p95 {p95:.2f} ms, max {worst:.2f} ms"
+            f"Pause per sample: median {median:.2f} ms, p95 {p95:.2f} ms, max {worst:.2f} ms,"
+            f" first {first:.2f} ms"
         )
         lines.extend(f"  error: {kind} x{n}" for kind, n in self.errors.most_common())
+        margin = few_samples_margin(samples) if self.run_time > 0 else None
+        if margin is not None:
+            lines.append(
+                f"Warning: only {samples} samples: a share of the profile is known to"
+                f" +-{margin:.0f} points at best (95 %); profile longer or more often"
+            )
         return lines
 
     def detail_lines(self) -> list[str]:
@@ -82,3 +98,15 @@ class SamplerStats:
         if self.cpl_mismatch:
             lines.append(f"CPL disagreed with the kernel boundary in {self.cpl_mismatch} samples")
         return lines
+
+
+TRUSTED_MARGIN = 5.0  # points: below this many samples a profile's shares are too rough
+
+
+def few_samples_margin(samples: int) -> float | None:
+    """The 95 % margin, in percentage points, of a share near one half estimated from
+    ``samples`` samples, when it is wider than TRUSTED_MARGIN (else None)."""
+    if samples <= 0:
+        return None
+    margin = 196 * (0.25 / samples) ** 0.5
+    return margin if margin > TRUSTED_MARGIN else None

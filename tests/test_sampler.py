@@ -20,6 +20,7 @@ from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
 from qmpprof.naming import Naming
 from qmpprof.sampler import Sampler, SamplerConfig
+from qmpprof.stats import SamplerStats
 
 K = KERNEL_BOUNDARY
 SPACE = FakeSpace(
@@ -329,3 +330,39 @@ async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     identity = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
     assert tick.count(identity) == 2  # one per vCPU, while the guest is stopped
     assert len(sampler.profile) == 2  # an unmapped identity page costs nothing more
+
+
+async def test_an_overhead_budget_lengthens_intervals_and_ends_by_run_time() -> None:
+    r0, pages = kernel_cpu()
+    # Pauses of 5 ms against a 2 ms interval: unbudgeted, the guest would stand stopped 71 %.
+    transport = FakeTransport({0: r0}, pages, costs={"stop": 0.005})
+    sampler = make(transport, interval=0.002, duration=0.5, max_overhead=0.2)
+    await sampler.run()
+    stats = sampler.stats
+    assert stats.run_time == pytest.approx(0.5, abs=0.03)
+    assert 1 - stats.running_fraction() == pytest.approx(0.2, abs=0.02)
+    assert sampler.interval == pytest.approx(0.020)  # 5 ms * (1 - 0.2) / 0.2
+    assert 20 <= stats.ticks <= 40  # not the 250 an unbudgeted run would take
+    lines = stats.summary_lines(len(sampler.profile), 0, 1)
+    assert any("budget 20.0%" in line for line in lines)
+    assert "500.0 Hz asked" in lines[1]
+
+
+async def test_cheap_pauses_keep_the_asked_interval_under_a_budget() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages, costs={"stop": 0.0005})
+    sampler = make(transport, interval=0.010, duration=0.1, max_overhead=0.2)
+    await sampler.run()
+    assert sampler.interval == pytest.approx(0.010) and sampler.stats.ticks == 10
+
+
+def test_too_few_samples_are_warned_about() -> None:
+    stats = SamplerStats(ticks=50, run_time=0.5, wall_time=0.6)
+    assert any(
+        line.startswith("Warning: only 50 samples") for line in stats.summary_lines(50, 0, 3)
+    )
+    assert not any("Warning" in line for line in stats.summary_lines(500, 0, 3))
+    one_shot = SamplerStats(ticks=1)
+    assert not any("Warning" in line for line in one_shot.summary_lines(2, 0, 2))
+    with pytest.raises(UsageError, match="overhead"):
+        SamplerConfig(max_overhead=1.5)

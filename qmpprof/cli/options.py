@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
     add("--duration", metavar="S", type=float, default=5.0, help="guest run time to profile")
     add("--jitter", metavar="FRACTION", type=float, nargs="?", const=0.2, default=0.0,
         help="randomise each interval by +-FRACTION (default 0.2 when given)")  # fmt: skip
+    add("--max-overhead", metavar="PCT", type=float,
+        help="keep the guest stopped at most PCT %% of the wall time: intervals lengthen when "
+             "pauses grow, and the run ends after --duration of guest run time")  # fmt: skip
     add(
         "-o",
         "--output",
@@ -129,6 +132,10 @@ def parse(argv: list[str]) -> Options:
         raise UsageError(f"--duration must be positive, not {ns.duration:g}")
     if not 0 <= ns.jitter < 1:
         raise UsageError(f"--jitter must be a fraction in [0, 1), not {ns.jitter:g}")
+    if ns.max_overhead is not None and not 0 < ns.max_overhead < 100:
+        raise UsageError(
+            f"--max-overhead must be a percentage in (0, 100), not {ns.max_overhead:g}"
+        )
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
     if ns.format is not None and len(ns.output) > 1:
@@ -160,6 +167,7 @@ def parse(argv: list[str]) -> Options:
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
             kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
             keep=mode_of(ns),
+            max_overhead=None if ns.max_overhead is None else ns.max_overhead / 100,
         ),
     )
     return Options(

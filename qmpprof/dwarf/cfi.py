@@ -108,6 +108,11 @@ class CfiTable:
                 return rules[k] if k >= 0 and pc < rules[k].end else None
         return None
 
+    def prepare(self) -> None:
+        """Build the FDE index now (it is built on the first lookup otherwise): a run calls
+        this before it first stops the guest, so that the first pause is not the slow one."""
+        self._index()
+
     def _index(self) -> list[int]:
         if self._starts is None:
             pairs = self._hdr_index() if self._hdr is not None else None

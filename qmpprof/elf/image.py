@@ -98,6 +98,14 @@ class ElfImage:
         header = self._sections.get(name)
         return None if header is None else int(header["sh_addr"])
 
+    def prepare(self) -> ElfImage:
+        """Everything a sample may need, built now rather than inside the first pause: the
+        symbol table, the CFI index, the ``.text`` hash."""
+        _ = self.symbols, self.text_sha256
+        if self.cfi is not None:
+            self.cfi.prepare()
+        return self
+
     @cached_property
     def text_bytes(self) -> bytes:
         # One bytes object per image: every Module built from it shares it (and its hash).

@@ -143,6 +143,7 @@ def steps_for(
     if cfi is not None:
         steps.append(CfiStep(cfi, bias))
     if code:
+        _analyzer()  # made now: not inside the first pause that needs it
         steps.append(PrologueStep(code, code_addr, bias, symbols))
     steps.append(FRAME_POINTER)
     return tuple(steps)
