@@ -309,3 +309,19 @@ def test_lines_name_frames_by_file_and_line(tmp_path: Path) -> None:
     assert frames and all(named.match(f) for f in frames), frames
     assert any(f.startswith("compute_leaf (syscall.c:") for f in frames)
     assert any(f.startswith("spin_hot (spin.c:") for f in frames)
+
+
+def test_an_overhead_budget_holds_on_the_real_guest(tmp_path: Path) -> None:
+    out = tmp_path / "budget.folded"
+    with running_guest(tmp_path, smp=2) as guest:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(cli_args(guest, "--interval", "1", "--duration", "1",
+                               "--max-overhead", "20", "-o", str(out)))  # fmt: skip
+        assert qmp(guest, "status") == "running"
+    assert rc == 0, err.getvalue()
+    found = re.search(r"stood stopped ([\d.]+)% of the wall time \(budget 20.0%\)", err.getvalue())
+    assert found is not None, err.getvalue()
+    # At 1 ms a 2-vCPU pause (several ms here) would keep the guest stopped most of the time.
+    assert float(found.group(1)) <= 25.0, err.getvalue()
+    assert sum(c for _, c in folded.parse(out.read_text())) > 0
