@@ -123,6 +123,11 @@ class GdbTransport:
         """True when the guest runs, as far as this transport's stop/cont calls know."""
         return self._running
 
+    def note_resumed(self) -> None:
+        """Something else (QMP ``cont``) resumed the guest: the next ``stop`` must interrupt it.
+        (A packet reaching the stub of a running guest is lost: its ``$`` is what stops it.)"""
+        self._running = True
+
     async def stop(self) -> None:
         """Interrupt the guest (``\\x03``); returns once it is stopped. No-op when paused.
 

@@ -107,6 +107,13 @@ class QmpTransport:
     async def is_running(self) -> bool:
         return await self.status() == "running"
 
+    async def chardev_labels(self) -> list[str]:
+        """The labels of QEMU's character devices (``gdb`` when the VM has a gdbstub)."""
+        reply = await self._execute("query-chardev")
+        if not isinstance(reply, list):
+            raise TransportError(f"unexpected query-chardev reply: {reply!r}")
+        return [str(c["label"]) for c in reply if isinstance(c, dict) and "label" in c]
+
     async def stop(self) -> None:
         await self._execute("stop")
 

@@ -1,0 +1,234 @@
+"""The fast path for a VM reached through a local QMP socket: a private gdbstub opened over QMP.
+
+Given only the QMP socket, qmpprof asks QEMU for a gdbstub on a Unix socket inside a directory
+only we can enter, drives stop, registers, memory and continue through it (a gdbstub packet
+costs a tenth of a QMP command), keeps QMP open as the control channel and the witness of the
+run state, and removes the stub whichever way the run ends. ``connect_fast`` decides whether
+that path can be taken and, when it cannot, says why in one line.
+
+Facts about QEMU 7.2 this relies on (measured; tests/test_transport_privategdb.py):
+
+- HMP ``gdbserver unix:PATH,server=on,wait=off`` answers "Waiting for gdb connection on device
+  ..." and adds a chardev labelled ``gdb``. A failure is a *successful* reply holding QEMU's
+  error text ("Failed to bind socket ...", "duplicate yank instance" when the VM has a stub).
+- The socket file is created 0755: the 0700 directory is what keeps other local users out.
+- ``gdbserver none`` removes the chardev, hangs up on a connected client and deletes the socket
+  file; the VM's run state is left as it is (a VM the stub had stopped stays paused).
+- Connecting stops the VM (QMP status ``paused``); the stub's ``c`` and ``D`` resume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.model import Registers
+from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.gdb import GdbTransport
+from qmpprof.transport.qmp import MemoryPath, QmpTransport
+
+_T = TypeVar("_T")
+_STUB_LABEL = "gdb"  # the chardev QEMU names its gdbstub, however it was started
+_LISTENING = "Waiting for gdb connection"
+_SOCKET_NAME = "gdb.sock"
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+_STOPPED = ("paused", "debug")  # states a QMP cont resumes from; others (shutdown, ...) it must not
+
+
+async def connect_fast(
+    socket_path: str | os.PathLike[str] | None = None,
+    tcp: tuple[str, int] | None = None,
+    *,
+    memory: MemoryPath = "auto",
+    timeout: float = 5.0,
+) -> tuple[GuestTransport, str | None]:
+    """Connect to QEMU through QMP and take the fast path when it is there to take.
+
+    Returns the transport and None when it runs through a private gdbstub, or a QmpTransport
+    and the one-line reason it does not (for ``--verbose``). Arguments as
+    ``QmpTransport.connect``; ``memory`` applies to the QMP path only. Raises ConnectError
+    when QMP itself cannot be reached.
+    """
+    qmp = await QmpTransport.connect(socket_path, tcp, memory=memory, timeout=timeout)
+    if tcp is not None:
+        return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
+    try:
+        if await _has_stub(qmp):
+            reason = "the VM already has a gdbstub (chardev gdb): using QMP; pass --gdb ADDRESS"
+            return qmp, reason + " to use it"
+        return await PrivateGdbTransport.open(qmp, timeout=timeout), None
+    except _NoFastPath as why:
+        return qmp, f"{why}: using QMP"
+    except BaseException:
+        await qmp.close()
+        raise
+
+
+async def _has_stub(qmp: QmpTransport) -> bool:
+    return _STUB_LABEL in await qmp.chardev_labels()
+
+
+class _NoFastPath(Exception):
+    """The private gdbstub could not be set up; QMP alone still works. Message: why."""
+
+
+class PrivateGdbTransport:
+    """A GuestTransport over a gdbstub qmpprof opened through QMP and removes when it closes.
+
+    Open it with ``connect_fast`` (or ``open`` given a QmpTransport). The guest's run state
+    before qmpprof touched it is restored by ``close``, which is safe to call twice, after
+    QEMU went away and from a cancelled task.
+    """
+
+    def __init__(
+        self,
+        qmp: QmpTransport,
+        gdb: GdbTransport,
+        directory: str,
+        was_running: bool,
+        timeout: float,
+    ) -> None:
+        self._qmp = qmp
+        self._gdb = gdb
+        self._directory = directory
+        self.was_running = was_running  # the run state to leave the guest in
+        self._timeout = timeout
+        self._closed = False
+
+    @classmethod
+    async def open(cls, qmp: QmpTransport, *, timeout: float = 5.0) -> PrivateGdbTransport:
+        """Start a gdbstub in a new 0700 directory and attach to it. On failure everything made
+        so far is undone and ``_NoFastPath`` says why; ``qmp`` stays open either way."""
+        directory = tempfile.mkdtemp(prefix="qmpprof-gdb-")
+        if len(os.path.join(directory, _SOCKET_NAME)) > _MAX_SOCKET_PATH:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory = tempfile.mkdtemp(prefix="qmpprof-gdb-", dir="/tmp")  # TMPDIR too deep
+        path = os.path.join(directory, _SOCKET_NAME)
+        was_running: bool | None = None
+        started = False
+        try:
+            was_running = await qmp.is_running()
+            reply = await qmp.hmp(f"gdbserver unix:{path},server=on,wait=off")
+            started = reply.startswith(_LISTENING)
+            if not started:
+                raise _NoFastPath(f"QEMU refused a gdbstub: {_first_line(reply)}")
+            try:
+                gdb = await GdbTransport.connect(path, was_running=was_running, timeout=timeout)
+            except ConnectError as err:
+                # QEMU made the socket where we cannot reach it (another mount namespace), or
+                # attached and then did not answer: the attach may have stopped the guest.
+                raise _NoFastPath(f"cannot attach to the gdbstub QEMU opened: {err}") from err
+        except BaseException:
+            steps: list[Awaitable[object]] = [qmp.hmp("gdbserver none")] if started else []
+            if was_running is not None:
+                steps.append(_restore_run_state(qmp, was_running))
+            await _finish(steps, directory, timeout)
+            raise
+        return cls(qmp, gdb, directory, was_running, timeout)
+
+    @property
+    def directory(self) -> str:
+        """The private directory holding the gdbstub's socket (gone once closed)."""
+        return self._directory
+
+    async def is_running(self) -> bool:
+        """QMP's word (query-status). A guest something else resumed is noted, so that the next
+        stop interrupts it."""
+        running = await self._qmp.is_running()
+        if running:
+            self._gdb.note_resumed()
+        return running
+
+    async def stop(self) -> None:
+        await self._gdb.stop()
+
+    async def cont(self) -> None:
+        await self._gdb.cont()
+
+    async def cpus(self) -> list[int]:
+        return await self._gdb.cpus()
+
+    async def registers(self, cpu: int) -> Registers:
+        return await self._gdb.registers(cpu)
+
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
+        """Stop and read the registers of ``cpus`` in one round trip (see GdbTransport)."""
+        return await self._gdb.stop_and_registers(cpus)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        return await self._gdb.read(cpu, addr, size)
+
+    async def hmp(self, command: str, cpu: int | None = None) -> str:
+        """A human monitor command over the QMP control channel."""
+        return await self._qmp.hmp(command, cpu)
+
+    async def status(self) -> str:
+        """QEMU's run state name over QMP (running, paused, ...)."""
+        return await self._qmp.status()
+
+    async def close(self) -> None:
+        """Detach, remove the gdbstub and its directory, leave the guest as it was found, close
+        QMP. Errors from a QEMU that went away are dropped; a cancellation is raised at the end,
+        after every step was tried."""
+        if self._closed:
+            return
+        self._closed = True
+        steps = [
+            self._gdb.close(running=self.was_running),
+            self._qmp.hmp("gdbserver none"),
+            # QMP has the last word: a refused detach must not leave the run state changed.
+            _restore_run_state(self._qmp, self.was_running),
+        ]
+        await _finish(steps, self._directory, self._timeout, qmp=self._qmp)
+
+    async def __aenter__(self) -> PrivateGdbTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _restore_run_state(qmp: QmpTransport, was_running: bool) -> None:
+    status = await qmp.status()
+    if was_running and status in _STOPPED:
+        await qmp.cont()
+    elif not was_running and status == "running":
+        await qmp.stop()
+
+
+async def _finish(
+    steps: Sequence[Awaitable[object]],
+    directory: str,
+    timeout: float,
+    qmp: QmpTransport | None = None,
+) -> None:
+    """Run every cleanup step in order, then close ``qmp``, each bounded in time; then remove
+    ``directory``. A step failing (QEMU gone, a refusal, no answer) does not stop the next, and
+    its error is dropped: the caller is closing, or already raising a better one. A
+    cancellation does not stop the next step either, but is raised once all were tried."""
+    cancelled: asyncio.CancelledError | None = None
+    for step in [*steps, qmp.close()] if qmp is not None else steps:
+        try:
+            await _bounded(step, timeout)
+        except asyncio.CancelledError as err:
+            cancelled = cancelled or err
+        except (QmpprofError, TimeoutError):
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+    if cancelled is not None:
+        raise cancelled
+
+
+async def _bounded(step: Awaitable[_T], seconds: float) -> _T:
+    """``step`` within ``seconds``: cleanup must not hang on a QEMU that stopped answering."""
+    async with asyncio.timeout(seconds):
+        return await step
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no reply"
