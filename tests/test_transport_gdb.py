@@ -26,7 +26,8 @@ from qmpprof.transport.gdbpackets import REGISTER_NAMES, encode_packet
 
 # --- protocol against a scripted stub ----------------------------------------------------------
 
-Responder = Callable[[bytes], bytes | None]
+# A reply, none (c), or several packets: a stop reply the stub sends of its own before the reply.
+Responder = Callable[[bytes], bytes | list[bytes] | None]
 
 
 def qemu_like(body: bytes) -> bytes | None:
@@ -117,7 +118,8 @@ class FakeStub:
                         break
                     body, buf = buf[1:end], buf[end + 3 :]
                     reply = self.respond(body)
-                    answer = b"+" + (b"" if reply is None else encode_packet(reply))
+                    replies = [] if reply is None else reply if isinstance(reply, list) else [reply]
+                    answer = b"+" + b"".join(map(encode_packet, replies))
                     if body == b"qCorrupt":
                         answer = b"+" + encode_packet(b"OK")[:-2] + b"00"  # a wrong checksum
                 self.packets.append(body)
@@ -170,7 +172,7 @@ async def test_reads_are_chunked_to_the_stub_limit() -> None:
         await transport.registers(0)
         reads = [p for p in stub.packets if p[:1] in (b"m", b"H", b"g")]
         chunks = [b"m1100,800", b"m1900,800", b"m2100,800", b"m2900,1"]
-        assert reads == [b"Hg01", *chunks, b"Hg01", b"g"]  # every request selects its vCPU
+        assert reads == [b"Hg01", *chunks, b"g"]  # vCPU 0 stays selected for the next request
 
 
 async def test_error_reply_is_a_memory_read_error() -> None:
@@ -242,6 +244,32 @@ async def test_concurrent_register_reads_are_pipelined() -> None:
         assert isinstance(results[1], TransportError)
 
 
+async def test_hg_is_sent_only_when_the_selection_changes() -> None:
+    selected = [1]
+
+    def respond(body: bytes) -> bytes | list[bytes] | None:
+        if body == b"qStopNow":  # as QMP stop does: a stop reply, the selection back to 1
+            selected[0] = 1
+            return [b"T02thread:01;", b"OK"]
+        if body == b"c":  # the next stop (FakeStub answers \x03 itself) resets it as well
+            selected[0] = 1
+        return two_vcpus(body, selected)
+
+    async with FakeStub(respond) as stub, await GdbTransport.connect(stub.address) as transport:
+        rips = [(await transport.registers(cpu)).rip for cpu in (1, 1, 0, 0, 1)]
+        assert rips == [0x2000, 0x2000, 0x1000, 0x1000, 0x2000]
+        assert stub.packets[3:] == [b"Hg02", b"g", b"g", b"Hg01", b"g", b"g", b"Hg02", b"g"]
+        assert await transport.query("qStopNow") == "OK"
+        # vCPU 1 looked selected, but the stop reset it: the reply is checked and asked again.
+        assert (await transport.registers(1)).rip == 0x2000
+        assert stub.packets[-3:] == [b"g", b"Hg02", b"g"]
+        del stub.packets[:]
+        await transport.cont()
+        await transport.stop()  # the stop reply names thread 1: vCPU 0 needs no Hg after it
+        assert (await transport.registers(0)).rip == 0x1000
+        assert stub.packets == [b"c", b"\x03", b"qC", b"g"]
+
+
 async def test_a_late_reply_is_not_taken_for_the_next_one() -> None:
     def respond(body: bytes) -> bytes | None:
         return {b"qSlow": b"late", b"qC": b"QC01"}.get(body) or qemu_like(body)
@@ -269,7 +297,7 @@ async def test_stop_and_registers_is_one_round_trip() -> None:
         assert not await transport.is_running()
         assert stub.packets[3:] == [b"c", b"\x03", b"qC", b"Hg01", b"g"]
         (again,) = await transport.stop_and_registers([0])  # paused: no second \x03
-        assert again.rip == regs.rip and stub.packets[8:] == [b"Hg01", b"g"]
+        assert again.rip == regs.rip and stub.packets[8:] == [b"g"]  # and no second Hg01
 
 
 async def test_a_qmp_server_is_not_a_gdbstub() -> None:
@@ -440,6 +468,26 @@ async def test_a_qmp_stop_behind_its_back_is_noticed(tmp_path: Path) -> None:
         qmp.execute("stop")  # and at once, before the transport read that stop reply:
         await asyncio.wait_for(transport.stop(), 2)  # no second stop reply comes: no hang
         assert not qmp.running() and not await transport.is_running()
+        await transport.close(running=True)
+        assert qmp.running()
+
+
+@pytest.mark.qemu
+async def test_a_stop_behind_its_back_does_not_mix_up_vcpus(tmp_path: Path) -> None:
+    # A stop selects vCPU 0 for g and m again: a request for vCPU 1 sent without an Hg, relying
+    # on the selection made before that stop, must be noticed (reply order) and asked again.
+    with bundled(tmp_path) as (_, gdb, qmp):
+        transport = await GdbTransport.connect(gdb)
+        for _ in range(3):
+            await transport.stop()
+            await transport.registers(1)  # vCPU 1 is selected now
+            await transport.cont()
+            qmp.execute("stop")
+            regs = await transport.registers(1)
+            mon = monitor_fields(qmp.hmp("info registers", cpu=1))
+            assert (regs.rip, regs.rsp) == (mon["RIP"], mon["RSP"])  # each vCPU its own stack
+            assert not await transport.is_running()
+            await transport.cont()
         await transport.close(running=True)
         assert qmp.running()
 

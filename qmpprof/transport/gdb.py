@@ -11,8 +11,12 @@ this transport is several times cheaper. Facts about QEMU 7.2's stub this module
   for our ``+`` before accepting the next packet, so the ack rides in front of the next write.
 - It answers pipelined packets in order (``gdbchannel`` relies on that); ``m`` takes at most
   0x800 bytes (``E22`` above that) and answers ``E14`` for unmapped memory. ``g`` and ``m`` act
-  on the ``Hg`` thread, which every stop resets to the stopping vCPU: each read sends its own
-  ``Hg`` in front (pipelined, it costs no round trip). vCPU index i is thread id i+1.
+  on the ``Hg`` thread, which every stop (``\\x03``, QMP ``stop``) resets to the thread its stop
+  reply names (``T02thread:01;``: vCPU 0 unless a debug event stopped another). So a read sends
+  an ``Hg`` only when the thread it needs is not the one selected last (or by the stop): within
+  a stop the reads of one vCPU share one ``Hg``. The channel checks, from the order of the
+  replies, that such a read acted on its thread, and it is asked again with an ``Hg`` if a stop
+  nobody foresaw came between. vCPU index i is thread id i+1.
 - ``D`` (detach) resumes the guest; closing the socket without it leaves the guest as it is.
 - A byte that reaches the stub while the guest runs stops the guest and is consumed: the ack in
   front of every write is that byte; to a running guest only ``\x03`` goes, maybe followed by
@@ -77,6 +81,8 @@ class GdbTransport:
         # The process id, when the stub spells ids pPID.TID (it then wants D;PID).
         self._pid = int(first[1:].partition(b".")[0], 16) if first.startswith(b"p") else None
         self._chunk = chunk
+        # The thread the stub will have selected once it has read what we wrote (None: unknown).
+        self._selected: int | None = None
         self._running = False
         self._closed = False
         self.was_running = False
@@ -138,6 +144,7 @@ class GdbTransport:
         if not self._running:
             return
         self._running = False  # at once: a concurrent stop() must not send a second \x03
+        self._selected = self._channel.stop_thread  # the stop resets it (see the module doc)
         await self._channel.request([b"qC"], prefix=b"\x03", until_stop=True)
 
     async def cont(self) -> None:
@@ -151,10 +158,16 @@ class GdbTransport:
         return [tid - 1 for tid in self._threads]
 
     async def _on_cpu(self, cpu: int, bodies: list[bytes]) -> list[bytes]:
-        """The replies to ``bodies`` sent after an Hg selecting ``cpu``."""
+        """The replies to ``bodies`` acting on ``cpu``, with an Hg in front unless the stub
+        will have it selected already."""
         tid = cpu + 1
         if tid not in self._threads:
             raise TransportError(f"no vCPU {cpu} (the gdbstub lists {len(self._threads)})")
+        if self._selected == tid:
+            replies = await self._channel.request_on(tid, bodies)
+            if replies is not None:
+                return replies
+        self._selected = tid  # before the write: requests written after this one rely on it
         ok, *replies = await self._channel.request([b"Hg" + self._threads[tid], *bodies])
         if ok != b"OK":
             raise TransportError(f"the gdbstub refused to select vCPU {cpu}: {ok!r}")

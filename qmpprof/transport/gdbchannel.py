@@ -5,17 +5,25 @@ So the calls a sampler makes at the same moment (stop, the registers of every vC
 of fixed addresses) cost one round trip together, not one each. Stop replies are handed to
 ``on_stopped`` whoever caused them (a ``\\x03``, QMP, the guest), and end the wait of a request
 that asked for it (``until_stop``).
+
+Replies come in the order the stub acted, so the reader also knows which thread the stub had
+selected for ``g`` and ``m`` when it answered each packet: every stop reply resets the selection
+to the thread it names, every ``Hg`` answered OK sets it. ``request_on`` uses that to send
+packets without an ``Hg`` in front and still know they acted on the thread meant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError
 from qmpprof.transport.gdbpackets import checksum, decode_body, encode_packet, is_stop_reply
+
+_STOP_THREAD = re.compile(rb"thread:(?:p[0-9a-fA-F]+\.)?([0-9a-fA-F]+);")
 
 
 async def read_packet(reader: asyncio.StreamReader, started: bool = False) -> bytes:
@@ -39,10 +47,12 @@ async def read_packet(reader: asyncio.StreamReader, started: bool = False) -> by
 
 @dataclass(eq=False)
 class _Request:
-    want: int  # replies due
+    bodies: Sequence[bytes]
     future: asyncio.Future[list[bytes]]
     until_stop: bool  # done at the first stop reply too (its replies are still consumed)
+    on_thread: int | None  # the Hg thread its packets must act on, when it sent no Hg itself
     replies: list[bytes] = field(default_factory=list)
+    elsewhere: bool = False  # some packet acted on another thread than ``on_thread``
 
 
 class Channel:
@@ -71,6 +81,8 @@ class Channel:
         self.on_stopped = on_stopped
         self._pending: list[_Request] = []
         self._error: QmpprofError | None = None
+        self.selected: int | None = None  # the Hg thread as of the last reply read (None: unknown)
+        self.stop_thread: int | None = None  # the thread the last stop reply named
         self._task = asyncio.create_task(self._read_loop())
 
     def send(self, data: bytes) -> None:
@@ -85,17 +97,36 @@ class Channel:
         """Send ``prefix`` and the packets ``bodies`` in one write; one reply per packet, in
         order. ``until_stop``: return (no replies) as soon as a stop reply comes, if it comes
         before the last reply."""
+        return await self._wait(self._submit(bodies, prefix, until_stop, None))
+
+    async def request_on(self, thread: int, bodies: Sequence[bytes]) -> list[bytes] | None:
+        """Like ``request``, for packets that act on the ``Hg`` thread, sent without an ``Hg``
+        because the caller expects ``thread`` to be selected already. None when some packet
+        acted on another thread (a stop the caller did not foresee reset the selection): the
+        replies are discarded and the caller asks again with an ``Hg``."""
+        request = self._submit(bodies, b"", False, thread)
+        replies = await self._wait(request)
+        return None if request is not None and request.elsewhere else replies
+
+    def _submit(
+        self, bodies: Sequence[bytes], prefix: bytes, until_stop: bool, thread: int | None
+    ) -> _Request | None:
         self.send(prefix + b"".join(encode_packet(body) for body in bodies))
         if not bodies:
-            return []
+            return None
         loop = asyncio.get_running_loop()
-        request = _Request(len(bodies), loop.create_future(), until_stop)
+        request = _Request(bodies, loop.create_future(), until_stop, thread)
         self._pending.append(request)
+        return request
+
+    async def _wait(self, request: _Request | None) -> list[bytes]:
+        if request is None:
+            return []
         try:
             async with asyncio.timeout(self._timeout):
                 return await request.future
         except TimeoutError as err:
-            raise TransportError(f"the gdbstub did not answer {bodies[0]!r}") from err
+            raise TransportError(f"the gdbstub did not answer {request.bodies[0]!r}") from err
 
     async def _read_loop(self) -> None:
         try:
@@ -118,16 +149,25 @@ class Channel:
         if is_stop_reply(reply):
             if reply[:1] in (b"W", b"X"):
                 raise GuestGoneError(f"the guest exited ({reply.decode(errors='replace')})")
+            named = _STOP_THREAD.search(reply)
+            self.selected = self.stop_thread = int(named[1], 16) if named else None
             self.on_stopped()
             for request in self._pending:
+                if request.replies:  # its packets straddle the stop: the rest act elsewhere
+                    request.elsewhere = True
                 if request.until_stop and not request.future.done():
                     request.future.set_result([])
             return
         if not self._pending:
             return  # nobody asked: a stray reply, dropped
         request = self._pending[0]
+        body = request.bodies[len(request.replies)]
+        if body.startswith(b"Hg"):
+            self.selected = _thread_of(body[2:]) if reply == b"OK" else None
+        elif request.on_thread is not None and self.selected != request.on_thread:
+            request.elsewhere = True
         request.replies.append(reply)
-        if len(request.replies) == request.want:
+        if len(request.replies) == len(request.bodies):
             self._pending.pop(0)
             if not request.future.done():  # its caller may have given up
                 request.future.set_result(request.replies)
@@ -141,6 +181,14 @@ class Channel:
         self._writer.close()
         with contextlib.suppress(ConnectionError):  # the peer may be gone already
             await self._writer.wait_closed()
+
+
+def _thread_of(spelled: bytes) -> int | None:
+    """The thread id of an ``Hg`` argument (``02`` or ``p1.02``)."""
+    try:
+        return int(spelled.rpartition(b".")[2], 16)
+    except ValueError:
+        return None
 
 
 def _again(err: QmpprofError) -> QmpprofError:
