@@ -191,6 +191,19 @@ async def test_a_paused_guest_stays_paused_and_reads_as_over_qmp(tmp_path: Path)
         assert "gdb" not in labels and not os.path.exists(transport.directory)
 
 
+async def test_close_can_choose_the_run_state(tmp_path: Path) -> None:
+    with vm(tmp_path, smp=1) as machine:
+        transport = await fast(machine)
+        await transport.close(running=False)  # as `record` may want at the end
+        assert_gone(machine, transport.directory)
+        assert not machine.witness.running() and not machine.advances()
+        machine.witness.execute("cont")
+        again = await fast(machine)
+        await again.stop()
+        await again.close(running=True)
+        assert machine.witness.running() and machine.advances()
+
+
 async def test_an_error_inside_the_run_cleans_up(tmp_path: Path) -> None:
     with vm(tmp_path, smp=1) as machine:
         with pytest.raises(ZeroDivisionError):

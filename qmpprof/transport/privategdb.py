@@ -14,7 +14,8 @@ Facts about QEMU 7.2 this relies on (measured; tests/test_transport_privategdb.p
 - The socket file is created 0755: the 0700 directory is what keeps other local users out.
 - ``gdbserver none`` removes the chardev, hangs up on a connected client and deletes the socket
   file; the VM's run state is left as it is (a VM the stub had stopped stays paused).
-- Connecting stops the VM (QMP status ``paused``); the stub's ``c`` and ``D`` resume it.
+- Connecting stops the VM (QMP status ``paused``); the stub's ``c`` and ``D`` resume it, ``c``
+  also starts a VM still in ``prelaunch`` (``-S``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ _STUB_LABEL = "gdb"  # the chardev QEMU names its gdbstub, however it was starte
 _LISTENING = "Waiting for gdb connection"
 _SOCKET_NAME = "gdb.sock"
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-_STOPPED = ("paused", "debug")  # states a QMP cont resumes from; others (shutdown, ...) it must not
+# States a QMP cont resumes from; others (shutdown, guest-panicked, ...) it must not touch.
+_STOPPED = ("paused", "debug", "prelaunch")
 
 
 async def connect_fast(
@@ -171,18 +173,19 @@ class PrivateGdbTransport:
         """QEMU's run state name over QMP (running, paused, ...)."""
         return await self._qmp.status()
 
-    async def close(self) -> None:
-        """Detach, remove the gdbstub and its directory, leave the guest as it was found, close
-        QMP. Errors from a QEMU that went away are dropped; a cancellation is raised at the end,
-        after every step was tried."""
+    async def close(self, *, running: bool | None = None) -> None:
+        """Detach, remove the gdbstub and its directory, close QMP, leaving the guest running if
+        ``running`` (default: in the run state it was found in). Errors from a QEMU that went
+        away are dropped; a cancellation is raised at the end, after every step was tried."""
         if self._closed:
             return
         self._closed = True
+        keep_running = self.was_running if running is None else running
         steps = [
-            self._gdb.close(running=self.was_running),
+            self._gdb.close(running=keep_running),
             self._qmp.hmp("gdbserver none"),
             # QMP has the last word: a refused detach must not leave the run state changed.
-            _restore_run_state(self._qmp, self.was_running),
+            _restore_run_state(self._qmp, keep_running),
         ]
         await _finish(steps, self._directory, self._timeout, qmp=self._qmp)
 
@@ -193,11 +196,11 @@ class PrivateGdbTransport:
         await self.close()
 
 
-async def _restore_run_state(qmp: QmpTransport, was_running: bool) -> None:
+async def _restore_run_state(qmp: QmpTransport, running: bool) -> None:
     status = await qmp.status()
-    if was_running and status in _STOPPED:
+    if running and status in _STOPPED:
         await qmp.cont()
-    elif not was_running and status == "running":
+    elif not running and status == "running":
         await qmp.stop()
 
 
