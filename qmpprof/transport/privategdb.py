@@ -63,7 +63,7 @@ async def connect_fast(
         if await _has_stub(qmp):
             reason = "the VM already has a gdbstub (chardev gdb): using QMP; pass --gdb ADDRESS"
             return qmp, reason + " to use it"
-        return await PrivateGdbTransport.open(qmp, timeout=timeout), None
+        return await PrivateGdbTransport._open(qmp, timeout), None
     except _NoFastPath as why:
         return qmp, f"{why}: using QMP"
     except BaseException:
@@ -82,9 +82,8 @@ class _NoFastPath(Exception):
 class PrivateGdbTransport:
     """A GuestTransport over a gdbstub qmpprof opened through QMP and removes when it closes.
 
-    Open it with ``connect_fast`` (or ``open`` given a QmpTransport). The guest's run state
-    before qmpprof touched it is restored by ``close``, which is safe to call twice, after
-    QEMU went away and from a cancelled task.
+    Open it with ``connect_fast``. The guest's run state before qmpprof touched it is restored
+    by ``close``, which is safe to call twice, after QEMU went away and from a cancelled task.
     """
 
     def __init__(
@@ -103,7 +102,7 @@ class PrivateGdbTransport:
         self._closed = False
 
     @classmethod
-    async def open(cls, qmp: QmpTransport, *, timeout: float = 5.0) -> PrivateGdbTransport:
+    async def _open(cls, qmp: QmpTransport, timeout: float) -> PrivateGdbTransport:
         """Start a gdbstub in a new 0700 directory and attach to it. On failure everything made
         so far is undone and ``_NoFastPath`` says why; ``qmp`` stays open either way."""
         directory = tempfile.mkdtemp(prefix="qmpprof-gdb-")
