@@ -11,15 +11,19 @@ an address is never passed as an int64.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cache
 
 VARINT = 0
 LEN = 2
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
+_ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))  # most ids, counts and string indices
 
 
 def varint(value: int) -> bytes:
     """``value`` (0 <= value < 2**64) as a base-128 varint, least significant group first."""
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
     if not 0 <= value < _U64:
         raise ValueError(f"not a uint64: {value}")
     out = bytearray()
@@ -37,6 +41,7 @@ def int64(value: int) -> int:
     return value % _U64
 
 
+@cache
 def key(field: int, wire_type: int) -> bytes:
     return varint(field << 3 | wire_type)
 
