@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qmpprof",
         description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
-        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...'.",
+        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...', "
+        "'qmpprof diff ...'.",
     )
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")

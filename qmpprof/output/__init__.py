@@ -79,7 +79,12 @@ def write_profile(
     Returns the format used.
     """
     chosen = format_for(path, fmt)
-    data = render(profile, chosen, naming)
+    write_atomic(path, render(profile, chosen, naming))
+    return chosen
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader never sees half a file."""
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
@@ -90,7 +95,6 @@ def write_profile(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return chosen
 
 
 def viewer_hint(fmt: str, path: Path) -> str:

@@ -1,0 +1,147 @@
+"""Differential output (``qmpprof diff``): two-column folded stacks as difffolded.pl writes them,
+and the differential SVG (AFTER's layout, colours by change in share, BEFORE-only stacks kept)."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from fakes import named_sample
+
+from qmpprof.cli import main
+from qmpprof.naming import Naming
+from qmpprof.output import diff, folded, render, svg
+from qmpprof.profile import Profile
+
+NS = {"s": "http://www.w3.org/2000/svg"}
+IDLE = ("kernel", "kmain", "idle_loop")
+COMPUTE = ("spin (pid 1)", "_start", "main", "compute")
+OLD = ("spin (pid 1)", "_start", "main", "old_path")
+NEW = ("spin (pid 1)", "_start", "main", "new_path")
+
+
+def profile_of(stacks: dict[tuple[str, ...], int]) -> Profile:
+    profile = Profile(interval_ms=10.0, facts={"guest": "test"})
+    for names, count in stacks.items():
+        kernel = [names[0] == "kernel"] * len(names)
+        for i in range(count):
+            profile.add(named_sample(names, i / 100, 0, kernel))
+    return profile
+
+
+def before() -> Profile:
+    return profile_of({IDLE: 4, COMPUTE: 4, OLD: 2})  # 10 samples
+
+
+def after() -> Profile:
+    return profile_of({IDLE: 2, COMPUTE: 8, NEW: 2})  # 12 samples
+
+
+def test_folded_has_both_counts_for_the_union_of_stacks_sorted() -> None:
+    text = diff.render_folded(before(), after(), Naming())
+    assert text.splitlines() == [
+        "kernel;kmain;idle_loop 4 2",
+        "spin (pid 1);_start;main;compute 4 8",
+        "spin (pid 1);_start;main;new_path 0 2",
+        "spin (pid 1);_start;main;old_path 2 0",
+    ]
+    # folded.parse reads the last column, as flamegraph.pl takes AFTER's counts for widths.
+    assert sum(count for _, count in folded.parse(text)) == 12
+
+
+def red(fill: str) -> bool:
+    r, g, b = map(int, re.findall(r"\d+", fill))
+    return r == 255 and g == b < 220
+
+
+def blue(fill: str) -> bool:
+    r, g, b = map(int, re.findall(r"\d+", fill))
+    return b == 255 and r == g < 220
+
+
+def test_svg_is_laid_out_by_after_and_coloured_by_change_in_share() -> None:
+    text = diff.render_svg(before(), after(), Naming(), ("a.qmpprof", "b.qmpprof"))
+    tips = {}
+    for g in ET.fromstring(text).iterfind(".//s:g[@class='f']", NS):
+        tip = g.findtext("s:title", namespaces=NS) or ""
+        rect = g.find("s:rect", NS)
+        assert rect is not None
+        tips[tip] = (rect.attrib["fill"], int(g.attrib["data-w"]), int(g.attrib["data-d"]))
+    by_name: dict[tuple[str, int], tuple[str, int, str]] = {}
+    for tip, (fill, width, depth) in tips.items():
+        by_name[tip[: tip.rindex(" (")], depth] = (fill, width, tip)
+    # Units: an AFTER sample is worth BEFORE's total (10), a BEFORE sample AFTER's (12).
+    assert by_name["all", 0][1] == 12 * 10 + 2 * 12
+    fill, width, tip = by_name["compute", 4]
+    assert red(fill) and width == 8 * 10
+    assert tip == "compute (before 4, 40.00%; after 8, 66.67%; +26.67 points)"
+    fill, width, tip = by_name["idle_loop", 3]
+    assert blue(fill) and width == 2 * 10 and "-23.33 points" in tip
+    fill, width, tip = by_name["new_path", 4]
+    assert red(fill) and width == 2 * 10 and tip.startswith("new_path (before 0, 0.00%; after 2,")
+    # What AFTER lacks is drawn on a base of its own, at its BEFORE share, in blue.
+    fill, width, tip = by_name["old_path", 5]
+    assert blue(fill) and width == 2 * 12 and "after 0, 0.00%; -20.00 points)" in tip
+    fill, width, _ = by_name[diff.GONE, 1]
+    assert blue(fill) and width == 2 * 12
+    # main's before count holds every BEFORE sample under it, old_path's included.
+    assert by_name["main", 3][2] == "main (before 6, 60.00%; after 10, 83.33%; +23.33 points)"
+    assert "a.qmpprof → b.qmpprof" in text and "totals normalised" in text
+    assert by_name["all", 0][0] == diff.UNCHANGED
+
+
+def test_the_same_shares_in_a_longer_run_are_unchanged() -> None:
+    doubled = profile_of({IDLE: 8, COMPUTE: 8, OLD: 4})
+    text = diff.render_svg(before(), doubled, Naming())
+    fills = re.findall(r'<rect x="[^"]+" y="\d+" width="[^"]+" height="15" fill="([^"]+)"', text)
+    assert fills and set(fills) == {diff.UNCHANGED}
+    assert diff.GONE not in text
+
+
+def test_the_svg_keeps_the_flame_graphs_controls() -> None:
+    text = diff.render_svg(before(), after(), Naming())
+    ET.fromstring(text)
+    assert 'id="search"' in text and "Reset Zoom" in text and "<script>" in text
+    assert text.count('class="f"') == len(re.findall(r"<title>", text))
+    assert svg.render(before(), Naming()) == render(before(), "svg").decode()
+
+
+def saved(tmp_path: Path, name: str, profile: Profile) -> Path:
+    path = tmp_path / name
+    path.write_bytes(render(profile, "qmpprof"))
+    return path
+
+
+def test_diff_command_writes_folded_and_svg(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = saved(tmp_path, "a.qmpprof", before()), saved(tmp_path, "b.qmpprof", after())
+    out_folded, out_svg = tmp_path / "d.folded", tmp_path / "d.svg"
+    assert main(["diff", str(a), str(b), "-o", str(out_folded), "-o", str(out_svg)]) == 0
+    assert out_folded.read_text() == diff.render_folded(before(), after(), Naming())
+    assert out_svg.read_text() == diff.render_svg(
+        before(), after(), Naming(), ("a.qmpprof", "b.qmpprof")
+    )
+    assert capsys.readouterr().err.count("Wrote ") == 2
+    assert main(["diff", str(a), str(b), "-u"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["2", "0", "-33.33", "pts", "old_path"]
+    assert "idle_loop" not in out  # -u: user-mode samples only
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["-o", "x.pb.gz"], "diff writes .svg or .folded, not 'x.pb.gz'"),
+        (["--format", "pprof"], "invalid choice: 'pprof'"),
+    ],
+)
+def test_diff_command_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    a = saved(tmp_path, "a.qmpprof", before())
+    assert main(["diff", str(a), str(a), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
