@@ -236,7 +236,8 @@ def test_go_pprof_agrees_with_the_folded_output_of_the_same_run(tmp_path: Path) 
     folded_run = Counter(dict(folded.parse(out["folded"].read_text())))
     assert sum(folded_run.values()) >= 200
     pprof = str(out["pb.gz"])
-    top = ["-top", "-nodecount=1000", "-sample_index=samples"]
+    # -nodefraction=0: by default pprof hides functions under 0.5 % of the samples.
+    top = ["-top", "-nodecount=1000", "-nodefraction=0", "-sample_index=samples"]
     # Folded names fold inlined functions into their caller, as pprof's -noinlines does.
     assert top_flat(go_pprof(tmp_path, *top, "-noinlines", pprof)) == function_leaves(folded_run)
     # pprof's default view shows inlined functions: folded shows them with --lines.
