@@ -63,6 +63,7 @@ class Mapping:
     bias: int = 0  # runtime address - link address
     path: str | None = None
     build_id: str | None = None
+    file_offset: int = 0  # where ``start`` is in the file (pprof turns addresses into file offsets)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,8 @@ def test_writer_is_deterministic_and_keeps_the_profile(fmt: str) -> None:
         ("run.txt", "folded"),
         ("run", "folded"),
         ("run.qmpprof", "qmpprof"),
+        ("cpu.pb.gz", "pprof"),
+        ("cpu.pprof", "pprof"),
     ],
 )
 def test_format_follows_the_file_name(name: str, fmt: str) -> None:
@@ -100,7 +102,7 @@ def test_longer_suffixes_come_first() -> None:
 
 def test_an_explicit_format_wins_and_an_unknown_one_is_a_usage_error() -> None:
     assert format_for(Path("out.svg"), "speedscope") == "speedscope"
-    with pytest.raises(UsageError, match="choose from folded, qmpprof, speedscope, svg"):
+    with pytest.raises(UsageError, match="choose from folded, pprof, qmpprof, speedscope, svg"):
         format_for(Path("out.svg"), "png")
 
 

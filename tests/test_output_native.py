@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from qmpprof.output import native, render
 from qmpprof.profile import Profile
 
 KERNEL = Mapping("vmlinux", 0xFFFF_FFFF_8100_0000, 0xFFFF_FFFF_8200_0000, True, 0x1000,
-                 "/boot/vmlinux", "ab12")  # fmt: skip
+                 "/boot/vmlinux", "ab12", 0x1000)  # fmt: skip
 NAMINGS = [
     Naming(),
     Naming(Detail.OFFSET),
@@ -124,3 +125,10 @@ def test_a_sample_pointing_at_no_stack_is_malformed(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_profile_error(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="No such file"):
         native.load(tmp_path / "missing.qmpprof")
+
+
+def test_a_mapping_without_a_file_offset_reads_as_offset_0(tmp_path: Path) -> None:
+    doc = json.loads(gzip.decompress(render(detailed_profile(), "qmpprof")))
+    doc["mappings"] = [m[:7] for m in doc["mappings"]]  # as files before file offsets
+    again = native.load(write_gz(tmp_path / "old.qmpprof", doc))
+    assert {f.module for f in again.frames if f.module} == {replace(KERNEL, file_offset=0)}

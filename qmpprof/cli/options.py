@@ -15,7 +15,7 @@ from qmpprof.errors import UsageError
 from qmpprof.guest import metadata
 from qmpprof.model import KERNEL_BOUNDARY, Mode
 from qmpprof.naming import Naming
-from qmpprof.output import format_for
+from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import GUEST_OSES, RunSpec, TransportKind
 
@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qmpprof",
         description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
-        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...'.",
+        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...', "
+        "'qmpprof diff ...'.",
     )
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
@@ -97,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="write the profile here (else print top stacks); repeat for several files: "
-        "FILE.svg, FILE.folded, FILE.speedscope.json, FILE.qmpprof (re-renderable)",
+        "FILE.svg, FILE.folded, FILE.speedscope.json, FILE.pb.gz (pprof), FILE.qmpprof "
+        "(re-renderable)",
     )
     add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
     add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
@@ -146,8 +148,9 @@ def parse(argv: list[str]) -> Options:
     outputs = tuple(Path(o) for o in ns.output)
     for path in outputs:
         format_for(path, ns.format)  # a bad --format fails now, not after the run
-    # A saved profile keeps source lines, so that it can be rendered with --lines later.
-    saved = any(format_for(path, ns.format) == "qmpprof" for path in outputs)
+    # A saved profile keeps source lines, so that it can be rendered with --lines later; pprof
+    # makes its own line views from them.
+    with_lines = any(FORMATS[format_for(path, ns.format)].lines for path in outputs)
     spec = RunSpec(
         qmp_socket=Path(ns.qmp_socket),
         qmp_tcp=parse_host_port(ns.qmp) if ns.qmp else None,
@@ -159,7 +162,7 @@ def parse(argv: list[str]) -> Options:
         os="cr3" if ns.no_metadata else ns.os,
         metadata_addr=parse_address(ns.metadata_addr, "--metadata-addr"),
         metadata_layout=_layout(ns.metadata_layout),
-        lines=ns.lines or saved,
+        lines=ns.lines or with_lines,
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,
             duration=ns.duration,

@@ -44,11 +44,13 @@ class ElfImage:
         self._section_list = [sec.header for sec in elf.iter_sections()]
         loads = [seg.header for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
         if loads:
-            low = min(h["p_vaddr"] for h in loads)
+            first = min(loads, key=lambda h: h["p_vaddr"])
+            low, offset = first["p_vaddr"], first["p_offset"]
             high = max(h["p_vaddr"] + h["p_memsz"] for h in loads)
         else:
-            low = high = 0
+            low = high = offset = 0
         self.load_range: tuple[int, int] = (low, high)
+        self.load_offset: int = offset  # the file offset of load_range's start
         self.entry: int = elf.header["e_entry"]
         text = self._sections.get(".text")
         self.text_addr: int = text["sh_addr"] if text is not None else 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qmpprof.errors import UsageError
 from qmpprof.naming import Naming
-from qmpprof.output import folded, native, speedscope, svg
+from qmpprof.output import folded, native, pprof, speedscope, svg
 from qmpprof.profile import Profile
 
 Renderer = Callable[[Profile, Naming], str | bytes]
@@ -25,6 +25,7 @@ class Format:
     extensions: tuple[str, ...]  # lower case, the first is what qmpprof names such files
     binary: bool
     viewer: str  # how to look at it, with {path}
+    lines: bool = False  # holds source lines whatever the naming: the sampler resolves them
 
 
 FORMATS: dict[str, Format] = {
@@ -36,7 +37,9 @@ FORMATS: dict[str, Format] = {
         Format("speedscope", speedscope.render, (".speedscope.json", ".json"), False,
                "load {path} at https://www.speedscope.app"),
         Format("qmpprof", native.render, (".qmpprof",), True,
-               "qmpprof report {path} -o flame.svg (any format, any naming)"),
+               "qmpprof report {path} -o flame.svg (any format, any naming)", lines=True),
+        Format("pprof", pprof.render, (".pb.gz", ".pprof"), True,
+               "go tool pprof -http=: {path} (or -top, -traces)", lines=True),
     )
 }  # fmt: skip
 
@@ -76,7 +79,12 @@ def write_profile(
     Returns the format used.
     """
     chosen = format_for(path, fmt)
-    data = render(profile, chosen, naming)
+    write_atomic(path, render(profile, chosen, naming))
+    return chosen
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader never sees half a file."""
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
@@ -87,7 +95,6 @@ def write_profile(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return chosen
 
 
 def viewer_hint(fmt: str, path: Path) -> str:

@@ -39,7 +39,16 @@ def render(profile: Profile, naming: Naming) -> bytes:
         "interval_ms": profile.interval_ms,
         "facts": profile.facts,
         "mappings": [
-            [m.name, _hex(m.start), _hex(m.end), m.kernel, m.bias, m.path, m.build_id]
+            [
+                m.name,
+                _hex(m.start),
+                _hex(m.end),
+                m.kernel,
+                m.bias,
+                m.path,
+                m.build_id,
+                m.file_offset,
+            ]
             for m in mappings
         ],
         "processes": [[p.pid, p.program, _hex(p.cr3)] for p in processes],
@@ -96,10 +105,11 @@ def load(path: Path) -> Profile:
 
 
 def _profile(doc: dict[str, Any]) -> Profile:
+    # Files written before mappings had a file offset hold seven fields.
     mappings = [
         Mapping(str(name), int(start, 16), int(end, 16), bool(kernel), int(bias),
-                _str(path), _str(build_id))
-        for name, start, end, kernel, bias, path, build_id in doc["mappings"]
+                _str(path), _str(build_id), int(offset[0]) if offset else 0)
+        for name, start, end, kernel, bias, path, build_id, *offset in doc["mappings"]
     ]  # fmt: skip
     processes = [
         Process(None if pid is None else int(pid), _str(program), int(cr3, 16))

@@ -6,6 +6,9 @@ name and ordered alphabetically, so the x axis is not time: width is the share o
 Frames narrower than ``min_width`` pixels are not drawn (their samples still count in every
 ancestor). Colours come from a hash of the name, in three families: kernel code (orange, as
 FlameGraph's ``_[k]``), user code (red) and the synthetic roots and contexts (aqua).
+
+``draw`` lays out any tree of ``Node`` and takes a ``Paint`` (fill and tooltip per frame) and a
+legend: the differential graph (output/diff.py) colours by change through it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import hashlib
 import html
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, Naming
@@ -46,44 +49,59 @@ _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 @dataclass(slots=True)
-class _Node:
+class Node:
+    """A frame of the graph: ``count`` is its width (samples); ``before`` and ``after`` are the
+    two profiles' samples in a differential graph."""
+
     name: str
     kernel: bool = False
     count: int = 0
-    children: dict[str, _Node] = field(default_factory=dict)
+    children: dict[str, Node] = field(default_factory=dict)
+    before: int = 0
+    after: int = 0
+
+    def add(self, names: Sequence[str], count: int, kernel: Sequence[bool] = ()) -> list[Node]:
+        """Add ``count`` to this node and the path ``names`` under it; the path's nodes."""
+        self.count += count
+        node, path = self, []
+        for i, name in enumerate(names):
+            child = node.children.get(name)
+            if child is None:
+                child = node.children[name] = Node(name)
+            node = child
+            node.count += count
+            flag = kernel[i] if i < len(kernel) else False
+            node.kernel = node.kernel or flag or name.endswith(KERNEL_SUFFIX)
+            path.append(node)
+        return path
 
 
 @dataclass(frozen=True, slots=True)
-class _Placed:
-    node: _Node
+class Placed:
+    node: Node
     x: int  # samples to the left of the frame
     depth: int  # 0 is the ``all`` base
 
 
-def _tree(profile: Profile, naming: Naming) -> _Node:
-    root = _Node(ROOT)
+# fill colour and tooltip of a placed frame, given the graph's total width in samples
+Paint = Callable[[Placed, int], tuple[str, str]]
+
+
+def _tree(profile: Profile, naming: Naming) -> Node:
+    root = Node(ROOT)
     # Real runs repeat the same few stacks thousands of times: walk each distinct one once.
     unique: Counter[NamedStack] = Counter()
     for named, count in zip(profile.named(naming), profile.counts, strict=True):
         if count:
             unique[named] += count
     for named, count in unique.items():
-        names, flags = named.names, named.kernel
-        root.count += count
-        node = root
-        for name, kernel in zip(names, flags, strict=True):
-            child = node.children.get(name)
-            if child is None:
-                child = node.children[name] = _Node(name)
-            node = child
-            node.count += count
-            node.kernel = node.kernel or kernel or name.endswith(KERNEL_SUFFIX)
+        root.add(named.names, count, named.kernel)
     return root
 
 
-def _place(root: _Node, min_samples: float) -> Iterator[_Placed]:
+def _place(root: Node, min_samples: float) -> Iterator[Placed]:
     # Iterative: a kernel stack can be deeper than Python's recursion limit likes.
-    todo = [_Placed(root, 0, 0)]
+    todo = [Placed(root, 0, 0)]
     while todo:
         placed = todo.pop()
         yield placed
@@ -91,11 +109,11 @@ def _place(root: _Node, min_samples: float) -> Iterator[_Placed]:
         for name in sorted(placed.node.children):
             child = placed.node.children[name]
             if child.count >= min_samples:
-                todo.append(_Placed(child, x, placed.depth + 1))
+                todo.append(Placed(child, x, placed.depth + 1))
             x += child.count
 
 
-def _family(placed: _Placed) -> str:
+def _family(placed: Placed) -> str:
     if placed.depth <= 1 or placed.node.name == TRUNCATED:
         return "root"
     return "kernel" if placed.node.kernel else "user"
@@ -122,14 +140,20 @@ def _xml(text: str) -> str:
     return html.escape(_NOT_XML.sub("\ufffd", text), quote=True)
 
 
-def _frame(placed: _Placed, total: int, height: int) -> str:
+def paint_by_family(placed: Placed, total: int) -> tuple[str, str]:
+    """The plain graph's paint: kernel, user or context colours, samples and share."""
+    node = placed.node
+    tip = f"{node.name} ({node.count} samples, {100 * node.count / total:.2f}%)"
+    return colour(node.name, _family(placed)), tip
+
+
+def _frame(placed: Placed, total: int, height: int, paint: Paint) -> str:
     node = placed.node
     scale = (WIDTH - 2 * PAD) / total
     x = PAD + placed.x * scale
     px = node.count * scale
     y = height - BOTTOM - (placed.depth + 1) * FRAME_HEIGHT
-    tip = f"{node.name} ({node.count} samples, {100 * node.count / total:.2f}%)"
-    fill = colour(node.name, _family(placed))
+    fill, tip = paint(placed, total)
     return (
         f'<g class="f" data-x="{placed.x}" data-w="{node.count}" data-d="{placed.depth}">'
         f"<title>{_xml(tip)}</title>"
@@ -140,24 +164,24 @@ def _frame(placed: _Placed, total: int, height: int) -> str:
     )
 
 
-def _legend() -> list[str]:
-    """A swatch per colour family, on a line of its own under the subtitle."""
+def _legend(swatches: Iterable[tuple[str, str]]) -> list[str]:
+    """A swatch per (fill, text), on a line of its own under the subtitle."""
     items = []
-    for i, (family, text) in enumerate(LEGEND):
+    for i, (fill, text) in enumerate(swatches):
         x = PAD + i * 80
-        items.append(f'<rect x="{x}" y="49" width="10" height="10" fill="{colour(text, family)}"/>')
+        items.append(f'<rect x="{x}" y="49" width="10" height="10" fill="{fill}"/>')
         items.append(f'<text x="{x + 14}" y="58">{text}</text>')
     return items
 
 
-def _chrome(profile: Profile, height: int) -> list[str]:
+def _chrome(
+    heading: str, subtitle: str, swatches: Iterable[tuple[str, str]], height: int
+) -> list[str]:
     """Title, subtitle, legend, the controls and the two status lines the script fills in."""
     return [
         '<rect width="100%" height="100%" fill="#f8f8f8"/>',
-        f'<text id="title" x="{WIDTH / 2}" y="24" text-anchor="middle">'
-        f"{_xml(title(profile))}</text>",
-        f'<text id="subtitle" x="{WIDTH / 2}" y="42" text-anchor="middle">'
-        f"{_xml(summary(profile))}</text>",
+        f'<text id="title" x="{WIDTH / 2}" y="24" text-anchor="middle">{_xml(heading)}</text>',
+        f'<text id="subtitle" x="{WIDTH / 2}" y="42" text-anchor="middle">{_xml(subtitle)}</text>',
         f'<text id="reset" class="button hidden" x="{PAD}" y="24">Reset Zoom</text>',
         f'<text id="case" class="button" x="{WIDTH - PAD - 70}" y="24" text-anchor="end">'
         "Case: match</text>",
@@ -165,12 +189,25 @@ def _chrome(profile: Profile, height: int) -> list[str]:
         "Search</text>",
         f'<text id="details" x="{PAD}" y="{height - 12}"> </text>',
         f'<text id="matched" x="{WIDTH - PAD}" y="{height - 12}" text-anchor="end"></text>',
-        *_legend(),
+        *_legend(swatches),
     ]
 
 
 def render(profile: Profile, naming: Naming, min_width: float = MIN_WIDTH) -> str:
+    swatches = [(colour(text, family), text) for family, text in LEGEND]
     root = _tree(profile, naming)
+    return draw(root, title(profile), summary(profile), paint_by_family, swatches, min_width)
+
+
+def draw(
+    root: Node,
+    heading: str,
+    subtitle: str,
+    paint: Paint,
+    swatches: Iterable[tuple[str, str]],
+    min_width: float = MIN_WIDTH,
+) -> str:
+    """The SVG of a tree whose base is ``root``: frames as wide as their count."""
     total = root.count
     # Below min_width pixels a frame is invisible anyway; leaving it out keeps big graphs fast.
     min_samples = max(min_width * total / (WIDTH - 2 * PAD), 1)
@@ -183,9 +220,9 @@ def render(profile: Profile, naming: Naming, min_width: float = MIN_WIDTH) -> st
         f'xmlns="http://www.w3.org/2000/svg" data-total="{total}" data-pad="{PAD}" '
         f'data-char-width="{CHAR_WIDTH}">',
         f"<style>{STYLE}</style>",
-        *_chrome(profile, height),
+        *_chrome(heading, subtitle, swatches, height),
         '<g id="frames">',
-        *(_frame(p, total, height) for p in placed),
+        *(_frame(p, total, height, paint) for p in placed),
         "</g>",
     ]
     if not total:

@@ -70,7 +70,7 @@ class Module:
     def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
         low, high = image.load_range
         mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
-                          image.build_id)  # fmt: skip
+                          image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
             mapping, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
             symbols=image.symbols, lines=image.lines,

@@ -1,0 +1,211 @@
+"""Differential output (``qmpprof diff``): two-column folded stacks as difffolded.pl writes them,
+and the differential SVG (AFTER's layout, colours by change in share, BEFORE-only stacks kept)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from fakes import named_sample
+from guestvm import running_guest
+
+from qmpprof.cli import main
+from qmpprof.model import Mode
+from qmpprof.naming import Naming
+from qmpprof.output import diff, folded, native, render, svg
+from qmpprof.profile import Profile
+
+NS = {"s": "http://www.w3.org/2000/svg"}
+IDLE = ("kernel", "kmain", "idle_loop")
+COMPUTE = ("spin (pid 1)", "_start", "main", "compute")
+OLD = ("spin (pid 1)", "_start", "main", "old_path")
+NEW = ("spin (pid 1)", "_start", "main", "new_path")
+
+
+def profile_of(stacks: dict[tuple[str, ...], int]) -> Profile:
+    profile = Profile(interval_ms=10.0, facts={"guest": "test"})
+    for names, count in stacks.items():
+        kernel = [names[0] == "kernel"] * len(names)
+        for i in range(count):
+            profile.add(named_sample(names, i / 100, 0, kernel))
+    return profile
+
+
+def before() -> Profile:
+    return profile_of({IDLE: 4, COMPUTE: 4, OLD: 2})  # 10 samples
+
+
+def after() -> Profile:
+    return profile_of({IDLE: 2, COMPUTE: 8, NEW: 2})  # 12 samples
+
+
+def test_folded_has_both_counts_for_the_union_of_stacks_sorted() -> None:
+    text = diff.render_folded(before(), after(), Naming())
+    assert text.splitlines() == [
+        "kernel;kmain;idle_loop 4 2",
+        "spin (pid 1);_start;main;compute 4 8",
+        "spin (pid 1);_start;main;new_path 0 2",
+        "spin (pid 1);_start;main;old_path 2 0",
+    ]
+    # folded.parse reads the last column, as flamegraph.pl takes AFTER's counts for widths.
+    assert sum(count for _, count in folded.parse(text)) == 12
+
+
+def red(fill: str) -> bool:
+    r, g, b = map(int, re.findall(r"\d+", fill))
+    return r == 255 and g == b < 220
+
+
+def blue(fill: str) -> bool:
+    r, g, b = map(int, re.findall(r"\d+", fill))
+    return b == 255 and r == g < 220
+
+
+def test_svg_is_laid_out_by_after_and_coloured_by_change_in_share() -> None:
+    text = diff.render_svg(before(), after(), Naming(), ("a.qmpprof", "b.qmpprof"))
+    tips = {}
+    for g in ET.fromstring(text).iterfind(".//s:g[@class='f']", NS):
+        tip = g.findtext("s:title", namespaces=NS) or ""
+        rect = g.find("s:rect", NS)
+        assert rect is not None
+        tips[tip] = (rect.attrib["fill"], int(g.attrib["data-w"]), int(g.attrib["data-d"]))
+    by_name: dict[tuple[str, int], tuple[str, int, str]] = {}
+    for tip, (fill, width, depth) in tips.items():
+        by_name[tip[: tip.rindex(" (")], depth] = (fill, width, tip)
+    # Units: an AFTER sample is worth BEFORE's total (10), a BEFORE sample AFTER's (12).
+    assert by_name["all", 0][1] == 12 * 10 + 2 * 12
+    fill, width, tip = by_name["compute", 4]
+    assert red(fill) and width == 8 * 10
+    assert tip == "compute (before 4, 40.00%; after 8, 66.67%; +26.67 points)"
+    fill, width, tip = by_name["idle_loop", 3]
+    assert blue(fill) and width == 2 * 10 and "-23.33 points" in tip
+    fill, width, tip = by_name["new_path", 4]
+    assert red(fill) and width == 2 * 10 and tip.startswith("new_path (before 0, 0.00%; after 2,")
+    # What AFTER lacks is drawn on a base of its own, at its BEFORE share, in blue.
+    fill, width, tip = by_name["old_path", 5]
+    assert blue(fill) and width == 2 * 12 and "after 0, 0.00%; -20.00 points)" in tip
+    fill, width, _ = by_name[diff.GONE, 1]
+    assert blue(fill) and width == 2 * 12
+    # main's before count holds every BEFORE sample under it, old_path's included.
+    assert by_name["main", 3][2] == "main (before 6, 60.00%; after 10, 83.33%; +23.33 points)"
+    assert "a.qmpprof → b.qmpprof" in text and "totals normalised" in text
+    assert by_name["all", 0][0] == diff.UNCHANGED
+
+
+def test_the_same_shares_in_a_longer_run_are_unchanged() -> None:
+    doubled = profile_of({IDLE: 8, COMPUTE: 8, OLD: 4})
+    text = diff.render_svg(before(), doubled, Naming())
+    fills = re.findall(r'<rect x="[^"]+" y="\d+" width="[^"]+" height="15" fill="([^"]+)"', text)
+    assert fills and set(fills) == {diff.UNCHANGED}
+    assert diff.GONE not in text
+
+
+def test_the_svg_keeps_the_flame_graphs_controls() -> None:
+    text = diff.render_svg(before(), after(), Naming())
+    ET.fromstring(text)
+    assert 'id="search"' in text and "Reset Zoom" in text and "<script>" in text
+    assert text.count('class="f"') == len(re.findall(r"<title>", text))
+    assert svg.render(before(), Naming()) == render(before(), "svg").decode()
+
+
+def saved(tmp_path: Path, name: str, profile: Profile) -> Path:
+    path = tmp_path / name
+    path.write_bytes(render(profile, "qmpprof"))
+    return path
+
+
+def test_diff_command_writes_folded_and_svg(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = saved(tmp_path, "a.qmpprof", before()), saved(tmp_path, "b.qmpprof", after())
+    out_folded, out_svg = tmp_path / "d.folded", tmp_path / "d.svg"
+    assert main(["diff", str(a), str(b), "-o", str(out_folded), "-o", str(out_svg)]) == 0
+    assert out_folded.read_text() == diff.render_folded(before(), after(), Naming())
+    assert out_svg.read_text() == diff.render_svg(
+        before(), after(), Naming(), ("a.qmpprof", "b.qmpprof")
+    )
+    assert capsys.readouterr().err.count("Wrote ") == 2
+    assert main(["diff", str(a), str(b), "-u"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["2", "0", "-33.33", "pts", "old_path"]
+    assert "idle_loop" not in out  # -u: user-mode samples only
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["-o", "x.pb.gz"], "diff writes .svg or .folded, not 'x.pb.gz'"),
+        (["--format", "pprof"], "invalid choice: 'pprof'"),
+    ],
+)
+def test_diff_command_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    a = saved(tmp_path, "a.qmpprof", before())
+    assert main(["diff", str(a), str(a), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def tooltips(text: str) -> dict[tuple[str, int], tuple[str, str]]:
+    """(fill, tooltip) per (frame name, depth)."""
+    out = {}
+    for g in ET.fromstring(text).iterfind(".//s:g[@class='f']", NS):
+        tip = g.findtext("s:title", namespaces=NS) or ""
+        rect = g.find("s:rect", NS)
+        assert rect is not None
+        out[tip[: tip.rindex(" (")], int(g.attrib["data-d"])] = (rect.attrib["fill"], tip)
+    return out
+
+
+@pytest.mark.qemu
+def test_diff_of_a_guest_run_and_its_kernel_only_part_shows_user_code_gone(
+    tmp_path: Path,
+) -> None:
+    run_file, kernel_file = tmp_path / "run.qmpprof", tmp_path / "kernel.qmpprof"
+    with running_guest(tmp_path) as guest:
+        argv = [
+            "--qmp-socket",
+            str(guest.qmp_socket),
+            "--kernel",
+            str(guest.kernel_elf),
+            "--user-dir",
+            str(guest.user_dir),
+            "--interval",
+            "5",
+            "--duration",
+            "2",
+        ]
+        qmpprof = [sys.executable, "-m", "qmpprof"]
+        run = subprocess.run([*qmpprof, *argv, "-o", str(run_file)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert main(["report", str(run_file), "-k", "-o", str(kernel_file)]) == 0
+    out = {ext: tmp_path / f"diff.{ext}" for ext in ("folded", "svg")}
+    cmd = [*qmpprof, "diff", str(run_file), str(kernel_file)]
+    for path in out.values():
+        cmd += ["-o", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = subprocess.run(cmd[:6], capture_output=True, text=True, timeout=120).stdout
+    # Folded: both counts per stack; the user-mode samples are all in BEFORE only.
+    rows = [line.rsplit(" ", 2) for line in out["folded"].read_text().splitlines()]
+    everything, kernel = native.load(run_file), native.load(kernel_file)
+    assert sum(int(b) for _, b, _ in rows) == len(everything) >= 200
+    assert sum(int(a) for _, _, a in rows) == len(kernel) < len(everything)
+    user = [(int(b), int(a)) for stack, b, a in rows
+            if "_[k]" not in stack and not stack.startswith("kernel;")]  # fmt: skip
+    assert all(a == 0 for _, a in user)
+    assert sum(b for b, _ in user) == len(everything.select(Mode.USER)) > 20
+    # SVG: user code went away (blue, on the BEFORE-only base), kernel work's share grew (red).
+    frames = tooltips(out["svg"].read_text())
+    fill, tip = frames[diff.GONE, 1]
+    assert blue(fill) and "after 0, 0.00%" in tip
+    gone = [name for name, depth in frames if depth > 2 and name == "spin_mix"]
+    assert gone and all(blue(frames[name, d][0]) for name, d in frames if name == "spin_mix")
+    assert red(frames["kworker_main", 3][0]) and red(frames["kernel", 1][0])
+    assert "spin_mix" in printed and "pts" in printed

@@ -1,0 +1,254 @@
+"""pprof output: the wire format (64-bit varints), the profile.proto message read back with a
+tiny protobuf reader, and Go's own ``go tool pprof`` reading the files (-raw, -top, -traces)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from gopprof import fields, go_pprof, one, packed, sub, top_flat
+from guestvm import running_guest
+from test_output import hand_built_profile
+from test_output_native import KERNEL, detailed_profile
+from test_report import strip_detail
+
+from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack
+from qmpprof.naming import INLINED_SUFFIX, KERNEL_SUFFIX, Detail, Naming
+from qmpprof.output import folded, native, protowire, render
+from qmpprof.profile import Profile
+
+
+@dataclass
+class Decoded:
+    strings: list[str]
+    root: dict[int, list[int | bytes]]
+    mappings: dict[int, dict[int, list[int | bytes]]]
+    locations: dict[int, tuple[int, int, list[tuple[str, str, int]]]]  # mapping, address, lines
+    samples: list[tuple[list[int], list[int], dict[str, str | int]]]
+
+    def leaf_function(self, sample: int) -> str:
+        return self.locations[self.samples[sample][0][0]][2][0][0]
+
+
+def decode(data: bytes) -> Decoded:
+    root = fields(gzip.decompress(data))
+    strings = [s.decode() for s in root[6] if isinstance(s, bytes)]
+    functions = {}
+    for raw in root[5]:
+        f = sub(raw)
+        functions[one(f, 1)] = (strings[one(f, 2)], strings[one(f, 4)])
+        assert one(f, 3) == one(f, 2)  # system_name
+    mappings = {one(sub(raw), 1): sub(raw) for raw in root[3]}
+    locations = {}
+    for raw in root[4]:
+        loc = sub(raw)
+        lines = [(*functions[one(sub(x), 1)], one(sub(x), 2)) for x in loc.get(4, [])]
+        locations[one(loc, 1)] = (one(loc, 2), one(loc, 3), lines)
+    samples = []
+    for raw in root[2]:
+        s = sub(raw)
+        labels: dict[str, str | int] = {}
+        for raw_label in s.get(3, []):
+            label = sub(raw_label)
+            key = strings[one(label, 1)]
+            labels[key] = strings[one(label, 2)] if one(label, 2) else one(label, 3)
+        samples.append((packed(s[1][0]), packed(s[2][0]), labels))
+    return Decoded(strings, root, mappings, locations, samples)
+
+
+@pytest.mark.parametrize(
+    ("value", "encoded"),
+    [
+        (0, b"\x00"),
+        (1, b"\x01"),
+        (300, b"\xac\x02"),
+        (1 << 63, b"\x80" * 9 + b"\x01"),
+        ((1 << 64) - 1, b"\xff" * 9 + b"\x01"),
+        (0xFFFF_FFFF_8010_0000, b"\x80\x80\xc0\x80\xf8\xff\xff\xff\xff\x01"),
+    ],
+)
+def test_varints_cover_64_bit_addresses(value: int, encoded: bytes) -> None:
+    assert protowire.varint(value) == encoded
+
+
+def test_int64_wraps_negatives_and_nothing_is_out_of_range() -> None:
+    assert protowire.int64(-1) == (1 << 64) - 1 and protowire.int64(5) == 5
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            protowire.varint(bad)
+    with pytest.raises(ValueError):
+        protowire.int64(1 << 63)  # an address: write it as a uint64
+
+
+def test_the_profile_message_holds_types_period_mappings_and_comments() -> None:
+    got = decode(render(detailed_profile(), "pprof"))
+    assert got.strings[0] == ""
+    types = [(got.strings[one(sub(t), 1)], got.strings[one(sub(t), 2)]) for t in got.root[1]]
+    assert types == [("samples", "count"), ("cpu", "nanoseconds")]
+    period_type = sub(got.root[11][0])
+    assert (got.strings[one(period_type, 1)], one(got.root, 12)) == ("cpu", 2_000_000)
+    assert [got.strings[c] for c in got.root[13] if isinstance(c, int)] == [
+        "guest: test",
+        "samples: 3",
+    ]
+    (mapping,) = got.mappings.values()
+    assert (one(mapping, 2), one(mapping, 3), one(mapping, 4)) == (
+        KERNEL.start,
+        KERNEL.end,
+        KERNEL.file_offset,
+    )
+    assert got.strings[one(mapping, 5)] == "/boot/vmlinux"
+    assert got.strings[one(mapping, 6)] == "ab12"
+    assert [one(mapping, n) for n in (7, 8, 9, 10)] == [1, 1, 1, 1]
+
+
+def test_inlined_frames_are_lines_of_one_location_innermost_first() -> None:
+    got = decode(render(detailed_profile(), "pprof"))
+    locations, values, labels = got.samples[0]
+    assert values == [1, 2_000_000]
+    mapping, address, lines = got.locations[locations[0]]
+    assert address == KERNEL.start + 0x10 and mapping == 1  # the leaf: its own pc
+    assert lines == [("helper", "lib.c", 7), ("do_work", "work.c", 42)]
+    # A caller's address is its return address minus one: inside the call instruction.
+    assert got.locations[locations[1]][1:] == (
+        KERNEL.start + 0x204,
+        [("syscall_entry", "entry.S", 3)],
+    )
+    assert got.locations[locations[2]] == (0, 0x401233, [("main", "", 0)])
+    assert labels == {"cpu": 0, "pid": 3, "process": "shell (pid 3)", "mode": "kernel"}
+
+
+def test_a_truncated_stack_ends_in_a_truncated_frame_and_is_labelled() -> None:
+    got = decode(render(detailed_profile(), "pprof"))
+    locations, _, labels = got.samples[2]
+    assert labels == {"cpu": 0, "process": "kernel", "mode": "kernel", "truncated": "true"}
+    assert got.locations[locations[-1]] == (0, 0, [("[truncated]", "", 0)])
+    assert got.locations[locations[0]][2][0][0] == "syscall_entry"
+
+
+def folded_leaves(profile: Profile) -> Counter[str]:
+    leaves: Counter[str] = Counter()
+    for names, count in profile.named_counts(Naming()).items():
+        leaves[names[-1].removesuffix(KERNEL_SUFFIX)] += count
+    return leaves
+
+
+def test_flat_counts_per_function_are_the_folded_leaves() -> None:
+    profile = hand_built_profile()
+    got = decode(render(profile, "pprof"))
+    flat: Counter[str] = Counter()
+    for i, (_, values, _) in enumerate(got.samples):
+        flat[got.leaf_function(i)] += values[0]
+        assert values[1] == values[0] * 10_000_000
+    assert flat == folded_leaves(profile)
+    assert {s[2]["cpu"] for s in got.samples} == {0, 1}
+
+
+def test_symbol_less_frames_are_named_as_folded_names_them() -> None:
+    unknown = Mapping("[unknown]", 0x400000, 0x500000, False)
+    frames = (Frame(0x400010, False, module=unknown), Frame(0x7000, False))
+    profile = Profile()
+    profile.add(Sample(0, 0, Mode.USER, 3, 0, Stack(frames), Process(None, None, 0x1000)))
+    names = [lines[0][0] for _, _, lines in decode(render(profile, "pprof")).locations.values()]
+    assert names == ["0x400010", "[unknown]"]
+    shown = decode(render(profile, "pprof", Naming(show_addresses=True))).locations.values()
+    assert [lines[0][0] for _, _, lines in shown] == ["0x400010", "0x7000"]
+
+
+def test_go_pprof_raw_shows_mappings_with_build_ids_and_kernel_addresses(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "d.pb.gz"
+    path.write_bytes(render(detailed_profile(), "pprof"))
+    raw = go_pprof(tmp_path, "-raw", str(path))
+    assert "1: 0xffffffff81000000/0xffffffff82000000/0x1000 /boot/vmlinux ab12" in raw
+    assert "0xffffffff81000010 M=1 helper lib.c:7" in raw
+    assert "truncated:[true]" in raw and "cpu:[0 vcpu]" in raw
+
+
+def test_go_pprof_top_counts_are_the_folded_leaves(tmp_path: Path) -> None:
+    profile = hand_built_profile()
+    path = tmp_path / "h.pprof"
+    path.write_bytes(render(profile, "pprof"))
+    # -symbolize=none: pprof would otherwise shorten the C++-looking parse<T>.
+    top = go_pprof(tmp_path, "-top", "-sample_index=samples", "-symbolize=none", str(path))
+    assert top_flat(top) == folded_leaves(profile)
+    traces = go_pprof(tmp_path, "-traces", str(path))
+    assert "helper" not in traces and "(inline)" not in traces
+    inlined = tmp_path / "d.pb.gz"
+    inlined.write_bytes(render(detailed_profile(), "pprof"))
+    assert "helper (inline)" in go_pprof(tmp_path, "-traces", str(inlined))
+
+
+def function_leaves(counts: Counter[tuple[str, ...]]) -> Counter[str]:
+    """Folded leaves as function names: detail, the kernel mark and the inlined mark dropped."""
+    leaves: Counter[str] = Counter()
+    for names, count in counts.items():
+        (leaf,) = strip_detail(names[-1:])
+        leaves[leaf.removesuffix(KERNEL_SUFFIX).removesuffix(INLINED_SUFFIX)] += count
+    return leaves
+
+
+def with_build_id(elf: Path, out: Path) -> str:
+    """A copy of ``elf`` with a GNU build-id note (the bundled guest links with
+    --build-id=none); the note is not loaded, so code and addresses stay the same."""
+    build_id = hashlib.sha1(elf.read_bytes()).digest()
+    note = out.with_suffix(".note")
+    note.write_bytes(struct.pack("<III", 4, len(build_id), 3) + b"GNU\0" + build_id)
+    subprocess.run(["objcopy", "--add-section", f".note.gnu.build-id={note}", str(elf), str(out)],
+                   check=True)  # fmt: skip
+    return build_id.hex()
+
+
+@pytest.mark.qemu
+def test_go_pprof_agrees_with_the_folded_output_of_the_same_run(tmp_path: Path) -> None:
+    out = {ext: tmp_path / f"run.{ext}" for ext in ("pb.gz", "folded", "qmpprof")}
+    elves = tmp_path / "elves"
+    (elves / "user").mkdir(parents=True)
+    with running_guest(tmp_path) as guest:
+        build_ids = {elves / "kernel.elf": with_build_id(guest.kernel_elf, elves / "kernel.elf")}
+        for elf in guest.user_dir.glob("*.elf"):
+            build_ids[elves / "user" / elf.name] = with_build_id(elf, elves / "user" / elf.name)
+        argv = [
+            "--qmp-socket",
+            str(guest.qmp_socket),
+            "--kernel",
+            str(elves / "kernel.elf"),
+            "--user-dir",
+            str(elves / "user"),
+            "--interval",
+            "5",
+            "--duration",
+            "2",
+        ]
+        for path in out.values():
+            argv += ["-o", str(path)]
+        run = subprocess.run([sys.executable, "-m", "qmpprof", *argv],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    folded_run = Counter(dict(folded.parse(out["folded"].read_text())))
+    assert sum(folded_run.values()) >= 200
+    pprof = str(out["pb.gz"])
+    # -nodefraction=0: by default pprof hides functions under 0.5 % of the samples.
+    top = ["-top", "-nodecount=1000", "-nodefraction=0", "-sample_index=samples"]
+    # Folded names fold inlined functions into their caller, as pprof's -noinlines does.
+    assert top_flat(go_pprof(tmp_path, *top, "-noinlines", pprof)) == function_leaves(folded_run)
+    # pprof's default view shows inlined functions: folded shows them with --lines.
+    lines = native.load(out["qmpprof"]).named_counts(Naming(Detail.LINE))
+    assert top_flat(go_pprof(tmp_path, *top, pprof)) == function_leaves(lines)
+    raw = go_pprof(tmp_path, "-raw", pprof)
+    mappings = raw[raw.index("Mappings") :].splitlines()[1:]
+    assert len(mappings) >= 2
+    for line in mappings:  # e.g. 3: 0xffffffff80100000/0xffffffff80126444/0x1000 PATH ID [FN]...
+        path, build_id, flags = line.split()[2:]
+        assert build_ids[Path(path)] == build_id and flags == "[FN][FL][LN][IN]"
+    assert f"/0x1000 {elves / 'kernel.elf'} " in raw  # the kernel's first PT_LOAD offset
+    traces = go_pprof(tmp_path, "-traces", pprof)
+    assert "process:" in traces and "mode:  kernel" in traces
