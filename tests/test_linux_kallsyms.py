@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import linuxkernel
 import pytest
 
 from qmpprof.elf.image import ElfImage
@@ -228,21 +229,29 @@ def exported(elf: ElfImage) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def debian(linux_vmlinux: ElfImage) -> KernelSymbols:
-    return read_kallsyms(linux_vmlinux)
+@dataclass
+class Kernel:
+    series: str
+    elf: ElfImage
+    symbols: KernelSymbols
+
+
+@pytest.fixture(scope="module", params=linuxkernel.SERIES)
+def debian(request: pytest.FixtureRequest) -> Kernel:
+    """Debian's 6.12 and 6.1 kernels, unpacked and their kallsyms decoded."""
+    series: str = request.param
+    elf = linuxkernel.vmlinux(series)
+    return Kernel(series, elf, read_kallsyms(elf))
 
 
 @pytest.mark.linux
-def test_every_exported_symbol_has_its_kallsyms_address(
-    linux_vmlinux: ElfImage, debian: KernelSymbols
-) -> None:
-    exports = exported(linux_vmlinux)
-    code = linux_vmlinux.code_ranges()
+def test_every_exported_symbol_has_its_kallsyms_address(debian: Kernel) -> None:
+    exports = exported(debian.elf)
+    code = debian.elf.code_ranges()
     functions = {n: a for n, a in exports.items() if any(lo <= a < hi for lo, hi in code)}
     assert len(functions) > 8000
     by_name: dict[str, set[int]] = {}
-    for addr, name in zip(debian.addrs, debian.names, strict=True):
+    for addr, name in zip(debian.symbols.addrs, debian.symbols.names, strict=True):
         by_name.setdefault(name, set()).add(addr)
     right = [n for n, a in functions.items() if a in by_name.get(n, ())]
     assert len(right) >= 0.99 * len(functions)
@@ -251,24 +260,29 @@ def test_every_exported_symbol_has_its_kallsyms_address(
 
 
 @pytest.mark.linux
-def test_debian_tables_are_in_the_6_9_order_and_whole(
-    linux_vmlinux: ElfImage, debian: KernelSymbols
-) -> None:
-    rodata = linux_vmlinux.section(".rodata")
-    assert rodata is not None
-    layout = locate_kallsyms(rodata, BASE)
-    assert layout.names < layout.markers < layout.token_table < layout.offsets
+def test_debian_tables_are_whole_in_the_order_of_their_version(debian: Kernel) -> None:
+    rodata = debian.elf.section(".rodata")
+    base = debian.elf.section_addr(".rodata")
+    assert rodata is not None and base is not None
+    layout = locate_kallsyms(rodata, base)
+    if debian.series == "6.12":  # 6.9 on: offsets and base after the token index
+        assert layout.names < layout.markers < layout.token_table < layout.offsets
+    else:  # before: offsets and base first, seqs of names between markers and tokens
+        assert layout.offsets < layout.names < layout.markers < layout.token_table
+        markers_end = layout.markers + 4 * ((layout.count + 255) // 256)
+        assert layout.token_table - markers_end >= 3 * layout.count
     assert layout.relative_base is not None and layout.absolute_percpu
-    assert len(debian) == layout.count > 100_000
-    assert debian.addrs == sorted(debian.addrs)
-    text = debian.text_symbols()
-    assert len(text) > 50_000
-    code = linux_vmlinux.code_ranges()
+    symbols = debian.symbols
+    assert len(symbols) == layout.count > 90_000
+    assert symbols.addrs == sorted(symbols.addrs)
+    text = symbols.text_symbols()
+    assert len(text) > 45_000
+    code = debian.elf.code_ranges()
     assert sum(any(lo <= s.addr < hi for lo, hi in code) for s in text) >= 0.99 * len(text)
     for name in ("startup_64", "do_syscall_64", "schedule", "entry_SYSCALL_64", "start_kernel"):
-        assert debian.types[debian.names.index(name)] in "tT", name
-    table = debian.symbol_table()
-    schedule = debian.address_of("schedule")
+        assert symbols.types[symbols.names.index(name)] in "tT", name
+    table = symbols.symbol_table()
+    schedule = symbols.address_of("schedule")
     assert schedule is not None and table.lookup(schedule + 3) == ("schedule", 3)
 
 
@@ -279,13 +293,15 @@ def test_debian_system_map_is_a_stub_and_says_so(linux_dir: Path) -> None:
 
 
 @pytest.mark.linux
-def test_kallsyms_text_of_the_decode_parses_back(debian: KernelSymbols) -> None:
-    text = "".join(
-        f"{a:016x} {t} {n}\n"
-        for a, t, n in zip(debian.addrs, debian.types, debian.names, strict=True)
+def test_kallsyms_text_of_the_decode_parses_back(debian: Kernel) -> None:
+    symbols = debian.symbols
+    rows = zip(symbols.addrs, symbols.types, symbols.names, strict=True)
+    again = parse_symbol_map("".join(f"{a:016x} {t} {n}\n" for a, t, n in rows))
+    assert (again.addrs, again.types, again.names) == (
+        symbols.addrs,
+        symbols.types,
+        symbols.names,
     )
-    again = parse_symbol_map(text)
-    assert (again.addrs, again.types, again.names) == (debian.addrs, debian.types, debian.names)
 
 
 # System.map and /proc/kallsyms text.
