@@ -24,8 +24,11 @@ TEXT = 0xFFFFFFFF81000000
 # A small scripts/kallsyms, written from the format: tokens, names, markers, offsets.
 
 
-def some_symbols(count: int = 700, percpu: bool = True) -> list[tuple[int, str, str]]:
-    """(address, type, name), sorted: per-CPU symbols at 0 up, text, then data."""
+def some_symbols(
+    count: int = 700, percpu: bool = True, long_name: int = 300
+) -> list[tuple[int, str, str]]:
+    """(address, type, name), sorted: per-CPU symbols at 0 up, text, then data; one name of
+    ``long_name`` random characters, too long to compress below 0x80 codes."""
     rng = random.Random(7)
     out: list[tuple[int, str, str]] = []
     if percpu:
@@ -33,12 +36,12 @@ def some_symbols(count: int = 700, percpu: bool = True) -> list[tuple[int, str, 
     addr = TEXT
     out += [(addr, "T", "_stext"), (addr, "T", "_text"), (addr, "T", "startup_64")]
     fixed = ["schedule", "start_kernel", "do_syscall_64", "x" * 40 + "_long"]
-    long_name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(300))
+    random_name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(long_name))
     for i in range(count):
         addr += rng.choice((0x10, 0x40, 0x130))
         name = fixed[i] if i < len(fixed) else f"func_{i}_{rng.randrange(10**6)}"
         if i == 300:
-            name = long_name
+            name = random_name
         out.append((addr, rng.choice("tTtTW"), name))
     addr = 0xFFFFFFFF82C00000
     for i in range(count // 4):
@@ -91,7 +94,13 @@ class Rodata:
         self.data += blob
 
 
-def build(symbols: list[tuple[int, str, str]], order: str, mode: str, seq_width: int = 3) -> Built:
+def build(
+    symbols: list[tuple[int, str, str]],
+    order: str,
+    mode: str,
+    seq_width: int = 3,
+    wide: bool = True,
+) -> Built:
     texts = [kind + name for _, kind, name in symbols]
     tokens = make_tokens(texts)
     names, markers = bytearray(), []
@@ -99,7 +108,7 @@ def build(symbols: list[tuple[int, str, str]], order: str, mode: str, seq_width:
         if i % 256 == 0:
             markers.append(len(names))
         code = encode(text, tokens)
-        if len(code) < 0x80:
+        if len(code) < 0x80 or not wide:
             names.append(len(code))
         else:
             names += bytes([(len(code) & 0x7F) | 0x80, len(code) >> 7])
@@ -160,12 +169,12 @@ def build(symbols: list[tuple[int, str, str]], order: str, mode: str, seq_width:
 
 LAYOUTS = [
     ("old", "percpu", 3),  # 5.10 .. 6.1
-    ("old", "relative", 3),  # the same without absolute per-CPU symbols
-    ("seqs", "percpu", 3),  # 6.2 .. 6.8: seqs of names between markers and tokens
+    ("old", "relative", 3),  # the same without absolute per-CPU symbols (other architectures)
+    ("seqs", "percpu", 3),  # 6.2 .. 6.3 (and Debian's 6.1): seqs between markers and tokens
     ("seqs", "percpu", 4),  # the first seqs, one u32 each
-    ("new", "percpu", 3),  # 6.9 .. 6.13
-    ("new", "relative", 3),  # 6.14
-    ("new", "pcrel", 3),  # 6.15 on: offsets relative to themselves, no base
+    ("new", "percpu", 3),  # 6.4 on, x86_64 with a zero-based per-CPU area (6.12 included)
+    ("new", "relative", 3),  # the same without absolute per-CPU symbols
+    ("new", "pcrel", 3),  # 7.0 on: offsets relative to themselves, no base
 ]
 
 
@@ -183,6 +192,15 @@ def test_hand_built_tables_decode_in_every_layout(order: str, mode: str, seq_wid
     assert layout.absolute_percpu == (mode == "percpu")
     decoded = decode_kallsyms(built.data, BASE)
     assert list(zip(decoded.addrs, decoded.types, decoded.names, strict=True)) == symbols
+
+
+def test_before_6_1_a_length_of_0x80_or_more_is_one_byte() -> None:
+    symbols = some_symbols(long_name=150)  # 0x80 .. 0xff codes
+    built = build(symbols, "old", "percpu", wide=False)
+    assert not locate_kallsyms(built.data, BASE).wide_lengths
+    decoded = decode_kallsyms(built.data, BASE)
+    assert list(zip(decoded.addrs, decoded.types, decoded.names, strict=True)) == symbols
+    assert locate_kallsyms(build(symbols, "old", "percpu").data, BASE).wide_lengths
 
 
 def test_tables_without_tokens_or_with_unsorted_offsets_are_refused() -> None:
@@ -265,7 +283,7 @@ def test_debian_tables_are_whole_in_the_order_of_their_version(debian: Kernel) -
     base = debian.elf.section_addr(".rodata")
     assert rodata is not None and base is not None
     layout = locate_kallsyms(rodata, base)
-    if debian.series == "6.12":  # 6.9 on: offsets and base after the token index
+    if debian.series == "6.12":  # 6.4 on: offsets and base after the token index
         assert layout.names < layout.markers < layout.token_table < layout.offsets
     else:  # before: offsets and base first, seqs of names between markers and tokens
         assert layout.offsets < layout.names < layout.markers < layout.token_table

@@ -3,22 +3,25 @@
 ``scripts/kallsyms`` writes these tables into ``.rodata``, each label aligned to 8 bytes:
 
 - ``kallsyms_num_syms``: the symbol count (u32; a u64 in old kernels, whose low half is the same);
-- ``kallsyms_names``: one entry per symbol, in address order: a length (ULEB128, one byte below
-  0x80, two from 6.1 on) then that many token codes; the expanded text is nm's type letter
-  followed by the name;
+- ``kallsyms_names``: one entry per symbol, in address order: a length then that many token
+  codes; the expanded text is nm's type letter followed by the name. From 6.1 a length of 0x80
+  or more takes two bytes (ULEB128); before, such a byte was the length itself (names were
+  shorter, so it almost never occurs): both readings are tried, the markers decide;
 - ``kallsyms_markers``: u32 offsets into the names of every 256th entry;
 - ``kallsyms_token_table``: 256 NUL-terminated strings, the expansion of each code (a code used
   as itself in some name expands to that one character);
 - ``kallsyms_token_index``: 256 u16 offsets of those strings, ascending from 0;
-- ``kallsyms_offsets``: one s32 per symbol, read in one of three ways: with
-  ``kallsyms_relative_base`` (u64) and CONFIG_KALLSYMS_ABSOLUTE_PERCPU (x86_64 up to 6.13),
-  a value >= 0 is an absolute per-CPU address and a negative one is ``base - 1 - value``;
-  without absolute per-CPU symbols it is ``base + (u32)value``; and from 6.15 there is no base,
-  the value being relative to its own address;
-- ``kallsyms_seqs_of_names`` (6.2 on): symbol indexes in name order, not needed here.
+- ``kallsyms_offsets``: one s32 per symbol, read in one of three ways. With
+  ``kallsyms_relative_base`` (u64) and CONFIG_KALLSYMS_ABSOLUTE_PERCPU (x86_64 while its per-CPU
+  area was zero-based, 6.12 included), a value >= 0 is an absolute per-CPU address and a
+  negative one is ``base - 1 - value``; without absolute per-CPU symbols it is
+  ``base + (u32)value``; from the 7.0 merge window there is no base, each value being relative
+  to its own address. (Kernels built without CONFIG_KALLSYMS_BASE_RELATIVE, never the x86_64
+  default, have u64 ``kallsyms_addresses`` instead: not read.)
+- ``kallsyms_seqs_of_names`` (6.2 on, and Debian's 6.1): symbol indexes in name order, unused.
 
-The order of the tables changed: up to 6.8 it is offsets, relative base, count, names, markers,
-(6.2 on: seqs), tokens, token index; from 6.9 it is count, names, markers, tokens, token index,
+The order of the tables changed in 6.4: before, it is offsets, relative base, count, names,
+markers, (seqs), tokens, token index; from 6.4 it is count, names, markers, tokens, token index,
 offsets, relative base, seqs. So they are found by their shapes, never by fixed positions:
 
 1. the token table, by the run ``"0\\0" "1\\0" ... "9\\0"`` (the digits are used as themselves
@@ -70,8 +73,9 @@ class KallsymsLayout:
     token_table: int
     token_index: int
     offsets: int
-    relative_base: int | None  # None: offsets are relative to their own address (6.15 on)
+    relative_base: int | None  # None: offsets are relative to their own address (7.0 on)
     absolute_percpu: bool
+    wide_lengths: bool = True  # a names length >= 0x80 takes two bytes (6.1 on)
 
 
 def read_kallsyms(image: ElfImage) -> KernelSymbols:
@@ -92,7 +96,7 @@ def decode_kallsyms(data: bytes, base_addr: int, path: str = "<kernel>") -> Kern
     """Find the tables in ``data`` (loaded at ``base_addr``) and decode every symbol."""
     layout, addrs = _locate(data, base_addr, path)
     tokens = _tokens(data, layout.token_table)
-    texts = _expand_names(data, layout.names, layout.count, tokens)
+    texts = _expand_names(data, layout, tokens)
     return KernelSymbols(addrs, [t[:1] for t in texts], [t[1:] for t in texts])
 
 
@@ -106,10 +110,12 @@ def _locate(data: bytes, base_addr: int, path: str) -> tuple[KallsymsLayout, lis
     found = "token table"
     for table, index in scan.token_tables():
         found = "names and markers"
-        for markers, count, names in scan.names_before(table):
+        for markers, count, names, wide in scan.names_before(table):
             found = "offsets"
             for offsets, base, percpu, addrs in scan.offset_placements(index, names, count):
-                layout = KallsymsLayout(count, names, markers, table, index, offsets, base, percpu)
+                layout = KallsymsLayout(
+                    count, names, markers, table, index, offsets, base, percpu, wide
+                )
                 return layout, addrs
     raise KernelImageError(path, f"no kallsyms tables in .rodata (no {found} found)")
 
@@ -148,9 +154,9 @@ class _Scan:
                     yield start, index
             at = data.find(_DIGITS, at + 1)
 
-    def names_before(self, table: int) -> Iterator[tuple[int, int, int]]:
-        """(markers, count, names) for marker runs before ``table``, nearest first. The window
-        doubles from 64 KiB: the markers are usually right before the tokens."""
+    def names_before(self, table: int) -> Iterator[tuple[int, int, int, bool]]:
+        """(markers, count, names, wide lengths) for marker runs before ``table``, nearest
+        first. The window doubles from 64 KiB: the markers are usually right before the tokens."""
         high, span = table, 1 << 16
         while high > 0 and table - high < _WINDOW:
             low = max(0, high - span)
@@ -162,9 +168,10 @@ class _Scan:
                     continue
                 markers = self._ascending_run(pos, table)
                 for k in range(len(markers), max(1, len(markers) - 3), -1):
-                    hit = self._names_for(pos, markers[:k])
-                    if hit is not None:
-                        yield pos, hit[0], hit[1]
+                    for wide in (True, False):
+                        hit = self._names_for(pos, markers[:k], wide)
+                        if hit is not None:
+                            yield pos, hit[0], hit[1], wide
             high, span = low, span * 2
 
     def _ascending_run(self, pos: int, end: int) -> list[int]:
@@ -178,7 +185,9 @@ class _Scan:
             at += 4
         return run
 
-    def _names_for(self, markers_pos: int, markers: list[int]) -> tuple[int, int] | None:
+    def _names_for(
+        self, markers_pos: int, markers: list[int], wide: bool
+    ) -> tuple[int, int] | None:
         """(count, names) whose entries meet ``markers`` and end just before them."""
         k = len(markers)
         last = markers[-1]
@@ -195,10 +204,11 @@ class _Scan:
             if not 256 * (k - 1) < count <= 256 * k:
                 continue
             names = start + 8 * i
-            # The first stride must reach the second marker, the last one the markers.
-            second = _skip_entries(self.data, names, 256)
-            end = _skip_entries(self.data, names + last, count - 256 * (k - 1))
-            if second == names + markers[1] and markers_pos - 7 <= end <= markers_pos:
+            # A quick look at the first stride, then every entry against every marker.
+            if _skip_entries(self.data, names, 256, wide) != names + markers[1]:
+                continue
+            end = _walk_names(self.data, names, count, markers, wide)
+            if markers_pos - 7 <= end <= markers_pos:
                 return count, names
         return None
 
@@ -208,8 +218,8 @@ class _Scan:
         """(offsets, relative base, absolute per-CPU, addresses) for each placement of the
         offsets whose addresses come out sorted."""
         size = 4 * count
-        new = self.align(index + 512)  # 6.9 on: offsets, then the base, after the token index
-        old_base = names - 16  # up to 6.8: offsets, base, count, names
+        new = self.align(index + 512)  # 6.4 on: offsets, then the base, after the token index
+        old_base = names - 16  # before: offsets, base, count, names
         old = old_base - size
         old -= (self.base + old) & 7
         candidates: list[tuple[int, int | None]] = []
@@ -251,24 +261,37 @@ def _string_offsets(data: bytes, start: int) -> list[int] | None:
     return offsets
 
 
-def _entry_length(data: bytes, pos: int) -> tuple[int, int]:
+def _entry_length(data: bytes, pos: int, wide: bool) -> tuple[int, int]:
     """(number of codes, where they start) of the names entry at ``pos``."""
     first = data[pos]
-    if first < 0x80:
+    if first < 0x80 or not wide:
         return first, pos + 1
     return (first & 0x7F) | (data[pos + 1] << 7), pos + 2
 
 
-def _skip_entries(data: bytes, pos: int, count: int) -> int:
+def _skip_entries(data: bytes, pos: int, count: int, wide: bool) -> int:
     """Where ``count`` names entries from ``pos`` end, or -1 when they run off the data."""
     limit = len(data) - 2
     for _ in range(count):
         if pos > limit:
             return -1
-        length, pos = _entry_length(data, pos)
+        length, pos = _entry_length(data, pos, wide)
         if length == 0:
             return -1
         pos += length
+    return pos
+
+
+def _walk_names(data: bytes, names: int, count: int, markers: list[int], wide: bool) -> int:
+    """Where ``count`` entries from ``names`` end, or -1 when one of them misses its marker."""
+    limit = 0x80 if wide else 0x100
+    pos = names
+    end = len(data) - 2
+    for i in range(count):
+        if (i & 0xFF == 0 and markers[i >> 8] != pos - names) or pos > end:
+            return -1
+        first = data[pos]
+        pos += 1 + first if first < limit else 2 + ((first & 0x7F) | (data[pos + 1] << 7))
     return pos
 
 
@@ -282,13 +305,14 @@ def _tokens(data: bytes, table: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _expand_names(data: bytes, names: int, count: int, tokens: tuple[str, ...]) -> list[str]:
+def _expand_names(data: bytes, layout: KallsymsLayout, tokens: tuple[str, ...]) -> list[str]:
     decode = codecs.charmap_decode
+    limit = 0x80 if layout.wide_lengths else 0x100
     out: list[str] = []
-    pos = names
-    for _ in range(count):
+    pos = layout.names
+    for _ in range(layout.count):
         first = data[pos]
-        if first < 0x80:
+        if first < limit:
             pos += 1
             length = first
         else:
