@@ -43,6 +43,7 @@ from __future__ import annotations
 import codecs
 import re
 import struct
+import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -198,7 +199,7 @@ class _Scan:
         start = self.align(low)
         number = (high - start) // 8 + 1
         # The u32 eight bytes before each aligned candidate: its count, if names start there.
-        counts = array("I", self.data[start - 8 : start - 8 + 8 * number])[::2]
+        counts = _le32("I", self.data[start - 8 : start - 8 + 8 * number])[::2]
         for i in range(len(counts) - 1, -1, -1):
             count = counts[i]
             if not 256 * (k - 1) < count <= 256 * k:
@@ -232,7 +233,7 @@ class _Scan:
         for offsets, base in candidates:
             if offsets + size > len(self.data):
                 continue
-            values = array("i", self.data[offsets : offsets + size])
+            values = _le32("i", self.data[offsets : offsets + size])
             relative_base = None if base is None else self.u64(base)
             percpu = base is not None and min(values) < 0
             addrs = _addresses(values, self.base + offsets, relative_base, percpu)
@@ -245,6 +246,14 @@ class _Scan:
 
     def _kernel_pointer(self, pos: int) -> bool:
         return pos + 8 <= len(self.data) and self.u64(pos) >= _KERNEL_SPACE
+
+
+def _le32(kind: str, data: bytes) -> array[int]:
+    """Little-endian 32-bit integers (``kind`` "I" or "i"), whatever the host's order."""
+    values = array(kind, data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
 
 
 def _string_offsets(data: bytes, start: int) -> list[int] | None:
