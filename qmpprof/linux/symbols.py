@@ -2,11 +2,11 @@
 
 Whatever the source (the kallsyms tables in the image, a System.map, the guest's
 /proc/kallsyms), a kernel symbol is an address, nm's one-letter type and a name, in the
-kernel's own order: by address, aliases in the order the kernel prefers them (the kernel names
-an address by the first alias, so ``text_symbols`` ranks them that way). /proc/kallsyms adds the
-module a symbol belongs to (``[ext4]``).
+kernel's own order: by address, aliases in the order the kernel prefers them. /proc/kallsyms
+adds the module a symbol belongs to (``[ext4]``).
 
-Only text symbols (``t T w W``) name code: ``text_symbols`` gives them with sizes taken as the
+Only text symbols (``t T w W``) name code: ``text_symbols`` and ``symbol_table`` give them, one
+per address, the first alias as the kernel names an address by it, with sizes taken as the
 distance to the next symbol at a higher address, since kallsyms records no sizes.
 """
 
@@ -31,7 +31,7 @@ class KernelSymbols:
     types: list[str]
     names: list[str]
     modules: list[str | None] = field(default_factory=list)
-    _by_name: dict[str, int] | None = field(default=None, repr=False)
+    _by_name: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.modules:
