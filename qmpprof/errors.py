@@ -9,6 +9,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── TransportError           exit 5   QEMU answered with an error we cannot handle
     │   └── MemoryReadError      exit 5   guest memory not mapped / not readable
     ├── ElfError                 exit 6   unreadable or malformed ELF file
+    │   ├── KernelImageError     exit 6   a kernel image (bzImage, vmlinux) with no usable part
+    │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
     └── ProfileError             exit 7   a saved profile that cannot be read back
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
@@ -66,6 +68,23 @@ class ElfError(QmpprofError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"{path}: not a usable ELF file: {detail}")
+
+
+class KernelImageError(ElfError):
+    """A Linux kernel file: a bzImage whose payload cannot be unpacked, or a vmlinux whose
+    kallsyms tables cannot be found."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        QmpprofError.__init__(self, f"{path}: not a usable kernel image: {detail}")
+
+
+class SymbolMapError(ElfError):
+    """A System.map or /proc/kallsyms text file with no usable symbol lines."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        QmpprofError.__init__(self, f"{path}: not a usable symbol map: {detail}")
 
 
 class ProfileError(QmpprofError):

@@ -1,12 +1,16 @@
-"""Shared pytest fixtures. The bundled guest: built once per session, booted per test."""
+"""Shared pytest fixtures. The bundled guest: built once per session, booted per test. The
+Debian kernel of the linux tests: fetched and unpacked once per session."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import linuxkernel
 import pytest
 from guestvm import Guest, build_fixtures, running_guest
+
+from qmpprof.elf.image import ElfImage
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +24,15 @@ def guest(tmp_path: Path, guest_build: None) -> Iterator[Guest]:
     """The cfi build on one vCPU, workload running; QEMU is killed afterwards."""
     with running_guest(tmp_path, "cfi", 1) as g:
         yield g
+
+
+@pytest.fixture(scope="session")
+def linux_dir() -> Path:
+    """fixtures/build/linux: the Debian kernel from scripts/fetch-linux (run if needed)."""
+    return linuxkernel.linux_dir()
+
+
+@pytest.fixture(scope="session")
+def linux_vmlinux(linux_dir: Path) -> ElfImage:
+    """The vmlinux ELF unpacked from the Debian bzImage, once per session."""
+    return linuxkernel.vmlinux()

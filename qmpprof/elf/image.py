@@ -65,20 +65,26 @@ class ElfImage:
             data = Path(path).read_bytes()
         except OSError as err:
             raise ElfError(text, err.strerror or str(err)) from err
+        return cls.from_bytes(text, data)
+
+    @classmethod
+    def from_bytes(cls, path: str, data: bytes) -> ElfImage:
+        """Check an x86_64 ELF held in memory (a vmlinux unpacked from a bzImage); ``path``
+        names it in errors. Raises ElfError, never anything else."""
         if not data.startswith(b"\x7fELF"):
-            raise ElfError(text, "no ELF magic")
+            raise ElfError(path, "no ELF magic")
         try:
             elf = ELFFile(io.BytesIO(data))
             if elf.elfclass != 64 or elf["e_machine"] != "EM_X86_64":
-                raise ElfError(text, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64")
-            image = cls(text, data, elf)
+                raise ElfError(path, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64")
+            image = cls(path, data, elf)
             image._check_bounds()
         except ElfError:
             raise
         except PyElfError as err:
-            raise ElfError(text, f"malformed ({err})") from err
+            raise ElfError(path, f"malformed ({err})") from err
         except Exception as err:  # pyelftools reports some corruptions as arbitrary errors
-            raise ElfError(text, f"malformed ({type(err).__name__}: {err})") from err
+            raise ElfError(path, f"malformed ({type(err).__name__}: {err})") from err
         return image
 
     def _check_bounds(self) -> None:
@@ -99,6 +105,14 @@ class ElfImage:
     def section_addr(self, name: str) -> int | None:
         header = self._sections.get(name)
         return None if header is None else int(header["sh_addr"])
+
+    def code_ranges(self) -> list[tuple[int, int]]:
+        """(start, end) addresses of every executable section."""
+        return [
+            (int(h["sh_addr"]), int(h["sh_addr"] + h["sh_size"]))
+            for h in self._section_list
+            if h["sh_flags"] & _SHF_EXECINSTR
+        ]
 
     def prepare(self) -> ElfImage:
         """Everything a sample may need, built now rather than inside the first pause: the

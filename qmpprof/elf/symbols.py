@@ -44,6 +44,15 @@ class SymbolTable:
             s.addr + s.size if s.size else nxt for s, nxt in zip(ordered, nexts, strict=True)
         ]
 
+    @classmethod
+    def from_sorted(cls, starts: list[int], ends: list[int], names: list[str]) -> SymbolTable:
+        """A table from parallel lists already sorted by start, one name per start, each with
+        the end that a lookup must stay below: for sources of 10^5 symbols with no sizes
+        (kallsyms), built without a Symbol per entry."""
+        table = cls.__new__(cls)
+        table._starts, table._strict_ends, table._names = starts, ends, names
+        return table
+
     def __len__(self) -> int:
         return len(self._starts)
 

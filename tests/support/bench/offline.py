@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from qmpprof.elf.image import ElfImage
+from support.bench.linuxload import linux_load
+
+LINUX_IMAGE = Path(__file__).resolve().parents[3] / "fixtures" / "build" / "linux" / "vmlinuz"
 
 
 def elf_load_ms(path: Path, repeat: int = 3) -> float:
@@ -26,11 +29,13 @@ def elf_load_ms(path: Path, repeat: int = 3) -> float:
 
 
 def offline(kernel: Path, log: Callable[[str], None]) -> dict[str, object]:
-    """``elf_load_ms`` (the guest kernel), and from ``support.synthetic``:
-    ``offline_samples_per_s`` (a 10-frame stack through the CFI of the largest ELF mapped into
-    this Python) and ``elf_load_big`` (load, symbols and CFI index times of that ELF)."""
+    """``elf_load_ms`` (the guest kernel), ``linux_load_ms`` (the Debian bzImage's cold load,
+    by phase), and from ``support.synthetic``: ``offline_samples_per_s`` (a 10-frame stack
+    through the CFI of the largest ELF mapped into this Python) and ``elf_load_big`` (load,
+    symbols and CFI index times of that ELF)."""
     out: dict[str, object] = {
         "elf_load_ms": elf_load_ms(kernel),
+        **linux_load(LINUX_IMAGE, log),
         "offline_samples_per_s": None,
         "elf_load_big": None,
     }

@@ -1,0 +1,9 @@
+"""Stock Linux guests, from the files in /boot alone.
+
+``bzimage`` turns the kernel file as found in /boot into the vmlinux ELF; ``kallsyms`` finds and
+decodes the symbol tables every kernel carries in its ``.rodata``; ``symbols`` holds what both
+kallsyms and a System.map or /proc/kallsyms text give: addresses, type letters and names, and
+the ``SymbolTable`` of text symbols built from them.
+
+Nothing here talks to a guest: these are pure readers of bytes and text.
+"""

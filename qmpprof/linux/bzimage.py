@@ -1,0 +1,167 @@
+"""The kernel file as found in /boot -> the vmlinux ELF inside it.
+
+An x86 bzImage is the real-mode setup (``setup_sects`` sectors of 512 bytes after the boot
+sector), then the protected-mode part; the boot-protocol header (``HdrS`` at 0x202, version 2.08
+or later) gives where in that part the compressed payload lies (``payload_offset`` and
+``payload_length`` at 0x248 and 0x24c). On x86 the payload is the vmlinux ELF itself, with its
+section headers and only its symbols stripped.
+
+The codec is told by the payload's magic, as the kernel's own decompressor does: gzip, xz and
+lzma (``.lzma``, "alone") and bzip2 from the standard library, zstd and lz4 from registry
+packages. The kernel's lz4 payload uses lz4's legacy framing (a magic word, then blocks of at
+most 8 MiB each behind a little-endian u32 length), which the lz4 frame API does not read, so
+the blocks are unpacked one by one here. Most kernel payloads end with four bytes holding the
+uncompressed size (``size_append``); they are ignored.
+
+The only module that imports ``zstandard`` and ``lz4``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import lzma
+import struct
+import zlib
+from collections.abc import Callable
+
+import lz4.block
+import zstandard
+
+from qmpprof.errors import KernelImageError
+
+ELF_MAGIC = b"\x7fELF"
+
+_HDR_MAGIC = b"HdrS"
+_SETUP_SECTS, _HDR_MAGIC_AT, _VERSION_AT, _PAYLOAD_AT = 0x1F1, 0x202, 0x206, 0x248
+_MIN_VERSION = 0x208  # boot protocol 2.08 added payload_offset / payload_length
+_LZ4_LEGACY_MAGIC = 0x184C2102
+_LZ4_LEGACY_BLOCK = 8 << 20
+
+# Magic numbers in the order lib/decompress.c lists them; lzo is known so it can be named.
+_MAGICS: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x1f\x9e", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\x5d\x00\x00", "lzma"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x89LZO", "lzo"),
+    (struct.pack("<I", _LZ4_LEGACY_MAGIC), "lz4"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+)
+
+
+def vmlinux_bytes(data: bytes, path: str = "<kernel>") -> bytes:
+    """The vmlinux ELF: ``data`` itself when it is one, else the bzImage's unpacked payload."""
+    if data.startswith(ELF_MAGIC):
+        return data
+    payload = bzimage_payload(data, path)
+    codec = payload_codec(payload)
+    if codec is None:
+        raise KernelImageError(
+            path, f"bzImage payload of unknown kind (starts {payload[:6].hex()})"
+        )
+    unpack = _UNPACKERS.get(codec)
+    if unpack is None:
+        raise KernelImageError(path, f"bzImage payload is {codec}-compressed, which is not read")
+    try:
+        elf = unpack(payload)
+    except KernelImageError:
+        raise
+    except Exception as err:  # each codec has its own error classes; all mean bad data here
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise KernelImageError(path, f"{codec} payload does not unpack ({detail})") from err
+    if not elf.startswith(ELF_MAGIC):
+        raise KernelImageError(path, f"{codec} payload unpacks to something other than an ELF")
+    return elf
+
+
+def is_bzimage(data: bytes) -> bool:
+    return data[_HDR_MAGIC_AT : _HDR_MAGIC_AT + 4] == _HDR_MAGIC
+
+
+def bzimage_payload(data: bytes, path: str = "<kernel>") -> bytes:
+    """The compressed payload of a bzImage, located through its boot-protocol header."""
+    if len(data) < _PAYLOAD_AT + 8 or not is_bzimage(data):
+        raise KernelImageError(path, "neither an ELF file nor a bzImage (no HdrS boot header)")
+    (version,) = struct.unpack_from("<H", data, _VERSION_AT)
+    if version < _MIN_VERSION:
+        raise KernelImageError(
+            path, f"boot protocol {version >> 8}.{version & 0xFF:02d} has no payload fields"
+        )
+    setup_sects = data[_SETUP_SECTS] or 4  # 0 means 4, for the oldest boot loaders
+    offset, length = struct.unpack_from("<II", data, _PAYLOAD_AT)
+    start = (setup_sects + 1) * 512 + offset
+    if length == 0 or start + length > len(data):
+        raise KernelImageError(path, "bzImage payload runs past the end of the file")
+    return data[start : start + length]
+
+
+def payload_codec(payload: bytes) -> str | None:
+    """The codec a compressed kernel payload starts with, by magic; None when unknown."""
+    for magic, codec in _MAGICS:
+        if payload.startswith(magic):
+            return codec
+    return None
+
+
+def _gzip(payload: bytes) -> bytes:
+    unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = unpacker.decompress(payload)
+    _check_end(unpacker.eof)
+    return out
+
+
+def _lzma_with(fmt: int) -> Callable[[bytes], bytes]:
+    def unpack(payload: bytes) -> bytes:
+        unpacker = lzma.LZMADecompressor(fmt)
+        out = unpacker.decompress(payload)
+        _check_end(unpacker.eof)
+        return out
+
+    return unpack
+
+
+def _bzip2(payload: bytes) -> bytes:
+    unpacker = bz2.BZ2Decompressor()
+    out = unpacker.decompress(payload)
+    _check_end(unpacker.eof)
+    return out
+
+
+def _zstd(payload: bytes) -> bytes:
+    # A streaming object: the kernel's frame, written through a pipe, records no content size.
+    unpacker = zstandard.ZstdDecompressor().decompressobj()
+    out = unpacker.decompress(payload)
+    _check_end(unpacker.eof)
+    return out
+
+
+def _lz4_legacy(payload: bytes) -> bytes:
+    chunks: list[bytes] = []
+    pos = 4
+    while len(payload) - pos > 4:
+        (size,) = struct.unpack_from("<I", payload, pos)
+        pos += 4
+        if size == _LZ4_LEGACY_MAGIC:  # another legacy stream, concatenated
+            continue
+        if pos + size > len(payload):
+            raise ValueError("truncated block")
+        block = payload[pos : pos + size]
+        chunks.append(lz4.block.decompress(block, uncompressed_size=_LZ4_LEGACY_BLOCK))
+        pos += size
+    return b"".join(chunks)
+
+
+def _check_end(eof: bool) -> None:
+    if not eof:
+        raise ValueError("the compressed stream ends early")
+
+
+_UNPACKERS: dict[str, Callable[[bytes], bytes]] = {
+    "gzip": _gzip,
+    "xz": _lzma_with(lzma.FORMAT_XZ),
+    "lzma": _lzma_with(lzma.FORMAT_ALONE),
+    "bzip2": _bzip2,
+    "zstd": _zstd,
+    "lz4": _lz4_legacy,
+}

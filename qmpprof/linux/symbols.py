@@ -1,0 +1,117 @@
+"""KernelSymbols: a kernel's symbols as kallsyms knows them, and the text forms of that list.
+
+Whatever the source (the kallsyms tables in the image, a System.map, the guest's
+/proc/kallsyms), a kernel symbol is an address, nm's one-letter type and a name, in the
+kernel's own order: by address, aliases in the order the kernel prefers them. /proc/kallsyms
+adds the module a symbol belongs to (``[ext4]``).
+
+Only text symbols (``t T w W``) name code: ``text_symbols`` and ``symbol_table`` give them, one
+per address, the first alias as the kernel names an address by it, with sizes taken as the
+distance to the next symbol at a higher address, since kallsyms records no sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from qmpprof.elf.symbols import Symbol, SymbolTable
+from qmpprof.errors import SymbolMapError
+
+TEXT_TYPES = frozenset("tTwW")
+_END = 1 << 64  # the end of a symbol with nothing above it
+
+
+@dataclass(slots=True)
+class KernelSymbols:
+    """Parallel lists, one entry per symbol, sorted by address (a stable sort keeps alias
+    order). ``modules[i]`` is None for the kernel image itself."""
+
+    addrs: list[int]
+    types: list[str]
+    names: list[str]
+    modules: list[str | None] = field(default_factory=list)
+    _by_name: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            self.modules = [None] * len(self.addrs)
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+    def address_of(self, name: str, module: str | None = None) -> int | None:
+        """The address of the first symbol with this name (in the kernel image by default)."""
+        if module is None:
+            if self._by_name is None:
+                self._by_name = {}
+                for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
+                    if mod is None:
+                        self._by_name.setdefault(sym_name, addr)
+            return self._by_name.get(name)
+        for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
+            if sym_name == name and mod == module:
+                return addr
+        return None
+
+    def addresses_of(self, name: str) -> list[int]:
+        """Every address a name has: static functions of the same name live in many files."""
+        return [a for a, n in zip(self.addrs, self.names, strict=True) if n == name]
+
+    def text_symbols(self, module: str | None = None) -> list[Symbol]:
+        """The text symbols of the kernel image (or of ``module``), one per address, sized to
+        the next symbol; the last one has size 0."""
+        starts, ends, names = self._text_arrays(module)
+        return [
+            Symbol(start, end - start if end != _END else 0, name)
+            for start, end, name in zip(starts, ends, names, strict=True)
+        ]
+
+    def symbol_table(self, module: str | None = None) -> SymbolTable:
+        return SymbolTable.from_sorted(*self._text_arrays(module))
+
+    def _text_arrays(self, module: str | None) -> tuple[list[int], list[int], list[str]]:
+        """(starts, ends, names) of text symbols: at an address shared by aliases the first
+        text one, as the kernel names it; the end is the next address any symbol has."""
+        pairs = [
+            (addr, name)
+            for addr, kind, name, mod in zip(
+                self.addrs, self.types, self.names, self.modules, strict=True
+            )
+            if kind in TEXT_TYPES and mod == module
+        ]
+        first = dict(reversed(pairs))  # the earliest alias is assigned last, so it stays
+        starts = list(first)[::-1]
+        distinct = list(dict.fromkeys(self.addrs))
+        following = dict(pairwise(distinct))
+        ends = [following.get(start, _END) for start in starts]
+        return starts, ends, [first[start] for start in starts]
+
+
+def parse_symbol_map(text: str, path: str = "<symbols>") -> KernelSymbols:
+    """System.map or /proc/kallsyms text: ``ADDR TYPE NAME [module]`` lines, any order.
+
+    Lines that do not parse are skipped; a file with no symbol line at all is an error, and so
+    is one whose addresses are all zero (/proc/kallsyms read without the right to see them).
+    """
+    rows: list[tuple[int, str, str, str | None]] = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3 or len(parts[1]) != 1:
+            continue
+        try:
+            addr = int(parts[0], 16)
+        except ValueError:
+            continue
+        module = parts[3].strip("[]") if len(parts) > 3 and parts[3].startswith("[") else None
+        rows.append((addr, parts[1], parts[2], module))
+    if not rows:
+        raise SymbolMapError(path, "no 'ADDRESS TYPE NAME' lines")
+    if not any(addr for addr, *_ in rows):
+        raise SymbolMapError(path, "every address is 0 (read /proc/kallsyms as root)")
+    if len(rows) == 1 and rows[0][2].startswith("The"):
+        raise SymbolMapError(path, "a stub System.map (the real one is in the -dbg package)")
+    rows.sort(key=lambda row: row[0])  # stable: the file's order among aliases is kept
+    return KernelSymbols(
+        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+    )

@@ -1,0 +1,33 @@
+"""The Debian kernels the linux tests read: fetched by scripts/fetch-linux, unpacked once.
+
+6.12 (zstd, the 6.9 table order) is the project's Linux fixture; 6.1 (xz, the old order with
+seqs of names between markers and tokens) is there for the readers of kernel images.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import cache
+from pathlib import Path
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.linux.bzimage import vmlinux_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+SERIES = ("6.12", "6.1")
+_DIRS = {"6.12": "linux", "6.1": "linux-6.1"}
+
+
+@cache
+def linux_dir(series: str = "6.12") -> Path:
+    """The folder with vmlinuz, config, System.map and version (fetched if missing)."""
+    fetch = ROOT / "scripts" / "fetch-linux"
+    subprocess.run([fetch, series], check=True, stdin=subprocess.DEVNULL)
+    return ROOT / "fixtures" / "build" / _DIRS[series]
+
+
+@cache
+def vmlinux(series: str = "6.12") -> ElfImage:
+    """The vmlinux ELF unpacked from the series' bzImage."""
+    path = linux_dir(series) / "vmlinuz"
+    return ElfImage.from_bytes(str(path), vmlinux_bytes(path.read_bytes(), str(path)))
