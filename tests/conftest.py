@@ -11,6 +11,7 @@ import pytest
 from guestvm import Guest, build_fixtures, running_guest
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.linux.bzimage import vmlinux_bytes
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,11 @@ def linux_dir() -> Path:
 def linux_vmlinux(linux_dir: Path) -> ElfImage:
     """The vmlinux ELF unpacked from the Debian bzImage, once per session."""
     return linuxkernel.vmlinux()
+
+
+@pytest.fixture(scope="session")
+def linux_vmlinux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Debian's 6.12 vmlinux ELF unpacked from its vmlinuz into a file (for pahole, bpftool)."""
+    path = tmp_path_factory.mktemp("linux") / "vmlinux"
+    path.write_bytes(vmlinux_bytes((linuxkernel.linux_dir() / "vmlinuz").read_bytes()))
+    return path

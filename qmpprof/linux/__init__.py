@@ -3,7 +3,8 @@
 ``bzimage`` turns the kernel file as found in /boot into the vmlinux ELF; ``kallsyms`` finds and
 decodes the symbol tables every kernel carries in its ``.rodata``; ``symbols`` holds what both
 kallsyms and a System.map or /proc/kallsyms text give: addresses, type letters and names, and
-the ``SymbolTable`` of text symbols built from them.
+the ``SymbolTable`` of text symbols built from them; ``orc`` reads the kernel's ORC unwind
+tables (and ``OrcStep`` walks with them); ``btf`` reads its BTF types (struct offsets).
 
 Nothing here talks to a guest: these are pure readers of bytes and text.
 """

@@ -38,6 +38,7 @@ class Via(enum.Enum):
     CFI = "cfi"
     PROLOGUE = "prologue"
     FRAME_POINTER = "frame-pointer"
+    ORC = "orc"  # a Linux kernel's .orc_unwind tables
 
 
 class UnwindStep(Protocol):

@@ -1,0 +1,295 @@
+"""ORC tables and the ORC step over hand-built tables and stacks: both entry layouts, lookup,
+every entry type, every sp and bp rule, crossings into user mode, and a walk by the chain."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from qmpprof.linux.orc import (
+    OrcLayout,
+    OrcReg,
+    OrcStep,
+    OrcTable,
+    OrcType,
+    decode_entry,
+    detect_layout,
+    kernel_version,
+)
+from qmpprof.model import Mapping, Registers, StopReason
+from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
+from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
+from qmpprof.unwind.steps import FRAME_POINTER
+
+RAX, RDX, RCX, RBX, RSI, RDI, RBP, RSP = range(8)
+R8, R9, R10, R11, R12, R13, R14, R15, RIP = range(8, 17)
+TEXT = 0xFFFF_FFFF_8100_0000
+KSTACK = 0xFFFF_C900_0001_0000
+USTACK = 0x7FFF_F000_0000
+SP, BP, UNDEF, PREV_SP = OrcReg.SP, OrcReg.BP, OrcReg.UNDEFINED, OrcReg.PREV_SP
+CALL, REGS, PARTIAL = OrcType.CALL, OrcType.REGS, OrcType.REGS_PARTIAL
+
+
+def bits(sp_reg: int, bp_reg: int, kind: int, signal: bool = False) -> int:
+    """The u16 bitfield in the 6.4 layout: sp_reg:4 bp_reg:4 type:3 signal:1."""
+    return sp_reg | bp_reg << 4 | kind << 8 | signal << 11
+
+
+def legacy_bits(sp_reg: int, bp_reg: int, kind: int, end: bool = False) -> int:
+    """The u16 bitfield before 6.4: sp_reg:4 bp_reg:4 type:2 (0 call, 1 regs, 2 partial) end:1."""
+    return sp_reg | bp_reg << 4 | kind << 8 | end << 10
+
+
+def table_bytes(rows: list[tuple[int, int, int, int]], ip_addr: int) -> tuple[bytes, bytes]:
+    """(.orc_unwind_ip, .orc_unwind) for rows of (ip, sp_offset, bp_offset, bitfield)."""
+    ips = b"".join(struct.pack("<i", ip - (ip_addr + 4 * i)) for i, (ip, *_) in enumerate(rows))
+    entries = b"".join(struct.pack("<hhH", sp, bp, f) for _, sp, bp, f in rows)
+    return ips, entries
+
+
+def table(
+    rows: list[tuple[int, int, int, int]], layout: OrcLayout | None = OrcLayout.SIGNAL
+) -> OrcTable:
+    """A table at TEXT; ``layout`` None: detected from the entries."""
+    ip_addr = TEXT + 0x200_0000
+    ips, entries = table_bytes(rows, ip_addr)
+    return OrcTable.from_sections(ips, ip_addr, entries, layout)
+
+
+def memory(words: dict[int, int]) -> PageCache:
+    """A page cache holding ``words`` (8-byte values); the rest of their pages read as 0."""
+    cache = PageCache()
+    pages: dict[int, bytearray] = {}
+    for addr, value in words.items():
+        page = pages.setdefault(page_of(addr), bytearray(PAGE))
+        struct.pack_into("<Q", page, addr - page_of(addr), value)
+    cache.pages.update((base, bytes(page)) for base, page in pages.items())
+    return cache
+
+
+def pt_regs(addr: int, ip: int, sp: int, cs: int, **gprs: int) -> dict[int, int]:
+    """Stack words of a struct pt_regs at ``addr``; ``gprs`` by pt_regs field name."""
+    names = ("r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10")
+    names += ("r9", "r8", "ax", "cx", "dx", "si", "di", "orig_ax")
+    words = {addr + 8 * i: gprs.get(name, 0x1000 + i) for i, name in enumerate(names)}
+    words.update({addr + 128: ip, addr + 136: cs, addr + 144: 0x246, addr + 152: sp})
+    words[addr + 160] = 0x2B if cs & 3 else 0x18
+    return words
+
+
+def step(t: OrcTable, cur: dict[int, int], words: dict[int, int], pc: int = TEXT + 0x10):
+    return OrcStep(t).step(cur, pc, True, memory(words))
+
+
+# --- entries and layouts ------------------------------------------------------------------
+
+
+def test_decode_both_layouts() -> None:
+    new = decode_entry(8, -16, bits(SP, PREV_SP, CALL), OrcLayout.SIGNAL)
+    assert (new.sp_offset, new.bp_offset, new.sp_reg, new.bp_reg) == (8, -16, SP, PREV_SP)
+    assert new.type is CALL and not new.signal
+    assert decode_entry(0, 0, bits(SP, UNDEF, REGS, True), OrcLayout.SIGNAL).signal
+    assert decode_entry(0, 0, bits(UNDEF, UNDEF, 1), OrcLayout.SIGNAL).type is OrcType.END_OF_STACK
+    old = decode_entry(8, 0, legacy_bits(SP, UNDEF, 0), OrcLayout.LEGACY)
+    assert old.type is CALL and not old.signal
+    for raw, kind in ((1, REGS), (2, PARTIAL)):
+        entry = decode_entry(0, 0, legacy_bits(SP, UNDEF, raw), OrcLayout.LEGACY)
+        assert entry.type is kind and entry.signal  # legacy kernels: regs frames are exact
+    end = decode_entry(0, 0, legacy_bits(UNDEF, UNDEF, 0, end=True), OrcLayout.LEGACY)
+    assert end.type is OrcType.END_OF_STACK and not end.signal
+    assert decode_entry(0, 0, 0, OrcLayout.LEGACY).type is OrcType.UNDEFINED
+    with pytest.raises(ValueError):
+        decode_entry(0, 0, legacy_bits(SP, UNDEF, 3), OrcLayout.LEGACY)
+    with pytest.raises(ValueError):
+        decode_entry(0, 0, bits(SP, UNDEF, 5), OrcLayout.SIGNAL)
+
+
+def test_detect_layout_from_entries_then_version() -> None:
+    call_new = struct.pack("<hhH", 8, 0, bits(SP, UNDEF, CALL))
+    call_old = struct.pack("<hhH", 8, 0, legacy_bits(SP, UNDEF, 0))
+    undefined = struct.pack("<hhH", 0, 0, 0)
+    assert detect_layout(call_new * 5 + undefined) is OrcLayout.SIGNAL
+    assert detect_layout(call_old * 5 + undefined, (6, 12)) is OrcLayout.LEGACY  # data first
+    signal = struct.pack("<hhH", 0, 0, bits(SP, UNDEF, REGS, True))
+    assert detect_layout(signal + call_old * 3) is OrcLayout.SIGNAL  # only 6.4+ sets bit 11
+    assert detect_layout(b"", (6, 1)) is OrcLayout.LEGACY
+    assert detect_layout(b"", (6, 4)) is OrcLayout.SIGNAL
+    assert detect_layout(b"") is OrcLayout.SIGNAL
+    banner = b"\0Linux version 6.12.117+deb12-amd64 (debian-kernel@lists.debian.org)"
+    assert kernel_version(banner) == (6, 12)
+    assert kernel_version(b"no banner") is None
+
+
+def test_lookup_takes_the_last_entry_at_or_below() -> None:
+    t = table(
+        [
+            (TEXT, 8, 0, bits(SP, UNDEF, CALL)),
+            (TEXT + 0x10, 16, 0, bits(SP, UNDEF, CALL)),
+            (TEXT + 0x20, 0, 0, 0),  # a weak section terminator, sorted before the real one
+            (TEXT + 0x20, 24, 0, bits(SP, UNDEF, CALL)),
+            (TEXT + 0x40, 0, 0, 0),  # the end of the text
+        ]
+    )
+    assert len(t) == 5 and t.ip(1) == TEXT + 0x10
+    assert t.lookup(TEXT - 1) is None
+    assert [t.lookup(TEXT + off).sp_offset for off in (0, 0xF, 0x10, 0x1F)] == [8, 8, 16, 16]
+    assert t.lookup(TEXT + 0x25).sp_offset == 24  # the rightmost duplicate, as the kernel
+    assert t.lookup(TEXT + 0x40).type is OrcType.UNDEFINED
+    assert t.lookup(TEXT + 0x41) is None  # past the last entry
+
+
+def test_an_unsorted_table_is_sorted() -> None:
+    t = table([(TEXT + 0x10, 16, 0, bits(SP, UNDEF, CALL)), (TEXT, 8, 0, bits(SP, UNDEF, CALL))])
+    assert [t.ip(0), t.ip(1)] == [TEXT, TEXT + 0x10]
+    assert t.lookup(TEXT + 4).sp_offset == 8 and t.lookup(TEXT + 0x10).sp_offset == 16
+
+
+# --- the step -------------------------------------------------------------------------------
+
+
+def one(entry_bits: int, sp_offset: int = 8, bp_offset: int = 0) -> OrcTable:
+    """A table whose entry at TEXT covers TEXT..TEXT+0xFF."""
+    return table([(TEXT, sp_offset, bp_offset, entry_bits), (TEXT + 0x100, 0, 0, 0)])
+
+
+def test_call_with_sp_base() -> None:
+    sp, ra = KSTACK + 0x100, TEXT + 0x5555
+    t = one(bits(SP, UNDEF, CALL), sp_offset=24)
+    new, signal = step(t, {RIP: TEXT + 0x10, RSP: sp, RBP: 0x77, RBX: 1}, {sp + 16: ra})
+    assert new == {RIP: ra, RSP: sp + 24, RBP: 0x77} and not signal  # rbx is not known above
+
+
+def test_call_with_bp_base_and_bp_saved_below_prev_sp() -> None:
+    bp, ra = KSTACK + 0x200, TEXT + 0x4444
+    t = one(bits(BP, PREV_SP, CALL), sp_offset=16, bp_offset=-16)
+    words = {bp: KSTACK + 0x300, bp + 8: ra}
+    new, _ = step(t, {RIP: TEXT, RSP: KSTACK + 0x100, RBP: bp}, words)
+    assert new == {RIP: ra, RSP: bp + 16, RBP: KSTACK + 0x300}
+
+
+def test_bp_rule_relative_to_bp() -> None:
+    sp, bp = KSTACK + 0x100, KSTACK + 0x180
+    t = one(bits(SP, BP, CALL), sp_offset=8, bp_offset=8)
+    new, _ = step(t, {RSP: sp, RBP: bp}, {sp: TEXT + 0x99, bp + 8: 0x1234})
+    assert new[RBP] == 0x1234
+
+
+def test_sp_indirect_and_bp_indirect() -> None:
+    sp, other = KSTACK + 0x100, KSTACK + 0x800
+    t = one(bits(OrcReg.SP_INDIRECT, UNDEF, CALL), sp_offset=8)  # *sp + 8: off an IRQ stack
+    new, _ = step(t, {RSP: sp, RBP: 0}, {sp: other, other: TEXT + 0x11})
+    assert new[RSP] == other + 8 and new[RIP] == TEXT + 0x11
+    bp = KSTACK + 0x40
+    t = one(bits(OrcReg.BP_INDIRECT, UNDEF, CALL), sp_offset=-8)  # *(bp - 8)
+    new, _ = step(t, {RSP: sp, RBP: bp}, {bp - 8: other, other - 8: TEXT + 0x22})
+    assert new[RSP] == other and new[RIP] == TEXT + 0x22
+
+
+@pytest.mark.parametrize(
+    ("reg", "dwarf"), [(OrcReg.R10, R10), (OrcReg.R13, R13), (OrcReg.DI, RDI), (OrcReg.DX, RDX)]
+)
+def test_register_bases(reg: OrcReg, dwarf: int) -> None:
+    base = KSTACK + 0x300
+    t = one(bits(reg, UNDEF, PARTIAL, True), sp_offset=0)
+    words = {base: TEXT + 0x66, base + 8: 0x10, base + 24: KSTACK + 0x900}
+    new, signal = step(t, {RSP: KSTACK, RBP: 0, dwarf: base}, words)
+    assert new[RIP] == TEXT + 0x66 and new[RSP] == KSTACK + 0x900 and signal
+    # Above a CALL frame that register is unknown: the kernel gives up too.
+    assert step(t, {RSP: KSTACK, RBP: 0}, words) is StopReason.NO_CFI
+
+
+def test_regs_in_kernel_hands_over_every_register() -> None:
+    sp = KSTACK + 0x100
+    words = pt_regs(sp, TEXT + 0x77, KSTACK + 0x400, 0x10, bp=KSTACK + 0x480, ax=5, r10=6)
+    new, signal = step(one(bits(SP, UNDEF, REGS, True), sp_offset=0), {RSP: sp, RBP: 1}, words)
+    assert signal
+    assert new[RIP] == TEXT + 0x77 and new[RSP] == KSTACK + 0x400 and new[RBP] == KSTACK + 0x480
+    assert new[RAX] == 5 and new[R10] == 6 and new[R15] == 0x1000 and new[RDI] == 0x100E
+
+
+def test_regs_into_user_mode_is_exact_whatever_the_entry_says() -> None:
+    sp = KSTACK + 0x3F58
+    words = pt_regs(sp, 0x401234, USTACK, 0x33, bp=USTACK + 0x40, bx=9)
+    new, signal = step(one(bits(SP, UNDEF, REGS), sp_offset=0), {RSP: sp, RBP: 0}, words)
+    assert signal and new[RIP] == 0x401234 and new[RSP] == USTACK and new[RBX] == 9
+
+
+def test_regs_partial_takes_the_iret_frame_and_keeps_the_rest() -> None:
+    sp = KSTACK + 0x100
+    words = {sp: TEXT + 0x88, sp + 8: 0x10, sp + 16: 0x246, sp + 24: KSTACK + 0x500, sp + 32: 0}
+    cur = {RSP: sp, RBP: 3, RBX: 4}
+    new, signal = step(one(bits(SP, UNDEF, PARTIAL, True), sp_offset=0), cur, words)
+    assert new == {RIP: TEXT + 0x88, RSP: KSTACK + 0x500, RBP: 3, RBX: 4} and signal
+    words[sp + 8] = 0x33  # from user mode: exact even without the entry's signal bit
+    _, signal = step(one(bits(SP, UNDEF, PARTIAL), sp_offset=0), cur, words)
+    assert signal
+
+
+def test_legacy_tables_give_the_same_answers() -> None:
+    sp = KSTACK + 0x100
+    t = table([(TEXT, 8, 0, legacy_bits(SP, UNDEF, 0)), (TEXT + 0x100, 0, 0, 0)], None)
+    assert t.layout is OrcLayout.LEGACY
+    new, signal = step(t, {RSP: sp, RBP: 0}, {sp: TEXT + 0x99})
+    assert new[RIP] == TEXT + 0x99 and not signal
+    t = table([(TEXT, 0, 0, legacy_bits(SP, UNDEF, 1)), (TEXT + 0x100, 0, 0, 0)], OrcLayout.LEGACY)
+    words = pt_regs(sp, TEXT + 0x42, KSTACK + 0x400, 0x10)
+    assert step(t, {RSP: sp, RBP: 0}, words)[1] is True
+    end = table([(TEXT, 0, 0, legacy_bits(UNDEF, UNDEF, 0, end=True))], OrcLayout.LEGACY)
+    assert step(end, {RSP: sp}, {}, pc=TEXT) is StopReason.END
+
+
+def test_outcomes_that_end_or_pass() -> None:
+    cur = {RSP: KSTACK, RBP: 0}
+    assert step(one(bits(UNDEF, UNDEF, OrcType.END_OF_STACK)), cur, {}) is StopReason.END
+    assert step(one(0), cur, {}) is StopReason.NO_CFI  # UNDEFINED: the kernel gives up here
+    assert step(one(bits(SP, 12, CALL)), cur, {KSTACK: 1}) is StopReason.NO_CFI  # bad bp_reg
+    assert step(one(bits(14, UNDEF, CALL)), cur, {}) is StopReason.NO_CFI  # bad sp_reg
+    assert step(one(bits(SP, UNDEF, 6)), cur, {}) is StopReason.NO_CFI  # bad type
+    assert step(one(bits(SP, UNDEF, CALL)), cur, {}, pc=TEXT - 1) is None  # no entry
+    assert step(one(bits(SP, UNDEF, CALL)), cur, {}, pc=TEXT + 0x200) is None  # past the end
+    unmapped = PageCache()
+    unmapped.pages[page_of(KSTACK)] = None
+    assert OrcStep(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, unmapped) == (
+        StopReason.READ_FAILED
+    )
+    with pytest.raises(PageMissing):
+        OrcStep(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, PageCache())
+
+
+def test_bias_moves_the_table() -> None:
+    slide = 0x2A0_0000
+    sp = KSTACK + 0x100
+    out = OrcStep(one(bits(SP, UNDEF, CALL)), bias=slide).step(
+        {RSP: sp, RBP: 0}, TEXT + slide + 0x10, False, memory({sp: TEXT + slide + 0x99})
+    )
+    assert isinstance(out, tuple) and out[0][RIP] == TEXT + slide + 0x99
+
+
+# --- a walk -------------------------------------------------------------------------------
+
+
+def test_walk_from_a_kernel_function_through_a_syscall_into_user_code() -> None:
+    """leaf (CALL, sp+16) -> caller (CALL, sp+8) -> entry code (REGS) -> user frame pointers."""
+    t = table(
+        [
+            (TEXT, 16, 0, bits(SP, UNDEF, CALL)),  # leaf: one push
+            (TEXT + 0x100, 8, 0, bits(SP, UNDEF, CALL)),  # its caller
+            (TEXT + 0x200, 0, 0, bits(SP, UNDEF, REGS, True)),  # entry_SYSCALL_64 after push
+            (TEXT + 0x300, 0, 0, 0),
+        ]
+    )
+    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x300, True), (OrcStep(t), FRAME_POINTER))
+    space = AddressSpace([kernel])
+    sp = KSTACK + 0x3E00
+    regs_at = sp + 16 + 8
+    words = {sp + 8: TEXT + 0x105, sp + 16: TEXT + 0x205}
+    ubp = USTACK + 0x100
+    words |= pt_regs(regs_at, 0x401000, USTACK, 0x33, bp=ubp)
+    words |= {ubp: 0, ubp + 8: 0x402000}
+    rsp_regs = Registers(cpu=0, rip=TEXT + 0x20, rsp=sp, rbp=0, cpl=0, cr3=0x1000)
+    raw = Unwinder().unwind(rsp_regs, memory(words), space)
+    assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, 0x401000, 0x402000)
+    assert raw.exact == (True, False, False, True, False)
+    assert raw.via == (Via.REGS, Via.ORC, Via.ORC, Via.ORC, Via.FRAME_POINTER)
+    assert raw.stop is StopReason.END

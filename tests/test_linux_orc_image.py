@@ -1,0 +1,61 @@
+"""ORC tables of a real distribution kernel (Debian's 6.12): sorted, every field in range, the
+6.4 layout recognised, and a C function's first instruction described as a plain call frame."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import linuxkernel
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.linux.orc import OrcLayout, OrcReg, OrcTable, OrcType, decode_entry
+
+
+def exported_functions(image: ElfImage) -> list[int]:
+    """The addresses in .text of the symbols in ``__ksymtab``/``__ksymtab_gpl``: with
+    PREL32 relocations each entry is three s32 (value, name, namespace), relative to themselves."""
+    text = image.section_addr(".text") or 0
+    starts = []
+    for name in ("__ksymtab", "__ksymtab_gpl"):
+        data, addr = image.section(name), image.section_addr(name)
+        assert data is not None and addr is not None
+        for i, (value, _name, _ns) in enumerate(struct.iter_unpack("<iii", data)):
+            target = addr + 12 * i + value
+            if text <= target < text + image.text_size:
+                starts.append(target)
+    return starts
+
+
+def test_debian_612_tables(linux_vmlinux_path: Path) -> None:
+    image = ElfImage.load(linux_vmlinux_path)
+    table = OrcTable.from_image(image)
+    assert table is not None and table.layout is OrcLayout.SIGNAL
+    ip_bytes = image.section(".orc_unwind_ip")
+    assert ip_bytes is not None and len(table) == len(ip_bytes) // 4 > 300_000
+    assert all(a <= b for a, b in zip(table.offsets, table.offsets[1:], strict=False))
+    assert table.ip(0) == image.section_addr(".text")
+    raw = image.section(".orc_unwind")
+    assert raw is not None
+    for bits in {field for _, _, field in struct.iter_unpack("<hhH", raw)}:
+        entry = decode_entry(0, 0, bits, table.layout)  # ValueError for a type out of range
+        assert 0 <= entry.sp_reg <= OrcReg.SP_INDIRECT, hex(bits)
+        assert entry.bp_reg in (OrcReg.UNDEFINED, OrcReg.PREV_SP, OrcReg.BP), hex(bits)
+    starts = exported_functions(image)
+    assert len(starts) > 5000
+    plain = [table.lookup(pc) for pc in starts]
+    calls = [e for e in plain if e is not None and e.type is OrcType.CALL]
+    assert all(e.sp_reg == OrcReg.SP and e.sp_offset == 8 for e in calls)
+    # The rest are the few exported assembly routines objtool leaves undefined (thunks).
+    assert len(calls) >= 0.99 * len(starts)
+
+
+def test_debian_61_tables_use_the_legacy_layout(tmp_path: Path) -> None:
+    """Debian's 6.1 kernel (scripts/fetch-linux 6.1): the layout before 6.4."""
+    image = linuxkernel.vmlinux("6.1")
+    table = OrcTable.from_image(image)
+    assert table is not None and table.layout is OrcLayout.LEGACY
+    entries = [table.lookup(pc) for pc in exported_functions(image)]
+    calls = [e for e in entries if e is not None and e.type is OrcType.CALL]
+    assert all(e.sp_reg == OrcReg.SP and e.sp_offset == 8 and not e.signal for e in calls)
+    assert len(calls) >= 0.99 * len(entries)
