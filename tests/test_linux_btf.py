@@ -187,8 +187,7 @@ def test_malformed_sections() -> None:
 
 def pahole_offsets(vmlinux: Path, struct_name: str) -> dict[str, int]:
     """Member name -> offset as ``pahole -C`` prints it (first occurrence of each name)."""
-    if shutil.which("pahole") is None:
-        pytest.skip("pahole (Debian's dwarves) is not installed: scripts/setup installs it")
+    assert shutil.which("pahole"), "pahole (Debian's dwarves) is missing: scripts/setup installs it"
     out = subprocess.run(
         ["pahole", "-F", "btf", "-C", struct_name, str(vmlinux)],
         capture_output=True, text=True, check=True,
@@ -201,8 +200,7 @@ def pahole_offsets(vmlinux: Path, struct_name: str) -> dict[str, int]:
 
 def bpftool_percpu(vmlinux: Path) -> dict[str, int]:
     tool = shutil.which("bpftool") or shutil.which("bpftool", path="/usr/sbin:/sbin")
-    if tool is None:
-        pytest.skip("bpftool is not installed: scripts/setup installs it")
+    assert tool is not None, "bpftool is missing: scripts/setup installs it"
     out = subprocess.run(
         [tool, "btf", "dump", "file", str(vmlinux), "format", "raw"],
         capture_output=True, text=True, check=True,

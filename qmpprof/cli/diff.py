@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 from qmpprof.cli import text
-from qmpprof.cli.options import Parser, add_view_flags, mode_of, naming_of, parse_cpus
+from qmpprof.cli.options import (
+    Parser,
+    add_view_flags,
+    mode_of,
+    naming_of,
+    outputs_of,
+    parse_cpus,
+)
 from qmpprof.errors import UsageError
 from qmpprof.naming import Naming
 from qmpprof.output import diff, format_for, native, write_atomic
@@ -39,9 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args: list[str]) -> int:
     ns = parser().parse_args(args)
-    if ns.format is not None and len(ns.output) > 1:
-        raise UsageError("--format applies to one -o; with several, their names choose")
-    outputs = [Path(o) for o in ns.output]
+    outputs = outputs_of(ns)
     for path in outputs:
         if format_for(path, ns.format) not in WRITERS:
             raise UsageError(f"diff writes .svg or .folded, not {path.name!r}")

@@ -62,6 +62,16 @@ def add_view_flags(p: argparse.ArgumentParser) -> None:
     add("--cpus", metavar="LIST", help="vCPUs to keep, e.g. 0,2-3 (default: all)")
 
 
+def outputs_of(ns: argparse.Namespace) -> tuple[Path, ...]:
+    """The -o files, each with a format a bad --format or name fails on now, before any run."""
+    if ns.format is not None and len(ns.output) > 1:
+        raise UsageError("--format applies to one -o; with several, their names choose")
+    outputs = tuple(Path(o) for o in ns.output)
+    for path in outputs:
+        format_for(path, ns.format)
+    return outputs
+
+
 def naming_of(ns: argparse.Namespace) -> Naming:
     return Naming.of(offsets=ns.offsets, lines=ns.lines, show_addresses=ns.show_addresses)
 
@@ -140,14 +150,10 @@ def parse(argv: list[str]) -> Options:
         )
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
-    if ns.format is not None and len(ns.output) > 1:
-        raise UsageError("--format applies to one -o; with several, their names choose")
     transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "qmp")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
-    outputs = tuple(Path(o) for o in ns.output)
-    for path in outputs:
-        format_for(path, ns.format)  # a bad --format fails now, not after the run
+    outputs = outputs_of(ns)
     # A saved profile keeps source lines, so that it can be rendered with --lines later; pprof
     # makes its own line views from them.
     with_lines = any(FORMATS[format_for(path, ns.format)].lines for path in outputs)

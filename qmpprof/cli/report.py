@@ -8,9 +8,15 @@ import sys
 from pathlib import Path
 
 from qmpprof.cli import text
-from qmpprof.cli.options import Parser, add_view_flags, mode_of, naming_of, parse_cpus
-from qmpprof.errors import UsageError
-from qmpprof.output import format_for, native, write_profile
+from qmpprof.cli.options import (
+    Parser,
+    add_view_flags,
+    mode_of,
+    naming_of,
+    outputs_of,
+    parse_cpus,
+)
+from qmpprof.output import native, write_profile
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,11 +37,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args: list[str]) -> int:
     ns = parser().parse_args(args)
-    if ns.format is not None and len(ns.output) > 1:
-        raise UsageError("--format applies to one -o; with several, their names choose")
-    outputs = [Path(o) for o in ns.output]
-    for path in outputs:
-        format_for(path, ns.format)  # a bad --format fails before the profile is read
+    outputs = outputs_of(ns)
     keep = mode_of(ns)
     profile = native.load(Path(ns.profile))
     if keep is not None or ns.cpus:
