@@ -213,18 +213,39 @@ def stopped_in_an_entry_stub_before_its_frame(gdb: list[str], ours: list[str]) -
     return len(ours) < len(gdb) and gdb[: len(ours)] == ours and ours[-1] in stubs
 
 
+def known_call_chains() -> list[list[str]]:
+    """Every caller chain of the workload, leaf first, down to its outermost frame."""
+    shapes = expected()
+    groups = [*shapes["programs"].values(), *shapes["kernel_threads"].values()]
+    return [stack for group in groups for stack in group["stacks"]]
+
+
+def gdb_stopped_short_of_the_real_chain(gdb: list[str], ours: list[str]) -> bool:
+    """gdb without a way past a frame (seen once in CI: interrupted in ``spin_hot`` it gave
+    ``isr_32 > spin_hot`` and stopped) while qmpprof went on: allowed only when qmpprof's
+    frames begin with all of gdb's and its extra frames are the workload's real callers of
+    gdb's last frame, down to the outermost frame."""
+    if not gdb or len(ours) <= len(gdb) or ours[: len(gdb)] != gdb:
+        return False
+    tail = ours[len(gdb) - 1 :]
+    chains = known_call_chains()
+    return any(len(chain) >= len(tail) and chain[-len(tail) :] == tail for chain in chains)
+
+
 def known_blind_spot(mismatch: Mismatch) -> bool:
     _, gdb, ours = mismatch
-    return skipped_below_interrupted_leaf(gdb, ours) or stopped_in_an_entry_stub_before_its_frame(
-        gdb, ours
+    return (
+        skipped_below_interrupted_leaf(gdb, ours)
+        or stopped_in_an_entry_stub_before_its_frame(gdb, ours)
+        or gdb_stopped_short_of_the_real_chain(gdb, ours)
     )
 
 
 def test_frame_pointers_and_prologues_alone_agree_with_gdb(tmp_path: Path) -> None:
     """The fp build with every CFI section removed from qmpprof's copies (gdb keeps its own):
     the fallbacks alone, frame pointers and prologue analysis, through the entry stubs' frames.
-    Every disagreement must be one of the two known blind spots of frame pointers; they are
-    rare."""
+    Every disagreement must be one of the two known blind spots of frame pointers, or gdb
+    stopping short where qmpprof walked the real call chain; they are rare."""
     agree, disagreements = asyncio.run(compare("fp", tmp_path, cfi=False))
     total = agree + len(disagreements)
     print(f"\nfp without CFI: qmpprof agrees with gdb on {agree}/{total} stacks")
