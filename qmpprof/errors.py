@@ -11,7 +11,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── ElfError                 exit 6   unreadable or malformed ELF file
     │   ├── KernelImageError     exit 6   a kernel image (bzImage, vmlinux) with no usable part
     │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
-    └── ProfileError             exit 7   a saved profile that cannot be read back
+    ├── ProfileError             exit 7   a saved profile that cannot be read back
+    └── OutputError              exit 8   an output file that cannot be written
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
@@ -95,3 +96,13 @@ class ProfileError(QmpprofError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"{path}: not a readable qmpprof profile: {detail}")
+
+
+class OutputError(QmpprofError):
+    """An output file cannot be written (its folder is gone, no space, no permission)."""
+
+    exit_code = 8
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"cannot write {path}: {detail}")

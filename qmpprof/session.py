@@ -24,11 +24,14 @@ from qmpprof.memory import HMP_WINDOW
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.privategdb import connect_fast
 from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder
 from qmpprof.unwind.space import Module
 
-TransportKind = Literal["qmp", "gdb"]
+# "auto": a private gdbstub opened over a local QMP socket when QEMU allows one, else QMP.
+TransportKind = Literal["auto", "qmp", "gdb"]
+TRANSPORTS: tuple[TransportKind, ...] = ("auto", "qmp", "gdb")
 MemoryPath = Literal["auto", "memsave", "hmp"]
 # How the guest tells its processes apart: "auto" tries the Emerald page and falls back to CR3
 # for good once user code runs without one; "emerald" keeps looking for the page; "cr3" never.
@@ -42,7 +45,7 @@ class RunSpec:
 
     qmp_socket: Path = Path("./qmp-socket")
     qmp_tcp: tuple[str, int] | None = None
-    transport: TransportKind = "qmp"
+    transport: TransportKind = "auto"
     gdb: str | None = None  # gdbstub address, for the gdb transport
     memory: MemoryPath = "auto"
     kernel: Path | None = None
@@ -84,14 +87,30 @@ def build_identifier(spec: RunSpec) -> GuestIdentifier[AddressSpace]:
     )
 
 
-async def connect(spec: RunSpec) -> GuestTransport:
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """An open transport, and how samples travel through it (one line, for ``--verbose``)."""
+
+    transport: GuestTransport
+    path: str
+
+
+async def connect(spec: RunSpec) -> Connection:
     if spec.transport == "gdb":
         from qmpprof.transport.gdb import GdbTransport
 
-        return await GdbTransport.connect(spec.gdb or "")
+        return Connection(await GdbTransport.connect(spec.gdb or ""), f"gdbstub at {spec.gdb}")
+    if spec.transport == "auto":
+        if spec.qmp_tcp is not None:
+            transport, why = await connect_fast(tcp=spec.qmp_tcp, memory=spec.memory)
+        else:
+            transport, why = await connect_fast(spec.qmp_socket, memory=spec.memory)
+        return Connection(transport, f"QMP ({why})" if why else "a private gdbstub opened over QMP")
     if spec.qmp_tcp is not None:
-        return await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
-    return await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
+        transport = await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
+    else:
+        transport = await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
+    return Connection(transport, "QMP (--transport qmp)")
 
 
 def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
@@ -108,10 +127,18 @@ def unwinder(spec: RunSpec) -> Unwinder:
 Run = Sampler[AddressSpace, RawStack]
 
 
-async def start(spec: RunSpec, on_tick: Callable[[SamplerStats], None] | None = None) -> Run:
-    """A sampler connected to the guest, ready to run; the caller closes its transport."""
+async def start(
+    spec: RunSpec,
+    on_tick: Callable[[SamplerStats], None] | None = None,
+    on_connect: Callable[[str], None] | None = None,
+) -> Run:
+    """A sampler connected to the guest, ready to run; the caller closes its transport.
+    ``on_connect`` hears how samples travel (``Connection.path``) once connected."""
     identifier = build_identifier(spec)  # ELF errors before touching the guest
-    transport = await connect(spec)
+    connection = await connect(spec)
+    if on_connect is not None:
+        on_connect(connection.path)
+    transport = connection.transport
     return Sampler(
         transport, unwinder(spec), identifier, sampler_config(spec, transport), on_tick=on_tick
     )

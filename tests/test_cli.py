@@ -41,8 +41,8 @@ def scripted_guest(
         hook=hook,
     )
 
-    async def connect(spec: session.RunSpec) -> FakeTransport:
-        return transport
+    async def connect(spec: session.RunSpec) -> session.Connection:
+        return session.Connection(transport, "a fake")
 
     monkeypatch.setattr(session, "connect", connect)
     return transport
@@ -65,6 +65,21 @@ def test_writes_the_output_and_says_where(
     assert f"Wrote {out} (folded); view it: flamegraph.pl {out}" in captured.err
     assert "\r" not in captured.err  # no progress line when stderr is not a terminal
     assert transport.calls.count("stop") == 5 and transport.calls[-1] == "cont"
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_written(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    transport = scripted_guest(monkeypatch)
+    good, bad = tmp_path / "good.folded", tmp_path / "gone" / "bad.svg"
+    assert main(["--duration", "0.05", "-o", str(bad), "-o", str(good)]) == 8
+    assert sum(c for _, c in folded.parse(good.read_text())) == 10
+    err = capsys.readouterr().err
+    assert f"Wrote {good} (folded)" in err
+    assert err.splitlines()[-1] == (
+        f"qmpprof: error: cannot write {bad}: No such file or directory"
+    )
+    assert "Traceback" not in err and transport.calls[-1] == "cont"
 
 
 def test_prints_top_stacks_without_output(
@@ -226,8 +241,8 @@ def test_second_interrupt_cancels_a_hung_run_and_still_resumes_and_writes(
     rbp, pages = frame_chain(K + 0x20_0000, [K + 0x2010])
     transport = Hung({0: regs(0, K + 0x3004, rsp=rbp, rbp=rbp)}, pages)
 
-    async def connect(spec: session.RunSpec) -> FakeTransport:
-        return transport
+    async def connect(spec: session.RunSpec) -> session.Connection:
+        return session.Connection(transport, "a fake")
 
     monkeypatch.setattr(session, "connect", connect)
     out = tmp_path / "hung.folded"

@@ -214,17 +214,21 @@ def test_paused_guest_stays_paused_and_one_shot_is_printed(
     assert outermost["user"] in captured.out or outermost["kernel_thread"] in captured.out
 
 
-def test_qemu_killed_mid_run_keeps_partial_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("transport", "channel"), [("qmp", "QMP"), ("auto", "gdbstub")])
+def test_qemu_killed_mid_run_keeps_partial_output(
+    tmp_path: Path, transport: str, channel: str
+) -> None:
     out = tmp_path / "partial.folded"
     with running_guest(tmp_path) as guest:
-        proc = spawn(guest, "--duration", "60", "-o", str(out))
+        proc = spawn(guest, "--transport", transport, "--duration", "60", "-o", str(out))
         wait_sampling(proc)
         guest.process.kill()
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 4
     assert "Traceback" not in err
     assert err.splitlines()[-1] == (
-        f"qmpprof: error: QEMU closed the QMP connection; the samples collected so far are in {out}"
+        f"qmpprof: error: QEMU closed the {channel} connection; the samples collected so far"
+        f" are in {out}"
     )
     assert sum(c for _, c in folded.parse(out.read_text())) > 20
 

@@ -75,7 +75,7 @@ def test_the_command_is_required(args: list[str], message: str) -> None:
 def test_parse_points_the_options_at_the_private_socket() -> None:
     opts = record.parse(["--duration", "2", "-k"], Path("/tmp/x/qmp.sock"))
     assert opts.spec.qmp_socket == Path("/tmp/x/qmp.sock")
-    assert opts.spec.sampling.duration == 2.0 and opts.spec.transport == "qmp"
+    assert opts.spec.sampling.duration == 2.0 and opts.spec.transport == "auto"
 
 
 @pytest.mark.parametrize(
@@ -235,7 +235,7 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
     try:
         # The user's own -qmp stays usable next to qmpprof's.
         user_qmp = ["-qmp", f"unix:{user_dir / 'user.sock'},server=on,wait=off"]
-        flags = ["--duration", "300", "--user-dir", str(USER_DIR)]
+        flags = ["--duration", "300", "--user-dir", str(USER_DIR), "-v"]
         with recording([*flags, "--kernel", str(KERNEL), "-o", str(out)],
                        guest_command(tmp_path, 1, *user_qmp)) as proc:  # fmt: skip
             wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
@@ -250,6 +250,8 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
     assert proc.returncode == 0, err
     assert err.splitlines()[-1] == f"qmpprof: stopped {QEMU}"
     assert gone(pid) and not (tmp_path / "qemu.pid").exists()
+    # record takes the fast path (a private gdbstub) as the bare command does.
+    assert "qmpprof: samples travel through a private gdbstub opened over QMP\n" in err
     stacks = samples(out)
     assert f"Samples: {sum(stacks.values())} " in err
     assert WORKLOAD & {name for names in stacks for name in names}, stacks

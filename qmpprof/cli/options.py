@@ -17,7 +17,7 @@ from qmpprof.model import KERNEL_BOUNDARY, Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import GUEST_OSES, RunSpec, TransportKind
+from qmpprof.session import GUEST_OSES, TRANSPORTS, RunSpec, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,12 @@ def parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
     add("--qmp", metavar="HOST:PORT", help="QMP over TCP (memory is then read with HMP x)")
-    add("--transport", choices=("qmp", "gdb"), help="qmp (default) or gdb (QEMU's gdbstub)")
-    add("--gdb", metavar="HOST:PORT", help="gdbstub address (implies --transport gdb)")
+    add("--transport", choices=TRANSPORTS,
+        help="auto (the default): on a local QMP socket, a private gdbstub qmpprof opens over "
+             "QMP and removes at the end (falls back to QMP, --verbose says why); qmp: QMP and "
+             "HMP only; gdb: the gdbstub at --gdb")  # fmt: skip
+    add("--gdb", metavar="HOST:PORT",
+        help="a gdbstub the VM already has (implies --transport gdb)")  # fmt: skip
     add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
         help="how QMP reads memory (default: memsave on a local socket, else HMP x)")  # fmt: skip
     add("--interval", metavar="MS", type=float, default=10.0, help="guest run time between samples")
@@ -150,9 +154,11 @@ def parse(argv: list[str]) -> Options:
         )
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
-    transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "qmp")
+    transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "auto")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
+    if ns.gdb and transport != "gdb":
+        raise UsageError(f"--gdb needs --transport gdb, not {transport}")
     outputs = outputs_of(ns)
     # A saved profile keeps source lines, so that it can be rendered with --lines later; pprof
     # makes its own line views from them.

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from qmpprof.cli import text
 from qmpprof.cli.options import Options
-from qmpprof.errors import GuestGoneError
+from qmpprof.errors import GuestGoneError, OutputError
 from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Run, start
@@ -76,7 +76,12 @@ async def run(
     QEMU there, so that sampling begins with the guest's first instruction)."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap sys.stdout
     progress = _Progress(err, opts.spec.sampling.duration)
-    sampler = await start(opts.spec, on_tick=progress)
+
+    def say_path(path: str) -> None:
+        if opts.verbose:
+            err.write(f"qmpprof: samples travel through {path}\n")
+
+    sampler = await start(opts.spec, on_tick=progress, on_connect=say_path)
     try:
         progress.samples = lambda: len(sampler.profile)
         loop = asyncio.get_running_loop()
@@ -88,6 +93,7 @@ async def run(
             err.flush()
         started = time.time()
         outcome: RunOutcome | None = None
+        unwritten: list[OutputError] = []
         try:
             if on_start is not None:
                 await on_start(sampler)
@@ -96,9 +102,11 @@ async def run(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
             progress.clear()
-            _finish(opts, sampler, started, outcome, out, err)
+            unwritten = _finish(opts, sampler, started, outcome, out, err)
     finally:
         await sampler.transport.close()
+    if unwritten:
+        raise unwritten[0]
     return 0
 
 
@@ -109,8 +117,9 @@ def _finish(
     outcome: RunOutcome | None,
     out: TextIO,
     err: TextIO,
-) -> None:
-    """Report and write whatever was collected; runs on every exit path of a run."""
+) -> list[OutputError]:
+    """Report and write whatever was collected; runs on every exit path of a run. Returns the
+    outputs that could not be written (the others are written all the same)."""
     profile, stats = sampler.profile, sampler.stats
     profile.facts.update(
         {
@@ -137,10 +146,17 @@ def _finish(
     lines = stats.summary_lines(len(profile), profile.truncated, unique)
     if opts.verbose:
         lines += stats.detail_lines()
+    unwritten = []
     for path in opts.outputs:
-        fmt = write_profile(profile, path, opts.fmt, opts.naming)
+        try:
+            fmt = write_profile(profile, path, opts.fmt, opts.naming)
+        except OutputError as error:
+            unwritten.append(error)
+            continue
         lines.append(text.written_line(path, fmt))
+    lines += [f"qmpprof: error: {error}" for error in unwritten[1:]]  # the first ends the run
     err.write("".join(line + "\n" for line in lines))
+    return unwritten
 
 
 def gone_message(error: GuestGoneError, outputs: tuple[Path, ...]) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qmpprof.errors import UsageError
+from qmpprof.errors import OutputError, UsageError
 from qmpprof.naming import Naming
 from qmpprof.output import folded, native, pprof, speedscope, svg
 from qmpprof.profile import Profile
@@ -86,14 +86,19 @@ def write_profile(
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader never sees half a file."""
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    except OSError as err:
+        raise OutputError(str(path), err.strerror or str(err)) from None
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise OutputError(str(path), err.strerror or str(err)) from None
         raise
 
 

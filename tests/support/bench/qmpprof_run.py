@@ -38,7 +38,7 @@ class QmpprofSampler:
 
     async def setup(self) -> None:
         self._identifier = build_identifier(self._spec)
-        self._transport = await connect(self._spec)
+        self._transport = (await connect(self._spec)).transport
 
     async def run(self, interval: float, duration: float) -> Paced:
         assert self._transport is not None and self._identifier is not None
