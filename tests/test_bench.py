@@ -45,8 +45,40 @@ def test_slowdown_and_its_standard_error() -> None:
     assert Alternated().slowdown() == (None, None)
 
 
-def _run(method: str, interval: float, median: float | None, slowdown: float | None) -> Run:
-    return Run(method, interval, 10, 0, median, median, 50.0, 0.1, 90.0, 100.0, slowdown, 0.01)
+def _run(
+    method: str, interval: float, median: float | None, slowdown: float | None, smp: int = 1
+) -> Run:
+    return Run(
+        method, interval, 10, 0, median, median, 50.0, 0.1, 90.0, 100.0, slowdown, 0.01, smp=smp
+    )
+
+
+def test_two_vcpu_keys_and_the_targets() -> None:
+    runs = [
+        _run("floor", 10.0, 4.0, 0.2),
+        _run("qmpprof-default", 10.0, 1.0, 0.11),
+        _run("gdbstub", 10.0, 0.8, 0.1),
+        _run("gdb-loop", 10.0, 2.0, 0.3),
+        _run("qmpprof-default", 10.0, 2.0, 0.2, smp=2),
+        _run("floor", 10.0, 6.0, 0.3, smp=2),
+    ]
+    head = report.headline(runs, 10.0)
+    assert head["default_pause_ms"] == 1.0 and head["default_pause_ms_smp2"] == 2.0
+    assert head["floor_pause_ms_smp2"] == 6.0 and "gdbstub_pause_ms_smp2" not in head
+    assert head["gdbstub_overhead_100hz"] == head["gdbstub_loop_overhead_100hz"] == 0.1
+    assert head["default_overhead_100hz_smp2"] == 0.2
+    assert head["rate_hz"]["qmpprof-default_smp2"] == {"10ms": 50.0}
+    met = report.targets({**head, "first_pause_ms": 3.0})
+    assert met["default vs floor"] == {"ratio": 0.25, "limit": 0.45, "met": True}
+    assert met["default vs gdb in a loop"]["met"] is True  # 0.5
+    assert met["default vs bare gdbstub slowdown"]["ratio"] == pytest.approx(1.1)
+    assert met["default, 2 vCPUs vs 1"] == {"ratio": 2.0, "limit": 1.5, "met": False}
+    assert met["first pause vs default"]["met"] is False  # 3x
+    assert report.targets({})["default vs floor"]["met"] is None
+    table = report.table({"runs": [r.__dict__ for r in runs], "baseline_progress_per_s": [1, 1],
+                          "targets": met, **head})  # fmt: skip
+    assert "qmpprof-default (2 vCPUs)" in table
+    assert "target default, 2 vCPUs vs 1: 2.00x (at most 1.5x): NOT met" in table
 
 
 def test_headline_keys_and_table() -> None:

@@ -45,13 +45,30 @@ class Fixture:
 
 @dataclass
 class Guest:
-    """A booted guest: its QMP socket, its gdbstub address and a QMP witness connection."""
+    """A booted guest: the QMP socket the measured methods use, and a witness connection on a
+    second socket of its own (QEMU serves one client per socket) that reads the guest's
+    progress and opens and closes a gdbstub for the methods that need one."""
 
     proc: subprocess.Popen[bytes]
     qmp_path: str
-    gdb_address: str
     witness: RawQmp
     progress_addr: int
+    smp: int = 1
+    gdb_address: str = ""  # while a gdbstub is open
+
+    def open_gdbstub(self) -> str:
+        """Start a gdbstub on a free TCP port (HMP gdbserver); its address."""
+        port = free_port()
+        reply = self.witness.hmp(f"gdbserver tcp:127.0.0.1:{port}")
+        if "Waiting for gdb connection" not in reply:
+            raise QmpprofError(f"QEMU refused a gdbstub: {reply.strip()}")
+        self.gdb_address = f"127.0.0.1:{port}"
+        return self.gdb_address
+
+    def close_gdbstub(self) -> None:
+        """Remove the gdbstub (the guest's run state is left as it is)."""
+        self.witness.hmp("gdbserver none")
+        self.gdb_address = ""
 
     def progress(self) -> int:
         """The guest's progress counter (read while it runs: memsave does not stop it)."""
@@ -60,13 +77,6 @@ class Guest:
 
     async def read_progress(self) -> int:
         return self.progress()
-
-    def release_qmp(self) -> None:
-        """Free the QMP socket (QEMU serves one client at a time) for another client."""
-        self.witness.close()
-
-    def reclaim_qmp(self) -> None:
-        self.witness = RawQmp(self.qmp_path)
 
 
 def free_port() -> int:
@@ -90,16 +100,16 @@ def symbol_address(kernel: Path, name: str) -> int:
 
 @contextlib.contextmanager
 def boot(root: Path, fixture: Fixture, variant: str, smp: int = 1) -> Iterator[Guest]:
-    """Boot the guest and wait until its workload runs; always kill QEMU on the way out."""
+    """Boot the guest (no gdbstub: the default qmpprof path opens its own) and wait until its
+    workload runs; always kill QEMU on the way out."""
     workdir = Path(tempfile.mkdtemp(prefix="qmpprof-bench-"))
-    qmp_path = str(workdir / "qmp.sock")
-    port = free_port()
+    qmp_path, witness_path = str(workdir / "qmp.sock"), str(workdir / "witness.sock")
     cmd = [str(root / "scripts" / "run-guest"), "--variant", variant, "--smp", str(smp)]
-    cmd += ["--qmp-socket", qmp_path, "--gdb", str(port), "--console", str(workdir / "console")]
-    gdb_address = f"127.0.0.1:{port}"
+    cmd += ["--qmp-socket", qmp_path, "--qmp-socket", witness_path]
+    cmd += ["--console", str(workdir / "console")]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     try:
-        guest = Guest(proc, qmp_path, gdb_address, _wait_for_qmp(proc, qmp_path), 0)
+        guest = Guest(proc, qmp_path, _wait_for_qmp(proc, witness_path), 0, smp)
         try:
             guest.progress_addr = symbol_address(fixture.kernel, fixture.progress_symbol)
             _wait_for_progress(guest)

@@ -1,5 +1,6 @@
 """qmpprof itself as a benchmarked method: the real sampler (unwinding, process tracking,
-symbols) built by ``qmpprof.session`` as the command builds it, over QMP or the gdbstub."""
+symbols) built by ``qmpprof.session`` as the command builds it: the default path (a private
+gdbstub opened over QMP), QMP alone, or a gdbstub the VM has; and the first pause of a run."""
 
 from __future__ import annotations
 
@@ -9,36 +10,57 @@ from pathlib import Path
 
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.sampler import Sampler
-from qmpprof.session import RunSpec, build_identifier, connect, sampler_config, unwinder
+from qmpprof.session import (
+    RunSpec,
+    TransportKind,
+    build_identifier,
+    connect,
+    sampler_config,
+    start,
+    unwinder,
+)
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.chain import AddressSpace
 from support.bench.methods import Paced
 
 
 class QmpprofSampler:
-    """``qmpprof --kernel K --user-dir U (--qmp-socket S | --gdb A)`` run in this process.
+    """``qmpprof --kernel K --user-dir U (--qmp-socket S [--transport T] | --gdb A)`` run in
+    this process.
 
     ``setup`` loads the ELF files and connects (the guest keeps running), ``run`` is only the
     sampling, so the guest's progress measured around ``run`` is the sampler's alone.
     """
 
     def __init__(
-        self, name: str, kernel: Path, user_dir: Path | None, *, qmp: str = "", gdb: str = ""
+        self,
+        name: str,
+        kernel: Path,
+        user_dir: Path | None,
+        *,
+        qmp: str = "",
+        transport: TransportKind = "auto",
+        gdb: str = "",
     ) -> None:
-        """Over the QMP socket ``qmp``, else over the gdbstub at ``gdb``."""
+        """Over the QMP socket ``qmp`` (the default path, or ``transport``), else over the
+        gdbstub at ``gdb``."""
         self.name = name
         if qmp:
-            self._spec = RunSpec(qmp_socket=Path(qmp), kernel=kernel, user_dir=user_dir)
+            self._spec = RunSpec(
+                qmp_socket=Path(qmp), transport=transport, kernel=kernel, user_dir=user_dir
+            )
         else:
             self._spec = RunSpec(transport="gdb", gdb=gdb, kernel=kernel, user_dir=user_dir)
         self._transport: GuestTransport | None = None
         self._identifier: GuestIdentifier[AddressSpace] | None = None
+        self.path = ""  # how the samples travelled (session.Connection.path)
         self.samples = 0
         self.truncated = 0
 
     async def setup(self) -> None:
         self._identifier = build_identifier(self._spec)
-        self._transport = (await connect(self._spec)).transport
+        connection = await connect(self._spec)
+        self._transport, self.path = connection.transport, connection.path
 
     async def run(self, interval: float, duration: float) -> Paced:
         assert self._transport is not None and self._identifier is not None
@@ -57,12 +79,22 @@ class QmpprofSampler:
             details.append("the guest was paused: one sample only")
         return Paced(list(stats.pauses), stats.error_count, elapsed, details)
 
-    async def read_u64(self, addr: int) -> int:
-        """A guest word through this sampler's own transport (its QMP connection is the only
-        one QEMU serves while it is open)."""
-        assert self._transport is not None
-        return int.from_bytes(await self._transport.read(0, addr, 8), "little")
-
     async def teardown(self) -> None:
         if self._transport is not None:
             await self._transport.close()
+
+
+async def first_pause_ms(spec: RunSpec, tries: int) -> list[float]:
+    """The first sample's pause of ``tries`` fresh runs, each built as the command builds it
+    (ELF files loaded, transport opened) and sampling 5 ticks: what a run pays in its first
+    stop with every cache cold."""
+    pauses = []
+    for _ in range(tries):
+        sampler = await start(spec)
+        try:
+            await sampler.run()
+        finally:
+            await sampler.transport.close()
+        if sampler.stats.pauses:
+            pauses.append(sampler.stats.pauses[0] * 1e3)
+    return pauses

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qmpprof.errors import QmpprofError
+from qmpprof.sampler import SamplerConfig
+from qmpprof.session import RunSpec
 from support.bench import report
 from support.bench.guest import Fixture, Guest, boot
 from support.bench.methods import (
@@ -31,13 +33,14 @@ from support.bench.methods import (
     run_paced,
 )
 from support.bench.offline import offline
-from support.bench.qmpprof_run import QmpprofSampler
+from support.bench.qmpprof_run import QmpprofSampler, first_pause_ms
 from support.bench.soak import soak
 
 ROOT = Path(__file__).resolve().parents[3]
 _SEGMENT = 0.5  # seconds of one sampled (and one unsampled) stretch
 METHODS = (
     "floor",
+    "qmpprof-default",
     "qmpprof-qmp",
     "emerald",
     "gdb-loop",
@@ -46,6 +49,11 @@ METHODS = (
     "gdbstub-fused",
     "qmpprof-gdb",
 )
+# Methods that drive a gdbstub: opened over the witness QMP socket for them, removed after (the
+# guest has none otherwise, so that qmpprof's default path may open its own).
+_GDBSTUB = frozenset({"gdb-loop", "gdb-batch", "gdbstub", "gdbstub-fused", "qmpprof-gdb"})
+SMP2_METHODS = ("floor", "qmpprof-default", "gdb-loop")
+FIRST_PAUSE_TRIES = 5
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Run:
     slowdown: float | None = None  # 1 - progress_per_s / baseline_per_s
     slowdown_se: float | None = None  # its standard error, from the spread between stretches
     notes: list[str] = field(default_factory=list)
+    smp: int = 1  # the guest's vCPUs
 
 
 @dataclass
@@ -74,6 +83,7 @@ class Config:
     batch_samples: int = 8
     variant: str = "cfi"
     methods: tuple[str, ...] = METHODS
+    smp2_methods: tuple[str, ...] = SMP2_METHODS  # again on a 2-vCPU guest, at the first interval
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -177,25 +187,27 @@ def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampl
         return GdbMiLoop(guest.gdb_address, kernel)
     if name == "gdb-batch":
         return GdbBatch(guest.gdb_address, kernel)
-    if name == "qmpprof-qmp":
+    if name == "qmpprof-default":
         return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path)
+    if name == "qmpprof-qmp":
+        return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path, transport="qmp")
     return QmpprofSampler(name, fixture.kernel, user_dir, gdb=guest.gdb_address)
 
 
-async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> list[Run]:
+async def measure(
+    name: str, guest: Guest, fixture: Fixture, cfg: Config, intervals: tuple[float, ...]
+) -> list[Run]:
     """Every interval of one method, set up once; setup and teardown are not measured."""
+    stub = name in _GDBSTUB
+    if stub:
+        guest.open_gdbstub()
     method = _methods(name, guest, fixture)
-    intervals = cfg.intervals[:1] if name == "gdb-batch" else cfg.intervals
+    if name == "gdb-batch":
+        intervals = intervals[:1]
     limit = 1 if name == "gdb-batch" else 0  # one gdb run per segment
     runs = []
-    counter = guest.read_progress
-    exclusive = name == "qmpprof-qmp"  # its QMP connection must be the only one
-    if exclusive:
-        guest.release_qmp()
     try:
         await method.setup()
-        if isinstance(method, QmpprofSampler) and exclusive:
-            counter = functools.partial(method.read_u64, guest.progress_addr)
         for interval in intervals:
             body: Callable[[float], Awaitable[Paced]]
             if isinstance(method, QmpprofSampler):
@@ -203,36 +215,74 @@ async def measure(name: str, guest: Guest, fixture: Fixture, cfg: Config) -> lis
             else:
                 body = functools.partial(run_paced, method, interval, limit=limit)
             segments = cfg.batch_samples if limit else max(1, round(cfg.duration / _SEGMENT))
-            runs.append(_run(name, interval, await _alternate(counter, body, segments, _SEGMENT)))
+            alternated = await _alternate(guest.read_progress, body, segments, _SEGMENT)
+            runs.append(_run(name, interval, alternated))
     finally:
         await method.teardown()
-        if exclusive:
-            guest.reclaim_qmp()
+        if stub:
+            guest.close_gdbstub()
     words = getattr(method, "words", 0)
     if words and runs:
         runs[0].notes.append(f"{words / max(1, sum(r.samples for r in runs)):.1f} words/sample")
+    if isinstance(method, QmpprofSampler) and runs:
+        runs[0].notes.append(f"through {method.path}")
     return runs
+
+
+async def _measure_all(
+    methods: tuple[str, ...],
+    guest: Guest,
+    fixture: Fixture,
+    cfg: Config,
+    intervals: tuple[float, ...],
+    log: Callable[[str], None],
+) -> list[Run]:
+    runs: list[Run] = []
+    for name in methods:
+        try:
+            done = await measure(name, guest, fixture, cfg, intervals)
+        except QmpprofError as err:
+            done = [_run(name, intervals[0], Alternated(Paced(errors=1, details=[str(err)])))]
+        for run in done:
+            run.smp = guest.smp
+            log(report.run_line(run.method, asdict(run)))
+        runs += done
+    return runs
+
+
+async def _first_pause(guest: Guest, fixture: Fixture, log: Callable[[str], None]) -> list[float]:
+    spec = RunSpec(
+        qmp_socket=Path(guest.qmp_path),
+        kernel=fixture.kernel,
+        user_dir=fixture.kernel.parent / "user",
+        sampling=SamplerConfig(interval=0.010, duration=0.05),
+    )
+    try:
+        pauses = await first_pause_ms(spec, FIRST_PAUSE_TRIES)
+    except QmpprofError as err:
+        log(f"first pause: {err}")
+        return []
+    log(f"first pause of {len(pauses)} fresh runs (ms): {', '.join(f'{p:.2f}' for p in pauses)}")
+    return pauses
 
 
 async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     fixture = Fixture.find(ROOT, cfg.variant)
     load_start = _load()
-    runs: list[Run] = []
     with boot(ROOT, fixture, cfg.variant) as guest:
         await asyncio.sleep(0.5)  # let the workload settle past its start-up
         before = await baseline(guest, cfg.duration)
         log(f"unsampled guest progress: {before:.0f}/s")
-        for name in cfg.methods:
-            try:
-                runs += await measure(name, guest, fixture, cfg)
-            except QmpprofError as err:
-                failed = Alternated(Paced(errors=1, details=[str(err)]))
-                runs.append(_run(name, cfg.intervals[0], failed))
-            for run in runs:
-                if run.method == name:
-                    log(report.run_line(run.method, asdict(run)))
+        runs = await _measure_all(cfg.methods, guest, fixture, cfg, cfg.intervals, log)
+        first = await _first_pause(guest, fixture, log)
         after = await baseline(guest, cfg.duration)
         log(f"unsampled guest progress: {after:.0f}/s (again, at the end)")
+    if cfg.smp2_methods:
+        with boot(ROOT, fixture, cfg.variant, smp=2) as guest:
+            await asyncio.sleep(0.5)
+            runs += await _measure_all(
+                cfg.smp2_methods, guest, fixture, cfg, cfg.intervals[:1], log
+            )
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {
@@ -244,8 +294,11 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
         },
         "baseline_progress_per_s": [before, after],
         "runs": [asdict(r) for r in runs],
+        "first_pause_ms": statistics.median(first) if first else None,
+        "first_pauses_ms": first,
     }
     result.update(report.headline(runs, cfg.intervals[0] * 1e3))
+    result["targets"] = report.targets(result)
     result.update(offline(fixture.kernel, log))
     return result
 
@@ -261,16 +314,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3.0, help="seconds per run (default 3)")
     p.add_argument("--variant", default="cfi", choices=("cfi", "fp"), help="guest build")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    p.add_argument(
+        "--smp2-methods",
+        default=",".join(SMP2_METHODS),
+        help="run again on a 2-vCPU guest at the first interval ('' for none)",
+    )
     p.add_argument("--batch-samples", type=int, default=8, help="gdb -batch runs (default 8)")
     p.add_argument(
         "--soak", action="store_true", help="only the memory soak: peak RSS, 3k vs 30k samples"
     )
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)
-    unknown = sorted(set(methods) - set(METHODS))
+    smp2 = tuple(m for m in ns.smp2_methods.split(",") if m)
+    unknown = sorted(set(methods + smp2) - set(METHODS))
     if unknown:
         p.error(f"unknown method {unknown[0]!r} (known: {', '.join(METHODS)})")
-    cfg = Config(ns.duration, (0.010, 0.002), ns.batch_samples, ns.variant, methods)
+    cfg = Config(ns.duration, (0.010, 0.002), ns.batch_samples, ns.variant, methods, smp2)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

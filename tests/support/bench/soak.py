@@ -43,7 +43,6 @@ def soak(
     user_dir = fixture.kernel.parent / "user"
     out: dict[str, object] = {"soak_smp": SMP, "soak_interval_ms": INTERVAL_MS}
     with boot(root, fixture, "cfi", smp=SMP) as guest, tempfile.TemporaryDirectory() as tmp:
-        guest.release_qmp()  # qmpprof's QMP connection must be the only one
         for count in counts:
             # Each tick samples every vCPU; the duration is guest run time.
             duration = count / SMP * INTERVAL_MS / 1e3
@@ -60,7 +59,6 @@ def soak(
                 f" peak RSS {peak_mb:.1f} MB")  # fmt: skip
             out[f"soak_rss_peak_mb_{count}"] = round(peak_mb, 1)
             out[f"soak_samples_{count}"] = samples
-        guest.reclaim_qmp()
     low, high = (out[f"soak_rss_peak_mb_{c}"] for c in (counts[0], counts[-1]))
     assert isinstance(low, float) and isinstance(high, float)
     out["soak_rss_growth_mb"] = round(high - low, 1)
