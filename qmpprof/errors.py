@@ -52,11 +52,16 @@ class TransportError(QmpprofError):
 
 
 class MemoryReadError(TransportError):
-    """Guest memory at an address could not be read (unmapped page)."""
+    """Guest memory at an address could not be read (unmapped page). ``readable``: the bytes
+    from ``addr`` on that were read before the first unreadable one, when the transport knows
+    (the gdbstub answers each 2 KiB on its own); None when it does not (QMP)."""
 
-    def __init__(self, addr: int, size: int, detail: str = "") -> None:
+    def __init__(
+        self, addr: int, size: int, detail: str = "", readable: bytes | None = None
+    ) -> None:
         self.addr = addr
         self.size = size
+        self.readable = readable
         suffix = f": {detail}" if detail else ""
         super().__init__(f"cannot read {size} bytes of guest memory at {addr:#x}{suffix}")
 

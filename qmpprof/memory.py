@@ -71,6 +71,11 @@ class StackReader:
     memsave fails whole if one page is unmapped, and a failed read costs as much as a good one;
     so when the window fails, it is read page by page up to the first unmapped page (the top of
     the stack), once: later samples at this RSP page read just up to there.
+
+    A window is also cut to what walks from its RSP page have needed: down to the deepest stack
+    page a walk read there. Over the gdbstub every 2 KiB costs a packet QEMU
+    answers in turn, and most walks need one or two pages of the 16 KiB; a walk that needs more
+    fetches it on demand, and the window grows to it.
     """
 
     def __init__(
@@ -80,17 +85,30 @@ class StackReader:
         self.window = window
         self.max_refetch = max_refetch
         self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
+        self._deepest: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
 
     async def prefetch(self, regs: Registers, cache: PageCache) -> None:
         """The stack window at RSP, cut at the stack's end once a sample has found it."""
         start = page_of(regs.rsp)
         end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
         key = _stack_key(regs)
-        end = min(end, self._stack_ends.get(key, end))
+        end = min(end, self._stack_ends.get(key, end), self._deepest.get(key, end) + PAGE)
         try:
             data = await self.transport.read(regs.cpu, start, end - start)
-        except TransportError:
+        except MemoryReadError as err:
             self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
+            if err.readable is None:
+                await self._read_up_to_hole(regs.cpu, cache, start, end)
+                return
+            # The transport said how far it could read: the page after that is the hole.
+            whole = len(err.readable) // PAGE * PAGE
+            for page in range(start, start + whole, PAGE):
+                cache.pages[page] = err.readable[page - start : page - start + PAGE]
+            if start + whole < end:
+                cache.pages[start + whole] = None
+            return
+        except TransportError:
+            self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, start, end)
             return
         for page in range(start, end, PAGE):
@@ -105,12 +123,21 @@ class StackReader:
                 return
 
     def learn(self, regs: Registers, cache: PageCache) -> None:
-        """Remember the first unmapped page above RSP that this sample met."""
-        page = page_of(regs.rsp) + PAGE
+        """Remember the first unmapped page above RSP that this sample met, and the deepest
+        stack page its walk read."""
+        key = _stack_key(regs)
+        start = page = page_of(regs.rsp)
         while cache.pages.get(page) is not None:
             page += PAGE
         if page in cache.pages:
-            self._stack_ends.put(_stack_key(regs), page)
+            self._stack_ends.put(key, page)
+        # Pages read within a window's reach of RSP (walks skip pages under large frames).
+        reach = start + self.window + PAGE
+        deepest = max(
+            (p for p in cache.used if start <= p < reach and cache.pages.get(p)), default=start
+        )
+        if deepest > self._deepest.get(key, -1):
+            self._deepest.put(key, deepest)
 
     async def complete(self, cpu: int, cache: PageCache, attempt: Callable[[], T]) -> T:
         """``attempt()`` (a pure walk over ``cache``) run until it needs no page it lacks: each

@@ -30,13 +30,16 @@ def page_of(addr: int) -> int:
 class PageCache:
     """Pages of one vCPU's address space fetched during one sample.
 
-    A page maps to its bytes, or to None when QEMU said it is not mapped.
+    A page maps to its bytes, or to None when QEMU said it is not mapped. ``used`` holds the
+    pages something read from (the stack reader learns from it how much of a window a walk
+    needs).
     """
 
-    __slots__ = ("pages",)
+    __slots__ = ("pages", "used")
 
     def __init__(self) -> None:
         self.pages: dict[int, bytes | None] = {}
+        self.used: set[int] = set()
 
     def read(self, addr: int, size: int) -> bytes | None:
         """Bytes at ``addr``; None if any page is unmapped; PageMissing if one is not fetched."""
@@ -47,6 +50,7 @@ class PageCache:
                 page = self.pages[first]
             except KeyError:
                 raise PageMissing(addr) from None
+            self.used.add(first)
             return None if page is None else page[off : off + size]
         out = bytearray()
         pos = addr
@@ -58,6 +62,7 @@ class PageCache:
                 page = self.pages[base]
             except KeyError:
                 raise PageMissing(pos) from None
+            self.used.add(base)
             if page is None:
                 return None
             out += page[pos - base : pos - base + take]

@@ -60,8 +60,11 @@ class FakeTransport:
         running: bool = True,
         costs: dict[str, float] | None = None,
         hook: Callable[[str, int], None] | None = None,
+        partial: bool = False,
     ) -> None:
+        """``partial``: a failed read says how far it got, as the gdbstub does."""
         self._regs = regs
+        self.partial = partial
         self.pages: dict[int, bytes] = dict(memory or {})
         self.clock = clock or FakeClock()
         self.running = running
@@ -105,11 +108,12 @@ class FakeTransport:
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         self._call(f"read:{addr:#x}+{size:#x}")
         out = bytearray()
+        start = addr - page_of(addr)
         for page in range(page_of(addr), addr + size, PAGE):
             if page not in self.pages:
-                raise MemoryReadError(addr, size, "not mapped")
+                readable = bytes(out[start:]) if self.partial else None
+                raise MemoryReadError(addr, size, "not mapped", readable)
             out += self.pages[page]
-        start = addr - page_of(addr)
         return bytes(out[start : start + size])
 
     async def close(self) -> None:

@@ -265,6 +265,43 @@ async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() ->
     assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
+async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> None:
+    r0, pages = kernel_cpu()  # RSP's page is the last mapped one
+    transport = FakeTransport({0: r0}, pages, partial=True)
+    sampler = make(transport, window=64 * 1024, duration=0.03)
+    await sampler.run()
+    reads = [c for c in transport.calls if c.startswith("read")]
+    rsp_page = r0.rsp & ~0xFFF
+    assert reads == [f"read:{rsp_page:#x}+0x11000"] + [f"read:{rsp_page:#x}+0x1000"] * 2
+    assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
+
+
+async def test_the_window_is_cut_to_the_pages_walks_needed_and_grows_on_demand() -> None:
+    r0, pages = kernel_cpu()
+    rsp_page = r0.rsp & ~0xFFF
+    above = {rsp_page + i * 0x1000: bytes(0x1000) for i in range(1, 16)}  # mapped, unused
+    transport = FakeTransport({0: r0}, {**above, **pages})
+    sampler = make(transport, window=16 * 1024, duration=0.02)
+    await sampler.run()
+    reads = [c for c in transport.calls if c.startswith("read")]
+    # The first tick reads the whole window (RSP is mid-page: five pages); the walk used one.
+    assert reads == [f"read:{rsp_page:#x}+0x5000", f"read:{rsp_page:#x}+0x1000"]
+    # A deeper walk from the same RSP page fetches what it lacks, and the window grows to it.
+    rbp, deeper = frame_chain(rsp_page + 0x4000, [K + 0x2010, K + 0x1010], gap=0x1800)
+    transport.pages.update(deeper)
+    transport._regs = {0: regs(0, K + 0x3004, rsp=r0.rsp, rbp=rbp)}
+    for expected_reads in (2, 1):  # on demand once, then within the window
+        transport.calls.clear()
+        again = make(transport, window=16 * 1024)
+        again.stacks = sampler.stacks
+        outcome = await again.run(one_shot=True)
+        assert outcome.last[0].stack.stop is StopReason.END
+        reads = [c for c in transport.calls if c.startswith("read")]
+        assert len(reads) >= expected_reads and reads[0].startswith(f"read:{rsp_page:#x}+")
+        if expected_reads == 1:
+            assert len(reads) == 1 and int(reads[0].split("+")[1], 16) > 0x1000
+
+
 async def test_request_stop_ends_after_the_current_tick() -> None:
     r0, pages = kernel_cpu()
     transport = FakeTransport({0: r0}, pages)

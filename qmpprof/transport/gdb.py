@@ -205,14 +205,16 @@ class GdbTransport:
         lengths = [min(step, addr + size - pos) for pos in range(addr, addr + size, step)]
         bodies = [b"m%x,%x" % (addr + i * step, n) for i, n in enumerate(lengths)]
         replies = await self._on_cpu(cpu, bodies)
-        for reply, n in zip(replies, lengths, strict=True):
+        for i, (reply, n) in enumerate(zip(replies, lengths, strict=True)):
             # A data reply is exactly two hex digits a byte; Exx (E14: unmapped) is not.
             if len(reply) != 2 * n:
-                raise MemoryReadError(addr, size, f"gdbstub answered {reply[:8]!r}")
-        try:
-            return bytes.fromhex(b"".join(replies).decode("ascii"))
-        except ValueError as err:
-            raise MemoryReadError(addr, size, "gdbstub answered no hex") from err
+                readable = _unhex(b"".join(replies[:i]))
+                detail = f"gdbstub answered {reply[:8]!r}"
+                raise MemoryReadError(addr, size, detail, b"" if readable is None else readable)
+        data = _unhex(b"".join(replies))
+        if data is None:
+            raise MemoryReadError(addr, size, "gdbstub answered no hex")
+        return data
 
     async def query(self, body: str) -> str:
         """Send one raw packet and return the reply (for diagnostics and qXfer reads; not for
@@ -292,3 +294,10 @@ async def _handshake(
     except ValueError as err:
         raise ConnectError(f"{address} is not a gdbstub: qSupported said {reply!r}") from err
     return saw_stop, max(16, min(_MAX_READ, size // 2)), ack
+
+
+def _unhex(text: bytes) -> bytes | None:
+    try:
+        return bytes.fromhex(text.decode("ascii"))
+    except ValueError:
+        return None
