@@ -1,0 +1,139 @@
+"""The Linux identifier over fake guest memory laid out with the offsets of Debian's 6.12 BTF:
+the current task of each vCPU, processes by tgid and leader name, kernel threads and idle, the
+per-CPU base, the pointer read with the stack and the task only when not seen recently."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import replace
+
+import pytest
+from fakes import FakeTransport, regs
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.guest.linux import PF_KTHREAD, LinuxIdentifier, TaskLayout
+from qmpprof.linux.btf import Btf
+from qmpprof.model import Mapping, Process
+from qmpprof.pages import PAGE, PageCache
+from qmpprof.unwind.space import Module
+
+PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20
+BASES = (0xFFFF_8880_3EA0_0000, 0xFFFF_8880_3EB0_0000)
+KERNEL = Module(Mapping("vmlinux", 0xFFFF_FFFF_8100_0000, 0xFFFF_FFFF_8300_0000, True))
+
+
+class Memory:
+    """Sparse guest memory, as the pages a FakeTransport serves."""
+
+    def __init__(self) -> None:
+        self.pages: dict[int, bytearray] = {}
+
+    def put(self, addr: int, data: bytes) -> None:
+        for i, byte in enumerate(data):
+            page = (addr + i) & ~(PAGE - 1)
+            self.pages.setdefault(page, bytearray(PAGE))[(addr + i) - page] = byte
+
+    def task(
+        self, layout: TaskLayout, at: int, pid: int, tgid: int, comm: str, flags: int, leader: int
+    ) -> None:
+        self.put(at + layout.pid, struct.pack("<i", pid))
+        self.put(at + layout.tgid, struct.pack("<i", tgid))
+        self.put(at + layout.comm, comm.encode().ljust(16, b"\0"))
+        self.put(at + layout.flags, struct.pack("<I", flags))
+        self.put(at + layout.group_leader, struct.pack("<Q", leader))
+
+    def frozen(self) -> dict[int, bytes]:
+        return {page: bytes(data) for page, data in self.pages.items()}
+
+
+@pytest.fixture(scope="module")
+def layout(linux_vmlinux: ElfImage) -> TaskLayout:
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    return TaskLayout.from_btf(btf)
+
+
+def guest(layout: TaskLayout, current: tuple[int, int]) -> Memory:
+    memory = Memory()
+    memory.put(PER_CPU_OFFSET, struct.pack("<2Q", *BASES))
+    for base, task in zip(BASES, current, strict=True):
+        memory.put(base + layout.current, struct.pack("<Q", task))
+    return memory
+
+
+APP_LEADER, APP_THREAD = 0xFFFF_8880_0100_0000, 0xFFFF_8880_0100_4000
+KWORKER, IDLE = 0xFFFF_8880_0200_0000, 0xFFFF_FFFF_82C1_0940
+
+
+def test_the_layout_of_debian_612(layout: TaskLayout) -> None:
+    # pahole on the same image (tests/test_linux_btf.py checks the BTF reader against it).
+    assert layout.current == 0x351C0  # pcpu_hot.current_task, the first member
+    assert (layout.pid, layout.tgid, layout.comm) == (2432, 2436, 2976)
+
+
+async def test_threads_belong_to_their_process_and_kernel_threads_are_bracketed(
+    layout: TaskLayout,
+) -> None:
+    memory = guest(layout, (APP_THREAD, KWORKER))
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.task(layout, APP_THREAD, 1234, 1230, "worker", 0, APP_LEADER)
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    transport = FakeTransport({}, memory.frozen())
+    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET)
+    user = await identifier.identify(transport, regs(0, 0x40_1000), PageCache())
+    kthread = await identifier.identify(transport, regs(1, KERNEL.start + 16), PageCache())
+    assert user.process == Process(1230, "myapp", 0)
+    assert kthread.process == Process(55, "[kworker/1:0]", 0)
+    assert user.space is kthread.space is identifier.space
+
+
+async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_stale(
+    layout: TaskLayout,
+) -> None:
+    memory = guest(layout, (IDLE, KWORKER))
+    memory.task(layout, IDLE, 0, 0, "swapper/0", PF_KTHREAD, IDLE)
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    now = [0.0]
+    transport = FakeTransport({}, memory.frozen())
+    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET, clock=lambda: now[0])
+    r0 = regs(0, KERNEL.start + 16)
+    assert identifier.reads_for(r0) == ()  # the per-CPU base is not known yet
+    assert (await identifier.identify(transport, r0, PageCache())).process == Process(
+        0, "swapper/0", 0
+    )
+    assert identifier.reads_for(r0) == ((BASES[0] + layout.current, 8),)
+    # Within RECHECK, the pointer alone (read with the stack) identifies the task.
+    transport.calls.clear()
+    cache = PageCache()
+    await identifier.identify(transport, r0, cache)
+    assert [c for c in transport.calls if c.startswith("read")] == [
+        f"read:{(BASES[0] + layout.current) & ~(PAGE - 1):#x}+0x1000"
+    ]
+    # Past it, the task is read again: the pid changed (the pointer now holds another task).
+    memory.task(layout, IDLE, 77, 77, "kworker/0:2", PF_KTHREAD, IDLE)
+    transport.pages.update(memory.frozen())
+    now[0] = 1.0
+    again = await identifier.identify(transport, r0, PageCache())
+    assert again.process == Process(77, "[kworker/0:2]", 0)
+
+
+async def test_without_per_cpu_offsets_the_gs_base_of_kernel_mode_serves(
+    layout: TaskLayout,
+) -> None:
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    transport = FakeTransport({}, memory.frozen())
+    identifier = LinuxIdentifier([KERNEL], layout, None)
+    user = regs(0, 0x40_1000)  # user mode: GS is the user's, no base to learn
+    assert (await identifier.identify(transport, user, PageCache())).process is None
+
+    kernel = replace(regs(0, KERNEL.start + 16), gs_base=BASES[0])
+    assert (await identifier.identify(transport, kernel, PageCache())).process == Process(
+        55, "[kworker/1:0]", 0
+    )
+
+
+async def test_without_btf_every_sample_is_the_kernel_s() -> None:
+    identifier = LinuxIdentifier([KERNEL], None, PER_CPU_OFFSET)
+    found = await identifier.identify(FakeTransport({}, {}), regs(0, 0x40_1000), PageCache())
+    assert found.process is None and identifier.reads_for(regs(0, 0x40_1000)) == ()

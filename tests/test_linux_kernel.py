@@ -1,0 +1,90 @@
+"""A Linux kernel loaded for a run from the files in /boot: Debian's 6.12 bzImage as found there
+(scripts/fetch-linux), its kallsyms, ORC and BTF, and its Module at a KASLR slide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
+from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof.linux.orc import OrcStep
+
+SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel
+
+
+@pytest.fixture(scope="module")
+def kernel(linux_dir: Path) -> LinuxKernel:
+    return LinuxKernel.load(linux_dir / "vmlinuz")
+
+
+def test_the_bzimage_from_boot_has_all_a_run_needs(kernel: LinuxKernel) -> None:
+    assert kernel.missing == ()
+    assert kernel.orc is not None and kernel.btf is not None
+    low, high = kernel.span
+    assert low == kernel.image.text_addr == kernel.symbols.address_of("_text")
+    assert low < kernel.symbols.address_of("schedule") < high  # type: ignore[operator]
+    # Its per-CPU section is linked at 0: not part of the kernel's range.
+    assert low >= 0xFFFF_8000_0000_0000
+    assert kernel.functions.lookup(kernel.symbols.address_of("schedule") + 1) == ("schedule", 1)  # type: ignore[operator]
+
+
+def test_the_module_at_a_slide_unwinds_by_orc_and_names_slid_addresses(
+    kernel: LinuxKernel,
+) -> None:
+    module = kernel.module(SLIDE)
+    low, high = kernel.span
+    assert (module.start, module.end, module.bias) == (low + SLIDE, high + SLIDE, SLIDE)
+    assert module.kernel and module.name == "vmlinux"
+    (step,) = module.steps
+    assert isinstance(step, OrcStep) and step.bias == SLIDE
+    schedule = kernel.address("schedule", SLIDE)
+    assert schedule is not None and module.symbols is not None
+    assert module.symbols.lookup(schedule - module.bias) == ("schedule", 0)
+    assert kernel.address("__per_cpu_offset") is not None  # a data symbol (KALLSYMS_ALL)
+
+
+def test_a_kallsyms_file_from_a_kaslr_boot_is_moved_back_to_link_addresses(
+    kernel: LinuxKernel, linux_dir: Path, tmp_path: Path
+) -> None:
+    text = kernel.symbols.address_of("_text")
+    schedule = kernel.symbols.address_of("schedule")
+    assert text is not None and schedule is not None
+    lines = [
+        f"{text + SLIDE:016x} T _text",
+        f"{schedule + SLIDE:016x} T schedule",
+        f"{0x351C0:016x} D pcpu_hot",  # per-CPU: an offset, not moved
+        f"{0xFFFF_FFFF_C000_1000:016x} t hot_read\t[qmpprof_hot]",  # a module: not moved
+    ]
+    path = tmp_path / "kallsyms"
+    path.write_text("\n".join(lines) + "\n")
+    loaded = LinuxKernel.load(linux_dir / "vmlinuz", kallsyms=path)
+    assert loaded.symbols.address_of("schedule") == schedule
+    assert loaded.symbols.address_of("pcpu_hot") == 0x351C0
+    assert loaded.symbols.address_of("hot_read", "qmpprof_hot") == 0xFFFF_FFFF_C000_1000
+    without_text = tmp_path / "no-text"
+    without_text.write_text(lines[1] + "\n")
+    with pytest.raises(SymbolMapError, match="no _text symbol"):
+        LinuxKernel.load(linux_dir / "vmlinuz", kallsyms=without_text)
+
+
+def test_what_is_not_a_linux_kernel_is_one_error(tmp_path: Path) -> None:
+    from guestvm import BUILD_ROOT, build_fixtures
+
+    build_fixtures()
+    ours = BUILD_ROOT / "cfi" / "kernel.elf"
+    assert not looks_like_linux(ours)
+    with pytest.raises(KernelImageError, match="not a Linux kernel"):
+        LinuxKernel.load(ours)
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"\x7fELF" + bytes(100))
+    assert not looks_like_linux(garbage)
+    with pytest.raises(ElfError):
+        LinuxKernel.load(garbage)
+    with pytest.raises(ElfError, match="No such file"):
+        LinuxKernel.load(tmp_path / "missing")
+
+
+def test_a_bzimage_is_recognised_from_its_header(linux_dir: Path) -> None:
+    assert looks_like_linux(linux_dir / "vmlinuz")
