@@ -12,7 +12,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     │   ├── KernelImageError     exit 6   a kernel image (bzImage, vmlinux) with no usable part
     │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
     ├── ProfileError             exit 7   a saved profile that cannot be read back
-    └── OutputError              exit 8   an output file that cannot be written
+    ├── OutputError              exit 8   an output file that cannot be written
+    └── KernelMismatchError      exit 9   the running kernel cannot be matched with its image
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
@@ -111,3 +112,13 @@ class OutputError(QmpprofError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"cannot write {path}: {detail}")
+
+
+class KernelMismatchError(QmpprofError):
+    """The kernel running in the guest cannot be matched with the kernel image given: no KASLR
+    slide makes the image's symbols fit what the guest shows (another kernel, or not booted)."""
+
+    exit_code = 9
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"running kernel does not match the image: {detail}")
