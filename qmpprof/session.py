@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Literal
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.errors import UsageError
 from qmpprof.guest import metadata
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
+from qmpprof.guest.linux import LinuxIdentifier, TaskLayout
 from qmpprof.guest.programs import ProgramIndex
+from qmpprof.linux.kaslr import detect_slide
+from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.memory import HMP_WINDOW
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
@@ -33,10 +37,11 @@ from qmpprof.unwind.space import Module
 TransportKind = Literal["auto", "qmp", "gdb"]
 TRANSPORTS: tuple[TransportKind, ...] = ("auto", "qmp", "gdb")
 MemoryPath = Literal["auto", "memsave", "hmp"]
-# How the guest tells its processes apart: "auto" tries the Emerald page and falls back to CR3
-# for good once user code runs without one; "emerald" keeps looking for the page; "cr3" never.
-GuestOs = Literal["auto", "emerald", "cr3"]
-GUEST_OSES: tuple[GuestOs, ...] = ("auto", "emerald", "cr3")
+# How the guest tells its processes apart: "auto" is "linux" for a Linux kernel file, else it
+# tries the Emerald page and falls back to CR3 for good once user code runs without one;
+# "emerald" keeps looking for the page; "cr3" never; "linux" reads the current task_struct.
+GuestOs = Literal["auto", "emerald", "cr3", "linux"]
+GUEST_OSES: tuple[GuestOs, ...] = ("auto", "emerald", "cr3", "linux")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,7 @@ class RunSpec:
     gdb: str | None = None  # gdbstub address, for the gdb transport
     memory: MemoryPath = "auto"
     kernel: Path | None = None
+    kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
     user_dir: Path | None = None
     os: GuestOs = "auto"
     metadata_addr: int = metadata.METADATA_ADDR
@@ -89,10 +95,14 @@ def build_identifier(spec: RunSpec) -> GuestIdentifier[AddressSpace]:
 
 @dataclass(frozen=True, slots=True)
 class Connection:
-    """An open transport, and how samples travel through it (one line, for ``--verbose``)."""
+    """An open transport, how samples travel through it and what was learnt of the guest
+    (lines for ``--verbose``), and ``notes``: what the user should be told in any case (a
+    kernel without BTF, say), one line each."""
 
     transport: GuestTransport
     path: str
+    detail: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 async def connect(spec: RunSpec) -> Connection:
@@ -127,18 +137,70 @@ def unwinder(spec: RunSpec) -> Unwinder:
 Run = Sampler[AddressSpace, RawStack]
 
 
+def is_linux(spec: RunSpec) -> bool:
+    """Whether the run is of a Linux guest: ``--os linux``, or a Linux kernel file under auto."""
+    if spec.os == "linux":
+        return True
+    return spec.os == "auto" and spec.kernel is not None and looks_like_linux(spec.kernel)
+
+
+def load_linux(spec: RunSpec) -> LinuxKernel:
+    """The Linux kernel of the run, loaded and indexed (before the guest is touched)."""
+    if spec.kernel is None:
+        raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
+    return LinuxKernel.load(spec.kernel, spec.kallsyms).prepare()
+
+
+async def linux_identifier(
+    spec: RunSpec, kernel: LinuxKernel, transport: GuestTransport
+) -> tuple[LinuxIdentifier, tuple[str, ...], tuple[str, ...]]:
+    """The identifier of a running Linux guest, with what a run says of it: (identifier,
+    detail lines, note lines). Finds the KASLR slide through the transport's QMP side (the
+    guest keeps running: HMP and memsave need no stop)."""
+    control = getattr(transport, "control", transport)
+    if not isinstance(control, QmpTransport):
+        raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
+    slide = await detect_slide(control, kernel.symbols)
+    notes = list(kernel.missing)
+    layout = None
+    if kernel.btf is not None:
+        try:
+            layout = TaskLayout.from_btf(kernel.btf)
+        except KeyError as err:
+            notes.append(f"this kernel's BTF lacks {err}: stacks without process names")
+    module = kernel.module(slide, lines=spec.lines)
+    per_cpu_offset = kernel.address("__per_cpu_offset", slide)
+    identifier = LinuxIdentifier([module], layout, per_cpu_offset)
+    detail = (f"Linux kernel {kernel.path}: KASLR slide {slide:#x}",)
+    return identifier, detail, tuple(f"{kernel.path}: {note}" for note in notes)
+
+
 async def start(
     spec: RunSpec,
     on_tick: Callable[[SamplerStats], None] | None = None,
-    on_connect: Callable[[str], None] | None = None,
+    on_connect: Callable[[Connection], None] | None = None,
 ) -> Run:
     """A sampler connected to the guest, ready to run; the caller closes its transport.
-    ``on_connect`` hears how samples travel (``Connection.path``) once connected."""
-    identifier = build_identifier(spec)  # ELF errors before touching the guest
+    ``on_connect`` hears how samples travel and what was learnt of the guest, once connected.
+    Files are loaded before the guest is touched: a bad one fails first."""
+    linux = load_linux(spec) if is_linux(spec) else None
+    identifier: GuestIdentifier[AddressSpace] | None = None
+    if linux is None:
+        identifier = build_identifier(spec)
     connection = await connect(spec)
-    if on_connect is not None:
-        on_connect(connection.path)
     transport = connection.transport
+    try:
+        if linux is not None:
+            identifier, detail, notes = await linux_identifier(spec, linux, transport)
+            connection = dataclasses.replace(
+                connection, detail=connection.detail + detail, notes=connection.notes + notes
+            )
+    except BaseException:
+        await transport.close()
+        raise
+    assert identifier is not None
+    if on_connect is not None:
+        on_connect(connection)
     return Sampler(
         transport, unwinder(spec), identifier, sampler_config(spec, transport), on_tick=on_tick
     )

@@ -168,6 +168,8 @@ def test_qemu_gone_mid_run_keeps_the_samples(
         (["-k", "-u"], "not allowed with argument"),
         (["--jitter", "2"], "--jitter must be a fraction"),
         (["--transport", "gdb"], "--transport gdb needs --gdb"),
+        (["--gdb", "h:1", "--transport", "qmp"], "--gdb needs --transport gdb"),
+        (["--os", "linux"], "--os linux needs --kernel"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--format", "pdf", "-o", "x.pdf"], "unknown format 'pdf'"),
     ],

@@ -120,8 +120,13 @@ def parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
     add_view_flags(p)
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
-    add("--kernel", metavar="ELF", help="the guest kernel's ELF file (symbols, CFI)")
+    add("--kernel", metavar="FILE",
+        help="the guest kernel: its ELF file (symbols, CFI), or for Linux the vmlinuz or vmlinux "
+             "it booted")  # fmt: skip
     add("--user-dir", metavar="DIR", help="directory of the guest's user program ELF files")
+    add("--kallsyms", metavar="FILE",
+        help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
+             "kallsyms tables inside --kernel)")  # fmt: skip
     add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
         help="lowest kernel address (default %(default)s)")  # fmt: skip
     add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
@@ -133,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
         "--os",
         choices=GUEST_OSES,
         default="auto",
-        help="how the guest tells its processes apart: the Emerald metadata page (emerald), "
-        "page-table roots alone (cr3), or the page when it is there (auto, the default)",
+        help="how the guest tells its processes apart: Linux's current task (linux), the "
+        "Emerald metadata page (emerald), page-table roots alone (cr3), or auto (the default): "
+        "linux for a Linux --kernel, else the page when it is there",
     )
     add("--version", action="version", version=f"qmpprof {__version__}")
     return p
@@ -170,6 +176,7 @@ def parse(argv: list[str]) -> Options:
         gdb=ns.gdb,
         memory=ns.memory,
         kernel=Path(ns.kernel) if ns.kernel else None,
+        kallsyms=Path(ns.kallsyms) if ns.kallsyms else None,
         user_dir=Path(ns.user_dir) if ns.user_dir else None,
         os="cr3" if ns.no_metadata else ns.os,
         metadata_addr=parse_address(ns.metadata_addr, "--metadata-addr"),

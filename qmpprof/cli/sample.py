@@ -20,7 +20,7 @@ from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError
 from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
-from qmpprof.session import Run, start
+from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
 
 _PROGRESS_EVERY = 0.2  # seconds between progress line updates
@@ -77,11 +77,13 @@ async def run(
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap sys.stdout
     progress = _Progress(err, opts.spec.sampling.duration)
 
-    def say_path(path: str) -> None:
+    def connected(connection: Connection) -> None:
+        lines = [f"note: {note}" for note in connection.notes]
         if opts.verbose:
-            err.write(f"qmpprof: samples travel through {path}\n")
+            lines += [f"samples travel through {connection.path}", *connection.detail]
+        err.write("".join(f"qmpprof: {line}\n" for line in lines))
 
-    sampler = await start(opts.spec, on_tick=progress, on_connect=say_path)
+    sampler = await start(opts.spec, on_tick=progress, on_connect=connected)
     try:
         progress.samples = lambda: len(sampler.profile)
         loop = asyncio.get_running_loop()

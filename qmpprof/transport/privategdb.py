@@ -133,6 +133,11 @@ class PrivateGdbTransport:
         return cls(qmp, gdb, directory, was_running, timeout)
 
     @property
+    def control(self) -> QmpTransport:
+        """The QMP control channel: HMP, and memory reads that need no stop (memsave)."""
+        return self._qmp
+
+    @property
     def directory(self) -> str:
         """The private directory holding the gdbstub's socket (gone once closed)."""
         return self._directory
