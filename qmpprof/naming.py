@@ -58,6 +58,9 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
             name = f"{name} ({frame.file}:{frame.line})"
         if naming.show_addresses:
             name = f"{name} @{frame.pc:#x}"
+    module = frame.module_name
+    if frame.kernel and module is not None and module.startswith("["):
+        name = f"{name} {module}"  # a kernel module's code: function [module]
     if frame.inlined:
         name += INLINED_SUFFIX
     if mark_kernel and frame.kernel:

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Literal
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import UsageError
+from qmpprof.errors import MemoryReadError, UsageError
 from qmpprof.guest import metadata
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.linux import LinuxIdentifier, TaskLayout
+from qmpprof.guest.linuxmodules import ModuleLayout, Reader, read_modules
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
@@ -168,11 +169,33 @@ async def linux_identifier(
             layout = TaskLayout.from_btf(kernel.btf)
         except KeyError as err:
             notes.append(f"this kernel's BTF lacks {err}: stacks without process names")
-    module = kernel.module(slide, lines=spec.lines)
+    modules = [kernel.module(slide, lines=spec.lines)]
+    head = kernel.address("modules", slide)
+    if kernel.btf is not None and head is not None:
+        try:
+            module_layout = ModuleLayout.from_btf(kernel.btf)
+        except KeyError as err:
+            notes.append(f"this kernel's BTF lacks {err}: module frames unnamed")
+        else:
+            orc_layout = None if kernel.orc is None else kernel.orc.layout
+            modules += await read_modules(_reader(control), head, module_layout, orc_layout)
     per_cpu_offset = kernel.address("__per_cpu_offset", slide)
-    identifier = LinuxIdentifier([module], layout, per_cpu_offset)
-    detail = (f"Linux kernel {kernel.path}: KASLR slide {slide:#x}",)
+    identifier = LinuxIdentifier(modules, layout, per_cpu_offset)
+    detail = (
+        f"Linux kernel {kernel.path}: KASLR slide {slide:#x},"
+        f" {len(modules) - 1} modules ({', '.join(m.name for m in modules[1:]) or 'none'})",
+    )
     return identifier, detail, tuple(f"{kernel.path}: {note}" for note in notes)
+
+
+def _reader(control: QmpTransport) -> Reader:
+    async def read(addr: int, size: int) -> bytes | None:
+        try:
+            return await control.read(0, addr, size)
+        except MemoryReadError:
+            return None
+
+    return read
 
 
 async def start(

@@ -111,3 +111,17 @@ def test_write_profile_writes_the_format_the_name_implies(tmp_path: Path) -> Non
     assert write_profile(hand_built_profile(), path) == "svg"
     assert path.read_bytes() == render(hand_built_profile(), "svg", Naming())
     assert [p.name for p in tmp_path.iterdir()] == ["flame.svg"]
+
+
+def test_kernel_module_frames_are_named_function_and_module() -> None:
+    from qmpprof.model import Frame, Mapping
+    from qmpprof.naming import Naming, frame_name
+
+    module = Mapping("[qmpprof_burn]", 0xFFFF_FFFF_C000_0000, 0xFFFF_FFFF_C000_4000, True)
+    image = Mapping("vmlinux", 0xFFFF_FFFF_8100_0000, 0xFFFF_FFFF_8300_0000, True)
+    in_module = Frame(0xFFFF_FFFF_C000_0010, True, "qb_read", 0x10, module)
+    unnamed = Frame(0xFFFF_FFFF_C000_2000, True, None, 0, module)
+    in_image = Frame(0xFFFF_FFFF_8100_0010, True, "schedule", 0x10, image)
+    assert frame_name(in_module, Naming(), True) == "qb_read [qmpprof_burn]_[k]"
+    assert frame_name(unnamed, Naming(), False) == "[unknown] [qmpprof_burn]"
+    assert frame_name(in_image, Naming(), True) == "schedule_[k]"

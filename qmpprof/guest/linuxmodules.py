@@ -1,0 +1,170 @@
+"""A Linux guest's loaded kernel modules, read from guest memory: no ``.ko`` needed.
+
+The ``modules`` list links every ``struct module`` (through its ``list`` member). Of each: its
+name, where its text is (``mem[MOD_TEXT]`` from 6.4, ``core_layout`` before), its symbols as the
+kernel keeps them for kallsyms (``kallsyms->symtab``/``strtab``: Elf64_Sym at runtime
+addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted when the module was
+loaded). Offsets come from the kernel's BTF. Each module becomes a ``Module`` named
+``[name]``, unwound by its ORC; frames in it are named ``function [name]``.
+
+Read once when a run starts, through QMP (memsave needs no stop): a module loaded later is
+``[unknown]`` until the next run.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from qmpprof.elf.symbols import Symbol, SymbolTable
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.orc import OrcLayout, OrcStep, OrcTable
+from qmpprof.model import Mapping
+from qmpprof.unwind.space import Module
+
+Reader = Callable[[int, int], Awaitable[bytes | None]]  # (address, size) -> bytes, None: unmapped
+MAX_MODULES = 4096
+_SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
+_STT_FUNC = 2
+_UPPER_HALF = 0xFFFF_8000_0000_0000
+_MAX_SYMBOLS = 1 << 20
+_MAX_ORCS = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleLayout:
+    """Byte offsets in ``struct module`` (and the structs it points to), from BTF."""
+
+    list: int
+    name: int
+    name_size: int
+    text_base: int  # void *: the text's start
+    text_size: int  # unsigned int: the text's size
+    kallsyms: int  # struct mod_kallsyms *
+    symtab: int
+    num_symtab: int
+    strtab: int
+    num_orcs: int
+    orc_ip: int
+    orc: int
+
+    @classmethod
+    def from_btf(cls, btf: Btf) -> ModuleLayout:
+        """Raises KeyError naming what this kernel's BTF lacks."""
+        field = btf.offset_of
+        name = btf.field("module.name")
+        try:
+            mem = btf.field("module.mem")  # 6.4 on: mem[MOD_TEXT] is element 0
+            text_base = mem.offset + field("module_memory.base")
+            text_size = mem.offset + field("module_memory.size")
+        except KeyError:
+            text_base = field("module.core_layout.base")
+            text_size = field("module.core_layout.text_size")
+        return cls(
+            list=field("module.list"),
+            name=name.offset,
+            name_size=btf.array(name.type_id)[1],
+            text_base=text_base,
+            text_size=text_size,
+            kallsyms=field("module.kallsyms"),
+            symtab=field("mod_kallsyms.symtab"),
+            num_symtab=field("mod_kallsyms.num_symtab"),
+            strtab=field("mod_kallsyms.strtab"),
+            num_orcs=field("module.arch.num_orcs"),
+            orc_ip=field("module.arch.orc_unwind_ip"),
+            orc=field("module.arch.orc_unwind"),
+        )
+
+
+async def read_modules(
+    read: Reader, head: int, layout: ModuleLayout, orc_layout: OrcLayout | None = None
+) -> list[Module]:
+    """Every module on the list at ``head`` (the runtime address of ``modules``) that can be
+    read; one that cannot (unloaded meanwhile) is skipped. ``orc_layout``: the kernel image's
+    (modules are built with it), else told from the entries."""
+    out: list[Module] = []
+    node = await _u64(read, head)
+    seen = {head}
+    while node is not None and node not in seen and len(seen) <= MAX_MODULES:
+        seen.add(node)
+        module = await _read_module(read, node - layout.list, layout, orc_layout)
+        if module is not None:
+            out.append(module)
+        node = await _u64(read, node)
+    return out
+
+
+async def _read_module(
+    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+) -> Module | None:
+    raw_name = await read(at + layout.name, layout.name_size)
+    base = await _u64(read, at + layout.text_base)
+    size = await _u32(read, at + layout.text_size)
+    if raw_name is None or not base or not size or base < _UPPER_HALF:
+        return None
+    name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
+    symbols = await _symbols(read, at, layout, base, base + size)
+    table = await _orc(read, at, layout, orc_layout)
+    mapping = Mapping(f"[{name}]", base, base + size, True)
+    steps = (OrcStep(table),) if table is not None else ()
+    return Module(mapping, steps, symbols) if steps else Module.build(mapping, symbols=symbols)
+
+
+async def _symbols(
+    read: Reader, at: int, layout: ModuleLayout, low: int, high: int
+) -> SymbolTable | None:
+    kallsyms = await _u64(read, at + layout.kallsyms)
+    if not kallsyms:
+        return None
+    symtab = await _u64(read, kallsyms + layout.symtab)
+    count = await _u32(read, kallsyms + layout.num_symtab)
+    strtab = await _u64(read, kallsyms + layout.strtab)
+    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+        return None
+    raw = await read(symtab, count * _SYM.size)
+    if raw is None:
+        return None
+    entries = [
+        (name, value, size)
+        for name, info, _other, _shndx, value, size in _SYM.iter_unpack(raw)
+        if info & 0xF == _STT_FUNC and low <= value < high
+    ]
+    if not entries:
+        return None
+    names = await read(strtab, max(name for name, _, _ in entries) + 256)
+    if names is None:
+        return None
+    return SymbolTable(
+        Symbol(value, size, names[name : names.index(b"\0", name)].decode("utf-8", "replace"))
+        for name, value, size in entries
+        if b"\0" in names[name:]
+    )
+
+
+async def _orc(
+    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+) -> OrcTable | None:
+    count = await _u32(read, at + layout.num_orcs)
+    ips = await _u64(read, at + layout.orc_ip)
+    entries = await _u64(read, at + layout.orc)
+    if not count or not ips or not entries or count > _MAX_ORCS:
+        return None
+    ip_bytes = await read(ips, 4 * count)
+    orc_bytes = await read(entries, 6 * count)
+    if ip_bytes is None or orc_bytes is None:
+        return None
+    try:
+        return OrcTable.from_sections(ip_bytes, ips, orc_bytes, orc_layout)
+    except ValueError:
+        return None
+
+
+async def _u64(read: Reader, addr: int) -> int | None:
+    data = await read(addr, 8)
+    return None if data is None else int.from_bytes(data, "little")
+
+
+async def _u32(read: Reader, addr: int) -> int | None:
+    data = await read(addr, 4)
+    return None if data is None else int.from_bytes(data, "little")
