@@ -59,8 +59,9 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
         if naming.show_addresses:
             name = f"{name} @{frame.pc:#x}"
     module = frame.module_name
-    if frame.kernel and module is not None and module.startswith("["):
-        name = f"{name} {module}"  # a kernel module's code: function [module]
+    if module is not None and module.startswith("[") and (frame.kernel or frame.symbol is None):
+        # A kernel module's code, function [module]; code with no symbol, [unknown] [mapping].
+        name = f"{name} {module}"
     if frame.inlined:
         name += INLINED_SUFFIX
     if mark_kernel and frame.kernel:

@@ -22,7 +22,9 @@ from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.linux import LinuxIdentifier, TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout, Reader, read_modules
+from qmpprof.guest.linuxvma import VmaLayout
 from qmpprof.guest.programs import ProgramIndex
+from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.memory import HMP_WINDOW
@@ -180,7 +182,17 @@ async def linux_identifier(
             orc_layout = None if kernel.orc is None else kernel.orc.layout
             modules += await read_modules(_reader(control), head, module_layout, orc_layout)
     per_cpu_offset = kernel.address("__per_cpu_offset", slide)
-    identifier = LinuxIdentifier(modules, layout, per_cpu_offset)
+    vmas = None
+    if kernel.btf is not None:
+        try:
+            vmas = VmaLayout.from_btf(kernel.btf)
+        except KeyError as err:
+            notes.append(f"this kernel's BTF lacks {err}: user code is not placed")
+    files = UserFiles(spec.user_dir)
+    identifier = LinuxIdentifier(modules, layout, per_cpu_offset, vmas=vmas, files=files)
+    init_task = kernel.address("init_task", slide)
+    if spec.user_dir is not None and init_task is not None:
+        await identifier.preload(control, init_task)
     detail = (
         f"Linux kernel {kernel.path}: KASLR slide {slide:#x},"
         f" {len(modules) - 1} modules ({', '.join(m.name for m in modules[1:]) or 'none'})",

@@ -102,6 +102,10 @@ class ElfImage:
         start: int = header["sh_offset"]
         return self._data[start : start + header["sh_size"]]
 
+    def file_bytes(self, offset: int, size: int) -> bytes:
+        """The file's bytes at ``offset`` (fewer at its end)."""
+        return self._data[offset : offset + size]
+
     def section_addr(self, name: str) -> int | None:
         header = self._sections.get(name)
         return None if header is None else int(header["sh_addr"])

@@ -13,20 +13,26 @@ call belongs to the process that made it: the current task is the same.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.guest.base import Identity
+from qmpprof.guest.linuxvma import ReadMany, Vma, VmaLayout, read_exec_vmas
+from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.memo import Memo
 from qmpprof.memory import fetch
-from qmpprof.model import Process, Registers
-from qmpprof.pages import PageCache
+from qmpprof.model import Mapping, Process, Registers
+from qmpprof.pages import PAGE, PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 
 RECHECK = 0.5  # seconds a task pointer's identity is trusted without reading the task again
+SPACE_RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
+_PROBE = 32  # bytes of code compared between a mapping and the file that claims it
 PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
 _TASKS_LIMIT = 4096
@@ -43,6 +49,8 @@ class TaskLayout:
     comm: int
     flags: int
     group_leader: int
+    mm: int
+    tasks: int  # the list of every task, from init_task
 
     @classmethod
     def from_btf(cls, btf: Btf) -> TaskLayout:
@@ -60,6 +68,8 @@ class TaskLayout:
             comm=field("task_struct.comm"),
             flags=field("task_struct.flags"),
             group_leader=field("task_struct.group_leader"),
+            mm=field("task_struct.mm"),
+            tasks=field("task_struct.tasks"),
         )
 
 
@@ -70,6 +80,7 @@ class Task:
     comm: str
     kernel_thread: bool
     leader_comm: str
+    mm: int  # its address space (struct mm_struct *), 0 for kernel threads
 
     @property
     def process(self) -> Process:
@@ -90,11 +101,19 @@ class LinuxIdentifier:
         layout: TaskLayout | None,
         per_cpu_offset: int | None,
         *,
+        vmas: VmaLayout | None = None,
+        files: UserFiles | None = None,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown)."""
+        """``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown).
+        ``vmas``: how to read a process's mappings (None: user code is not placed); ``files``:
+        where its ELF files are."""
+        self.kernel_modules = tuple(kernel_modules)
         self.space = AddressSpace(kernel_modules)
+        self.vmas = vmas
+        self.files = files or UserFiles(None)
+        self._spaces: Memo[tuple[int, int], tuple[AddressSpace, float]] = Memo(_TASKS_LIMIT)
         self.kernel = Identity(None, self.space)
         self.layout = layout
         self.per_cpu_offset = per_cpu_offset
@@ -127,7 +146,11 @@ class LinuxIdentifier:
         if seen is not None and self.clock() - seen[1] <= self.recheck:
             return seen[0]
         found = await self._read_task(transport, regs.cpu, task, layout)
-        identity = self.kernel if found is None else Identity(found.process, self.space)
+        if found is None:
+            identity = self.kernel
+        else:
+            space = await self._space_of(transport, regs.cpu, found)
+            identity = Identity(found.process, space)
         self._tasks.put(task, (identity, self.clock()))
         return identity
 
@@ -152,20 +175,107 @@ class LinuxIdentifier:
     ) -> Task | None:
         cache = PageCache()
         fields = ((layout.pid, 4), (layout.tgid, 4), (layout.comm, _COMM), (layout.flags, 4),
-                  (layout.group_leader, 8))  # fmt: skip
+                  (layout.group_leader, 8), (layout.mm, 8))  # fmt: skip
         low = min(offset for offset, _ in fields)
         high = max(offset + size for offset, size in fields)
         await fetch(transport, cache, cpu, task + low, high - low)  # one read: 1-2 pages
         pid, tgid = _u32(cache, task + layout.pid), _u32(cache, task + layout.tgid)
         flags, comm = _u32(cache, task + layout.flags), _text(cache, task + layout.comm)
         leader = cache.read_u64(task + layout.group_leader)
+        mm = cache.read_u64(task + layout.mm) or 0
         if pid is None or tgid is None or flags is None or comm is None:
             return None
         leader_comm = comm
         if leader and leader != task and leader >= _UPPER_HALF:
             await fetch(transport, cache, cpu, leader + layout.comm, _COMM)
             leader_comm = _text(cache, leader + layout.comm) or comm
-        return Task(pid, tgid, comm, bool(flags & PF_KTHREAD), leader_comm)
+        kernel_thread = bool(flags & PF_KTHREAD)
+        return Task(pid, tgid, comm, kernel_thread, leader_comm, 0 if kernel_thread else mm)
+
+    async def preload(self, control: GuestTransport, init_task: int) -> int:
+        """Before the first stop: load the ELF files the processes running now have mapped
+        (walking the task list from ``init_task`` through ``control``, which reads kernel
+        memory while the guest runs), so that a first sample of them reads no file. Returns
+        how many processes were looked at."""
+        layout = self.layout
+        if layout is None or self.vmas is None:
+            return 0
+        read = _reader(control, 0)
+        seen = 0
+        node = await _next(read, init_task + layout.tasks)
+        visited = {init_task + layout.tasks}
+        while node is not None and node not in visited and len(visited) <= _TASKS_LIMIT:
+            visited.add(node)
+            task = await self._read_task(control, 0, node - layout.tasks, layout)
+            if task is not None and task.mm and task.pid == task.tgid:
+                seen += 1
+                for vma in await read_exec_vmas(read, task.mm, self.vmas):
+                    for image in self.files.candidates(vma.name) if vma.name else ():
+                        image.prepare()
+            node = await _next(read, node)
+        return seen
+
+    async def _space_of(self, transport: GuestTransport, cpu: int, task: Task) -> AddressSpace:
+        """The kernel's modules and the process's executable mappings (kept for SPACE_RECHECK
+        seconds per address space)."""
+        if self.vmas is None or not task.mm:
+            return self.space
+        key = (task.mm, task.tgid)
+        seen = self._spaces.get(key)
+        if seen is not None and self.clock() - seen[1] <= SPACE_RECHECK:
+            return seen[0]
+        read = _reader(transport, cpu)
+        user = await user_modules(read, await read_exec_vmas(read, task.mm, self.vmas), self.files)
+        space = AddressSpace([*self.kernel_modules, *user]) if user else self.space
+        self._spaces.put(key, (space, self.clock()))
+        return space
+
+
+async def user_modules(read: ReadMany, vmas: Sequence[Vma], files: UserFiles) -> list[Module]:
+    """A Module per mapped file (an ELF from ``files`` at its load bias, when one matches the
+    guest's bytes) and per anonymous executable mapping (frame pointers, named by mapping)."""
+    codes = await read([(v.start, _PROBE) for v in vmas])
+    modules: list[Module] = []
+    placed: set[str] = set()
+    for vma, code in zip(vmas, codes, strict=True):
+        offset = vma.pgoff * PAGE
+        image = None if vma.name is None else files.match(vma.name, offset, code)
+        if image is not None:
+            if image.path not in placed:
+                placed.add(image.path)
+                bias = vma.start - offset - (image.load_range[0] - image.load_offset)
+                modules.append(Module.from_image(image, kernel=False, bias=bias))
+            continue
+        name = f"[{vma.name or 'anon'}]"
+        modules.append(Module(Mapping(name, vma.start, vma.end, False, file_offset=offset)))
+    return _disjoint(modules)
+
+
+def _disjoint(modules: list[Module]) -> list[Module]:
+    """Modules by start, each cut short of the next (an ELF's range spans its data segments,
+    which other mappings may follow closely)."""
+    ordered = sorted(modules, key=lambda m: m.start)
+    out = []
+    for module, following in zip(ordered, [*ordered[1:], None][: len(ordered)], strict=True):
+        if following is not None and module.end > following.start:
+            mapping = dataclasses.replace(module.mapping, end=following.start)
+            module = dataclasses.replace(module, mapping=mapping)
+        out.append(module)
+    return out
+
+
+def _reader(transport: GuestTransport, cpu: int) -> ReadMany:
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        cache = PageCache()
+        await asyncio.gather(*(fetch(transport, cache, cpu, a, n) for a, n in ranges if n > 0))
+        return [cache.read(a, n) if n > 0 else None for a, n in ranges]
+
+    return read
+
+
+async def _next(read: ReadMany, node: int) -> int | None:
+    (raw,) = await read([(node, 8)])
+    return None if raw is None else int.from_bytes(raw, "little")
 
 
 def _u32(cache: PageCache, addr: int) -> int | None:

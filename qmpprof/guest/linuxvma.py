@@ -1,0 +1,188 @@
+"""A Linux process's executable mappings, read from its ``mm``: where each program and shared
+library is (start, end, file offset, file name), so that PIE executables and libraries are
+placed and named without help from the guest.
+
+The VMAs are in ``mm->mm_mt``, a maple tree (6.1 on), or the ``mm->mmap`` list (before). A
+maple node is 256-byte aligned; an encoded node pointer holds its type in bits 3-6 (the root's
+also has bit 1 set, an "internal" entry). Leaves (type 1, ``maple_leaf_64``) hold the VMA
+pointers; ranges (type 2) and allocation ranges (type 3, ``maple_arange_64``) hold their
+children, encoded the same way. Slots of
+nodes and leaves are read whole and checked (a VMA must point back at this ``mm`` and span a
+user range), so stale slots past a node's end do no harm. Offsets come from BTF.
+
+Reads go through ``ReadMany``: a list of ranges read together (one round trip over the gdbstub).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from qmpprof.linux.btf import Btf
+
+ReadMany = Callable[[Sequence[tuple[int, int]]], Awaitable[list[bytes | None]]]
+VM_EXEC = 0x4
+USER_END = 0x0000_8000_0000_0000
+MAX_VMAS = 65536
+_NAME_MAX = 256
+_PAGE = 4096
+_NODE_MASK = 0xFF
+_LEAF, _RANGE, _ARANGE = 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class VmaLayout:
+    """Byte offsets for mm_struct, vm_area_struct, file and dentry, from BTF."""
+
+    maple: bool  # mm_mt (a maple tree) rather than the mmap list
+    vmas: int  # mm_struct.mm_mt.ma_root, or mm_struct.mmap
+    vm_next: int  # vm_area_struct.vm_next (the list only)
+    leaf_slots: tuple[int, int]  # (offset, count) of the slots of maple_range_64
+    arange_slots: tuple[int, int]  # and of maple_arange_64
+    vm_start: int
+    vm_end: int
+    vm_mm: int
+    vm_flags: int
+    vm_pgoff: int
+    vm_file: int
+    dentry: int  # file.f_path.dentry
+    name: int  # dentry.d_name.name
+
+    @classmethod
+    def from_btf(cls, btf: Btf) -> VmaLayout:
+        """Raises KeyError naming what this kernel's BTF lacks."""
+        field = btf.offset_of
+        try:
+            vmas = field("mm_struct.mm_mt") + field("maple_tree.ma_root")
+            maple, vm_next = True, 0
+            range_slot = btf.field("maple_range_64.slot")
+            arange_slot = btf.field("maple_arange_64.slot")
+            leaf = (range_slot.offset, btf.array(range_slot.type_id)[1])
+            arange = (arange_slot.offset, btf.array(arange_slot.type_id)[1])
+        except KeyError:
+            vmas, maple, vm_next = field("mm_struct.mmap"), False, field("vm_area_struct.vm_next")
+            leaf = arange = (0, 0)
+        return cls(
+            maple=maple,
+            vmas=vmas,
+            vm_next=vm_next,
+            leaf_slots=leaf,
+            arange_slots=arange,
+            vm_start=field("vm_area_struct.vm_start"),
+            vm_end=field("vm_area_struct.vm_end"),
+            vm_mm=field("vm_area_struct.vm_mm"),
+            vm_flags=field("vm_area_struct.vm_flags"),
+            vm_pgoff=field("vm_area_struct.vm_pgoff"),
+            vm_file=field("vm_area_struct.vm_file"),
+            dentry=field("file.f_path") + field("path.dentry"),
+            name=field("dentry.d_name") + field("qstr.name"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Vma:
+    start: int
+    end: int
+    pgoff: int  # file offset / 4096
+    flags: int
+    file: int  # struct file *, 0 when anonymous
+    name: str | None  # the file's name (its last path component)
+
+    @property
+    def exec(self) -> bool:
+        return bool(self.flags & VM_EXEC)
+
+
+async def read_exec_vmas(read: ReadMany, mm: int, layout: VmaLayout) -> list[Vma]:
+    """The executable mappings of the address space ``mm``, by start address, with names."""
+    pointers = await _vma_pointers(read, mm, layout)
+    span = max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
+               layout.vm_file) + 8  # fmt: skip
+    raws = await read([(p, span) for p in pointers])
+    found = []
+    for raw in raws:
+        if raw is None:
+            continue
+        start, end, owner, flags, pgoff, file = (
+            _u64(raw, offset)
+            for offset in (layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags,
+                           layout.vm_pgoff, layout.vm_file)
+        )  # fmt: skip
+        if owner == mm and start < end <= USER_END and flags & VM_EXEC:
+            found.append((start, end, pgoff, flags, file))
+    names = await _file_names(read, [file for *_, file in found], layout)
+    vmas = [
+        Vma(start, end, pgoff, flags, file, names.get(file))
+        for start, end, pgoff, flags, file in found
+    ]
+    return sorted(set(vmas), key=lambda v: v.start)
+
+
+async def _vma_pointers(read: ReadMany, mm: int, layout: VmaLayout) -> list[int]:
+    (root_raw,) = await read([(mm + layout.vmas, 8)])
+    if root_raw is None:
+        return []
+    root = _u64(root_raw, 0)
+    if not layout.maple:
+        return await _list(read, root, layout)
+    if not _is_node(root):  # a tree of one entry holds it in the root itself
+        return [root] if root and not _is_internal(root) else []
+    out: list[int] = []
+    level = [root]  # encoded nodes: 256-aligned address | type << 3 | flags
+    while level and len(out) < MAX_VMAS:
+        nodes = [e for e in level if e > 4096 and _type(e) in (_LEAF, _RANGE, _ARANGE)]
+        spans = [layout.arange_slots if _type(e) == _ARANGE else layout.leaf_slots for e in nodes]
+        ranges = [(e & ~_NODE_MASK, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]
+        raws = await read(ranges)
+        level = []
+        for node, raw, (off, count) in zip(nodes, raws, spans, strict=True):
+            if raw is None:
+                continue
+            slots = [_u64(raw, off + 8 * i) for i in range(count)]
+            if _type(node) == _LEAF:  # a leaf's slots are the entries: VMA pointers
+                out += [e for e in slots if e > 4096 and not _is_internal(e)]
+            else:  # other nodes' slots are their children
+                level += [e for e in slots if e]
+    return out[:MAX_VMAS]
+
+
+async def _list(read: ReadMany, first: int, layout: VmaLayout) -> list[int]:
+    out: list[int] = []
+    vma = first
+    while vma and vma not in out and len(out) < MAX_VMAS:
+        out.append(vma)
+        (raw,) = await read([(vma + layout.vm_next, 8)])
+        vma = 0 if raw is None else _u64(raw, 0)
+    return out
+
+
+async def _file_names(read: ReadMany, files: list[int], layout: VmaLayout) -> dict[int, str]:
+    files = sorted({f for f in files if f})
+    dentries = await read([(f + layout.dentry, 8) for f in files])
+    pairs = [(f, _u64(d, 0)) for f, d in zip(files, dentries, strict=True) if d is not None]
+    name_ptrs = await read([(d + layout.name, 8) for _, d in pairs])
+    named = [(f, _u64(p, 0)) for (f, _), p in zip(pairs, name_ptrs, strict=True) if p is not None]
+    # A name ends before its page does, nearly always: a read never runs into the next page.
+    texts = await read([(p, min(_NAME_MAX, _PAGE - p % _PAGE)) for _, p in named])
+    out = {}
+    for (f, _), text in zip(named, texts, strict=True):
+        if text is not None and b"\0" in text:
+            out[f] = text.split(b"\0", 1)[0].decode("utf-8", "replace")
+    return out
+
+
+def _is_internal(entry: int) -> bool:
+    return entry & 3 == 2
+
+
+def _is_node(entry: int) -> bool:
+    return _is_internal(entry) and entry > 4096
+
+
+def _type(entry: int) -> int:
+    return (entry >> 3) & 0xF
+
+
+def _u64(data: bytes, offset: int) -> int:
+    return int(struct.unpack_from("<Q", data, offset)[0])

@@ -1,0 +1,60 @@
+"""The files of a guest's root filesystem as the user copied them (``--user-dir`` for a Linux
+guest): ELF files found by the name a mapping gives, checked against the guest's own bytes.
+
+The tree is walked once, when the run starts, for names only; an ELF is read the first time a
+mapping names it, and kept. A candidate is taken when its bytes at the mapping's file offset
+equal what the guest has there (user code is not patched at run time), or, when the guest's
+page is not resident, by name alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import ElfError, UsageError
+
+MAX_FILES = 500_000
+
+
+class UserFiles:
+    def __init__(self, root: Path | None) -> None:
+        self._by_name: dict[str, list[Path]] = {}
+        self._images: dict[Path, ElfImage | None] = {}
+        if root is None:
+            return
+        if not root.is_dir():
+            raise UsageError(f"--user-dir {root}: not a directory")
+        count = 0
+        for folder, _dirs, files in os.walk(root):
+            for name in files:
+                self._by_name.setdefault(name, []).append(Path(folder) / name)
+                count += 1
+            if count > MAX_FILES:
+                break
+
+    def candidates(self, name: str) -> list[ElfImage]:
+        """The readable ELF files of this name (loaded once)."""
+        out = []
+        for path in self._by_name.get(name, ()):
+            if path not in self._images:
+                try:
+                    self._images[path] = ElfImage.load(path)
+                except ElfError:
+                    self._images[path] = None
+            image = self._images[path]
+            if image is not None:
+                out.append(image)
+        return out
+
+    def match(self, name: str, offset: int, code: bytes | None) -> ElfImage | None:
+        """The file named ``name`` whose bytes at file ``offset`` are ``code`` (None: not known,
+        then the first file of that name)."""
+        found = self.candidates(name)
+        if code is None:
+            return found[0] if found else None
+        for image in found:
+            if image.file_bytes(offset, len(code)) == code:
+                return image
+        return None
