@@ -3,6 +3,7 @@ Debian kernel of the linux tests: fetched and unpacked once per session."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,19 @@ from guestvm import Guest, build_fixtures, running_guest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """qmpprof's cache (unpacked Linux kernels) in a folder of the test session's own, for
+    the tests and the qmpprof processes they start, not in the user's ~/.cache."""
+    saved = os.environ.get("QMPPROF_CACHE_DIR")
+    os.environ["QMPPROF_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if saved is None:
+        del os.environ["QMPPROF_CACHE_DIR"]
+    else:
+        os.environ["QMPPROF_CACHE_DIR"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -88,3 +88,43 @@ def test_what_is_not_a_linux_kernel_is_one_error(tmp_path: Path) -> None:
 
 def test_a_bzimage_is_recognised_from_its_header(linux_dir: Path) -> None:
     assert looks_like_linux(linux_dir / "vmlinuz")
+
+
+def test_a_second_load_comes_from_the_cache_and_equals_the_first(
+    linux_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qmpprof.linux import bzimage, cache, kallsyms
+
+    monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    first = LinuxKernel.load(linux_dir / "vmlinuz")
+    (folder,) = (tmp_path / "cache").iterdir()
+    assert {p.name for p in folder.iterdir()} == {"vmlinux", "symbols.bin"}
+
+    def not_again(*args: object) -> None:
+        raise AssertionError("computed again despite the cache")
+
+    monkeypatch.setattr(bzimage, "vmlinux_bytes", not_again)
+    monkeypatch.setattr(kallsyms, "read_kallsyms", not_again)
+    monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
+    monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
+    second = LinuxKernel.load(linux_dir / "vmlinuz")
+    assert second.symbols.addrs == first.symbols.addrs
+    assert second.symbols.names == first.symbols.names
+    assert second.symbols.types == first.symbols.types
+    assert second.image.build_id == first.image.build_id
+    # A damaged cache is ignored, and rebuilt.
+    (folder / "symbols.bin").write_bytes(b"\x05\x00\x00\x00junk")
+    assert cache.load_symbols(folder.name.removeprefix("linux-")) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    third = LinuxKernel.load(linux_dir / "vmlinuz")
+    assert third.symbols.names == first.symbols.names
+
+
+def test_an_unwritable_cache_is_no_error(
+    linux_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("QMPPROF_CACHE_DIR", str(blocker / "cache"))
+    assert LinuxKernel.load(linux_dir / "vmlinuz").missing == ()

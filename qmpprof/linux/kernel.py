@@ -5,17 +5,19 @@ the guest is touched; and the kernel's ``Module`` at the slide the running kerne
 Symbols come, best first, from ``--kallsyms FILE`` (System.map or /proc/kallsyms text), the
 image's ``.symtab`` (a debug vmlinux) or the kallsyms tables built into the image itself.
 Unwinding is ORC when the image has it (every distribution kernel since 4.14), else the image's
-CFI and frame pointers.
+CFI and frame pointers. The unpacked vmlinux and the decoded kallsyms are cached (``cache.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
+from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
@@ -53,12 +55,19 @@ class LinuxKernel:
             data = Path(path).read_bytes()
         except OSError as err:
             raise ElfError(name, err.strerror or str(err)) from err
+        key = hashlib.sha256(data).hexdigest()
+        unpacked = None
         if is_bzimage(data):
-            data = vmlinux_bytes(data, name)
+            data = cache.load_vmlinux(key) or vmlinux_bytes(data, name)
+            unpacked = data
         image = ElfImage.from_bytes(name, data)
         if not is_linux(image):
             raise KernelImageError(name, "not a Linux kernel (no ORC, BTF or ksymtab sections)")
-        symbols = _symbols(image, kallsyms)
+        symbols = None if kallsyms is not None else cache.load_symbols(key)
+        if symbols is None:
+            symbols = _symbols(image, kallsyms)
+            if kallsyms is None:
+                cache.store(key, unpacked, symbols)
         functions = image.symbols if len(image.symbols) else symbols.symbol_table()
         missing = []
         orc = OrcTable.from_image(image)
