@@ -169,10 +169,11 @@ def table(result: dict[str, Any]) -> str:
         f"ELF load: {_fmt(elf, '.1f')} ms; offline unwind+symbolize:"
         f" {_fmt(offline, '.0f')} samples/s"
     )
-    linux = result.get("linux_load_ms")
-    if isinstance(linux, dict):
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in linux.items() if k != "total")
-        lines.append(f"Linux image load, cold: {linux['total']:.0f} ms ({parts})")
+    for key, how in (("linux_load_ms", "cold"), ("linux_load_cached_ms", "cached")):
+        linux = result.get(key)
+        if isinstance(linux, dict):
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in linux.items() if k != "total")
+            lines.append(f"Linux image load, {how}: {linux['total']:.0f} ms ({parts})")
     return "\n".join(lines)
 
 
