@@ -11,7 +11,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── ElfError                 exit 6   unreadable or malformed ELF file
     │   ├── KernelImageError     exit 6   a kernel image (bzImage, vmlinux) with no usable part
     │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
-    └── ProfileError             exit 7   a saved profile that cannot be read back
+    ├── ProfileError             exit 7   a saved profile that cannot be read back
+    └── KernelMismatchError      exit 8   the running kernel cannot be matched with its image
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
@@ -95,3 +96,13 @@ class ProfileError(QmpprofError):
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
         super().__init__(f"{path}: not a readable qmpprof profile: {detail}")
+
+
+class KernelMismatchError(QmpprofError):
+    """The kernel running in the guest cannot be matched with the kernel image given: no KASLR
+    slide makes the image's symbols fit what the guest shows (another kernel, or not booted)."""
+
+    exit_code = 8
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"running kernel does not match the image: {detail}")

@@ -1,0 +1,158 @@
+"""KASLR slide detection from IDT bytes built by hand: gate decoding, the vote, its refusals,
+and detect_slide over a scripted monitor."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from qmpprof.errors import KernelMismatchError
+from qmpprof.linux import kaslr
+from qmpprof.linux.symbols import KernelSymbols
+
+TEXT = 0xFFFFFFFF81000000
+ENTRY = 0xFFFFFFFF81E00000
+MIB2 = 0x200000
+# Named handlers in the entry text, 32 bytes apart, as idtentry lays them out.
+HANDLERS = [ENTRY + 0x1000 + 0x20 * i for i in range(24)]
+
+
+def gate(
+    handler: int, *, present: bool = True, kind: int = 0xE, ist: int = 0, dpl: int = 0
+) -> bytes:
+    return struct.pack(
+        "<HHBBHII",
+        handler & 0xFFFF,  # offset 15..0
+        0x10,  # kernel code selector
+        ist,  # interrupt stack table index (bits 0..2)
+        (0x80 if present else 0) | dpl << 5 | kind,  # P, DPL, type
+        handler >> 16 & 0xFFFF,  # offset 31..16
+        handler >> 32,  # offset 63..32
+        0,  # reserved
+    )
+
+
+def image_symbols() -> KernelSymbols:
+    rows = [
+        (TEXT, "T", "_text"),
+        (TEXT + 0x1000, "T", "start_kernel"),
+        (ENTRY + 0x10, "T", "__entry_text_start"),
+        (ENTRY + 0x230, "T", "irq_entries_start"),
+        *((h, "T", f"asm_exc_{i}") for i, h in enumerate(HANDLERS)),
+        (ENTRY + 0x2300, "T", "__entry_text_end"),
+        # Outside the entry text: a dense run of small functions that must never vote.
+        *((TEXT + 0x400000 + 0x1000 + 0x10 * i, "t", f"small_{i}") for i in range(400)),
+    ]
+    rows.sort()
+    return KernelSymbols([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+def idt(slide: int, stubs: int = 200) -> bytes:
+    """24 named exception handlers, then IRQ stubs 16 bytes apart with no symbol of their own."""
+    named = [gate(h + slide) for h in HANDLERS]
+    irq = [gate(ENTRY + 0x230 + 0x10 * (i + 1) + slide) for i in range(stubs)]
+    return b"".join(named + irq)
+
+
+def test_decode_gate_fields() -> None:
+    data = gate(0xFFFFFFFF81E01030, ist=3, kind=0xE, dpl=3) + gate(0, present=False)
+    first, second = kaslr.decode_idt(data)
+    assert first == kaslr.Gate(0, 0xFFFFFFFF81E01030, 0x10, 3, 0xE, 3, True)
+    assert not second.present and second.vector == 1
+
+
+def test_parse_idt_register() -> None:
+    text = (
+        "GDT=     fffffe0000001000 0000007f\r\n"
+        "IDT=     fffffe0000000000 00000fff\r\n"
+        "CR0=80050033 CR2=00007f0000000000 CR3=0000000002a0e000 CR4=000006f0\r\n"
+    )
+    assert kaslr.parse_idt_register(text) == (0xFFFFFE0000000000, 0xFFF)
+    with pytest.raises(KernelMismatchError, match="no IDT= line"):
+        kaslr.parse_idt_register("RAX=0000000000000000\r\n")
+
+
+@pytest.mark.parametrize("slide", [0, MIB2, 0x2E000000, 0x3EC00000 - 0x1000000])
+def test_slide_found(slide: int) -> None:
+    assert kaslr.slide_from_gates(kaslr.decode_idt(idt(slide)), image_symbols()) == slide
+
+
+def test_absent_gates_and_user_handlers_do_not_vote() -> None:
+    noise = gate(0xDEAD0000, present=True) + gate(ENTRY + 0x1000 + 4 * MIB2, present=False)
+    gates = kaslr.decode_idt(idt(6 * MIB2) + noise)
+    assert kaslr.handlers(gates)[0] != 0xDEAD0000
+    assert kaslr.slide_from_gates(gates, image_symbols()) == 6 * MIB2
+
+
+def test_slide_outside_the_text_map_is_not_considered() -> None:
+    # Handlers 1 GiB up would put _text past 0xffffffffc0000000: no slide fits.
+    with pytest.raises(KernelMismatchError, match="none of 224 interrupt handlers"):
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x40000000)), image_symbols())
+
+
+def test_unaligned_shift_matches_nothing() -> None:
+    with pytest.raises(KernelMismatchError, match="is a symbol of the image's entry text"):
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x1008)), image_symbols())
+
+
+def test_split_vote_is_refused() -> None:
+    halves = [gate(h + (0 if i % 2 else 2 * MIB2)) for i, h in enumerate(HANDLERS)]
+    with pytest.raises(KernelMismatchError, match=r"no clear KASLR slide: .* 12 of 24 handlers"):
+        kaslr.slide_from_gates(kaslr.decode_idt(b"".join(halves)), image_symbols())
+
+
+def test_too_few_votes_are_refused() -> None:
+    data = b"".join(gate(h + MIB2) for h in HANDLERS[: kaslr.MIN_VOTES - 1])
+    with pytest.raises(KernelMismatchError, match="no clear KASLR slide"):
+        kaslr.slide_from_gates(kaslr.decode_idt(data), image_symbols())
+
+
+def test_image_without_entry_text_markers() -> None:
+    symbols = KernelSymbols([TEXT], ["T"], ["_text"])
+    with pytest.raises(KernelMismatchError, match="__entry_text_start"):
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0)), symbols)
+
+
+def test_empty_idt() -> None:
+    with pytest.raises(KernelMismatchError, match="no present interrupt gate"):
+        kaslr.slide_from_gates(kaslr.decode_idt(gate(0, present=False) * 4), image_symbols())
+
+
+def test_vote_counts() -> None:
+    vote = kaslr.vote_slide([ENTRY + 0x1000 + MIB2], [ENTRY + 0x1000], (0, 1 << 30))
+    assert vote == kaslr.SlideVote(MIB2, 1, 1, 0) and not vote.clear
+    assert kaslr.vote_slide([ENTRY + 0x1001], [ENTRY + 0x1000], (0, 1 << 30)) is None
+
+
+def test_slide_window() -> None:
+    assert kaslr.slide_window(TEXT) == (-0x1000000, 0x3F000000)
+
+
+class ScriptedMonitor:
+    """A guest whose monitor prints ``idt_base`` and whose memory holds ``table`` there."""
+
+    def __init__(self, idt_base: int, table: bytes) -> None:
+        self.idt_base = idt_base
+        self.table = table
+        self.reads: list[tuple[int, int, int]] = []
+
+    async def hmp(self, command: str, cpu: int | None = None) -> str:
+        assert command == "info registers"
+        return f"RAX=0\r\nIDT=     {self.idt_base:016x} {len(self.table) - 1:08x}\r\n"
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        self.reads.append((cpu, addr, size))
+        assert addr == self.idt_base
+        return self.table[:size]
+
+
+async def test_detect_slide_reads_the_idt_once() -> None:
+    monitor = ScriptedMonitor(0xFFFFFE0000000000, idt(0x2E000000, stubs=232))
+    assert await kaslr.detect_slide(monitor, image_symbols()) == 0x2E000000
+    assert monitor.reads == [(0, 0xFFFFFE0000000000, 4096)]
+
+
+async def test_detect_slide_before_the_kernel_runs() -> None:
+    with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
+        await kaslr.detect_slide(ScriptedMonitor(0, idt(0)), image_symbols())
