@@ -35,6 +35,8 @@ async def test_boots_with_workload_and_kallsyms(tmp_path: Path, kaslr: bool) -> 
             assert await transport.cpus() == [0, 1]
         finally:
             await transport.close()
+        # Debian's kernel takes the unsigned out-of-tree module: taint O (4096) + E (8192).
+        assert "qmpprof-linux: tainted 12288" in guest.console_text()
         symbols = guest.symbols
         text = symbols.address_of("_text")
         assert text is not None
