@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import re
 import shutil
 import socket
 import subprocess
@@ -70,6 +71,24 @@ class LinuxGuest:
     def console_text(self) -> str:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
 
+    @property
+    def text_address(self) -> int:
+        """The running kernel's ``_text``, as init printed it on the console."""
+        match = re.search(r"^qmpprof-linux: ([0-9a-f]{16}) T _text\r?$", self.console_text(), re.M)
+        if match is None:
+            raise RuntimeError(f"{self.console}: no _text line")
+        return int(match.group(1), 16)
+
+    @property
+    def module_address(self) -> int:
+        """Where the test module's core is loaded, from /proc/modules as init printed it."""
+        match = re.search(
+            rf"^qmpprof-linux: module {MODULE} .* (0x[0-9a-f]+)", self.console_text(), re.M
+        )
+        if match is None:
+            raise RuntimeError(f"{self.console}: no module line")
+        return int(match.group(1), 16)
+
     @cached_property
     def symbols(self) -> KernelSymbols:
         """The guest's /proc/kallsyms: runtime addresses, module symbols tagged."""
@@ -126,10 +145,12 @@ def running_linux_guest(
     gdb_port: int | None = None,
     paused: bool = False,
     wait_workload: bool = True,
+    dump_kallsyms: bool = True,
     append: str = "",
 ) -> Iterator[LinuxGuest]:
     """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
-    ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked."""
+    ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
+    ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``."""
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="lg-", dir="/tmp"))
@@ -158,6 +179,8 @@ def running_linux_guest(
         cmd += ["--gdb", str(gdb_port)]
     if paused:
         cmd.append("--paused")
+    if not dump_kallsyms:
+        append = f"{append} qmpprof.nokallsyms".strip()
     if append:
         cmd += ["--append", append]
     start = time.monotonic()
@@ -168,7 +191,8 @@ def running_linux_guest(
         if wait_workload and not paused:
             wait_console(guest, WORKLOAD_LINE, max(deadline - time.monotonic(), 0.1))
             guest.boot_seconds = time.monotonic() - start
-            _unpack_kallsyms(guest)
+            if dump_kallsyms:
+                _unpack_kallsyms(guest)
         yield guest
     finally:
         guest.process.kill()  # run-linux-guest execs QEMU: this is QEMU's pid
