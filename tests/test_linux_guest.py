@@ -1,18 +1,21 @@
 """The Linux test guest (scripts/build-linux-guest, scripts/run-linux-guest) boots Debian's
 kernel on 2 vCPUs with and without KASLR: the workload runs, the guest's /proc/kallsyms comes
-over COM2 whole (module symbols included), and QEMU reports the VM running over QMP."""
+over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; the
+initramfs writer gives a cpio newc archive back as built."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import stat
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from linuxvm import MODULE, MODULE_KO, WORK_ELF, build_linux_guest, running_linux_guest
+from linuxvm import MODULE, MODULE_KO, ROOT, WORK_ELF, build_linux_guest, running_linux_guest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.transport.qmp import QmpTransport
-
-pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
 IMAGE_TEXT = 0xFFFFFFFF81000000  # _text in Debian's vmlinux (its first LOAD)
 MODULE_FUNCTIONS = (
@@ -26,6 +29,8 @@ MODULE_FUNCTIONS = (
 )
 
 
+@pytest.mark.qemu
+@pytest.mark.linux
 @pytest.mark.parametrize("kaslr", [False, True], ids=["nokaslr", "kaslr"])
 async def test_boots_with_workload_and_kallsyms(tmp_path: Path, kaslr: bool) -> None:
     with running_linux_guest(tmp_path, kaslr=kaslr, smp=2) as guest:
@@ -53,6 +58,7 @@ async def test_boots_with_workload_and_kallsyms(tmp_path: Path, kaslr: bool) -> 
         assert kinds == {MODULE}
 
 
+@pytest.mark.linux
 def test_build_outputs() -> None:
     """The workload program keeps .eh_frame and a build-id; the module carries ORC tables."""
     build_linux_guest()
@@ -63,8 +69,54 @@ def test_build_outputs() -> None:
     assert module.section(".orc_unwind") and module.section(".orc_unwind_ip")
 
 
+@pytest.mark.qemu
+@pytest.mark.linux
 def test_boots_without_the_kallsyms_dump(tmp_path: Path) -> None:
     with running_linux_guest(tmp_path, dump_kallsyms=False) as guest:
         assert "qmpprof-linux: tainted 12288" in guest.console_text()
         assert not guest.kallsyms.exists()
         assert guest.kallsyms_gz.stat().st_size == 0
+
+
+def mkinitramfs() -> ModuleType:
+    path = ROOT / "fixtures" / "linux-guest" / "mkinitramfs.py"
+    spec = importlib.util.spec_from_file_location("mkinitramfs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_newc(data: bytes) -> dict[str, tuple[int, bytes, tuple[int, int]]]:
+    """name -> (mode, data, (rdev major, minor)) of a cpio newc archive, up to its trailer."""
+    entries = {}
+    pos = 0
+    while True:
+        assert data[pos : pos + 6] == b"070701"
+        fields = [int(data[pos + 6 + 8 * i : pos + 14 + 8 * i], 16) for i in range(13)]
+        mode, size, rdev, namesize = fields[1], fields[6], (fields[9], fields[10]), fields[11]
+        name_end = pos + 110 + namesize
+        name = data[pos + 110 : name_end - 1].decode()
+        start = name_end + (-name_end % 4)
+        if name == "TRAILER!!!":
+            return entries
+        entries[name] = (mode, data[start : start + size], rdev)
+        pos = start + size + (-(start + size) % 4)
+
+
+def test_mkinitramfs_writes_newc(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "tool").write_bytes(b"#!/bin/sh\n")
+    (root / "bin" / "tool").chmod(0o755)
+    (root / "bin" / "sh").symlink_to("tool")
+    (root / "odd").write_bytes(b"abc")
+    out = tmp_path / "initramfs.cpio.gz"
+    assert mkinitramfs().main([str(out), str(root), "--node", "/dev/console:c:5:1"]) == 0
+    entries = read_newc(gzip.decompress(out.read_bytes()))
+    assert list(entries) == ["bin", "bin/sh", "bin/tool", "odd", "dev/console"]
+    assert stat.S_ISDIR(entries["bin"][0])
+    assert stat.S_ISLNK(entries["bin/sh"][0]) and entries["bin/sh"][1] == b"tool"
+    assert entries["bin/tool"][:2] == (stat.S_IFREG | 0o755, b"#!/bin/sh\n")
+    assert entries["odd"][1] == b"abc"
+    assert entries["dev/console"] == (stat.S_IFCHR | 0o600, b"", (5, 1))
