@@ -8,10 +8,12 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import stat
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from guestvm import free_tcp_port
 from linuxvm import MODULE, MODULE_KO, ROOT, WORK_ELF, build_linux_guest, running_linux_guest
 
 from qmpprof.elf.image import ElfImage
@@ -71,11 +73,23 @@ def test_build_outputs() -> None:
 
 @pytest.mark.qemu
 @pytest.mark.linux
-def test_boots_without_the_kallsyms_dump(tmp_path: Path) -> None:
-    with running_linux_guest(tmp_path, dump_kallsyms=False) as guest:
+async def test_boots_without_the_kallsyms_dump_with_gdbstub(tmp_path: Path) -> None:
+    port = free_tcp_port()
+    with running_linux_guest(tmp_path, dump_kallsyms=False, gdb_port=port) as guest:
         assert "qmpprof-linux: tainted 12288" in guest.console_text()
         assert not guest.kallsyms.exists()
         assert guest.kallsyms_gz.stat().st_size == 0
+        gdb = subprocess.run(
+            ["gdb", "-batch", "-nx", "-ex", "set architecture i386:x86-64",
+             "-ex", f"target remote 127.0.0.1:{port}", "-ex", "info threads", "-ex", "detach"],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert "CPU#0" in gdb.stdout and "CPU#1" in gdb.stdout, gdb.stdout + gdb.stderr
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            assert await transport.status() == "running"  # gdb's detach resumes the guest
+        finally:
+            await transport.close()
 
 
 def mkinitramfs() -> ModuleType:
@@ -89,7 +103,7 @@ def mkinitramfs() -> ModuleType:
 
 def read_newc(data: bytes) -> dict[str, tuple[int, bytes, tuple[int, int]]]:
     """name -> (mode, data, (rdev major, minor)) of a cpio newc archive, up to its trailer."""
-    entries = {}
+    entries: dict[str, tuple[int, bytes, tuple[int, int]]] = {}
     pos = 0
     while True:
         assert data[pos : pos + 6] == b"070701"
