@@ -214,6 +214,7 @@ async def test_slide_on_several_kaslr_boots(tmp_path: Path) -> None:
             assert slide % kaslr.ALIGN == 0
             if boot == 0:
                 await check_kallsyms_under_slide(guest, slide)
+                await check_orc_under_slide(guest, slide)
         slides.append(slide)
     assert len(set(slides)) >= 2, f"three boots, slides {[hex(s) for s in slides]}"
 
@@ -244,3 +245,20 @@ async def check_kallsyms_under_slide(guest: LinuxGuest, slide: int) -> None:
         await transport.close()
     assert struct.unpack("<Q", memory)[0] == file_base + slide
     assert offsets == rodata[layout.offsets : layout.offsets + 4096]
+
+
+async def check_orc_under_slide(guest: LinuxGuest, slide: int) -> None:
+    """The ORC tables (and BTF) in guest memory at image address + slide are the file's bytes:
+    the image's tables serve the running kernel, looked up at pc - slide."""
+    vmlinux = linuxkernel.vmlinux()
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        for name in (".orc_unwind_ip", ".orc_unwind", ".BTF"):
+            data, addr = vmlinux.section(name), vmlinux.section_addr(name)
+            assert data is not None and addr is not None
+            for offset in range(0, len(data), 1 << 20):
+                size = min(1 << 20, len(data) - offset)
+                memory = await transport.read(0, addr + slide + offset, size)
+                assert memory == data[offset : offset + size], f"{name}+{offset:#x}"
+    finally:
+        await transport.close()
