@@ -59,7 +59,8 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
         if naming.show_addresses:
             name = f"{name} @{frame.pc:#x}"
     module = frame.module_name
-    if module is not None and module.startswith("[") and (frame.kernel or frame.symbol is None):
+    bracketed = module is not None and module.startswith("[") and module != UNKNOWN
+    if bracketed and (frame.kernel or frame.symbol is None):
         # A kernel module's code, function [module]; code with no symbol, [unknown] [mapping].
         name = f"{name} {module}"
     if frame.inlined:
