@@ -67,7 +67,7 @@ def test_a_kaslr_guest_profiled_from_its_boot_files(
         names = [f.symbol for f in frames]
         if "entry_SYSCALL_64_after_hwframe" in names:
             user = names[names.index("entry_SYSCALL_64_after_hwframe") + 1 :]
-            stitched += "read_burn" in user and "main" in user
+            stitched += "read_burn" in user and "_start" in user
         if record.mode is Mode.KERNEL:
             kernel_stacks += 1
             whole += whole_kernel_part(frames, record.stop)
