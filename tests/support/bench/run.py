@@ -22,6 +22,7 @@ from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec
 from support.bench import report
 from support.bench.guest import Fixture, Guest, boot
+from support.bench.linuxrun import linux_run
 from support.bench.methods import (
     EmeraldHmp,
     FloorQmp,
@@ -84,6 +85,7 @@ class Config:
     variant: str = "cfi"
     methods: tuple[str, ...] = METHODS
     smp2_methods: tuple[str, ...] = SMP2_METHODS  # again on a 2-vCPU guest, at the first interval
+    linux: bool = True  # qmpprof on the Linux test guest too
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -283,6 +285,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
             runs += await _measure_all(
                 cfg.smp2_methods, guest, fixture, cfg, cfg.intervals[:1], log
             )
+    linux = await linux_run(ROOT, 2 * cfg.duration, log) if cfg.linux else {}
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {
@@ -298,6 +301,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
         "first_pauses_ms": first,
     }
     result.update(report.headline(runs, cfg.intervals[0] * 1e3))
+    result.update(linux)
     result["targets"] = report.targets(result)
     result.update(offline(fixture.kernel, log))
     return result
@@ -323,13 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--soak", action="store_true", help="only the memory soak: peak RSS, 3k vs 30k samples"
     )
+    p.add_argument("--no-linux", action="store_true", help="skip the Linux test guest's run")
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)
     smp2 = tuple(m for m in ns.smp2_methods.split(",") if m)
     unknown = sorted(set(methods + smp2) - set(METHODS))
     if unknown:
         p.error(f"unknown method {unknown[0]!r} (known: {', '.join(METHODS)})")
-    cfg = Config(ns.duration, (0.010, 0.002), ns.batch_samples, ns.variant, methods, smp2)
+    cfg = Config(
+        ns.duration, (0.010, 0.002), ns.batch_samples, ns.variant, methods, smp2, not ns.no_linux
+    )
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
