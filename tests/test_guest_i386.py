@@ -193,13 +193,16 @@ def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
         assert len(raw) == 608
         assert b"<architecture>i386:x86-64</architecture>" in xml
         eip, cs = struct.unpack_from("<Q", raw, 128)[0], struct.unpack_from("<I", raw, 140)[0]
-        assert eip < 1 << 32
+        cr3, efer = struct.unpack_from("<Q", raw, 204)[0], struct.unpack_from("<Q", raw, 228)[0]
+        assert eip < 1 << 32 and not efer & 1 << 10  # EFER.LMA: not in long mode
         # The proxy's rewrite gives the i386 layout's first 16 registers.
         assert len(bytes.fromhex(i386_registers(g).decode())) == 16 * 4 + 8 * 10 + 8 * 4
     else:
         assert len(raw) == 344
         assert b"<architecture>i386</architecture>" in xml
         eip, cs = struct.unpack_from("<2I", raw, 32)[0], struct.unpack_from("<I", raw, 40)[0]
+        cr3 = struct.unpack_from("<I", raw, 84)[0]
+    assert cr3 and cr3 % 4096 == 0
     assert cs in (UCODE_CS, KCODE_CS)
     assert (eip >= BOUNDARY) == (cs == KCODE_CS)
 
