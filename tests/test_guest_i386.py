@@ -277,6 +277,32 @@ async def test_workload_shares_hold(booted: Guest) -> None:
     assert abs(time_split["spin"] - EXPECTED["programs"]["spin"]["time_split"]) < tolerance, counts
 
 
+@pytest.mark.qemu
+@pytest.mark.parametrize("qemu", BINARIES)
+async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, built: None, qemu: str) -> None:
+    """SMP: the AP leaves the trampoline in protected mode and schedules tasks too."""
+    with running_guest(tmp_path, "i386", 2, qemu=qemu) as guest:
+        assert "2 cpu(s) online" in guest.console_text()
+        qmp = QMPClient("i386-smp")
+        await qmp.connect(str(guest.qmp_socket))
+        try:
+            seen: set[tuple[int, int]] = set()
+            for _ in range(200):
+                await qmp.execute("stop")
+                command = {"command-line": "info registers -a"}
+                text = await qmp.execute("human-monitor-command", command)
+                await qmp.execute("cont")
+                assert isinstance(text, str)
+                for cpu, cpl in re.findall(r"CPU#(\d+)\r?\n(?:.*\n){2}.*CPL=(\d)", text):
+                    seen.add((int(cpu), int(cpl)))
+                if {(0, 3), (1, 3)} <= seen:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await qmp.disconnect()
+    assert {(0, 3), (1, 3)} <= seen, seen
+
+
 # ---- gdb, the oracle ------------------------------------------------------------------------
 
 
