@@ -308,12 +308,12 @@ async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, built: None, 
 
 @contextlib.contextmanager
 def gdb_view(guest: Guest) -> Iterator[Guest]:
-    """The guest as gdb should reach it: through I386GdbProxy under qemu-system-x86_64."""
+    """The guest as gdb should reach it: through I386GdbProxy, which translates the registers
+    under qemu-system-x86_64 and, under both binaries, keeps the stop packet QEMU may send on
+    connection (after an earlier client detached from a running guest) away from gdb."""
     assert guest.gdb_port is not None
-    if guest.qemu != "qemu-system-x86_64":
-        yield guest
-        return
-    with I386GdbProxy(guest.gdb_port) as proxy:
+    translate = guest.qemu == "qemu-system-x86_64"
+    with I386GdbProxy(guest.gdb_port, translate=translate) as proxy:
         yield dataclasses.replace(guest, gdb_port=proxy.port)
 
 

@@ -8,8 +8,10 @@ the target ("Remote 'g' packet reply is too long"), and gdb left at ``i386:x86-6
 that layout (each register's low half, the x87 state unchanged, SSE left out), so gdb -- the
 oracle the unwinders are judged against -- sees what qemu-system-i386 would show it. ``p`` is
 answered from a ``g``. Everything else passes through; the proxy owns the ``+`` acknowledgements
-on both sides, and drops the stop packet QEMU sends unasked when a client connects (gdb would
-take it for the reply to its first request). docs/i386.md has the measured layouts.
+on both sides. QEMU may send a stop packet unasked when a client connects, which gdb would take
+for the reply to its first request: the proxy first asks ``?`` itself and swallows everything
+up to that answer (T05), and later drops any packet no request asked for. docs/i386.md has the
+measured layouts.
 """
 
 from __future__ import annotations
@@ -111,10 +113,12 @@ class _Stream:
 
 class I386GdbProxy:
     """Listens on 127.0.0.1:``port`` for one gdb connection and relays it to the stub at
-    ``upstream_port``, translating as the module says. Use as a context manager."""
+    ``upstream_port``, translating as the module says (``translate=False``: registers pass
+    through, for qemu-system-i386; the connection is still settled). A context manager."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, *, translate: bool = True) -> None:
         self._upstream_port = upstream_port
+        self._translate = translate
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -137,7 +141,26 @@ class I386GdbProxy:
             except (TimeoutError, OSError):
                 continue
             with client, socket.create_connection(("127.0.0.1", self._upstream_port)) as stub:
-                self._relay(_Stream(client), _Stream(stub))
+                upstream = _Stream(stub)
+                self._settle(upstream)
+                self._relay(_Stream(client), upstream)
+
+    @staticmethod
+    def _settle(stub: _Stream) -> None:
+        """Ask ``?`` and drop every packet up to its answer: the stop QEMU reports unasked on
+        a new connection must not reach gdb."""
+        stub.sock.settimeout(10)
+        stub.sock.sendall(encode_packet(b"?"))
+        while True:
+            data = stub.sock.recv(65536)
+            if not data:
+                return
+            stub.pending += data
+            for token in stub.tokens():  # nothing was asked after `?`: none follows T05
+                stub.sock.sendall(b"+")
+                if token.startswith(b"$T05"):
+                    stub.sock.settimeout(None)
+                    return
 
     def _relay(self, gdb: _Stream, stub: _Stream) -> None:
         with selectors.DefaultSelector() as sel:
@@ -156,21 +179,20 @@ class I386GdbProxy:
                         else:
                             self._from_stub(token, gdb, stub)
 
-    @staticmethod
-    def _from_gdb(token: bytes, gdb: _Stream, stub: _Stream) -> None:
+    def _from_gdb(self, token: bytes, gdb: _Stream, stub: _Stream) -> None:
         if token == b"\x03":
             stub.sock.sendall(token)
             return
         gdb.sock.sendall(b"+")
         body = decode_body(token[1:])
-        xfer = _XFER.match(body)
+        xfer = _XFER.match(body) if self._translate else None
         if xfer is not None:
             offset, length = int(xfer.group(1), 16), int(xfer.group(2), 16)
             chunk = TARGET_XML[offset : offset + length]
             more = offset + length < len(TARGET_XML)
             gdb.sock.sendall(encode_packet((b"m" if more else b"l") + chunk))
             return
-        if body == b"g" or re.fullmatch(rb"p[0-9a-f]+", body):
+        if self._translate and (body == b"g" or re.fullmatch(rb"p[0-9a-f]+", body)):
             stub.owed.append("g" if body == b"g" else int(body[1:], 16))
             body = b"g"
         elif _RESUME.match(body):
