@@ -33,7 +33,7 @@ from guestvm import (
     section,
 )
 from qemu.qmp import QMPClient
-from support.gdbi386 import I386GdbProxy, i386_registers
+from support.gdbi386 import I386_LAYOUT, I386GdbProxy, i386_register, i386_registers
 
 from qmpprof.transport.gdbpackets import encode_packet
 
@@ -115,6 +115,27 @@ def test_c_functions_keep_frame_pointers(built: None) -> None:
         for name in (f for f in functions if f in symbols):  # sys's shares name kernel ones too
             start = symbols[name][0] - base
             assert data[start : start + 3] == b"\x55\x89\xe5", (path.name, name)
+
+
+def test_proxy_rewrites_the_x86_64_layout_into_i386() -> None:
+    """A hand-built 608-byte x86_64 `g` reply: each field a distinct value, so a register taken
+    from the wrong offset shows."""
+    raw = bytearray(608)
+    x86_64_gprs = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp")
+    for slot, _ in enumerate(x86_64_gprs):
+        struct.pack_into("<Q", raw, 8 * slot, 0x1000 + slot | 0xDEAD << 32)  # high half dropped
+    struct.pack_into("<Q", raw, 128, 0xC0100FF0)  # rip
+    struct.pack_into("<7I", raw, 136, 0x202, 0x23, 0x1B, 0x1B, 0x1B, 0x1B, 0x1B)  # eflags, cs..gs
+    raw[236:246] = bytes(range(1, 11))  # st0
+    reply = i386_registers(raw.hex().encode())
+    out = bytes.fromhex(reply.decode())
+    assert len(out) == sum(bits // 8 for _, bits, _, _ in I386_LAYOUT) == 176
+    eax, ecx, edx, ebx, esp, ebp, esi, edi, eip, eflags, cs = struct.unpack_from("<11I", out)
+    assert (eax, ebx, ecx, edx, esi, edi, ebp, esp) == tuple(0x1000 + i for i in range(8))
+    assert (eip, eflags, cs) == (0xC0100FF0, 0x202, 0x23)
+    assert out[64:74] == bytes(range(1, 11))
+    assert i386_register(raw.hex().encode(), 8) == b"f00f10c0"  # eip, as a `p` reply
+    assert i386_registers(b"E14") == b"E14"
 
 
 # ---- QEMU: one boot per binary ----------------------------------------------------------------
