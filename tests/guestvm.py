@@ -53,21 +53,26 @@ BOOT_TIMEOUT = 30.0
 GDB_TIMEOUT = 60.0
 
 _build_lock = threading.Lock()
-_built = False
+_built: set[str] = set()
 
 
-def build_fixtures() -> None:
-    """Run scripts/build-fixtures once per test session (make itself skips fresh outputs)."""
-    global _built
+def build_fixtures(variants: tuple[str, ...] | None = None) -> None:
+    """Run scripts/build-fixtures once per test session for ``variants`` (default: every one;
+    make itself skips fresh outputs)."""
+    key = "*" if variants is None else " ".join(variants)
+    env = dict(os.environ, QMPPROF_GUEST_VARIANTS=key) if variants is not None else None
     with _build_lock:
-        if not _built:
-            subprocess.run([ROOT / "scripts" / "build-fixtures"], check=True)
-            _built = True
+        if key not in _built and "*" not in _built:
+            subprocess.run([ROOT / "scripts" / "build-fixtures"], check=True, env=env)
+            _built.add(key)
 
 
-def expected() -> dict[str, Any]:
-    """fixtures/guest/expected.json: the workload shape the guest promises."""
+def expected(variant: str | None = None) -> dict[str, Any]:
+    """fixtures/guest/expected.json: the workload shape the guest promises; for a ``variant``
+    of ``arch_variants`` (i386), with that entry's keys over the top-level ones."""
     data: dict[str, Any] = json.loads(EXPECTED_JSON.read_text())
+    if variant is not None and variant in data["arch_variants"]:
+        data = {**data, **data["arch_variants"][variant]}
     return data
 
 
@@ -90,6 +95,7 @@ class Guest:
     build_dir: Path
     process: subprocess.Popen[bytes]
     gdb_port: int | None
+    qemu: str | None = None
 
     @property
     def kernel_elf(self) -> Path:
@@ -153,10 +159,12 @@ def running_guest(
     paused: bool = False,
     gdb_port: int | None = None,
     wait_workload: bool = True,
+    qemu: str | None = None,
 ) -> Iterator[Guest]:
     """Boot the guest (scripts/run-guest) and yield it once QMP accepts connections and, unless
-    ``paused`` or ``wait_workload`` is False, the console shows the workload line."""
-    build_fixtures()
+    ``paused`` or ``wait_workload`` is False, the console shows the workload line. ``qemu``: the
+    QEMU binary (default: run-guest's for the variant)."""
+    build_fixtures((variant,))
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-", dir="/tmp"))
     # A fresh, empty file per boot: a console left by an earlier boot would show the workload
@@ -177,6 +185,8 @@ def running_guest(
         cmd += ["--gdb", str(gdb_port)]
     if paused:
         cmd.append("--paused")
+    if qemu is not None:
+        cmd += ["--qemu", qemu]
     process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     guest = Guest(
         qmp_socket=sock_dir / "qmp.sock",
@@ -186,6 +196,7 @@ def running_guest(
         build_dir=BUILD_ROOT / variant,
         process=process,
         gdb_port=gdb_port,
+        qemu=qemu,
     )
     try:
         deadline = time.monotonic() + BOOT_TIMEOUT
@@ -375,8 +386,10 @@ def gdb_stack(
     breakpoint: str | None = None,
     condition: str | None = None,
     timeout: float = GDB_TIMEOUT,
+    architecture: str | None = None,
 ) -> GdbStack:
-    """The stack gdb unwinds, with pcs (see ``gdb_backtrace``)."""
+    """The stack gdb unwinds, with pcs (see ``gdb_backtrace``); ``architecture``: gdb's
+    ``set architecture`` before it reads the ELF files (i386)."""
     if guest.gdb_port is None:
         raise ValueError("the guest was started without a gdbstub (gdb_port)")
     candidates = {
@@ -393,7 +406,7 @@ def gdb_stack(
         script.flush()
         commands = [*_stop_commands(cpu, breakpoint, condition), f"source {script.name}"]
         given = Path(user_elf) if isinstance(user_elf, (str, Path)) and user_elf != "auto" else None
-        output = run_gdb(guest, given, commands, timeout, env)
+        output = run_gdb(guest, given, commands, timeout, env, architecture)
     frames = [(int(pc, 16), name) for pc, name in _FRAME.findall(output)]
     if not frames:
         raise RuntimeError(f"gdb printed no backtrace:\n{output}")
@@ -439,10 +452,13 @@ def run_gdb(
     commands: list[str],
     timeout: float = GDB_TIMEOUT,
     env: dict[str, str] | None = None,
+    architecture: str | None = None,
 ) -> str:
     """Run gdb in batch mode against the guest's gdbstub; returns what gdb printed. gdb
     disconnects at the end, leaving the guest stopped."""
     args = ["gdb", "-batch", "-nx", "-ex", "set pagination off", "-ex", "set confirm off"]
+    if architecture is not None:
+        args += ["-ex", f"set architecture {architecture}"]
     # gdb stops at main and at the ELF entry by default; the oracle must see the whole stack.
     args += ["-ex", "set backtrace past-main on", "-ex", "set backtrace past-entry on"]
     args += ["-ex", f"file {guest.kernel_elf}"]

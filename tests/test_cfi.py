@@ -308,6 +308,40 @@ def test_debug_frame_with_32_and_64_bit_records() -> None:
     assert second is not None and second.cfa_offset == 24
 
 
+def test_debug_frame_with_4_byte_addresses() -> None:
+    """i386: a version-4 CIE says address_size 4; the FDE's location, range and set_loc are 4
+    bytes each."""
+    esp, eip = 4, 8
+    cie_body = (
+        struct.pack("<I", 0xFFFFFFFF)  # CIE id in .debug_frame
+        + b"\x04"  # version 4
+        + b"\x00"  # augmentation ""
+        + b"\x04"  # address_size
+        + b"\x00"  # segment_selector_size
+        + uleb(1) + sleb(-4)  # code / data alignment
+        + uleb(eip)  # return address register
+        + b"\x0c" + uleb(esp) + uleb(4)  # def_cfa esp, 4
+        + bytes([0x80 | eip]) + uleb(1)  # offset: eip at CFA + 1*-4
+    )  # fmt: skip
+    data = struct.pack("<I", len(cie_body)) + cie_body
+    fde_body = (
+        struct.pack("<I", 0)  # CIE pointer: section offset of the CIE
+        + struct.pack("<II", 0xC0001000, 0x10)  # initial location, range: 4 bytes each
+        + b"\x0e" + uleb(8)  # def_cfa_offset 8
+        + b"\x01" + struct.pack("<I", 0xC0001008)  # set_loc: a 4-byte absolute address
+        + b"\x0e" + uleb(12)  # def_cfa_offset 12
+    )  # fmt: skip
+    data += struct.pack("<I", len(fde_body)) + fde_body
+    t = CfiTable.parse(data, 0, kind="debug_frame", address_size=4)
+    first, second = t.row_for(0xC0001004), t.row_for(0xC000100A)
+    assert first is not None and (first.cfa_reg, first.cfa_offset, first.ra) == (esp, 8, eip)
+    assert regs(first) == {eip: RegRule(Kind.OFFSET, -4)}
+    assert second is not None and second.cfa_offset == 12
+    assert t.row_for(0xC0001010) is None
+    # The same bytes read as x86_64: the CIE's address_size 4 does not match, nothing decodes.
+    assert CfiTable.parse(data, 0, kind="debug_frame").row_for(0xC0001004) is None
+
+
 def test_unknown_opcode_keeps_the_rows_before_it() -> None:
     insns = b"\x0e" + uleb(16) + bytes([0x40 | 4]) + b"\x3f"  # 0x3f: not a DW_CFA opcode
     t = table((0x1000, 0x10, insns))
@@ -372,6 +406,29 @@ def no_memory(addr: int) -> int | None:
 def test_plt_cfa_expression(rip: int, cfa: int) -> None:
     # The .plt's CFA: rsp+8, or rsp+16 once the stub has pushed its relocation index.
     assert evaluate(PLT_EXPR, {RSP: 0x7000, RIP: rip}, no_memory) == cfa
+
+
+# The i386 guest's trap-frame esp rule (fixtures/guest/kernel/entry32.S), the CFA pushed first:
+# [CFA] when the saved cs (at CFA-8) has RPL 3, the CFA itself otherwise.
+I386_TRAP_ESP = bytes.fromhex("12 38 1c 94 04 33 1a 28 03 00 2f 02 00 94 04")
+
+
+@pytest.mark.parametrize(("cs", "esp"), [(0x23, 0x7FFFC0), (0x08, 0xC0140F00)])
+def test_i386_expression_uses_4_byte_words(cs: int, esp: int) -> None:
+    cfa = 0xC0140F00
+    words = {cfa - 8: cs, cfa: 0x7FFFC0, cfa + 4: 0xFFFFFFFF}
+
+    def read(addr: int) -> int:
+        return words.get(addr, 0) | words.get(addr + 4, 0) << 32
+
+    assert evaluate(I386_TRAP_ESP, {}, read, push=cfa, address_size=4) == esp
+    # DW_OP_deref reads an address-sized word; arithmetic wraps at 32 bits.
+    assert evaluate(b"\x06", {}, read, push=cfa, address_size=4) == 0x7FFFC0
+    assert evaluate(b"\x06", {}, read, push=cfa) == 0xFFFFFFFF007FFFC0
+    assert evaluate(b"\x74" + sleb(-8), {4: 4}, read, address_size=4) == 0xFFFFFFFC
+    assert evaluate(b"\x03" + struct.pack("<I", 0xC0001000), {}, read, address_size=4) == (
+        0xC0001000
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qmpprof.dwarf.arch import I386
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
 
@@ -116,18 +117,29 @@ def test_truncated_elf(work: Path, tmp_path: Path, keep: float) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_32_bit_elf_is_rejected(tmp_path: Path) -> None:
-    source, obj = tmp_path / "t.s", tmp_path / "t.o"
+@pytest.fixture(scope="module")
+def i386_object(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("i386")
+    source, obj = folder / "t.s", folder / "t.o"
     source.write_text("nop\n")
     subprocess.run(["as", "--32", "-o", str(obj), str(source)], check=True)
-    with pytest.raises(ElfError, match="32-bit"):
-        ElfImage.load(obj)
+    return obj
 
 
-def test_other_machine_is_rejected(work: Path, tmp_path: Path) -> None:
-    data = bytearray(work.read_bytes())
-    data[18:20] = (183).to_bytes(2, "little")  # e_machine = EM_AARCH64
-    path = tmp_path / "arm"
+def test_32_bit_i386_elf_loads(i386_object: Path) -> None:
+    assert ElfImage.load(i386_object).arch is I386
+
+
+@pytest.mark.parametrize(
+    ("original", "machine", "described"),
+    [("work", 183, "64-bit EM_AARCH64"), ("i386_object", 40, "32-bit EM_ARM")],
+)
+def test_other_machine_is_rejected(
+    request: pytest.FixtureRequest, tmp_path: Path, original: str, machine: int, described: str
+) -> None:
+    data = bytearray(request.getfixturevalue(original).read_bytes())
+    data[18:20] = machine.to_bytes(2, "little")  # e_machine
+    path = tmp_path / "other"
     path.write_bytes(bytes(data))
-    with pytest.raises(ElfError, match="not x86_64"):
+    with pytest.raises(ElfError, match=f"{described}, not x86_64 or 32-bit i386"):
         ElfImage.load(path)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from guestvm import build_fixtures
 
+from qmpprof.dwarf.arch import I386
 from qmpprof.dwarf.cfi import CfiTable, Kind, RegRule, Rule
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import DWARF_REGS
@@ -21,9 +23,11 @@ _CIE = re.compile(r"^([0-9a-f]+) [0-9a-f]+ [0-9a-f]+ CIE ")
 _FDE = re.compile(
     r"^([0-9a-f]+) [0-9a-f]+ [0-9a-f]+ FDE cie=([0-9a-f]+) pc=([0-9a-f]+)\.\.([0-9a-f]+)"
 )
-_ROW = re.compile(r"^([0-9a-f]{16}) (.*)$")  # a row's LOC is a full 64-bit address
+# A row's LOC is a full 64- or 32-bit address ("00000068 ZERO terminator" is no row).
+_ROW = re.compile(r"^([0-9a-f]{16}|[0-9a-f]{8}) (?!ZERO)(.*)$")
 _VALUE = re.compile(r"r\d+ \([^)]*\)|\S+")  # "r9 (r9)" is the only value with a space inside
 REG_NAMES = (*DWARF_REGS[:16], "rip", *(f"xmm{i}" for i in range(16)))
+I386_NAMES = I386.names  # readelf's i386 columns: eax ecx edx ebx esp ebp esi edi eip
 
 
 @dataclass
@@ -63,7 +67,7 @@ def readelf_frames(path: Path) -> dict[str, dict[int, Entry]]:
     return sections
 
 
-def _reg_text(rule: RegRule) -> str:
+def _reg_text(rule: RegRule, names: tuple[str, ...]) -> str:
     simple = {Kind.UNDEFINED: "u", Kind.SAME: "s", Kind.EXPRESSION: "exp"}
     if rule.kind in simple:
         return simple[rule.kind]
@@ -73,24 +77,24 @@ def _reg_text(rule: RegRule) -> str:
         return f"c{rule.value:+d}"
     if rule.kind is Kind.VAL_OFFSET:
         return f"v{rule.value:+d}"
-    return f"r{rule.value} ({REG_NAMES[rule.value]})"
+    return f"r{rule.value} ({names[rule.value]})"
 
 
-def render(rule: Rule, columns: list[str]) -> dict[str, str]:
-    """Our row in readelf's notation, for readelf's columns."""
-    cfa = "exp" if rule.cfa_expr is not None else f"{REG_NAMES[rule.cfa_reg]}{rule.cfa_offset:+d}"
+def render(rule: Rule, columns: list[str], names: tuple[str, ...] = REG_NAMES) -> dict[str, str]:
+    """Our row in readelf's notation, for readelf's columns (``names``: DWARF number -> name)."""
+    cfa = "exp" if rule.cfa_expr is not None else f"{names[rule.cfa_reg]}{rule.cfa_offset:+d}"
     regs = dict(rule.regs)
     out = {"CFA": cfa}
     for column in columns[1:]:
-        number = rule.ra if column == "ra" else REG_NAMES.index(column)
-        out[column] = _reg_text(regs[number]) if number in regs else "u"
+        number = rule.ra if column == "ra" else names.index(column)
+        out[column] = _reg_text(regs[number], names) if number in regs else "u"
     # Every register we have a rule for must be a column readelf shows.
-    named = {rule.ra if c == "ra" else REG_NAMES.index(c) for c in columns[1:]}
+    named = {rule.ra if c == "ra" else names.index(c) for c in columns[1:]}
     assert set(regs) <= named, (hex(rule.start), regs)
     return out
 
 
-def compare(table: CfiTable, entries: dict[int, Entry]) -> int:
+def compare(table: CfiTable, entries: dict[int, Entry], names: tuple[str, ...] = REG_NAMES) -> int:
     """Assert every readelf row; return how many were compared."""
     fdes = [e for e in entries.values() if e.cie is not None]
     assert sorted((f.pc_begin, f.pc_end) for f in table.fdes()) == sorted(
@@ -106,7 +110,7 @@ def compare(table: CfiTable, entries: dict[int, Entry]) -> int:
                 continue  # readelf prints advances past the FDE's range too
             rule = table.row_for(loc)
             assert rule is not None, hex(loc)
-            assert render(rule, list(want)) == want, hex(loc)
+            assert render(rule, list(want), names) == want, hex(loc)
             compared += 1
     return compared
 
@@ -177,3 +181,14 @@ def test_bundled_guest_cfi_matches_readelf(variant: str, guest_build: None) -> N
         if rule.reg(7) is not None
     ]
     assert call_rows and all(rule.signal for rule in call_rows)
+
+
+def test_i386_guest_cfi_matches_readelf() -> None:
+    """The i386 build (fixtures/build/i386): 4-byte addresses, i386 register numbers, the entry
+    stubs' esp expressions, in the kernel and in both user programs."""
+    build_fixtures(("i386",))
+    build_dir = Path(__file__).parent.parent / "fixtures" / "build" / "i386"
+    for path in [build_dir / "kernel.elf", *sorted((build_dir / "user").glob("*.elf"))]:
+        image = ElfImage.load(path)
+        assert image.cfi is not None and image.cfi.address_size == 4
+        assert compare(image.cfi, readelf_frames(path)[".eh_frame"], I386_NAMES) >= 10, path

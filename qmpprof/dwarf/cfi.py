@@ -4,7 +4,8 @@ Parsing is lazy. ``parse`` only keeps the bytes; the first lookup builds a sorte
 (from the binary-search table of .eh_frame_hdr when given, else by walking the records once),
 an FDE's rows are compiled the first time one of its pcs is asked for, and every answer is
 cached per pc. The bytes may come from a file or from guest memory (``section_addr`` is where
-they live, needed for pc-relative pointers). Malformed records never raise: their pcs get None.
+they live, needed for pc-relative pointers). ``address_size`` is the target's (8 on x86_64, 4 on
+i386: ``qmpprof.dwarf.arch``). Malformed records never raise: their pcs get None.
 """
 
 from __future__ import annotations
@@ -47,11 +48,18 @@ class CfiTable:
     """Rows of the CFI table of one ELF, looked up by link-time pc."""
 
     def __init__(
-        self, data: bytes, section_addr: int, kind: FrameKind, hdr: bytes | None, hdr_addr: int
+        self,
+        data: bytes,
+        section_addr: int,
+        kind: FrameKind,
+        hdr: bytes | None,
+        hdr_addr: int,
+        address_size: int = 8,
     ) -> None:
         self.data = data
         self.section_addr = section_addr
         self.kind: FrameKind = kind
+        self.address_size = address_size
         self._hdr = hdr
         self._hdr_addr = hdr_addr
         self._starts: list[int] | None = None
@@ -69,8 +77,11 @@ class CfiTable:
         kind: FrameKind = "eh_frame",
         hdr: bytes | None = None,
         hdr_addr: int = 0,
+        address_size: int = 8,
     ) -> CfiTable:
-        return cls(bytes(data), section_addr, kind, hdr, hdr_addr)
+        if address_size not in (4, 8):
+            raise ValueError(f"address size {address_size}: 4 or 8")
+        return cls(bytes(data), section_addr, kind, hdr, hdr_addr, address_size)
 
     def row_for(self, pc: int) -> Rule | None:
         """The compiled row covering link address ``pc``, or None when no FDE describes it."""
@@ -127,7 +138,7 @@ class CfiTable:
         """(initial location, FDE offset) pairs from .eh_frame_hdr, or None if unusable."""
         assert self._hdr is not None
         try:
-            r = Reader(self._hdr, 0, self._hdr_addr)
+            r = Reader(self._hdr, 0, self._hdr_addr, self.address_size)
             if r.u8() != 1:
                 return None
             ptr_enc, count_enc, table_enc = r.u8(), r.u8(), r.u8()
@@ -135,12 +146,13 @@ class CfiTable:
             if count_enc == PE_OMIT or table_enc == PE_OMIT:
                 return None
             count = r.pointer(count_enc, self._hdr_addr)
-            size = pointer_size(table_enc)
+            size = pointer_size(table_enc, self.address_size)
             if size == 0 or r.pos + 2 * size * count > len(self._hdr):
                 return None
             if table_enc == PE_DATAREL | PE_SDATA4:  # what every GNU linker writes: one unpack
                 flat = struct.unpack_from(f"<{2 * count}i", self._hdr, r.pos)
-                locs = [(v + self._hdr_addr) & ((1 << 64) - 1) for v in flat]
+                mask = (1 << (8 * self.address_size)) - 1
+                locs = [(v + self._hdr_addr) & mask for v in flat]
             else:
                 locs = [r.pointer(table_enc, self._hdr_addr) for _ in range(2 * count)]
         except CfiDecodeError:
@@ -174,7 +186,7 @@ class CfiTable:
 
     def _record(self, pos: int) -> tuple[int, int | None] | None:
         """(end of record, CIE offset or None for a CIE) for the record at ``pos``; None = end."""
-        r = Reader(self.data, pos, self.section_addr)
+        r = Reader(self.data, pos, self.section_addr, self.address_size)
         length = r.u32()
         wide = length == 0xFFFFFFFF
         if wide:
@@ -204,13 +216,14 @@ class CfiTable:
         if header is None or header[1] is not None:
             return None
         end = header[0]
-        r = Reader(self.data, pos, self.section_addr)
+        r = Reader(self.data, pos, self.section_addr, self.address_size)
         wide = r.u32() == 0xFFFFFFFF
         r.pos += 16 if wide else 4  # skip the 64-bit length and id, or the 32-bit id
         version = r.u8()
         aug = r.cstring()
+        if version == 4 and r.u8() != self.address_size:  # address_size
+            return None
         if version == 4:
-            r.u8()  # address_size (x86_64 only: 8)
             r.u8()  # segment_selector_size
         code_align, data_align = r.uleb(), r.sleb()
         ra = r.u8() if version == 1 else r.uleb()
@@ -231,7 +244,10 @@ class CfiTable:
         elif aug not in (b"", b"S"):
             return None  # an augmentation we cannot skip safely
         signal = signal or aug == b"S"
-        return Cie(code_align, data_align, ra, fde_enc, aug.startswith(b"z"), signal, r.pos, end)
+        return Cie(
+            code_align, data_align, ra, fde_enc, aug.startswith(b"z"), signal, r.pos, end,
+            self.address_size,
+        )  # fmt: skip
 
     def _decode_fde(self, pos: int) -> Fde | None:
         header = self._record(pos)
@@ -241,7 +257,7 @@ class CfiTable:
         cie = self._cie(cie_offset)
         if cie is None:
             return None
-        r = Reader(self.data, pos, self.section_addr)
+        r = Reader(self.data, pos, self.section_addr, self.address_size)
         wide = r.u32() == 0xFFFFFFFF
         r.pos += 16 if wide else 4  # skip the 64-bit length and id, or the 32-bit id
         pc_begin = r.pointer(cie.fde_enc)

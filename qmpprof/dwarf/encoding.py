@@ -1,8 +1,10 @@
 """Byte-level decoding shared by the CFI parser and the DWARF expression evaluator.
 
 LEB128 numbers, fixed-size little-endian integers and the ``DW_EH_PE_*`` pointer encodings of
-the LSB (.eh_frame / .eh_frame_hdr). Malformed input raises ``CfiDecodeError``, which the
-callers turn into "no rule here" — never into a crash of the sampler.
+the LSB (.eh_frame / .eh_frame_hdr). A Reader knows the target's address size (8 on x86_64, 4
+on i386): an absolute pointer is that wide, and pointer arithmetic wraps at that width.
+Malformed input raises ``CfiDecodeError``, which the callers turn into "no rule here" — never
+into a crash of the sampler.
 """
 
 from __future__ import annotations
@@ -44,15 +46,24 @@ class CfiDecodeError(Exception):
     """The CFI bytes are truncated or use something this decoder does not understand."""
 
 
+_ADDRESS: dict[int, struct.Struct] = {4: _FIXED[PE_UDATA4], 8: _FIXED[PE_UDATA8]}
+
+
 class Reader:
-    """A cursor over a bytes object; ``base_addr`` is the address of ``data[0]`` (for pcrel)."""
+    """A cursor over a bytes object; ``base_addr`` is the address of ``data[0]`` (for pcrel),
+    ``address_size`` the width of an absolute pointer (4 or 8)."""
 
-    __slots__ = ("base_addr", "data", "pos")
+    __slots__ = ("address_size", "base_addr", "data", "pos")
 
-    def __init__(self, data: bytes, pos: int = 0, base_addr: int = 0) -> None:
+    def __init__(
+        self, data: bytes, pos: int = 0, base_addr: int = 0, address_size: int = 8
+    ) -> None:
+        if address_size not in _ADDRESS:
+            raise CfiDecodeError(f"address size {address_size} (only 4 and 8 are known)")
         self.data = data
         self.pos = pos
         self.base_addr = base_addr
+        self.address_size = address_size
 
     def _take(self, size: int) -> int:
         pos = self.pos
@@ -79,6 +90,10 @@ class Reader:
 
     def u64(self) -> int:
         return self.fixed(_FIXED[PE_UDATA8])
+
+    def address(self) -> int:
+        """One target address (DW_OP_addr, a .debug_frame initial location)."""
+        return self.fixed(_ADDRESS[self.address_size])
 
     def block(self, size: int) -> bytes:
         pos = self._take(size)
@@ -126,6 +141,8 @@ class Reader:
             value = self.uleb()
         elif fmt == PE_SLEB128:
             value = self.sleb()
+        elif fmt == PE_ABSPTR:
+            value = self.address()
         elif fmt in _FIXED:
             value = self.fixed(_FIXED[fmt])
         else:
@@ -138,10 +155,12 @@ class Reader:
             raise CfiDecodeError(f"bad pointer encoding {encoding:#x}")
         # Indirect pointers point at the real value in memory we do not have; unwinding needs
         # only pc ranges, which gcc never encodes indirectly, so the raw address is kept.
-        return value & MASK64
+        return value & ((1 << (8 * self.address_size)) - 1)
 
 
-def pointer_size(encoding: int) -> int:
+def pointer_size(encoding: int, address_size: int = 8) -> int:
     """Byte size of a fixed-size encoding (for .eh_frame_hdr tables); 0 if variable/invalid."""
+    if encoding & 0x0F == PE_ABSPTR:
+        return address_size
     fmt = _FIXED.get(encoding & 0x0F)
     return 0 if fmt is None else fmt.size

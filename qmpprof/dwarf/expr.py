@@ -67,19 +67,25 @@ def _binary(op: int, a: int, b: int) -> int | None:
 
 
 def evaluate(
-    expr: bytes, regs: Mapping[int, int], read_u64: ReadU64, push: int | None = None
+    expr: bytes,
+    regs: Mapping[int, int],
+    read_u64: ReadU64,
+    push: int | None = None,
+    address_size: int = 8,
 ) -> int | None:
     """Run ``expr``; ``push`` (the CFA for DW_CFA_expression rules) starts on the stack.
 
     Returns the top of the stack, or None if the expression is malformed, uses an unknown
     operation, names a register we do not know, or dereferences unreadable memory.
     ``memory.PageMissing`` from ``read_u64`` propagates so that the sampler can fetch the page.
+    ``address_size`` 4 (i386): DW_OP_addr and DW_OP_deref take 4 bytes, the result 32 bits.
     """
     stack: list[int] = [] if push is None else [push]
     try:
-        return _run(Reader(expr), stack, regs, read_u64)
+        value = _run(Reader(expr, address_size=address_size), stack, regs, read_u64)
     except (CfiDecodeError, IndexError, KeyError):
         return None
+    return None if value is None else value & ((1 << (8 * address_size)) - 1)
 
 
 def _run(r: Reader, stack: list[int], regs: Mapping[int, int], read_u64: ReadU64) -> int | None:
@@ -105,10 +111,10 @@ def _run(r: Reader, stack: list[int], regs: Mapping[int, int], read_u64: ReadU64
             value = int.from_bytes(r.block(size), "little", signed=signed)
             stack.append(value & MASK64)
         elif op in (0x03, 0x10, 0x11):  # addr, constu, consts
-            value = r.u64() if op == 0x03 else r.uleb() if op == 0x10 else r.sleb()
+            value = r.address() if op == 0x03 else r.uleb() if op == 0x10 else r.sleb()
             stack.append(value & MASK64)
         elif op in (0x06, 0x94):  # deref, deref_size
-            size = 8 if op == 0x06 else r.u8()
+            size = r.address_size if op == 0x06 else r.u8()
             loaded = read_u64(stack.pop())
             if loaded is None or not 1 <= size <= 8:
                 return None

@@ -39,7 +39,7 @@ class Rule:
 
     The CFA is ``reg[cfa_reg] + cfa_offset``, or the result of ``cfa_expr`` when that is set.
     ``regs`` holds the explicit rules, sorted by DWARF register number; a register without one
-    keeps its value (x86_64 compilers only describe callee-saved registers they touch).
+    keeps its value (x86 compilers only describe callee-saved registers they touch).
     """
 
     start: int
@@ -48,7 +48,7 @@ class Rule:
     cfa_offset: int
     cfa_expr: bytes | None
     regs: tuple[tuple[int, RegRule], ...]
-    ra: int  # the return-address column (16 = RIP on x86_64)
+    ra: int  # the return-address column (16 = RIP on x86_64, 8 = EIP on i386)
     signal: bool  # CIE augmentation "S": a signal/trap frame, its caller's pc is exact
     # The common case precompiled for the unwinder's fast path: when every explicit rule is
     # "saved at CFA+n" and the return address is one of them, the (register, n) pairs.
@@ -73,6 +73,7 @@ class Cie:
     signal: bool
     init_start: int
     init_end: int
+    address_size: int = 8  # of absolute pointers (DW_CFA_set_loc): 4 on i386
 
 
 @dataclass(slots=True)
@@ -154,7 +155,7 @@ class _Run:
 
     def execute(self, start: int, end: int) -> None:
         # No slicing: copying a multi-megabyte section per FDE would cost more than the rows.
-        r = Reader(self.data, start, self.base_addr)
+        r = Reader(self.data, start, self.base_addr, self.cie.address_size)
         while r.pos < end:
             op = r.u8()
             high = op & 0xC0

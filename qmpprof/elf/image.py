@@ -1,4 +1,4 @@
-"""ElfImage: what qmpprof needs from one x86_64 ELF file — text, symbols, CFI, identity.
+"""ElfImage: what qmpprof needs from one x86_64 or i386 ELF file — text, symbols, CFI, identity.
 
 The only module that imports pyelftools (for the headers). Bulk data is read directly from
 the file bytes: symbol tables with ``struct.iter_unpack`` (pyelftools decodes one symbol at a
@@ -19,12 +19,14 @@ from typing import Any
 from elftools.common.exceptions import ELFError as PyElfError
 from elftools.elf.elffile import ELFFile
 
+from qmpprof.dwarf.arch import BY_MACHINE, Arch
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.errors import ElfError
 
-_SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
+_SYM64 = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
+_SYM32 = struct.Struct("<IIIBBH")  # Elf32_Sym: name, value, size, info, other, shndx
 _SHF_EXECINSTR = 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
 _STB_RANK = {1: 0, 2: 1, 0: 2}  # GLOBAL, WEAK, LOCAL: which alias names a shared address
@@ -34,8 +36,9 @@ _SHN_UNDEF, _SHN_LORESERVE, _SHN_ABS = 0, 0xFF00, 0xFFF1
 class ElfImage:
     """One ELF file, loaded with ``ElfImage.load(path)``."""
 
-    def __init__(self, path: str, data: bytes, elf: Any) -> None:
+    def __init__(self, path: str, data: bytes, elf: Any, arch: Arch) -> None:
         self.path = path
+        self.arch = arch  # the instruction set: DWARF register numbers, address size
         self.name = Path(path).stem
         self._data = data
         self._sections: dict[str, Any] = {}
@@ -59,7 +62,7 @@ class ElfImage:
 
     @classmethod
     def load(cls, path: str | Path) -> ElfImage:
-        """Read and check an x86_64 ELF file; raises ElfError, never anything else."""
+        """Read and check an x86_64 or i386 ELF file; raises ElfError, never anything else."""
         text = str(path)
         try:
             data = Path(path).read_bytes()
@@ -69,15 +72,18 @@ class ElfImage:
 
     @classmethod
     def from_bytes(cls, path: str, data: bytes) -> ElfImage:
-        """Check an x86_64 ELF held in memory (a vmlinux unpacked from a bzImage); ``path``
-        names it in errors. Raises ElfError, never anything else."""
+        """Check an x86_64 or i386 ELF held in memory (a vmlinux unpacked from a bzImage);
+        ``path`` names it in errors. Raises ElfError, never anything else."""
         if not data.startswith(b"\x7fELF"):
             raise ElfError(path, "no ELF magic")
         try:
             elf = ELFFile(io.BytesIO(data))
-            if elf.elfclass != 64 or elf["e_machine"] != "EM_X86_64":
-                raise ElfError(path, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64")
-            image = cls(path, data, elf)
+            arch = BY_MACHINE.get((elf["e_machine"], elf.elfclass))
+            if arch is None:
+                raise ElfError(
+                    path, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64 or 32-bit i386"
+                )
+            image = cls(path, data, elf, arch)
             image._check_bounds()
         except ElfError:
             raise
@@ -151,10 +157,11 @@ class ElfImage:
                 self.section_addr(".eh_frame") or 0,
                 hdr=self.section(".eh_frame_hdr"),
                 hdr_addr=self.section_addr(".eh_frame_hdr") or 0,
+                address_size=self.arch.address_size,
             )
         debug = self.section(".debug_frame")
         if debug:
-            return CfiTable.parse(debug, 0, kind="debug_frame")
+            return CfiTable.parse(debug, 0, kind="debug_frame", address_size=self.arch.address_size)
         return None
 
     @cached_property
@@ -176,8 +183,7 @@ class ElfImage:
         strtab = self._data[start : start + strtab_header["sh_size"]]
         executable = {i for i, h in enumerate(self._section_list) if h["sh_flags"] & _SHF_EXECINSTR}
         out: list[Symbol] = []
-        usable = len(data) - len(data) % _SYM.size
-        for st_name, info, _other, shndx, value, size in _SYM.iter_unpack(data[:usable]):
+        for st_name, info, shndx, value, size in self._raw_symbols(data):
             kind = info & 0xF
             if shndx == _SHN_UNDEF or not st_name:
                 continue
@@ -191,6 +197,14 @@ class ElfImage:
                 continue  # local assembler labels and ARM-style mapping symbols
             out.append(Symbol(value, size, label, _STB_RANK.get(info >> 4, 3)))
         return out
+
+    def _raw_symbols(self, data: bytes) -> list[tuple[int, int, int, int, int]]:
+        """(name, info, shndx, value, size) of every entry of a symbol table's bytes."""
+        if self.arch.address_size == 8:
+            usable = len(data) - len(data) % _SYM64.size
+            return [(n, i, x, v, z) for n, i, _, x, v, z in _SYM64.iter_unpack(data[:usable])]
+        usable = len(data) - len(data) % _SYM32.size
+        return [(n, i, x, v, z) for n, v, z, i, _, x in _SYM32.iter_unpack(data[:usable])]
 
     def _build_id(self) -> str | None:
         note = self.section(".note.gnu.build-id")

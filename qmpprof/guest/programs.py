@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import UsageError
+from qmpprof.unwind.space import unwindable
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -35,7 +36,7 @@ class ProgramIndex:
         images = []
         for path in sorted(directory.iterdir()):
             if path.is_file() and _looks_like_elf(path):
-                images.append(ElfImage.load(path))
+                images.append(unwindable(ElfImage.load(path)))
         return cls(images)
 
     def match(self, text: bytes) -> ElfImage | None:

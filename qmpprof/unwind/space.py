@@ -12,13 +12,23 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qmpprof.dwarf.arch import X86_64
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import SymbolTable
+from qmpprof.errors import ElfError
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
 from qmpprof.unwind.steps import FRAME_POINTER_ONLY, UnwindStep, steps_for
+
+
+def unwindable(image: ElfImage) -> ElfImage:
+    """``image`` if the unwinding steps know its instruction set (x86_64 only so far: ElfImage
+    reads i386 files too); ElfError otherwise, so a run fails before it touches the guest."""
+    if image.arch is not X86_64:
+        raise ElfError(image.path, f"{image.arch.name} code is not unwound yet (x86_64 only)")
+    return image
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -68,7 +78,7 @@ class Module:
 
     @classmethod
     def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
-        low, high = image.load_range
+        low, high = unwindable(image).load_range
         mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(

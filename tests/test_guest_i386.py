@@ -1,0 +1,407 @@
+"""The i386 build of the bundled guest (fixtures/build/i386): how it is built, that it boots under
+qemu-system-i386 and under qemu-system-x86_64, what each binary's HMP and gdbstub say about a
+32-bit guest's registers (docs/i386.md), and that gdb -- the oracle of the later stack
+comparisons -- unwinds it through int 0x80 and interrupts into user code under both binaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import re
+import socket
+import struct
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from elftools.elf.elffile import ELFFile
+from guestvm import (
+    BUILD_ROOT,
+    WORKLOAD_LINE,
+    Guest,
+    SymbolIndex,
+    build_fixtures,
+    expected,
+    free_tcp_port,
+    gdb_stack,
+    memsave,
+    running_guest,
+    section,
+)
+from qemu.qmp import QMPClient
+from support.gdbi386 import I386_LAYOUT, I386GdbProxy, i386_register, i386_registers
+
+from qmpprof.transport.gdbpackets import encode_packet
+
+EXPECTED = expected("i386")
+BUILD = BUILD_ROOT / "i386"
+BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
+BINARIES = EXPECTED["qemu"]
+USER_TAIL = ["main", EXPECTED["outermost"]["user"]]
+UCODE_CS, KCODE_CS = 0x23, 0x08
+# struct regs (kernel.h, i386): the pointer interrupt_dispatch gets; eip and cs offsets in it.
+REGS_EIP, REGS_CS = 36, 40
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    build_fixtures(("i386",))
+
+
+def _elf_header(path: Path) -> tuple[int, str, int]:
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        return elf.elfclass, elf["e_machine"], elf["e_entry"]
+
+
+def _symbols(path: Path) -> dict[str, tuple[int, int]]:
+    with path.open("rb") as f:
+        symtab = section(ELFFile(f), ".symtab")
+        return {s.name: (s["st_value"], s["st_size"]) for s in symtab.iter_symbols() if s.name}
+
+
+def test_kernel_is_a_multiboot_elf32_in_the_higher_half(built: None) -> None:
+    kernel = BUILD / "kernel.elf"
+    elfclass, machine, entry = _elf_header(kernel)
+    assert (elfclass, machine) == (32, "EM_386")
+    symbols = _symbols(kernel)
+    # The loader jumps to e_entry with paging off: the physical address of multiboot_entry.
+    assert entry == symbols["multiboot_entry"][0] - BOUNDARY
+    head = kernel.read_bytes()[:8192]
+    magic = head.find(struct.pack("<I", 0x1BADB002))
+    assert magic >= 0 and magic % 4 == 0, "no multiboot header in the first 8 KiB"
+    assert sum(struct.unpack_from("<3I", head, magic)) & 0xFFFFFFFF == 0
+    wanted = [*EXPECTED["syscall_path"], *EXPECTED["interrupt_path"], *EXPECTED["entry_stubs"]]
+    for name in [*wanted, EXPECTED["outermost"]["kernel_thread"], "checksum_leaf"]:
+        assert symbols[name][0] >= BOUNDARY, name
+    assert symbols[EXPECTED["progress_symbol"]][1] == EXPECTED["progress_symbol_bytes"]
+    with kernel.open("rb") as f:
+        assert section(ELFFile(f), ".eh_frame").data_size > 0
+
+
+@pytest.mark.parametrize("program", sorted(EXPECTED["programs"]))
+def test_user_programs_are_elf32_at_the_shared_link_address(built: None, program: str) -> None:
+    path = BUILD / "user" / f"{program}.elf"
+    elfclass, machine, entry = _elf_header(path)
+    assert (elfclass, machine) == (32, "EM_386")
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        loads = [s["p_vaddr"] for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+        assert min(loads) == int(EXPECTED["user_link_address"], 16)
+        assert section(elf, ".eh_frame").data_size > 0
+        assert section(elf, ".eh_frame_hdr").data_size > 0
+    assert entry == _symbols(path)["_start"][0]
+
+
+def test_c_functions_keep_frame_pointers(built: None) -> None:
+    """Every C function of the workload starts with push %ebp; mov %esp,%ebp (55 89 e5)."""
+    handwritten = {n for names in EXPECTED["frameless_leaf"].values() for n in names}
+    cases = [
+        (BUILD / "kernel.elf", [*EXPECTED["syscall_path"][1:], "kwork_checksum", "kworker_main"]),
+        *(
+            (BUILD / "user" / f"{p}.elf", [f for f in spec["shares"] if f not in handwritten])
+            for p, spec in EXPECTED["programs"].items()
+        ),
+    ]
+    for path, functions in cases:
+        symbols = _symbols(path)
+        with path.open("rb") as f:
+            text = section(ELFFile(f), ".text")
+            data, base = text.data(), text["sh_addr"]
+        for name in (f for f in functions if f in symbols):  # sys's shares name kernel ones too
+            start = symbols[name][0] - base
+            assert data[start : start + 3] == b"\x55\x89\xe5", (path.name, name)
+
+
+def test_proxy_rewrites_the_x86_64_layout_into_i386() -> None:
+    """A hand-built 608-byte x86_64 `g` reply: each field a distinct value, so a register taken
+    from the wrong offset shows."""
+    raw = bytearray(608)
+    x86_64_gprs = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp")
+    for slot, _ in enumerate(x86_64_gprs):
+        struct.pack_into("<Q", raw, 8 * slot, 0x1000 + slot | 0xDEAD << 32)  # high half dropped
+    struct.pack_into("<Q", raw, 128, 0xC0100FF0)  # rip
+    struct.pack_into("<7I", raw, 136, 0x202, 0x23, 0x1B, 0x1B, 0x1B, 0x1B, 0x1B)  # eflags, cs..gs
+    raw[236:246] = bytes(range(1, 11))  # st0
+    reply = i386_registers(raw.hex().encode())
+    out = bytes.fromhex(reply.decode())
+    assert len(out) == sum(bits // 8 for _, bits, _, _ in I386_LAYOUT) == 176
+    eax, ecx, edx, ebx, esp, ebp, esi, edi, eip, eflags, cs = struct.unpack_from("<11I", out)
+    assert (eax, ebx, ecx, edx, esi, edi, ebp, esp) == tuple(0x1000 + i for i in range(8))
+    assert (eip, eflags, cs) == (0xC0100FF0, 0x202, 0x23)
+    assert out[64:74] == bytes(range(1, 11))
+    assert i386_register(raw.hex().encode(), 8) == b"f00f10c0"  # eip, as a `p` reply
+    assert i386_registers(b"E14") == b"E14"
+
+
+# ---- QEMU: one boot per binary ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=BINARIES)
+def booted(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, built: None
+) -> Iterator[Guest]:
+    with running_guest(
+        tmp_path_factory.mktemp("i386"), "i386", gdb_port=free_tcp_port(), qemu=request.param
+    ) as guest:
+        yield guest
+
+
+def test_console_shows_the_workload(booted: Guest) -> None:
+    text = booted.console_text()
+    assert "(i386 build)" in text
+    assert f"protected mode, higher half at 0x{BOUNDARY >> 28:x}" in text
+    assert WORKLOAD_LINE in text
+
+
+async def test_hmp_prints_32_bit_registers_under_both_binaries(booted: Guest) -> None:
+    """Outside long mode both binaries print EAX=... EIP=... EFL=... (docs/i386.md)."""
+    qmp = QMPClient("i386-test")
+    await qmp.connect(str(booted.qmp_socket))
+    try:
+        await qmp.execute("stop")
+        text = await qmp.execute("human-monitor-command", {"command-line": "info registers"})
+        await qmp.execute("cont")
+    finally:
+        await qmp.disconnect()
+    assert isinstance(text, str)
+    for field in ("EAX", "ESP", "EBP", "EIP", "EFL"):
+        assert re.search(rf"\b{field}=[0-9a-f]{{8}}\b", text), field
+    assert "RIP=" not in text and "RAX=" not in text
+    assert re.search(r"CPL=[03]\b", text)
+    assert re.search(r"\bCR3=[0-9a-f]{8}\b", text)
+    width = 16 if booted.qemu == "qemu-system-x86_64" else 8
+    assert re.search(rf"\bDR7=[0-9a-f]{{{width}}}\b", text)
+
+
+_PACKET = re.compile(rb"\$([^#]*)#[0-9a-f]{2}")
+
+
+def _stub_exchange(port: int, packets: list[bytes]) -> list[bytes]:
+    """Send each packet to the gdbstub and collect one reply each. QEMU stops the guest on
+    connection and reports it (T02); the reply to ``?`` (T05) starts the exchange, ``D``
+    detaches and lets the guest run again."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        buffer = b""
+
+        def reply() -> bytes:
+            nonlocal buffer
+            while (m := _PACKET.search(buffer)) is None:
+                buffer += s.recv(65536)
+            buffer = buffer[m.end() :]
+            s.sendall(b"+")
+            return m.group(1)
+
+        s.sendall(encode_packet(b"?"))
+        while not reply().startswith(b"T05"):
+            pass
+        replies = []
+        for packet in packets:
+            s.sendall(encode_packet(packet))
+            replies.append(reply())
+        s.sendall(encode_packet(b"D"))
+        reply()
+    return replies
+
+
+def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
+    """qemu-system-i386 sends 344 bytes (i386 layout); qemu-system-x86_64 its 608-byte x86_64
+    layout even for a 32-bit guest, and calls itself i386:x86-64 (docs/i386.md)."""
+    assert booted.gdb_port is not None
+    target_xml = b"qXfer:features:read:target.xml:0,fff"
+    g, xml = _stub_exchange(booted.gdb_port, [b"g", target_xml])
+    raw = bytes.fromhex(g.decode())
+    if booted.qemu == "qemu-system-x86_64":
+        assert len(raw) == 608
+        assert b"<architecture>i386:x86-64</architecture>" in xml
+        eip, cs = struct.unpack_from("<Q", raw, 128)[0], struct.unpack_from("<I", raw, 140)[0]
+        cr3, efer = struct.unpack_from("<Q", raw, 204)[0], struct.unpack_from("<Q", raw, 228)[0]
+        assert eip < 1 << 32 and not efer & 1 << 10  # EFER.LMA: not in long mode
+        # The proxy's rewrite gives the i386 layout's first 16 registers.
+        assert len(bytes.fromhex(i386_registers(g).decode())) == 16 * 4 + 8 * 10 + 8 * 4
+    else:
+        assert len(raw) == 344
+        assert b"<architecture>i386</architecture>" in xml
+        eip, cs = struct.unpack_from("<2I", raw, 32)[0], struct.unpack_from("<I", raw, 40)[0]
+        cr3 = struct.unpack_from("<I", raw, 84)[0]
+    assert cr3 and cr3 % 4096 == 0
+    assert cs in (UCODE_CS, KCODE_CS)
+    assert (eip >= BOUNDARY) == (cs == KCODE_CS)
+
+
+def _owners(guest: Guest) -> dict[int, str]:
+    """CR3 -> program (or kworker for the kernel's own page directory), from the boot log: the
+    i386 build has no metadata page."""
+    owners = {
+        int(cr3, 16): name
+        for name, cr3 in re.findall(r"process \d+ '(\w+)' cr3=([0-9a-f]+)", guest.console_text())
+    }
+    owners[_symbols(guest.kernel_elf)["boot_pgdir"][0] - BOUNDARY] = "kworker"
+    return owners
+
+
+@pytest.mark.qemu
+async def test_workload_shares_hold(booted: Guest) -> None:
+    """The shares of expected.json hold for the i386 workload too, measured on the leaf (or
+    the caller of a frameless leaf, its return address at [esp]), owners told apart by CR3."""
+    kernel = SymbolIndex(booted.kernel_elf)
+    users = {p: SymbolIndex(booted.user_elf(p)) for p in EXPECTED["programs"]}
+    leaves = {n for names in EXPECTED["frameless_leaf"].values() for n in names}
+    owners = _owners(booted)
+    counts: Counter[tuple[str, str | None]] = Counter()
+    qmp = QMPClient("i386-shares")
+    await qmp.connect(str(booted.qmp_socket))
+    try:
+        for _ in range(360):
+            # Spread over the guest's own periods (4 ms tick, sys's alternation): see test_guest.
+            await asyncio.sleep(random.uniform(0.001, 0.012))
+            await qmp.execute("stop")
+            try:
+                command = {"command-line": "info registers"}
+                text = await qmp.execute("human-monitor-command", command)
+                assert isinstance(text, str)
+                eip, esp, cr3 = (
+                    int(re.search(rf"\b{r}=([0-9a-f]+)", text)[1], 16)  # type: ignore[index]
+                    for r in ("EIP", "ESP", "CR3")
+                )
+                owner = owners[cr3]
+                index = kernel if eip >= BOUNDARY else users[owner]
+                name = index.name(eip)
+                if name in leaves:
+                    ret = struct.unpack("<I", await memsave(qmp, esp, 4))[0]
+                    name = index.name(ret)
+                counts[owner, name] += 1
+            finally:
+                await qmp.execute("cont")
+    finally:
+        await qmp.disconnect()
+
+    def share(owner: str, name: str) -> float:
+        total = sum(n for (o, _), n in counts.items() if o == owner)
+        return counts[owner, name] / max(total, 1)
+
+    tolerance = 0.15  # sampling noise: ~100-200 samples per program, as in test_guest
+    checks = [
+        ("spin", "spin_hot", EXPECTED["programs"]["spin"]["shares"]),
+        ("spin", "spin_cold", EXPECTED["programs"]["spin"]["shares"]),
+        ("sys", "compute_leaf", EXPECTED["programs"]["sys"]["shares"]),
+        ("sys", "sys_user_work", EXPECTED["programs"]["sys"]["shares"]),
+        ("kworker", "kwork_checksum", EXPECTED["kernel_threads"]["kworker"]["shares"]),
+    ]
+    for owner, name, shares in checks:
+        assert abs(share(owner, name) - shares[name]) < tolerance, (owner, name, counts)
+    time_split = {o: sum(n for (p, _), n in counts.items() if p == o) / 360 for o in ("spin",)}
+    assert abs(time_split["spin"] - EXPECTED["programs"]["spin"]["time_split"]) < tolerance, counts
+
+
+@pytest.mark.qemu
+@pytest.mark.parametrize("qemu", BINARIES)
+async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, built: None, qemu: str) -> None:
+    """SMP: the AP leaves the trampoline in protected mode and schedules tasks too."""
+    with running_guest(tmp_path, "i386", 2, qemu=qemu) as guest:
+        assert "2 cpu(s) online" in guest.console_text()
+        qmp = QMPClient("i386-smp")
+        await qmp.connect(str(guest.qmp_socket))
+        try:
+            seen: set[tuple[int, int]] = set()
+            for _ in range(200):
+                await qmp.execute("stop")
+                command = {"command-line": "info registers -a"}
+                text = await qmp.execute("human-monitor-command", command)
+                await qmp.execute("cont")
+                assert isinstance(text, str)
+                for cpu, cpl in re.findall(r"CPU#(\d+)\r?\n(?:.*\n){2}.*CPL=(\d)", text):
+                    seen.add((int(cpu), int(cpl)))
+                if {(0, 3), (1, 3)} <= seen:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await qmp.disconnect()
+    assert {(0, 3), (1, 3)} <= seen, seen
+
+
+# ---- gdb, the oracle ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gdb_view(guest: Guest) -> Iterator[Guest]:
+    """The guest as gdb should reach it: through I386GdbProxy, which translates the registers
+    under qemu-system-x86_64 and, under both binaries, keeps the stop packet QEMU may send on
+    connection (after an earlier client detached from a running guest) away from gdb."""
+    assert guest.gdb_port is not None
+    translate = guest.qemu == "qemu-system-x86_64"
+    with I386GdbProxy(guest.gdb_port, translate=translate) as proxy:
+        yield dataclasses.replace(guest, gdb_port=proxy.port)
+
+
+def _running(program: str) -> str:
+    """A gdb condition true only while ``program`` is the current process: a word of .text
+    where the user programs (all linked at one address) differ."""
+    texts = {}
+    for name in EXPECTED["programs"]:
+        with (BUILD / "user" / f"{name}.elf").open("rb") as f:
+            text = section(ELFFile(f), ".text")
+            texts[name] = (text["sh_addr"], text.data())
+    address, mine = texts[program]
+    others = [data for name, (_, data) in texts.items() if name != program]
+    for offset in range(0, len(mine) - 3, 4):
+        word = mine[offset : offset + 4]
+        if all(other[offset : offset + 4] != word for other in others):
+            return f"*(unsigned int *){address + offset:#x} == {struct.unpack('<I', word)[0]:#x}"
+    raise AssertionError(f"{program}'s .text equals another program's")
+
+
+def _interrupted(cs: int, extra: str = "") -> str:
+    """At *interrupt_dispatch: the interrupted code ran with ``cs`` (and ``extra`` holds)."""
+    regs = "*(unsigned int *)($esp + 4)"
+    condition = f"*(unsigned int *)({regs} + {REGS_CS}) == {cs:#x}"
+    return condition + (f" && {extra}" if extra else "")
+
+
+def test_gdb_unwinds_the_syscall_path_into_user_code(booted: Guest) -> None:
+    with gdb_view(booted) as guest:
+        stack = gdb_stack(
+            guest,
+            BUILD / "user" / "sys.elf",
+            breakpoint=EXPECTED["syscall_path"][-1],
+            architecture="i386",
+        )
+    assert stack.names == [*reversed(EXPECTED["syscall_path"]), "sys_call_kernel", *USER_TAIL]
+    kernel = [pc >= BOUNDARY for pc, _ in stack.frames]
+    assert kernel == [name in EXPECTED["syscall_path"] for name in stack.names]
+
+
+def test_gdb_unwinds_a_timer_interrupt_into_user_code(booted: Guest) -> None:
+    with gdb_view(booted) as guest:
+        stack = gdb_stack(
+            guest,
+            BUILD / "user" / "spin.elf",
+            breakpoint="*interrupt_dispatch",
+            condition=_interrupted(UCODE_CS, _running("spin")),
+            architecture="i386",
+        )
+    valid = [s[i:] for s in EXPECTED["programs"]["spin"]["stacks"] for i in range(len(s))]
+    assert stack.names[:2] == ["interrupt_dispatch", "isr_common"], stack.names
+    assert stack.names[2:] in valid, stack.names
+    assert all(pc < BOUNDARY for pc, _ in stack.frames[2:])
+
+
+def test_gdb_unwinds_a_timer_interrupt_of_the_kernel_thread(booted: Guest) -> None:
+    """Interrupted in ring 0 the CPU pushes no esp: the CFI's esp rule must take the other arm."""
+    leaf_start, leaf_size = _symbols(BUILD / "kernel.elf")["checksum_leaf"]
+    eip = f"*(unsigned int *)(*(unsigned int *)($esp + 4) + {REGS_EIP})"
+    in_leaf = f"{eip} >= {leaf_start:#x} && {eip} < {leaf_start + leaf_size:#x}"
+    with gdb_view(booted) as guest:
+        stack = gdb_stack(
+            guest,
+            None,
+            breakpoint="*interrupt_dispatch",
+            condition=_interrupted(KCODE_CS, in_leaf),
+            architecture="i386",
+        )
+    assert stack.names[:2] == ["interrupt_dispatch", "isr_common"], stack.names
+    assert stack.names[2:] in EXPECTED["kernel_threads"]["kworker"]["stacks"], stack.names
