@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
@@ -25,6 +25,7 @@ from qmpprof.guest.linuxmodules import ModuleLayout, Reader, read_modules
 from qmpprof.guest.linuxvma import VmaLayout
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux.btf import Btf
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.memory import HMP_WINDOW
@@ -45,6 +46,7 @@ MemoryPath = Literal["auto", "memsave", "hmp"]
 # "emerald" keeps looking for the page; "cr3" never; "linux" reads the current task_struct.
 GuestOs = Literal["auto", "emerald", "cr3", "linux"]
 GUEST_OSES: tuple[GuestOs, ...] = ("auto", "emerald", "cr3", "linux")
+_L = TypeVar("_L")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,29 +167,25 @@ async def linux_identifier(
         raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
     slide = await detect_slide(control, kernel.symbols)
     notes = list(kernel.missing)
-    layout = None
-    if kernel.btf is not None:
+
+    def from_btf(make: Callable[[Btf], _L], lacking: str) -> _L | None:
+        if kernel.btf is None:
+            return None
         try:
-            layout = TaskLayout.from_btf(kernel.btf)
+            return make(kernel.btf)
         except KeyError as err:
-            notes.append(f"this kernel's BTF lacks {err}: stacks without process names")
+            notes.append(f"this kernel's BTF lacks {err}: {lacking}")
+            return None
+
+    layout = from_btf(TaskLayout.from_btf, "stacks without process names")
     modules = [kernel.module(slide, lines=spec.lines)]
     head = kernel.address("modules", slide)
-    if kernel.btf is not None and head is not None:
-        try:
-            module_layout = ModuleLayout.from_btf(kernel.btf)
-        except KeyError as err:
-            notes.append(f"this kernel's BTF lacks {err}: module frames unnamed")
-        else:
-            orc_layout = None if kernel.orc is None else kernel.orc.layout
-            modules += await read_modules(_reader(control), head, module_layout, orc_layout)
+    module_layout = from_btf(ModuleLayout.from_btf, "module frames unnamed")
+    if module_layout is not None and head is not None:
+        orc_layout = None if kernel.orc is None else kernel.orc.layout
+        modules += await read_modules(_reader(control), head, module_layout, orc_layout)
     per_cpu_offset = kernel.address("__per_cpu_offset", slide)
-    vmas = None
-    if kernel.btf is not None:
-        try:
-            vmas = VmaLayout.from_btf(kernel.btf)
-        except KeyError as err:
-            notes.append(f"this kernel's BTF lacks {err}: user code is not placed")
+    vmas = from_btf(VmaLayout.from_btf, "user code is not placed")
     files = UserFiles(spec.user_dir)
     identifier = LinuxIdentifier(modules, layout, per_cpu_offset, vmas=vmas, files=files)
     init_task = kernel.address("init_task", slide)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from elftools.elf.elffile import ELFFile
 from qemu.qmp import ExecuteError, QMPClient
@@ -112,14 +112,23 @@ class Guest:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
 
 
-def _check_alive(guest: Guest) -> None:
+class Booting(Protocol):
+    """What waiting for a QEMU to come up needs (Guest here, LinuxGuest in linuxvm.py)."""
+
+    process: subprocess.Popen[bytes]
+    qmp_socket: Path
+
+    def console_text(self) -> str: ...
+
+
+def _check_alive(guest: Booting) -> None:
     if guest.process.poll() is not None:
         raise RuntimeError(
             f"QEMU exited with {guest.process.returncode}; console:\n{guest.console_text()}"
         )
 
 
-def _wait_qmp(guest: Guest, deadline: float) -> None:
+def _wait_qmp(guest: Booting, deadline: float) -> None:
     while True:
         _check_alive(guest)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

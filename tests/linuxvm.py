@@ -11,7 +11,6 @@ import contextlib
 import gzip
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from guestvm import _die_with_parent
+from guestvm import _check_alive, _die_with_parent, _wait_qmp
 
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 
@@ -104,27 +103,6 @@ def _unpack_kallsyms(guest: LinuxGuest) -> None:
     if not text.rstrip().endswith(KALLSYMS_END.encode()):
         raise RuntimeError(f"{guest.kallsyms_gz}: the dump lacks its end line")
     guest.kallsyms.write_bytes(text)
-
-
-def _check_alive(guest: LinuxGuest) -> None:
-    if guest.process.poll() is not None:
-        raise RuntimeError(
-            f"QEMU exited with {guest.process.returncode}; console:\n{guest.console_text()}"
-        )
-
-
-def _wait_qmp(guest: LinuxGuest, deadline: float) -> None:
-    while True:
-        _check_alive(guest)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(str(guest.qmp_socket))
-                return
-            except (FileNotFoundError, ConnectionRefusedError):
-                pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"QMP socket {guest.qmp_socket} never accepted a connection")
-        time.sleep(0.01)
 
 
 def wait_console(guest: LinuxGuest, text: str, timeout: float) -> None:
