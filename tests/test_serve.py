@@ -378,6 +378,19 @@ def test_a_killed_vm_comes_back_on_its_socket_and_the_other_never_stops(tmp_path
 
 
 @pytest.mark.qemu
+def test_a_paused_guest_is_shown_paused_and_left_paused(tmp_path: Path) -> None:
+    with running_guest(tmp_path, "cfi", 1, paused=True) as guest:
+        before = status(guest)
+        with serving(guest, "--qmp-socket", f"p={guest.qmp_socket}") as served:
+            wait_until("looked at", lambda: b'class="paused"' in get(served.url)[2])
+            assert served.per_vm("qmpprof_vm_up") == {"p": 0}
+            assert served.per_vm("qmpprof_samples_total") == {"p": 0}
+            code, err = served.stop()
+            assert code == 0, err
+        assert status(guest) == before != "running"
+
+
+@pytest.mark.qemu
 def test_a_socket_dir_is_followed_and_healthz_is_ok(tmp_path: Path) -> None:
     watched = Path(tempfile.mkdtemp(prefix="qg-dir-", dir="/tmp"))
     try:
@@ -397,3 +410,25 @@ def test_a_socket_dir_is_followed_and_healthz_is_ok(tmp_path: Path) -> None:
             assert status(guest) == "running"
     finally:
         shutil.rmtree(watched, ignore_errors=True)
+
+
+# ---- one VM's bookkeeping, over the fake transport ------------------------------------------
+
+
+async def test_what_the_sampler_collected_moves_into_the_ring_and_its_counters_empty() -> None:
+    from fakes import FakeTransport
+    from test_sampler import kernel_cpu, make
+
+    r0, pages = kernel_cpu(0)
+    vm = Vm("fake", Path("/tmp/fake.sock"), RunSpec(), window=2)
+    for second in range(3):
+        sampler = make(FakeTransport({0: r0}, pages), duration=0.05, interval=0.01)
+        sampler.stats.errors["MemoryReadError: at 0x1000"] += 2  # as a failed read leaves it
+        await sampler.run()
+        vm.take(sampler, keep=True)
+        assert len(sampler.profile) == 0 and len(sampler.stats.pauses) == 0
+        assert not sampler.stats.errors
+        assert vm.samples_total == 5 * (second + 1) and vm.errors_total == 2 * (second + 1)
+    assert len(vm.ring.seconds) == 2 and vm.ring.stacks == 1
+    assert sum(vm.pause_counts) == 15 and vm.problem == "MemoryReadError: at 0x1000"
+    assert [s.ticks for s in vm.ring.seconds] == [5, 5]

@@ -73,7 +73,6 @@ class Vm:
         self._stopping = asyncio.Event()
         self._sampler: Run | None = None
         self._since = time.monotonic()  # start of the second being collected
-        self._ticks_seen = 0
 
     @property
     def up(self) -> bool:
@@ -111,27 +110,26 @@ class Vm:
         try:
             self._sampler = sampler
             self.connects += 1
-            self._ticks_seen = 0
             self._since = time.monotonic()
             self.state, self.problem = "up", ""
             while not self._stopping.is_set():
                 outcome = await sampler.run()
                 if not outcome.was_running:
                     self.state = "paused"
-                    self._take(sampler, keep=False)  # one look without stop/cont: no profile
+                    self.take(sampler, keep=False)  # one look without stop/cont: no profile
                     await self._pause(RETRY)
         finally:
             self._sampler = None
-            self._take(sampler, keep=True)
+            self.take(sampler, keep=True)
             await sampler.transport.close()
 
     def _on_tick(self, stats: SamplerStats) -> None:
         self.state = "up"  # again, after a pause
         sampler = self._sampler
         if sampler is not None and time.monotonic() - self._since >= FLUSH:
-            self._take(sampler, keep=True)
+            self.take(sampler, keep=True)
 
-    def _take(self, sampler: Run, *, keep: bool) -> None:
+    def take(self, sampler: Run, *, keep: bool) -> None:
         """Move what the sampler collected since the last call into the ring and totals."""
         now = time.monotonic()
         profile, stats = sampler.profile, sampler.stats
@@ -142,11 +140,13 @@ class Vm:
         if stats.errors:
             self.problem = stats.errors.most_common(1)[0][0]
         stats.errors.clear()  # error texts vary (addresses): keeping every kind would grow
-        ticks, self._ticks_seen = stats.ticks - self._ticks_seen, stats.ticks
         since, self._since = self._since, now
-        if not keep or (ticks == 0 and not len(profile)):
+        if not keep or not (pauses or len(profile)):
             return
-        second = self.ring.push(profile, since, now, ticks=ticks, errors=errors, pauses=pauses)
+        # One pause per tick, and the pauses were taken out at the last call.
+        second = self.ring.push(
+            profile, since, now, ticks=len(pauses), errors=errors, pauses=pauses
+        )
         self.samples_total += second.samples
         self.truncated_total += second.truncated
         self.errors_total += errors
