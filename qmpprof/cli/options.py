@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn, TypedDict
 
 from qmpprof import __version__
 from qmpprof.errors import UsageError
@@ -17,7 +17,7 @@ from qmpprof.model import KERNEL_BOUNDARY, Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import GUEST_OSES, RunSpec, TransportKind
+from qmpprof.session import GUEST_OSES, GuestOs, RunSpec, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +84,17 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def guest_fields(ns: argparse.Namespace) -> dict[str, Any]:
+class GuestFields(TypedDict):
     """The RunSpec fields add_guest_flags sets (kernel_boundary goes to the SamplerConfig)."""
+
+    kernel: Path | None
+    user_dir: Path | None
+    os: GuestOs
+    metadata_addr: int
+    metadata_layout: tuple[str, ...]
+
+
+def guest_fields(ns: argparse.Namespace) -> GuestFields:
     return {
         "kernel": Path(ns.kernel) if ns.kernel else None,
         "user_dir": Path(ns.user_dir) if ns.user_dir else None,
