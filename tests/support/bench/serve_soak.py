@@ -4,9 +4,9 @@ Two bundled guests boot (1 vCPU each); ``qmpprof serve`` follows both at its def
 and window (a process of its own), and a scraper plays the clients it is made for: /metrics
 every SCRAPE seconds, each VM's /flamegraph.svg for the last 30 s, and each VM's pprof endpoint
 (``seconds=5``) once a minute. The serve process's resident set size (VmRSS) is read at
-WARMUP seconds (start: modules imported, ELF files loaded, both VMs sampled) and at the end;
-its peak (``ru_maxrss`` from ``wait4``) after SIGTERM, which must end it with status 0. The
-samples, errors and pause histogram come from its own /metrics.
+WARMUP seconds (start: modules imported, ELF files loaded, both VMs sampled), every minute
+after, and at the end; its peak (``ru_maxrss`` from ``wait4``) after SIGTERM, which must end
+it with status 0. The samples, errors and pause histogram come from its own /metrics.
 """
 
 from __future__ import annotations
@@ -103,8 +103,12 @@ def _soak(
     log(f"serve-soak: {url} RSS {rss_start:.1f} MB after {WARMUP:g} s; {seconds:g} s to go")
     last_pprof = time.monotonic() - PPROF_EVERY  # one right away
     end = started + WARMUP + seconds
+    per_minute: list[float] = []  # RSS a minute apart: does it level off once the window is full?
     while time.monotonic() < end:
         last_pprof = _scrape(url, last_pprof, log)
+        if time.monotonic() - started - WARMUP >= 60 * (len(per_minute) + 1):
+            per_minute.append(round(rss_mb(proc.pid), 1))
+            log(f"serve-soak: RSS {per_minute[-1]:.1f} MB after {len(per_minute)} min")
         time.sleep(max(0.0, min(SCRAPE, end - time.monotonic())))
     text = fetch(url + "metrics").decode()
     rss_end = rss_mb(proc.pid)
@@ -120,6 +124,7 @@ def _soak(
         "serve_rss_end_mb": round(rss_end, 1),
         "serve_rss_peak_mb": round(usage.ru_maxrss / 1024, 1),
         "serve_rss_growth_mb": round(rss_end - rss_start, 1),
+        "serve_rss_mb_per_minute": per_minute,
     }
     for vm in NAMES:
         samples = metric(text, "qmpprof_samples_total", vm)
