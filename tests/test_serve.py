@@ -232,6 +232,21 @@ def test_endpoints_answer_and_refuse_in_one_line() -> None:
         assert get(f"{base}/flamegraph.svg?seconds=1")[0] == 200
 
 
+def test_a_bug_while_answering_is_a_one_line_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qmpprof.serve import endpoints
+
+    def broken(*args: object) -> bytes:
+        raise ValueError("no such luck")
+
+    monkeypatch.setattr(endpoints, "render", broken)
+    with board_server(filled_vm("a")) as base:
+        assert get(f"{base}/flamegraph.svg")[::2] == (
+            500,
+            b"internal error: ValueError: no such luck\n",
+        )
+        assert get(f"{base}/healthz")[0] == 200
+
+
 # ---- the daemon against real QEMUs ----------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from the ring's immutable seconds and rendered there, so rendering never lengthe
 from __future__ import annotations
 
 import http.server
+import sys
 import threading
 import time
 import urllib.parse
@@ -92,8 +93,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 raise HttpError(404, f"no such page: {url.path}")
             kind, body = answer(query)
         except HttpError as err:
-            kind, body = "text/plain; charset=utf-8", f"{err}\n".encode()
-            self._send(err.status, kind, body)
+            self._send(err.status, "text/plain; charset=utf-8", f"{err}\n".encode())
+            return
+        except Exception as err:  # a bug: one line to the client, serve goes on
+            line = f"internal error: {type(err).__name__}: {err}\n"
+            self._send(500, "text/plain; charset=utf-8", line.encode())
             return
         self._send(200, kind, body)
 
@@ -144,9 +148,18 @@ def _sealed(seconds: tuple[Second, ...], end: float) -> bool:
     return bool(seconds) and seconds[-1].end >= end
 
 
-def listen(host: str, port: int, board: Board) -> http.server.ThreadingHTTPServer:
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """One line, not the standard library's traceback; a client that went away (a
+        profile request given up on) is not worth one."""
+        err = sys.exc_info()[1]
+        if not isinstance(err, ConnectionError):
+            print(f"qmpprof: http: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def listen(host: str, port: int, board: Board) -> Server:
     """A server bound now (so a busy port fails at start); ``serve_forever`` it in a thread."""
     handler = type("BoundHandler", (Handler,), {"board": board})
-    server = http.server.ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return Server((host, port), handler)
