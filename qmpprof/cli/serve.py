@@ -27,7 +27,6 @@ from qmpprof.serve.daemon import ServeConfig, serve
 from qmpprof.session import RunSpec
 
 DEFAULT_LISTEN = "127.0.0.1:6060"
-FOREVER = 10 * 365 * 86400.0  # the sampler's duration: serve samples until it is stopped
 MAX_WINDOW = 86400
 
 
@@ -75,7 +74,6 @@ def parse(args: list[str]) -> ServeConfig:
         lines=True,  # pprof answers carry source lines and inlined frames
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,
-            duration=FOREVER,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
             kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
             keep=mode_of(ns),

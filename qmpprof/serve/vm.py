@@ -1,12 +1,15 @@
 """One VM that ``qmpprof serve`` follows: connect, sample for as long as it lives, reconnect.
 
-A session is one ``session.start`` (a Sampler over a fresh transport) run until QEMU goes away
-or serve stops; the sampler's own run loop keeps every pause short and resumes the guest after
-each tick, and ``request_stop`` ends it after the tick in progress, so the guest is never left
-stopped. About once a second the sampler's profile and its counters are taken out of it into
-the ring (``Ring.push``) and the totals, so nothing grows with the uptime. A VM that is not
-there (no socket, nobody listening, QEMU killed) is "down" and tried again every RETRY seconds;
-a paused guest is "paused", looked at every RETRY seconds and never resumed.
+A session is one ``session.start`` (a Sampler over a fresh transport). Its sampler runs one
+second of guest run time at a time (FLUSH): the sampler's own loop keeps every pause short and
+resumes the guest after each tick, and each run reads the run state first: a paused guest is
+looked at every RETRY seconds without stop/cont and left paused. (A pause made by someone else
+in the middle of a run is undone by the run's next tick: QMP's stop succeeds on a paused guest,
+so the sampler cannot tell its own stop from theirs.) After each run the sampler's profile and
+statistics are taken out of it into the ring (``Ring.push``) and the totals, so nothing grows
+with the uptime; ``request_stop`` ends a run after the tick in progress, so the guest is never
+left stopped. A VM that is not there (no socket, nobody listening, QEMU killed) is "down" and
+tried again every RETRY seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from qmpprof.session import Run, RunSpec, start
 from qmpprof.stats import SamplerStats
 
 RETRY = 1.0  # seconds between connection attempts, and between looks at a paused guest
-FLUSH = 1.0  # seconds of samples per entry of the ring
+FLUSH = 1.0  # seconds of guest run time per sampler run, and per entry of the ring
 LIVE = 10  # seconds the live numbers (rate, pause, stopped share) cover
 # Upper bounds of the pause histogram, in seconds (Prometheus "le").
 PAUSE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -60,7 +63,8 @@ class Vm:
     def __init__(self, name: str, socket: Path, spec: RunSpec, window: int) -> None:
         self.name = name
         self.socket = socket
-        self.spec = dataclasses.replace(spec, qmp_socket=socket)
+        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
+        self.spec = dataclasses.replace(spec, qmp_socket=socket, sampling=sampling)
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
@@ -114,7 +118,9 @@ class Vm:
             self.state, self.problem = "up", ""
             while not self._stopping.is_set():
                 outcome = await sampler.run()
-                if not outcome.was_running:
+                if outcome.was_running:
+                    self.take(sampler, keep=True)
+                else:
                     self.state = "paused"
                     self.take(sampler, keep=False)  # one look without stop/cont: no profile
                     await self._pause(RETRY)
@@ -125,32 +131,28 @@ class Vm:
 
     def _on_tick(self, stats: SamplerStats) -> None:
         self.state = "up"  # again, after a pause
-        sampler = self._sampler
-        if sampler is not None and time.monotonic() - self._since >= FLUSH:
-            self.take(sampler, keep=True)
 
     def take(self, sampler: Run, *, keep: bool) -> None:
         """Move what the sampler collected since the last call into the ring and totals."""
         now = time.monotonic()
         profile, stats = sampler.profile, sampler.stats
         sampler.profile = Profile(interval_ms=profile.interval_ms)
-        pauses = tuple(stats.pauses)
-        del stats.pauses[:]
+        # Fresh statistics: its pause list and error kinds (texts with addresses) would grow,
+        # and its tick count is what ends the next run after FLUSH.
+        sampler.stats = SamplerStats(requested_hz=stats.requested_hz, budget=stats.budget)
         errors = stats.error_count
         if stats.errors:
             self.problem = stats.errors.most_common(1)[0][0]
-        stats.errors.clear()  # error texts vary (addresses): keeping every kind would grow
         since, self._since = self._since, now
-        if not keep or not (pauses or len(profile)):
+        if not keep or not (stats.pauses or len(profile)):
             return
-        # One pause per tick, and the pauses were taken out at the last call.
         second = self.ring.push(
-            profile, since, now, ticks=len(pauses), errors=errors, pauses=pauses
+            profile, since, now, ticks=stats.ticks, errors=errors, pauses=stats.pauses
         )
         self.samples_total += second.samples
         self.truncated_total += second.truncated
         self.errors_total += errors
-        for pause in pauses:
+        for pause in stats.pauses:
             self.pause_counts[bisect.bisect_left(PAUSE_BUCKETS, pause)] += 1
             self.pause_sum += pause
 
