@@ -223,6 +223,7 @@ def test_endpoints_answer_and_refuse_in_one_line() -> None:
             ("/flamegraph.svg?vm=c", 404, "no VM named 'c'"),
             ("/flamegraph.svg?vm=a&seconds=61", 400, "seconds must be a whole number"),
             ("/debug/pprof/profile?vm=a&seconds=x", 400, "seconds must be a whole number"),
+            ("/flamegraph.svg?vm=a&seconds=%C2%B2", 400, "seconds must be a whole number"),
             ("/nope", 404, "no such page: /nope"),
         ]:
             status, kind, body = get(base + path)

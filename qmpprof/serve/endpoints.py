@@ -65,7 +65,7 @@ class Board:
 
     def seconds(self, query: dict[str, list[str]]) -> int:
         text = (query.get("seconds") or [str(min(pages.DEFAULT_SECONDS, self.window))])[-1]
-        if not text.isdigit() or not 1 <= int(text) <= self.window:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= self.window:
             raise HttpError(400, f"seconds must be a whole number from 1 to {self.window}")
         return int(text)
 
