@@ -169,13 +169,17 @@ def running_guest(
     gdb_port: int | None = None,
     wait_workload: bool = True,
     qemu: str | None = None,
+    sock_dir: Path | None = None,
 ) -> Iterator[Guest]:
     """Boot the guest (scripts/run-guest) and yield it once QMP accepts connections and, unless
     ``paused`` or ``wait_workload`` is False, the console shows the workload line. ``qemu``: the
-    QEMU binary (default: run-guest's for the variant)."""
+    QEMU binary (default: run-guest's for the variant). The QMP socket is ``qmp.sock`` in
+    ``sock_dir`` when given (to boot again on the same socket; the caller removes the
+    directory), else in a directory of its own."""
     build_fixtures((variant,))
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
-    sock_dir = Path(tempfile.mkdtemp(prefix="qg-", dir="/tmp"))
+    own_dir = sock_dir is None
+    sock_dir = Path(tempfile.mkdtemp(prefix="qg-", dir="/tmp")) if sock_dir is None else sock_dir
     # A fresh, empty file per boot: a console left by an earlier boot would show the workload
     # line before this QEMU has even truncated the file.
     fd, console_name = tempfile.mkstemp(
@@ -216,7 +220,8 @@ def running_guest(
     finally:
         process.kill()  # run-guest execs QEMU: this is QEMU's pid
         process.wait()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        if own_dir:
+            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def section(elf: ELFFile, name: str) -> Any:

@@ -1,6 +1,6 @@
 """qmpprof's command line: ``main(argv) -> exit code``.
 
-``qmpprof record|demo|report|diff ...`` dispatch to their own modules; anything else is the
+``qmpprof record|demo|report|diff|serve ...`` dispatch to their own modules; anything else is the
 profiling command (cli/sample.py). Every command runs under ``guarded``: every error ends as one
 line on stderr, ``qmpprof: error: ...``, and the exit code of its class in qmpprof.errors;
 never a traceback. Ctrl-C outside sampling (connecting, loading files) exits 130.
@@ -16,7 +16,7 @@ from typing import cast
 
 from qmpprof.errors import GuestGoneError, QmpprofError
 
-SUBCOMMANDS = ("record", "demo", "report", "diff")
+SUBCOMMANDS = ("record", "demo", "report", "diff", "serve")
 EXIT_INTERRUPTED = 130
 
 Command = Callable[[list[str]], int]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypedDict
 
 from qmpprof import __version__
 from qmpprof.errors import UsageError
@@ -17,7 +17,7 @@ from qmpprof.model import KERNEL_BOUNDARY, Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import GUEST_OSES, TRANSPORTS, RunSpec, TransportKind
+from qmpprof.session import GUEST_OSES, TRANSPORTS, GuestOs, RunSpec, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,58 @@ def add_view_flags(p: argparse.ArgumentParser) -> None:
     add("--cpus", metavar="LIST", help="vCPUs to keep, e.g. 0,2-3 (default: all)")
 
 
+def add_guest_flags(p: argparse.ArgumentParser) -> None:
+    """What the guest runs and how it tells its processes apart: the profiling command's and
+    serve's."""
+    add = p.add_argument
+    add("--kernel", metavar="FILE",
+        help="the guest kernel: its ELF file (symbols, CFI), or for Linux the vmlinuz or vmlinux "
+             "it booted")  # fmt: skip
+    add("--user-dir", metavar="DIR",
+        help="the guest's user program ELF files (for Linux: a copy of its root filesystem, or "
+             "a folder with its programs and libraries)")  # fmt: skip
+    add("--kallsyms", metavar="FILE",
+        help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
+             "kallsyms tables inside --kernel)")  # fmt: skip
+    add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
+        help="lowest kernel address (default %(default)s)")  # fmt: skip
+    add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
+        help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
+    add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
+        help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
+    add("--no-metadata", action="store_true", help="the same as --os cr3")
+    add(
+        "--os",
+        choices=GUEST_OSES,
+        default="auto",
+        help="how the guest tells its processes apart: Linux's current task (linux), the "
+        "Emerald metadata page (emerald), page-table roots alone (cr3), or auto (the default): "
+        "linux for a Linux --kernel, else the page when it is there",
+    )
+
+
+class GuestFields(TypedDict):
+    """The RunSpec fields add_guest_flags sets (kernel_boundary goes to the SamplerConfig)."""
+
+    kernel: Path | None
+    kallsyms: Path | None
+    user_dir: Path | None
+    os: GuestOs
+    metadata_addr: int
+    metadata_layout: tuple[str, ...]
+
+
+def guest_fields(ns: argparse.Namespace) -> GuestFields:
+    return {
+        "kernel": Path(ns.kernel) if ns.kernel else None,
+        "kallsyms": Path(ns.kallsyms) if ns.kallsyms else None,
+        "user_dir": Path(ns.user_dir) if ns.user_dir else None,
+        "os": "cr3" if ns.no_metadata else ns.os,
+        "metadata_addr": parse_address(ns.metadata_addr, "--metadata-addr"),
+        "metadata_layout": _layout(ns.metadata_layout),
+    }
+
+
 def outputs_of(ns: argparse.Namespace) -> tuple[Path, ...]:
     """The -o files, each with a format a bad --format or name fails on now, before any run."""
     if ns.format is not None and len(ns.output) > 1:
@@ -85,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
         prog="qmpprof",
         description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
         epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...', "
-        "'qmpprof diff ...'.",
+        "'qmpprof diff ...', 'qmpprof serve ...'.",
     )
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
@@ -120,28 +172,7 @@ def parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
     add_view_flags(p)
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
-    add("--kernel", metavar="FILE",
-        help="the guest kernel: its ELF file (symbols, CFI), or for Linux the vmlinuz or vmlinux "
-             "it booted")  # fmt: skip
-    add("--user-dir", metavar="DIR", help="directory of the guest's user program ELF files")
-    add("--kallsyms", metavar="FILE",
-        help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
-             "kallsyms tables inside --kernel)")  # fmt: skip
-    add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
-        help="lowest kernel address (default %(default)s)")  # fmt: skip
-    add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
-        help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
-    add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
-        help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
-    add("--no-metadata", action="store_true", help="the same as --os cr3")
-    add(
-        "--os",
-        choices=GUEST_OSES,
-        default="auto",
-        help="how the guest tells its processes apart: Linux's current task (linux), the "
-        "Emerald metadata page (emerald), page-table roots alone (cr3), or auto (the default): "
-        "linux for a Linux --kernel, else the page when it is there",
-    )
+    add_guest_flags(p)
     add("--version", action="version", version=f"qmpprof {__version__}")
     return p
 
@@ -175,12 +206,7 @@ def parse(argv: list[str]) -> Options:
         transport=transport,
         gdb=ns.gdb,
         memory=ns.memory,
-        kernel=Path(ns.kernel) if ns.kernel else None,
-        kallsyms=Path(ns.kallsyms) if ns.kallsyms else None,
-        user_dir=Path(ns.user_dir) if ns.user_dir else None,
-        os="cr3" if ns.no_metadata else ns.os,
-        metadata_addr=parse_address(ns.metadata_addr, "--metadata-addr"),
-        metadata_layout=_layout(ns.metadata_layout),
+        **guest_fields(ns),
         lines=ns.lines or with_lines,
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,

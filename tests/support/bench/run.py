@@ -35,6 +35,7 @@ from support.bench.methods import (
 )
 from support.bench.offline import offline
 from support.bench.qmpprof_run import QmpprofSampler, first_pause_ms
+from support.bench.serve_soak import serve_soak
 from support.bench.soak import soak
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -328,6 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         "--soak", action="store_true", help="only the memory soak: peak RSS, 3k vs 30k samples"
     )
     p.add_argument("--no-linux", action="store_true", help="skip the Linux test guest's run")
+    p.add_argument(
+        "--serve-soak",
+        metavar="SECONDS",
+        type=float,
+        nargs="?",
+        const=600.0,
+        help="only qmpprof serve on two guests for SECONDS (default 600): RSS start and end",
+    )
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)
     smp2 = tuple(m for m in ns.smp2_methods.split(",") if m)
@@ -342,11 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        result = soak(ROOT, log) if ns.soak else asyncio.run(bench(cfg, log))
+        if ns.serve_soak is not None:
+            result = serve_soak(ROOT, ns.serve_soak, log)
+        else:
+            result = soak(ROOT, log) if ns.soak else asyncio.run(bench(cfg, log))
     except QmpprofError as err:
         print(f"bench: {err}", file=sys.stderr)
         return err.exit_code
-    print(report.to_json(result) if ns.soak else report.table(result))
+    soaked = ns.soak or ns.serve_soak is not None
+    print(report.to_json(result) if soaked else report.table(result))
     if ns.json:
         Path(ns.json).write_text(report.to_json(result))
     return 0

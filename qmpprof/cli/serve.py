@@ -1,0 +1,117 @@
+"""``qmpprof serve``: the flags of the continuous-profiling daemon (qmpprof/serve/ does the rest).
+
+A VM that is not there yet is only "down"; a malformed --qmp-socket or --listen, a missing
+--qmp-dir or a bad ELF file ends serve at start with one line and the exit code of its class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from qmpprof.cli.options import (
+    Parser,
+    add_guest_flags,
+    add_view_flags,
+    guest_fields,
+    mode_of,
+    naming_of,
+    parse_address,
+    parse_cpus,
+)
+from qmpprof.errors import UsageError
+from qmpprof.sampler import SamplerConfig
+from qmpprof.serve.daemon import ServeConfig, serve
+from qmpprof.session import RunSpec
+
+DEFAULT_LISTEN = "127.0.0.1:6060"
+MAX_WINDOW = 86400
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="qmpprof serve",
+        description="Profile QEMU guests continuously and serve their profiles over HTTP: "
+        "/debug/pprof/profile?seconds=N (go tool pprof, Pyroscope, Parca), /flamegraph.svg, "
+        "/metrics (Prometheus), / (index).",
+        epilog="Example: qmpprof serve --qmp-socket vm1=./qmp-socket --kernel kernel.elf; "
+        "then go tool pprof http://127.0.0.1:6060/debug/pprof/profile?seconds=30",
+    )
+    add = p.add_argument
+    add("--qmp-socket", metavar="[NAME=]PATH", action="append", default=[],
+        help="a VM's QMP Unix socket (repeatable); NAME defaults to the file's stem")  # fmt: skip
+    add("--qmp-dir", metavar="DIR",
+        help="a directory of QMP sockets, one per VM named by its file name; rescanned "
+             "every second")  # fmt: skip
+    add("--listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
+        help="where to serve HTTP (default %(default)s; port 0 picks a free one). The "
+             "profiles show what runs inside the guests: keep it on localhost")  # fmt: skip
+    add("--interval", metavar="MS", type=float, default=50.0,
+        help="guest run time between samples (default %(default)g ms)")  # fmt: skip
+    add("--window", metavar="SECONDS", type=int, default=300,
+        help="how many seconds of profile to keep per VM (default %(default)s)")  # fmt: skip
+    add_view_flags(p)
+    add_guest_flags(p)
+    return p
+
+
+def parse(args: list[str]) -> ServeConfig:
+    ns = parser().parse_args(args)
+    if not ns.qmp_socket and not ns.qmp_dir:
+        raise UsageError("give --qmp-socket [NAME=]PATH (repeatable) or --qmp-dir DIR")
+    if ns.interval <= 0:
+        raise UsageError(f"--interval must be positive, not {ns.interval:g}")
+    if not 1 <= ns.window <= MAX_WINDOW:
+        raise UsageError(f"--window must be from 1 to {MAX_WINDOW} seconds, not {ns.window}")
+    qmp_dir = Path(ns.qmp_dir) if ns.qmp_dir else None
+    if qmp_dir is not None and not qmp_dir.is_dir():
+        raise UsageError(f"--qmp-dir: not a directory: {ns.qmp_dir}")
+    host, port = parse_listen(ns.listen)
+    spec = RunSpec(
+        **guest_fields(ns),
+        lines=True,  # pprof answers carry source lines and inlined frames
+        sampling=SamplerConfig(
+            interval=ns.interval / 1e3,
+            cpus=parse_cpus(ns.cpus) if ns.cpus else None,
+            kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
+            keep=mode_of(ns),
+        ),
+    )
+    return ServeConfig(
+        spec=spec,
+        sockets=parse_sockets(ns.qmp_socket),
+        qmp_dir=qmp_dir,
+        host=host,
+        port=port,
+        window=ns.window,
+        naming=naming_of(ns),
+    )
+
+
+def parse_sockets(texts: list[str]) -> tuple[tuple[str, Path], ...]:
+    """``vm1=./a.sock`` -> ("vm1", a.sock); a bare ``./b.sock`` is named "b"."""
+    out: dict[str, Path] = {}
+    for text in texts:
+        name, eq, path = text.partition("=")
+        if not eq or "/" in name:  # a path that happens to hold "="
+            name, path = Path(text).stem, text
+        if not name or not path:
+            raise UsageError(f"--qmp-socket: not [NAME=]PATH: {text!r}")
+        if name in out:
+            raise UsageError(f"--qmp-socket: two VMs named {name!r}")
+        out[name] = Path(path)
+    return tuple(out.items())
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--listen: not HOST:PORT: {text!r}")
+    return (host or "127.0.0.1", int(port))
+
+
+def main(args: list[str]) -> int:
+    config = parse(args)
+    return asyncio.run(serve(config, sys.stderr))

@@ -1,0 +1,149 @@
+"""The daemon: which VMs to follow, the HTTP server beside them, and an orderly end.
+
+VMs come from the sockets given (followed for good, down while nothing listens) and from a
+directory rescanned every RESCAN seconds (one socket per VM, named by its file name; a VM whose
+socket file goes away is dropped). The first SIGINT/SIGTERM stops every sampler after its tick
+in progress and closes its transport (the guest runs on, or stays paused), stops the HTTP
+server and returns 0; a second one cancels what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from qmpprof.errors import UsageError
+from qmpprof.naming import Naming
+from qmpprof.serve.endpoints import Board, listen
+from qmpprof.serve.vm import Vm
+from qmpprof.session import RunSpec, build_identifier
+
+RESCAN = 1.0  # seconds between looks at --qmp-dir
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    spec: RunSpec  # every VM's run, but for its socket
+    sockets: tuple[tuple[str, Path], ...]  # (name, socket) followed for good
+    qmp_dir: Path | None
+    host: str
+    port: int
+    window: int  # seconds kept
+    naming: Naming
+
+
+class Daemon:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        interval_ms = config.spec.sampling.interval * 1e3
+        self.board = Board(config.window, interval_ms, config.naming)
+        self.tasks: dict[str, tuple[Vm, asyncio.Task[None]]] = {}
+        self.leaving: set[asyncio.Task[None]] = set()  # dropped VMs finishing their tick
+        self.stopping = asyncio.Event()
+
+    def add(self, name: str, socket: Path) -> None:
+        vm = Vm(name, socket, self.config.spec, self.config.window)
+        self.tasks[name] = (vm, asyncio.create_task(vm.follow(), name=f"vm {name}"))
+        self._publish()
+
+    def drop(self, name: str) -> None:
+        vm, task = self.tasks.pop(name)
+        vm.stop()
+        self.leaving.add(task)
+        task.add_done_callback(self.leaving.discard)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.board.vms = tuple(vm for vm, _ in self.tasks.values())
+
+    def rescan(self) -> None:
+        """Follow the sockets that appeared in --qmp-dir, drop those that went away."""
+        directory = self.config.qmp_dir
+        if directory is None:
+            return
+        fixed = {name for name, _ in self.config.sockets}
+        found = {p.name: p for p in _sockets_in(directory) if p.name not in fixed}
+        for name in [n for n in self.tasks if n not in fixed and n not in found]:
+            self.drop(name)
+        for name, path in sorted(found.items()):
+            if name not in self.tasks:
+                self.add(name, path)
+
+    async def run(self, announce: Callable[[str], None]) -> int:
+        build_identifier(self.config.spec)  # a bad ELF file fails now, not once per VM
+        try:
+            server = listen(self.config.host, self.config.port, self.board)
+        except OSError as err:
+            where = f"{self.config.host}:{self.config.port}"
+            raise UsageError(f"cannot listen on {where}: {err.strerror or err}") from None
+        thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+        thread.start()
+        loop = asyncio.get_running_loop()
+        on_signal = _Interrupts(self.stopping.set)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal)
+        try:
+            for name, socket in self.config.sockets:
+                self.add(name, socket)
+            self.rescan()
+            host, port = server.server_address[:2]
+            names = ", ".join(vm.name for vm in self.board.vms) or "none yet"
+            announce(f"qmpprof: serving http://{host!s}:{port}/ (VMs: {names})")
+            while not self.stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), RESCAN)
+                self.rescan()
+        finally:
+            self.board.closing.set()
+            for vm, _ in self.tasks.values():
+                vm.stop()
+            await asyncio.gather(*(task for _, task in self.tasks.values()), *self.leaving)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+        return 0
+
+
+class _Interrupts:
+    """The first signal asks for an orderly stop; a second cancels (should QEMU hang)."""
+
+    def __init__(self, stop: Callable[[], None]) -> None:
+        self.stop = stop
+        self.task = asyncio.current_task()
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.stop()
+        elif self.task is not None:
+            self.task.cancel()
+
+
+def _sockets_in(directory: Path) -> list[Path]:
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    found = []
+    for path in entries:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(path.stat().st_mode):
+                found.append(path)
+    return found
+
+
+async def serve(config: ServeConfig, err: TextIO) -> int:
+    def announce(line: str) -> None:
+        err.write(line + "\n")
+        err.flush()
+
+    return await Daemon(config).run(announce)

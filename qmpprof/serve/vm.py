@@ -1,0 +1,171 @@
+"""One VM that ``qmpprof serve`` follows: connect, sample for as long as it lives, reconnect.
+
+A session is one ``session.start`` (a Sampler over a fresh transport). Its sampler runs one
+second of guest run time at a time (FLUSH): the sampler's own loop keeps every pause short and
+resumes the guest after each tick, and each run reads the run state first: a paused guest is
+looked at every RETRY seconds without stop/cont and left paused. (A pause made by someone else
+in the middle of a run is undone by the run's next tick: QMP's stop succeeds on a paused guest,
+so the sampler cannot tell its own stop from theirs.) After each run the sampler's profile and
+statistics are taken out of it into the ring (``Ring.push``) and the totals, so nothing grows
+with the uptime; ``request_stop`` ends a run after the tick in progress, so the guest is never
+left stopped. A VM that is not there (no socket, nobody listening, QEMU killed) is "down" and
+tried again every RETRY seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.profile import Profile
+from qmpprof.serve.ring import Ring, Second
+from qmpprof.session import Run, RunSpec, start
+from qmpprof.stats import SamplerStats
+
+RETRY = 1.0  # seconds between connection attempts, and between looks at a paused guest
+FLUSH = 1.0  # seconds of guest run time per sampler run, and per entry of the ring
+LIVE = 10  # seconds the live numbers (rate, pause, stopped share) cover
+# Upper bounds of the pause histogram, in seconds (Prometheus "le").
+PAUSE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """The last LIVE seconds: ticks per wall second, median pause, share of time stopped."""
+
+    rate_hz: float = 0.0
+    median_pause_ms: float = 0.0
+    stopped: float = 0.0
+
+    @classmethod
+    def of(cls, seconds: tuple[Second, ...], now: float) -> Live:
+        """From the seconds that ended in the last LIVE seconds before ``now``."""
+        seconds = tuple(s for s in seconds if s.end >= now - LIVE)
+        span = seconds[-1].end - seconds[0].start if seconds else 0.0
+        if span <= 0:
+            return cls()
+        pauses = [p for s in seconds for p in s.pauses]
+        ticks = sum(s.ticks for s in seconds)
+        median = statistics.median(pauses) * 1e3 if pauses else 0.0
+        return cls(ticks / span, median, min(1.0, sum(pauses) / span))
+
+
+class Vm:
+    """One followed VM: its ring, its totals since serve started, and whether it is up."""
+
+    def __init__(self, name: str, socket: Path, spec: RunSpec, window: int) -> None:
+        self.name = name
+        self.socket = socket
+        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
+        self.spec = dataclasses.replace(spec, qmp_socket=socket, sampling=sampling)
+        self.ring = Ring(window)
+        self.state = "down"  # up, down, paused
+        self.problem = ""  # why it is down, or the most frequent sample error of late
+        self.connects = 0
+        self.samples_total = 0
+        self.errors_total = 0
+        self.truncated_total = 0
+        self.pause_counts = [0] * (len(PAUSE_BUCKETS) + 1)  # per bucket, the last is +Inf
+        self.pause_sum = 0.0
+        self._stopping = asyncio.Event()
+        self._sampler: Run | None = None
+        self._since = time.monotonic()  # start of the second being collected
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    def live(self) -> Live:
+        return Live.of(self.ring.last(LIVE), time.monotonic())
+
+    def stop(self) -> None:
+        """End following: the sampler stops after its tick in progress (safe to call any
+        time from the event loop)."""
+        self._stopping.set()
+        if self._sampler is not None:
+            self._sampler.request_stop()
+
+    async def follow(self) -> None:
+        """Sessions one after the other, until ``stop``."""
+        while not self._stopping.is_set():
+            try:
+                await self._session()
+            except QmpprofError as err:
+                self.problem = str(err)
+            except Exception as err:  # a bug in one VM's session must not end the others
+                self.problem = f"{type(err).__name__}: {err}"
+            self.state = "down"
+            await self._pause(RETRY)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _session(self) -> None:
+        await _listening(self.socket)  # cheap: start() loads the ELF files first
+        sampler = await start(self.spec, on_tick=self._on_tick)
+        try:
+            self._sampler = sampler
+            self.connects += 1
+            self._since = time.monotonic()
+            self.state, self.problem = "up", ""
+            while not self._stopping.is_set():
+                outcome = await sampler.run()
+                if outcome.was_running:
+                    self.take(sampler, keep=True)
+                else:
+                    self.state = "paused"
+                    self.take(sampler, keep=False)  # one look without stop/cont: no profile
+                    await self._pause(RETRY)
+        finally:
+            self._sampler = None
+            self.take(sampler, keep=True)
+            await sampler.transport.close()
+
+    def _on_tick(self, stats: SamplerStats) -> None:
+        self.state = "up"  # again, after a pause
+
+    def take(self, sampler: Run, *, keep: bool) -> None:
+        """Move what the sampler collected since the last call into the ring and totals."""
+        now = time.monotonic()
+        profile, stats = sampler.profile, sampler.stats
+        sampler.profile = Profile(interval_ms=profile.interval_ms)
+        # Fresh statistics: its pause list and error kinds (texts with addresses) would grow,
+        # and its tick count is what ends the next run after FLUSH.
+        sampler.stats = SamplerStats(requested_hz=stats.requested_hz, budget=stats.budget)
+        errors = stats.error_count
+        if stats.errors:
+            self.problem = stats.errors.most_common(1)[0][0]
+        since, self._since = self._since, now
+        if not keep or not (stats.pauses or len(profile)):
+            return
+        second = self.ring.push(
+            profile, since, now, ticks=stats.ticks, errors=errors, pauses=stats.pauses
+        )
+        self.samples_total += second.samples
+        self.truncated_total += second.truncated
+        self.errors_total += errors
+        for pause in stats.pauses:
+            self.pause_counts[bisect.bisect_left(PAUSE_BUCKETS, pause)] += 1
+            self.pause_sum += pause
+
+
+async def _listening(socket: Path) -> None:
+    """ConnectError unless something accepts connections on ``socket`` (a socket file stays
+    behind when QEMU is killed)."""
+    try:
+        _, writer = await asyncio.open_unix_connection(str(socket))
+    except FileNotFoundError:
+        raise ConnectError(f"no QMP socket at {socket}") from None
+    except OSError as err:
+        raise ConnectError(f"{socket}: {err.strerror or err}") from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()

@@ -1,0 +1,450 @@
+"""qmpprof serve: the ring, the flags, the pages by hand; then the daemon as a process of its own
+against real QEMUs running the bundled guest: go tool pprof on its endpoint, the pages in
+Chromium, a VM killed and started again on the same socket, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from gopprof import go_pprof
+from guestvm import Guest, expected, running_guest
+from test_output import hand_built_profile
+
+from qmpprof.cli import main
+from qmpprof.naming import Naming
+from qmpprof.profile import Profile
+from qmpprof.serve import pages
+from qmpprof.serve.endpoints import Board, listen
+from qmpprof.serve.ring import Ring, merge
+from qmpprof.serve.vm import Vm
+from qmpprof.session import RunSpec
+from qmpprof.transport.qmp import QmpTransport
+
+# ---- the ring -------------------------------------------------------------------------------
+
+
+def push(ring: Ring, profile: Profile, at: float) -> None:
+    ring.push(profile, at, at + 1.0, ticks=len(profile), errors=0, pauses=[0.002] * len(profile))
+
+
+def test_a_stack_seen_in_several_seconds_is_stored_once_and_counted_in_each() -> None:
+    ring = Ring(window=3)
+    one = hand_built_profile()
+    push(ring, one, 0.0)
+    push(ring, one, 1.0)
+    assert ring.stacks == len(one.stacks)
+    merged = merge(ring.last(2), one.interval_ms, {"guest": "vm"})
+    assert merged.named_counts(Naming()) == {
+        names: 2 * count for names, count in one.named_counts(Naming()).items()
+    }
+    assert merged.cpus == one.cpus and merged.truncated == 2 * one.truncated
+    assert merge(ring.last(1), 10.0, {}).named_counts(Naming()) == one.named_counts(Naming())
+
+
+def test_seconds_leave_the_ring_and_take_their_stacks_with_them() -> None:
+    ring = Ring(window=2)
+    push(ring, hand_built_profile(), 0.0)
+    push(ring, Profile(), 1.0)
+    assert ring.stacks == len(hand_built_profile().stacks)
+    push(ring, Profile(), 2.0)
+    assert ring.stacks == 0 and len(ring.seconds) == 2
+    assert [s.start for s in ring.seconds] == [1.0, 2.0]
+    assert len(merge(ring.last(10), 10.0, {})) == 0
+
+
+# ---- flags ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "give --qmp-socket"),
+        (["--qmp-socket", "=/tmp/x.sock"], "not [NAME=]PATH"),
+        (["--qmp-socket", "a="], "not [NAME=]PATH"),
+        (["--qmp-socket", "a=/x", "--qmp-socket", "a=/y"], "two VMs named 'a'"),
+        (["--qmp-socket", "/x", "--listen", "localhost"], "--listen: not HOST:PORT"),
+        (["--qmp-socket", "/x", "--listen", "127.0.0.1:99999"], "--listen: not HOST:PORT"),
+        (["--qmp-socket", "/x", "--window", "0"], "--window must be"),
+        (["--qmp-socket", "/x", "--interval", "-5"], "--interval must be positive"),
+        (["--qmp-dir", "/nonexistent/qmpprof"], "--qmp-dir: not a directory"),
+        (["--qmp-socket", "/x", "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qmpprof: error: ") and message in err
+
+
+def test_a_busy_port_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--qmp-socket", "/x", "--listen", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot listen on 127.0.0.1:" in err
+
+
+def test_a_bad_elf_fails_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "kernel.elf"
+    bad.write_bytes(b"not an ELF")
+    code = main(["serve", "--qmp-socket", "/x", "--listen", ":0", "--kernel", str(bad)])
+    assert code == 6 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_socket_names_default_to_the_file_stem() -> None:
+    from qmpprof.cli.serve import parse
+
+    config = parse(["--qmp-socket", "./run/vm1.sock", "--qmp-socket", "b=/tmp/a=b.sock"])
+    assert config.sockets == (("vm1", Path("run/vm1.sock")), ("b", Path("/tmp/a=b.sock")))
+    assert (config.host, config.port) == ("127.0.0.1", 6060)
+    assert parse(["--qmp-socket", "/tmp/a=b.sock"]).sockets == (("a=b", Path("/tmp/a=b.sock")),)
+
+
+# ---- pages, with VMs filled by hand ---------------------------------------------------------
+
+
+def filled_vm(name: str, seconds: int = 3) -> Vm:
+    vm = Vm(name, Path(f"/tmp/{name}.sock"), RunSpec(), window=60)
+    vm.state = "up"
+    now = time.monotonic()
+    for i in range(seconds):
+        push(vm.ring, hand_built_profile(), now - seconds + i)
+    vm.samples_total, vm.truncated_total, vm.errors_total = 24, 3, 1
+    vm.pause_counts[2] = 5
+    vm.pause_sum = 0.015
+    return vm
+
+
+def parse_prometheus(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """Samples per metric name and label set, holding the text format's rules: HELP and TYPE
+    before a family's samples, names and labels well formed, histograms cumulative with +Inf
+    equal to _count, and a final newline."""
+    assert text.endswith("\n")
+    types: dict[str, str] = {}
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    name_re = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+    for line in text.splitlines():
+        if line.startswith("#"):
+            kind = re.fullmatch(rf"# (HELP|TYPE) ({name_re}) (.+)", line)
+            assert kind, line
+            if kind[1] == "TYPE":
+                assert kind[3] in ("counter", "gauge", "histogram", "summary", "untyped"), line
+                types[kind[2]] = kind[3]
+            continue
+        sample = re.fullmatch(rf"({name_re})(?:\{{(.*)\}})? (\S+)", line)
+        assert sample, line
+        name, labels = sample[1], []
+        for label in re.finditer(r'([a-zA-Z_]\w*)="((?:[^"\\\n]|\\.)*)"(?:,|$)', sample[2] or ""):
+            labels.append((label[1], label[2]))
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or types.get(family) == "histogram", f"no TYPE before {line}"
+        value = float(sample[3])
+        assert not math.isnan(value), line
+        out.setdefault(name, {})[tuple(labels)] = value
+    for family in (f for f, kind in types.items() if kind == "histogram"):
+        for labels, count in out.get(f"{family}_count", {}).items():
+            buckets = [
+                (float(dict(key)["le"]), value)
+                for key, value in out[f"{family}_bucket"].items()
+                if [kv for kv in key if kv[0] != "le"] == list(labels)
+            ]
+            values = [value for _, value in sorted(buckets)]
+            assert values == sorted(values) and values[-1] == count
+            assert sorted(buckets)[-1][0] == math.inf
+    return out
+
+
+def test_metrics_are_prometheus_text_with_every_family() -> None:
+    vms = [filled_vm("a"), filled_vm('we"ird\\name')]
+    vms[1].state = "down"
+    parsed = parse_prometheus(pages.metrics(vms))
+    assert parsed["qmpprof_samples_total"][(("vm", "a"),)] == 24
+    assert parsed["qmpprof_vm_up"] == {(("vm", "a"),): 1, (("vm", 'we\\"ird\\\\name'),): 0}
+    assert parsed["qmpprof_pause_seconds_count"][(("vm", "a"),)] == 5
+    assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.002"))] == 0
+    assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.005"))] == 5
+    for family in ("errors_total", "truncated_total", "stopped_ratio", "pause_seconds_sum"):
+        assert len(parsed[f"qmpprof_{family}"]) == 2
+
+
+@contextmanager
+def board_server(*vms: Vm) -> Iterator[str]:
+    board = Board(window=60, interval_ms=10.0, naming=Naming(), vms=vms)
+    server = listen("127.0.0.1", 0, board)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        board.closing.set()
+        server.shutdown()
+        server.server_close()
+
+
+def get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as answer:
+            return answer.status, answer.headers["Content-Type"], answer.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["Content-Type"], err.read()
+
+
+def test_endpoints_answer_and_refuse_in_one_line() -> None:
+    with board_server(filled_vm("a"), filled_vm("b")) as base:
+        status, kind, body = get(f"{base}/flamegraph.svg?vm=a&seconds=2")
+        assert status == 200 and kind == "image/svg+xml" and b'data-total="16"' in body
+        assert get(f"{base}/healthz")[::2] == (200, b"ok\n")
+        status, _, page = get(f"{base}/")
+        assert status == 200 and page.count(b'<tr class="vm">') == 2
+        for path, code, text in [
+            ("/flamegraph.svg", 400, "several VMs: add vm=NAME (a, b)"),
+            ("/flamegraph.svg?vm=c", 404, "no VM named 'c'"),
+            ("/flamegraph.svg?vm=a&seconds=61", 400, "seconds must be a whole number"),
+            ("/debug/pprof/profile?vm=a&seconds=x", 400, "seconds must be a whole number"),
+            ("/flamegraph.svg?vm=a&seconds=%C2%B2", 400, "seconds must be a whole number"),
+            ("/nope", 404, "no such page: /nope"),
+        ]:
+            status, kind, body = get(base + path)
+            assert (status, kind) == (code, "text/plain; charset=utf-8"), path
+            assert body.decode().startswith(text) and body.count(b"\n") == 1
+    with board_server(filled_vm("only")) as base:
+        assert get(f"{base}/flamegraph.svg?seconds=1")[0] == 200
+
+
+def test_a_bug_while_answering_is_a_one_line_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qmpprof.serve import endpoints
+
+    def broken(*args: object) -> bytes:
+        raise ValueError("no such luck")
+
+    monkeypatch.setattr(endpoints, "render", broken)
+    with board_server(filled_vm("a")) as base:
+        assert get(f"{base}/flamegraph.svg")[::2] == (
+            500,
+            b"internal error: ValueError: no such luck\n",
+        )
+        assert get(f"{base}/healthz")[0] == 200
+
+
+# ---- the daemon against real QEMUs ----------------------------------------------------------
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str  # ends with "/"
+
+    def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        status, _, body = get(self.url + "metrics")
+        assert status == 200
+        return parse_prometheus(body.decode())
+
+    def per_vm(self, name: str) -> dict[str, float]:
+        return {label[0][1]: v for label, v in self.metrics().get(name, {}).items()}
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+@contextmanager
+def serving(guest: Guest, *args: str) -> Iterator[Served]:
+    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0"]
+    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir), *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, line + proc.communicate(timeout=30)[1]
+        yield Served(proc, found[0])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.2)
+
+
+def status(guest: Guest) -> str:
+    async def ask() -> str:
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            return await transport.status()
+        finally:
+            await transport.close()
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.qemu
+def test_go_tool_pprof_reads_the_guest_functions_from_the_endpoint(tmp_path: Path) -> None:
+    with (
+        running_guest(tmp_path, "cfi", 1) as guest,
+        serving(guest, "--qmp-socket", f"vm1={guest.qmp_socket}", "--interval", "20") as served,
+    ):
+        wait_until("first samples", lambda: served.per_vm("qmpprof_samples_total")["vm1"] > 0)
+        url = served.url + "debug/pprof/profile?seconds=2"
+        raw = go_pprof(tmp_path, "-raw", url)
+        top = go_pprof(tmp_path, "-top", "-nodefraction=0", "-sample_index=samples", url)
+        code, err = served.stop()
+        assert status(guest) == "running"
+    assert code == 0, err
+    assert "Comment: guest: vm1" in raw and "Samples:" in raw
+    samples = re.search(r"Comment: samples: (\d+)", raw)
+    assert samples is not None and int(samples[1]) >= 20  # 2 s at 20 ms asks for ~80
+    functions = {*expected()["programs"]["spin"]["shares"], "kworker_main"}
+    assert functions <= set(re.findall(r"\w+", raw)), raw
+    assert "spin_hot" in top
+
+
+@pytest.mark.qemu
+@pytest.mark.browser
+def test_index_and_flamegraph_load_in_chromium(tmp_path: Path) -> None:
+    from browser import chromium, expect
+
+    with (
+        running_guest(tmp_path, "cfi", 1) as guest,
+        serving(guest, "--qmp-socket", f"vm1={guest.qmp_socket}") as served,
+    ):
+        wait_until("two seconds in the ring", lambda: served.per_vm(
+            "qmpprof_samples_total")["vm1"] >= 20)  # fmt: skip
+        with chromium(tmp_path / "chromium") as context:
+            errors: list[str] = []
+            tab = context.new_page()
+            tab.on("pageerror", lambda err: errors.append(str(err)))
+            tab.goto(served.url)
+            row = tab.locator("tr.vm")
+            expect(row).to_have_count(1)
+            expect(row.locator("td").nth(0)).to_have_text("vm1")
+            expect(row.locator("td").nth(1)).to_have_text("up")
+            tab.locator("a", has_text="flame graph").click()
+            tab.wait_for_url("**/flamegraph.svg?*")
+            expect(tab.locator("#title")).to_contain_text("vm1")
+            main_frame = tab.locator("g.f").filter(has=tab.locator('title:text-matches("^main ")'))
+            assert main_frame.count() >= 1
+            main_frame.first.click()
+            expect(tab.locator("#reset")).to_be_visible()
+            tab.close()
+        assert errors == []
+
+
+@pytest.mark.qemu
+def test_a_killed_vm_comes_back_on_its_socket_and_the_other_never_stops(tmp_path: Path) -> None:
+    sock_dir = Path(tempfile.mkdtemp(prefix="qg-serve-", dir="/tmp"))
+    again_socket = sock_dir / "qmp.sock"
+    try:
+        with running_guest(tmp_path, "cfi", 1) as steady, serving(
+            steady, "--qmp-socket", f"steady={steady.qmp_socket}", "--qmp-socket",
+            f"again={again_socket}",
+        ) as served:  # fmt: skip
+            counts = lambda: served.per_vm("qmpprof_samples_total")  # noqa: E731
+            up = lambda: served.per_vm("qmpprof_vm_up")  # noqa: E731
+            assert up()["again"] == 0  # not there yet: down, not an error
+            with running_guest(tmp_path, "cfi", 1, sock_dir=sock_dir):
+                wait_until("both sampled", lambda: min(counts().values()) > 0)
+            # The QEMU of "again" was killed: it goes down, "steady" goes on.
+            wait_until("again is down", lambda: up()["again"] == 0)
+            down_at, steady_at = counts()["again"], counts()["steady"]
+            wait_until("steady grows", lambda: counts()["steady"] > steady_at)
+            assert counts()["again"] == down_at
+            steady_at = counts()["steady"]
+            with running_guest(tmp_path, "cfi", 1, sock_dir=sock_dir) as second:
+                wait_until("again profiled again", lambda: counts()["again"] > down_at + 10)
+                assert up() == {"steady": 1, "again": 1}
+                assert counts()["steady"] > steady_at
+                code, err = served.stop()
+                assert code == 0, err
+                assert "Traceback" not in err
+                assert status(steady) == "running" and status(second) == "running"
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.qemu
+def test_a_paused_guest_is_shown_paused_and_left_paused(tmp_path: Path) -> None:
+    with running_guest(tmp_path, "cfi", 1, paused=True) as guest:
+        before = status(guest)
+        with serving(guest, "--qmp-socket", f"p={guest.qmp_socket}") as served:
+            wait_until("looked at", lambda: b'class="paused"' in get(served.url)[2])
+            assert served.per_vm("qmpprof_vm_up") == {"p": 0}
+            assert served.per_vm("qmpprof_samples_total") == {"p": 0}
+            code, err = served.stop()
+            assert code == 0, err
+        assert status(guest) == before != "running"
+
+
+@pytest.mark.qemu
+def test_a_socket_dir_is_followed_and_healthz_is_ok(tmp_path: Path) -> None:
+    watched = Path(tempfile.mkdtemp(prefix="qg-dir-", dir="/tmp"))
+    try:
+        with (
+            running_guest(tmp_path, "cfi", 1) as guest,
+            serving(guest, "--qmp-dir", str(watched)) as served,
+        ):
+            assert get(served.url + "healthz")[::2] == (200, b"ok\n")
+            assert served.metrics().get("qmpprof_vm_up", {}) == {}
+            (watched / "vm7").symlink_to(guest.qmp_socket)
+            sampled = lambda: served.per_vm("qmpprof_samples_total").get("vm7", 0) > 0  # noqa: E731
+            wait_until("vm7 sampled", sampled)
+            (watched / "vm7").unlink()
+            wait_until("vm7 dropped", lambda: "vm7" not in served.per_vm("qmpprof_vm_up"))
+            code, err = served.stop()
+            assert code == 0, err
+            assert status(guest) == "running"
+    finally:
+        shutil.rmtree(watched, ignore_errors=True)
+
+
+# ---- one VM's bookkeeping, over the fake transport ------------------------------------------
+
+
+async def test_what_the_sampler_collected_moves_into_the_ring_and_its_counters_empty() -> None:
+    from fakes import FakeTransport
+    from test_sampler import kernel_cpu, make
+
+    r0, pages = kernel_cpu(0)
+    vm = Vm("fake", Path("/tmp/fake.sock"), RunSpec(), window=2)
+    for second in range(3):
+        sampler = make(FakeTransport({0: r0}, pages), duration=0.05, interval=0.01)
+        sampler.stats.errors["MemoryReadError: at 0x1000"] += 2  # as a failed read leaves it
+        await sampler.run()
+        vm.take(sampler, keep=True)
+        assert len(sampler.profile) == 0 and len(sampler.stats.pauses) == 0
+        assert not sampler.stats.errors
+        assert vm.samples_total == 5 * (second + 1) and vm.errors_total == 2 * (second + 1)
+    assert len(vm.ring.seconds) == 2 and vm.ring.stacks == 1
+    assert sum(vm.pause_counts) == 15 and vm.problem == "MemoryReadError: at 0x1000"
+    assert [s.ticks for s in vm.ring.seconds] == [5, 5]
