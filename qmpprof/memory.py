@@ -17,6 +17,10 @@ from qmpprof.transport.base import GuestTransport
 # gdbstub reads of it are pipelined. HMP ``x`` is formatting-bound: read one page up front there.
 WINDOW = 16384
 HMP_WINDOW = 4096
+# Over a gdbstub every 2 KiB is a packet QEMU answers in turn: a first window of two pages (or
+# three, RSP being mid-page) and more on demand, until a walk from that RSP page has shown what
+# it needs (StackReader's cut).
+GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 _UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096

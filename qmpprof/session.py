@@ -28,7 +28,7 @@ from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
-from qmpprof.memory import HMP_WINDOW
+from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
@@ -129,10 +129,13 @@ async def connect(spec: RunSpec) -> Connection:
 
 
 def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
-    hmp = isinstance(transport, QmpTransport) and transport.memory == "hmp"
-    if hmp and spec.sampling.window > HMP_WINDOW:
-        return dataclasses.replace(spec.sampling, window=HMP_WINDOW)
-    return spec.sampling
+    """The sampling configuration, its stack window fitted to what reads cost on
+    ``transport``: memsave costs the same for 4 or 64 KiB, HMP x and the gdbstub by size."""
+    if isinstance(transport, QmpTransport):
+        window = HMP_WINDOW if transport.memory == "hmp" else spec.sampling.window
+    else:
+        window = GDB_WINDOW
+    return dataclasses.replace(spec.sampling, window=min(window, spec.sampling.window))
 
 
 def unwinder(spec: RunSpec) -> Unwinder:
