@@ -1,15 +1,22 @@
 """KASLR slide detection from IDT bytes built by hand: gate decoding, the vote, its refusals,
-and detect_slide over a scripted monitor."""
+and detect_slide over a scripted monitor; then end to end on the Linux test guest: the slide
+is 0 under nokaslr and, on several KASLR boots, (guest /proc/kallsyms _text) - (image _text)."""
 
 from __future__ import annotations
 
 import struct
+from functools import cache
+from pathlib import Path
 
+import linuxkernel
 import pytest
+from linuxvm import LinuxGuest, running_linux_guest
 
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux import kaslr
+from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.transport.qmp import QmpTransport
 
 TEXT = 0xFFFFFFFF81000000
 ENTRY = 0xFFFFFFFF81E00000
@@ -156,3 +163,81 @@ async def test_detect_slide_reads_the_idt_once() -> None:
 async def test_detect_slide_before_the_kernel_runs() -> None:
     with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
         await kaslr.detect_slide(ScriptedMonitor(0, idt(0)), image_symbols())
+
+
+# ---- end to end, on the Linux test guest ----------------------------------------------------
+
+PER_CPU_END = 0xFFFFFFFF80000000  # below: 0-based per-CPU symbols, which KASLR does not move
+
+
+@cache
+def debian_symbols() -> KernelSymbols:
+    return read_kallsyms(linuxkernel.vmlinux())
+
+
+async def slide_of(guest: LinuxGuest) -> int:
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        return await kaslr.detect_slide(transport, debian_symbols())
+    finally:
+        await transport.close()
+
+
+def true_slide(guest: LinuxGuest) -> int:
+    """The guest's _text (printed by init from /proc/kallsyms) minus the image's."""
+    image = debian_symbols().address_of("_text")
+    assert image is not None
+    return guest.text_address - image
+
+
+@pytest.mark.qemu
+@pytest.mark.linux
+async def test_slide_is_zero_without_kaslr(tmp_path: Path) -> None:
+    with running_linux_guest(tmp_path, kaslr=False, dump_kallsyms=False) as guest:
+        assert await slide_of(guest) == 0 == true_slide(guest)
+
+
+@pytest.mark.qemu
+@pytest.mark.linux
+async def test_slide_on_several_kaslr_boots(tmp_path: Path) -> None:
+    slides = []
+    for boot in range(3):
+        # Only the first boot sends the whole /proc/kallsyms (seconds of boot time).
+        with running_linux_guest(tmp_path, kaslr=True, dump_kallsyms=boot == 0) as guest:
+            slide = await slide_of(guest)
+            assert slide == true_slide(guest)
+            assert slide % kaslr.ALIGN == 0
+            if boot == 0:
+                await check_kallsyms_under_slide(guest, slide)
+        slides.append(slide)
+    assert len(set(slides)) >= 2, f"three boots, slides {[hex(s) for s in slides]}"
+
+
+async def check_kallsyms_under_slide(guest: LinuxGuest, slide: int) -> None:
+    """Every symbol of the image, moved by the slide unless per-CPU, is in the guest's
+    /proc/kallsyms; the kernel relocated kallsyms_relative_base in memory by the slide (so the
+    tables read from guest memory give runtime addresses), the offsets are untouched."""
+    image = debian_symbols()
+    running: dict[str, set[int]] = {}
+    for addr, name, module in zip(
+        guest.symbols.addrs, guest.symbols.names, guest.symbols.modules, strict=True
+    ):
+        if module is None:
+            running.setdefault(name, set()).add(addr)
+    for addr, name in zip(image.addrs, image.names, strict=True):
+        moved = addr + slide if addr >= PER_CPU_END else addr
+        assert moved in running.get(name, ()), name
+    vmlinux = linuxkernel.vmlinux()
+    rodata, rodata_addr = vmlinux.section(".rodata"), vmlinux.section_addr(".rodata")
+    assert rodata is not None and rodata_addr is not None
+    layout = locate_kallsyms(rodata, rodata_addr)
+    assert layout.relative_base is not None
+    (file_base,) = struct.unpack_from("<Q", rodata, layout.relative_base)
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        memory = await transport.read(0, rodata_addr + slide + layout.relative_base, 8)
+        offsets = await transport.read(0, rodata_addr + slide + layout.offsets, 4096)
+    finally:
+        await transport.close()
+    assert struct.unpack("<Q", memory)[0] == file_base + slide
+    assert offsets == rodata[layout.offsets : layout.offsets + 4096]

@@ -4,7 +4,9 @@
 decodes the symbol tables every kernel carries in its ``.rodata``; ``symbols`` holds what both
 kallsyms and a System.map or /proc/kallsyms text give: addresses, type letters and names, and
 the ``SymbolTable`` of text symbols built from them; ``orc`` reads the kernel's ORC unwind
-tables (and ``OrcStep`` walks with them); ``btf`` reads its BTF types (struct offsets).
+tables (and ``OrcStep`` walks with them); ``btf`` reads its BTF types (struct offsets);
+``kaslr`` finds the running kernel's KASLR slide from its interrupt table.
 
-Nothing here talks to a guest: these are pure readers of bytes and text.
+Nothing here imports a transport: these are pure readers of bytes and text (``kaslr`` asks
+for two reads through a Protocol of its own).
 """

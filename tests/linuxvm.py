@@ -1,0 +1,200 @@
+"""Run the Linux test guest (Debian's kernel + fixtures/linux-guest) under QEMU for tests.
+
+``running_linux_guest`` boots it through scripts/run-linux-guest, waits for the workload line on
+the console, unpacks the guest's own /proc/kallsyms (sent gzipped over COM2) and kills QEMU
+afterwards, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from guestvm import _die_with_parent
+
+from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "fixtures" / "build" / "linux-guest"
+ROOTFS = BUILD / "rootfs"
+WORK_ELF = ROOTFS / "bin" / "qmpprof-work"
+MODULE_KO = BUILD / "module" / "qmpprof_burn.ko"
+MODULE = "qmpprof_burn"
+LIBC = ROOTFS / "lib" / "x86_64-linux-gnu" / "libc.so.6"
+LDSO = ROOTFS / "lib64" / "ld-linux-x86-64.so.2"
+WORKLOAD_LINE = "qmpprof-linux: workload running"
+KALLSYMS_END = "qmpprof-linux: kallsyms end"
+# ~5-10 s on an idle 2-core machine (docs/linux-guest.md); room for a loaded one.
+BOOT_TIMEOUT = 120.0
+
+_build_lock = threading.Lock()
+_built = False
+
+
+def build_linux_guest() -> None:
+    """Run scripts/build-linux-guest once per test session (it skips an up-to-date build)."""
+    global _built
+    with _build_lock:
+        if not _built:
+            subprocess.run(
+                [ROOT / "scripts" / "build-linux-guest"], check=True, stdin=subprocess.DEVNULL
+            )
+            _built = True
+
+
+@dataclass
+class LinuxGuest:
+    """One running QEMU with the Linux test guest."""
+
+    qmp_socket: Path
+    console: Path
+    kallsyms_gz: Path  # what the guest sent over COM2
+    kallsyms: Path  # its text, unpacked once the workload runs
+    kaslr: bool
+    smp: int
+    process: subprocess.Popen[bytes]
+    gdb_port: int | None
+    boot_seconds: float = 0.0  # from QEMU's start to the workload line
+
+    def console_text(self) -> str:
+        return self.console.read_text(errors="replace") if self.console.exists() else ""
+
+    @property
+    def text_address(self) -> int:
+        """The running kernel's ``_text``, as init printed it on the console."""
+        match = re.search(r"^qmpprof-linux: ([0-9a-f]{16}) T _text\r?$", self.console_text(), re.M)
+        if match is None:
+            raise RuntimeError(f"{self.console}: no _text line")
+        return int(match.group(1), 16)
+
+    @property
+    def module_address(self) -> int:
+        """Where the test module's core is loaded, from /proc/modules as init printed it."""
+        match = re.search(
+            rf"^qmpprof-linux: module {MODULE} .* (0x[0-9a-f]+)", self.console_text(), re.M
+        )
+        if match is None:
+            raise RuntimeError(f"{self.console}: no module line")
+        return int(match.group(1), 16)
+
+    @cached_property
+    def symbols(self) -> KernelSymbols:
+        """The guest's /proc/kallsyms: runtime addresses, module symbols tagged."""
+        return parse_symbol_map(self.kallsyms.read_text(), str(self.kallsyms))
+
+
+def _unpack_kallsyms(guest: LinuxGuest) -> None:
+    try:
+        text = gzip.decompress(guest.kallsyms_gz.read_bytes())
+    except (OSError, EOFError, zlib.error) as err:
+        raise RuntimeError(f"{guest.kallsyms_gz}: not a whole gzip stream: {err}") from err
+    if not text.rstrip().endswith(KALLSYMS_END.encode()):
+        raise RuntimeError(f"{guest.kallsyms_gz}: the dump lacks its end line")
+    guest.kallsyms.write_bytes(text)
+
+
+def _check_alive(guest: LinuxGuest) -> None:
+    if guest.process.poll() is not None:
+        raise RuntimeError(
+            f"QEMU exited with {guest.process.returncode}; console:\n{guest.console_text()}"
+        )
+
+
+def _wait_qmp(guest: LinuxGuest, deadline: float) -> None:
+    while True:
+        _check_alive(guest)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(str(guest.qmp_socket))
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"QMP socket {guest.qmp_socket} never accepted a connection")
+        time.sleep(0.01)
+
+
+def wait_console(guest: LinuxGuest, text: str, timeout: float) -> None:
+    """Wait until the guest console shows ``text``."""
+    deadline = time.monotonic() + timeout
+    while text not in guest.console_text():
+        _check_alive(guest)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"console never showed {text!r}:\n{guest.console_text()}")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running_linux_guest(
+    tmp_path: Path,
+    *,
+    kaslr: bool = False,
+    smp: int = 2,
+    gdb_port: int | None = None,
+    paused: bool = False,
+    wait_workload: bool = True,
+    dump_kallsyms: bool = True,
+    append: str = "",
+) -> Iterator[LinuxGuest]:
+    """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
+    ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
+    ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``."""
+    build_linux_guest()
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    sock_dir = Path(tempfile.mkdtemp(prefix="lg-", dir="/tmp"))
+    boot_dir = Path(
+        tempfile.mkdtemp(prefix=f"linux-{'kaslr' if kaslr else 'nokaslr'}-", dir=tmp_path)
+    )
+    guest = LinuxGuest(
+        qmp_socket=sock_dir / "qmp.sock",
+        console=boot_dir / "console.txt",
+        kallsyms_gz=boot_dir / "kallsyms.gz",
+        kallsyms=boot_dir / "kallsyms.txt",
+        kaslr=kaslr,
+        smp=smp,
+        process=None,  # type: ignore[arg-type]  # set right below
+        gdb_port=gdb_port,
+    )
+    cmd = [
+        str(ROOT / "scripts" / "run-linux-guest"),
+        "--kaslr" if kaslr else "--no-kaslr",
+        "--smp", str(smp),
+        "--qmp-socket", str(guest.qmp_socket),
+        "--console", str(guest.console),
+        "--kallsyms", str(guest.kallsyms_gz),
+    ]  # fmt: skip
+    if gdb_port is not None:
+        cmd += ["--gdb", str(gdb_port)]
+    if paused:
+        cmd.append("--paused")
+    if not dump_kallsyms:
+        append = f"{append} qmpprof.nokallsyms".strip()
+    if append:
+        cmd += ["--append", append]
+    start = time.monotonic()
+    guest.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    try:
+        deadline = start + BOOT_TIMEOUT
+        _wait_qmp(guest, deadline)
+        if wait_workload and not paused:
+            wait_console(guest, WORKLOAD_LINE, max(deadline - time.monotonic(), 0.1))
+            guest.boot_seconds = time.monotonic() - start
+            if dump_kallsyms:
+                _unpack_kallsyms(guest)
+        yield guest
+    finally:
+        guest.process.kill()  # run-linux-guest execs QEMU: this is QEMU's pid
+        guest.process.wait()
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""The Linux test guest (scripts/build-linux-guest, scripts/run-linux-guest) boots Debian's
+kernel on 2 vCPUs with and without KASLR: the workload runs, the guest's /proc/kallsyms comes
+over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; the
+initramfs writer gives a cpio newc archive back as built."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import stat
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from guestvm import free_tcp_port
+from linuxvm import MODULE, MODULE_KO, ROOT, WORK_ELF, build_linux_guest, running_linux_guest
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.transport.qmp import QmpTransport
+
+IMAGE_TEXT = 0xFFFFFFFF81000000  # _text in Debian's vmlinux (its first LOAD)
+MODULE_FUNCTIONS = (
+    "qb_read",
+    "qb_burn_outer",
+    "qb_burn_middle",
+    "qb_burn_leaf",
+    "qb_kwork_fn",
+    "qb_kwork_tick",
+    "qb_kwork_leaf",
+)
+
+
+@pytest.mark.qemu
+@pytest.mark.linux
+@pytest.mark.parametrize("kaslr", [False, True], ids=["nokaslr", "kaslr"])
+async def test_boots_with_workload_and_kallsyms(tmp_path: Path, kaslr: bool) -> None:
+    with running_linux_guest(tmp_path, kaslr=kaslr, smp=2) as guest:
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            assert await transport.status() == "running"
+            assert await transport.cpus() == [0, 1]
+        finally:
+            await transport.close()
+        # Debian's kernel takes the unsigned out-of-tree module: taint O (4096) + E (8192).
+        assert "qmpprof-linux: tainted 12288" in guest.console_text()
+        symbols = guest.symbols
+        text = symbols.address_of("_text")
+        assert text == guest.text_address
+        assert (text == IMAGE_TEXT) is not kaslr
+        assert (text - IMAGE_TEXT) % (2 << 20) == 0
+        assert len(symbols) > 150_000
+        for name in MODULE_FUNCTIONS:
+            addr = symbols.address_of(name, MODULE)
+            assert addr is not None and guest.module_address <= addr < guest.module_address + (
+                1 << 20
+            ), name
+        assert symbols.address_of("qb_read") is None  # only as a module symbol
+        kinds = {m for m in symbols.modules if m is not None}
+        assert kinds == {MODULE}
+
+
+@pytest.mark.linux
+def test_build_outputs() -> None:
+    """The workload program keeps .eh_frame and a build-id; the module carries ORC tables."""
+    build_linux_guest()
+    work = ElfImage.load(WORK_ELF)
+    assert work.section(".eh_frame")
+    assert work.build_id
+    module = ElfImage.load(MODULE_KO)
+    assert module.section(".orc_unwind") and module.section(".orc_unwind_ip")
+
+
+@pytest.mark.qemu
+@pytest.mark.linux
+async def test_boots_without_the_kallsyms_dump_with_gdbstub(tmp_path: Path) -> None:
+    port = free_tcp_port()
+    with running_linux_guest(tmp_path, dump_kallsyms=False, gdb_port=port) as guest:
+        assert "qmpprof-linux: tainted 12288" in guest.console_text()
+        assert not guest.kallsyms.exists()
+        assert guest.kallsyms_gz.stat().st_size == 0
+        gdb = subprocess.run(
+            ["gdb", "-batch", "-nx", "-ex", "set architecture i386:x86-64",
+             "-ex", f"target remote 127.0.0.1:{port}", "-ex", "info threads", "-ex", "detach"],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert "CPU#0" in gdb.stdout and "CPU#1" in gdb.stdout, gdb.stdout + gdb.stderr
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            assert await transport.status() == "running"  # gdb's detach resumes the guest
+        finally:
+            await transport.close()
+
+
+def mkinitramfs() -> ModuleType:
+    path = ROOT / "fixtures" / "linux-guest" / "mkinitramfs.py"
+    spec = importlib.util.spec_from_file_location("mkinitramfs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_newc(data: bytes) -> dict[str, tuple[int, bytes, tuple[int, int]]]:
+    """name -> (mode, data, (rdev major, minor)) of a cpio newc archive, up to its trailer."""
+    entries: dict[str, tuple[int, bytes, tuple[int, int]]] = {}
+    pos = 0
+    while True:
+        assert data[pos : pos + 6] == b"070701"
+        fields = [int(data[pos + 6 + 8 * i : pos + 14 + 8 * i], 16) for i in range(13)]
+        mode, size, rdev, namesize = fields[1], fields[6], (fields[9], fields[10]), fields[11]
+        name_end = pos + 110 + namesize
+        name = data[pos + 110 : name_end - 1].decode()
+        start = name_end + (-name_end % 4)
+        if name == "TRAILER!!!":
+            return entries
+        entries[name] = (mode, data[start : start + size], rdev)
+        pos = start + size + (-(start + size) % 4)
+
+
+def test_mkinitramfs_writes_newc(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "tool").write_bytes(b"#!/bin/sh\n")
+    (root / "bin" / "tool").chmod(0o755)
+    (root / "bin" / "sh").symlink_to("tool")
+    (root / "odd").write_bytes(b"abc")
+    out = tmp_path / "initramfs.cpio.gz"
+    assert mkinitramfs().main([str(out), str(root), "--node", "/dev/console:c:5:1"]) == 0
+    entries = read_newc(gzip.decompress(out.read_bytes()))
+    assert list(entries) == ["bin", "bin/sh", "bin/tool", "odd", "dev/console"]
+    assert stat.S_ISDIR(entries["bin"][0])
+    assert stat.S_ISLNK(entries["bin/sh"][0]) and entries["bin/sh"][1] == b"tool"
+    assert entries["bin/tool"][:2] == (stat.S_IFREG | 0o755, b"#!/bin/sh\n")
+    assert entries["odd"][1] == b"abc"
+    assert entries["dev/console"] == (stat.S_IFCHR | 0o600, b"", (5, 1))
