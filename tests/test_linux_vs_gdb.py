@@ -197,6 +197,7 @@ def kernel_stacks_agree(gdb_pcs: list[int], ours: list[int]) -> bool:
 class Tally:
     stacks: int = 0
     stacks_equal: int = 0
+    frames: int = 0  # gdb's frames compared, all stacks
     processes: int = 0
     processes_equal: int = 0
     seen_functions: set[str] | None = None
@@ -226,6 +227,7 @@ def compare_moment(
         theirs = oracle.frames(sample.cpu)
         ours = [(f.pc, f.symbol or "??") for f in sample.stack.frames if f.kernel]
         tally.stacks += 1
+        tally.frames += len(theirs)
         tally.seen_functions.update(name for _, name in theirs)
         if kernel_stacks_agree([pc for pc, _ in theirs], [pc for pc, _ in ours]):
             tally.stacks_equal += 1
@@ -278,6 +280,9 @@ def test_kernel_stacks_and_processes_agree_with_gdb(tmp_path: Path) -> None:
         f" ({stacks:.1%}); processes {tally.processes_equal}/{tally.processes}"
         f" ({processes:.1%})\nprocesses seen: {sorted(tally.seen_processes or ())}"
     )
+    print(
+        f"gdb's frames compared: {tally.frames} ({tally.frames / max(tally.stacks, 1):.1f} a stack)"
+    )
     print("gdb's functions:", " ".join(sorted(tally.seen_functions or ())))
     print("\n".join(disagreements))
     # The moments must reach the workload's kernel paths: the module's system call and thread.
@@ -285,5 +290,7 @@ def test_kernel_stacks_and_processes_agree_with_gdb(tmp_path: Path) -> None:
     assert {"qb_burn_leaf", "qb_kwork_leaf"} <= set(seen), seen
     assert {"qmpprof-work", "[qmpprof_kwork]"} <= (tally.seen_processes or set())
     assert tally.stacks >= MOMENTS // 2
+    # Not a vacuous prefix: gdb walks well past the leaf (the syscall path is 9 frames deep).
+    assert tally.frames >= 4 * tally.stacks, tally.frames
     assert stacks >= REQUIRED, "\n".join(disagreements)
     assert processes >= REQUIRED, "\n".join(disagreements)
