@@ -132,6 +132,13 @@ def test_vote_counts() -> None:
     assert kaslr.vote_slide([ENTRY + 0x1001], [ENTRY + 0x1000], (0, 1 << 30)) is None
 
 
+def test_apply_slide_moves_all_but_per_cpu_symbols() -> None:
+    symbols = KernelSymbols([0, 0x1000, TEXT, ENTRY], ["A", "A", "T", "T"], ["a", "b", "c", "d"])
+    moved = kaslr.apply_slide(symbols, 3 * MIB2)
+    assert moved.addrs == [0, 0x1000, TEXT + 3 * MIB2, ENTRY + 3 * MIB2]
+    assert moved.names == symbols.names and symbols.addrs[2] == TEXT
+
+
 def test_slide_window() -> None:
     assert kaslr.slide_window(TEXT) == (-0x1000000, 0x3F000000)
 
@@ -166,8 +173,6 @@ async def test_detect_slide_before_the_kernel_runs() -> None:
 
 
 # ---- end to end, on the Linux test guest ----------------------------------------------------
-
-PER_CPU_END = 0xFFFFFFFF80000000  # below: 0-based per-CPU symbols, which KASLR does not move
 
 
 @cache
@@ -209,24 +214,23 @@ async def test_slide_on_several_kaslr_boots(tmp_path: Path) -> None:
             assert slide % kaslr.ALIGN == 0
             if boot == 0:
                 await check_kallsyms_under_slide(guest, slide)
+                await check_orc_under_slide(guest, slide)
         slides.append(slide)
     assert len(set(slides)) >= 2, f"three boots, slides {[hex(s) for s in slides]}"
 
 
 async def check_kallsyms_under_slide(guest: LinuxGuest, slide: int) -> None:
-    """Every symbol of the image, moved by the slide unless per-CPU, is in the guest's
-    /proc/kallsyms; the kernel relocated kallsyms_relative_base in memory by the slide (so the
-    tables read from guest memory give runtime addresses), the offsets are untouched."""
-    image = debian_symbols()
-    running: dict[str, set[int]] = {}
-    for addr, name, module in zip(
-        guest.symbols.addrs, guest.symbols.names, guest.symbols.modules, strict=True
-    ):
-        if module is None:
-            running.setdefault(name, set()).add(addr)
-    for addr, name in zip(image.addrs, image.names, strict=True):
-        moved = addr + slide if addr >= PER_CPU_END else addr
-        assert moved in running.get(name, ()), name
+    """The image's symbols moved by the slide (per-CPU ones stay) are exactly the guest's
+    /proc/kallsyms kernel lines; the kernel relocated kallsyms_relative_base in memory by the
+    slide (so the tables read from guest memory give runtime addresses), not the offsets."""
+    running = guest.symbols
+    kernel = [
+        (addr, name)
+        for addr, name, module in zip(running.addrs, running.names, running.modules, strict=True)
+        if module is None
+    ]
+    moved = kaslr.apply_slide(debian_symbols(), slide)
+    assert sorted(zip(moved.addrs, moved.names, strict=True)) == sorted(kernel)
     vmlinux = linuxkernel.vmlinux()
     rodata, rodata_addr = vmlinux.section(".rodata"), vmlinux.section_addr(".rodata")
     assert rodata is not None and rodata_addr is not None
@@ -241,3 +245,20 @@ async def check_kallsyms_under_slide(guest: LinuxGuest, slide: int) -> None:
         await transport.close()
     assert struct.unpack("<Q", memory)[0] == file_base + slide
     assert offsets == rodata[layout.offsets : layout.offsets + 4096]
+
+
+async def check_orc_under_slide(guest: LinuxGuest, slide: int) -> None:
+    """The ORC tables (and BTF) in guest memory at image address + slide are the file's bytes:
+    the image's tables serve the running kernel, looked up at pc - slide."""
+    vmlinux = linuxkernel.vmlinux()
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        for name in (".orc_unwind_ip", ".orc_unwind", ".BTF"):
+            data, addr = vmlinux.section(name), vmlinux.section_addr(name)
+            assert data is not None and addr is not None
+            for offset in range(0, len(data), 1 << 20):
+                size = min(1 << 20, len(data) - offset)
+                memory = await transport.read(0, addr + slide + offset, size)
+                assert memory == data[offset : offset + size], f"{name}+{offset:#x}"
+    finally:
+        await transport.close()

@@ -195,6 +195,15 @@ def slide_from_gates(gates: Iterable[Gate], symbols: KernelSymbols, align: int =
     return vote.slide
 
 
+def apply_slide(symbols: KernelSymbols, slide: int) -> KernelSymbols:
+    """The image's ``symbols`` where the running kernel has them: every address in the
+    kernel-text map or above moves by ``slide``; the 0-based per-CPU symbols stay (measured:
+    the result equals the guest's /proc/kallsyms, module lines aside)."""
+    low = TEXT_MAP[0]
+    addrs = [addr + slide if addr >= low else addr for addr in symbols.addrs]
+    return KernelSymbols(addrs, list(symbols.types), list(symbols.names), list(symbols.modules))
+
+
 async def detect_slide(
     guest: MonitoredGuest, symbols: KernelSymbols, cpu: int = 0, align: int = ALIGN
 ) -> int:
