@@ -1,7 +1,8 @@
 """qmpprof's kernel stacks and processes against gdb's, at random moments of the Linux test guest.
 
 gdb (one long-lived session with Debian's -dbg vmlinux, from scripts/fetch-linux-dbg, through
-QEMU's gdbstub, KASLR off so that its symbols are at their link addresses) is the oracle. At
+QEMU's gdbstub; with KASLR on, the symbols moved by the slide the guest printed, ``symbol-file
+-o``) is the oracle, on a boot without KASLR and on one with it. At
 each moment gdb interrupts the guest; qmpprof then samples the stopped guest over QMP (a paused
 guest is sampled without stop/cont), and for every vCPU:
 
@@ -50,6 +51,7 @@ VMLINUX_DBG = LINUX / "vmlinux-dbg"
 MOMENTS = 100
 CLI_MOMENTS = 3  # of them, sampled by `qmpprof --one-shot --json` in a subprocess
 KERNEL_SPACE = 0xFFFF_8000_0000_0000
+IMAGE_TEXT = 0xFFFFFFFF81000000  # _text in Debian's vmlinux (its first LOAD)
 REQUIRED = 0.97
 PF_KTHREAD = 0x0020_0000
 # On a loaded host TCG can fail the kernel's IO-APIC timer check (a panic at boot: "IO-APIC +
@@ -64,6 +66,8 @@ NO_TIMER_CHECK = "no_timer_check"
 # numbers, then the two names hex-encoded (a comm may hold any byte).
 _SCRIPT = r"""
 import gdb
+
+QG_SLIDE = 0
 
 _ENTRY = [int(gdb.parse_and_eval("(unsigned long)&__entry_text_" + e)) for e in ("start", "end")]
 _VIRTUAL = (gdb.INLINE_FRAME, gdb.TAILCALL_FRAME)
@@ -95,7 +99,8 @@ def _comm(array):
 
 def qg_task(cpu):
     base = int(gdb.parse_and_eval("__per_cpu_offset[%d]" % cpu)) & (2**64 - 1)
-    hot = int(gdb.parse_and_eval("(unsigned long)&pcpu_hot"))
+    # Per-CPU symbols are offsets (from 0), which KASLR leaves alone; symbol-file -o moved them.
+    hot = int(gdb.parse_and_eval("(unsigned long)&pcpu_hot")) - QG_SLIDE
     pointer = "*(struct task_struct **)%#x" % ((base + hot) & (2**64 - 1))
     task = gdb.parse_and_eval(pointer)
     leader = task["group_leader"]
@@ -132,10 +137,14 @@ class LinuxOracle(GdbMi):
     # compilation unit expand its DWARF, seconds more.
     timeout = 240.0
 
-    def __init__(self, port: int, script: Path) -> None:
-        super().__init__(str(VMLINUX_DBG))
+    def __init__(self, port: int, script: Path, slide: int = 0) -> None:
+        """``slide``: the running kernel's KASLR slide, by which gdb moves the symbols."""
+        super().__init__(None if slide else str(VMLINUX_DBG))
+        if slide:
+            self.command(f'-interpreter-exec console "symbol-file -o {slide:#x} {VMLINUX_DBG}"')
         script.write_text(_SCRIPT)
         self.command(f'-interpreter-exec console "source {script}"')
+        self.command(f'-interpreter-exec console "python QG_SLIDE = {slide:#x}"')
         self.attach(f"127.0.0.1:{port}")
 
     def add_module(self, ko: Path, text_addr: int) -> None:
@@ -279,15 +288,17 @@ def one_shot_json(qmp_socket: Path) -> str:
     return done.stdout
 
 
-async def compare(tmp_path: Path) -> tuple[Tally, list[str]]:
+async def compare(tmp_path: Path, kaslr: bool) -> tuple[Tally, list[str]]:
     port = free_tcp_port()
-    rng = random.Random("qmpprof-linux-vs-gdb")
+    rng = random.Random(f"qmpprof-linux-vs-gdb-{kaslr}")
     tally = Tally(seen_functions=set(), seen_processes=set())
     disagreements: list[str] = []
     with running_linux_guest(
-        tmp_path, kaslr=False, smp=2, gdb_port=port, append=NO_TIMER_CHECK
+        tmp_path, kaslr=kaslr, smp=2, gdb_port=port, append=NO_TIMER_CHECK
     ) as guest:
-        oracle = LinuxOracle(port, tmp_path / "qg.py")
+        slide = guest.text_address - IMAGE_TEXT
+        assert (slide != 0) is kaslr, f"slide {slide:#x}"
+        oracle = LinuxOracle(port, tmp_path / "qg.py", slide)
         try:
             oracle.add_module(MODULE_KO, module_text(guest))
             # The first moments through the command line, as a user sees it (QEMU serves one
@@ -321,9 +332,10 @@ async def compare(tmp_path: Path) -> tuple[Tally, list[str]]:
     return tally, disagreements
 
 
-def test_kernel_stacks_and_processes_agree_with_gdb(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kaslr", [False, True], ids=["nokaslr", "kaslr"])
+def test_kernel_stacks_and_processes_agree_with_gdb(tmp_path: Path, kaslr: bool) -> None:
     check_prerequisites()
-    tally, disagreements = asyncio.run(compare(tmp_path))
+    tally, disagreements = asyncio.run(compare(tmp_path, kaslr))
     stacks = tally.stacks_equal / max(tally.stacks, 1)
     processes = tally.processes_equal / max(tally.processes, 1)
     print(
