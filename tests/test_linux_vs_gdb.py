@@ -182,12 +182,16 @@ class LinuxOracle(GdbMi):
 
 
 def check_prerequisites() -> None:
-    """Fail, never skip, when the oracle cannot run: the issue wants it in CI."""
+    """Fetch what is missing the way scripts/setup does (nothing when it is there), and fail,
+    never skip, when the oracle still cannot run: the issue wants it in CI."""
     if shutil.which("gdb") is None:
         pytest.fail("no gdb on PATH (scripts/setup installs it)")
-    for path, how in ((VMLINUZ, "scripts/fetch-linux"), (VMLINUX_DBG, "scripts/fetch-linux-dbg")):
-        if not path.is_file():
-            pytest.fail(f"{path} is missing: run {how} (scripts/setup does)")
+    for script, path in (("fetch-linux", VMLINUZ), ("fetch-linux-dbg", VMLINUX_DBG)):
+        done = subprocess.run(
+            [ROOT / "scripts" / script], stdin=subprocess.DEVNULL, capture_output=True, text=True
+        )
+        if done.returncode != 0 or not path.is_file():
+            pytest.fail(f"{path} is missing and scripts/{script} failed:\n{done.stderr}")
 
 
 def module_text(guest: LinuxGuest) -> int:
