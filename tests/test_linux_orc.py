@@ -7,6 +7,7 @@ import struct
 
 import pytest
 
+from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.orc import (
     OrcLayout,
     OrcReg,
@@ -255,6 +256,22 @@ def test_outcomes_that_end_or_pass() -> None:
     )
     with pytest.raises(PageMissing):
         OrcStep(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, PageCache())
+
+
+def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
+    """A retpoline thunk (ORC: UNDEFINED) entered by a call: on its first byte the return
+    address is at RSP, as gdb finds it; inside it, or as a caller's frame, still no CFI."""
+    sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
+    thunk = SymbolTable([Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_array")])
+    orc = OrcStep(one(0), bias=slide, functions=thunk)
+    cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
+    out = orc.step(cur, TEXT + slide + 0x40, True, words)
+    assert out == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, False)
+    assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.NO_CFI
+    assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.NO_CFI
+    assert OrcStep(one(0), bias=slide).step(cur, TEXT + slide + 0x40, True, words) is (
+        StopReason.NO_CFI
+    )
 
 
 def test_bias_moves_the_table() -> None:

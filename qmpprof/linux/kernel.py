@@ -101,7 +101,8 @@ class LinuxKernel:
         )
         line_table = image.lines if lines else None
         if self.orc is not None:
-            return Module(mapping, (OrcStep(self.orc, slide),), self.functions, line_table)
+            step = OrcStep(self.orc, slide, self.functions)
+            return Module(mapping, (step,), self.functions, line_table)
         return Module.build(
             mapping,
             cfi=image.cfi,

@@ -28,6 +28,7 @@ from itertools import islice
 from operator import add, le
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import RBP, RIP, RSP, StopReason
 from qmpprof.pages import PageCache
@@ -225,14 +226,22 @@ class OrcTable:
 
 
 class OrcStep:
-    """The caller of a frame by the ORC entry of its pc (``unwind_orc.c``'s rules)."""
+    """The caller of a frame by the ORC entry of its pc (``unwind_orc.c``'s rules).
+
+    One rule more than the kernel's: code ORC leaves UNDEFINED (the retpoline and return
+    thunks) is walked when the CPU stands on its first byte, a function's entry (``functions``
+    says where functions start, at link addresses): the call just pushed the return address
+    and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel ones)."""
 
     via = Via.ORC
-    __slots__ = ("bias", "table")
+    __slots__ = ("bias", "functions", "table")
 
-    def __init__(self, table: OrcTable, bias: int = 0) -> None:
+    def __init__(
+        self, table: OrcTable, bias: int = 0, functions: SymbolTable | None = None
+    ) -> None:
         self.table = table
         self.bias = bias  # runtime address - link address (the KASLR slide)
+        self.functions = functions
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         try:
@@ -245,6 +254,8 @@ class OrcStep:
         if kind is OrcType.END_OF_STACK:
             return StopReason.END
         if kind is OrcType.UNDEFINED:
+            if interrupted and self._at_entry((pc - self.bias) & MASK64):
+                return _return_address_at_sp(cur, memory)
             return StopReason.NO_CFI  # the kernel gives up here too: its code is known, unwalkable
         sp = _caller_sp(entry, cur, memory)
         if isinstance(sp, StopReason):
@@ -268,6 +279,18 @@ class OrcStep:
         if bp is not None:
             new[RBP] = bp
         return new, signal
+
+    def _at_entry(self, link_pc: int) -> bool:
+        found = None if self.functions is None else self.functions.lookup(link_pc)
+        return found is not None and found[1] == 0
+
+
+def _return_address_at_sp(cur: Regs, memory: PageCache) -> Outcome:
+    sp = cur[RSP]
+    ra = memory.read_u64(sp)
+    if ra is None:
+        return StopReason.READ_FAILED
+    return {RIP: ra, RSP: (sp + 8) & MASK64, RBP: cur.get(RBP, 0)}, False
 
 
 def _caller_sp(entry: OrcEntry, cur: Regs, memory: PageCache) -> int | StopReason:

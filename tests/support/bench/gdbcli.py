@@ -18,7 +18,10 @@ _TIMEOUT = 20.0
 
 
 class GdbMi:
-    """A gdb process under ``--interpreter=mi2`` with the guest's ELF loaded for symbols."""
+    """A gdb process under ``--interpreter=mi2`` with the guest's ELF loaded for symbols.
+    ``timeout``: how long one answer may take (a subclass with a huge ELF may raise it)."""
+
+    timeout = _TIMEOUT
 
     def __init__(self, elf: str | None) -> None:
         cmd = ["gdb", "-nx", "-q", "--interpreter=mi2"] + ([elf] if elf else [])
@@ -47,7 +50,7 @@ class GdbMi:
         return line.decode(errors="replace").rstrip("\r")
 
     def _until(self, done: Callable[[str], bool]) -> list[str]:
-        deadline = time.monotonic() + _TIMEOUT
+        deadline = time.monotonic() + self.timeout
         lines = []
         while True:
             line = self._line(deadline)
