@@ -357,3 +357,24 @@ def test_plt_stub_cfa_expression(pc: int, ra_slot: int) -> None:
     words = {ra_slot: 0x1450}
     raw = Unwinder().unwind(regs(pc, STACK), memory(words), AddressSpace([rules_module()]))
     assert raw.pcs == (pc, 0x1450) and raw.stop is StopReason.END
+
+
+def test_a_trap_frame_is_told_from_a_plain_return_address() -> None:
+    """Crossing from kernel to user code without CFI: what follows the user RIP on the kernel
+    stack must be a user CS and RFLAGS for it to be a trap frame (then RSP is its next slot)."""
+    import struct
+
+    from qmpprof.pages import PageCache
+    from qmpprof.unwind.chain import _trap_frame_sp
+
+    page = 0xFFFF_FFFF_8020_0000
+    cache = PageCache()
+    frame = struct.pack("<5Q", 0x40_1068, 0x23, 0x202, 0x7F_F000, 0x1B)  # rip cs flags rsp ss
+    cache.pages[page] = frame + bytes(4096 - len(frame))
+    assert _trap_frame_sp(page + 8, cache) == 0x7F_F000
+    kernel_cs = struct.pack("<5Q", 0x40_1068, 0x08, 0x202, 0x7F_F000, 0x10)
+    cache.pages[page] = kernel_cs + bytes(4096 - len(kernel_cs))
+    assert _trap_frame_sp(page + 8, cache) is None  # CPL 0: not an entry from user mode
+    junk = struct.pack("<5Q", 0x40_1068, 0x40_2000, 7, 0, 0)
+    cache.pages[page] = junk + bytes(4096 - len(junk))
+    assert _trap_frame_sp(page + 8, cache) is None  # user stack data, not a CS

@@ -12,11 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stack, StopReason
+from qmpprof.model import (
+    KERNEL_BOUNDARY,
+    RBP,
+    RIP,
+    RSP,
+    Frame,
+    Registers,
+    Stack,
+    StopReason,
+)
 from qmpprof.pages import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
-from qmpprof.unwind.steps import FRAME_POINTER_ONLY, Found, Regs, Via
+from qmpprof.unwind.steps import FRAME_POINTER_ONLY, MASK64, Found, Regs, Via
 
 __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
@@ -30,6 +39,19 @@ class RawStack:
     stop: StopReason
     exact: tuple[bool, ...] = ()
     via: tuple[Via, ...] = ()
+
+
+def _trap_frame_sp(after_rip: int, memory: PageCache) -> int | None:
+    """The interrupted RSP of an x86-64 trap frame whose RIP slot ends at ``after_rip`` (an
+    interrupt or exception taken in user mode pushes SS, RSP, RFLAGS, CS, RIP), or None when
+    what follows the RIP is not a user-mode CS and RFLAGS (bit 1 always set)."""
+    cs = memory.read_u64(after_rip)
+    flags = memory.read_u64((after_rip + 8) & MASK64)
+    if cs is None or flags is None or cs & 3 != 3 or cs > 0xFFFF or not flags & 2:
+        return None
+    if flags >> 32:
+        return None
+    return memory.read_u64((after_rip + 16) & MASK64)
 
 
 def _canonical(pc: int) -> bool:
@@ -82,6 +104,14 @@ class Unwinder:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
             crossed = pc >= self.kernel_boundary > new[RIP]
+            if crossed and via is Via.PROLOGUE and not signal:
+                user_sp = _trap_frame_sp(new[RSP], memory)
+                if user_sp is None:
+                    # Kernel code "returning" to user code by a plain return address is no
+                    # frame at all: a syscall entry before it saved anything (the user's pc
+                    # is in RCX). Stop rather than make up a caller.
+                    return RawStack(tuple(pcs), StopReason.NO_CFI, tuple(exacts), tuple(vias))
+                new[RSP] = user_sp
             exact = signal or crossed
             sp_guessed = crossed and via is Via.FRAME_POINTER
             if sp_guessed and new.get(RBP):
