@@ -13,6 +13,7 @@ import struct
 
 PAGE = 4096
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 
 
 class PageMissing(Exception):
@@ -72,3 +73,8 @@ class PageCache:
     def read_u64(self, addr: int) -> int | None:
         data = self.read(addr, 8)
         return None if data is None else _U64.unpack(data)[0]
+
+    def read_u32(self, addr: int) -> int | None:
+        """A 4-byte word (an i386 stack slot)."""
+        data = self.read(addr, 4)
+        return None if data is None else _U32.unpack(data)[0]

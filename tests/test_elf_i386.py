@@ -15,7 +15,6 @@ from qmpprof.dwarf.arch import I386
 from qmpprof.dwarf.cfi import Kind, RegRule, Rule
 from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import ElfError
 from qmpprof.unwind.space import Module
 
 BUILD = BUILD_ROOT / "i386"
@@ -141,6 +140,30 @@ def test_entry_stub_rows_describe_the_trap_frame(
         assert _row(kernel, begin).reg(ESP) == rule, stub
 
 
-def test_modules_are_not_built_for_i386_yet(kernel: ElfImage) -> None:
-    with pytest.raises(ElfError, match="i386 code is not unwound yet"):
-        Module.from_image(kernel, kernel=True)
+def test_modules_get_i386_steps(kernel: ElfImage) -> None:
+    module = Module.from_image(kernel, kernel=True)
+    assert [type(step).__name__ for step in module.steps] == [
+        "CfiStep", "PrologueStep", "FramePointerStep",
+    ]  # fmt: skip
+    assert all(getattr(step, "arch", None) is I386 for step in module.steps)
+
+
+def test_deref_size_4_reads_only_its_bytes_at_a_page_end() -> None:
+    # [CFA] with the CFA 4 bytes below a page end: an 8-byte read would need the next page.
+    cfa = 0x7F_FFFC
+    asked: list[tuple[int, int]] = []
+
+    def read_bytes(addr: int, size: int) -> bytes:
+        asked.append((addr, size))
+        return (0x1234).to_bytes(size, "little")
+
+    def read_u64(addr: int) -> int:
+        raise AssertionError("the 8-byte read must not be used")
+
+    expr = bytes((0x94, 4))  # DW_OP_deref_size 4
+    value = evaluate(expr, {}, read_u64, push=cfa, address_size=4, read_bytes=read_bytes)
+    assert (value, asked) == (0x1234, [(cfa, 4)])
+    assert (
+        evaluate(b"\x06", {}, read_u64, push=cfa, address_size=4, read_bytes=read_bytes) == 0x1234
+    )
+    assert asked[-1] == (cfa, 4)  # DW_OP_deref: the address size

@@ -110,3 +110,23 @@ def test_x_bytes_for_ragged_sizes() -> None:
 def test_x_garbage_line() -> None:
     with pytest.raises(TransportError, match="unexpected line"):
         hmp.parse_x("unknown command: 'x/2gx'\r\n", 0, 16)
+
+
+def test_32_bit_layout_of_qemu_system_x86_64() -> None:
+    # docs/i386.md: the i386 guest in user mode under qemu-system-x86_64 (wide debug registers).
+    text = (
+        "CPU#0\r\n"
+        "EAX=d0a16bf4 EBX=000017ac ECX=42493a41 EDX=00000000\r\n"
+        "ESI=00000000 EDI=00000000 EBP=007fffd8 ESP=007fffc0\r\n"
+        "EIP=0040108c EFL=00000282 [--S----] CPL=3 II=0 A20=1 SMM=0 HLT=0\r\n"
+        "ES =001b 00000000 ffffffff 00cff300 DPL=3 DS   [-WA]\r\n"
+        "CS =0023 00000000 ffffffff 00cffa00 DPL=3 CS32 [-R-]\r\n"
+        "CR0=80010011 CR2=00000000 CR3=00121000 CR4=00000010\r\n"
+        "DR0=0000000000000000 DR1=0000000000000000 DR2=0000000000000000 DR3=0000000000000000\r\n"
+        "DR6=00000000ffff0ff0 DR7=0000000000000400\r\n"
+        "EFER=0000000000000000\r\n"
+    )
+    regs = hmp.parse_registers(text)
+    assert (regs.rip, regs.rsp, regs.rbp) == (0x40108C, 0x7FFFC0, 0x7FFFD8)
+    assert (regs.cpl, regs.cr3, regs.long_mode) == (3, 0x121000, False)
+    assert (regs.gprs[0], regs.gprs[3], regs.gprs[2]) == (0xD0A16BF4, 0x17AC, 0x42493A41)

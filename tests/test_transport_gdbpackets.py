@@ -165,3 +165,21 @@ def test_malformed_register_packets_are_transport_errors(payload: bytes) -> None
 def test_register_names_cover_the_parsed_prefix() -> None:
     assert len(REGISTER_NAMES) == 33
     assert REGISTER_NAMES[16:18] == ("rip", "eflags")
+
+
+def test_i386_layout_by_hand() -> None:
+    # qemu-system-i386: eax ecx edx ebx esp ebp esi edi eip, then eflags and segments, the three
+    # bases and cr0 cr2 cr3 cr4 cr8 efer, all 4 bytes; x87/SSE pad the reply to 344 bytes.
+    gprs = [0x1000 + i for i in range(8)]  # eax ecx edx ebx esp ebp esi edi
+    eip = 0x0040_108C
+    segments = [0x282, 0x23, 0x2B, 0x1B, 0x1B, 0x1B, 0x1B]
+    tail = [0, 0, 0, 0x8001_0011, 0, 0x0012_1000, 0x10, 0, 0]
+    raw = struct.pack("<25I", *gprs, eip, *segments, *tail)
+    raw += bytes(344 - len(raw))
+    model = parse_registers(0, raw.hex().encode())
+    assert (model.rip, model.rsp, model.rbp) == (eip, 0x1004, 0x1005)
+    assert (model.cpl, model.cr3, model.long_mode) == (3, 0x0012_1000, False)
+    # The model's DWARF numbers are x86_64's: rax rdx rcx rbx rsi rdi rbp rsp.
+    dwarf = [model.gprs[n] for n in range(8)]
+    assert dwarf == [0x1000, 0x1002, 0x1001, 0x1003, 0x1006, 0x1007, 0x1005, 0x1004]
+    assert model.gprs[16] == eip

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from qmpprof.dwarf.encoding import MASK64, CfiDecodeError, Reader
 
 ReadU64 = Callable[[int], "int | None"]
+ReadBytes = Callable[[int, int], "bytes | None"]
 
 # Cap on executed operations: DW_OP_bra/skip can loop forever in hostile input.
 _MAX_STEPS = 1000
@@ -72,6 +73,7 @@ def evaluate(
     read_u64: ReadU64,
     push: int | None = None,
     address_size: int = 8,
+    read_bytes: ReadBytes | None = None,
 ) -> int | None:
     """Run ``expr``; ``push`` (the CFA for DW_CFA_expression rules) starts on the stack.
 
@@ -79,16 +81,25 @@ def evaluate(
     operation, names a register we do not know, or dereferences unreadable memory.
     ``memory.PageMissing`` from ``read_u64`` propagates so that the sampler can fetch the page.
     ``address_size`` 4 (i386): DW_OP_addr and DW_OP_deref take 4 bytes, the result 32 bits.
+    With ``read_bytes`` (address, size), a dereference reads exactly its size, so a 4-byte
+    word at the end of a page never asks for the next one; without it, it reads 8 and masks.
     """
     stack: list[int] = [] if push is None else [push]
     try:
-        value = _run(Reader(expr, address_size=address_size), stack, regs, read_u64)
+        reader = Reader(expr, address_size=address_size)
+        value = _run(reader, stack, regs, read_u64, read_bytes)
     except (CfiDecodeError, IndexError, KeyError):
         return None
     return None if value is None else value & ((1 << (8 * address_size)) - 1)
 
 
-def _run(r: Reader, stack: list[int], regs: Mapping[int, int], read_u64: ReadU64) -> int | None:
+def _run(
+    r: Reader,
+    stack: list[int],
+    regs: Mapping[int, int],
+    read_u64: ReadU64,
+    read_bytes: ReadBytes | None,
+) -> int | None:
     steps = 0
     while r.pos < len(r.data):
         steps += 1
@@ -115,13 +126,23 @@ def _run(r: Reader, stack: list[int], regs: Mapping[int, int], read_u64: ReadU64
             stack.append(value & MASK64)
         elif op in (0x06, 0x94):  # deref, deref_size
             size = r.address_size if op == 0x06 else r.u8()
-            loaded = read_u64(stack.pop())
-            if loaded is None or not 1 <= size <= 8:
+            if not 1 <= size <= 8:
                 return None
-            stack.append(loaded & ((1 << (8 * size)) - 1))
+            loaded = _deref(stack.pop(), size, read_u64, read_bytes)
+            if loaded is None:
+                return None
+            stack.append(loaded)
         elif not _stack_op(op, r, stack):
             return None
     return stack[-1] & MASK64 if stack else None
+
+
+def _deref(addr: int, size: int, read_u64: ReadU64, read_bytes: ReadBytes | None) -> int | None:
+    if read_bytes is not None:
+        data = read_bytes(addr, size)
+        return None if data is None else int.from_bytes(data, "little")
+    loaded = read_u64(addr)
+    return None if loaded is None else loaded & ((1 << (8 * size)) - 1)
 
 
 def _stack_op(op: int, r: Reader, stack: list[int]) -> bool:

@@ -6,26 +6,22 @@ the answer against the sanity rules below. It reads memory only through ``PageCa
 ``PageMissing`` propagate, so the sampler can fetch the page while the guest is stopped and
 simply call ``unwind`` again: the walk is pure. Every way a walk can end is a ``StopReason``;
 nothing here raises for bad stacks. Synchronous on purpose: no asyncio, no transport.
+
+An Unwinder walks one instruction set, the kernel's (``arch``): an i386 walker takes the 32-bit
+registers of a guest outside long mode, renumbers them to i386 DWARF numbers and reads 4-byte
+stack words; an x86_64 walker gives such a guest's stack its one exact frame.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qmpprof.model import (
-    KERNEL_BOUNDARY,
-    RBP,
-    RIP,
-    RSP,
-    Frame,
-    Registers,
-    Stack,
-    StopReason,
-)
+from qmpprof.dwarf.arch import I386, X86_64, Arch
+from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stack, StopReason
 from qmpprof.pages import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
-from qmpprof.unwind.steps import FRAME_POINTER_ONLY, MASK64, Found, Regs, Via
+from qmpprof.unwind.steps import MASK64, Found, Regs, Via, frame_pointer_only
 
 __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
@@ -58,23 +54,47 @@ def _canonical(pc: int) -> bool:
     return pc < 0x0000_8000_0000_0000 or pc >= 0xFFFF_8000_0000_0000
 
 
+# The model's registers use x86_64 DWARF numbers, a 32-bit guest's zero-extended: each i386
+# register's x86_64 number (eax rdx... -> eax ecx edx ebx esp ebp esi edi eip).
+_I386_FROM_X86_64 = {0: 0, 2: 1, 1: 2, 3: 3, 7: 4, 6: 5, 4: 6, 5: 7, 16: 8}
+
+
+def _registers32(regs: Registers) -> Regs:
+    cur = {i386: regs.gprs[x64] & 0xFFFF_FFFF for x64, i386 in _I386_FROM_X86_64.items()
+           if x64 in regs.gprs}  # fmt: skip
+    cur[I386.pc], cur[I386.sp], cur[I386.fp] = regs.rip, regs.rsp, regs.rbp
+    return cur
+
+
 class Unwinder:
     """Walks stacks (``unwind``) and turns their addresses into frames (``resolve``)."""
 
     def __init__(
-        self, *, kernel_boundary: int = KERNEL_BOUNDARY, max_depth: int = 128, lines: bool = False
+        self,
+        *,
+        kernel_boundary: int = KERNEL_BOUNDARY,
+        max_depth: int = 128,
+        lines: bool = False,
+        arch: Arch = X86_64,
     ) -> None:
         self.kernel_boundary = kernel_boundary
         self.max_depth = max_depth
         self.lines = lines  # resolve's default: add file:line and inlined frames
+        self.arch = arch
 
     def unwind(self, regs: Registers, memory: PageCache, space: AddressSpace) -> RawStack:
         """Walk the stack ``regs`` describe. Raises ``PageMissing`` for a page the cache has
         not fetched: fetch it and call again (the walk has no side effects)."""
-        if not regs.long_mode:  # 32-bit or real-mode code: 8-byte stack slots would be wrong
+        arch = self.arch
+        if regs.long_mode == (arch is not X86_64):  # 8-byte slots on a 32-bit stack, or back
             return RawStack((regs.rip,), StopReason.NO_CFI, (True,), (Via.REGS,))
-        cur = dict(regs.gprs)
-        cur[RIP], cur[RSP], cur[RBP] = regs.rip, regs.rsp, regs.rbp
+        if arch is X86_64:
+            cur = dict(regs.gprs)
+            cur[RIP], cur[RSP], cur[RBP] = regs.rip, regs.rsp, regs.rbp
+        else:
+            cur = _registers32(regs)
+        pc_reg, sp_reg, fp_reg = arch.pc, arch.sp, arch.fp
+        no_module = frame_pointer_only(arch)
         pc, exact, via = regs.rip, True, Via.REGS
         pcs: list[int] = []
         exacts: list[bool] = []
@@ -89,7 +109,7 @@ class Unwinder:
             lookup = pc if exact else pc - 1
             module = find(lookup)
             outcome: Found | StopReason | None = None
-            for step in FRAME_POINTER_ONLY if module is None else module.steps:
+            for step in no_module if module is None else module.steps:
                 outcome = step.step(cur, lookup, exact and not sp_guessed, memory)
                 if outcome is not None:
                     via = step.via
@@ -103,8 +123,8 @@ class Unwinder:
             if stop is not None:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
-            crossed = pc >= self.kernel_boundary > new[RIP]
-            if crossed and via is Via.PROLOGUE and not signal:
+            crossed = pc >= self.kernel_boundary > new[pc_reg]
+            if crossed and via is Via.PROLOGUE and not signal and arch is X86_64:
                 user_sp = _trap_frame_sp(new[RSP], memory)
                 if user_sp is None:
                     # Kernel code "returning" to user code by a plain return address is no
@@ -114,25 +134,27 @@ class Unwinder:
                 new[RSP] = user_sp
             exact = signal or crossed
             sp_guessed = crossed and via is Via.FRAME_POINTER
-            if sp_guessed and new.get(RBP):
+            if sp_guessed and new.get(fp_reg):
                 # A kernel's fake frame [rbp, interrupted rip] gives no user RSP; the user RBP
                 # bounds it from above, which is all the next frame-pointer step needs.
-                new[RSP] = new[RBP]
-            cur, pc = new, new[RIP]
+                new[sp_reg] = new[fp_reg]
+            cur, pc = new, new[pc_reg]
         return RawStack(tuple(pcs), StopReason.DEPTH, tuple(exacts), tuple(vias))
 
     def _check(
         self, cur: Regs, new: Regs, pc: int, signal: bool, seen: set[tuple[int, int]]
     ) -> StopReason | None:
         """Sanity rules between a frame and its caller."""
-        new_pc, new_sp = new.get(RIP), new[RSP]
+        arch = self.arch
+        new_pc, new_sp = new.get(arch.pc), new[arch.sp]
         if not new_pc:
             return StopReason.END
         boundary = self.kernel_boundary
-        if not _canonical(new_pc) or new_pc < 0x1000 or (pc < boundary <= new_pc):
+        valid = _canonical(new_pc) if arch is X86_64 else new_pc <= arch.mask
+        if not valid or new_pc < 0x1000 or (pc < boundary <= new_pc):
             return StopReason.BAD_RETURN  # user code never returns into the kernel
         crossing = signal or (pc >= boundary > new_pc)
-        if new_sp <= cur[RSP] and not crossing:
+        if new_sp <= cur[arch.sp] and not crossing:
             return StopReason.LOOP
         key = (new_pc, new_sp)
         if key in seen:

@@ -5,7 +5,8 @@ instruction (before ``push rbp``), between ``push rbp`` and ``mov rbp, rsp``, at
 the frame was torn down, and in leaf functions that never set one up. This module disassembles
 the function from its start up to the pc (capstone is confined here) and tracks how far the
 stack pointer is below the CFA. The answer is only needed for the interrupted frame: a caller
-is always at a call site, where its frame is fully set up.
+is always at a call site, where its frame is fully set up. One analyzer reads one instruction
+set: x86_64 (8-byte pushes, rsp/rbp) or i386 (4-byte pushes, esp/ebp).
 """
 
 from __future__ import annotations
@@ -21,12 +22,31 @@ from qmpprof.memo import Memo
 # must not spend milliseconds disassembling.
 _MAX_SCAN = 4096
 _CACHE_LIMIT = 1 << 14
-_LEA_RSP = re.compile(r"rsp, \[rbp - (0x[0-9a-f]+|\d+)\]")
+
+
+@dataclass(frozen=True, slots=True)
+class _Isa:
+    """What the scan needs of an instruction set: capstone's mode, the stack word, the names."""
+
+    mode: int
+    word: int
+    sp: str
+    fp: str
+
+    @property
+    def lea_sp(self) -> re.Pattern[str]:
+        return re.compile(rf"{self.sp}, \[{self.fp} - (0x[0-9a-f]+|\d+)\]")
+
+
+_ISAS = {
+    8: _Isa(capstone.CS_MODE_64, 8, "rsp", "rbp"),
+    4: _Isa(capstone.CS_MODE_32, 4, "esp", "ebp"),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class PrologueRule:
-    """At this pc the CFA is ``rsp + cfa_offset`` (return address at CFA-8); the caller's RBP
+    """At this pc the CFA is ``rsp + cfa_offset`` (return address one word below); the caller's RBP
     is saved at ``CFA + rbp_offset`` when ``rbp_offset`` is set, else RBP is unchanged."""
 
     cfa_offset: int
@@ -42,18 +62,21 @@ class _Scan:
     def copy(self) -> _Scan:
         return _Scan(self.depth, self.rbp_saved_at, self.frame_depth)
 
-    def rule(self) -> PrologueRule | None:
+    def rule(self, word: int) -> PrologueRule | None:
         if self.frame_depth is not None:
             return None  # RBP is a valid frame pointer here: the frame-pointer walk is exact
-        rbp = None if self.rbp_saved_at is None else -8 - self.rbp_saved_at
-        return PrologueRule(8 + self.depth, rbp)
+        rbp = None if self.rbp_saved_at is None else -word - self.rbp_saved_at
+        return PrologueRule(word + self.depth, rbp)
 
 
 class PrologueAnalyzer:
-    """Caches one answer per (code, pc); one analyzer serves every address space."""
+    """Caches one answer per (code, pc); one analyzer serves every address space of its
+    instruction set (``word``: 8 for x86_64, 4 for i386)."""
 
-    def __init__(self) -> None:
-        self._cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    def __init__(self, word: int = 8) -> None:
+        self._isa = _ISAS[word]
+        self._lea_sp = self._isa.lea_sp
+        self._cs = capstone.Cs(capstone.CS_ARCH_X86, self._isa.mode)
         self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
             _CACHE_LIMIT
         )
@@ -86,7 +109,7 @@ class PrologueAnalyzer:
         if here is None:
             return None
         if here[0] == "ret":
-            return PrologueRule(8)  # epilogue done: only the return address is left
+            return PrologueRule(self._isa.word)  # epilogue done: only the return address is left
         if func_start is None or not 0 <= pc - func_start <= _MAX_SCAN:
             return self._without_symbol(code, code_addr, pc, here)
         start = func_start - code_addr
@@ -97,11 +120,12 @@ class PrologueAnalyzer:
     def _without_symbol(
         self, code: bytes, code_addr: int, pc: int, here: tuple[str, str]
     ) -> PrologueRule | None:
-        if here == ("push", "rbp"):
-            return PrologueRule(8)  # most likely a function's first instruction
+        isa = self._isa
+        if here == ("push", isa.fp):
+            return PrologueRule(isa.word)  # most likely a function's first instruction
         before = pc - code_addr - 1
-        if here == ("mov", "rbp, rsp") and before >= 0 and code[before] == 0x55:
-            return PrologueRule(16, -16)  # right after `push rbp`
+        if here == ("mov", f"{isa.fp}, {isa.sp}") and before >= 0 and code[before] == 0x55:
+            return PrologueRule(2 * isa.word, -2 * isa.word)  # right after `push rbp`
         return None
 
     def _scan(self, body: bytes, func_start: int) -> PrologueRule | None:
@@ -114,42 +138,46 @@ class PrologueAnalyzer:
                 state = body_state.copy()
                 continue
             epilogue = mnemonic in ("pop", "leave") or (
-                mnemonic == "add" and op_str.startswith("rsp,")
+                mnemonic == "add" and op_str.startswith(f"{self._isa.sp},")
             )
             if not epilogue:
                 body_state = state.copy()
-            if not _track(state, mnemonic, op_str):
+            if not self._track(state, mnemonic, op_str):
                 return None
-        return state.rule()
+        return state.rule(self._isa.word)
 
-
-def _track(state: _Scan, mnemonic: str, op_str: str) -> bool:
-    """Apply one instruction's effect on the stack; False if it moves RSP unpredictably."""
-    if mnemonic == "push":
-        state.depth += 8
-        if op_str == "rbp" and state.rbp_saved_at is None:
-            state.rbp_saved_at = state.depth
-    elif mnemonic == "pop":
-        if op_str == "rbp" and state.rbp_saved_at == state.depth:
-            state.rbp_saved_at = None
+    def _track(self, state: _Scan, mnemonic: str, op_str: str) -> bool:
+        """Apply one instruction's effect on the stack; False if it moves RSP unpredictably."""
+        word, sp, fp = self._isa.word, self._isa.sp, self._isa.fp
+        if mnemonic == "push":
+            state.depth += word
+            if op_str == fp and state.rbp_saved_at is None:
+                state.rbp_saved_at = state.depth
+        elif mnemonic == "pop":
+            if op_str == fp and state.rbp_saved_at == state.depth:
+                state.rbp_saved_at = None
+                state.frame_depth = None
+            state.depth -= word
+        elif mnemonic == "leave":
+            if state.frame_depth is None:
+                return False
+            state.depth = state.frame_depth - word
             state.frame_depth = None
-        state.depth -= 8
-    elif mnemonic == "leave":
-        if state.frame_depth is None:
-            return False
-        state.depth = state.frame_depth - 8
-        state.frame_depth = None
-        state.rbp_saved_at = None
-    elif mnemonic == "mov" and op_str == "rbp, rsp":
-        state.frame_depth = state.depth
-    elif mnemonic in ("sub", "add") and op_str.startswith("rsp, "):
-        try:
-            amount = int(op_str[5:], 0)
-        except ValueError:
-            return False
-        state.depth += amount if mnemonic == "sub" else -amount
-    elif mnemonic == "lea" and state.frame_depth is not None and (m := _LEA_RSP.fullmatch(op_str)):
-        state.depth = state.frame_depth + int(m[1], 0)  # epilogue of a frame with saved regs
-    elif op_str.startswith("rsp,") and mnemonic not in ("cmp", "test"):
-        return state.frame_depth is not None  # e.g. `and rsp, -16`: fine under a frame pointer
-    return state.depth >= 0
+            state.rbp_saved_at = None
+        elif mnemonic == "mov" and op_str == f"{fp}, {sp}":
+            state.frame_depth = state.depth
+        elif mnemonic in ("sub", "add") and op_str.startswith(f"{sp}, "):
+            try:
+                amount = int(op_str[5:], 0)
+            except ValueError:
+                return False
+            state.depth += amount if mnemonic == "sub" else -amount
+        elif (
+            mnemonic == "lea"
+            and state.frame_depth is not None
+            and (m := self._lea_sp.fullmatch(op_str))
+        ):
+            state.depth = state.frame_depth + int(m[1], 0)  # epilogue of a frame with saved regs
+        elif op_str.startswith(f"{sp},") and mnemonic not in ("cmp", "test"):
+            return state.frame_depth is not None  # e.g. `and rsp, -16`: fine under a frame pointer
+        return state.depth >= 0

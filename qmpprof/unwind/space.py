@@ -12,7 +12,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qmpprof.dwarf.arch import X86_64
+from qmpprof.dwarf.arch import I386, X86_64, Arch
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
@@ -24,10 +24,10 @@ from qmpprof.unwind.steps import FRAME_POINTER_ONLY, UnwindStep, steps_for
 
 
 def unwindable(image: ElfImage) -> ElfImage:
-    """``image`` if the unwinding steps know its instruction set (x86_64 only so far: ElfImage
-    reads i386 files too); ElfError otherwise, so a run fails before it touches the guest."""
-    if image.arch is not X86_64:
-        raise ElfError(image.path, f"{image.arch.name} code is not unwound yet (x86_64 only)")
+    """``image`` if the unwinding steps know its instruction set (x86_64, i386); ElfError
+    otherwise, so a run fails before it touches the guest."""
+    if image.arch not in (X86_64, I386):
+        raise ElfError(image.path, f"{image.arch.name} code is not unwound")
     return image
 
 
@@ -70,10 +70,11 @@ class Module:
         code_addr: int = 0,
         symbols: SymbolTable | None = None,
         lines: LineTable | None = None,
+        arch: Arch = X86_64,
     ) -> Module:
         """A module with the unwinding steps its CFI and code allow (``code`` starts at link
-        address ``code_addr``)."""
-        steps = steps_for(mapping.bias, cfi, code, code_addr, symbols)
+        address ``code_addr``), for the instruction set ``arch``."""
+        steps = steps_for(mapping.bias, cfi, code, code_addr, symbols, arch)
         return cls(mapping, steps, symbols, lines)
 
     @classmethod
@@ -83,7 +84,7 @@ class Module:
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
             mapping, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
-            symbols=image.symbols, lines=image.lines,
+            symbols=image.symbols, lines=image.lines, arch=unwindable(image).arch,
         )  # fmt: skip
 
 

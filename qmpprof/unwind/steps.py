@@ -7,6 +7,8 @@ order: a step returns None when it has nothing to say about this pc (the next on
 ``StopReason`` when the walk must end here, or the caller's registers. A new method (ORC for
 Linux kernels) is a class with ``via`` and ``step`` and one line in ``steps_for``.
 Steps read memory only through the sample's ``PageCache`` and let ``PageMissing`` through.
+Each step serves one instruction set (``qmpprof.dwarf.arch``): on i386 the registers are i386
+DWARF numbers (eip 8, esp 4, ebp 5), stack words are 4 bytes and addresses wrap at 32 bits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Protocol
 
+from qmpprof.dwarf.arch import X86_64, Arch
 from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.symbols import SymbolTable
@@ -57,30 +60,41 @@ class CfiStep:
     (precompiled as ``Rule.saved_at``), the rest go through the general rule interpreter."""
 
     via = Via.CFI
-    __slots__ = ("bias", "table")
+    __slots__ = ("arch", "bias", "table")
 
-    def __init__(self, table: CfiTable, bias: int) -> None:
+    def __init__(self, table: CfiTable, bias: int, arch: Arch = X86_64) -> None:
         self.table = table
         self.bias = bias
+        self.arch = arch
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         rule = self.table.row_for(pc - self.bias)
         if rule is None:
             return None
-        return _fast_cfi(rule, cur, memory.read_u64) or _apply(rule, cur, memory)
+        if self.arch is X86_64:
+            return _fast_cfi(rule, cur, memory.read_u64) or _apply(rule, cur, memory)
+        return _apply32(rule, cur, memory, self.arch)
 
 
 class PrologueStep:
     """Prologue/epilogue analysis of the interrupted frame's code (no CFI at its pc)."""
 
     via = Via.PROLOGUE
-    __slots__ = ("bias", "code", "code_addr", "symbols")
+    __slots__ = ("arch", "bias", "code", "code_addr", "symbols")
 
-    def __init__(self, code: bytes, code_addr: int, bias: int, symbols: SymbolTable | None) -> None:
+    def __init__(
+        self,
+        code: bytes,
+        code_addr: int,
+        bias: int,
+        symbols: SymbolTable | None,
+        arch: Arch = X86_64,
+    ) -> None:
         self.code = code
         self.code_addr = code_addr  # link address of code[0]
         self.bias = bias
         self.symbols = symbols
+        self.arch = arch
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         if not interrupted:
@@ -90,30 +104,38 @@ class PrologueStep:
         if self.symbols is not None:
             hit = self.symbols.lookup(link_pc)
             func_start = None if hit is None else link_pc - hit[1]
-        rule = _analyzer().analyze(self.code, self.code_addr, link_pc, func_start)
+        arch = self.arch
+        rule = _analyzer(arch.address_size).analyze(self.code, self.code_addr, link_pc, func_start)
         if rule is None:
             return None
-        cfa = (cur[RSP] + rule.cfa_offset) & MASK64
-        ra = memory.read_u64((cfa - 8) & MASK64)
+        mask, read = arch.mask, _word_reader(memory, arch)
+        cfa = (cur[arch.sp] + rule.cfa_offset) & mask
+        ra = read((cfa - arch.address_size) & mask)
         if ra is None:
             return StopReason.READ_FAILED
         new = dict(cur)
-        new[RIP], new[RSP] = ra, cfa
+        new[arch.pc], new[arch.sp] = ra, cfa
         if rule.rbp_offset is not None:
-            rbp = memory.read_u64((cfa + rule.rbp_offset) & MASK64)
+            rbp = read((cfa + rule.rbp_offset) & mask)
             if rbp is None:
                 return StopReason.READ_FAILED
-            new[RBP] = rbp
+            new[arch.fp] = rbp
         return new, False
 
 
 class FramePointerStep:
-    """[RBP] is the caller's RBP, [RBP+8] the return address (the psABI's frame chain)."""
+    """[RBP] is the caller's RBP, [RBP+8] the return address (the psABI's frame chain); on i386
+    [EBP] and [EBP+4]."""
 
     via = Via.FRAME_POINTER
-    __slots__ = ()
+    __slots__ = ("arch",)
+
+    def __init__(self, arch: Arch = X86_64) -> None:
+        self.arch = arch
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
+        if self.arch is not X86_64:
+            return self._step32(cur, memory)
         rbp = cur.get(RBP, 0)
         if rbp == 0:
             return StopReason.END  # the outermost frame clears RBP (psABI 3.4.1)
@@ -127,9 +149,34 @@ class FramePointerStep:
         new[RIP], new[RBP], new[RSP] = ra, saved_rbp, (rbp + 16) & MASK64
         return new, False
 
+    def _step32(self, cur: Regs, memory: PageCache) -> Outcome:
+        arch = self.arch
+        word = arch.address_size
+        fp = cur.get(arch.fp, 0)
+        if fp == 0:
+            return StopReason.END
+        if fp < cur[arch.sp] or fp & (word - 1):
+            return StopReason.NO_CFI
+        saved_fp = memory.read_u32(fp)
+        ra = memory.read_u32((fp + word) & arch.mask)
+        if saved_fp is None or ra is None:
+            return StopReason.READ_FAILED
+        new = dict(cur)
+        new[arch.pc], new[arch.fp], new[arch.sp] = ra, saved_fp, (fp + 2 * word) & arch.mask
+        return new, False
+
 
 FRAME_POINTER = FramePointerStep()
 FRAME_POINTER_ONLY: tuple[UnwindStep, ...] = (FRAME_POINTER,)
+FRAME_POINTER_ONLY_BY_ARCH: dict[str, tuple[UnwindStep, ...]] = {X86_64.name: FRAME_POINTER_ONLY}
+
+
+def frame_pointer_only(arch: Arch) -> tuple[UnwindStep, ...]:
+    """The steps of code known only by its range (no module): frame pointers."""
+    steps = FRAME_POINTER_ONLY_BY_ARCH.get(arch.name)
+    if steps is None:
+        steps = FRAME_POINTER_ONLY_BY_ARCH[arch.name] = (FramePointerStep(arch),)
+    return steps
 
 
 def steps_for(
@@ -138,22 +185,27 @@ def steps_for(
     code: bytes | None = None,
     code_addr: int = 0,
     symbols: SymbolTable | None = None,
+    arch: Arch = X86_64,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first."""
     steps: list[UnwindStep] = []
     if cfi is not None:
-        steps.append(CfiStep(cfi, bias))
+        steps.append(CfiStep(cfi, bias, arch))
     if code:
-        _analyzer()  # made now: not inside the first pause that needs it
-        steps.append(PrologueStep(code, code_addr, bias, symbols))
-    steps.append(FRAME_POINTER)
+        _analyzer(arch.address_size)  # made now: not inside the first pause that needs it
+        steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
+    steps.extend(frame_pointer_only(arch))
     return tuple(steps)
 
 
 @cache
-def _analyzer() -> PrologueAnalyzer:
-    # One analyzer (one capstone handle, one cache) serves every module.
-    return PrologueAnalyzer()
+def _analyzer(word: int = 8) -> PrologueAnalyzer:
+    # One analyzer (one capstone handle, one cache) per instruction set serves every module.
+    return PrologueAnalyzer(word)
+
+
+def _word_reader(memory: PageCache, arch: Arch) -> Callable[[int], int | None]:
+    return memory.read_u64 if arch.address_size == 8 else memory.read_u32
 
 
 def _fast_cfi(rule: Rule, cur: Regs, read: Callable[[int], int | None]) -> Outcome:
@@ -223,4 +275,58 @@ def _apply(rule: Rule, cur: Regs, memory: PageCache) -> Found | StopReason:
             new[RIP] = ra
     elif rule.reg(RIP) is None:
         return StopReason.NO_CFI  # a row that does not say where the return address is
+    return new, rule.signal
+
+
+def _apply32(rule: Rule, cur: Regs, memory: PageCache, arch: Arch) -> Found | StopReason:
+    """``_apply`` for a 4-byte-word instruction set: its register numbers, 32-bit wrap-around,
+    expressions that dereference exactly the size they name."""
+    read, mask, size = memory.read_u32, arch.mask, arch.address_size
+
+    def run(expr: bytes | None, push: int | None = None) -> int | None:
+        return evaluate(expr or b"", cur, memory.read_u64, push, size, memory.read)
+
+    if rule.cfa_expr is None:
+        base = cur.get(rule.cfa_reg)
+        if base is None:
+            return StopReason.NO_CFI
+        cfa = (base + rule.cfa_offset) & mask
+    else:
+        value = run(rule.cfa_expr)
+        if value is None:
+            return StopReason.NO_CFI
+        cfa = value
+    new = dict(cur)
+    new[arch.sp] = cfa  # the CFA is the caller's stack pointer, unless a rule says otherwise
+    for reg, rr in rule.regs:
+        kind = rr.kind
+        if kind is Kind.OFFSET:
+            saved = read((cfa + rr.value) & mask)
+        elif kind is Kind.VAL_OFFSET:
+            saved = (cfa + rr.value) & mask
+        elif kind is Kind.REGISTER:
+            saved = cur.get(rr.value)
+        elif kind is Kind.SAME:
+            saved = cur.get(reg)
+        elif kind is Kind.UNDEFINED:
+            new.pop(reg, None)
+            continue
+        else:
+            saved = run(rr.expr, cfa)
+            if saved is not None and kind is Kind.EXPRESSION:
+                saved = read(saved)
+        if saved is None:
+            if kind in (Kind.REGISTER, Kind.SAME):
+                new.pop(reg, None)
+                continue
+            return StopReason.READ_FAILED
+        new[reg] = saved
+    if rule.ra != arch.pc:
+        ra = new.get(rule.ra)
+        if ra is None:
+            new.pop(arch.pc, None)
+        else:
+            new[arch.pc] = ra
+    elif rule.reg(arch.pc) is None:
+        return StopReason.NO_CFI
     return new, rule.signal
