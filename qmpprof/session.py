@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from qmpprof.dwarf.arch import I386, X86_64, Arch
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
 from qmpprof.guest import metadata
@@ -29,6 +30,7 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
+from qmpprof.model import KERNEL_BOUNDARY
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
@@ -47,6 +49,18 @@ MemoryPath = Literal["auto", "memsave", "hmp"]
 GuestOs = Literal["auto", "emerald", "cr3", "linux"]
 GUEST_OSES: tuple[GuestOs, ...] = ("auto", "emerald", "cr3", "linux")
 _L = TypeVar("_L")
+# A 32-bit kernel's default boundary: the 3 GiB / 1 GiB split of i386 higher-half kernels.
+KERNEL_BOUNDARY_32 = 0xC000_0000
+
+
+def kernel_arch(kernel: Path | None) -> Arch:
+    """The instruction set of the run: the kernel ELF's (x86_64 without one)."""
+    return (None if kernel is None else ElfImage.sniff_arch(kernel)) or X86_64
+
+
+def default_kernel_boundary(kernel: Path | None) -> int:
+    """The kernel boundary when none is given: it follows the kernel ELF's class."""
+    return KERNEL_BOUNDARY_32 if kernel_arch(kernel) is I386 else KERNEL_BOUNDARY
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +101,8 @@ def build_identifier(spec: RunSpec) -> GuestIdentifier[AddressSpace]:
     programs = ProgramIndex.from_dir(spec.user_dir) if spec.user_dir else ProgramIndex([])
     for image in programs.images:
         image.prepare()
-    if spec.os == "cr3":
+    # A 32-bit guest has no Emerald page (a 64-bit convention): "auto" means CR3 there.
+    if spec.os == "cr3" or (spec.os == "auto" and kernel_arch(spec.kernel) is I386):
         return Cr3Identifier(modules, programs)
     return EmeraldIdentifier(
         modules,
@@ -139,7 +154,11 @@ def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
 
 
 def unwinder(spec: RunSpec) -> Unwinder:
-    return Unwinder(kernel_boundary=spec.sampling.kernel_boundary, lines=spec.lines)
+    return Unwinder(
+        kernel_boundary=spec.sampling.kernel_boundary,
+        lines=spec.lines,
+        arch=kernel_arch(spec.kernel),
+    )
 
 
 Run = Sampler[AddressSpace, RawStack]

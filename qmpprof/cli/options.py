@@ -17,7 +17,15 @@ from qmpprof.model import KERNEL_BOUNDARY, Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import GUEST_OSES, TRANSPORTS, GuestOs, RunSpec, TransportKind
+from qmpprof.session import (
+    GUEST_OSES,
+    KERNEL_BOUNDARY_32,
+    TRANSPORTS,
+    GuestOs,
+    RunSpec,
+    TransportKind,
+    default_kernel_boundary,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +83,9 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add("--kallsyms", metavar="FILE",
         help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
              "kallsyms tables inside --kernel)")  # fmt: skip
-    add("--kernel-boundary", metavar="ADDR", default=f"{KERNEL_BOUNDARY:#x}",
-        help="lowest kernel address (default %(default)s)")  # fmt: skip
+    add("--kernel-boundary", metavar="ADDR",
+        help=f"lowest kernel address (default {KERNEL_BOUNDARY:#x}, "
+             f"{KERNEL_BOUNDARY_32:#x} for a 32-bit --kernel)")  # fmt: skip
     add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
         help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
     add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
@@ -112,6 +121,13 @@ def guest_fields(ns: argparse.Namespace) -> GuestFields:
         "metadata_addr": parse_address(ns.metadata_addr, "--metadata-addr"),
         "metadata_layout": _layout(ns.metadata_layout),
     }
+
+
+def kernel_boundary_of(ns: argparse.Namespace) -> int:
+    """``--kernel-boundary``, else the default of the kernel ELF's class."""
+    if ns.kernel_boundary is None:
+        return default_kernel_boundary(Path(ns.kernel) if ns.kernel else None)
+    return parse_address(ns.kernel_boundary, "--kernel-boundary")
 
 
 def outputs_of(ns: argparse.Namespace) -> tuple[Path, ...]:
@@ -213,7 +229,7 @@ def parse(argv: list[str]) -> Options:
             duration=ns.duration,
             jitter=ns.jitter,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
-            kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
+            kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),
             max_overhead=None if ns.max_overhead is None else ns.max_overhead / 100,
         ),

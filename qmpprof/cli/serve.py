@@ -16,9 +16,9 @@ from qmpprof.cli.options import (
     add_guest_flags,
     add_view_flags,
     guest_fields,
+    kernel_boundary_of,
     mode_of,
     naming_of,
-    parse_address,
     parse_cpus,
 )
 from qmpprof.errors import UsageError
@@ -75,7 +75,7 @@ def parse(args: list[str]) -> ServeConfig:
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
-            kernel_boundary=parse_address(ns.kernel_boundary, "--kernel-boundary"),
+            kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),
         ),
     )

@@ -70,6 +70,20 @@ class ElfImage:
             raise ElfError(text, err.strerror or str(err)) from err
         return cls.from_bytes(text, data)
 
+    @staticmethod
+    def sniff_arch(path: str | Path) -> Arch | None:
+        """The instruction set an ELF file's header names (class and e_machine), without
+        parsing the rest; None for anything else or a file that cannot be read."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(20)
+        except OSError:
+            return None
+        if len(head) < 20 or not head.startswith(b"\x7fELF"):
+            return None
+        machine = {3: "EM_386", 62: "EM_X86_64"}.get(int.from_bytes(head[18:20], "little"))
+        return None if machine is None else BY_MACHINE.get((machine, 32 * head[4]))
+
     @classmethod
     def from_bytes(cls, path: str, data: bytes) -> ElfImage:
         """Check an x86_64 or i386 ELF held in memory (a vmlinux unpacked from a bzImage);

@@ -1,0 +1,163 @@
+"""qmpprof's stacks against gdb's on the i386 build, frame for frame, under both QEMU binaries.
+
+The method of test_unwind_vs_gdb: gdb (through tests/support/gdbi386.py's proxy, which shows it
+an i386 target under qemu-system-x86_64 too) interrupts the guest at random moments; qmpprof
+then samples the stopped guest over QMP (HMP's 32-bit ``EAX=…`` registers) and both stacks are
+compared by function name, leaf first. There is no metadata page: gdb picks the current
+process's user ELF by reading each program's ``.text`` under the current CR3, qmpprof tells
+processes apart by CR3 (Cr3Identifier). A CR3 counts as a process once it was seen in user
+mode, so the first moments only warm qmpprof up and are not compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+from guestvm import expected, free_tcp_port, running_guest
+from support.bench.gdbcli import GdbMi
+from support.gdbi386 import I386GdbProxy
+from test_unwind_vs_gdb import Mismatch, listing, ours
+
+from qmpprof.dwarf.arch import I386
+from qmpprof.elf.image import ElfImage
+from qmpprof.guest.cr3 import Cr3Identifier
+from qmpprof.guest.programs import ProgramIndex
+from qmpprof.sampler import Sampler, SamplerConfig
+from qmpprof.session import KERNEL_BOUNDARY_32
+from qmpprof.transport.qmp import QmpTransport
+from qmpprof.unwind.chain import Module, Unwinder
+from qmpprof.unwind.steps import CfiStep
+
+pytestmark = pytest.mark.qemu
+
+EXPECTED = expected("i386")
+STOPS = 200  # one vCPU: 200 stacks per binary
+WARM_UP = 20
+REQUIRED = 0.99
+
+_SCRIPT = r"""
+import hashlib, gdb
+_qg = {"loaded": None}
+_candidates = %(candidates)s
+def qg_dump():
+    try:
+        _qg_dump()
+    except Exception as err:
+        print("QGFRAME error:%%s" %% str(err).replace(" ", "_"))
+def _qg_dump():
+    chosen = None
+    inf = gdb.selected_inferior()
+    for addr, size, digest, path in _candidates:
+        try:
+            if hashlib.sha256(bytes(inf.read_memory(addr, size))).hexdigest() == digest:
+                chosen = path
+                break
+        except gdb.MemoryError:
+            pass
+    if chosen != _qg["loaded"]:
+        if _qg["loaded"]:
+            gdb.execute("remove-symbol-file -a %%#x" %% _candidates[0][0], to_string=True)
+        if chosen:
+            gdb.execute("add-symbol-file " + chosen, to_string=True)
+        _qg["loaded"] = chosen
+    frame, depth = gdb.newest_frame(), 0
+    while frame is not None and depth < 128:
+        if frame.type() != gdb.INLINE_FRAME:
+            name = frame.name()
+            if frame.type() == gdb.SIGTRAMP_FRAME or name is None:
+                out = gdb.execute("info symbol %%#x" %% frame.pc(), to_string=True)
+                name = "??" if out.startswith("No symbol") else out.split()[0]
+            print("QGFRAME %%s" %% name)
+            depth += 1
+        try:
+            frame = frame.older()
+        except gdb.error:
+            break
+"""
+_FRAME = re.compile(r'~"QGFRAME (\S+)\\n"')
+
+
+class I386Oracle(GdbMi):
+    def __init__(self, kernel: Path, user_dir: Path, port: int, script: Path) -> None:
+        super().__init__(str(kernel))
+        candidates = []
+        for elf in sorted(user_dir.glob("*.elf")):
+            image = ElfImage.load(elf)
+            text = image.text_bytes or b""
+            digest = hashlib.sha256(text).hexdigest()
+            candidates.append([image.text_addr, len(text), digest, str(elf)])
+        script.write_text(_SCRIPT % {"candidates": json.dumps(candidates)})
+        for setting in ("backtrace past-main on", "backtrace past-entry on"):
+            self.command(f"-gdb-set {setting}")
+        self.command(f'-interpreter-exec console "source {script}"')
+        self.attach(f"127.0.0.1:{port}")
+
+    def stop(self) -> None:
+        self._interrupt()
+
+    def resume(self) -> None:
+        self.command("-exec-continue")
+
+    def stack(self) -> list[str]:
+        lines = self.command('-interpreter-exec console "python qg_dump()"')
+        return [m.group(1) for line in lines for m in [_FRAME.match(line)] if m]
+
+
+async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch]]:
+    port = free_tcp_port()
+    rng = random.Random(f"qmpprof-i386-{qemu}")
+    agree, stop = 0, 0
+    disagreements: list[Mismatch] = []
+    seen: set[tuple[str, ...]] = set()
+    with running_guest(tmp_path, "i386", gdb_port=port, qemu=qemu) as guest:
+        translate = qemu == "qemu-system-x86_64"
+        with I386GdbProxy(port, translate=translate) as proxy:
+            oracle = I386Oracle(guest.kernel_elf, guest.user_dir, proxy.port, tmp_path / "qg.py")
+            transport = await QmpTransport.connect(guest.qmp_socket)
+            kernel = Module.from_image(ElfImage.load(guest.kernel_elf), kernel=True)
+            assert isinstance(kernel.steps[0], CfiStep)
+            tracker = Cr3Identifier([kernel], ProgramIndex.from_dir(guest.user_dir))
+            unwinder = Unwinder(kernel_boundary=KERNEL_BOUNDARY_32, arch=I386)
+            try:
+                while agree + len(disagreements) < STOPS:
+                    stop += 1
+                    time.sleep(rng.uniform(0.002, 0.03))
+                    oracle.stop()
+                    sampler = Sampler(transport, unwinder, tracker, SamplerConfig())
+                    outcome = await sampler.run(one_shot=True)
+                    assert not outcome.was_running
+                    if stop > WARM_UP:
+                        (sample,) = outcome.last
+                        mine, theirs = ours(sample), oracle.stack()
+                        seen.add(tuple(theirs))
+                        if mine == theirs:
+                            agree += 1
+                        else:
+                            disagreements.append((f"stop {stop}", theirs, mine))
+                    oracle.resume()
+            finally:
+                oracle.close()
+                await transport.close()
+    print("\n".join(sorted(";".join(reversed(s)) for s in seen)))
+    print(f"{agree} agree; disagreements:\n{listing(disagreements)}")
+    outermost = {s[-1] for s in seen}
+    assert {"_start", "kthread_start"} <= outermost, seen
+    assert any("entry_syscall" in s for s in seen), seen
+    return agree, disagreements
+
+
+@pytest.mark.parametrize("qemu", EXPECTED["qemu"])
+def test_i386_stacks_agree_with_gdb(qemu: str, tmp_path: Path) -> None:
+    agree, disagreements = asyncio.run(compare(qemu, tmp_path))
+    total = agree + len(disagreements)
+    print(f"\ni386 under {qemu}: qmpprof agrees with gdb on {agree}/{total} ({agree / total:.1%})")
+    print(listing(disagreements))
+    assert total >= STOPS
+    assert agree / total >= REQUIRED, listing(disagreements)
