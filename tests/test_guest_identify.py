@@ -232,7 +232,22 @@ async def test_cr3_identifier_never_reads_a_metadata_page(images: dict[str, ElfI
     assert t.reads_for(regs(0, 0xA000)) == ()
     ident = await t.identify(guest, regs(0, 0xA000), PageCache())
     assert ident.process is not None and ident.process.label == "spin (cr3=0xa000)"
+    guest.cr3_of[1] = 0x5000  # a kernel page directory: no program's .text there
     assert (await t.identify(guest, regs(1, 0x5000, cpl=0), PageCache())).process is None
+    assert (await t.identify(guest, regs(1, 0x5000, cpl=0), PageCache())).process is None
+    assert guest.reads == 1 + len(images)  # the kernel's CR3 is searched once
+
+
+async def test_cr3_identifier_names_a_process_first_seen_in_the_kernel(
+    images: dict[str, ElfImage],
+) -> None:
+    """Caught inside a system call before it was ever seen in user mode: still the process."""
+    guest = PagedGuest()
+    spin = images["spin"]
+    start(guest, 0, 0xA000, 1, spin, spin.text_bytes)
+    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())))
+    ident = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
+    assert ident.process is not None and ident.process.label == "spin (cr3=0xa000)"
 
 
 def test_program_index_ignores_files_that_are_not_elf(tmp_path: Path) -> None:

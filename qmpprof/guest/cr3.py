@@ -1,9 +1,10 @@
 """Processes told apart by their page-table root (CR3) alone: for guests that say nothing else.
 
-A CR3 never seen in user mode belongs to the kernel (idle, kernel threads, boot). A user address
-space's program is found by reading, under that CR3, the ``.text`` range of each ELF of
-``--user-dir`` and comparing its bytes; without a match its user stack is walked with frame
-pointers and it is named by its CR3.
+A CR3 never seen in user mode belongs to the kernel (idle, kernel threads, boot), unless one of
+``--user-dir``'s programs is found under it: a process first caught inside a system call is
+still that process. A user address space's program is found by reading, under that CR3, the
+``.text`` range of each ELF of ``--user-dir`` and comparing its bytes; without a match its user
+stack is walked with frame pointers and it is named by its CR3.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Cr3Identifier:
         self.kernel = Identity(None, AddressSpace(self.kernel_modules))
         self._by_cr3: Memo[int, Identity] = Memo(4096)
         self._user_cr3s: set[int] = set()
+        self._kernel_cr3s: set[int] = set()  # seen only in kernel mode, and no program there
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         return ()
@@ -41,12 +43,19 @@ class Cr3Identifier:
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
         self.note(regs)
-        if regs.cr3 not in self._user_cr3s:
-            return self.kernel
         found = self._by_cr3.get(regs.cr3)
-        if found is None:
-            found = self._by_cr3.put(regs.cr3, await self._from_cr3(transport, regs))
-        return found
+        if found is not None:
+            return found
+        if regs.cr3 not in self._user_cr3s:
+            if regs.cr3 in self._kernel_cr3s or not self.programs.images:
+                return self.kernel
+            found = await self._from_cr3(transport, regs)
+            if found.process is None or found.process.program is None:
+                self._kernel_cr3s.add(regs.cr3)
+                return self.kernel
+        else:
+            found = await self._from_cr3(transport, regs)
+        return self._by_cr3.put(regs.cr3, found)
 
     async def _from_cr3(self, transport: GuestTransport, regs: Registers) -> Identity:
         for image in self.programs.images:
