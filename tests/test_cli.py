@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeTransport, frame_chain, regs
+from guestvm import BUILD_ROOT, build_fixtures
 
 from qmpprof import session
 from qmpprof.cli import main, options
@@ -264,3 +265,20 @@ def test_progress_line_only_on_a_terminal(
     err = capsys.readouterr().err
     assert "\rqmpprof: 1 samples" in err and "\rqmpprof: 3 samples" in err
     assert " s left" in err and "\r\033[K" in err  # cleared before the summary
+
+
+def test_the_kernel_boundary_follows_the_kernel_elf_class(guest_build_i386: Path) -> None:
+    kernel = str(guest_build_i386 / "kernel.elf")
+    assert options.parse(["--kernel", kernel]).spec.sampling.kernel_boundary == 0xC000_0000
+    given = options.parse(["--kernel", kernel, "--kernel-boundary", "0x80000000"])
+    assert given.spec.sampling.kernel_boundary == 0x8000_0000
+    assert options.parse([]).spec.sampling.kernel_boundary == KERNEL_BOUNDARY
+    spec = options.parse(["--kernel", kernel, "--user-dir", str(guest_build_i386 / "user")]).spec
+    assert session.unwinder(spec).arch.name == "i386"
+    assert type(session.build_identifier(spec)).__name__ == "Cr3Identifier"  # no Emerald page
+
+
+@pytest.fixture
+def guest_build_i386() -> Path:
+    build_fixtures(("i386",))
+    return BUILD_ROOT / "i386"

@@ -138,3 +138,26 @@ def test_demo_writes_the_flame_graph_and_folded_stacks_here(tmp_path: Path) -> N
     assert out.startswith("Hottest functions (")
     assert f"Flame graph: {svg.as_uri()}" in out
     assert "Traceback" not in err
+
+
+@pytest.mark.qemu
+def test_demo_takes_the_i386_build(tmp_path: Path) -> None:
+    """``--variant i386``: the 32-bit build in qemu-system-i386, processes told apart by CR3."""
+    build_fixtures(("i386",))
+    command = [sys.executable, "-m", "qmpprof", "demo", "--variant", "i386", "--duration", "2"]
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    stacks = folded.parse((tmp_path / "demo.folded").read_text())
+    seen = {name for names, _ in stacks for name in names}
+    assert workload_functions() <= seen, sorted(workload_functions() - seen)
+    assert any(names[0].startswith("spin (cr3=") for names, _ in stacks)
+    assert out.startswith("Hottest functions (")

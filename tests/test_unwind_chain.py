@@ -9,6 +9,7 @@ import pytest
 from fakes import make_module
 from test_cfi import PLT_EXPR, cie, fde, sleb, uleb
 
+from qmpprof.dwarf.arch import I386
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.model import Registers, StopReason
@@ -378,3 +379,26 @@ def test_a_trap_frame_is_told_from_a_plain_return_address() -> None:
     junk = struct.pack("<5Q", 0x40_1068, 0x40_2000, 7, 0, 0)
     cache.pages[page] = junk + bytes(4096 - len(junk))
     assert _trap_frame_sp(page + 8, cache) is None  # user stack data, not a CS
+
+
+def _memory32(words: dict[int, int]) -> PageCache:
+    cache = PageCache()
+    for addr, value in words.items():
+        page = bytearray(cache.pages.get(page_of(addr)) or bytes(PAGE))
+        page[addr - page_of(addr) : addr - page_of(addr) + 4] = struct.pack("<I", value)
+        cache.pages[page_of(addr)] = bytes(page)
+    return cache
+
+
+def test_i386_frame_pointers_walk_4_byte_words() -> None:
+    # [ebp] = caller's ebp, [ebp+4] = return address; the outermost frame's ebp is 0.
+    mem = _memory32({0x7FF010: 0x7FF020, 0x7FF014: 0x401234, 0x7FF020: 0, 0x7FF024: 0x401300})
+    gprs = {7: 0x7FF000, 6: 0x7FF010, 16: 0x401100}  # the model's x86_64 numbers
+    r = Registers(cpu=0, rip=0x401100, rsp=0x7FF000, rbp=0x7FF010, cpl=3, cr3=0,
+                  long_mode=False, gprs=gprs)  # fmt: skip
+    walker = Unwinder(kernel_boundary=0xC000_0000, arch=I386)
+    raw = walker.unwind(r, mem, AddressSpace([]))
+    assert raw.pcs == (0x401100, 0x401234, 0x401300)
+    assert raw.stop is StopReason.END
+    # An x86_64 walker gives a 32-bit guest its one exact frame, as before.
+    assert Unwinder().unwind(r, mem, AddressSpace([])).pcs == (0x401100,)

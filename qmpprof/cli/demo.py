@@ -27,6 +27,8 @@ from qmpprof.output import write_profile
 from qmpprof.profile import Profile
 
 QEMU = "qemu-system-x86_64"
+# The binary for each build: the i386 build boots in qemu-system-i386 (scripts/run-guest's).
+QEMU_OF = {"fp": QEMU, "cfi": QEMU, "i386": "qemu-system-i386"}
 MAX_SMP = 4  # what the bundled kernel supports
 TOP = 10
 
@@ -37,8 +39,9 @@ def parser() -> argparse.ArgumentParser:
         description="Boot the bundled guest OS in QEMU, profile it, write a flame graph.",
     )
     add = p.add_argument
-    add("--variant", choices=("fp", "cfi"), default="cfi",
-        help="guest build: frame pointers (fp) or CFI in .eh_frame (cfi, the default)")  # fmt: skip
+    add("--variant", choices=tuple(QEMU_OF), default="cfi",
+        help="guest build: frame pointers (fp), CFI in .eh_frame (cfi, the default), or the "
+             "32-bit build (i386, in qemu-system-i386)")  # fmt: skip
     add("--smp", metavar="N", type=int, default=1, help=f"vCPUs, 1..{MAX_SMP} (default 1)")
     add("--duration", metavar="S", type=float, default=5.0,
         help="guest run time to profile (default 5)")  # fmt: skip
@@ -108,10 +111,11 @@ def run(argv: list[str], out: TextIO, err: TextIO) -> int:
         raise UsageError(f"--smp must be 1..{MAX_SMP} (what the bundled kernel supports)")
     svg = Path(ns.output)
     folded = folded_path(svg)
-    qemu = shutil.which(QEMU)
+    binary = QEMU_OF[ns.variant]
+    qemu = shutil.which(binary)
     if qemu is None:
         raise QmpprofError(
-            f"{QEMU} not found: install QEMU (Debian: apt-get install qemu-system-x86)"
+            f"{binary} not found: install QEMU (Debian: apt-get install qemu-system-x86)"
         )
     build = ensure_built(find_checkout(), ns.variant, err)
     flags = ["--kernel", str(build / "kernel.elf"), "--user-dir", str(build / "user"),

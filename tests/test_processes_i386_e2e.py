@@ -1,0 +1,81 @@
+"""The i386 build profiled end to end through the command line, under both QEMU binaries: the
+workload's split measured through ``qmpprof -o x.folded`` (the default transport: a private
+gdbstub, whose register layout differs between the binaries), processes told apart by CR3, the
+system-call path stitched onto the calling user frames, and every output format written from
+the same run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from guestvm import expected, running_guest
+from test_processes_e2e import TOLERANCE, bare, program_of, shares_by_root
+
+from qmpprof.output.folded import parse
+
+pytestmark = pytest.mark.qemu
+
+EXPECTED = expected("i386")
+K = "_[k]"
+
+
+@pytest.mark.parametrize("qemu", EXPECTED["qemu"])
+def test_i386_profile_measures_the_known_split(tmp_path: Path, qemu: str) -> None:
+    outs = [tmp_path / name for name in ("x.folded", "x.svg", "x.speedscope.json", "x.pb.gz")]
+    with running_guest(tmp_path, "i386", qemu=qemu) as guest:
+        cmd = [
+            sys.executable, "-m", "qmpprof",
+            "--qmp-socket", str(guest.qmp_socket),
+            "--kernel", str(guest.kernel_elf),
+            "--user-dir", str(guest.user_dir),
+            "--interval", "2", "--duration", "10", "--jitter", "0.5", "-v",
+            *[arg for out in outs for arg in ("-o", str(out))],
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    print(done.stderr)
+    stacks = parse(outs[0].read_text())
+    by_root = shares_by_root(stacks)
+    labels = {program_of(root) for root in by_root}
+    assert set(EXPECTED["programs"]) <= labels, sorted(by_root)
+    spin_roots = [root for root in by_root if program_of(root) == "spin"]
+    assert len(spin_roots) == len(EXPECTED["programs"]["spin"]["pids"]), spin_roots  # by CR3
+    assert "kernel" in by_root  # the kernel thread
+
+    report = []
+    kernel_threads = set(EXPECTED["kernel_threads"])
+    for program, spec in [*EXPECTED["programs"].items(), *EXPECTED["kernel_threads"].items()]:
+        counts: Counter[str] = Counter()
+        for root, found in by_root.items():
+            if program_of(root) == program or (root == "kernel" and program in kernel_threads):
+                counts.update(found)
+        total = counts["__samples__"]
+        assert total >= 100, f"{program}: only {total} samples"
+        for function, share in spec["shares"].items():
+            measured = counts[function] / total
+            report.append(f"{qemu} {program}.{function}: {measured:.3f} vs {share:.3f}")
+            assert abs(measured - share) <= TOLERANCE, "\n".join(report)
+    print("\n".join(report))
+
+    # System calls: the kernel chain through int 0x80, on top of sys's user frames.
+    entry = f"{EXPECTED['syscall_path'][0]}{K}"
+    in_syscall = [f for f, _ in stacks if program_of(f[0]) == "sys" and entry in f]
+    assert in_syscall
+    for frames in in_syscall:
+        assert frames[1 : frames.index(entry)] == ("_start", "main", "sys_call_kernel"), frames
+        kernel_part = [bare(f) for f in frames[frames.index(entry) :]]
+        assert kernel_part[: len(EXPECTED["syscall_path"])] == EXPECTED["syscall_path"][
+            : len(kernel_part)
+        ] or any(f.startswith("isr_") for f in kernel_part), frames
+
+    svg = outs[1].read_text()
+    assert svg.startswith("<?xml") and "spin_hot" in svg
+    speedscope = json.loads(outs[2].read_text())
+    names = {frame["name"] for frame in speedscope["shared"]["frames"]}
+    assert {"spin_hot", "compute_leaf", "kwork_checksum"} <= {n.removesuffix(K) for n in names}
+    assert outs[3].read_bytes()[:2] == b"\x1f\x8b"  # gzipped pprof
