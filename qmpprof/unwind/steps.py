@@ -168,15 +168,12 @@ class FramePointerStep:
 
 FRAME_POINTER = FramePointerStep()
 FRAME_POINTER_ONLY: tuple[UnwindStep, ...] = (FRAME_POINTER,)
-FRAME_POINTER_ONLY_BY_ARCH: dict[str, tuple[UnwindStep, ...]] = {X86_64.name: FRAME_POINTER_ONLY}
 
 
+@cache
 def frame_pointer_only(arch: Arch) -> tuple[UnwindStep, ...]:
     """The steps of code known only by its range (no module): frame pointers."""
-    steps = FRAME_POINTER_ONLY_BY_ARCH.get(arch.name)
-    if steps is None:
-        steps = FRAME_POINTER_ONLY_BY_ARCH[arch.name] = (FramePointerStep(arch),)
-    return steps
+    return FRAME_POINTER_ONLY if arch is X86_64 else (FramePointerStep(arch),)
 
 
 def steps_for(
