@@ -109,7 +109,7 @@ class I386Oracle(GdbMi):
         return [m.group(1) for line in lines for m in [_FRAME.match(line)] if m]
 
 
-async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch]]:
+async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch], set[tuple[str, ...]]]:
     port = free_tcp_port()
     rng = random.Random(f"qmpprof-i386-{qemu}")
     agree, stop = 0, 0
@@ -127,7 +127,9 @@ async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch]]:
             try:
                 while agree + len(disagreements) < STOPS:
                     stop += 1
-                    time.sleep(rng.uniform(0.002, 0.03))
+                    # Longer than the x86-64 test's pauses: on a loaded host the guest gets
+                    # little CPU between two moments, and they must reach every phase of it.
+                    time.sleep(rng.uniform(0.002, 0.06))
                     oracle.stop()
                     sampler = Sampler(transport, unwinder, tracker, SamplerConfig())
                     outcome = await sampler.run(one_shot=True)
@@ -144,17 +146,17 @@ async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch]]:
                 oracle.close()
                 await transport.close()
     print("\n".join(sorted(";".join(reversed(s)) for s in seen)))
-    outermost = {s[-1] for s in seen}
-    assert {"_start", "kthread_start"} <= outermost, seen
-    assert any("entry_syscall" in s for s in seen), seen
-    return agree, disagreements
+    return agree, disagreements, seen
 
 
 @pytest.mark.parametrize("qemu", EXPECTED["qemu"])
 def test_i386_stacks_agree_with_gdb(qemu: str, tmp_path: Path) -> None:
-    agree, disagreements = asyncio.run(compare(qemu, tmp_path))
+    agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path))
     total = agree + len(disagreements)
     print(f"\ni386 under {qemu}: qmpprof agrees with gdb on {agree}/{total} ({agree / total:.1%})")
     print(listing(disagreements))
     assert total >= STOPS
     assert agree / total >= REQUIRED, listing(disagreements)
+    # The moments must reach user code, the system call path and the kernel thread.
+    assert {"_start", "kthread_start"} <= {s[-1] for s in seen}, seen
+    assert any("entry_syscall" in s for s in seen), seen
