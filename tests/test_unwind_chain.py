@@ -402,3 +402,17 @@ def test_i386_frame_pointers_walk_4_byte_words() -> None:
     assert raw.stop is StopReason.END
     # An x86_64 walker gives a 32-bit guest its one exact frame, as before.
     assert Unwinder().unwind(r, mem, AddressSpace([])).pcs == (0x401100,)
+
+
+def test_an_i386_trap_frame_is_told_from_a_plain_return_address() -> None:
+    """i386: after the EIP slot, a user CS and EFLAGS (4 bytes each), then the user ESP."""
+    from qmpprof.unwind.chain import _trap_frame_sp32
+
+    page = 0xC014_5000
+    frame = struct.pack("<5I", 0x40_1068, 0x23, 0x202, 0x7F_FFC0, 0x2B)  # eip cs eflags esp ss
+    cache = PageCache()
+    cache.pages[page] = frame + bytes(PAGE - len(frame))
+    assert _trap_frame_sp32(page + 4, cache) == 0x7F_FFC0
+    kernel_cs = struct.pack("<3I", 0x40_1068, 0x08, 0x202)
+    cache.pages[page] = kernel_cs + bytes(PAGE - len(kernel_cs))
+    assert _trap_frame_sp32(page + 4, cache) is None  # ring 0: no user ESP was pushed

@@ -50,6 +50,16 @@ def _trap_frame_sp(after_rip: int, memory: PageCache) -> int | None:
     return memory.read_u64((after_rip + 16) & MASK64)
 
 
+def _trap_frame_sp32(after_eip: int, memory: PageCache) -> int | None:
+    """``_trap_frame_sp`` for i386: a trap from ring 3 pushes SS, ESP, EFLAGS, CS, EIP (4 bytes
+    each), so the user ESP is two words above the CS that follows the EIP."""
+    cs = memory.read_u32(after_eip)
+    flags = memory.read_u32((after_eip + 4) & 0xFFFF_FFFF)
+    if cs is None or flags is None or cs & 3 != 3 or cs > 0xFFFF or not flags & 2:
+        return None
+    return memory.read_u32((after_eip + 8) & 0xFFFF_FFFF)
+
+
 def _canonical(pc: int) -> bool:
     return pc < 0x0000_8000_0000_0000 or pc >= 0xFFFF_8000_0000_0000
 
@@ -124,14 +134,17 @@ class Unwinder:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
             crossed = pc >= self.kernel_boundary > new[pc_reg]
-            if crossed and via is Via.PROLOGUE and not signal and arch is X86_64:
-                user_sp = _trap_frame_sp(new[RSP], memory)
+            if crossed and via is Via.PROLOGUE and not signal:
+                if arch is X86_64:
+                    user_sp = _trap_frame_sp(new[RSP], memory)
+                else:
+                    user_sp = _trap_frame_sp32(new[sp_reg], memory)
                 if user_sp is None:
                     # Kernel code "returning" to user code by a plain return address is no
                     # frame at all: a syscall entry before it saved anything (the user's pc
                     # is in RCX). Stop rather than make up a caller.
                     return RawStack(tuple(pcs), StopReason.NO_CFI, tuple(exacts), tuple(vias))
-                new[RSP] = user_sp
+                new[sp_reg] = user_sp
             exact = signal or crossed
             sp_guessed = crossed and via is Via.FRAME_POINTER
             if sp_guessed and new.get(fp_reg):
