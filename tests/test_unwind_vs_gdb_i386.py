@@ -23,7 +23,7 @@ import pytest
 from guestvm import expected, free_tcp_port, running_guest
 from support.bench.gdbcli import GdbMi
 from support.gdbi386 import I386GdbProxy
-from test_unwind_vs_gdb import Mismatch, listing, ours
+from test_unwind_vs_gdb import Mismatch, listing, ours, without_cfi
 
 from qmpprof.dwarf.arch import I386
 from qmpprof.elf.image import ElfImage
@@ -109,7 +109,9 @@ class I386Oracle(GdbMi):
         return [m.group(1) for line in lines for m in [_FRAME.match(line)] if m]
 
 
-async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch], set[tuple[str, ...]]]:
+async def compare(
+    qemu: str, tmp_path: Path, *, cfi: bool = True
+) -> tuple[int, list[Mismatch], set[tuple[str, ...]]]:
     port = free_tcp_port()
     rng = random.Random(f"qmpprof-i386-{qemu}")
     agree, stop = 0, 0
@@ -120,9 +122,15 @@ async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch], set[t
         with I386GdbProxy(port, translate=translate) as proxy:
             oracle = I386Oracle(guest.kernel_elf, guest.user_dir, proxy.port, tmp_path / "qg.py")
             transport = await QmpTransport.connect(guest.qmp_socket)
-            kernel = Module.from_image(ElfImage.load(guest.kernel_elf), kernel=True)
-            assert isinstance(kernel.steps[0], CfiStep)
-            tracker = Cr3Identifier([kernel], ProgramIndex.from_dir(guest.user_dir))
+            kernel_elf, user_dir = guest.kernel_elf, guest.user_dir
+            if not cfi:  # qmpprof's copies only: gdb keeps its CFI
+                kernel_elf = without_cfi(kernel_elf, tmp_path / "nocfi")
+                user_dir = tmp_path / "nocfi" / "user"
+                for elf in sorted(guest.user_dir.glob("*.elf")):
+                    without_cfi(elf, user_dir)
+            kernel = Module.from_image(ElfImage.load(kernel_elf), kernel=True)
+            assert isinstance(kernel.steps[0], CfiStep) == cfi
+            tracker = Cr3Identifier([kernel], ProgramIndex.from_dir(user_dir))
             unwinder = Unwinder(kernel_boundary=KERNEL_BOUNDARY_32, arch=I386)
             try:
                 while agree + len(disagreements) < STOPS:
@@ -149,11 +157,16 @@ async def compare(qemu: str, tmp_path: Path) -> tuple[int, list[Mismatch], set[t
     return agree, disagreements, seen
 
 
+@pytest.mark.parametrize("cfi", [True, False], ids=["cfi", "no-cfi"])
 @pytest.mark.parametrize("qemu", EXPECTED["qemu"])
-def test_i386_stacks_agree_with_gdb(qemu: str, tmp_path: Path) -> None:
-    agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path))
+def test_i386_stacks_agree_with_gdb(qemu: str, cfi: bool, tmp_path: Path) -> None:
+    """``no-cfi``: every CFI section removed from qmpprof's copies, so frame pointers and
+    prologue analysis (32-bit trap frames included) alone must find gdb's stacks."""
+    agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path, cfi=cfi))
     total = agree + len(disagreements)
-    print(f"\ni386 under {qemu}: qmpprof agrees with gdb on {agree}/{total} ({agree / total:.1%})")
+    what = "i386" if cfi else "i386 without CFI"
+    share = f"{agree}/{total} ({agree / total:.1%})"
+    print(f"\n{what} under {qemu}: qmpprof agrees with gdb on {share}")
     print(listing(disagreements))
     assert total >= STOPS
     assert agree / total >= REQUIRED, listing(disagreements)
