@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 import re
 import socket
 import struct
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,12 +21,10 @@ from guestvm import (
     BUILD_ROOT,
     WORKLOAD_LINE,
     Guest,
-    SymbolIndex,
     build_fixtures,
     expected,
     free_tcp_port,
     gdb_stack,
-    memsave,
     running_guest,
     section,
 )
@@ -231,71 +227,6 @@ def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
     assert cr3 and cr3 % 4096 == 0
     assert cs in (UCODE_CS, KCODE_CS)
     assert (eip >= BOUNDARY) == (cs == KCODE_CS)
-
-
-def _owners(guest: Guest) -> dict[int, str]:
-    """CR3 -> program (or kworker for the kernel's own page directory), from the boot log: the
-    i386 build has no metadata page."""
-    owners = {
-        int(cr3, 16): name
-        for name, cr3 in re.findall(r"process \d+ '(\w+)' cr3=([0-9a-f]+)", guest.console_text())
-    }
-    owners[_symbols(guest.kernel_elf)["boot_pgdir"][0] - BOUNDARY] = "kworker"
-    return owners
-
-
-@pytest.mark.qemu
-async def test_workload_shares_hold(booted: Guest) -> None:
-    """The shares of expected.json hold for the i386 workload too, measured on the leaf (or
-    the caller of a frameless leaf, its return address at [esp]), owners told apart by CR3."""
-    kernel = SymbolIndex(booted.kernel_elf)
-    users = {p: SymbolIndex(booted.user_elf(p)) for p in EXPECTED["programs"]}
-    leaves = {n for names in EXPECTED["frameless_leaf"].values() for n in names}
-    owners = _owners(booted)
-    counts: Counter[tuple[str, str | None]] = Counter()
-    qmp = QMPClient("i386-shares")
-    await qmp.connect(str(booted.qmp_socket))
-    try:
-        for _ in range(360):
-            # Spread over the guest's own periods (4 ms tick, sys's alternation): see test_guest.
-            await asyncio.sleep(random.uniform(0.001, 0.012))
-            await qmp.execute("stop")
-            try:
-                command = {"command-line": "info registers"}
-                text = await qmp.execute("human-monitor-command", command)
-                assert isinstance(text, str)
-                eip, esp, cr3 = (
-                    int(re.search(rf"\b{r}=([0-9a-f]+)", text)[1], 16)  # type: ignore[index]
-                    for r in ("EIP", "ESP", "CR3")
-                )
-                owner = owners[cr3]
-                index = kernel if eip >= BOUNDARY else users[owner]
-                name = index.name(eip)
-                if name in leaves:
-                    ret = struct.unpack("<I", await memsave(qmp, esp, 4))[0]
-                    name = index.name(ret)
-                counts[owner, name] += 1
-            finally:
-                await qmp.execute("cont")
-    finally:
-        await qmp.disconnect()
-
-    def share(owner: str, name: str) -> float:
-        total = sum(n for (o, _), n in counts.items() if o == owner)
-        return counts[owner, name] / max(total, 1)
-
-    tolerance = 0.15  # sampling noise: ~100-200 samples per program, as in test_guest
-    checks = [
-        ("spin", "spin_hot", EXPECTED["programs"]["spin"]["shares"]),
-        ("spin", "spin_cold", EXPECTED["programs"]["spin"]["shares"]),
-        ("sys", "compute_leaf", EXPECTED["programs"]["sys"]["shares"]),
-        ("sys", "sys_user_work", EXPECTED["programs"]["sys"]["shares"]),
-        ("kworker", "kwork_checksum", EXPECTED["kernel_threads"]["kworker"]["shares"]),
-    ]
-    for owner, name, shares in checks:
-        assert abs(share(owner, name) - shares[name]) < tolerance, (owner, name, counts)
-    time_split = {o: sum(n for (p, _), n in counts.items() if p == o) / 360 for o in ("spin",)}
-    assert abs(time_split["spin"] - EXPECTED["programs"]["spin"]["time_split"]) < tolerance, counts
 
 
 @pytest.mark.qemu
