@@ -4,6 +4,7 @@ unwinder asks for, a bounded number per sample)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ HMP_WINDOW = 4096
 # it needs (StackReader's cut).
 GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
+MAX_BEYOND = 4  # pages outside the window fetched with it because the last walk there read them
 _UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096
 
@@ -58,6 +60,24 @@ async def fetch(
             cache.pages[run_start + i * PAGE] = data[i * PAGE : (i + 1) * PAGE]
 
 
+async def fetch_piece(
+    transport: GuestTransport, cache: PageCache, cpu: int, addr: int, size: int
+) -> None:
+    """Fetch just [addr, addr+size) into ``cache`` (a pointer, a few fields), unless the cache
+    has it: over a gdbstub a page is two 2 KiB packets where 8 bytes are one short one. Reads of
+    a page or more go through ``fetch``."""
+    if size >= PAGE:
+        await fetch(transport, cache, cpu, addr, size)
+        return
+    if cache.has(addr, size):
+        return
+    try:
+        data: bytes | None = await transport.read(cpu, addr, size)
+    except MemoryReadError:
+        data = None
+    cache.pieces[addr] = (size, data)
+
+
 def _runs(pages: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for p in pages:
@@ -79,7 +99,9 @@ class StackReader:
     A window is also cut to what walks from its RSP page have needed: down to the deepest stack
     page a walk read there. Over the gdbstub every 2 KiB costs a packet QEMU
     answers in turn, and most walks need one or two pages of the 16 KiB; a walk that needs more
-    fetches it on demand, and the window grows to it.
+    fetches it on demand, and the window grows to it. Pages a walk read beyond the window's
+    reach (the user stack under a system call's kernel frames) are fetched with the next
+    window at that RSP page, in the same round trip, rather than one more round trip later.
     """
 
     def __init__(
@@ -90,12 +112,25 @@ class StackReader:
         self.max_refetch = max_refetch
         self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._deepest: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
+        self._beyond: Memo[tuple[int, int], tuple[int, ...]] = Memo(_STACK_ENDS_LIMIT)
 
     async def prefetch(self, regs: Registers, cache: PageCache) -> None:
-        """The stack window at RSP, cut at the stack's end once a sample has found it."""
+        """The stack window at RSP, cut at the stack's end once a sample has found it, and in
+        the same round trip the pages beyond it that the last walk from this RSP page needed
+        (a system call's user stack beneath the kernel's, a deep stack's far pages)."""
+        key = _stack_key(regs)
+        beyond = self._beyond.get(key)
+        if not beyond:
+            await self._window(regs, cache, key)
+            return
+        await asyncio.gather(
+            self._window(regs, cache, key),
+            *(fetch(self.transport, cache, regs.cpu, a, n * PAGE) for a, n in _runs(list(beyond))),
+        )
+
+    async def _window(self, regs: Registers, cache: PageCache, key: tuple[int, int]) -> None:
         start = page_of(regs.rsp)
         end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
-        key = _stack_key(regs)
         end = min(end, self._stack_ends.get(key, end), self._deepest.get(key, end) + PAGE)
         try:
             data = await self.transport.read(regs.cpu, start, end - start)
@@ -127,8 +162,8 @@ class StackReader:
                 return
 
     def learn(self, regs: Registers, cache: PageCache) -> None:
-        """Remember the first unmapped page above RSP that this sample met, and the deepest
-        stack page its walk read."""
+        """Remember the first unmapped page above RSP that this sample met, the deepest stack
+        page its walk read, and the pages it read beyond the window's reach."""
         key = _stack_key(regs)
         start = page = page_of(regs.rsp)
         while cache.pages.get(page) is not None:
@@ -142,6 +177,13 @@ class StackReader:
         )
         if deepest > self._deepest.get(key, -1):
             self._deepest.put(key, deepest)
+        # Pages beyond that reach, for the next sample here; a guess that missed is dropped
+        # for one sample (an interrupt stack leads to whichever task it interrupted).
+        guessed = self._beyond.get(key, ())
+        beyond = sorted(p for p in cache.used if not start <= p < reach and cache.pages.get(p))
+        if guessed and not cache.used.intersection(guessed):
+            beyond = []
+        self._beyond.put(key, tuple(beyond[:MAX_BEYOND]))
 
     async def complete(self, cpu: int, cache: PageCache, attempt: Callable[[], T]) -> T:
         """``attempt()`` (a pure walk over ``cache``) run until it needs no page it lacks: each

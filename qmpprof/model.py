@@ -110,11 +110,15 @@ class Mode(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Process:
     """A process as identified in the guest: pid (None when the guest gives none), program name
-    (None when no ELF matched) and the address space (CR3)."""
+    (None when no ELF matched) and the address space (CR3); and the thread that ran, where the
+    guest tells threads apart (Linux: the task's own pid and comm; a process's threads are
+    several Process values with one label)."""
 
     pid: int | None
     program: str | None
     cr3: int
+    tid: int | None = None
+    thread: str | None = None
 
     @property
     def label(self) -> str:

@@ -14,6 +14,7 @@ import struct
 PAGE = 4096
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_NOT_HERE = object()
 
 
 class PageMissing(Exception):
@@ -33,14 +34,28 @@ class PageCache:
 
     A page maps to its bytes, or to None when QEMU said it is not mapped. ``used`` holds the
     pages something read from (the stack reader learns from it how much of a window a walk
-    needs).
+    needs). ``pieces`` are reads smaller than a page (a pointer, a few fields: over a gdbstub a
+    whole page is two 2 KiB packets): start address -> size and bytes, or None when unmapped.
     """
 
-    __slots__ = ("pages", "used")
+    __slots__ = ("pages", "pieces", "used")
 
     def __init__(self) -> None:
         self.pages: dict[int, bytes | None] = {}
+        self.pieces: dict[int, tuple[int, bytes | None]] = {}
         self.used: set[int] = set()
+
+    def has(self, addr: int, size: int) -> bool:
+        """Whether [addr, addr+size) is fetched (as pages or a piece), mapped or not."""
+        if self._piece(addr, size) is not _NOT_HERE:
+            return True
+        return all(p in self.pages for p in range(page_of(addr), addr + size, PAGE))
+
+    def _piece(self, addr: int, size: int) -> object:  # bytes, None or _NOT_HERE
+        for start, (length, data) in self.pieces.items():
+            if start <= addr and addr + size <= start + length:
+                return None if data is None else data[addr - start : addr - start + size]
+        return _NOT_HERE
 
     def read(self, addr: int, size: int) -> bytes | None:
         """Bytes at ``addr``; None if any page is unmapped; PageMissing if one is not fetched."""
@@ -50,7 +65,7 @@ class PageCache:
             try:
                 page = self.pages[first]
             except KeyError:
-                raise PageMissing(addr) from None
+                return self._from_piece(addr, size)
             self.used.add(first)
             return None if page is None else page[off : off + size]
         out = bytearray()
@@ -62,13 +77,20 @@ class PageCache:
             try:
                 page = self.pages[base]
             except KeyError:
-                raise PageMissing(pos) from None
+                return self._from_piece(addr, size, pos)
             self.used.add(base)
             if page is None:
                 return None
             out += page[pos - base : pos - base + take]
             pos += take
         return bytes(out)
+
+    def _from_piece(self, addr: int, size: int, missing: int | None = None) -> bytes | None:
+        data = self._piece(addr, size) if self.pieces else _NOT_HERE
+        if data is _NOT_HERE:
+            raise PageMissing(addr if missing is None else missing)
+        assert data is None or isinstance(data, bytes)
+        return data
 
     def read_u64(self, addr: int) -> int | None:
         data = self.read(addr, 8)

@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
 from qmpprof.guest.base import GuestIdentifier
-from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader, fetch
+from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader, fetch_piece
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Process, Registers, Sample, Stack
 from qmpprof.pages import PageCache
 from qmpprof.profile import Profile
@@ -246,7 +246,7 @@ class Sampler(Generic[Space, Raw]):
             await _together(
                 [
                     self.stacks.prefetch(regs, cache),
-                    *(fetch(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
+                    *(fetch_piece(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
                 ]
             )
             identity = await self.identifier.identify(self.transport, regs, cache)

@@ -82,8 +82,9 @@ async def test_threads_belong_to_their_process_and_kernel_threads_are_bracketed(
     identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET)
     user = await identifier.identify(transport, regs(0, 0x40_1000), PageCache())
     kthread = await identifier.identify(transport, regs(1, KERNEL.start + 16), PageCache())
-    assert user.process == Process(1230, "myapp", 0)
-    assert kthread.process == Process(55, "[kworker/1:0]", 0)
+    assert user.process == Process(1230, "myapp", 0, 1234, "worker")  # the leader's name
+    assert kthread.process == Process(55, "[kworker/1:0]", 0, 55, "kworker/1:0")
+    assert user.process.label == "myapp (pid 1230)"
     assert user.space is kthread.space is identifier.space
 
 
@@ -99,7 +100,7 @@ async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_s
     r0 = regs(0, KERNEL.start + 16)
     assert identifier.reads_for(r0) == ()  # the per-CPU base is not known yet
     assert (await identifier.identify(transport, r0, PageCache())).process == Process(
-        0, "swapper/0", 0
+        0, "swapper/0", 0, 0, "swapper/0"
     )
     assert identifier.reads_for(r0) == ((BASES[0] + layout.current, 8),)
     # Within RECHECK, the pointer alone (read with the stack) identifies the task.
@@ -107,14 +108,14 @@ async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_s
     cache = PageCache()
     await identifier.identify(transport, r0, cache)
     assert [c for c in transport.calls if c.startswith("read")] == [
-        f"read:{(BASES[0] + layout.current) & ~(PAGE - 1):#x}+0x1000"
+        f"read:{BASES[0] + layout.current:#x}+0x8"  # the pointer, not its page
     ]
     # Past it, the task is read again: the pid changed (the pointer now holds another task).
     memory.task(layout, IDLE, 77, 77, "kworker/0:2", PF_KTHREAD, IDLE)
     transport.pages.update(memory.frozen())
     now[0] = 1.0
     again = await identifier.identify(transport, r0, PageCache())
-    assert again.process == Process(77, "[kworker/0:2]", 0)
+    assert again.process == Process(77, "[kworker/0:2]", 0, 77, "kworker/0:2")
 
 
 async def test_without_per_cpu_offsets_the_gs_base_of_kernel_mode_serves(
@@ -129,7 +130,7 @@ async def test_without_per_cpu_offsets_the_gs_base_of_kernel_mode_serves(
 
     kernel = replace(regs(0, KERNEL.start + 16), gs_base=BASES[0])
     assert (await identifier.identify(transport, kernel, PageCache())).process == Process(
-        55, "[kworker/1:0]", 0
+        55, "[kworker/1:0]", 0, 55, "kworker/1:0"
     )
 
 

@@ -14,7 +14,7 @@ guest is sampled without stop/cont), and for every vCPU:
 - the process: gdb reads the vCPU's current task through ``__per_cpu_offset[N]`` and
   ``pcpu_hot.current_task`` with the DWARF types (pid, tgid, flags, comm, the group leader's
   comm); qmpprof's must be the tgid and the leader's comm, ``[comm]`` for a kernel thread,
-  ``swapper/N`` (pid 0) for the idle task.
+  ``swapper/N`` (pid 0) for the idle task, and the thread the task's own pid and comm.
 
 The first moments are sampled by the command line (``qmpprof --one-shot --json``, whose
 addresses are ``Frame.pc``), the others in-process as session.start builds a run. Issue 11
@@ -119,13 +119,13 @@ class GdbTask:
     comm: str
     leader_comm: str
 
-    def expected(self) -> tuple[int, str]:
-        """The process qmpprof must name for this task: (pid, name)."""
+    def expected(self) -> tuple[int, str, int, str]:
+        """The process qmpprof must name for this task: (pid, name, tid, thread name)."""
         if self.pid == 0:
-            return 0, self.comm
+            return 0, self.comm, 0, self.comm
         if self.flags & PF_KTHREAD:
-            return self.tgid, f"[{self.comm}]"
-        return self.tgid, self.leader_comm
+            return self.tgid, f"[{self.comm}]", self.pid, self.comm
+        return self.tgid, self.leader_comm, self.pid, self.comm
 
 
 def _name(hexed: str) -> str:
@@ -233,12 +233,13 @@ class Observed:
 
     cpu: int
     kernel_mode: bool
-    process: tuple[int | None, str | None] | None
+    process: tuple[int | None, str | None, int | None, str | None] | None
     kernel_frames: list[tuple[int, str]]  # (address, symbol), leaf first
 
 
 def observed(sample: Sample) -> Observed:
-    process = None if sample.process is None else (sample.process.pid, sample.process.program)
+    p = sample.process
+    process = None if p is None else (p.pid, p.program, p.tid, p.thread)
     frames = [(f.pc, f.symbol or "??") for f in sample.stack.frames if f.kernel]
     return Observed(sample.cpu, sample.mode is Mode.KERNEL, process, frames)
 
@@ -249,7 +250,9 @@ def observed_json(text: str) -> list[Observed]:
     found = []
     for cpu in json.loads(text):
         proc = cpu["process"]
-        process = None if proc is None else (proc["pid"], proc["program"])
+        process = (
+            None if proc is None else (proc["pid"], proc["program"], proc["tid"], proc["thread"])
+        )
         frames = [(int(f["address"], 16), f["symbol"] or "??") for f in cpu["frames"]]
         kernel = [(pc, name) for pc, name in frames if pc >= KERNEL_SPACE]
         found.append(Observed(cpu["cpu"], cpu["mode"] == "kernel", process, kernel))

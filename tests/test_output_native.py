@@ -132,3 +132,26 @@ def test_a_mapping_without_a_file_offset_reads_as_offset_0(tmp_path: Path) -> No
     doc["mappings"] = [m[:7] for m in doc["mappings"]]  # as files before file offsets
     again = native.load(write_gz(tmp_path / "old.qmpprof", doc))
     assert {f.module for f in again.frames if f.module} == {replace(KERNEL, file_offset=0)}
+
+
+def threaded_profile() -> Profile:
+    """Two threads of one Linux process: two Process values, one label."""
+    profile = Profile(10.0)
+    user = Frame(0x401234, False, "main", 0x34)
+    for tid, thread in ((40, "app"), (41, "app-worker")):
+        process = Process(40, "app", 0, tid, thread)
+        profile.add(Sample(0.01 * tid, 0, Mode.USER, 3, 0, Stack((user,)), process))
+    return profile
+
+
+def test_threads_are_kept_and_files_without_them_still_load(tmp_path: Path) -> None:
+    profile = threaded_profile()
+    again = native.load(write_gz(tmp_path / "t.qmpprof", json.loads(gzip.decompress(
+        render(profile, "qmpprof")))))  # fmt: skip
+    threads = {(s.process.tid, s.process.thread) for s in again.stacks if s.process}
+    assert threads == {(40, "app"), (41, "app-worker")}
+    assert again.named_counts(Naming()) == {("app (pid 40)", "main"): 2}  # one process
+    doc = json.loads(gzip.decompress(render(profile, "qmpprof")))
+    doc["processes"] = [p[:3] for p in doc["processes"]]  # as files before threads
+    old = native.load(write_gz(tmp_path / "old.qmpprof", doc))
+    assert {s.process for s in old.stacks} == {Process(40, "app", 0)}

@@ -16,7 +16,7 @@ import pytest
 from gopprof import fields, go_pprof, one, packed, sub, top_flat
 from guestvm import running_guest
 from test_output import hand_built_profile
-from test_output_native import KERNEL, detailed_profile
+from test_output_native import KERNEL, detailed_profile, threaded_profile
 from test_report import strip_detail
 
 from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack
@@ -123,6 +123,16 @@ def test_inlined_frames_are_lines_of_one_location_innermost_first() -> None:
     )
     assert got.locations[locations[2]] == (0, 0x401233, [("main", "", 0)])
     assert labels == {"cpu": 0, "pid": 3, "process": "shell (pid 3)", "mode": "kernel"}
+
+
+def test_threads_are_labelled_with_tid_and_name() -> None:
+    got = decode(render(threaded_profile(), "pprof"))
+    labels = [s[2] for s in got.samples]
+    assert {(ls["pid"], ls["tid"], ls["thread"]) for ls in labels} == {
+        (40, 40, "app"),
+        (40, 41, "app-worker"),
+    }
+    assert {ls["process"] for ls in labels} == {"app (pid 40)"}
 
 
 def test_a_truncated_stack_ends_in_a_truncated_frame_and_is_labelled() -> None:

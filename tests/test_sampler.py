@@ -19,6 +19,7 @@ from fakes import (
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
 from qmpprof.naming import Naming
+from qmpprof.pages import PageCache, PageMissing
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 
@@ -302,6 +303,38 @@ async def test_the_window_is_cut_to_the_pages_walks_needed_and_grows_on_demand()
             assert len(reads) == 1 and int(reads[0].split("+")[1], 16) > 0x1000
 
 
+async def test_pages_a_walk_read_beyond_the_window_come_with_the_next_window() -> None:
+    # Frames 0x8010 bytes apart: from the leaf's page, the next frame is beyond a 4 KiB window's
+    # reach (as the user stack is beneath a system call's kernel stack).
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010], gap=0x8000)
+    r0 = regs(0, K + 0x3004, rsp=rbp, rbp=rbp)
+    transport = FakeTransport({0: r0}, pages)
+    unwinder = FramePointerUnwinder()
+    sampler = make(transport, unwinder, window=4096, duration=0.02)
+    await sampler.run()
+    ticks = [c for c in transport.calls if c.startswith("read") or c == "stop"]
+    far = (rbp + 0x8010) & ~0xFFF
+    first, second = ticks[1 : ticks.index("stop", 1)], ticks[ticks.index("stop", 1) + 1 :]
+    assert first[1:] == [f"read:{far:#x}+0x1000"]  # on demand, after a walk asked for it
+    window = f"read:{rbp & ~0xFFF:#x}+"
+    assert len(second) == 2 and f"read:{far:#x}+0x1000" in second  # both before the walk
+    assert first[0].startswith(window) and any(r.startswith(window) for r in second)
+    assert unwinder.unwinds == 3  # two walks in the first tick, one in the second
+    assert len(sampler.profile) == 2 and sampler.profile.truncated == 0
+
+
+def test_a_piece_is_read_where_pages_are_not_and_unmapped_pieces_read_as_none() -> None:
+    cache = PageCache()
+    cache.pieces[0x1FF8] = (16, bytes(range(16)))
+    cache.pieces[0x5000] = (8, None)
+    assert cache.read(0x1FFC, 8) == bytes(range(4, 12))  # across a page boundary
+    assert cache.read_u64(0x5000) is None
+    assert cache.has(0x1FF8, 16) and not cache.has(0x1FF8, 17)
+    with pytest.raises(PageMissing):
+        cache.read(0x2004, 8)  # past the piece: the page is not fetched
+    assert not cache.used  # pieces are not stack pages
+
+
 async def test_request_stop_ends_after_the_current_tick() -> None:
     r0, pages = kernel_cpu()
     transport = FakeTransport({0: r0}, pages)
@@ -364,8 +397,8 @@ async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     await sampler.run()
     tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
     assert tick[:3] == ["stop", "registers:0", "registers:1"]
-    identity = f"read:{K + 0x10_0000:#x}+{0x1000:#x}"
-    assert tick.count(identity) == 2  # one per vCPU, while the guest is stopped
+    identity = f"read:{K + 0x10_0000:#x}+{64:#x}"
+    assert tick.count(identity) == 2  # one per vCPU, while the guest is stopped, just its bytes
     assert len(sampler.profile) == 2  # an unmapped identity page costs nothing more
 
 

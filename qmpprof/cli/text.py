@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qmpprof.cli.options import Options
-from qmpprof.model import Frame, Sample
+from qmpprof.model import Frame, Process, Sample
 from qmpprof.naming import Detail, Naming, frame_name
 from qmpprof.output import viewer_hint
 from qmpprof.profile import Profile
@@ -28,13 +28,19 @@ def frame_text(frame: Frame, show_addresses: bool) -> str:
 def one_shot_text(samples: Sequence[Sample], show_addresses: bool) -> str:
     lines = []
     for s in samples:
-        who = f"  {s.process.label}" if s.process is not None else ""
+        who = "" if s.process is None else f"  {s.process.label}{_thread(s.process)}"
         lines.append(f"vCPU {s.cpu}: {s.mode.value} (CPL {s.cpl}, CR3 {s.cr3:#x}){who}")
         for i, frame in enumerate(s.stack.frames):
             lines.append(f"  #{i:<2} {frame_text(frame, show_addresses)}")
         if s.stack.truncated:
             lines.append(f"  [truncated: {s.stack.stop.value}]")
     return "\n".join(lines) + "\n"
+
+
+def _thread(process: Process) -> str:
+    if process.tid is None or (process.tid == process.pid and process.thread == process.program):
+        return ""
+    return f" thread {process.thread or '?'} (tid {process.tid})"
 
 
 def one_shot_json(samples: Sequence[Sample]) -> str:
@@ -48,7 +54,13 @@ def one_shot_json(samples: Sequence[Sample]) -> str:
             "cr3": f"{s.cr3:#x}",
             "process": None
             if s.process is None
-            else {"pid": s.process.pid, "program": s.process.program, "label": s.process.label},
+            else {
+                "pid": s.process.pid,
+                "program": s.process.program,
+                "label": s.process.label,
+                "tid": s.process.tid,
+                "thread": s.process.thread,
+            },
             "stop": s.stack.stop.value,
             "frames": [
                 {

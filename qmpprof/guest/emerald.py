@@ -21,7 +21,7 @@ from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.metadata import ProcessInfo
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.memo import Memo
-from qmpprof.memory import fetch
+from qmpprof.memory import fetch_piece
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.naming import UNKNOWN
 from qmpprof.pages import PageCache
@@ -94,7 +94,7 @@ class EmeraldIdentifier:
         self, transport: GuestTransport, regs: Registers, cache: PageCache, addr: int
     ) -> Identity | None:
         size = 8 * len(self.layout)
-        await fetch(transport, cache, regs.cpu, addr, size)
+        await fetch_piece(transport, cache, regs.cpu, addr, size)
         page = cache.read(addr, size)
         info = None if page is None else metadata.parse(page, self.layout)
         if info is None:

@@ -24,7 +24,7 @@ from qmpprof.guest.linuxvma import ReadMany, Vma, VmaLayout, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.memo import Memo
-from qmpprof.memory import fetch
+from qmpprof.memory import fetch_piece
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pages import PAGE, PageCache
 from qmpprof.transport.base import GuestTransport
@@ -84,11 +84,12 @@ class Task:
 
     @property
     def process(self) -> Process:
+        """The process (tgid, leader's comm) and this thread (pid, comm)."""
         if self.pid == 0:
-            return Process(0, self.comm, 0)  # swapper/N, the idle task of CPU N
+            return Process(0, self.comm, 0, 0, self.comm)  # swapper/N, the idle task of CPU N
         if self.kernel_thread:
-            return Process(self.tgid, f"[{self.comm}]", 0)
-        return Process(self.tgid, self.leader_comm, 0)
+            return Process(self.tgid, f"[{self.comm}]", 0, self.pid, self.comm)
+        return Process(self.tgid, self.leader_comm, 0, self.pid, self.comm)
 
 
 class LinuxIdentifier:
@@ -138,7 +139,7 @@ class LinuxIdentifier:
         if base is None:
             return self.kernel
         addr = base + layout.current
-        await fetch(transport, cache, regs.cpu, addr, 8)
+        await fetch_piece(transport, cache, regs.cpu, addr, 8)
         task = cache.read_u64(addr)
         if not task or task < _UPPER_HALF:
             return self.kernel
@@ -162,7 +163,7 @@ class LinuxIdentifier:
             return base
         if self.per_cpu_offset is not None:
             addr = self.per_cpu_offset + 8 * regs.cpu
-            await fetch(transport, cache, regs.cpu, addr, 8)
+            await fetch_piece(transport, cache, regs.cpu, addr, 8)
             base = cache.read_u64(addr)
         elif regs.cpl == 0 and regs.gs_base >= _UPPER_HALF:
             base = regs.gs_base  # kernel mode after swapgs: the per-CPU base
@@ -178,7 +179,7 @@ class LinuxIdentifier:
                   (layout.group_leader, 8), (layout.mm, 8))  # fmt: skip
         low = min(offset for offset, _ in fields)
         high = max(offset + size for offset, size in fields)
-        await fetch(transport, cache, cpu, task + low, high - low)  # one read: 1-2 pages
+        await fetch_piece(transport, cache, cpu, task + low, high - low)  # one read
         pid, tgid = _u32(cache, task + layout.pid), _u32(cache, task + layout.tgid)
         flags, comm = _u32(cache, task + layout.flags), _text(cache, task + layout.comm)
         leader = cache.read_u64(task + layout.group_leader)
@@ -187,7 +188,7 @@ class LinuxIdentifier:
             return None
         leader_comm = comm
         if leader and leader != task and leader >= _UPPER_HALF:
-            await fetch(transport, cache, cpu, leader + layout.comm, _COMM)
+            await fetch_piece(transport, cache, cpu, leader + layout.comm, _COMM)
             leader_comm = _text(cache, leader + layout.comm) or comm
         kernel_thread = bool(flags & PF_KTHREAD)
         return Task(pid, tgid, comm, kernel_thread, leader_comm, 0 if kernel_thread else mm)
@@ -267,7 +268,9 @@ def _disjoint(modules: list[Module]) -> list[Module]:
 def _reader(transport: GuestTransport, cpu: int) -> ReadMany:
     async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         cache = PageCache()
-        await asyncio.gather(*(fetch(transport, cache, cpu, a, n) for a, n in ranges if n > 0))
+        await asyncio.gather(
+            *(fetch_piece(transport, cache, cpu, a, n) for a, n in ranges if n > 0)
+        )
         return [cache.read(a, n) if n > 0 else None for a, n in ranges]
 
     return read

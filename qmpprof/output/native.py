@@ -51,7 +51,7 @@ def render(profile: Profile, naming: Naming) -> bytes:
             ]
             for m in mappings
         ],
-        "processes": [[p.pid, p.program, _hex(p.cr3)] for p in processes],
+        "processes": [[p.pid, p.program, _hex(p.cr3), p.tid, p.thread] for p in processes],
         "frames": [
             [
                 _hex(f.pc),
@@ -111,10 +111,12 @@ def _profile(doc: dict[str, Any]) -> Profile:
                 _str(path), _str(build_id), int(offset[0]) if offset else 0)
         for name, start, end, kernel, bias, path, build_id, *offset in doc["mappings"]
     ]  # fmt: skip
+    # Files written before processes had threads hold three fields.
     processes = [
-        Process(None if pid is None else int(pid), _str(program), int(cr3, 16))
-        for pid, program, cr3 in doc["processes"]
-    ]
+        Process(None if pid is None else int(pid), _str(program), int(cr3, 16),
+                *((None if t[0] is None else int(t[0]), _str(t[1])) if t else ()))
+        for pid, program, cr3, *t in doc["processes"]
+    ]  # fmt: skip
     frames = [
         Frame(int(pc, 16), bool(kernel), _str(symbol), int(offset),
               None if m < 0 else mappings[m], _str(file), None if line is None else int(line),

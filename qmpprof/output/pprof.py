@@ -17,7 +17,8 @@ What goes where:
   ``-noinlines``, so the naming option only names frames no symbol covers (``[unknown]``, or
   their address with ``--show-addresses`` or in a program without an ELF), as folded names them;
 - labels per sample: ``cpu``, ``pid`` (when the guest gives one), ``process`` (the context,
-  ``spin (pid 1)`` or ``kernel``), ``mode`` (kernel/user), and ``truncated`` = ``true`` when the
+  ``spin (pid 1)`` or ``kernel``), ``tid`` and ``thread`` (the thread's id and name, where the
+  guest tells threads apart: Linux), ``mode`` (kernel/user), and ``truncated`` = ``true`` when the
   walk stopped early; such a stack also ends in a ``[truncated]`` root frame, as in folded
   output, so the graph does not show a partial stack as a complete one;
 - the run's facts as comments (``go tool pprof -comments``).
@@ -122,6 +123,10 @@ class _Builder:
         if process is not None and process.pid is not None:
             out.append(self._label("pid", num=process.pid, unit="pid"))
         out.append(self._label("process", context_name(process)))
+        if process is not None and process.tid is not None:
+            out.append(self._label("tid", num=process.tid, unit="tid"))
+        if process is not None and process.thread is not None:
+            out.append(self._label("thread", process.thread))
         out.append(self._label("mode", record.mode.value))
         if record.truncated:
             out.append(self._label("truncated", "true"))
