@@ -69,10 +69,17 @@ def build_fixtures(variants: tuple[str, ...] | None = None) -> None:
 
 def expected(variant: str | None = None) -> dict[str, Any]:
     """fixtures/guest/expected.json: the workload shape the guest promises; for a ``variant``
-    of ``arch_variants`` (i386), with that entry's keys over the top-level ones."""
+    of ``arch_variants`` (i386, i386-pae), with that entry's keys over the top-level ones (and
+    over those of the entry it ``extends``)."""
     data: dict[str, Any] = json.loads(EXPECTED_JSON.read_text())
-    if variant is not None and variant in data["arch_variants"]:
-        data = {**data, **data["arch_variants"][variant]}
+    entries = data["arch_variants"]
+    chain = []
+    while variant is not None and variant in entries:
+        chain.append(entries[variant])
+        variant = entries[variant].get("extends")
+    for entry in reversed(chain):
+        data = {**data, **entry}
+    data.pop("extends", None)
     return data
 
 
