@@ -231,6 +231,16 @@ def running_guest(
             shutil.rmtree(sock_dir, ignore_errors=True)
 
 
+# spawn_user's console line (kernel/mm.c): one per process, with its CR3.
+_PROCESS_LINE = re.compile(r"process (\d+) '(\w+)' cr3=([0-9a-f]+) ")
+
+
+def process_cr3s(guest: Guest) -> dict[int, tuple[str, int]]:
+    """pid -> (program, CR3) of every process, as the guest printed them at boot."""
+    found = _PROCESS_LINE.findall(guest.console_text())
+    return {int(pid): (program, int(cr3, 16)) for pid, program, cr3 in found}
+
+
 def section(elf: ELFFile, name: str) -> Any:
     """A section that must exist (pyelftools' types do not narrow symbol tables)."""
     found = elf.get_section_by_name(name)

@@ -27,6 +27,7 @@ from guestvm import (
     expected,
     free_tcp_port,
     gdb_stack,
+    process_cr3s,
     running_guest,
     section,
 )
@@ -143,8 +144,6 @@ def test_proxy_rewrites_the_x86_64_layout_into_i386() -> None:
 
 BOOTS = [(variant, qemu) for variant in VARIANTS for qemu in BINARIES]
 CR0_PG, CR4_PAE = 1 << 31, 1 << 5
-# spawn_user's console line (mm.c): one per process, with its CR3.
-_PROCESS_LINE = re.compile(r"process (\d+) '(\w+)' cr3=([0-9a-f]+) ")
 
 
 @pytest.fixture(scope="module", params=BOOTS, ids=[f"{v}-{q}" for v, q in BOOTS])
@@ -165,17 +164,11 @@ def test_console_shows_the_workload(booted: Guest) -> None:
     assert WORKLOAD_LINE in text
 
 
-def _process_cr3s(guest: Guest) -> dict[int, tuple[str, int]]:
-    """pid -> (program, CR3) as the guest printed them at boot."""
-    found = _PROCESS_LINE.findall(guest.console_text())
-    return {int(pid): (program, int(cr3, 16)) for pid, program, cr3 in found}
-
-
 async def test_every_process_has_its_own_address_space(booted: Guest) -> None:
     """Paging as expected.json says for the build (CR4.PAE, how CR3 is aligned), one CR3 per
     process, the CPU in ring 3 under each of them and in ring 0 under the kernel's own."""
     want = expected(booted.variant)
-    processes = _process_cr3s(booted)
+    processes = process_cr3s(booted)
     pids = {pid: name for name, spec in want["programs"].items() for pid in spec["pids"]}
     assert {pid: name for pid, (name, _) in processes.items()} == pids
     cr3s = {cr3 for _, cr3 in processes.values()}
