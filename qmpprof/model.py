@@ -31,7 +31,7 @@ class Registers:
     rsp: int
     rbp: int
     cpl: int
-    cr3: int
+    cr3: int  # the whole register, never masked: a PAE CR3 (32-byte aligned) keeps bits 5..11
     fs_base: int = 0
     gs_base: int = 0
     long_mode: bool = True

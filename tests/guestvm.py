@@ -69,10 +69,17 @@ def build_fixtures(variants: tuple[str, ...] | None = None) -> None:
 
 def expected(variant: str | None = None) -> dict[str, Any]:
     """fixtures/guest/expected.json: the workload shape the guest promises; for a ``variant``
-    of ``arch_variants`` (i386), with that entry's keys over the top-level ones."""
+    of ``arch_variants`` (i386, i386-pae), with that entry's keys over the top-level ones (and
+    over those of the entry it ``extends``)."""
     data: dict[str, Any] = json.loads(EXPECTED_JSON.read_text())
-    if variant is not None and variant in data["arch_variants"]:
-        data = {**data, **data["arch_variants"][variant]}
+    entries = data["arch_variants"]
+    chain = []
+    while variant is not None and variant in entries:
+        chain.append(entries[variant])
+        variant = entries[variant].get("extends")
+    for entry in reversed(chain):
+        data = {**data, **entry}
+    data.pop("extends", None)
     return data
 
 
@@ -222,6 +229,16 @@ def running_guest(
         process.wait()
         if own_dir:
             shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+# spawn_user's console line (kernel/mm.c): one per process, with its CR3.
+_PROCESS_LINE = re.compile(r"process (\d+) '(\w+)' cr3=([0-9a-f]+) ")
+
+
+def process_cr3s(guest: Guest) -> dict[int, tuple[str, int]]:
+    """pid -> (program, CR3) of every process, as the guest printed them at boot."""
+    found = _PROCESS_LINE.findall(guest.console_text())
+    return {int(pid): (program, int(cr3, 16)) for pid, program, cr3 in found}
 
 
 def section(elf: ELFFile, name: str) -> Any:

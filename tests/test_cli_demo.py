@@ -141,10 +141,12 @@ def test_demo_writes_the_flame_graph_and_folded_stacks_here(tmp_path: Path) -> N
 
 
 @pytest.mark.qemu
-def test_demo_takes_the_i386_build(tmp_path: Path) -> None:
-    """``--variant i386``: the 32-bit build in qemu-system-i386, processes told apart by CR3."""
-    build_fixtures(("i386",))
-    command = [sys.executable, "-m", "qmpprof", "demo", "--variant", "i386", "--duration", "2"]
+@pytest.mark.parametrize("variant", ["i386", "i386-pae"])
+def test_demo_takes_the_i386_builds(tmp_path: Path, variant: str) -> None:
+    """``--variant i386`` (and ``i386-pae``, with PAE paging): the 32-bit build in
+    qemu-system-i386, processes told apart by CR3."""
+    build_fixtures((variant,))
+    command = [sys.executable, "-m", "qmpprof", "demo", "--variant", variant, "--duration", "2"]
     proc = subprocess.Popen(
         command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,

@@ -1,7 +1,9 @@
-"""The i386 build of the bundled guest (fixtures/build/i386): how it is built, that it boots under
-qemu-system-i386 and under qemu-system-x86_64, what each binary's HMP and gdbstub say about a
-32-bit guest's registers (docs/i386.md), and that gdb -- the oracle of the later stack
-comparisons -- unwinds it through int 0x80 and interrupts into user code under both binaries.
+"""The i386 builds of the bundled guest (fixtures/build/i386, and i386-pae with PAE paging): how
+they are built, that they boot under qemu-system-i386 and under qemu-system-x86_64, what each
+binary's HMP and gdbstub say about a 32-bit guest's registers (docs/i386.md), that every process
+has an address space (CR3) of its own, with or without PAE, and that gdb -- the oracle of the
+later stack comparisons -- unwinds them through int 0x80 and interrupts into user code under both
+binaries.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from guestvm import (
     expected,
     free_tcp_port,
     gdb_stack,
+    process_cr3s,
     running_guest,
     section,
 )
@@ -33,8 +36,9 @@ from support.gdbi386 import I386_LAYOUT, I386GdbProxy, i386_register, i386_regis
 
 from qmpprof.transport.gdbpackets import encode_packet
 
+# The workload and the layout are the same in both builds; paging differs (expected.json).
+VARIANTS = ("i386", "i386-pae")
 EXPECTED = expected("i386")
-BUILD = BUILD_ROOT / "i386"
 BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
 BINARIES = EXPECTED["qemu"]
 USER_TAIL = ["main", EXPECTED["outermost"]["user"]]
@@ -43,9 +47,11 @@ UCODE_CS, KCODE_CS = 0x23, 0x08
 REGS_EIP, REGS_CS = 36, 40
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    build_fixtures(("i386",))
+@pytest.fixture(scope="module", params=VARIANTS)
+def build(request: pytest.FixtureRequest) -> Path:
+    variant: str = request.param
+    build_fixtures((variant,))
+    return BUILD_ROOT / variant
 
 
 def _elf_header(path: Path) -> tuple[int, str, int]:
@@ -60,8 +66,8 @@ def _symbols(path: Path) -> dict[str, tuple[int, int]]:
         return {s.name: (s["st_value"], s["st_size"]) for s in symtab.iter_symbols() if s.name}
 
 
-def test_kernel_is_a_multiboot_elf32_in_the_higher_half(built: None) -> None:
-    kernel = BUILD / "kernel.elf"
+def test_kernel_is_a_multiboot_elf32_in_the_higher_half(build: Path) -> None:
+    kernel = build / "kernel.elf"
     elfclass, machine, entry = _elf_header(kernel)
     assert (elfclass, machine) == (32, "EM_386")
     symbols = _symbols(kernel)
@@ -80,8 +86,8 @@ def test_kernel_is_a_multiboot_elf32_in_the_higher_half(built: None) -> None:
 
 
 @pytest.mark.parametrize("program", sorted(EXPECTED["programs"]))
-def test_user_programs_are_elf32_at_the_shared_link_address(built: None, program: str) -> None:
-    path = BUILD / "user" / f"{program}.elf"
+def test_user_programs_are_elf32_at_the_shared_link_address(build: Path, program: str) -> None:
+    path = build / "user" / f"{program}.elf"
     elfclass, machine, entry = _elf_header(path)
     assert (elfclass, machine) == (32, "EM_386")
     with path.open("rb") as f:
@@ -93,13 +99,13 @@ def test_user_programs_are_elf32_at_the_shared_link_address(built: None, program
     assert entry == _symbols(path)["_start"][0]
 
 
-def test_c_functions_keep_frame_pointers(built: None) -> None:
+def test_c_functions_keep_frame_pointers(build: Path) -> None:
     """Every C function of the workload starts with push %ebp; mov %esp,%ebp (55 89 e5)."""
     handwritten = {n for names in EXPECTED["frameless_leaf"].values() for n in names}
     cases = [
-        (BUILD / "kernel.elf", [*EXPECTED["syscall_path"][1:], "kwork_checksum", "kworker_main"]),
+        (build / "kernel.elf", [*EXPECTED["syscall_path"][1:], "kwork_checksum", "kworker_main"]),
         *(
-            (BUILD / "user" / f"{p}.elf", [f for f in spec["shares"] if f not in handwritten])
+            (build / "user" / f"{p}.elf", [f for f in spec["shares"] if f not in handwritten])
             for p, spec in EXPECTED["programs"].items()
         ),
     ]
@@ -134,24 +140,66 @@ def test_proxy_rewrites_the_x86_64_layout_into_i386() -> None:
     assert i386_registers(b"E14") == b"E14"
 
 
-# ---- QEMU: one boot per binary ----------------------------------------------------------------
+# ---- QEMU: one boot per build and binary ------------------------------------------------------
+
+BOOTS = [(variant, qemu) for variant in VARIANTS for qemu in BINARIES]
+CR0_PG, CR4_PAE = 1 << 31, 1 << 5
 
 
-@pytest.fixture(scope="module", params=BINARIES)
+@pytest.fixture(scope="module", params=BOOTS, ids=[f"{v}-{q}" for v, q in BOOTS])
 def booted(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, built: None
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Guest]:
+    variant, qemu = request.param
     with running_guest(
-        tmp_path_factory.mktemp("i386"), "i386", gdb_port=free_tcp_port(), qemu=request.param
+        tmp_path_factory.mktemp(variant), variant, gdb_port=free_tcp_port(), qemu=qemu
     ) as guest:
         yield guest
 
 
 def test_console_shows_the_workload(booted: Guest) -> None:
     text = booted.console_text()
-    assert "(i386 build)" in text
+    assert f"({booted.variant} build)" in text
     assert f"protected mode, higher half at 0x{BOUNDARY >> 28:x}" in text
     assert WORKLOAD_LINE in text
+
+
+async def test_every_process_has_its_own_address_space(booted: Guest) -> None:
+    """Paging as expected.json says for the build (CR4.PAE, how CR3 is aligned), one CR3 per
+    process, the CPU in ring 3 under each of them and in ring 0 under the kernel's own."""
+    want = expected(booted.variant)
+    processes = process_cr3s(booted)
+    pids = {pid: name for name, spec in want["programs"].items() for pid in spec["pids"]}
+    assert {pid: name for pid, (name, _) in processes.items()} == pids
+    cr3s = {cr3 for _, cr3 in processes.values()}
+    assert len(cr3s) == len(processes)
+    qmp = QMPClient("i386-cr3")
+    await qmp.connect(str(booted.qmp_socket))
+    seen: set[tuple[int, int]] = set()  # (CPL, CR3)
+    try:
+        for _ in range(400):
+            await qmp.execute("stop")
+            text = await qmp.execute("human-monitor-command", {"command-line": "info registers"})
+            await qmp.execute("cont")
+            assert isinstance(text, str)
+            fields = dict(re.findall(r"\b(CPL|CR0|CR3|CR4)=([0-9a-f]+)\b", text))
+            cr0, cr3, cr4 = (int(fields[name], 16) for name in ("CR0", "CR3", "CR4"))
+            assert cr0 & CR0_PG and bool(cr4 & CR4_PAE) == want["pae"], (hex(cr0), hex(cr4))
+            seen.add((int(fields["CPL"]), cr3))
+            kernel = {c for cpl, c in seen if cpl == 0} - cr3s
+            if {(3, cr3) for cr3 in cr3s} <= seen and kernel:
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        await qmp.disconnect()
+    assert {(3, cr3) for cr3 in cr3s} <= seen, (sorted(cr3s), sorted(seen))
+    assert {c for cpl, c in seen if cpl == 3} == cr3s  # ring 3 only in the processes
+    (kernel_cr3,) = {c for _, c in seen} - cr3s  # the kernel thread's (and idle's)
+    roots = [kernel_cr3, *cr3s]
+    assert all(cr3 % want["cr3_alignment"] == 0 for cr3 in roots), [hex(c) for c in roots]
+    if want["cr3_same_page"]:
+        # PAE: 32-byte PDPTs in one page, so only bits 5..11 tell the address spaces apart.
+        assert len({cr3 >> 12 for cr3 in roots}) == 1 and all(cr3 & 0xFFF for cr3 in roots)
 
 
 async def test_hmp_prints_32_bit_registers_under_both_binaries(booted: Guest) -> None:
@@ -215,7 +263,8 @@ def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
         assert len(raw) == 608
         assert b"<architecture>i386:x86-64</architecture>" in xml
         eip, cs = struct.unpack_from("<Q", raw, 128)[0], struct.unpack_from("<I", raw, 140)[0]
-        cr3, efer = struct.unpack_from("<Q", raw, 204)[0], struct.unpack_from("<Q", raw, 228)[0]
+        cr3, cr4 = struct.unpack_from("<2Q", raw, 204)
+        efer = struct.unpack_from("<Q", raw, 228)[0]
         assert eip < 1 << 32 and not efer & 1 << 10  # EFER.LMA: not in long mode
         # The proxy's rewrite gives the i386 layout's first 16 registers.
         assert len(bytes.fromhex(i386_registers(g).decode())) == 16 * 4 + 8 * 10 + 8 * 4
@@ -223,22 +272,27 @@ def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
         assert len(raw) == 344
         assert b"<architecture>i386</architecture>" in xml
         eip, cs = struct.unpack_from("<2I", raw, 32)[0], struct.unpack_from("<I", raw, 40)[0]
-        cr3 = struct.unpack_from("<I", raw, 84)[0]
-    assert cr3 and cr3 % 4096 == 0
+        cr3, cr4 = struct.unpack_from("<2I", raw, 84)
+    # The whole CR3: a PAE one keeps bits 5..11 (expected.json cr3_alignment, cr3_same_page).
+    want = expected(booted.variant)
+    assert cr3 and cr3 % want["cr3_alignment"] == 0 and bool(cr3 & 0xFFF) == want["cr3_same_page"]
+    assert bool(cr4 & CR4_PAE) == want["pae"]
     assert cs in (UCODE_CS, KCODE_CS)
     assert (eip >= BOUNDARY) == (cs == KCODE_CS)
 
 
 @pytest.mark.qemu
-@pytest.mark.parametrize("qemu", BINARIES)
-async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, built: None, qemu: str) -> None:
-    """SMP: the AP leaves the trampoline in protected mode and schedules tasks too."""
-    with running_guest(tmp_path, "i386", 2, qemu=qemu) as guest:
+@pytest.mark.parametrize(("variant", "qemu"), BOOTS, ids=[f"{v}-{q}" for v, q in BOOTS])
+async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, variant: str, qemu: str) -> None:
+    """SMP: the AP leaves the trampoline in protected mode (PAE on in the i386-pae build) and
+    schedules tasks too."""
+    with running_guest(tmp_path, variant, 2, qemu=qemu) as guest:
         assert "2 cpu(s) online" in guest.console_text()
         qmp = QMPClient("i386-smp")
         await qmp.connect(str(guest.qmp_socket))
         try:
             seen: set[tuple[int, int]] = set()
+            cr4s: set[tuple[int, int]] = set()
             for _ in range(200):
                 await qmp.execute("stop")
                 command = {"command-line": "info registers -a"}
@@ -247,12 +301,16 @@ async def test_two_vcpus_come_up_and_run_user_code(tmp_path: Path, built: None, 
                 assert isinstance(text, str)
                 for cpu, cpl in re.findall(r"CPU#(\d+)\r?\n(?:.*\n){2}.*CPL=(\d)", text):
                     seen.add((int(cpu), int(cpl)))
+                cr4s.update(enumerate(int(cr4, 16) for cr4 in re.findall(r"\bCR4=(\w+)", text)))
                 if {(0, 3), (1, 3)} <= seen:
                     break
                 await asyncio.sleep(0.01)
         finally:
             await qmp.disconnect()
     assert {(0, 3), (1, 3)} <= seen, seen
+    pae = expected(variant)["pae"]
+    assert {cpu for cpu, _ in cr4s} == {0, 1}
+    assert all(bool(cr4 & CR4_PAE) == pae for _, cr4 in cr4s), cr4s
 
 
 # ---- gdb, the oracle ------------------------------------------------------------------------
@@ -269,12 +327,12 @@ def gdb_view(guest: Guest) -> Iterator[Guest]:
         yield dataclasses.replace(guest, gdb_port=proxy.port)
 
 
-def _running(program: str) -> str:
+def _running(guest: Guest, program: str) -> str:
     """A gdb condition true only while ``program`` is the current process: a word of .text
     where the user programs (all linked at one address) differ."""
     texts = {}
     for name in EXPECTED["programs"]:
-        with (BUILD / "user" / f"{name}.elf").open("rb") as f:
+        with guest.user_elf(name).open("rb") as f:
             text = section(ELFFile(f), ".text")
             texts[name] = (text["sh_addr"], text.data())
     address, mine = texts[program]
@@ -297,7 +355,7 @@ def test_gdb_unwinds_the_syscall_path_into_user_code(booted: Guest) -> None:
     with gdb_view(booted) as guest:
         stack = gdb_stack(
             guest,
-            BUILD / "user" / "sys.elf",
+            guest.user_elf("sys"),
             breakpoint=EXPECTED["syscall_path"][-1],
             architecture="i386",
         )
@@ -310,9 +368,9 @@ def test_gdb_unwinds_a_timer_interrupt_into_user_code(booted: Guest) -> None:
     with gdb_view(booted) as guest:
         stack = gdb_stack(
             guest,
-            BUILD / "user" / "spin.elf",
+            guest.user_elf("spin"),
             breakpoint="*interrupt_dispatch",
-            condition=_interrupted(UCODE_CS, _running("spin")),
+            condition=_interrupted(UCODE_CS, _running(guest, "spin")),
             architecture="i386",
         )
     valid = [s[i:] for s in EXPECTED["programs"]["spin"]["stacks"] for i in range(len(s))]
@@ -323,7 +381,7 @@ def test_gdb_unwinds_a_timer_interrupt_into_user_code(booted: Guest) -> None:
 
 def test_gdb_unwinds_a_timer_interrupt_of_the_kernel_thread(booted: Guest) -> None:
     """Interrupted in ring 0 the CPU pushes no esp: the CFI's esp rule must take the other arm."""
-    leaf_start, leaf_size = _symbols(BUILD / "kernel.elf")["checksum_leaf"]
+    leaf_start, leaf_size = _symbols(booted.kernel_elf)["checksum_leaf"]
     eip = f"*(unsigned int *)(*(unsigned int *)($esp + 4) + {REGS_EIP})"
     in_leaf = f"{eip} >= {leaf_start:#x} && {eip} < {leaf_start + leaf_size:#x}"
     with gdb_view(booted) as guest:

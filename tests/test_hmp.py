@@ -130,3 +130,19 @@ def test_32_bit_layout_of_qemu_system_x86_64() -> None:
     assert (regs.rip, regs.rsp, regs.rbp) == (0x40108C, 0x7FFFC0, 0x7FFFD8)
     assert (regs.cpl, regs.cr3, regs.long_mode) == (3, 0x121000, False)
     assert (regs.gprs[0], regs.gprs[3], regs.gprs[2]) == (0xD0A16BF4, 0x17AC, 0x42493A41)
+
+
+def test_pae_cr3_keeps_bits_5_to_11() -> None:
+    # docs/i386.md: the i386-pae guest in user mode under qemu-system-i386. CR3 holds a PDPT's
+    # address, 32-byte aligned: the low bits are what tell this build's processes apart.
+    text = (
+        "CPU#0\r\n"
+        "EAX=9ae1e0d4 EBX=000004c6 ECX=a8c36521 EDX=00000000\r\n"
+        "ESI=00000000 EDI=00000000 EBP=007fffd8 ESP=007fffc0\r\n"
+        "EIP=0040108c EFL=00000286 [--S--P-] CPL=3 II=0 A20=1 SMM=0 HLT=0\r\n"
+        "CS =0023 00000000 ffffffff 00cffa00 DPL=3 CS32 [-R-]\r\n"
+        "CR0=80010011 CR2=00000000 CR3=0010f060 CR4=00000020\r\n"
+        "EFER=0000000000000000\r\n"
+    )
+    regs = hmp.parse_registers(text)
+    assert (regs.cpl, regs.cr3, regs.long_mode) == (3, 0x10F060, False)

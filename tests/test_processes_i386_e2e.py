@@ -2,7 +2,8 @@
 workload's split measured through ``qmpprof -o x.folded`` (the default transport: a private
 gdbstub, whose register layout differs between the binaries), processes told apart by CR3, the
 system-call path stitched onto the calling user frames, and every output format written from
-the same run."""
+the same run. The i386-pae build once, under qemu-system-x86_64 (its 64-bit register layout;
+tests/test_cli_demo.py profiles it under qemu-system-i386): its CR3s differ only in bits 5..11."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from guestvm import expected, running_guest
+from guestvm import expected, process_cr3s, running_guest
 from test_processes_e2e import TOLERANCE, bare, program_of, shares_by_root
 
 from qmpprof.output.folded import parse
@@ -24,10 +25,13 @@ EXPECTED = expected("i386")
 K = "_[k]"
 
 
-@pytest.mark.parametrize("qemu", EXPECTED["qemu"])
-def test_i386_profile_measures_the_known_split(tmp_path: Path, qemu: str) -> None:
+RUNS = [*(("i386", qemu) for qemu in EXPECTED["qemu"]), ("i386-pae", "qemu-system-x86_64")]
+
+
+@pytest.mark.parametrize(("variant", "qemu"), RUNS, ids=[f"{v}-{q}" for v, q in RUNS])
+def test_i386_profile_measures_the_known_split(tmp_path: Path, variant: str, qemu: str) -> None:
     outs = [tmp_path / name for name in ("x.folded", "x.svg", "x.speedscope.json", "x.pb.gz")]
-    with running_guest(tmp_path, "i386", qemu=qemu) as guest:
+    with running_guest(tmp_path, variant, qemu=qemu) as guest:
         cmd = [
             sys.executable, "-m", "qmpprof",
             "--qmp-socket", str(guest.qmp_socket),
@@ -37,6 +41,7 @@ def test_i386_profile_measures_the_known_split(tmp_path: Path, qemu: str) -> Non
             *[arg for out in outs for arg in ("-o", str(out))],
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        processes = process_cr3s(guest).values()
     assert done.returncode == 0, done.stderr
     print(done.stderr)
     stacks = parse(outs[0].read_text())
@@ -45,6 +50,9 @@ def test_i386_profile_measures_the_known_split(tmp_path: Path, qemu: str) -> Non
     assert set(EXPECTED["programs"]) <= labels, sorted(by_root)
     spin_roots = [root for root in by_root if program_of(root) == "spin"]
     assert len(spin_roots) == len(EXPECTED["programs"]["spin"]["pids"]), spin_roots  # by CR3
+    # Named by the whole CR3 each process has (i386-pae: bits 5..11 alone tell them apart).
+    user_roots = {root for root in by_root if program_of(root) in EXPECTED["programs"]}
+    assert user_roots == {f"{name} (cr3={cr3:#x})" for name, cr3 in processes}, sorted(by_root)
     assert "kernel" in by_root  # the kernel thread
 
     report = []
@@ -58,7 +66,7 @@ def test_i386_profile_measures_the_known_split(tmp_path: Path, qemu: str) -> Non
         assert total >= 100, f"{program}: only {total} samples"
         for function, share in spec["shares"].items():
             measured = counts[function] / total
-            report.append(f"{qemu} {program}.{function}: {measured:.3f} vs {share:.3f}")
+            report.append(f"{variant} {qemu} {program}.{function}: {measured:.3f} vs {share:.3f}")
             assert abs(measured - share) <= TOLERANCE, "\n".join(report)
     print("\n".join(report))
 

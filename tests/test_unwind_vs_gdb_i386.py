@@ -1,4 +1,4 @@
-"""qmpprof's stacks against gdb's on the i386 build, frame for frame, under both QEMU binaries.
+"""qmpprof's stacks against gdb's on the i386 builds, frame for frame, under both QEMU binaries.
 
 The method of test_unwind_vs_gdb: gdb (through tests/support/gdbi386.py's proxy, which shows it
 an i386 target under qemu-system-x86_64 too) interrupts the guest at random moments; qmpprof
@@ -6,7 +6,8 @@ then samples the stopped guest over QMP (HMP's 32-bit ``EAX=…`` registers) and
 compared by function name, leaf first. There is no metadata page: gdb picks the current
 process's user ELF by reading each program's ``.text`` under the current CR3, qmpprof tells
 processes apart by CR3 (Cr3Identifier), from the very first moment (a process first caught
-inside a system call is found by its .text too).
+inside a system call is found by its .text too). The i386-pae build runs the same comparison
+with CFI: its processes' CR3s differ only in bits 5..11 (expected.json), which qmpprof keeps.
 """
 
 from __future__ import annotations
@@ -110,14 +111,14 @@ class I386Oracle(GdbMi):
 
 
 async def compare(
-    qemu: str, tmp_path: Path, *, cfi: bool = True
+    qemu: str, tmp_path: Path, *, cfi: bool = True, variant: str = "i386"
 ) -> tuple[int, list[Mismatch], set[tuple[str, ...]]]:
     port = free_tcp_port()
-    rng = random.Random(f"qmpprof-i386-{qemu}")
+    rng = random.Random(f"qmpprof-{variant}-{qemu}")
     agree, stop = 0, 0
     disagreements: list[Mismatch] = []
     seen: set[tuple[str, ...]] = set()
-    with running_guest(tmp_path, "i386", gdb_port=port, qemu=qemu) as guest:
+    with running_guest(tmp_path, variant, gdb_port=port, qemu=qemu) as guest:
         translate = qemu == "qemu-system-x86_64"
         with I386GdbProxy(port, translate=translate) as proxy:
             oracle = I386Oracle(guest.kernel_elf, guest.user_dir, proxy.port, tmp_path / "qg.py")
@@ -157,14 +158,20 @@ async def compare(
     return agree, disagreements, seen
 
 
-@pytest.mark.parametrize("cfi", [True, False], ids=["cfi", "no-cfi"])
+# (build, CFI): paging does not change how a stack is unwound, so the PAE build runs with CFI only.
+BUILDS = [("i386", True), ("i386", False), ("i386-pae", True)]
+
+
+@pytest.mark.parametrize(
+    ("variant", "cfi"), BUILDS, ids=[f"{v}-{'cfi' if c else 'no-cfi'}" for v, c in BUILDS]
+)
 @pytest.mark.parametrize("qemu", EXPECTED["qemu"])
-def test_i386_stacks_agree_with_gdb(qemu: str, cfi: bool, tmp_path: Path) -> None:
+def test_i386_stacks_agree_with_gdb(qemu: str, variant: str, cfi: bool, tmp_path: Path) -> None:
     """``no-cfi``: every CFI section removed from qmpprof's copies, so frame pointers and
     prologue analysis (32-bit trap frames included) alone must find gdb's stacks."""
-    agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path, cfi=cfi))
+    agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path, cfi=cfi, variant=variant))
     total = agree + len(disagreements)
-    what = "i386" if cfi else "i386 without CFI"
+    what = variant if cfi else f"{variant} without CFI"
     share = f"{agree}/{total} ({agree / total:.1%})"
     print(f"\n{what} under {qemu}: qmpprof agrees with gdb on {share}")
     print(listing(disagreements))

@@ -27,8 +27,8 @@ from qmpprof.output import write_profile
 from qmpprof.profile import Profile
 
 QEMU = "qemu-system-x86_64"
-# The binary for each build: the i386 build boots in qemu-system-i386 (scripts/run-guest's).
-QEMU_OF = {"fp": QEMU, "cfi": QEMU, "i386": "qemu-system-i386"}
+# The binary for each build: the i386 builds boot in qemu-system-i386 (scripts/run-guest's).
+QEMU_OF = {"fp": QEMU, "cfi": QEMU, "i386": "qemu-system-i386", "i386-pae": "qemu-system-i386"}
 MAX_SMP = 4  # what the bundled kernel supports
 TOP = 10
 
@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--variant", choices=tuple(QEMU_OF), default="cfi",
         help="guest build: frame pointers (fp), CFI in .eh_frame (cfi, the default), or the "
-             "32-bit build (i386, in qemu-system-i386)")  # fmt: skip
+             "32-bit build (i386, in qemu-system-i386; i386-pae: with PAE paging)")  # fmt: skip
     add("--smp", metavar="N", type=int, default=1, help=f"vCPUs, 1..{MAX_SMP} (default 1)")
     add("--duration", metavar="S", type=float, default=5.0,
         help="guest run time to profile (default 5)")  # fmt: skip
