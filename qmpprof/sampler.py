@@ -104,7 +104,11 @@ class Sampler(Generic[Space, Raw]):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: Callable[[], float] = random.random,
         on_tick: Callable[[SamplerStats], None] | None = None,
+        housekeeping: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``housekeeping``: called after every tick, while the guest runs (the guest OS's
+        slow changes, e.g. modules loaded; it keeps its own schedule); its time counts as run
+        time, and its errors are dropped (a guest gone shows at the next stop)."""
         self.transport = transport
         self.unwinder = unwinder
         self.identifier = identifier
@@ -116,6 +120,7 @@ class Sampler(Generic[Space, Raw]):
         self._sleep = sleep
         self._rng = rng
         self._on_tick = on_tick
+        self._housekeeping = housekeeping
         self._stop_requested = False
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
@@ -151,6 +156,9 @@ class Sampler(Generic[Space, Raw]):
             self._adapt()
             if self._on_tick is not None:
                 self._on_tick(self.stats)
+            if self._housekeeping is not None and not self._stop_requested:
+                with contextlib.suppress(QmpprofError):
+                    await self._housekeeping()
         return RunOutcome(True, tuple(last))
 
     async def _select_cpus(self) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from qmpprof.guest.base import GuestIdentifier
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.linux import LinuxIdentifier, TaskLayout
-from qmpprof.guest.linuxmodules import ModuleLayout, Reader, read_modules
+from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
 from qmpprof.guest.linuxvma import VmaLayout
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.guest.userfiles import UserFiles
@@ -203,13 +203,17 @@ async def linux_identifier(
     modules = [kernel.module(slide, lines=spec.lines)]
     head = kernel.address("modules", slide)
     module_layout = from_btf(ModuleLayout.from_btf, "module frames unnamed")
+    module_list = None
     if module_layout is not None and head is not None:
         orc_layout = None if kernel.orc is None else kernel.orc.layout
-        modules += await read_modules(_reader(control), head, module_layout, orc_layout)
+        module_list = ModuleList(_reader(control), head, module_layout, orc_layout)
+        modules += await module_list.refresh() or []
     per_cpu_offset = kernel.address("__per_cpu_offset", slide)
     vmas = from_btf(VmaLayout.from_btf, "user code is not placed")
     files = UserFiles(spec.user_dir)
-    identifier = LinuxIdentifier(modules, layout, per_cpu_offset, vmas=vmas, files=files)
+    identifier = LinuxIdentifier(
+        modules, layout, per_cpu_offset, vmas=vmas, files=files, module_list=module_list
+    )
     init_task = kernel.address("init_task", slide)
     if spec.user_dir is not None and init_task is not None:
         await identifier.preload(control, init_task)
@@ -256,6 +260,12 @@ async def start(
     assert identifier is not None
     if on_connect is not None:
         on_connect(connection)
+    housekeeping = identifier.housekeep if isinstance(identifier, LinuxIdentifier) else None
     return Sampler(
-        transport, unwinder(spec), identifier, sampler_config(spec, transport), on_tick=on_tick
+        transport,
+        unwinder(spec),
+        identifier,
+        sampler_config(spec, transport),
+        on_tick=on_tick,
+        housekeeping=housekeeping,
     )

@@ -11,10 +11,11 @@ import pytest
 from fakes import FakeTransport, regs
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.guest.linux import PF_KTHREAD, LinuxIdentifier, TaskLayout
+from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, LinuxIdentifier, TaskLayout
+from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
 from qmpprof.linux.btf import Btf
 from qmpprof.model import Mapping, Process
-from qmpprof.pages import PAGE, PageCache
+from qmpprof.pages import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import Module
 
 PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20
@@ -138,3 +139,88 @@ async def test_without_btf_every_sample_is_the_kernel_s() -> None:
     identifier = LinuxIdentifier([KERNEL], None, PER_CPU_OFFSET)
     found = await identifier.identify(FakeTransport({}, {}), regs(0, 0x40_1000), PageCache())
     assert found.process is None and identifier.reads_for(regs(0, 0x40_1000)) == ()
+
+
+HEAD = 0xFFFF_FFFF_82E0_0000  # the kernel's `modules` list head
+ALPHA, BETA = 0xFFFF_FFFF_C000_1000, 0xFFFF_FFFF_C000_9000  # struct module of each
+
+
+@pytest.fixture(scope="module")
+def module_layout(linux_vmlinux: ElfImage) -> ModuleLayout:
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    return ModuleLayout.from_btf(btf)
+
+
+def link(memory: Memory, layout: ModuleLayout, chain: list[int]) -> None:
+    """The circular list from HEAD through each struct module's ``list`` member."""
+    nodes = [HEAD, *(at + layout.list for at in chain)]
+    for node, following in zip(nodes, [*nodes[1:], HEAD], strict=True):
+        memory.put(node, struct.pack("<Q", following))
+
+
+def module(memory: Memory, layout: ModuleLayout, at: int, name: str, text: int) -> None:
+    memory.put(at + layout.name, name.encode().ljust(layout.name_size, b"\0"))
+    memory.put(at + layout.text_base, struct.pack("<Q", text))
+    memory.put(at + layout.text_size, struct.pack("<I", 0x2000))
+
+
+def reader(memory: Memory, reads: list[int]) -> Reader:
+    async def read(addr: int, size: int) -> bytes | None:
+        reads.append(addr)
+        data = PageCache()
+        data.pages = dict(memory.frozen())
+        try:
+            return data.read(addr, size)
+        except PageMissing:
+            return None
+
+    return read
+
+
+async def test_the_module_list_is_read_again_by_its_links_and_only_new_modules_in_full(
+    module_layout: ModuleLayout,
+) -> None:
+    memory, reads = Memory(), []
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    module(memory, module_layout, BETA, "beta", 0xFFFF_FFFF_C020_0000)
+    link(memory, module_layout, [ALPHA])
+    modules = ModuleList(reader(memory, reads), HEAD, module_layout, None)
+    assert [m.name for m in await modules.refresh() or []] == ["[alpha]"]
+    reads.clear()
+    assert await modules.refresh() is None  # the same list: its two links read, nothing else
+    assert reads == [HEAD, ALPHA + module_layout.list]
+    link(memory, module_layout, [BETA, ALPHA])  # a module is loaded: it goes first
+    reads.clear()
+    assert [m.name for m in await modules.refresh() or []] == ["[beta]", "[alpha]"]
+    assert ALPHA + module_layout.name not in reads and BETA + module_layout.name in reads
+    link(memory, module_layout, [BETA])  # and one unloaded
+    assert [m.name for m in await modules.refresh() or []] == ["[beta]"]
+
+
+async def test_housekeeping_takes_in_a_module_loaded_during_the_run(
+    layout: TaskLayout, module_layout: ModuleLayout
+) -> None:
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    link(memory, module_layout, [])
+    now = [0.0]
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None)
+    assert await modules.refresh() == []
+    identifier = LinuxIdentifier(
+        [KERNEL], layout, PER_CPU_OFFSET, module_list=modules, clock=lambda: now[0]
+    )
+    transport = FakeTransport({}, memory.frozen())
+    before = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
+    assert before.space.find(0xFFFF_FFFF_C010_0010) is None
+    link(memory, module_layout, [ALPHA])
+    now[0] = MODULES_RECHECK / 2
+    await identifier.housekeep()  # not yet due
+    assert identifier.space is before.space
+    now[0] = MODULES_RECHECK
+    await identifier.housekeep()
+    after = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
+    found = after.space.find(0xFFFF_FFFF_C010_0010)
+    assert found is not None and found.name == "[alpha]"
+    assert after.process == before.process  # the task read again, with the new space

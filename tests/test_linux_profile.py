@@ -3,11 +3,16 @@ booted with KASLR on 2 vCPUs (tests/linuxvm.py), its workload a PIE program link
 (user compute, and pread() on the test module's /proc file, which burns CPU in the module) and
 the module's kernel thread. One 5 s profile at 10 ms, saved as a .qmpprof, then checked: the
 ticks sampled, kernel stacks whole and named, module frames named, system calls stitched to the
-user code that made them, user frames named from --user-dir, processes named."""
+user code that made them, user frames named from --user-dir, processes named. And a module
+loaded while qmpprof runs: its frames named from then on."""
 
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -84,3 +89,42 @@ def test_a_kaslr_guest_profiled_from_its_boot_files(
     assert any(name.startswith("__libc_start_main ") for name in functions)
     assert any(p.startswith("qmpprof-work (pid ") for p in processes), processes
     assert any(p.startswith("[qmpprof_kwork] (pid ") for p in processes), processes
+
+
+def test_a_module_loaded_during_the_run_is_named(tmp_path: Path) -> None:
+    """The guest loads the module (and starts the workload reading it) 20 s after the rest of
+    its workload (init's ``qmpprof.late_module``): qmpprof, started before that, must name the
+    module's frames once it is loaded. Stopped by SIGINT 10 s after the load."""
+    saved = tmp_path / "late.qmpprof"
+    with running_linux_guest(
+        tmp_path, kaslr=True, smp=2, dump_kallsyms=False, append="qmpprof.late_module"
+    ) as guest:
+        cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
+        cmd += ["--kernel", str(KERNEL), "--user-dir", str(ROOTFS), "--duration", "600"]
+        cmd += ["--interval", "20", "-v", "-o", str(saved)]
+        run = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "module loaded late" not in guest.console_text():
+                assert time.monotonic() < deadline, guest.console_text()[-2000:]
+                assert run.poll() is None, run.communicate()[1]
+                time.sleep(0.5)
+            time.sleep(10)
+            run.send_signal(signal.SIGINT)
+            _, err = run.communicate(timeout=120)
+        finally:
+            run.kill()
+    print(err)
+    assert run.returncode == 0, err
+    assert "0 modules (none)" in err  # not loaded when the run started
+    functions: Counter[str] = Counter()
+    unknown = 0
+    profile = native.load(saved)
+    for _time, _cpu, sid in profile.timeline():
+        frames = profile.frames_of(profile.stacks[sid])
+        functions.update(f"{f.symbol} {f.module_name}" for f in frames)
+        unknown += any(f.kernel and f.symbol is None for f in frames)
+    print(functions.most_common(20), unknown)
+    named = functions[f"qb_burn_leaf {MODULE}"]
+    assert named > 20 and functions[f"qb_kwork_leaf {MODULE}"] > 5
+    assert unknown < named / 4  # only until the next look at the module list (2 s)

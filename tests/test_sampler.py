@@ -4,6 +4,7 @@ on a virtual clock), run-state safety, errors as data, filtering, page refetchin
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from fakes import (
@@ -44,6 +45,7 @@ def make(
     transport: FakeTransport,
     unwinder: FramePointerUnwinder | None = None,
     identifier: KernelIdentifier[FakeSpace] | None = None,
+    housekeeping: Callable[[], Awaitable[None]] | None = None,
     **config: object,
 ) -> Sampler[FakeSpace, tuple[tuple[int, ...], StopReason]]:
     return Sampler(
@@ -54,6 +56,7 @@ def make(
         clock=transport.clock,
         sleep=transport.clock.sleep,
         rng=lambda: 0.5,
+        housekeeping=housekeeping,
     )
 
 
@@ -333,6 +336,27 @@ def test_a_piece_is_read_where_pages_are_not_and_unmapped_pieces_read_as_none() 
     with pytest.raises(PageMissing):
         cache.read(0x2004, 8)  # past the piece: the page is not fetched
     assert not cache.used  # pieces are not stack pages
+
+
+async def test_housekeeping_runs_between_ticks_while_the_guest_runs_and_its_errors_pass() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    calls: list[int] = []
+
+    async def housekeeping() -> None:
+        calls.append(len(transport.calls))
+        transport.calls.append("housekeeping")
+        if len(calls) == 2:
+            raise TransportError("the guest's memory could not be read")
+
+    sampler = make(transport, housekeeping=housekeeping, duration=0.03)
+    await sampler.run()
+    assert len(sampler.profile) == 3 and len(calls) == 3  # after every tick, the run went on
+    ticks = [c for c in transport.calls if c in ("stop", "cont", "housekeeping")]
+    assert ticks == ["stop", "cont", "housekeeping"] * 3  # never inside a pause
+    transport.calls.clear()
+    await sampler.run(one_shot=True)
+    assert "housekeeping" not in transport.calls
 
 
 async def test_request_stop_ends_after_the_current_tick() -> None:

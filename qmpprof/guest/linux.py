@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.guest.base import Identity
+from qmpprof.guest.linuxmodules import ModuleList
 from qmpprof.guest.linuxvma import ReadMany, Vma, VmaLayout, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
@@ -32,6 +33,7 @@ from qmpprof.unwind.space import AddressSpace, Module
 
 RECHECK = 0.5  # seconds a task pointer's identity is trusted without reading the task again
 SPACE_RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
+MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 _PROBE = 32  # bytes of code compared between a mapping and the file that claims it
 PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
@@ -104,24 +106,43 @@ class LinuxIdentifier:
         *,
         vmas: VmaLayout | None = None,
         files: UserFiles | None = None,
+        module_list: ModuleList | None = None,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown).
+        """``kernel_modules``: the kernel image's Module, then the loaded modules'.
+        ``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown).
         ``vmas``: how to read a process's mappings (None: user code is not placed); ``files``:
-        where its ELF files are."""
-        self.kernel_modules = tuple(kernel_modules)
-        self.space = AddressSpace(kernel_modules)
+        where its ELF files are. ``module_list``: the guest's module list, for ``housekeep``."""
         self.vmas = vmas
         self.files = files or UserFiles(None)
-        self._spaces: Memo[tuple[int, int], tuple[AddressSpace, float]] = Memo(_TASKS_LIMIT)
-        self.kernel = Identity(None, self.space)
+        self.module_list = module_list
+        self._modules_read = clock()
+        self._use_modules(kernel_modules)
         self.layout = layout
         self.per_cpu_offset = per_cpu_offset
         self.recheck = recheck
         self.clock = clock
         self._bases: dict[int, int] = {}  # vCPU -> its per-CPU base
+
+    def _use_modules(self, kernel_modules: Sequence[Module]) -> None:
+        """Start over with these kernel modules: every process's space is built again."""
+        self.kernel_modules = tuple(kernel_modules)
+        self.space = AddressSpace(kernel_modules)
+        self.kernel = Identity(None, self.space)
+        self._spaces: Memo[tuple[int, int], tuple[AddressSpace, float]] = Memo(_TASKS_LIMIT)
         self._tasks: Memo[int, tuple[Identity, float]] = Memo(_TASKS_LIMIT)
+
+    async def housekeep(self) -> None:
+        """Between samples, while the guest runs: every MODULES_RECHECK seconds, read the
+        module list again (its links; new modules in full) and take in what was loaded or
+        unloaded since."""
+        if self.module_list is None or self.clock() - self._modules_read < MODULES_RECHECK:
+            return
+        self._modules_read = self.clock()
+        found = await self.module_list.refresh()
+        if found is not None:
+            self._use_modules([self.kernel_modules[0], *found])
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self._bases.get(regs.cpu)

@@ -7,8 +7,8 @@ addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted whe
 loaded). Offsets come from the kernel's BTF. Each module becomes a ``Module`` named
 ``[name]``, unwound by its ORC; frames in it are named ``function [name]``.
 
-Read once when a run starts, through QMP (memsave needs no stop): a module loaded later is
-``[unknown]`` until the next run.
+Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
+the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
 """
 
 from __future__ import annotations
@@ -77,22 +77,42 @@ class ModuleLayout:
         )
 
 
-async def read_modules(
-    read: Reader, head: int, layout: ModuleLayout, orc_layout: OrcLayout | None = None
-) -> list[Module]:
-    """Every module on the list at ``head`` (the runtime address of ``modules``) that can be
-    read; one that cannot (unloaded meanwhile) is skipped. ``orc_layout``: the kernel image's
-    (modules are built with it), else told from the entries."""
-    out: list[Module] = []
-    node = await _u64(read, head)
-    seen = {head}
-    while node is not None and node not in seen and len(seen) <= MAX_MODULES:
-        seen.add(node)
-        module = await _read_module(read, node - layout.list, layout, orc_layout)
-        if module is not None:
-            out.append(module)
-        node = await _u64(read, node)
-    return out
+class ModuleList:
+    """The guest's module list as last read. ``refresh`` walks the list's links (one read a
+    module) and reads in full only the modules it has not seen: cheap enough to run every few
+    seconds while the guest runs, so that a module loaded after the run started gets named."""
+
+    def __init__(
+        self, read: Reader, head: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+    ) -> None:
+        self.read, self.head, self.layout, self.orc_layout = read, head, layout, orc_layout
+        self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
+
+    async def refresh(self) -> list[Module] | None:
+        """The modules loaded now, or None when the list holds the same ones as last time."""
+        found = await self._structs()
+        if self.known is not None and found == list(self.known):
+            return None
+        known = self.known or {}
+        fresh: dict[int, Module | None] = {}
+        for at in found:
+            fresh[at] = (
+                known[at]
+                if at in known
+                else await _read_module(self.read, at, self.layout, self.orc_layout)
+            )
+        self.known = fresh
+        return [m for m in fresh.values() if m is not None]
+
+    async def _structs(self) -> list[int]:
+        out: list[int] = []
+        node = await _u64(self.read, self.head)
+        seen = {self.head}
+        while node is not None and node not in seen and len(seen) <= MAX_MODULES:
+            seen.add(node)
+            out.append(node - self.layout.list)
+            node = await _u64(self.read, node)
+        return out
 
 
 async def _read_module(
