@@ -57,14 +57,20 @@ def qg_dump():
         if chosen:
             gdb.execute("add-symbol-file " + chosen, to_string=True)
         _qg["loaded"] = chosen
+    qg_frames()
+"""
+# Appended to each oracle's script (not %-formatted): gdb's real frames, leaf first, one line
+# each (inlined frames skipped; a frame with no name named by `info symbol`, else ??).
+FRAMES_SCRIPT = r"""
+def qg_frames():
     frame, depth = gdb.newest_frame(), 0
     while frame is not None and depth < 128:
         if frame.type() != gdb.INLINE_FRAME:
             name = frame.name()
             if frame.type() == gdb.SIGTRAMP_FRAME or name is None:
-                out = gdb.execute("info symbol %%#x" %% frame.pc(), to_string=True)
+                out = gdb.execute("info symbol %#x" % frame.pc(), to_string=True)
                 name = "??" if out.startswith("No symbol") else out.split()[0]
-            print("QGFRAME %%s" %% name)
+            print("QGFRAME %s" % name)
             depth += 1
         try:
             frame = frame.older()
@@ -74,14 +80,13 @@ def qg_dump():
 _FRAME = re.compile(r'~"QGFRAME (\S+)\\n"')
 
 
-class Oracle(GdbMi):
-    def __init__(self, kernel: Path, user_dir: Path, port: int, script: Path) -> None:
+class FrameOracle(GdbMi):
+    """gdb on ``kernel``, attached to a gdbstub at ``port``, with ``script`` (which defines
+    ``qg_dump``: pick the user ELF, then ``qg_frames()``) sourced."""
+
+    def __init__(self, kernel: Path, port: int, script: Path, text: str) -> None:
         super().__init__(str(kernel))
-        candidates = {}
-        for elf in sorted(user_dir.glob("*.elf")):
-            image = ElfImage.load(elf)
-            candidates[f"{image.text_addr:x}:{image.text_sha256}"] = str(elf)
-        script.write_text(_SCRIPT % {"meta": METADATA_ADDR, "candidates": json.dumps(candidates)})
+        script.write_text(text + FRAMES_SCRIPT)
         for setting in ("backtrace past-main on", "backtrace past-entry on"):
             self.command(f"-gdb-set {setting}")
         self.command(f'-interpreter-exec console "source {script}"')
@@ -93,10 +98,24 @@ class Oracle(GdbMi):
     def resume(self) -> None:
         self.command("-exec-continue")
 
-    def stack(self, cpu: int) -> list[str]:
-        self.command(f"-thread-select {cpu + 1}")
+    def frames(self) -> list[str]:
+        """The selected thread's frames, leaf first."""
         lines = self.command('-interpreter-exec console "python qg_dump()"')
         return [m.group(1) for line in lines for m in [_FRAME.match(line)] if m]
+
+
+class Oracle(FrameOracle):
+    def __init__(self, kernel: Path, user_dir: Path, port: int, script: Path) -> None:
+        candidates = {}
+        for elf in sorted(user_dir.glob("*.elf")):
+            image = ElfImage.load(elf)
+            candidates[f"{image.text_addr:x}:{image.text_sha256}"] = str(elf)
+        text = _SCRIPT % {"meta": METADATA_ADDR, "candidates": json.dumps(candidates)}
+        super().__init__(kernel, port, script, text)
+
+    def stack(self, cpu: int) -> list[str]:
+        self.command(f"-thread-select {cpu + 1}")
+        return self.frames()
 
 
 def ours(sample: Sample) -> list[str]:

@@ -16,15 +16,13 @@ import asyncio
 import hashlib
 import json
 import random
-import re
 import time
 from pathlib import Path
 
 import pytest
 from guestvm import expected, free_tcp_port, running_guest
-from support.bench.gdbcli import GdbMi
 from support.gdbi386 import I386GdbProxy
-from test_unwind_vs_gdb import Mismatch, listing, ours, without_cfi
+from test_unwind_vs_gdb import FrameOracle, Mismatch, listing, ours, without_cfi
 
 from qmpprof.dwarf.arch import I386
 from qmpprof.elf.image import ElfImage
@@ -67,47 +65,22 @@ def _qg_dump():
         if chosen:
             gdb.execute("add-symbol-file " + chosen, to_string=True)
         _qg["loaded"] = chosen
-    frame, depth = gdb.newest_frame(), 0
-    while frame is not None and depth < 128:
-        if frame.type() != gdb.INLINE_FRAME:
-            name = frame.name()
-            if frame.type() == gdb.SIGTRAMP_FRAME or name is None:
-                out = gdb.execute("info symbol %%#x" %% frame.pc(), to_string=True)
-                name = "??" if out.startswith("No symbol") else out.split()[0]
-            print("QGFRAME %%s" %% name)
-            depth += 1
-        try:
-            frame = frame.older()
-        except gdb.error:
-            break
+    qg_frames()
 """
-_FRAME = re.compile(r'~"QGFRAME (\S+)\\n"')
 
 
-class I386Oracle(GdbMi):
+class I386Oracle(FrameOracle):
     def __init__(self, kernel: Path, user_dir: Path, port: int, script: Path) -> None:
-        super().__init__(str(kernel))
         candidates = []
         for elf in sorted(user_dir.glob("*.elf")):
             image = ElfImage.load(elf)
             text = image.text_bytes or b""
             digest = hashlib.sha256(text).hexdigest()
             candidates.append([image.text_addr, len(text), digest, str(elf)])
-        script.write_text(_SCRIPT % {"candidates": json.dumps(candidates)})
-        for setting in ("backtrace past-main on", "backtrace past-entry on"):
-            self.command(f"-gdb-set {setting}")
-        self.command(f'-interpreter-exec console "source {script}"')
-        self.attach(f"127.0.0.1:{port}")
-
-    def stop(self) -> None:
-        self._interrupt()
-
-    def resume(self) -> None:
-        self.command("-exec-continue")
+        super().__init__(kernel, port, script, _SCRIPT % {"candidates": json.dumps(candidates)})
 
     def stack(self) -> list[str]:
-        lines = self.command('-interpreter-exec console "python qg_dump()"')
-        return [m.group(1) for line in lines for m in [_FRAME.match(line)] if m]
+        return self.frames()
 
 
 async def compare(

@@ -73,7 +73,7 @@ class CfiStep:
             return None
         if self.arch is X86_64:
             return _fast_cfi(rule, cur, memory.read_u64) or _apply(rule, cur, memory)
-        return _apply32(rule, cur, memory, self.arch)
+        return _apply(rule, cur, memory, self.arch)
 
 
 class PrologueStep:
@@ -226,62 +226,14 @@ def _fast_cfi(rule: Rule, cur: Regs, read: Callable[[int], int | None]) -> Outco
     return new, rule.signal
 
 
-def _apply(rule: Rule, cur: Regs, memory: PageCache) -> Found | StopReason:
-    """The caller's registers from one CFI row, any rule kind."""
-    read = memory.read_u64
-    if rule.cfa_expr is None:
-        base = cur.get(rule.cfa_reg)
-        if base is None:
-            return StopReason.NO_CFI
-        cfa = (base + rule.cfa_offset) & MASK64
-    else:
-        value = evaluate(rule.cfa_expr, cur, read)
-        if value is None:
-            return StopReason.NO_CFI
-        cfa = value
-    new = dict(cur)
-    new[RSP] = cfa  # on x86_64 the CFA is the caller's stack pointer, unless a rule says otherwise
-    for reg, rr in rule.regs:
-        kind = rr.kind
-        if kind is Kind.OFFSET:
-            saved = read((cfa + rr.value) & MASK64)
-        elif kind is Kind.VAL_OFFSET:
-            saved = (cfa + rr.value) & MASK64
-        elif kind is Kind.REGISTER:
-            saved = cur.get(rr.value)
-        elif kind is Kind.SAME:
-            saved = cur.get(reg)
-        elif kind is Kind.UNDEFINED:
-            new.pop(reg, None)
-            continue
-        else:
-            saved = evaluate(rr.expr, cur, read, push=cfa)
-            if saved is not None and kind is Kind.EXPRESSION:
-                saved = read(saved)
-        if saved is None:
-            if kind in (Kind.REGISTER, Kind.SAME):
-                new.pop(reg, None)
-                continue
-            return StopReason.READ_FAILED
-        new[reg] = saved
-    if rule.ra != RIP:
-        ra = new.get(rule.ra)
-        if ra is None:
-            new.pop(RIP, None)
-        else:
-            new[RIP] = ra
-    elif rule.reg(RIP) is None:
-        return StopReason.NO_CFI  # a row that does not say where the return address is
-    return new, rule.signal
-
-
-def _apply32(rule: Rule, cur: Regs, memory: PageCache, arch: Arch) -> Found | StopReason:
-    """``_apply`` for a 4-byte-word instruction set: its register numbers, 32-bit wrap-around,
-    expressions that dereference exactly the size they name."""
-    read, mask, size = memory.read_u32, arch.mask, arch.address_size
+def _apply(rule: Rule, cur: Regs, memory: PageCache, arch: Arch = X86_64) -> Found | StopReason:
+    """The caller's registers from one CFI row, any rule kind, in ``arch``'s register numbers
+    and word size (addresses wrap at its width; a dereference reads exactly its size)."""
+    read = memory.read_u64 if arch.address_size == 8 else memory.read_u32
+    mask = arch.mask
 
     def run(expr: bytes | None, push: int | None = None) -> int | None:
-        return evaluate(expr or b"", cur, memory.read_u64, push, size, memory.read)
+        return evaluate(expr or b"", cur, memory.read_u64, push, arch.address_size, memory.read)
 
     if rule.cfa_expr is None:
         base = cur.get(rule.cfa_reg)
@@ -325,5 +277,5 @@ def _apply32(rule: Rule, cur: Regs, memory: PageCache, arch: Arch) -> Found | St
         else:
             new[arch.pc] = ra
     elif rule.reg(arch.pc) is None:
-        return StopReason.NO_CFI
+        return StopReason.NO_CFI  # a row that does not say where the return address is
     return new, rule.signal
