@@ -212,7 +212,13 @@ async def linux_identifier(
     vmas = from_btf(VmaLayout.from_btf, "user code is not placed")
     files = UserFiles(spec.user_dir)
     identifier = LinuxIdentifier(
-        modules, layout, per_cpu_offset, vmas=vmas, files=files, module_list=module_list
+        modules,
+        layout,
+        per_cpu_offset,
+        vmas=vmas,
+        files=files,
+        module_list=module_list,
+        control=control,
     )
     init_task = kernel.address("init_task", slide)
     if spec.user_dir is not None and init_task is not None:

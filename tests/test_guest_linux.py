@@ -5,14 +5,18 @@ per-CPU base, the pointer read with the stack and the task only when not seen re
 from __future__ import annotations
 
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import cast
 
 import pytest
 from fakes import FakeTransport, regs
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.guest import linux
 from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, LinuxIdentifier, TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
+from qmpprof.guest.linuxvma import VM_EXEC, ReadMany, Vma, VmaLayout
 from qmpprof.linux.btf import Btf
 from qmpprof.model import Mapping, Process
 from qmpprof.pages import PAGE, PageCache, PageMissing
@@ -224,3 +228,56 @@ async def test_housekeeping_takes_in_a_module_loaded_during_the_run(
     found = after.space.find(0xFFFF_FFFF_C010_0010)
     assert found is not None and found.name == "[alpha]"
     assert after.process == before.process  # the task read again, with the new space
+
+
+async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_them(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mm = 0xFFFF_8880_0500_0000
+    memory = guest(layout, (APP_LEADER, APP_LEADER))
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", mm))
+    transport, control = FakeTransport({}, memory.frozen()), FakeTransport({}, {})
+    mapped = [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, None)]
+    reads: list[str] = []
+
+    async def vmas_of(read: ReadMany, at: int, _layout: object) -> list[Vma]:
+        assert at == mm
+        await read([(at, 8)])  # through the transport it was given
+        reads.append("control" if control.calls else "pause")
+        control.calls.clear()
+        return list(mapped)
+
+    monkeypatch.setattr(linux, "read_exec_vmas", vmas_of)
+    monkeypatch.setattr(control, "read", _counting(control))
+    now = [0.0]
+    identifier = LinuxIdentifier(
+        [KERNEL], layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, object()), control=control,
+        recheck=0.1, clock=lambda: now[0],
+    )  # fmt: skip
+
+    async def sample() -> None:
+        await identifier.identify(transport, regs(0, 0x40_0010), PageCache())
+
+    await sample()
+    assert reads == ["pause"]
+    for now[0] in (2.0, 3.0, 6.0, 8.0):  # confirmed at 3.0 and 6.0 (at 8.0 not yet due)
+        await identifier.housekeep()
+        await sample()
+    assert reads == ["pause", "control", "control"]  # no pause read the mappings again
+    mapped.append(Vma(0x7F00_0000_0000, 0x7F00_0000_1000, 0, VM_EXEC, 0, None))  # dlopen
+    now[0] = 9.0
+    await identifier.housekeep()
+    await sample()
+    assert reads[-2:] == ["control", "pause"], reads  # changed: the next sample reads them
+    now[0] = 30.0  # no sample of it for long: not looked at any more
+    await identifier.housekeep()
+    assert reads[-1] == "pause"
+
+
+def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[bytes]]:
+    async def read(cpu: int, addr: int, size: int) -> bytes:
+        transport.calls.append(f"read:{addr:#x}")
+        return bytes(size)
+
+    return read

@@ -118,13 +118,17 @@ def test_a_module_loaded_during_the_run_is_named(tmp_path: Path) -> None:
     assert run.returncode == 0, err
     assert "0 modules (none)" in err  # not loaded when the run started
     functions: Counter[str] = Counter()
-    unknown = 0
+    samples = []  # (time, a module frame named, a kernel frame unnamed)
     profile = native.load(saved)
-    for _time, _cpu, sid in profile.timeline():
+    for time_, _cpu, sid in profile.timeline():
         frames = profile.frames_of(profile.stacks[sid])
         functions.update(f"{f.symbol} {f.module_name}" for f in frames)
-        unknown += any(f.kernel and f.symbol is None for f in frames)
-    print(functions.most_common(20), unknown)
-    named = functions[f"qb_burn_leaf {MODULE}"]
-    assert named > 20 and functions[f"qb_kwork_leaf {MODULE}"] > 5
-    assert unknown < named / 4  # only until the next look at the module list (2 s)
+        named = any(f.module_name == MODULE and f.symbol for f in frames)
+        samples.append((time_, named, any(f.kernel and f.symbol is None for f in frames)))
+    print(functions.most_common(30))
+    assert functions[f"qb_burn_leaf {MODULE}"] > 20 and functions[f"qb_kwork_leaf {MODULE}"] > 5
+    # From the first sample that names the module on, its frames are named: unnamed kernel
+    # frames there would be the module's, unknown (or an unwinding fault; the 6.12 run has none).
+    first = min(t for t, named, _ in samples if named)
+    after = [unnamed for t, _, unnamed in samples if t > first]
+    assert sum(after) <= 0.02 * len(after), (sum(after), len(after))

@@ -34,6 +34,7 @@ from qmpprof.unwind.space import AddressSpace, Module
 RECHECK = 0.5  # seconds a task pointer's identity is trusted without reading the task again
 SPACE_RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
+SPACE_CONFIRM = 0.5  # seconds between two confirmations of a process's mappings, between samples
 _PROBE = 32  # bytes of code compared between a mapping and the file that claims it
 PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
@@ -76,6 +77,16 @@ class TaskLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class _Placed:
+    """A process's address space as built from its mappings (``vmas``), read or confirmed
+    unchanged at ``checked``."""
+
+    space: AddressSpace
+    checked: float
+    vmas: tuple[Vma, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Task:
     pid: int
     tgid: int
@@ -107,17 +118,20 @@ class LinuxIdentifier:
         vmas: VmaLayout | None = None,
         files: UserFiles | None = None,
         module_list: ModuleList | None = None,
+        control: GuestTransport | None = None,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown).
         ``vmas``: how to read a process's mappings (None: user code is not placed); ``files``:
-        where its ELF files are. ``module_list``: the guest's module list, for ``housekeep``."""
+        where its ELF files are. ``module_list``: the guest's module list, and ``control``, a
+        transport that reads kernel memory while the guest runs, for ``housekeep``."""
         self.vmas = vmas
         self.files = files or UserFiles(None)
         self.module_list = module_list
-        self._modules_read = clock()
+        self.control = control
+        self._modules_read = self._spaces_read = clock()
         self._use_modules(kernel_modules)
         self.layout = layout
         self.per_cpu_offset = per_cpu_offset
@@ -130,19 +144,47 @@ class LinuxIdentifier:
         self.kernel_modules = tuple(kernel_modules)
         self.space = AddressSpace(kernel_modules)
         self.kernel = Identity(None, self.space)
-        self._spaces: Memo[tuple[int, int], tuple[AddressSpace, float]] = Memo(_TASKS_LIMIT)
+        # (mm, tgid) -> its space, when its mappings were last read or confirmed, and them.
+        self._spaces: Memo[tuple[int, int], _Placed] = Memo(_TASKS_LIMIT)
+        self._used: Memo[tuple[int, int], float] = Memo(_TASKS_LIMIT)  # when a sample last did
         self._tasks: Memo[int, tuple[Identity, float]] = Memo(_TASKS_LIMIT)
 
     async def housekeep(self) -> None:
         """Between samples, while the guest runs: every MODULES_RECHECK seconds, read the
         module list again (its links; new modules in full) and take in what was loaded or
-        unloaded since."""
-        if self.module_list is None or self.clock() - self._modules_read < MODULES_RECHECK:
+        unloaded since; and every SPACE_CONFIRM seconds, read the mappings of the process whose
+        were read longest ago (of those sampled lately) from kernel memory: unchanged, they are
+        trusted again, so no pause has to read them; changed, the next sample of it reads them
+        (its code must be compared with the files under its own page tables)."""
+        now = self.clock()
+        if self.module_list is not None and now - self._modules_read >= MODULES_RECHECK:
+            self._modules_read = now
+            found = await self.module_list.refresh()
+            if found is not None:
+                self._use_modules([self.kernel_modules[0], *found])
+        control, vmas = self.control, self.vmas
+        if control is not None and vmas is not None and now - self._spaces_read >= SPACE_CONFIRM:
+            self._spaces_read = now
+            await self._confirm_space(control, vmas, now)
+
+    async def _confirm_space(self, control: GuestTransport, vmas: VmaLayout, now: float) -> None:
+        due = [
+            (placed.checked, key)
+            for key, placed in self._spaces.items()
+            if now - placed.checked >= SPACE_RECHECK / 2
+            and now - self._used.get(key, 0.0) <= 2 * SPACE_RECHECK
+        ]
+        if not due:
             return
-        self._modules_read = self.clock()
-        found = await self.module_list.refresh()
-        if found is not None:
-            self._use_modules([self.kernel_modules[0], *found])
+        _, key = min(due)
+        placed = self._spaces[key]
+        found = tuple(await read_exec_vmas(_reader(control, 0), key[0], vmas))
+        if self._spaces.get(key) is not placed:
+            return  # read again meanwhile, or started over
+        if found == placed.vmas:
+            self._spaces[key] = dataclasses.replace(placed, checked=self.clock())
+        else:
+            del self._spaces[key]
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self._bases.get(regs.cpu)
@@ -243,13 +285,15 @@ class LinuxIdentifier:
         if self.vmas is None or not task.mm:
             return self.space
         key = (task.mm, task.tgid)
+        self._used.put(key, self.clock())
         seen = self._spaces.get(key)
-        if seen is not None and self.clock() - seen[1] <= SPACE_RECHECK:
-            return seen[0]
+        if seen is not None and self.clock() - seen.checked <= SPACE_RECHECK:
+            return seen.space
         read = _reader(transport, cpu)
-        user = await user_modules(read, await read_exec_vmas(read, task.mm, self.vmas), self.files)
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        user = await user_modules(read, vmas, self.files)
         space = AddressSpace([*self.kernel_modules, *user]) if user else self.space
-        self._spaces.put(key, (space, self.clock()))
+        self._spaces.put(key, _Placed(space, self.clock(), vmas))
         return space
 
 
