@@ -81,6 +81,7 @@ class ElfImage:
         self.arch = headers.arch  # the instruction set: DWARF register numbers, address size
         self.name = Path(path).stem
         self._data = data
+        self.size = len(data)  # of the file, in bytes
         self._section_list = headers.sections
         self._sections: dict[str, SectionHeader] = {}
         for header in headers.sections:
