@@ -5,12 +5,15 @@ cache that cannot be written is no error."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
+import os
 import shutil
 from array import array
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import linuxkernel
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from qmpprof.guest.linux import TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout
 from qmpprof.guest.linuxvma import VmaLayout
-from qmpprof.linux import cache
+from qmpprof.linux import cache, kernel
 from qmpprof.linux.btf import Btf, BtfIndex
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import OrcTable
@@ -77,6 +80,7 @@ def computes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     def not_again(*args: object, **kwargs: object) -> None:
         raise AssertionError("computed again despite the cache")
 
+    monkeypatch.setattr(kernel, "hashlib", SimpleNamespace(sha256=not_again))  # nor hashed
     monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     monkeypatch.setattr(OrcTable, "from_image", not_again)
@@ -95,8 +99,9 @@ def cold_load(series: str, tmp_path_factory: pytest.TempPathFactory) -> Cold:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("QMPPROF_CACHE_DIR", str(folder))
             kernel = LinuxKernel.load(vmlinuz(series))
-        (entry,) = folder.iterdir()
+        (entry,) = folder.glob("linux-*")
         assert sorted(p.name for p in entry.iterdir()) == sorted(FILES)
+        assert [p.name for p in folder.iterdir() if p != entry] == ["keys"]
         _COLD[series] = (series, folder, snapshot(kernel))
     return _COLD[series]
 
@@ -117,7 +122,7 @@ def fill(cold: Cold, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of a cold load's cache made the cache of this test; its entry."""
     shutil.copytree(cold[1], tmp_path / "cache")
     monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
-    (entry,) = (tmp_path / "cache").iterdir()
+    (entry,) = (tmp_path / "cache").glob("linux-*")
     return entry
 
 
@@ -224,3 +229,26 @@ def test_an_unwritable_cache_is_no_error(
     monkeypatch.setenv("QMPPROF_CACHE_DIR", str(blocker / "cache"))
     assert snapshot(LinuxKernel.load(vmlinuz(series))) == expected
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_file_changed_in_place_is_hashed_again(
+    cold_612: Cold, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remembered key of a path is not trusted once the file changed, even with its size
+    and modification time as they were (one byte of its DOS header changed)."""
+    fill(cold_612, tmp_path, monkeypatch)
+    copy = tmp_path / "vmlinuz"
+    data = bytearray(vmlinuz("6.12").read_bytes())
+    copy.write_bytes(data)
+    LinuxKernel.load(copy)
+    assert cache.remembered_key(copy, copy.stat()) == hashlib.sha256(data).hexdigest()
+    before = copy.stat()
+    data[0x10] ^= 0x20  # a byte of the DOS header that unpacking never reads
+    copy.write_bytes(data)
+    os.utime(copy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert copy.stat().st_size == before.st_size
+    assert cache.remembered_key(copy, copy.stat()) is None
+    changed = LinuxKernel.load(copy)
+    assert cache.remembered_key(copy, copy.stat()) == hashlib.sha256(data).hexdigest()
+    assert len(list((tmp_path / "cache").glob("linux-*"))) == 2  # its own entry
+    assert changed.symbols.names == cold_612[2]["symbols"][2]  # type: ignore[index]

@@ -3,7 +3,9 @@ unpacked from a bzImage (mapped, not read, by the next run), its kallsyms decode
 ``KernelIndex``: kallsyms' text symbols as a lookup table wants them, the ORC table's sorted
 offsets and layout, where each BTF type starts. Keyed by the SHA-256 of the image file (a
 distribution vmlinux has no build-id), in ``$QMPPROF_CACHE_DIR``, else
-``$XDG_CACHE_HOME/qmpprof``, else ``~/.cache/qmpprof`` (made 0700).
+``$XDG_CACHE_HOME/qmpprof``, else ``~/.cache/qmpprof`` (made 0700). The key of a file seen
+before is remembered while the file is unchanged (``keys/``), so that a cached load reads
+neither the 10 MB bzImage nor hashes it.
 
 The cache is an optimisation only: anything missing, unreadable, of the wrong size or from
 another version is ignored (and rebuilt), and a cache that cannot be written is not an error.
@@ -15,9 +17,11 @@ strings takes a third of a second.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import os
+import re
 import tempfile
 from array import array
 from collections.abc import Sequence
@@ -32,6 +36,8 @@ VERSION = 2
 _VMLINUX = "vmlinux"
 _SYMBOLS = "symbols.bin"
 _INDEX = "index.bin"
+_KEYS = "keys"  # a file's key while it is unchanged, by the SHA-256 of its absolute path
+_HEX64 = re.compile("[0-9a-f]{64}")
 Part: TypeAlias = "array[int] | bytes"
 
 
@@ -68,6 +74,34 @@ def cache_dir() -> Path:
 
 def entry(key: str) -> Path:
     return cache_dir() / f"linux-{key}"
+
+
+def remembered_key(path: str | Path, stat: os.stat_result) -> str | None:
+    """The key ``remember_key`` kept for the file at ``path``, None unless its ``stat`` is
+    the one it had then."""
+    try:
+        record = json.loads((cache_dir() / _KEYS / _path_name(path)).read_bytes())
+        key = record["key"]
+        fresh = record["version"] == VERSION and record["stamp"] == _stamp(stat)
+        return key if fresh and isinstance(key, str) and _HEX64.fullmatch(key) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remember_key(path: str | Path, stat: os.stat_result, key: str) -> None:
+    """Keep the key of the file at ``path`` as it was when ``stat`` was taken (before reading
+    it: a change during the read makes the record stale, not wrong)."""
+    record = {"version": VERSION, "stamp": _stamp(stat), "key": key}
+    with contextlib.suppress(OSError):
+        _write(_folder(_KEYS) / _path_name(path), json.dumps(record).encode())
+
+
+def _stamp(stat: os.stat_result) -> list[int]:
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _path_name(path: str | Path) -> str:
+    return hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()
 
 
 def map_vmlinux(key: str, size: int) -> mmap.mmap | None:
@@ -154,10 +188,7 @@ def store(
     """Keep what was computed (None: nothing new of that kind); silently nothing when the
     cache cannot be written."""
     with contextlib.suppress(OSError):
-        folder = entry(key)
-        folder.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            cache_dir().chmod(0o700)
+        folder = _folder(entry(key).name)
         if vmlinux is not None:
             _write(folder / _VMLINUX, vmlinux)
         if symbols is not None:
@@ -239,6 +270,15 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, Part]] | None:
 
 def _itemsize(part: Part) -> int:
     return part.itemsize if isinstance(part, array) else 1
+
+
+def _folder(name: str) -> Path:
+    """A folder of the cache, made if need be (the cache itself private to its user)."""
+    folder = cache_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        cache_dir().chmod(0o700)
+    return folder
 
 
 def _write(path: Path, data: bytes) -> None:

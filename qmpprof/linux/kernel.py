@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +54,9 @@ class LinuxKernel:
         image's indexes. Raises ElfError (KernelImageError, SymbolMapError) with one line,
         never anything else."""
         name = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            raise ElfError(name, err.strerror or str(err)) from err
-        key = hashlib.sha256(data).hexdigest()
+        key, data = _key(path, name)
         index = cache.load_index(key)
-        image, unpacked = _image(name, data, key, index)
+        image, unpacked = _image(name, path, data, key, index)
         if not is_linux(image):
             raise KernelImageError(name, "not a Linux kernel (no ORC, BTF or ksymtab sections)")
         if index is not None and index.vmlinux_size != image.size:
@@ -142,17 +139,46 @@ def looks_like_linux(path: str | Path) -> bool:
         return False
 
 
+def _key(path: str | Path, name: str) -> tuple[str, bytes | None]:
+    """The SHA-256 of the image file, and its bytes when they were read for it: the cache
+    remembers the key of a file it has seen while the file is unchanged (its device, inode,
+    size, modification and change times: what git trusts), so that a cached load need not
+    read and hash it."""
+    try:
+        stat = os.stat(path)
+        key = cache.remembered_key(path, stat)
+        if key is not None:
+            return key, None
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ElfError(name, err.strerror or str(err)) from err
+    key = hashlib.sha256(data).hexdigest()
+    cache.remember_key(path, stat, key)
+    return key, data
+
+
+def _read(path: str | Path, name: str, size: int = -1) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as err:
+        raise ElfError(name, err.strerror or str(err)) from err
+
+
 def _image(
-    name: str, data: bytes, key: str, index: cache.KernelIndex | None
+    name: str, path: str | Path, data: bytes | None, key: str, index: cache.KernelIndex | None
 ) -> tuple[ElfImage, bytes | None]:
-    """The vmlinux (``data`` itself, or the cached one mapped when the index vouches for its
-    size, or unpacked from the bzImage) and, when it was unpacked here, its bytes."""
-    if not is_bzimage(data):
-        return ElfImage.from_bytes(name, data), None
+    """The vmlinux (the file itself, or the cached one mapped when the index vouches for its
+    size, or unpacked from the bzImage) and, when it was unpacked here, its bytes. ``data``:
+    the file's bytes if they were read already."""
     mapped = None if index is None else cache.map_vmlinux(key, index.vmlinux_size)
-    if mapped is not None:
+    if mapped is not None and is_bzimage(data or _read(path, name, 0x300)):
         with contextlib.suppress(ElfError):
             return ElfImage.from_bytes(name, mapped), None
+    if data is None:
+        data = _read(path, name)
+    if not is_bzimage(data):
+        return ElfImage.from_bytes(name, data), None
     unpacked = vmlinux_bytes(data, name)
     return ElfImage.from_bytes(name, unpacked), unpacked
 
