@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import re
-import tempfile
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -282,7 +282,9 @@ def _folder(name: str) -> Path:
 
 
 def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Write ``data`` to ``path`` whole or not at all: a reader sees the old file or the new."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
