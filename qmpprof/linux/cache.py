@@ -59,7 +59,7 @@ class KernelIndex:
     image's ``.symtab`` names code."""
 
     vmlinux_size: int
-    functions: tuple[list[int], list[int], list[int]] | None
+    functions: tuple[list[int], list[int], Sequence[int]] | None
     orc: OrcIndex | None
     btf: BtfIndex | None
 
@@ -162,7 +162,7 @@ def load_index(key: str) -> KernelIndex | None:
                 bounds[-1] = END  # only the last text symbol can have nothing above it
             if 0 in bounds:
                 return None
-            functions = (starts.tolist(), bounds, picks.tolist())
+            functions = (starts.tolist(), bounds, picks)
         orc = None
         if meta["orc"] is not None:
             base, end, layout = meta["orc"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from qmpprof.model import Mapping
 from qmpprof.unwind.space import Module
 
 UPPER_HALF = 0xFFFF_8000_0000_0000
+Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
 _LINUX_MARKS = (".orc_unwind_ip", ".BTF", "__ksymtab", "__ksymtab_strings")
 
@@ -185,17 +187,22 @@ def _image(
 
 def _functions(
     image: ElfImage, symbols: KernelSymbols, index: cache.KernelIndex | None
-) -> tuple[SymbolTable, tuple[list[int], list[int], list[int]] | None]:
+) -> tuple[SymbolTable, Picks | None]:
     """What names code: the image's ``.symtab`` when it has one, else kallsyms' text symbols
     (placed by the index when it has them); and where those are, for the index."""
     if len(image.symbols):
         return image.symbols, None
-    picks = index.functions if index is not None else None
     names = symbols.names
-    if picks is None or max(picks[2], default=-1) >= len(names):
-        picks = symbols.text_picks(None)
-    starts, ends, chosen = picks
-    return SymbolTable.from_sorted(starts, ends, list(map(names.__getitem__, chosen))), picks
+    picks = index.functions if index is not None else None
+    if picks is not None:
+        try:
+            chosen = list(map(names.__getitem__, picks[2]))
+            return SymbolTable.from_sorted(picks[0], picks[1], chosen), picks
+        except IndexError:  # not these symbols' picks: made again
+            pass
+    starts, ends, fresh = symbols.text_picks(None)
+    chosen = [names[i] for i in fresh]
+    return SymbolTable.from_sorted(starts, ends, chosen), (starts, ends, fresh)
 
 
 def _orc(image: ElfImage, index: cache.KernelIndex | None) -> OrcTable | None:
@@ -229,7 +236,7 @@ def _btf(image: ElfImage, index: cache.KernelIndex | None) -> tuple[Btf | None, 
 
 def _stale(
     index: cache.KernelIndex | None,
-    text_picks: tuple[list[int], list[int], list[int]] | None,
+    text_picks: Picks | None,
     orc: OrcTable | None,
     btf: Btf | None,
 ) -> bool:
@@ -247,7 +254,7 @@ def _stale(
 
 def _index(
     image: ElfImage,
-    text_picks: tuple[list[int], list[int], list[int]] | None,
+    text_picks: Picks | None,
     orc: OrcTable | None,
     btf: Btf | None,
 ) -> cache.KernelIndex:
