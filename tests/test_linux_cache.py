@@ -252,3 +252,19 @@ def test_a_file_changed_in_place_is_hashed_again(
     assert cache.remembered_key(copy, copy.stat()) == hashlib.sha256(data).hexdigest()
     assert len(list((tmp_path / "cache").glob("linux-*"))) == 2  # its own entry
     assert changed.symbols.names == cold_612[2]["symbols"][2]  # type: ignore[index]
+
+
+def test_a_vmlinux_file_is_mapped_and_not_copied(
+    linux_vmlinux_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vmlinux ELF given as it is: the cache keeps its kallsyms and index, not a copy of it,
+    and a second load maps the file itself."""
+    monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    cold = snapshot(LinuxKernel.load(linux_vmlinux_path))
+    (entry,) = (tmp_path / "cache").glob("linux-*")
+    assert sorted(p.name for p in entry.iterdir()) == ["index.bin", "symbols.bin"]
+    with monkeypatch.context() as patch:
+        computes_nothing(patch)
+        kernel = LinuxKernel.load(linux_vmlinux_path)
+    assert isinstance(kernel.image._data, mmap.mmap)
+    assert snapshot(kernel) == cold

@@ -5,7 +5,8 @@ the guest is touched; and the kernel's ``Module`` at the slide the running kerne
 Symbols come, best first, from ``--kallsyms FILE`` (System.map or /proc/kallsyms text), the
 image's ``.symtab`` (a debug vmlinux) or the kallsyms tables built into the image itself.
 Unwinding is ORC when the image has it (every distribution kernel since 4.14), else the image's
-CFI and frame pointers. The unpacked vmlinux and the decoded kallsyms are cached (``cache.py``).
+CFI and frame pointers. The unpacked vmlinux, the decoded kallsyms and an index of the rest are
+cached (``cache.py``): a load from the cache maps the vmlinux and builds nothing again.
 """
 
 from __future__ import annotations
@@ -170,17 +171,19 @@ def _read(path: str | Path, name: str, size: int = -1) -> bytes:
 def _image(
     name: str, path: str | Path, data: bytes | None, key: str, index: cache.KernelIndex | None
 ) -> tuple[ElfImage, bytes | None]:
-    """The vmlinux (the file itself, or the cached one mapped when the index vouches for its
-    size, or unpacked from the bzImage) and, when it was unpacked here, its bytes. ``data``:
-    the file's bytes if they were read already."""
+    """The vmlinux (the file itself, mapped unless it was read already; the cached one mapped
+    when the index vouches for its size; or unpacked from the bzImage) and, when it was
+    unpacked here, its bytes. ``data``: the file's bytes if they were read already."""
+    if not is_bzimage(data if data is not None else _read(path, name, 0x300)):
+        if data is None:
+            return ElfImage.load(name, mapped=True), None
+        return ElfImage.from_bytes(name, data), None
     mapped = None if index is None else cache.map_vmlinux(key, index.vmlinux_size)
-    if mapped is not None and is_bzimage(data or _read(path, name, 0x300)):
+    if mapped is not None:
         with contextlib.suppress(ElfError):
             return ElfImage.from_bytes(name, mapped), None
     if data is None:
         data = _read(path, name)
-    if not is_bzimage(data):
-        return ElfImage.from_bytes(name, data), None
     unpacked = vmlinux_bytes(data, name)
     return ElfImage.from_bytes(name, unpacked), unpacked
 
