@@ -215,7 +215,10 @@ class ElfImage:
     def _dwarf(self) -> Any:
         from elftools.elf.elffile import ELFFile  # only DWARF needs pyelftools: imported late
 
-        elf = ELFFile(io.BytesIO(self._data))
+        # A mapped file is a stream itself: no copy of a 600 MB debug vmlinux.
+        data = self._data
+        stream: Any = data if isinstance(data, mmap.mmap) else io.BytesIO(data)  # both read+seek
+        elf = ELFFile(stream)
         return elf.get_dwarf_info() if elf.has_dwarf_info() else None
 
     def _read_symbols(self, name: str) -> list[Symbol]:
