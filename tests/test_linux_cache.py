@@ -9,6 +9,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 from array import array
 from collections.abc import Callable
@@ -21,14 +22,16 @@ import pytest
 from qmpprof.guest.linux import TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout
 from qmpprof.guest.linuxvma import VmaLayout
+from qmpprof.linux import btf as btf_module
 from qmpprof.linux import cache, kernel
-from qmpprof.linux.btf import Btf, BtfIndex
+from qmpprof.linux.btf import Btf, BtfIndex, Kind
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import OrcTable
 from qmpprof.linux.symbols import KernelSymbols
 
 SLIDE = 0x1E00_0000
 FILES = ("vmlinux", "symbols.bin", "index.bin")
+NAMED = (Kind.STRUCT, Kind.UNION, Kind.TYPEDEF, Kind.DATASEC)
 
 
 def layout(make: Callable[[Btf], object], btf: Btf | None) -> object:
@@ -61,6 +64,7 @@ def snapshot(kernel: LinuxKernel) -> dict[str, object]:
         "orc": (orc.base, orc.end, orc.layout, list(orc.offsets), len(orc)),
         "orc lookups": [orc_lookup(orc, pc) for pc in pcs],
         "btf": (len(btf), list(btf.index.starts), btf.index.kinds),
+        "btf names": {kind: btf._names_of(kind) for kind in NAMED},
         "layouts": [layout(m, btf) for m in (TaskLayout.from_btf, ModuleLayout.from_btf)]
         + [layout(VmaLayout.from_btf, btf)],
         "image": (image.path, image.build_id, image.text_addr, image.size, image.code_ranges()),
@@ -85,6 +89,7 @@ def computes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     monkeypatch.setattr(OrcTable, "from_image", not_again)
     monkeypatch.setattr(Btf, "_build_index", not_again)
+    monkeypatch.setattr(btf_module, "re", SimpleNamespace(finditer=not_again, escape=re.escape))
     monkeypatch.setattr(KernelSymbols, "text_picks", not_again)
 
 
@@ -187,18 +192,29 @@ def test_a_damaged_entry_is_ignored_and_rebuilt(
 
 
 def unknown_kind(index: BtfIndex) -> BtfIndex:
-    return BtfIndex(index.starts, index.kinds[:-1] + b"\x20")
+    return BtfIndex(index.starts, index.kinds[:-1] + b"\x20", index.names)
 
 
 def shifted(index: BtfIndex) -> BtfIndex:
-    return BtfIndex(array("I", [0, *(s + 4 for s in index.starts[1:])]), index.kinds)
+    starts = array("I", [0, *(s + 4 for s in index.starts[1:])])
+    return BtfIndex(starts, index.kinds, index.names)
 
 
 def one_short(index: BtfIndex) -> BtfIndex:
-    return BtfIndex(index.starts[:-1], index.kinds)
+    return BtfIndex(index.starts[:-1], index.kinds, index.names)
 
 
-@pytest.mark.parametrize("wrong", [unknown_kind, shifted, one_short], ids=lambda f: f.__name__)
+def misnamed(index: BtfIndex) -> BtfIndex:
+    """task_struct's name said to be a union's id."""
+    union = next(iter(index.names[Kind.UNION].values()))
+    return BtfIndex(
+        index.starts, index.kinds, {**index.names, Kind.STRUCT: {b"task_struct": union}}
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong", [unknown_kind, shifted, one_short, misnamed], ids=lambda f: f.__name__
+)
 def test_an_index_that_does_not_fit_the_image_is_rebuilt(
     cold_612: Cold,
     tmp_path: Path,

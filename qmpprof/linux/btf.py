@@ -16,7 +16,7 @@ import enum
 import re
 import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from qmpprof.elf.image import ElfImage
@@ -99,10 +99,12 @@ class Member:
 @dataclass(frozen=True, slots=True)
 class BtfIndex:
     """Where each type record starts in the section (``starts[id]``, 0 for void) and its kind
-    (``kinds[id]``): what loading computes from the type section, valid for the same bytes."""
+    (``kinds[id]``): what loading computes from the type section, valid for the same bytes.
+    ``names``: for some kinds, each name's first type id (``Btf.with_names`` fills it)."""
 
     starts: array[int]  # typecode "I"
     kinds: bytes
+    names: dict[int, dict[bytes, int]] = field(default_factory=dict)
 
 
 class Btf:
@@ -131,7 +133,8 @@ class Btf:
             raise BtfError("an index that does not fit the type section")
         self.index = index
         self._starts = index.starts
-        self._names: dict[int, dict[bytes, int]] = {}  # kind -> name -> first id, when asked
+        # kind -> name -> first id: built when first asked for, or handed over by the index
+        self._names: dict[int, dict[bytes, int]] = dict(index.names)
         self._types: Memo[int, BtfType] = Memo()
         self._members: Memo[int, tuple[Member, ...]] = Memo()
 
@@ -199,6 +202,11 @@ class Btf:
                 if name_off:
                     names.setdefault(strings[name_off : find(b"\0", name_off)], type_id)
         return names
+
+    def with_names(self, kinds: tuple[Kind, ...]) -> BtfIndex:
+        """This section's index with the name index of ``kinds`` (for a cache)."""
+        names = {int(kind): self._names_of(kind) for kind in kinds}
+        return BtfIndex(self.index.starts, self.index.kinds, names)
 
     def find(self, name: str, *kinds: Kind) -> int | None:
         """The id of the type named ``name`` of the first of ``kinds`` that has one (by default
@@ -382,4 +390,14 @@ def _fits(index: BtfIndex, types_at: int, type_len: int) -> bool:
     if starts.typecode != "I" or len(starts) != len(kinds) or not starts or starts[0] or kinds[0]:
         return False
     inside = len(starts) == 1 or (starts[1] == types_at and starts[-1] + 12 <= types_at + type_len)
-    return inside and max(kinds) <= Kind.ENUM64
+    return inside and max(kinds) <= Kind.ENUM64 and _names_fit(index)
+
+
+def _names_fit(index: BtfIndex) -> bool:
+    """Whether every id a name index gives is a type of its kind."""
+    kinds = index.kinds
+    return all(
+        0 < type_id < len(kinds) and kinds[type_id] == kind
+        for kind, names in index.names.items()
+        for type_id in names.values()
+    )

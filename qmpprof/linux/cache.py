@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 from qmpprof.linux.btf import BtfIndex
 from qmpprof.linux.symbols import END, KernelSymbols
 
-VERSION = 2
+VERSION = 3
 _VMLINUX = "vmlinux"
 _SYMBOLS = "symbols.bin"
 _INDEX = "index.bin"
@@ -173,7 +173,7 @@ def load_index(key: str) -> KernelIndex | None:
         if meta["btf"]:
             starts, kinds = parts["btf_starts"], parts["btf_kinds"]
             assert isinstance(starts, array) and isinstance(kinds, bytes)
-            btf = BtfIndex(starts, kinds)
+            btf = BtfIndex(starts, kinds, _btf_names(meta["btf_names"], parts))
         return KernelIndex(int(meta["vmlinux_size"]), functions, orc, btf)
     except (OSError, ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
         return None
@@ -224,15 +224,34 @@ def _index_blob(index: KernelIndex) -> bytes:
     if index.orc is not None:
         orc = [index.orc.base, index.orc.end, index.orc.layout]
         parts["orc_offsets"] = array("q", index.orc.offsets)
+    name_kinds = []
     if index.btf is not None:
         parts["btf_starts"], parts["btf_kinds"] = index.btf.starts, index.btf.kinds
+        for kind, names in index.btf.names.items():
+            name_kinds.append(kind)
+            parts[f"btf_names_{kind}"] = b"\0".join(names)
+            parts[f"btf_ids_{kind}"] = array("I", names.values())
     meta: dict[str, object] = {
         "vmlinux_size": index.vmlinux_size,
         "functions": index.functions is not None,
         "orc": orc,
         "btf": index.btf is not None,
+        "btf_names": name_kinds,
     }
     return _pack(meta, parts)
+
+
+def _btf_names(kinds: list[int], parts: dict[str, Part]) -> dict[int, dict[bytes, int]]:
+    """BTF's name index per kind: names NUL-separated, ids in the same order."""
+    out = {}
+    for kind in kinds:
+        blob, ids = parts[f"btf_names_{kind}"], parts[f"btf_ids_{kind}"]
+        assert isinstance(blob, bytes) and isinstance(ids, array)
+        names = blob.split(b"\0") if ids else []
+        if len(names) != len(ids):
+            raise ValueError(f"BTF names of kind {kind}: {len(names)} names, {len(ids)} ids")
+        out[int(kind)] = dict(zip(names, ids, strict=True))
+    return out
 
 
 def _pack(meta: dict[str, object], parts: dict[str, Part]) -> bytes:

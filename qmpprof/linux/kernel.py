@@ -22,7 +22,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
-from qmpprof.linux.btf import Btf, BtfError
+from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
 from qmpprof.linux.orc import OrcLayout, OrcStep, OrcTable
@@ -34,6 +34,9 @@ UPPER_HALF = 0xFFFF_8000_0000_0000
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
 _LINUX_MARKS = (".orc_unwind_ip", ".BTF", "__ksymtab", "__ksymtab_strings")
+# The kinds of BTF types a run looks up by name (structs, unions, typedefs, per-CPU data): the
+# index of their names is cached with the BTF's.
+_NAMED_KINDS = (Kind.STRUCT, Kind.UNION, Kind.TYPEDEF, Kind.DATASEC)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -264,7 +267,8 @@ def _index(
     orc_index = None
     if orc is not None:
         orc_index = cache.OrcIndex(orc.base, orc.end, orc.layout.value, orc.offsets)
-    return cache.KernelIndex(image.size, text_picks, orc_index, None if btf is None else btf.index)
+    btf_index = None if btf is None else btf.with_names(_NAMED_KINDS)
+    return cache.KernelIndex(image.size, text_picks, orc_index, btf_index)
 
 
 def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:
