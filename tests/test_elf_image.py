@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 import subprocess
 from pathlib import Path
 
+import linuxkernel
 import pytest
+from elftools.elf.elffile import ELFFile
+from elftools.elf.enums import ENUM_SH_TYPE_BASE
 
 from qmpprof.dwarf.arch import I386
 from qmpprof.elf.image import ElfImage
@@ -91,6 +95,53 @@ def test_assembly_labels_without_a_type_are_symbols(tmp_path: Path) -> None:
     stub = image.symbols.address_of("isr_stub")
     assert stub is not None and image.symbols.lookup(stub + 1) == ("isr_stub", 1)
     assert image.symbols.address_of("data_label") is None  # not code
+
+
+def pyelftools_headers(data: bytes) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int]:
+    """Sections (name, type number, flags, addr, offset, size, link), PT_LOAD segments (vaddr,
+    offset, memsz) and the entry point, as pyelftools reads them."""
+    elf = ELFFile(io.BytesIO(data))
+    sections = [
+        (s.name, ENUM_SH_TYPE_BASE.get(s["sh_type"], s["sh_type"]), s["sh_flags"], s["sh_addr"],
+         s["sh_offset"], s["sh_size"], s["sh_link"])
+        for s in elf.iter_sections()
+    ]  # fmt: skip
+    loads = [
+        (p["p_vaddr"], p["p_offset"], p["p_memsz"])
+        for p in elf.iter_segments()
+        if p["p_type"] == "PT_LOAD"
+    ]
+    return sections, loads, elf.header["e_entry"]
+
+
+def own_headers(image: ElfImage) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int]:
+    sections = [
+        (h.name, h.type, h.flags, h.addr, h.offset, h.size, h.link) for h in image._section_list
+    ]
+    low, high = image.load_range
+    return sections, [(low, image.load_offset, high - low)], image.entry
+
+
+@pytest.mark.parametrize("source", ["work", "i386_object", "vmlinux"])
+def test_headers_match_pyelftools(request: pytest.FixtureRequest, source: str) -> None:
+    """The headers ElfImage reads itself are the ones pyelftools reads (the load range is
+    compared as the union of PT_LOAD segments), mapped or read."""
+    if source == "vmlinux":
+        image = linuxkernel.vmlinux()
+        data = image.file_bytes(0, 1 << 40)
+    else:
+        path = request.getfixturevalue(source)
+        data = path.read_bytes()
+        image = ElfImage.load(path, mapped=True)
+        assert own_headers(image) == own_headers(ElfImage.load(path))
+    sections, loads, entry = pyelftools_headers(data)
+    ours = own_headers(image)
+    assert ours[0] == sections and ours[2] == entry
+    if loads:
+        low = min(v for v, _, _ in loads)
+        offset = min(loads)[1]
+        high = max(v + m for v, _, m in loads)
+        assert ours[1] == [(low, offset, high - low)]
 
 
 def test_missing_file(tmp_path: Path) -> None:

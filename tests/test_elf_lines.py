@@ -61,8 +61,9 @@ def addr2line(
     return out
 
 
-def test_every_instruction_matches_addr2line(inline_binary: Path) -> None:
-    image = ElfImage.load(inline_binary)
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_every_instruction_matches_addr2line(inline_binary: Path, mapped: bool) -> None:
+    image = ElfImage.load(inline_binary, mapped=mapped)
     assert isinstance(image.lines, LineTable)
     addrs = instructions(inline_binary, "outer") + instructions(inline_binary, "main")
     expected = addr2line(inline_binary, addrs)

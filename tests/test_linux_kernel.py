@@ -97,8 +97,8 @@ def test_a_second_load_comes_from_the_cache_and_equals_the_first(
 
     monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
     first = LinuxKernel.load(linux_dir / "vmlinuz")
-    (folder,) = (tmp_path / "cache").iterdir()
-    assert {p.name for p in folder.iterdir()} == {"vmlinux", "symbols.bin"}
+    (folder,) = (tmp_path / "cache").glob("linux-*")
+    assert {p.name for p in folder.iterdir()} == {"vmlinux", "symbols.bin", "index.bin"}
 
     def not_again(*args: object) -> None:
         raise AssertionError("computed again despite the cache")

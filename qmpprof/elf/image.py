@@ -1,23 +1,26 @@
 """ElfImage: what qmpprof needs from one x86_64 or i386 ELF file — text, symbols, CFI, identity.
 
-The only module that imports pyelftools (for the headers). Bulk data is read directly from
-the file bytes: symbol tables with ``struct.iter_unpack`` (pyelftools decodes one symbol at a
-time, which costs seconds on a binary with 100 000 symbols), CFI by ``qmpprof.dwarf.cfi``.
-Symbols, CFI and the text hash are built on first use, so loading a large ELF is cheap.
-Every problem with the file becomes an ``ElfError`` with a one-line reason.
+The headers (file, program and section headers) are read here with ``struct``: that is all a
+load needs, and it takes a millisecond where pyelftools takes tens of them to import and parse.
+pyelftools, the only module importing it, is imported on first use of DWARF (``lines``). Bulk
+data is read directly from the file bytes: symbol tables with ``struct.iter_unpack`` (pyelftools
+decodes one symbol at a time, which costs seconds on a binary with 100 000 symbols), CFI by
+``qmpprof.dwarf.cfi``. Symbols, CFI and the text hash are built on first use, so loading a large
+ELF is cheap; ``load(path, mapped=True)`` maps the file instead of reading it, for a 60 MB
+vmlinux of which a run reads a few sections. Every problem with the file becomes an
+``ElfError`` with a one-line reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import struct
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-
-from elftools.common.exceptions import ELFError as PyElfError
-from elftools.elf.elffile import ELFFile
 
 from qmpprof.dwarf.arch import BY_MACHINE, Arch
 from qmpprof.dwarf.cfi import CfiTable
@@ -27,45 +30,83 @@ from qmpprof.errors import ElfError
 
 _SYM64 = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
 _SYM32 = struct.Struct("<IIIBBH")  # Elf32_Sym: name, value, size, info, other, shndx
+# The file header after e_ident, up to e_shstrndx: type, machine, version, entry, phoff, shoff,
+# flags, ehsize, phentsize, phnum, shentsize, shnum, shstrndx.
+_EHDR = {64: struct.Struct("<HHIQQQIHHHHHH"), 32: struct.Struct("<HHIIIIIHHHHHH")}
+# Section headers: name, type, flags, addr, offset, size, link, info (alignment, entsize unread).
+_SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
+# Program headers: (type, offset, vaddr, memsz) at these field indexes of each class's order.
+_PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
+_PHDR_FIELDS = {64: (0, 2, 3, 6), 32: (0, 1, 2, 5)}
+_MACHINES = {3: "EM_386", 62: "EM_X86_64"}
+_PT_LOAD, _SHT_NOBITS = 1, 8
 _SHF_EXECINSTR = 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
 _STB_RANK = {1: 0, 2: 1, 0: 2}  # GLOBAL, WEAK, LOCAL: which alias names a shared address
-_SHN_UNDEF, _SHN_LORESERVE, _SHN_ABS = 0, 0xFF00, 0xFFF1
+_SHN_UNDEF, _SHN_LORESERVE, _SHN_ABS, _SHN_XINDEX = 0, 0xFF00, 0xFFF1, 0xFFFF
+
+Data = bytes | mmap.mmap  # a file's bytes, read or mapped: both slice into bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SectionHeader:
+    """The fields of one section header qmpprof reads."""
+
+    name: str
+    type: int
+    flags: int
+    addr: int
+    offset: int
+    size: int
+    link: int
+
+    @property
+    def nobits(self) -> bool:
+        return self.type == _SHT_NOBITS
+
+
+@dataclass(frozen=True, slots=True)
+class _Headers:
+    arch: Arch
+    entry: int
+    sections: list[SectionHeader]
+    loads: list[tuple[int, int, int]]  # PT_LOAD segments: (vaddr, file offset, memsz)
 
 
 class ElfImage:
     """One ELF file, loaded with ``ElfImage.load(path)``."""
 
-    def __init__(self, path: str, data: bytes, elf: Any, arch: Arch) -> None:
+    def __init__(self, path: str, data: Data, headers: _Headers) -> None:
         self.path = path
-        self.arch = arch  # the instruction set: DWARF register numbers, address size
+        self.arch = headers.arch  # the instruction set: DWARF register numbers, address size
         self.name = Path(path).stem
         self._data = data
-        self._sections: dict[str, Any] = {}
-        for sec in elf.iter_sections():
-            self._sections.setdefault(sec.name, sec.header)
-        self._section_list = [sec.header for sec in elf.iter_sections()]
-        loads = [seg.header for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
-        if loads:
-            first = min(loads, key=lambda h: h["p_vaddr"])
-            low, offset = first["p_vaddr"], first["p_offset"]
-            high = max(h["p_vaddr"] + h["p_memsz"] for h in loads)
+        self.size = len(data)  # of the file, in bytes
+        self._section_list = headers.sections
+        self._sections: dict[str, SectionHeader] = {}
+        for header in headers.sections:
+            self._sections.setdefault(header.name, header)
+        if headers.loads:
+            low, offset, _ = min(headers.loads)
+            high = max(vaddr + memsz for vaddr, _, memsz in headers.loads)
         else:
             low = high = offset = 0
         self.load_range: tuple[int, int] = (low, high)
         self.load_offset: int = offset  # the file offset of load_range's start
-        self.entry: int = elf.header["e_entry"]
+        self.entry: int = headers.entry
         text = self._sections.get(".text")
-        self.text_addr: int = text["sh_addr"] if text is not None else 0
-        self.text_size: int = text["sh_size"] if text is not None else 0
+        self.text_addr: int = text.addr if text is not None else 0
+        self.text_size: int = text.size if text is not None else 0
         self.build_id = self._build_id()
 
     @classmethod
-    def load(cls, path: str | Path) -> ElfImage:
-        """Read and check an x86_64 or i386 ELF file; raises ElfError, never anything else."""
+    def load(cls, path: str | Path, *, mapped: bool = False) -> ElfImage:
+        """Read and check an x86_64 or i386 ELF file; raises ElfError, never anything else.
+        ``mapped``: map the file rather than read it (sections are read when asked for)."""
         text = str(path)
         try:
-            data = Path(path).read_bytes()
+            with open(path, "rb") as f:
+                data: Data = _map(f) if mapped else f.read()
         except OSError as err:
             raise ElfError(text, err.strerror or str(err)) from err
         return cls.from_bytes(text, data)
@@ -81,46 +122,38 @@ class ElfImage:
             return None
         if len(head) < 20 or not head.startswith(b"\x7fELF"):
             return None
-        machine = {3: "EM_386", 62: "EM_X86_64"}.get(int.from_bytes(head[18:20], "little"))
+        machine = _MACHINES.get(int.from_bytes(head[18:20], "little"))
         return None if machine is None else BY_MACHINE.get((machine, 32 * head[4]))
 
     @classmethod
-    def from_bytes(cls, path: str, data: bytes) -> ElfImage:
-        """Check an x86_64 or i386 ELF held in memory (a vmlinux unpacked from a bzImage);
-        ``path`` names it in errors. Raises ElfError, never anything else."""
-        if not data.startswith(b"\x7fELF"):
+    def from_bytes(cls, path: str, data: Data) -> ElfImage:
+        """Check an x86_64 or i386 ELF held in memory (a vmlinux unpacked from a bzImage) or
+        mapped; ``path`` names it in errors. Raises ElfError, never anything else."""
+        if data[:4] != b"\x7fELF":
             raise ElfError(path, "no ELF magic")
         try:
-            elf = ELFFile(io.BytesIO(data))
-            arch = BY_MACHINE.get((elf["e_machine"], elf.elfclass))
-            if arch is None:
-                raise ElfError(
-                    path, f"{elf.elfclass}-bit {elf['e_machine']}, not x86_64 or 32-bit i386"
-                )
-            image = cls(path, data, elf, arch)
-            image._check_bounds()
+            image = cls(path, data, _headers(path, data))
         except ElfError:
             raise
-        except PyElfError as err:
-            raise ElfError(path, f"malformed ({err})") from err
-        except Exception as err:  # pyelftools reports some corruptions as arbitrary errors
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as err:
             raise ElfError(path, f"malformed ({type(err).__name__}: {err})") from err
+        image._check_bounds()
         return image
 
     def _check_bounds(self) -> None:
         for header in self._section_list:
-            if header["sh_type"] != "SHT_NOBITS" and header["sh_offset"] + header["sh_size"] > len(
-                self._data
-            ):
+            if not header.nobits and header.offset + header.size > len(self._data):
                 raise ElfError(self.path, "truncated (a section runs past the end of the file)")
 
     def section(self, name: str) -> bytes | None:
         """The bytes of a section, or None if it is absent or has no file contents (NOBITS)."""
         header = self._sections.get(name)
-        if header is None or header["sh_type"] == "SHT_NOBITS":
+        if header is None or header.nobits:
             return None
-        start: int = header["sh_offset"]
-        return self._data[start : start + header["sh_size"]]
+        return self._data[header.offset : header.offset + header.size]
+
+    def section_header(self, name: str) -> SectionHeader | None:
+        return self._sections.get(name)
 
     def file_bytes(self, offset: int, size: int) -> bytes:
         """The file's bytes at ``offset`` (fewer at its end)."""
@@ -128,15 +161,11 @@ class ElfImage:
 
     def section_addr(self, name: str) -> int | None:
         header = self._sections.get(name)
-        return None if header is None else int(header["sh_addr"])
+        return None if header is None else header.addr
 
     def code_ranges(self) -> list[tuple[int, int]]:
         """(start, end) addresses of every executable section."""
-        return [
-            (int(h["sh_addr"]), int(h["sh_addr"] + h["sh_size"]))
-            for h in self._section_list
-            if h["sh_flags"] & _SHF_EXECINSTR
-        ]
+        return [(h.addr, h.addr + h.size) for h in self._section_list if h.flags & _SHF_EXECINSTR]
 
     def prepare(self) -> ElfImage:
         """Everything a sample may need, built now rather than inside the first pause: the
@@ -184,18 +213,23 @@ class ElfImage:
         return LineTable(self._dwarf) if self.section(".debug_line") else None
 
     def _dwarf(self) -> Any:
-        elf = ELFFile(io.BytesIO(self._data))
+        from elftools.elf.elffile import ELFFile  # only DWARF needs pyelftools: imported late
+
+        # A mapped file is a stream itself: no copy of a 600 MB debug vmlinux.
+        data = self._data
+        stream: Any = data if isinstance(data, mmap.mmap) else io.BytesIO(data)  # both read+seek
+        elf = ELFFile(stream)
         return elf.get_dwarf_info() if elf.has_dwarf_info() else None
 
     def _read_symbols(self, name: str) -> list[Symbol]:
         header = self._sections.get(name)
         data = self.section(name)
-        if header is None or data is None or header["sh_link"] >= len(self._section_list):
+        if header is None or data is None or header.link >= len(self._section_list):
             return []
-        strtab_header = self._section_list[header["sh_link"]]
-        start = strtab_header["sh_offset"]
-        strtab = self._data[start : start + strtab_header["sh_size"]]
-        executable = {i for i, h in enumerate(self._section_list) if h["sh_flags"] & _SHF_EXECINSTR}
+        strtab_header = self._section_list[header.link]
+        start = strtab_header.offset
+        strtab = self._data[start : start + strtab_header.size]
+        executable = {i for i, h in enumerate(self._section_list) if h.flags & _SHF_EXECINSTR}
         out: list[Symbol] = []
         for st_name, info, shndx, value, size in self._raw_symbols(data):
             kind = info & 0xF
@@ -229,3 +263,75 @@ class ElfImage:
         if note_type != 3 or desc + descsz > len(note):  # NT_GNU_BUILD_ID
             return None
         return note[desc : desc + descsz].hex()
+
+
+def _map(f: Any) -> Data:
+    """The file mapped read-only; an empty file (which cannot be mapped) read."""
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError:
+        return bytes(f.read())
+
+
+def _headers(path: str, data: Data) -> _Headers:
+    """The file, section and program headers (``elf.h``), checked against the file's size."""
+    bits = {1: 32, 2: 64}.get(data[4])
+    if bits is None or data[5] != 1:
+        raise ElfError(path, "not a little-endian 32- or 64-bit ELF")
+    ehdr = _EHDR[bits]
+    if len(data) < 16 + ehdr.size:
+        raise ElfError(path, "truncated (shorter than its ELF header)")
+    fields = ehdr.unpack_from(data, 16)
+    _type, machine, _version, entry, phoff, shoff = fields[:6]
+    phentsize, phnum, shentsize, shnum, shstrndx = fields[8:]
+    arch = BY_MACHINE.get((_MACHINES.get(machine, ""), bits))
+    if arch is None:
+        raise ElfError(path, f"{bits}-bit {_machine_name(machine)}, not x86_64 or 32-bit i386")
+    shdr = _SHDR[bits]
+    raw = []
+    if shoff:
+        first = _table(path, data, shoff, max(shnum, 1), shentsize, shdr)[0]
+        if shnum == 0:  # extended numbering: the count lives in section 0
+            shnum = first[5]
+        if shstrndx == _SHN_XINDEX:
+            shstrndx = first[6]
+        raw = _table(path, data, shoff, shnum, shentsize, shdr)
+    if phnum == _SHN_XINDEX and raw:
+        phnum = raw[0][7]
+    names = b""
+    if raw and shstrndx < len(raw):
+        names = bytes(data[raw[shstrndx][4] : raw[shstrndx][4] + raw[shstrndx][5]])
+    sections = [
+        SectionHeader(_name(names, name), kind, flags, addr, offset, size, link)
+        for name, kind, flags, addr, offset, size, link, _info in raw
+    ]
+    loads = []
+    if phoff:
+        t, o, v, m = _PHDR_FIELDS[bits]
+        for ph in _table(path, data, phoff, phnum, phentsize, _PHDR[bits]):
+            if ph[t] == _PT_LOAD:
+                loads.append((ph[v], ph[o], ph[m]))
+    return _Headers(arch, entry, sections, loads)
+
+
+def _table(
+    path: str, data: Data, offset: int, count: int, entsize: int, entry: struct.Struct
+) -> list[tuple[int, ...]]:
+    if count and entsize < entry.size:
+        raise ElfError(path, f"malformed (header entries of {entsize} bytes)")
+    if offset + count * entsize > len(data):
+        raise ElfError(path, "truncated (a header table runs past the end of the file)")
+    return [entry.unpack_from(data, offset + i * entsize) for i in range(count)]
+
+
+def _name(names: bytes, offset: int) -> str:
+    end = names.find(b"\0", offset)
+    return names[offset : end if end >= 0 else len(names)].decode("utf-8", "replace")
+
+
+def _machine_name(machine: int) -> str:
+    """e_machine as elf.h spells it, for an error message (pyelftools has the table)."""
+    from elftools.elf.enums import ENUM_E_MACHINE
+
+    names = {v: k for k, v in ENUM_E_MACHINE.items() if isinstance(v, int)}
+    return names.get(machine, f"machine {machine}")

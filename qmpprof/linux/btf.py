@@ -5,15 +5,18 @@ qmpprof reads guest kernel structures (the current task, its mm, the module list
 that differ between builds; BTF gives them for the very kernel that runs, with no table of
 versions. The section is a header (magic 0xEB9F), a type section of variable-length records
 (ids from 1, 0 being void) and a string section (``include/uapi/linux/btf.h``). Loading walks the
-type records once to find where each starts (0.15 s for a distribution vmlinux's 110 000
-types); names are indexed and members decoded only when first asked for.
+type records once to find where each starts and its kind (0.15 s for a distribution vmlinux's
+110 000 types: ``index`` hands that over, for a cache to give back to the next load); names are
+indexed and members decoded only when first asked for.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import struct
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from qmpprof.elf.image import ElfImage
@@ -93,10 +96,23 @@ class Member:
         return self.bit_offset // 8
 
 
+@dataclass(frozen=True, slots=True)
+class BtfIndex:
+    """Where each type record starts in the section (``starts[id]``, 0 for void) and its kind
+    (``kinds[id]``): what loading computes from the type section, valid for the same bytes.
+    ``names``: for some kinds, each name's first type id (``Btf.with_names`` fills it)."""
+
+    starts: array[int]  # typecode "I"
+    kinds: bytes
+    names: dict[int, dict[bytes, int]] = field(default_factory=dict)
+
+
 class Btf:
     """The types of one ``.BTF`` section, by id and by name."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, index: BtfIndex | None = None) -> None:
+        """``index``: the section's own ``index`` from an earlier load (a cache); one that does
+        not fit the section raises BtfError."""
         if len(data) < _HEADER.size:
             raise BtfError("shorter than its header")
         magic, version, _flags, hdr_len, type_off, type_len, str_off, str_len = _HEADER.unpack_from(
@@ -111,8 +127,14 @@ class Btf:
             raise BtfError("a section runs past the end of the data")
         self._data = data
         self._strings = data[strings_at : strings_at + str_len]
-        self._index(types_at, types_at + type_len)
-        self._names: dict[int, dict[bytes, int]] = {}  # kind -> name -> first id, when asked
+        if index is None:
+            index = self._build_index(types_at, types_at + type_len)
+        elif not _fits(index, types_at, type_len):
+            raise BtfError("an index that does not fit the type section")
+        self.index = index
+        self._starts = index.starts
+        # kind -> name -> first id: built when first asked for, or handed over by the index
+        self._names: dict[int, dict[bytes, int]] = dict(index.names)
         self._types: Memo[int, BtfType] = Memo()
         self._members: Memo[int, tuple[Member, ...]] = Memo()
 
@@ -122,23 +144,23 @@ class Btf:
         data = image.section(".BTF")
         return None if data is None else cls(data)
 
-    def _index(self, pos: int, end: int) -> None:
-        """Where each type record starts and its info word; index = type id (0, void, has no
+    def _build_index(self, pos: int, end: int) -> BtfIndex:
+        """Where each type record starts and its kind; index = type id (0, void, has no
         record)."""
-        starts, infos = [0], [0]
+        starts, kinds = array("I", [0]), bytearray(1)
         data, unpack = self._data, _U32.unpack_from
         fixed, per_item = _EXTRA_FIXED.get, _EXTRA_PER_ITEM.get
         while pos < end:
             starts.append(pos)
             info = unpack(data, pos + 4)[0]
-            infos.append(info)
             kind = (info >> 24) & 0x1F
+            kinds.append(kind)
             pos += 12 + fixed(kind, 0) + per_item(kind, 0) * (info & 0xFFFF)
             if kind > Kind.ENUM64:
                 raise BtfError(f"type {len(starts) - 1}: unknown kind {kind}")
         if pos != end:
             raise BtfError("the last type record runs past the type section")
-        self._starts, self._infos = starts, infos
+        return BtfIndex(starts, bytes(kinds))
 
     def __len__(self) -> int:
         """The number of types, void excluded (the largest id)."""
@@ -174,12 +196,17 @@ class Btf:
                 self._data,
                 self._starts,
             )
-            for type_id, info in enumerate(self._infos):
-                if (info >> 24) & 0x1F == kind:
-                    name_off = _U32.unpack_from(data, starts[type_id])[0]
-                    if name_off:
-                        names.setdefault(strings[name_off : find(b"\0", name_off)], type_id)
+            for found in re.finditer(re.escape(bytes([kind])), self.index.kinds):
+                type_id = found.start()
+                name_off = _U32.unpack_from(data, starts[type_id])[0]
+                if name_off:
+                    names.setdefault(strings[name_off : find(b"\0", name_off)], type_id)
         return names
+
+    def with_names(self, kinds: tuple[Kind, ...]) -> BtfIndex:
+        """This section's index with the name index of ``kinds`` (for a cache)."""
+        names = {int(kind): self._names_of(kind) for kind in kinds}
+        return BtfIndex(self.index.starts, self.index.kinds, names)
 
     def find(self, name: str, *kinds: Kind) -> int | None:
         """The id of the type named ``name`` of the first of ``kinds`` that has one (by default
@@ -332,10 +359,15 @@ class Btf:
             raise KeyError(f"no data section {name} in BTF")
         record = self.type(found)
         pos = self._starts[found] + 12
+        data, starts, strings, find = self._data, self._starts, self._strings, self._strings.find
         out = {}
+        # Thousands of per-CPU variables: read straight from the records, no BtfType each.
         for var_id, offset, _size in _SECINFO.iter_unpack(self._data[pos : pos + 12 * record.vlen]):
-            var = self.type(var_id)
-            out[var.name] = (offset, var.ref)
+            if not 0 < var_id < len(starts):
+                raise KeyError(f"no BTF type {var_id}")
+            name_off, _info, var_type = _TYPE.unpack_from(data, starts[var_id])
+            var_name = strings[name_off : find(b"\0", name_off)].decode("utf-8", "replace")
+            out[var_name] = (offset, var_type)
         return out
 
     def percpu(self, name: str) -> tuple[int, int]:
@@ -349,3 +381,23 @@ class Btf:
     @cached_property
     def _percpu(self) -> dict[str, tuple[int, int]]:
         return self.datasec(".data..percpu")
+
+
+def _fits(index: BtfIndex, types_at: int, type_len: int) -> bool:
+    """Whether a cached index can be this section's: one known kind per start, the first and
+    the last record inside the type section (the records between are not walked again)."""
+    starts, kinds = index.starts, index.kinds
+    if starts.typecode != "I" or len(starts) != len(kinds) or not starts or starts[0] or kinds[0]:
+        return False
+    inside = len(starts) == 1 or (starts[1] == types_at and starts[-1] + 12 <= types_at + type_len)
+    return inside and max(kinds) <= Kind.ENUM64 and _names_fit(index)
+
+
+def _names_fit(index: BtfIndex) -> bool:
+    """Whether every id a name index gives is a type of its kind."""
+    kinds = index.kinds
+    return all(
+        0 < type_id < len(kinds) and kinds[type_id] == kind
+        for kind, names in index.names.items()
+        for type_id in names.values()
+    )

@@ -13,19 +13,16 @@ most 8 MiB each behind a little-endian u32 length), which the lz4 frame API does
 the blocks are unpacked one by one here. Most kernel payloads end with four bytes holding the
 uncompressed size (``size_append``); they are ignored.
 
-The only module that imports ``zstandard`` and ``lz4``.
+The only module that imports ``zstandard`` and ``lz4``, when a payload needs them (a load from
+the cache unpacks nothing).
 """
 
 from __future__ import annotations
 
-import bz2
 import lzma
 import struct
 import zlib
 from collections.abc import Callable
-
-import lz4.block
-import zstandard
 
 from qmpprof.errors import KernelImageError
 
@@ -122,6 +119,8 @@ def _lzma_with(fmt: int) -> Callable[[bytes], bytes]:
 
 
 def _bzip2(payload: bytes) -> bytes:
+    import bz2
+
     unpacker = bz2.BZ2Decompressor()
     out = unpacker.decompress(payload)
     _check_end(unpacker.eof)
@@ -129,6 +128,8 @@ def _bzip2(payload: bytes) -> bytes:
 
 
 def _zstd(payload: bytes) -> bytes:
+    import zstandard
+
     # A streaming object: the kernel's frame, written through a pipe, records no content size.
     unpacker = zstandard.ZstdDecompressor().decompressobj()
     out = unpacker.decompress(payload)
@@ -137,6 +138,8 @@ def _zstd(payload: bytes) -> bytes:
 
 
 def _lz4_legacy(payload: bytes) -> bytes:
+    import lz4.block
+
     chunks: list[bytes] = []
     pos = 4
     while len(payload) - pos > 4:

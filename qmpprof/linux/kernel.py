@@ -5,12 +5,16 @@ the guest is touched; and the kernel's ``Module`` at the slide the running kerne
 Symbols come, best first, from ``--kallsyms FILE`` (System.map or /proc/kallsyms text), the
 image's ``.symtab`` (a debug vmlinux) or the kallsyms tables built into the image itself.
 Unwinding is ORC when the image has it (every distribution kernel since 4.14), else the image's
-CFI and frame pointers. The unpacked vmlinux and the decoded kallsyms are cached (``cache.py``).
+CFI and frame pointers. The unpacked vmlinux, the decoded kallsyms and an index of the rest are
+cached (``cache.py``): a load from the cache maps the vmlinux and builds nothing again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,17 +22,21 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
-from qmpprof.linux.btf import Btf, BtfError
+from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.orc import OrcStep, OrcTable
+from qmpprof.linux.orc import OrcLayout, OrcStep, OrcTable
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 from qmpprof.model import Mapping
 from qmpprof.unwind.space import Module
 
 UPPER_HALF = 0xFFFF_8000_0000_0000
+Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
 _LINUX_MARKS = (".orc_unwind_ip", ".BTF", "__ksymtab", "__ksymtab_strings")
+# The kinds of BTF types a run looks up by name (structs, unions, typedefs, per-CPU data): the
+# index of their names is cached with the BTF's.
+_NAMED_KINDS = (Kind.STRUCT, Kind.UNION, Kind.TYPEDEF, Kind.DATASEC)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -48,38 +56,34 @@ class LinuxKernel:
 
     @classmethod
     def load(cls, path: str | Path, kallsyms: str | Path | None = None) -> LinuxKernel:
-        """Read ``path`` (bzImage or vmlinux) and index it. Raises ElfError (KernelImageError,
-        SymbolMapError) with one line, never anything else."""
+        """Read ``path`` (bzImage or vmlinux) and index it, from the cache where it holds this
+        image's indexes. Raises ElfError (KernelImageError, SymbolMapError) with one line,
+        never anything else."""
         name = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            raise ElfError(name, err.strerror or str(err)) from err
-        key = hashlib.sha256(data).hexdigest()
-        unpacked = None
-        if is_bzimage(data):
-            data = cache.load_vmlinux(key) or vmlinux_bytes(data, name)
-            unpacked = data
-        image = ElfImage.from_bytes(name, data)
+        key, data = _key(path, name)
+        index = cache.load_index(key)
+        image, unpacked = _image(name, path, data, key, index)
         if not is_linux(image):
             raise KernelImageError(name, "not a Linux kernel (no ORC, BTF or ksymtab sections)")
+        if index is not None and index.vmlinux_size != image.size:
+            index = None  # not the index of this vmlinux: the cached one was replaced
         symbols = None if kallsyms is not None else cache.load_symbols(key)
+        new_symbols = None
         if symbols is None:
             symbols = _symbols(image, kallsyms)
-            if kallsyms is None:
-                cache.store(key, unpacked, symbols)
-        functions = image.symbols if len(image.symbols) else symbols.symbol_table()
-        missing = []
-        orc = OrcTable.from_image(image)
+            new_symbols = symbols if kallsyms is None else None
+        functions, text_picks = _functions(image, symbols, None if kallsyms else index)
+        orc = _orc(image, index)
+        btf, missing = _btf(image, index)
         if orc is None:
-            missing.append("no ORC tables (CONFIG_UNWINDER_ORC): kernel stacks by frame pointers")
-        try:
-            btf = Btf.from_image(image)
-            if btf is None:
-                missing.append("no BTF (CONFIG_DEBUG_INFO_BTF): no process names")
-        except BtfError as err:
-            btf = None
-            missing.append(f"unreadable BTF ({err}): no process names")
+            missing.insert(
+                0, "no ORC tables (CONFIG_UNWINDER_ORC): kernel stacks by frame pointers"
+            )
+        new_index = None  # kept when built here: not with --kallsyms (not the image's own)
+        if kallsyms is None and _stale(index, text_picks, orc, btf):
+            new_index = _index(image, text_picks, orc, btf)
+        if unpacked is not None or new_symbols is not None or new_index is not None:
+            cache.store(key, unpacked, new_symbols, new_index)
         return cls(image, symbols, functions, orc, btf, _span(image), tuple(missing))
 
     @property
@@ -136,9 +140,135 @@ def looks_like_linux(path: str | Path) -> bool:
     if not head.startswith(b"\x7fELF"):
         return False
     try:
-        return is_linux(ElfImage.load(path))
+        return is_linux(ElfImage.load(path, mapped=True))
     except ElfError:
         return False
+
+
+def _key(path: str | Path, name: str) -> tuple[str, bytes | None]:
+    """The SHA-256 of the image file, and its bytes when they were read for it: the cache
+    remembers the key of a file it has seen while the file is unchanged (its device, inode,
+    size, modification and change times: what git trusts), so that a cached load need not
+    read and hash it."""
+    try:
+        stat = os.stat(path)
+        key = cache.remembered_key(path, stat)
+        if key is not None:
+            return key, None
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ElfError(name, err.strerror or str(err)) from err
+    key = hashlib.sha256(data).hexdigest()
+    cache.remember_key(path, stat, key)
+    return key, data
+
+
+def _read(path: str | Path, name: str, size: int = -1) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as err:
+        raise ElfError(name, err.strerror or str(err)) from err
+
+
+def _image(
+    name: str, path: str | Path, data: bytes | None, key: str, index: cache.KernelIndex | None
+) -> tuple[ElfImage, bytes | None]:
+    """The vmlinux (the file itself, mapped unless it was read already; the cached one mapped
+    when the index vouches for its size; or unpacked from the bzImage) and, when it was
+    unpacked here, its bytes. ``data``: the file's bytes if they were read already."""
+    if not is_bzimage(data if data is not None else _read(path, name, 0x300)):
+        if data is None:
+            return ElfImage.load(name, mapped=True), None
+        return ElfImage.from_bytes(name, data), None
+    mapped = None if index is None else cache.map_vmlinux(key, index.vmlinux_size)
+    if mapped is not None:
+        with contextlib.suppress(ElfError):
+            return ElfImage.from_bytes(name, mapped), None
+    if data is None:
+        data = _read(path, name)
+    unpacked = vmlinux_bytes(data, name)
+    return ElfImage.from_bytes(name, unpacked), unpacked
+
+
+def _functions(
+    image: ElfImage, symbols: KernelSymbols, index: cache.KernelIndex | None
+) -> tuple[SymbolTable, Picks | None]:
+    """What names code: the image's ``.symtab`` when it has one, else kallsyms' text symbols
+    (placed by the index when it has them); and where those are, for the index."""
+    if len(image.symbols):
+        return image.symbols, None
+    names = symbols.names
+    picks = index.functions if index is not None else None
+    if picks is not None:
+        try:
+            chosen = list(map(names.__getitem__, picks[2]))
+            return SymbolTable.from_sorted(picks[0], picks[1], chosen), picks
+        except IndexError:  # not these symbols' picks: made again
+            pass
+    starts, ends, fresh = symbols.text_picks(None)
+    chosen = [names[i] for i in fresh]
+    return SymbolTable.from_sorted(starts, ends, chosen), (starts, ends, fresh)
+
+
+def _orc(image: ElfImage, index: cache.KernelIndex | None) -> OrcTable | None:
+    """The image's ORC table, built on the index's offsets when they fit its sections."""
+    cached = None if index is None else index.orc
+    entries = image.section(".orc_unwind")
+    header = image.section_header(".orc_unwind_ip")
+    if cached is not None and entries is not None and header is not None:
+        fits = header.addr == cached.base and header.size == 4 * len(cached.offsets)
+        with contextlib.suppress(ValueError):
+            if fits:
+                return OrcTable(
+                    cached.base, cached.offsets, entries, OrcLayout(cached.layout), cached.end
+                )
+    return OrcTable.from_image(image)
+
+
+def _btf(image: ElfImage, index: cache.KernelIndex | None) -> tuple[Btf | None, list[str]]:
+    """The image's BTF (on the index's type index when it fits) and what a run lacks without."""
+    data = image.section(".BTF")
+    if data is None:
+        return None, ["no BTF (CONFIG_DEBUG_INFO_BTF): no process names"]
+    if index is not None and index.btf is not None:
+        with contextlib.suppress(BtfError):
+            return Btf(data, index.btf), []
+    try:
+        return Btf(data), []
+    except BtfError as err:
+        return None, [f"unreadable BTF ({err}): no process names"]
+
+
+def _stale(
+    index: cache.KernelIndex | None,
+    text_picks: Picks | None,
+    orc: OrcTable | None,
+    btf: Btf | None,
+) -> bool:
+    """Whether something was built here rather than taken from ``index`` (all or a part of it
+    missing, or not fitting the image)."""
+    if index is None:
+        return True
+    cached_orc = None if index.orc is None else index.orc.offsets
+    return (
+        (text_picks is not None and text_picks is not index.functions)
+        or (orc is not None and orc.offsets is not cached_orc)
+        or (btf is not None and btf.index is not index.btf)
+    )
+
+
+def _index(
+    image: ElfImage,
+    text_picks: Picks | None,
+    orc: OrcTable | None,
+    btf: Btf | None,
+) -> cache.KernelIndex:
+    orc_index = None
+    if orc is not None:
+        orc_index = cache.OrcIndex(orc.base, orc.end, orc.layout.value, orc.offsets)
+    btf_index = None if btf is None else btf.with_names(_NAMED_KINDS)
+    return cache.KernelIndex(image.size, text_picks, orc_index, btf_index)
 
 
 def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:

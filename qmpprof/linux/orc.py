@@ -23,6 +23,7 @@ import enum
 import re
 import struct
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import add, le
@@ -82,6 +83,7 @@ _LEGACY_TYPES = (OrcType.CALL, OrcType.REGS, OrcType.REGS_PARTIAL)
 _REGS_TYPES = (OrcType.REGS, OrcType.REGS_PARTIAL)  # legacy kernels: these make the pc exact
 # The bitfield of a C function's usual entry (sp_reg SP, type CALL) in each layout.
 _CALL_SP_HIGH = {OrcLayout.SIGNAL: 0x02, OrcLayout.LEGACY: 0x00}
+_NO_SIGNAL = bytes(b for b in range(256) if not b & 0x08)  # high bytes without the signal bit
 _VERSION = re.compile(rb"Linux version (\d+)\.(\d+)")
 _BASE_REGS: dict[int, int] = {OrcReg.R10: 10, OrcReg.R13: 13, OrcReg.DI: 5, OrcReg.DX: 1}
 
@@ -126,15 +128,22 @@ def detect_layout(entries: bytes, version: tuple[int, int] | None = None) -> Orc
     """The layout of a table's entries. Most entries of any kernel are a C function's CALL with
     sp_reg SP, whose high byte is 0x02 from 6.4 on and 0x00 before; a set ``signal`` bit exists
     only from 6.4. ``version`` decides when the entries cannot (a tiny table)."""
+    found = _layout_of_entries(entries)
+    if found is not None:
+        return found
+    if version is not None and version < (6, 4):
+        return OrcLayout.LEGACY
+    return OrcLayout.SIGNAL
+
+
+def _layout_of_entries(entries: bytes) -> OrcLayout | None:
     high = entries[5::ENTRY_SIZE]
-    if any(b & 0x08 for b in high):
+    if high.translate(None, _NO_SIGNAL):  # a byte with the signal bit is left: a C-speed any()
         return OrcLayout.SIGNAL
     new, old = high.count(_CALL_SP_HIGH[OrcLayout.SIGNAL]), high.count(0)
     if new != old:
         return OrcLayout.SIGNAL if new > old else OrcLayout.LEGACY
-    if version is not None and version < (6, 4):
-        return OrcLayout.LEGACY
-    return OrcLayout.SIGNAL
+    return None
 
 
 class OrcTable:
@@ -145,7 +154,7 @@ class OrcTable:
     def __init__(
         self,
         base: int,
-        offsets: list[int],
+        offsets: Sequence[int],
         entries: bytes,
         layout: OrcLayout,
         end: int | None = None,
@@ -153,7 +162,8 @@ class OrcTable:
         if len(entries) != ENTRY_SIZE * len(offsets):
             raise ValueError(f"{len(offsets)} ORC ips but {len(entries)} bytes of entries")
         # Entry i covers base + offsets[i] on; small offsets rather than 64-bit addresses
-        # make the list twice as fast to build.
+        # make the list twice as fast to build. A cache hands them over as an array("q"),
+        # which bisect searches as fast as a list and which loads without making 440 000 ints.
         self.base = base
         self.offsets = offsets  # ascending
         self._raw = entries
@@ -193,8 +203,10 @@ class OrcTable:
         entries = image.section(".orc_unwind")
         if ip_bytes is None or ip_addr is None or entries is None:
             return None
-        version = kernel_version(image.section(".rodata") or b"")
-        return cls.from_sections(ip_bytes, ip_addr, entries, version=version)
+        layout = _layout_of_entries(entries)
+        if layout is None:  # only then is the version banner searched for (in 7 MB)
+            layout = detect_layout(entries, kernel_version(image.section(".rodata") or b""))
+        return cls.from_sections(ip_bytes, ip_addr, entries, layout)
 
     def __len__(self) -> int:
         return len(self.offsets)

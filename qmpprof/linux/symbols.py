@@ -19,7 +19,7 @@ from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.errors import SymbolMapError
 
 TEXT_TYPES = frozenset("tTwW")
-_END = 1 << 64  # the end of a symbol with nothing above it
+END = 1 << 64  # the end of a symbol with nothing above it
 
 
 @dataclass(slots=True)
@@ -61,22 +61,29 @@ class KernelSymbols:
     def text_symbols(self, module: str | None = None) -> list[Symbol]:
         """The text symbols of the kernel image (or of ``module``), one per address, sized to
         the next symbol; the last one has size 0."""
-        starts, ends, names = self._text_arrays(module)
+        starts, ends, names = self.text_arrays(module)
         return [
-            Symbol(start, end - start if end != _END else 0, name)
+            Symbol(start, end - start if end != END else 0, name)
             for start, end, name in zip(starts, ends, names, strict=True)
         ]
 
     def symbol_table(self, module: str | None = None) -> SymbolTable:
-        return SymbolTable.from_sorted(*self._text_arrays(module))
+        return SymbolTable.from_sorted(*self.text_arrays(module))
 
-    def _text_arrays(self, module: str | None) -> tuple[list[int], list[int], list[str]]:
+    def text_arrays(self, module: str | None) -> tuple[list[int], list[int], list[str]]:
         """(starts, ends, names) of text symbols: at an address shared by aliases the first
         text one, as the kernel names it; the end is the next address any symbol has."""
+        starts, ends, picks = self.text_picks(module)
+        names = self.names
+        return starts, ends, [names[i] for i in picks]
+
+    def text_picks(self, module: str | None) -> tuple[list[int], list[int], list[int]]:
+        """``text_arrays`` with the index of each name's symbol instead of the name. Only the
+        last start can have nothing above it (an end of ``END``)."""
         pairs = [
-            (addr, name)
-            for addr, kind, name, mod in zip(
-                self.addrs, self.types, self.names, self.modules, strict=True
+            (addr, i)
+            for i, (addr, kind, mod) in enumerate(
+                zip(self.addrs, self.types, self.modules, strict=True)
             )
             if kind in TEXT_TYPES and mod == module
         ]
@@ -84,7 +91,7 @@ class KernelSymbols:
         starts = list(first)[::-1]
         distinct = list(dict.fromkeys(self.addrs))
         following = dict(pairwise(distinct))
-        ends = [following.get(start, _END) for start in starts]
+        ends = [following.get(start, END) for start in starts]
         return starts, ends, [first[start] for start in starts]
 
 

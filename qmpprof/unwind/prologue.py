@@ -6,15 +6,15 @@ the frame was torn down, and in leaf functions that never set one up. This modul
 the function from its start up to the pc (capstone is confined here) and tracks how far the
 stack pointer is below the CFA. The answer is only needed for the interrupted frame: a caller
 is always at a call site, where its frame is fully set up. One analyzer reads one instruction
-set: x86_64 (8-byte pushes, rsp/rbp) or i386 (4-byte pushes, esp/ebp).
+set: x86_64 (8-byte pushes, rsp/rbp) or i386 (4-byte pushes, esp/ebp). capstone is imported
+when the first analyzer is made (a module with code to scan), not by a run that never scans:
+a Linux kernel unwound by ORC.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import capstone
 
 from qmpprof.memo import Memo
 
@@ -28,7 +28,7 @@ _CACHE_LIMIT = 1 << 14
 class _Isa:
     """What the scan needs of an instruction set: capstone's mode, the stack word, the names."""
 
-    mode: int
+    mode: str  # the name of capstone's constant
     word: int
     sp: str
     fp: str
@@ -39,8 +39,8 @@ class _Isa:
 
 
 _ISAS = {
-    8: _Isa(capstone.CS_MODE_64, 8, "rsp", "rbp"),
-    4: _Isa(capstone.CS_MODE_32, 4, "esp", "ebp"),
+    8: _Isa("CS_MODE_64", 8, "rsp", "rbp"),
+    4: _Isa("CS_MODE_32", 4, "esp", "ebp"),
 }
 
 
@@ -76,7 +76,9 @@ class PrologueAnalyzer:
     def __init__(self, word: int = 8) -> None:
         self._isa = _ISAS[word]
         self._lea_sp = self._isa.lea_sp
-        self._cs = capstone.Cs(capstone.CS_ARCH_X86, self._isa.mode)
+        import capstone  # 50 ms: only for runs that scan code (see the module's docstring)
+
+        self._cs = capstone.Cs(capstone.CS_ARCH_X86, getattr(capstone, self._isa.mode))
         self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
             _CACHE_LIMIT
         )
