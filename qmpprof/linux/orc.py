@@ -32,7 +32,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import RBP, RIP, RSP, StopReason
 from qmpprof.pages import PageCache
-from qmpprof.unwind.steps import Outcome, Regs, Via
+from qmpprof.unwind.steps import NEW_STACK, Outcome, Regs, Via
 
 MASK64 = (1 << 64) - 1
 ENTRY_SIZE = 6
@@ -278,7 +278,9 @@ class OrcStep:
             return bp
         if bp is not None:
             new[RBP] = bp
-        return new, signal
+        # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
+        # the interrupted stack may lie anywhere, below this one too.
+        return new, signal | NEW_STACK if entry.sp_reg == OrcReg.SP_INDIRECT else signal
 
     def _at_entry(self, link_pc: int) -> bool:
         found = None if self.functions is None else self.functions.lookup(link_pc)
