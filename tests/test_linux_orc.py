@@ -275,6 +275,31 @@ def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
     )
 
 
+def test_legacy_thunks_read_as_an_end_are_walked_from_their_first_byte() -> None:
+    """Before 6.4 a retpoline thunk's hint (UNWIND_HINT_EMPTY) is "undefined, end": it decodes
+    as END_OF_STACK like entry_SYSCALL_64's. Within the thunks' range, on a function's first
+    byte, the return address is at RSP; elsewhere the end stays an end."""
+    sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
+    end = legacy_bits(UNDEF, UNDEF, 0, end=True)
+    t = table([(TEXT, 0, 0, end), (TEXT + 0x100, 0, 0, 0)], OrcLayout.LEGACY)
+    functions = SymbolTable(
+        [
+            Symbol(TEXT + 0x20, 0x10, "entry_SYSCALL_64"),
+            Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_rax"),
+            Symbol(TEXT + 0x60, 0x20, "__x86_indirect_thunk_rcx"),
+        ]
+    )
+    orc = OrcStep(t, bias=slide, functions=functions, thunks=(TEXT + 0x40, TEXT + 0x80))
+    cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
+    for thunk in (TEXT + 0x40, TEXT + 0x60):
+        assert orc.step(cur, thunk + slide, True, words) == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, 0)
+    assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x20, True, words) is StopReason.END  # a true end
+    no_range = OrcStep(t, bias=slide, functions=functions)
+    assert no_range.step(cur, TEXT + slide + 0x40, True, words) is StopReason.END
+
+
 def test_bias_moves_the_table() -> None:
     slide = 0x2A0_0000
     sp = KSTACK + 0x100
