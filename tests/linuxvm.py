@@ -126,10 +126,13 @@ def running_linux_guest(
     wait_workload: bool = True,
     dump_kallsyms: bool = True,
     append: str = "",
+    kernel: Path | None = None,
 ) -> Iterator[LinuxGuest]:
     """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
     ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
-    ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``."""
+    ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``. ``kernel``: a
+    bzImage other than 6.12's (the same initramfs; the test module, built for 6.12, does not
+    load there: no module line, no ``sys`` workload)."""
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="lg-", dir="/tmp"))
@@ -158,6 +161,8 @@ def running_linux_guest(
         cmd += ["--gdb", str(gdb_port)]
     if paused:
         cmd.append("--paused")
+    if kernel is not None:
+        cmd += ["--kernel", str(kernel)]
     if not dump_kallsyms:
         append = f"{append} qmpprof.nokallsyms".strip()
     if append:

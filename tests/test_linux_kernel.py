@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import linuxkernel
 import pytest
 
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
@@ -43,6 +44,20 @@ def test_the_module_at_a_slide_unwinds_by_orc_and_names_slid_addresses(
     assert schedule is not None and module.symbols is not None
     assert module.symbols.lookup(schedule - module.bias) == ("schedule", 0)
     assert kernel.address("__per_cpu_offset") is not None  # a data symbol (KALLSYMS_ALL)
+
+
+def test_thunks_are_marked_on_61_only(kernel: LinuxKernel) -> None:
+    """6.1 brackets its retpoline thunks with __indirect_thunk_start/_end (their ORC reads as
+    an end of stack there); 6.12 has neither the symbols nor the need."""
+    assert kernel.thunks is None
+    (step,) = kernel.module(SLIDE).steps
+    assert isinstance(step, OrcStep) and step.thunks is None
+    old = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
+    thunk = old.symbols.address_of("__x86_indirect_thunk_r11")
+    assert old.thunks is not None and thunk is not None
+    assert old.thunks[0] < thunk < old.thunks[1]
+    (step,) = old.module(SLIDE).steps
+    assert isinstance(step, OrcStep) and step.thunks == old.thunks
 
 
 def test_a_kallsyms_file_from_a_kaslr_boot_is_moved_back_to_link_addresses(

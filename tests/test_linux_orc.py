@@ -21,7 +21,7 @@ from qmpprof.linux.orc import (
 from qmpprof.model import Mapping, Registers, StopReason
 from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
-from qmpprof.unwind.steps import FRAME_POINTER
+from qmpprof.unwind.steps import FRAME_POINTER, NEW_STACK
 
 RAX, RDX, RCX, RBX, RSI, RDI, RBP, RSP = range(8)
 R8, R9, R10, R11, R12, R13, R14, R15, RIP = range(8, 17)
@@ -179,12 +179,13 @@ def test_bp_rule_relative_to_bp() -> None:
 def test_sp_indirect_and_bp_indirect() -> None:
     sp, other = KSTACK + 0x100, KSTACK + 0x800
     t = one(bits(OrcReg.SP_INDIRECT, UNDEF, CALL), sp_offset=8)  # *sp + 8: off an IRQ stack
-    new, _ = step(t, {RSP: sp, RBP: 0}, {sp: other, other: TEXT + 0x11})
+    new, flags = step(t, {RSP: sp, RBP: 0}, {sp: other, other: TEXT + 0x11})
     assert new[RSP] == other + 8 and new[RIP] == TEXT + 0x11
+    assert flags == NEW_STACK  # a return address (not exact), on another stack
     bp = KSTACK + 0x40
     t = one(bits(OrcReg.BP_INDIRECT, UNDEF, CALL), sp_offset=-8)  # *(bp - 8)
-    new, _ = step(t, {RSP: sp, RBP: bp}, {bp - 8: other, other - 8: TEXT + 0x22})
-    assert new[RSP] == other and new[RIP] == TEXT + 0x22
+    new, flags = step(t, {RSP: sp, RBP: bp}, {bp - 8: other, other - 8: TEXT + 0x22})
+    assert new[RSP] == other and new[RIP] == TEXT + 0x22 and flags == 0
 
 
 @pytest.mark.parametrize(
@@ -274,6 +275,31 @@ def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
     )
 
 
+def test_legacy_thunks_read_as_an_end_are_walked_from_their_first_byte() -> None:
+    """Before 6.4 a retpoline thunk's hint (UNWIND_HINT_EMPTY) is "undefined, end": it decodes
+    as END_OF_STACK like entry_SYSCALL_64's. Within the thunks' range, on a function's first
+    byte, the return address is at RSP; elsewhere the end stays an end."""
+    sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
+    end = legacy_bits(UNDEF, UNDEF, 0, end=True)
+    t = table([(TEXT, 0, 0, end), (TEXT + 0x100, 0, 0, 0)], OrcLayout.LEGACY)
+    functions = SymbolTable(
+        [
+            Symbol(TEXT + 0x20, 0x10, "entry_SYSCALL_64"),
+            Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_rax"),
+            Symbol(TEXT + 0x60, 0x20, "__x86_indirect_thunk_rcx"),
+        ]
+    )
+    orc = OrcStep(t, bias=slide, functions=functions, thunks=(TEXT + 0x40, TEXT + 0x80))
+    cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
+    for thunk in (TEXT + 0x40, TEXT + 0x60):
+        assert orc.step(cur, thunk + slide, True, words) == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, 0)
+    assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x20, True, words) is StopReason.END  # a true end
+    no_range = OrcStep(t, bias=slide, functions=functions)
+    assert no_range.step(cur, TEXT + slide + 0x40, True, words) is StopReason.END
+
+
 def test_bias_moves_the_table() -> None:
     slide = 0x2A0_0000
     sp = KSTACK + 0x100
@@ -309,4 +335,30 @@ def test_walk_from_a_kernel_function_through_a_syscall_into_user_code() -> None:
     assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, 0x401000, 0x402000)
     assert raw.exact == (True, False, False, True, False)
     assert raw.via == (Via.REGS, Via.ORC, Via.ORC, Via.ORC, Via.FRAME_POINTER)
+    assert raw.stop is StopReason.END
+
+
+def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
+    """An interrupt handler on the IRQ stack -> the function that switched to it (SP_INDIRECT:
+    the task's stack pointer saved at the IRQ stack's top) -> its caller on the task stack,
+    which lies below the IRQ stack (Debian's 6.1: the idle task's and early kernel threads'
+    stacks): the stack pointer goes down, and that is no loop."""
+    t = table(
+        [
+            (TEXT, 8, 0, bits(SP, UNDEF, CALL)),  # the handler on the IRQ stack
+            (TEXT + 0x100, 8, 0, bits(OrcReg.SP_INDIRECT, UNDEF, CALL)),  # after call_on_stack
+            (TEXT + 0x200, 8, 0, bits(SP, UNDEF, CALL)),  # its caller, on the task stack
+            (TEXT + 0x300, 0, 0, bits(UNDEF, UNDEF, OrcType.END_OF_STACK)),
+            (TEXT + 0x400, 0, 0, 0),
+        ]
+    )
+    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x400, True), (OrcStep(t), FRAME_POINTER))
+    irq_sp = KSTACK + 0x3F00
+    task_sp = KSTACK - 0x10_0000 + 0x3E00  # another stack, 1 MiB lower
+    words = {irq_sp: TEXT + 0x105, irq_sp + 8: task_sp}  # return address, saved task sp
+    words |= {task_sp: TEXT + 0x205, task_sp + 8: TEXT + 0x305}
+    regs = Registers(cpu=0, rip=TEXT + 0x20, rsp=irq_sp, rbp=0, cpl=0, cr3=0x1000)
+    raw = Unwinder().unwind(regs, memory(words), AddressSpace([kernel]))
+    assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
+    assert raw.exact == (True, False, False, False)
     assert raw.stop is StopReason.END

@@ -105,7 +105,7 @@ class LinuxKernel:
         )
         line_table = image.lines if lines else None
         if self.orc is not None:
-            step = OrcStep(self.orc, slide, self.functions)
+            step = OrcStep(self.orc, slide, self.functions, self.thunks)
             return Module(mapping, (step,), self.functions, line_table)
         return Module.build(
             mapping,
@@ -115,6 +115,14 @@ class LinuxKernel:
             symbols=self.functions,
             lines=line_table,
         )
+
+    @property
+    def thunks(self) -> tuple[int, int] | None:
+        """Link addresses of the retpoline and return thunks, where kallsyms marks them (before
+        6.4: their ORC entries read as the end of the stack)."""
+        start = self.symbols.address_of("__indirect_thunk_start")
+        end = self.symbols.address_of("__indirect_thunk_end")
+        return None if start is None or end is None else (start, end)
 
     def address(self, name: str, slide: int = 0) -> int | None:
         """A kernel symbol's runtime address (data symbols too, where kallsyms has them)."""

@@ -33,7 +33,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import RBP, RIP, RSP, StopReason
 from qmpprof.pages import PageCache
-from qmpprof.unwind.steps import Outcome, Regs, Via
+from qmpprof.unwind.steps import NEW_STACK, Outcome, Regs, Via
 
 MASK64 = (1 << 64) - 1
 ENTRY_SIZE = 6
@@ -243,17 +243,25 @@ class OrcStep:
     One rule more than the kernel's: code ORC leaves UNDEFINED (the retpoline and return
     thunks) is walked when the CPU stands on its first byte, a function's entry (``functions``
     says where functions start, at link addresses): the call just pushed the return address
-    and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel ones)."""
+    and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel ones).
+    Before 6.4 the thunks' hint (UNWIND_HINT_EMPTY) reads as END_OF_STACK, as at true ends
+    (``entry_SYSCALL_64``, ``ret_from_fork``): there the rule holds only within ``thunks``, the
+    link addresses ``__indirect_thunk_start`` .. ``__indirect_thunk_end`` of such kernels."""
 
     via = Via.ORC
-    __slots__ = ("bias", "functions", "table")
+    __slots__ = ("bias", "functions", "table", "thunks")
 
     def __init__(
-        self, table: OrcTable, bias: int = 0, functions: SymbolTable | None = None
+        self,
+        table: OrcTable,
+        bias: int = 0,
+        functions: SymbolTable | None = None,
+        thunks: tuple[int, int] | None = None,
     ) -> None:
         self.table = table
         self.bias = bias  # runtime address - link address (the KASLR slide)
         self.functions = functions
+        self.thunks = thunks
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         try:
@@ -263,10 +271,13 @@ class OrcStep:
         if entry is None:
             return None
         kind = entry.type
+        link_pc = (pc - self.bias) & MASK64
         if kind is OrcType.END_OF_STACK:
+            if interrupted and self._in_thunks(link_pc) and self._at_entry(link_pc):
+                return _return_address_at_sp(cur, memory)
             return StopReason.END
         if kind is OrcType.UNDEFINED:
-            if interrupted and self._at_entry((pc - self.bias) & MASK64):
+            if interrupted and self._at_entry(link_pc):
                 return _return_address_at_sp(cur, memory)
             return StopReason.NO_CFI  # the kernel gives up here too: its code is known, unwalkable
         sp = _caller_sp(entry, cur, memory)
@@ -290,7 +301,12 @@ class OrcStep:
             return bp
         if bp is not None:
             new[RBP] = bp
-        return new, signal
+        # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
+        # the interrupted stack may lie anywhere, below this one too.
+        return new, signal | NEW_STACK if entry.sp_reg == OrcReg.SP_INDIRECT else signal
+
+    def _in_thunks(self, link_pc: int) -> bool:
+        return self.thunks is not None and self.thunks[0] <= link_pc < self.thunks[1]
 
     def _at_entry(self, link_pc: int) -> bool:
         found = None if self.functions is None else self.functions.lookup(link_pc)

@@ -21,7 +21,7 @@ from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stac
 from qmpprof.pages import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
-from qmpprof.unwind.steps import MASK64, Found, Regs, Via, frame_pointer_only
+from qmpprof.unwind.steps import EXACT, MASK64, NEW_STACK, Found, Regs, Via, frame_pointer_only
 
 __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
@@ -128,8 +128,9 @@ class Unwinder:
                 return RawStack(
                     tuple(pcs), outcome or StopReason.NO_CFI, tuple(exacts), tuple(vias)
                 )
-            new, signal = outcome
-            stop = self._check(cur, new, pc, signal, seen)
+            new, flags = outcome
+            signal = bool(flags & EXACT)
+            stop = self._check(cur, new, pc, bool(flags & (EXACT | NEW_STACK)), seen)
             if stop is not None:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
@@ -155,9 +156,11 @@ class Unwinder:
         return RawStack(tuple(pcs), StopReason.DEPTH, tuple(exacts), tuple(vias))
 
     def _check(
-        self, cur: Regs, new: Regs, pc: int, signal: bool, seen: set[tuple[int, int]]
+        self, cur: Regs, new: Regs, pc: int, jumped: bool, seen: set[tuple[int, int]]
     ) -> StopReason | None:
-        """Sanity rules between a frame and its caller."""
+        """Sanity rules between a frame and its caller. ``jumped``: the caller's stack pointer
+        came from a trap frame or a saved stack pointer, not from the frame's by arithmetic:
+        it may lie below (another stack), only an exact repeat is a loop."""
         arch = self.arch
         new_pc, new_sp = new.get(arch.pc), new[arch.sp]
         if not new_pc:
@@ -166,7 +169,7 @@ class Unwinder:
         valid = _canonical(new_pc) if arch is X86_64 else new_pc <= arch.mask
         if not valid or new_pc < 0x1000 or (pc < boundary <= new_pc):
             return StopReason.BAD_RETURN  # user code never returns into the kernel
-        crossing = signal or (pc >= boundary > new_pc)
+        crossing = jumped or (pc >= boundary > new_pc)
         if new_sp <= cur[arch.sp] and not crossing:
             return StopReason.LOOP
         key = (new_pc, new_sp)

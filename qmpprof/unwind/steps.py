@@ -29,8 +29,11 @@ from qmpprof.unwind.prologue import PrologueAnalyzer
 MASK64 = (1 << 64) - 1
 
 Regs = dict[int, int]  # DWARF register number -> value
-# The caller's registers, and whether its pc is exact (a trap or signal frame was crossed).
-Found = tuple[Regs, bool]
+# The caller's registers, and flags: EXACT (True) when its pc is exact (a trap or signal frame
+# was crossed), NEW_STACK when its stack pointer was loaded from memory (a switch back off an
+# interrupt stack), so that it may lie below the frame's, on another stack.
+EXACT, NEW_STACK = 1, 2
+Found = tuple[Regs, int]
 Outcome = Found | StopReason | None
 
 
