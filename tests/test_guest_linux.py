@@ -14,7 +14,7 @@ from fakes import FakeTransport, regs
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest import linux
-from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, LinuxIdentifier, TaskLayout
+from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, RECHECK, LinuxIdentifier, TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
 from qmpprof.guest.linuxvma import VM_EXEC, ReadMany, Vma, VmaLayout
 from qmpprof.linux.btf import Btf
@@ -281,3 +281,34 @@ def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[b
         return bytes(size)
 
     return read
+
+
+async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
+    layout: TaskLayout,
+) -> None:
+    memory = guest(layout, (KWORKER, APP_LEADER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/0:1", PF_KTHREAD, KWORKER)
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    stack = 0xFFFF_C900_0001_0000
+    memory.put(KWORKER + layout.stack, struct.pack("<Q", stack))
+    now = [0.0]
+    transport = FakeTransport({}, memory.frozen())
+    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET, clock=lambda: now[0])
+    on_stack = regs(0, KERNEL.start + 16, rsp=stack + 0x3F00)
+    irq = regs(0, KERNEL.start + 16, rsp=0xFFFF_C900_0000_0F00)  # this CPU's interrupt stack
+    found = await identifier.identify(transport, on_stack, PageCache())
+    assert found.process is not None and found.process.pid == 55
+    assert identifier.reads_for(on_stack) == ()  # the kworker's own stack: no pointer needed
+    transport.calls.clear()
+    assert await identifier.identify(transport, on_stack, PageCache()) == found
+    assert not [c for c in transport.calls if c.startswith("read")]
+    await identifier.identify(transport, irq, PageCache())
+    assert identifier.reads_for(irq) != ()  # not a stack of the task: the pointer, every time
+    user = regs(1, 0x40_1000, rsp=0x7FFF_F000)
+    assert (await identifier.identify(transport, user, PageCache())).process == Process(
+        1230, "myapp", 0, 1230, "myapp"
+    )
+    assert identifier.reads_for(user) == ()  # a user stack page under this CR3
+    assert identifier.reads_for(replace(user, cr3=0x2000)) != ()  # another address space
+    now[0] = RECHECK + 0.1
+    assert identifier.reads_for(on_stack) != ()  # the pointer again after RECHECK

@@ -6,9 +6,11 @@ The current task pointer is a per-CPU variable: ``pcpu_hot.current_task`` (6.2 o
 distribution kernels, CONFIG_KALLSYMS_ALL), read once; without that symbol, the GS base of a
 sample taken in kernel mode. The pointer is read with the stack window (``reads_for``); the task
 (pid, tgid, comm, flags, its thread group leader's comm) only when that pointer was not seen
-within the last RECHECK seconds. A process is its tgid and its leader's comm; kernel threads are
-named ``[comm]`` (``[kworker/0:1]``), the idle tasks ``swapper/N``. Kernel work done in a system
-call belongs to the process that made it: the current task is the same.
+within the last RECHECK seconds. A stack belongs to one task (a kernel stack; a user stack page
+under one CR3 to one thread): once the pointer said whose stack RSP is on, samples on that stack
+page skip the pointer for RECHECK seconds too. A process is its tgid and its leader's comm;
+kernel threads are named ``[comm]`` (``[kworker/0:1]``), the idle tasks ``swapper/N``. Kernel
+work done in a system call belongs to the process that made it: the current task is the same.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
 _TASKS_LIMIT = 4096
 _COMM = 16  # TASK_COMM_LEN
+THREAD_SIZE = 16384  # x86_64's kernel stack (32 KiB with KASAN: then stacks are not learnt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ class TaskLayout:
     group_leader: int
     mm: int
     tasks: int  # the list of every task, from init_task
+    stack: int  # void *: the task's kernel stack (THREAD_SIZE bytes)
 
     @classmethod
     def from_btf(cls, btf: Btf) -> TaskLayout:
@@ -73,6 +77,7 @@ class TaskLayout:
             group_leader=field("task_struct.group_leader"),
             mm=field("task_struct.mm"),
             tasks=field("task_struct.tasks"),
+            stack=field("task_struct.stack"),
         )
 
 
@@ -94,6 +99,7 @@ class Task:
     kernel_thread: bool
     leader_comm: str
     mm: int  # its address space (struct mm_struct *), 0 for kernel threads
+    stack: int  # its kernel stack's lowest address
 
     @property
     def process(self) -> Process:
@@ -119,6 +125,7 @@ class LinuxIdentifier:
         files: UserFiles | None = None,
         module_list: ModuleList | None = None,
         control: GuestTransport | None = None,
+        thread_size: int = THREAD_SIZE,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -131,6 +138,7 @@ class LinuxIdentifier:
         self.files = files or UserFiles(None)
         self.module_list = module_list
         self.control = control
+        self.thread_size = thread_size
         self._modules_read = self._spaces_read = clock()
         self._use_modules(kernel_modules)
         self.layout = layout
@@ -147,7 +155,10 @@ class LinuxIdentifier:
         # (mm, tgid) -> its space, when its mappings were last read or confirmed, and them.
         self._spaces: Memo[tuple[int, int], _Placed] = Memo(_TASKS_LIMIT)
         self._used: Memo[tuple[int, int], float] = Memo(_TASKS_LIMIT)  # when a sample last did
-        self._tasks: Memo[int, tuple[Identity, float]] = Memo(_TASKS_LIMIT)
+        # task pointer -> its identity, when its fields were read, its kernel stack
+        self._tasks: Memo[int, tuple[Identity, float, int]] = Memo(_TASKS_LIMIT)
+        # (0 or CR3, stack page) -> the task whose stack it is, when the pointer said so
+        self._owners: Memo[tuple[int, int], tuple[int, float]] = Memo(_TASKS_LIMIT)
 
     async def housekeep(self) -> None:
         """Between samples, while the guest runs: every MODULES_RECHECK seconds, read the
@@ -188,9 +199,18 @@ class LinuxIdentifier:
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self._bases.get(regs.cpu)
-        if self.layout is None or base is None:
+        if self.layout is None or base is None or self._owner(regs) is not None:
             return ()
         return ((base + self.layout.current, 8),)
+
+    def _owner(self, regs: Registers) -> int | None:
+        """The task whose stack RSP is on, when the current task's pointer said so within
+        ``recheck`` seconds (a kernel stack belongs to one task, a user stack page under one
+        CR3 to one thread): then the pointer need not be read."""
+        owned = self._owners.get(_stack_page(regs))
+        if owned is None or self.clock() - owned[1] > self.recheck:
+            return None
+        return owned[0]
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -198,24 +218,32 @@ class LinuxIdentifier:
         layout = self.layout
         if layout is None:
             return self.kernel
-        base = await self._base(transport, regs, cache)
-        if base is None:
-            return self.kernel
-        addr = base + layout.current
-        await fetch_piece(transport, cache, regs.cpu, addr, 8)
-        task = cache.read_u64(addr)
-        if not task or task < _UPPER_HALF:
-            return self.kernel
+        task = self._owner(regs)
+        pointer_read = task is None
+        if task is None:
+            base = await self._base(transport, regs, cache)
+            if base is None:
+                return self.kernel
+            addr = base + layout.current
+            await fetch_piece(transport, cache, regs.cpu, addr, 8)
+            task = cache.read_u64(addr)
+            if not task or task < _UPPER_HALF:
+                return self.kernel
         seen = self._tasks.get(task)
         if seen is not None and self.clock() - seen[1] <= self.recheck:
-            return seen[0]
-        found = await self._read_task(transport, regs.cpu, task, layout)
-        if found is None:
-            identity = self.kernel
+            identity, _, stack = seen
         else:
-            space = await self._space_of(transport, regs.cpu, found)
-            identity = Identity(found.process, space)
-        self._tasks.put(task, (identity, self.clock()))
+            found = await self._read_task(transport, regs.cpu, task, layout)
+            if found is None:
+                identity, stack = self.kernel, 0
+            else:
+                space = await self._space_of(transport, regs.cpu, found)
+                identity, stack = Identity(found.process, space), found.stack
+            self._tasks.put(task, (identity, self.clock(), stack))
+        user = regs.cpl == 3
+        on_own_stack = user or (stack != 0 and stack <= regs.rsp < stack + self.thread_size)
+        if pointer_read and identity is not self.kernel and on_own_stack:
+            self._owners.put(_stack_page(regs), (task, self.clock()))
         return identity
 
     async def _base(
@@ -239,7 +267,7 @@ class LinuxIdentifier:
     ) -> Task | None:
         cache = PageCache()
         fields = ((layout.pid, 4), (layout.tgid, 4), (layout.comm, _COMM), (layout.flags, 4),
-                  (layout.group_leader, 8), (layout.mm, 8))  # fmt: skip
+                  (layout.group_leader, 8), (layout.mm, 8), (layout.stack, 8))  # fmt: skip
         low = min(offset for offset, _ in fields)
         high = max(offset + size for offset, size in fields)
         await fetch_piece(transport, cache, cpu, task + low, high - low)  # one read
@@ -247,6 +275,7 @@ class LinuxIdentifier:
         flags, comm = _u32(cache, task + layout.flags), _text(cache, task + layout.comm)
         leader = cache.read_u64(task + layout.group_leader)
         mm = cache.read_u64(task + layout.mm) or 0
+        stack = cache.read_u64(task + layout.stack) or 0
         if pid is None or tgid is None or flags is None or comm is None:
             return None
         leader_comm = comm
@@ -254,7 +283,7 @@ class LinuxIdentifier:
             await fetch_piece(transport, cache, cpu, leader + layout.comm, _COMM)
             leader_comm = _text(cache, leader + layout.comm) or comm
         kernel_thread = bool(flags & PF_KTHREAD)
-        return Task(pid, tgid, comm, kernel_thread, leader_comm, 0 if kernel_thread else mm)
+        return Task(pid, tgid, comm, kernel_thread, leader_comm, 0 if kernel_thread else mm, stack)
 
     async def preload(self, control: GuestTransport, init_task: int) -> int:
         """Before the first stop: load the ELF files the processes running now have mapped
@@ -344,6 +373,11 @@ def _reader(transport: GuestTransport, cpu: int) -> ReadMany:
 async def _next(read: ReadMany, node: int) -> int | None:
     (raw,) = await read([(node, 8)])
     return None if raw is None else int.from_bytes(raw, "little")
+
+
+def _stack_page(regs: Registers) -> tuple[int, int]:
+    # Kernel stacks look the same under every CR3; a user stack page belongs to its CR3.
+    return (regs.cr3 if regs.cpl == 3 else 0, regs.rsp >> 12)
 
 
 def _u32(cache: PageCache, addr: int) -> int | None:
