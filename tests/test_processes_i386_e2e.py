@@ -37,7 +37,7 @@ def test_i386_profile_measures_the_known_split(tmp_path: Path, variant: str, qem
             "--qmp-socket", str(guest.qmp_socket),
             "--kernel", str(guest.kernel_elf),
             "--user-dir", str(guest.user_dir),
-            "--interval", "2", "--duration", "10", "--jitter", "0.5", "-v",
+            "--interval", "2", "--duration", "20", "--jitter", "0.5", "-v",
             *[arg for out in outs for arg in ("-o", str(out))],
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

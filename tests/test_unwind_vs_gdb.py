@@ -251,20 +251,41 @@ def gdb_stopped_short_of_the_real_chain(gdb: list[str], ours: list[str]) -> bool
     return any(len(chain) >= len(tail) and chain[-len(tail) :] == tail for chain in chains)
 
 
+def both_unknown_past_the_same_frames(gdb: list[str], ours: list[str]) -> bool:
+    """Equal down to the last named frame, then only unknown code in both, a different number
+    of frames of it (seen once in CI: the timer's ``schedule`` sampled after it loaded the next
+    task's CR3 and before it switched stacks, so the user frames beneath ``entry_syscall`` were
+    read through another process's page tables: garbage to gdb and to qmpprof alike)."""
+
+    def known(names: list[str]) -> list[str]:
+        end = len(names)
+        while end and names[end - 1] == "??":
+            end -= 1
+        return names[:end]
+
+    return (
+        known(gdb) == known(ours)
+        and len(known(gdb)) < min(len(gdb), len(ours))
+        and bool(known(gdb))
+    )
+
+
 def known_blind_spot(mismatch: Mismatch) -> bool:
     _, gdb, ours = mismatch
     return (
         skipped_below_interrupted_leaf(gdb, ours)
         or stopped_in_an_entry_stub_before_its_frame(gdb, ours)
         or gdb_stopped_short_of_the_real_chain(gdb, ours)
+        or both_unknown_past_the_same_frames(gdb, ours)
     )
 
 
 def test_frame_pointers_and_prologues_alone_agree_with_gdb(tmp_path: Path) -> None:
     """The fp build with every CFI section removed from qmpprof's copies (gdb keeps its own):
     the fallbacks alone, frame pointers and prologue analysis, through the entry stubs' frames.
-    Every disagreement must be one of the two known blind spots of frame pointers, or gdb
-    stopping short where qmpprof walked the real call chain; they are rare."""
+    Every disagreement must be one of the two known blind spots of frame pointers, gdb
+    stopping short where qmpprof walked the real call chain, or both walking different lengths
+    of unknown code past the same named frames; they are rare."""
     agree, disagreements = asyncio.run(compare("fp", tmp_path, cfi=False))
     total = agree + len(disagreements)
     print(f"\nfp without CFI: qmpprof agrees with gdb on {agree}/{total} stacks")
