@@ -112,7 +112,9 @@ async def test_any_moment_gives_a_complete_named_stack(guest: Guest, cpu: int) -
     assert "??" not in stack.names, stack.names
     outermost = EXPECTED["outermost"]
     assert stack.names[-1] in (outermost["user"], outermost["kernel_thread"], "kmain", "ap_main")
-    if stack.user_elf is not None:
+    if stack.user_elf is not None and stack.names[-1] == outermost["user"]:
+        # (Not on a kernel thread's stack: stopped in schedule between loading the next
+        # process's CR3 and switching stacks, gdb finds that process's ELF. Seen in CI.)
         assert stack.names[-2:] == USER_TAIL
 
 
