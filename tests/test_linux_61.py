@@ -21,40 +21,23 @@ from pathlib import Path
 import pytest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS, running_linux_guest
-from test_linux_names_vs_kallsyms import IMAGE_TEXT, NO_TIMER_CHECK, REQUIRED, GuestNames
+from test_linux_names_vs_kallsyms import (
+    IMAGE_TEXT,
+    NO_TIMER_CHECK,
+    REQUIRED,
+    GuestNames,
+    kernel_names,
+)
 from test_linux_profile import whole_kernel_part
 
 from qmpprof.cli import main
 from qmpprof.model import Mode
 from qmpprof.output import native
-from qmpprof.profile import Profile
 
 pytestmark = pytest.mark.qemu
 
 SAMPLED = 0.9  # of the ticks, on each vCPU
 WHOLE = 0.95  # of the kernel-mode stacks
-
-
-def kernel_names(profile: Profile, table: GuestNames) -> tuple[int, int, Counter[str]]:
-    """(equal, total, wrong) over every kernel frame of every sample, looked up as
-    tests/test_linux_names_vs_kallsyms.py does: the leaf at its pc, callers at pc - 1 (or pc,
-    for a frame interrupted by an entry)."""
-    equal = total = 0
-    wrong: Counter[str] = Counter()
-    for record, count in zip(profile.stacks, profile.counts, strict=True):
-        for depth, fid in enumerate(record.frames):
-            frame = profile.frames[fid]
-            if not frame.kernel:
-                continue
-            want = table.at(frame.pc) if depth == 0 else table.at(frame.pc - 1)
-            if depth and frame.symbol not in want:
-                want = want + table.at(frame.pc)
-            total += count
-            if frame.symbol in want:
-                equal += count
-            else:
-                wrong[f"{frame.pc:#x}: qmpprof {frame.symbol} kallsyms {want}"] += count
-    return equal, total, wrong
 
 
 def test_debian_61_profiled_from_its_boot_files(
@@ -124,7 +107,7 @@ def test_debian_61_profiled_from_its_boot_files(
     assert whole >= WHOLE * kernel_stacks, (whole, kernel_stacks)
 
     # Every kernel frame named as the guest names it.
-    equal, total, wrong = kernel_names(profile, table)
+    equal, total, wrong, _ = kernel_names(profile, table)
     print(f"kernel frames named as the guest's kallsyms: {equal}/{total}")
     print("\n".join(f"{n:5d}  {what}" for what, n in wrong.most_common(20)))
     assert total > 500 and equal >= REQUIRED * total, wrong.most_common(20)

@@ -66,14 +66,14 @@ async def profile_guest(guest: LinuxGuest) -> Profile:
     return run.profile
 
 
-def test_kernel_frame_names_match_the_guests_kallsyms_under_kaslr(tmp_path: Path) -> None:
-    if not VMLINUZ.is_file():
-        pytest.fail(f"{VMLINUZ} is missing: run scripts/fetch-linux (scripts/setup does)")
-    with running_linux_guest(tmp_path, kaslr=True, smp=2, append=NO_TIMER_CHECK) as guest:
-        assert guest.text_address != IMAGE_TEXT, "KASLR did not move the kernel"
-        profile = asyncio.run(profile_guest(guest))
-        table = GuestNames(guest.symbols)
-    equal, total = 0, 0
+def kernel_names(
+    profile: Profile, table: GuestNames
+) -> tuple[int, int, Counter[str], Counter[str]]:
+    """(equal, total, wrong, names) over every kernel frame of every sample, weighted by count.
+    A caller's return address may be the first byte of the next function (a call to a
+    noreturn function ends its caller): the call is at pc - 1. A frame interrupted by an entry
+    (pt_regs) has an exact pc, so either is the guest's name."""
+    equal = total = 0
     wrong: Counter[str] = Counter()
     names: Counter[str] = Counter()
     for record, count in zip(profile.stacks, profile.counts, strict=True):
@@ -81,9 +81,6 @@ def test_kernel_frame_names_match_the_guests_kallsyms_under_kaslr(tmp_path: Path
             frame = profile.frames[fid]
             if not frame.kernel:
                 continue
-            # A caller's return address may be the first byte of the next function (a call
-            # to a noreturn function ends its caller): the call is at pc - 1. A frame
-            # interrupted by an entry (pt_regs) has an exact pc, so either is the guest's name.
             want = table.at(frame.pc) if depth == 0 else table.at(frame.pc - 1)
             if depth and frame.symbol not in want:
                 want = want + table.at(frame.pc)
@@ -93,6 +90,17 @@ def test_kernel_frame_names_match_the_guests_kallsyms_under_kaslr(tmp_path: Path
                 equal += count
             else:
                 wrong[f"{frame.pc:#x}: qmpprof {frame.symbol} kallsyms {want}"] += count
+    return equal, total, wrong, names
+
+
+def test_kernel_frame_names_match_the_guests_kallsyms_under_kaslr(tmp_path: Path) -> None:
+    if not VMLINUZ.is_file():
+        pytest.fail(f"{VMLINUZ} is missing: run scripts/fetch-linux (scripts/setup does)")
+    with running_linux_guest(tmp_path, kaslr=True, smp=2, append=NO_TIMER_CHECK) as guest:
+        assert guest.text_address != IMAGE_TEXT, "KASLR did not move the kernel"
+        profile = asyncio.run(profile_guest(guest))
+        table = GuestNames(guest.symbols)
+    equal, total, wrong, names = kernel_names(profile, table)
     share = equal / max(total, 1)
     print(
         f"\nslide {guest.text_address - IMAGE_TEXT:#x}: {equal}/{total} kernel frames ({share:.2%})"
