@@ -249,7 +249,7 @@ class OrcStep:
     link addresses ``__indirect_thunk_start`` .. ``__indirect_thunk_end`` of such kernels."""
 
     via = Via.ORC
-    __slots__ = ("bias", "functions", "table", "thunks")
+    __slots__ = ("_entries", "bias", "functions", "table", "thunks")
 
     def __init__(
         self,
@@ -262,16 +262,18 @@ class OrcStep:
         self.bias = bias  # runtime address - link address (the KASLR slide)
         self.functions = functions
         self.thunks = thunks
+        # runtime pc -> its entry (None: outside the table; NO_CFI: undecodable)
+        self._entries: Memo[int, OrcEntry | StopReason | None] = Memo()
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
-        try:
-            entry = self.table.lookup((pc - self.bias) & MASK64)
-        except ValueError:
-            return StopReason.NO_CFI
-        if entry is None:
-            return None
-        kind = entry.type
         link_pc = (pc - self.bias) & MASK64
+        try:
+            entry = self._entries[pc]
+        except KeyError:
+            entry = self._entries.put(pc, self._entry(link_pc))
+        if entry is None or isinstance(entry, StopReason):
+            return entry
+        kind = entry.type
         if kind is OrcType.END_OF_STACK:
             if interrupted and self._in_thunks(link_pc) and self._at_entry(link_pc):
                 return _return_address_at_sp(cur, memory)
@@ -304,6 +306,12 @@ class OrcStep:
         # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
         # the interrupted stack may lie anywhere, below this one too.
         return new, signal | NEW_STACK if entry.sp_reg == OrcReg.SP_INDIRECT else signal
+
+    def _entry(self, link_pc: int) -> OrcEntry | StopReason | None:
+        try:
+            return self.table.lookup(link_pc)
+        except ValueError:
+            return StopReason.NO_CFI
 
     def _in_thunks(self, link_pc: int) -> bool:
         return self.thunks is not None and self.thunks[0] <= link_pc < self.thunks[1]
