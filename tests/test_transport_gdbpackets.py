@@ -72,6 +72,13 @@ def test_checksum_matches_captured_packets(framed: bytes) -> None:
     assert encode_packet(body) == framed
 
 
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 257, 4096, 4097, 70_000])
+def test_checksum_of_long_bodies_is_the_byte_sum_modulo_256(size: int) -> None:
+    # Sliced sums: every length around the slice size, bytes as large as they come.
+    body = bytes((i * 131 + 255) & 0xFF for i in range(size)).replace(b"\x00", b"\xff")
+    assert checksum(body) == sum(body) % 256
+
+
 def test_escaping_round_trips_reserved_bytes() -> None:
     body = b"a$b#c}d*e"
     framed = encode_packet(body)
