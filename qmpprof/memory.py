@@ -23,7 +23,10 @@ HMP_WINDOW = 4096
 # it needs (StackReader's cut).
 GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
-MAX_BEYOND = 4  # pages outside the window fetched with it because the last walk there read them
+MAX_BEYOND = 4  # pieces outside the window fetched with it because the last walk there read them
+ALIGN = 64  # a window starts at RSP rounded down to this
+SLACK = 256  # bytes a window reaches past the highest byte walks from its RSP page read
+PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
 _UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096
 
@@ -92,16 +95,18 @@ class StackReader:
     """Reads the stack of each sampled vCPU: the window at RSP in one read, and the pages the
     unwinder asks for.
 
+    The window starts at RSP (rounded down to ALIGN bytes: walks read nothing below it) and
+    ends, the first time at an RSP page, a ``window``'s reach above that page; after that at
+    the highest byte walks from that page read, plus SLACK. Over the gdbstub every 2 KiB costs
+    a packet QEMU answers in turn, and a walk from RSP rarely needs more than 1-2 KiB of the
+    first window; a walk that needs more fetches the page on demand, and the window grows to
+    it. What a walk read beyond the window's reach (the user stack under a system call's kernel
+    frames) is fetched with the next window at that RSP page, in the same round trip, as a
+    piece of about one packet around the bytes read, rather than one more round trip later.
+
     memsave fails whole if one page is unmapped, and a failed read costs as much as a good one;
     so when the window fails, it is read page by page up to the first unmapped page (the top of
     the stack), once: later samples at this RSP page read just up to there.
-
-    A window is also cut to what walks from its RSP page have needed: down to the deepest stack
-    page a walk read there. Over the gdbstub every 2 KiB costs a packet QEMU
-    answers in turn, and most walks need one or two pages of the 16 KiB; a walk that needs more
-    fetches it on demand, and the window grows to it. Pages a walk read beyond the window's
-    reach (the user stack under a system call's kernel frames) are fetched with the next
-    window at that RSP page, in the same round trip, rather than one more round trip later.
     """
 
     def __init__(
@@ -112,12 +117,11 @@ class StackReader:
         self.max_refetch = max_refetch
         self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._deepest: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
-        self._beyond: Memo[tuple[int, int], tuple[int, ...]] = Memo(_STACK_ENDS_LIMIT)
+        self._beyond: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
 
     async def prefetch(self, regs: Registers, cache: PageCache) -> None:
-        """The stack window at RSP, cut at the stack's end once a sample has found it, and in
-        the same round trip the pages beyond it that the last walk from this RSP page needed
-        (a system call's user stack beneath the kernel's, a deep stack's far pages)."""
+        """The stack window at RSP, and in the same round trip what the last walk from this
+        RSP page read beyond it (a system call's user stack beneath the kernel's)."""
         key = _stack_key(regs)
         beyond = self._beyond.get(key)
         if not beyond:
@@ -125,33 +129,34 @@ class StackReader:
             return
         await asyncio.gather(
             self._window(regs, cache, key),
-            *(fetch(self.transport, cache, regs.cpu, a, n * PAGE) for a, n in _runs(list(beyond))),
+            *(fetch_piece(self.transport, cache, regs.cpu, a, n) for a, n in beyond),
         )
 
     async def _window(self, regs: Registers, cache: PageCache, key: tuple[int, int]) -> None:
         start = page_of(regs.rsp)
+        lo = regs.rsp & ~(ALIGN - 1)
         end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
-        end = min(end, self._stack_ends.get(key, end), self._deepest.get(key, end) + PAGE)
+        end = min(end, self._stack_ends.get(key, end))
+        deepest = self._deepest.get(key)
+        if deepest is not None:
+            end = min(end, _align_up(deepest + SLACK))
         try:
-            data = await self.transport.read(regs.cpu, start, end - start)
+            data = await self.transport.read(regs.cpu, lo, end - lo)
         except MemoryReadError as err:
             self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
-            if err.readable is None:
+            if not err.readable:
                 await self._read_up_to_hole(regs.cpu, cache, start, end)
                 return
-            # The transport said how far it could read: the page after that is the hole.
-            whole = len(err.readable) // PAGE * PAGE
-            for page in range(start, start + whole, PAGE):
-                cache.pages[page] = err.readable[page - start : page - start + PAGE]
-            if start + whole < end:
-                cache.pages[start + whole] = None
+            # The transport said how far it could read: the next page boundary is the hole
+            # (the bytes before it, on the same page, were readable).
+            cache.put_window(lo, err.readable)
+            cache.pages[page_of(lo + len(err.readable) + PAGE - 1)] = None
             return
         except TransportError:
             self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, start, end)
             return
-        for page in range(start, end, PAGE):
-            cache.pages[page] = data[page - start : page - start + PAGE]
+        cache.put_window(lo, data)
 
     async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
         for page in range(start, end, PAGE):
@@ -162,26 +167,31 @@ class StackReader:
                 return
 
     def learn(self, regs: Registers, cache: PageCache) -> None:
-        """Remember the first unmapped page above RSP that this sample met, the deepest stack
-        page its walk read, and the pages it read beyond the window's reach."""
+        """Remember the first unmapped page above RSP that this sample met, the highest byte
+        its walk read near RSP, and what it read beyond the window's reach."""
         key = _stack_key(regs)
         start = page = page_of(regs.rsp)
-        while cache.pages.get(page) is not None:
+        while page < cache.hi or cache.pages.get(page) is not None:
             page += PAGE
         if page in cache.pages:
             self._stack_ends.put(key, page)
-        # Pages read within a window's reach of RSP (walks skip pages under large frames).
+        # Bytes read within a window's reach of RSP (walks skip pages under large frames).
         reach = start + self.window + PAGE
+        used = cache.used
         deepest = max(
-            (p for p in cache.used if start <= p < reach and cache.pages.get(p)), default=start
+            (p + span[1] for p, span in used.items() if start <= p < reach),
+            default=regs.rsp + 8,
         )
+        deepest = max(deepest, cache.top)
         if deepest > self._deepest.get(key, -1):
             self._deepest.put(key, deepest)
-        # Pages beyond that reach, for the next sample here; a guess that missed is dropped
-        # for one sample (an interrupt stack leads to whichever task it interrupted).
+        # Beyond that reach, for the next sample here; a guess that missed is dropped for one
+        # sample (an interrupt stack leads to whichever task it interrupted).
         guessed = self._beyond.get(key, ())
-        beyond = sorted(p for p in cache.used if not start <= p < reach and cache.pages.get(p))
-        if guessed and not cache.used.intersection(guessed):
+        beyond = sorted(
+            _around(p + span[0], p + span[1]) for p, span in used.items() if not start <= p < reach
+        )
+        if guessed and not any(page_of(a) in used for a, _ in guessed):
             beyond = []
         self._beyond.put(key, tuple(beyond[:MAX_BEYOND]))
 
@@ -202,6 +212,21 @@ class StackReader:
                     await fetch(self.transport, cache, cpu, page, PAGE)
                 else:
                     cache.pages[page] = None
+
+
+def _align_up(addr: int) -> int:
+    return min(-(-addr // ALIGN) * ALIGN, 1 << 64)
+
+
+def _around(low: int, high: int) -> tuple[int, int]:
+    """A piece of about one gdbstub packet (PIECE bytes) around [low, high), within its page:
+    where the next walk will likely read (start, size)."""
+    page = page_of(low)
+    spare = max(0, PIECE - (high - low)) // 2
+    start = max(page, (low - spare) & ~(ALIGN - 1))
+    end = min(page + PAGE, max(high, start + PIECE))
+    start = max(page, min(start, (end - PIECE) & ~(ALIGN - 1)))  # cut by the page's end
+    return start, end - start
 
 
 def _stack_key(regs: Registers) -> tuple[int, int]:

@@ -245,7 +245,7 @@ class Sampler(Generic[Space, Raw]):
         captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
         if self.config.keep is not None and mode is not self.config.keep:
             return captured  # filtered after cont; no need to read its memory
-        cache = PageCache()
+        cache, seen = PageCache(), PageCache()  # the stack's; what identify() reads
         mark = self._clock()
         try:
             # The stack window and what identify() needs are independent: issued together.
@@ -254,10 +254,10 @@ class Sampler(Generic[Space, Raw]):
             await _together(
                 [
                     self.stacks.prefetch(regs, cache),
-                    *(fetch_piece(self.transport, cache, regs.cpu, a, n) for a, n in wanted),
+                    *(fetch_piece(self.transport, seen, regs.cpu, a, n) for a, n in wanted),
                 ]
             )
-            identity = await self.identifier.identify(self.transport, regs, cache)
+            identity = await self.identifier.identify(self.transport, regs, seen)
             captured.process, captured.space = identity.process, identity.space
             captured.raw = await self._unwind(regs, cache, identity.space)
             self.stacks.learn(regs, cache)

@@ -18,6 +18,7 @@ from fakes import (
 )
 
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
+from qmpprof.memory import ALIGN, PIECE, SLACK
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
 from qmpprof.naming import Naming
 from qmpprof.pages import PageCache, PageMissing
@@ -262,10 +263,10 @@ async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() ->
     await sampler.run()
     reads = [c for c in transport.calls if c.startswith("read")]
     rsp_page = r0.rsp & ~0xFFF
-    first = [f"read:{rsp_page:#x}+0x11000", f"read:{rsp_page:#x}+0x1000"]
+    first = [f"read:{r0.rsp:#x}+{rsp_page + 0x11000 - r0.rsp:#x}", f"read:{rsp_page:#x}+0x1000"]
     assert reads[:3] == [*first, f"read:{rsp_page + 0x1000:#x}+0x1000"]
-    # Later ticks know where the stack ends: one read each.
-    assert reads[3:] == [f"read:{rsp_page:#x}+0x1000"] * 2
+    # Later ticks know where the stack ends: one read each, from RSP to there.
+    assert reads[3:] == [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
     assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
@@ -276,11 +277,12 @@ async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> Non
     await sampler.run()
     reads = [c for c in transport.calls if c.startswith("read")]
     rsp_page = r0.rsp & ~0xFFF
-    assert reads == [f"read:{rsp_page:#x}+0x11000"] + [f"read:{rsp_page:#x}+0x1000"] * 2
+    first = f"read:{r0.rsp:#x}+{rsp_page + 0x11000 - r0.rsp:#x}"
+    assert reads == [first] + [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
     assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
-async def test_the_window_is_cut_to_the_pages_walks_needed_and_grows_on_demand() -> None:
+async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand() -> None:
     r0, pages = kernel_cpu()
     rsp_page = r0.rsp & ~0xFFF
     above = {rsp_page + i * 0x1000: bytes(0x1000) for i in range(1, 16)}  # mapped, unused
@@ -288,8 +290,12 @@ async def test_the_window_is_cut_to_the_pages_walks_needed_and_grows_on_demand()
     sampler = make(transport, window=16 * 1024, duration=0.02)
     await sampler.run()
     reads = [c for c in transport.calls if c.startswith("read")]
-    # The first tick reads the whole window (RSP is mid-page: five pages); the walk used one.
-    assert reads == [f"read:{rsp_page:#x}+0x5000", f"read:{rsp_page:#x}+0x1000"]
+    # The first tick reads the whole window from RSP (mid-page: to five pages above its page);
+    # the walk read up to the top of RSP's page (the outermost frame's return address): the
+    # next window ends SLACK bytes above that.
+    top = rsp_page + 0x1000
+    first = f"read:{r0.rsp:#x}+{rsp_page + 0x5000 - r0.rsp:#x}"
+    assert reads == [first, f"read:{r0.rsp:#x}+{top + SLACK - r0.rsp:#x}"]
     # A deeper walk from the same RSP page fetches what it lacks, and the window grows to it.
     rbp, deeper = frame_chain(rsp_page + 0x4000, [K + 0x2010, K + 0x1010], gap=0x1800)
     transport.pages.update(deeper)
@@ -301,7 +307,7 @@ async def test_the_window_is_cut_to_the_pages_walks_needed_and_grows_on_demand()
         outcome = await again.run(one_shot=True)
         assert outcome.last[0].stack.stop is StopReason.END
         reads = [c for c in transport.calls if c.startswith("read")]
-        assert len(reads) >= expected_reads and reads[0].startswith(f"read:{rsp_page:#x}+")
+        assert len(reads) >= expected_reads and reads[0].startswith(f"read:{r0.rsp:#x}+")
         if expected_reads == 1:
             assert len(reads) == 1 and int(reads[0].split("+")[1], 16) > 0x1000
 
@@ -316,12 +322,16 @@ async def test_pages_a_walk_read_beyond_the_window_come_with_the_next_window() -
     sampler = make(transport, unwinder, window=4096, duration=0.02)
     await sampler.run()
     ticks = [c for c in transport.calls if c.startswith("read") or c == "stop"]
-    far = (rbp + 0x8010) & ~0xFFF
+    outer = rbp + 0x8010  # the outermost frame: [saved rbp][return address]
+    far = outer & ~0xFFF
     first, second = ticks[1 : ticks.index("stop", 1)], ticks[ticks.index("stop", 1) + 1 :]
     assert first[1:] == [f"read:{far:#x}+0x1000"]  # on demand, after a walk asked for it
-    window = f"read:{rbp & ~0xFFF:#x}+"
-    assert len(second) == 2 and f"read:{far:#x}+0x1000" in second  # both before the walk
-    assert first[0].startswith(window) and any(r.startswith(window) for r in second)
+    window = f"read:{rbp & ~(ALIGN - 1):#x}+"  # RSP (= RBP here), rounded down
+    assert len(second) == 2 and first[0].startswith(window) and second[0].startswith(window)
+    # Both before the walk: the window, and about one packet around the bytes read out there.
+    start, size = (int(x, 16) for x in second[1].removeprefix("read:").split("+"))
+    assert far <= start <= outer and outer + 16 <= start + size <= far + 0x1000
+    assert size <= PIECE
     assert unwinder.unwinds == 3  # two walks in the first tick, one in the second
     assert len(sampler.profile) == 2 and sampler.profile.truncated == 0
 
@@ -335,7 +345,20 @@ def test_a_piece_is_read_where_pages_are_not_and_unmapped_pieces_read_as_none() 
     assert cache.has(0x1FF8, 16) and not cache.has(0x1FF8, 17)
     with pytest.raises(PageMissing):
         cache.read(0x2004, 8)  # past the piece: the page is not fetched
-    assert not cache.used  # pieces are not stack pages
+    assert cache.used == {0x1000: [0xFFC, 0x1000], 0x2000: [0, 4]}  # per page, what was read
+
+
+def test_the_window_serves_reads_at_any_address_and_keeps_the_highest_byte_read() -> None:
+    cache = PageCache()
+    cache.put_window(0x1FC0, bytes(range(0x80)))
+    cache.pages[0x2000] = bytes(0x1000)
+    assert cache.read_u64(0x1FC8) == int.from_bytes(bytes(range(8, 16)), "little")
+    assert cache.read(0x2000, 4) == bytes(range(0x40, 0x44))  # the window, before the page
+    assert cache.top == 0x2004 and not cache.used
+    assert cache.read_u64(0x2100) == 0 and cache.used == {0x2000: [0x100, 0x108]}
+    assert cache.has(0x1FC0, 0x80) and not cache.has(0x1F00, 8)
+    with pytest.raises(PageMissing):
+        cache.read(0x1FB8, 8)  # below the window: its page is not fetched
 
 
 async def test_housekeeping_runs_between_ticks_while_the_guest_runs_and_its_errors_pass() -> None:

@@ -112,6 +112,7 @@ class Unwinder:
         seen: set[tuple[int, int]] = set()
         sp_guessed = False  # RSP is a stand-in, too rough for prologue analysis
         find = space.find
+        boundary = self.kernel_boundary
         for _ in range(self.max_depth):
             pcs.append(pc)
             exacts.append(exact)
@@ -129,12 +130,12 @@ class Unwinder:
                     tuple(pcs), outcome or StopReason.NO_CFI, tuple(exacts), tuple(vias)
                 )
             new, flags = outcome
-            signal = bool(flags & EXACT)
-            stop = self._check(cur, new, pc, bool(flags & (EXACT | NEW_STACK)), seen)
+            signal = flags & EXACT != 0
+            stop = self._check(cur, new, pc, flags & (EXACT | NEW_STACK) != 0, seen)
             if stop is not None:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
-            crossed = pc >= self.kernel_boundary > new[pc_reg]
+            crossed = pc >= boundary > new[pc_reg]
             if crossed and via is Via.PROLOGUE and not signal:
                 if arch is X86_64:
                     user_sp = _trap_frame_sp(new[RSP], memory)
