@@ -275,6 +275,50 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     assert reads[-1] == "pause"
 
 
+async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
+    layout: TaskLayout,
+) -> None:
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/0:1", PF_KTHREAD, KWORKER)
+    transport = FakeTransport({}, memory.frozen())
+    control = FakeTransport({}, memory.frozen())  # reads while the guest runs
+    now = [0.0]
+    identifier = LinuxIdentifier(
+        [KERNEL], layout, PER_CPU_OFFSET, control=control, clock=lambda: now[0]
+    )
+    r0 = regs(0, KERNEL.start + 16)
+    pointer = f"read:{BASES[0] + layout.current:#x}+0x8"
+
+    async def pause_reads() -> list[str]:
+        transport.calls.clear()
+        found = await identifier.identify(transport, r0, PageCache())
+        assert found.process is not None
+        return [c for c in transport.calls if c.startswith("read") and c != pointer]
+
+    assert await pause_reads()  # the first sample reads the task (and the per-CPU base)
+    for now[0] in (RECHECK * 0.8, RECHECK * 1.6, RECHECK * 2.4, RECHECK * 3.2):
+        control.calls.clear()
+        await identifier.housekeep()
+        assert [c for c in control.calls if c.startswith("read")], now[0]  # confirmed
+        assert await pause_reads() == [], now[0]  # so no pause reads it again
+    # Another task behind the same pointer (the kworker exited, its memory reused): the
+    # confirmation sees it, and the next sample reads the new one's fields.
+    memory.task(layout, KWORKER, 88, 88, "kworker/0:3", PF_KTHREAD, KWORKER)
+    control.pages.update(memory.frozen())
+    transport.pages.update(memory.frozen())
+    now[0] = RECHECK * 4.0
+    await identifier.housekeep()
+    assert await pause_reads()
+    assert (await identifier.identify(transport, r0, PageCache())).process == Process(
+        88, "[kworker/0:3]", 0, 88, "kworker/0:3"
+    )
+    # Not sampled for long: not read by housekeeping any more.
+    now[0] = RECHECK * 12
+    control.calls.clear()
+    await identifier.housekeep()
+    assert not [c for c in control.calls if c.startswith("read")]
+
+
 def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[bytes]]:
     async def read(cpu: int, addr: int, size: int) -> bytes:
         transport.calls.append(f"read:{addr:#x}")

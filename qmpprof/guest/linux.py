@@ -5,12 +5,15 @@ The current task pointer is a per-CPU variable: ``pcpu_hot.current_task`` (6.2 o
 ``current_task``. A vCPU's per-CPU base is ``__per_cpu_offset[cpu]`` (kallsyms has it on
 distribution kernels, CONFIG_KALLSYMS_ALL), read once; without that symbol, the GS base of a
 sample taken in kernel mode. The pointer is read with the stack window (``reads_for``); the task
-(pid, tgid, comm, flags, its thread group leader's comm) only when that pointer was not seen
-within the last RECHECK seconds. A stack belongs to one task (a kernel stack; a user stack page
-under one CR3 to one thread): once the pointer said whose stack RSP is on, samples on that stack
-page skip the pointer for RECHECK seconds too. A process is its tgid and its leader's comm;
-kernel threads are named ``[comm]`` (``[kworker/0:1]``), the idle tasks ``swapper/N``. Kernel
-work done in a system call belongs to the process that made it: the current task is the same.
+(pid, tgid, comm, flags, its thread group leader's comm) only when that pointer's fields were not
+read or confirmed within the last RECHECK seconds: between samples, while the guest runs, the
+tasks sampled lately are read again through the control channel (``housekeep``), so a pause
+reads a task's fields the first time it meets the task, not every RECHECK. A stack belongs to
+one task (a kernel stack; a user stack page under one CR3 to one thread): once the pointer said
+whose stack RSP is on, samples on that stack page skip the pointer for RECHECK seconds too. A
+process is its tgid and its leader's comm; kernel threads are named ``[comm]``
+(``[kworker/0:1]``), the idle tasks ``swapper/N``. Kernel work done in a system call belongs to
+the process that made it: the current task is the same.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ RECHECK = 0.5  # seconds a task pointer's identity is trusted without reading th
 SPACE_RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 SPACE_CONFIRM = 0.5  # seconds between two confirmations of a process's mappings, between samples
+TASKS_CONFIRMED = 2  # task structs read again per housekeeping call, at most
 _PROBE = 32  # bytes of code compared between a mapping and the file that claims it
 PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
@@ -79,6 +83,17 @@ class TaskLayout:
             tasks=field("task_struct.tasks"),
             stack=field("task_struct.stack"),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """A task pointer's identity, from its fields (``task``, None when they did not read) as
+    read or confirmed unchanged at ``checked``, and its kernel stack's lowest address."""
+
+    identity: Identity
+    checked: float
+    task: Task | None
+    stack: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +170,9 @@ class LinuxIdentifier:
         # (mm, tgid) -> its space, when its mappings were last read or confirmed, and them.
         self._spaces: Memo[tuple[int, int], _Placed] = Memo(_TASKS_LIMIT)
         self._used: Memo[tuple[int, int], float] = Memo(_TASKS_LIMIT)  # when a sample last did
-        # task pointer -> its identity, when its fields were read, its kernel stack
-        self._tasks: Memo[int, tuple[Identity, float, int]] = Memo(_TASKS_LIMIT)
+        # task pointer -> its identity as last read or confirmed; when a sample last used it
+        self._tasks: Memo[int, _Seen] = Memo(_TASKS_LIMIT)
+        self._tasks_used: Memo[int, float] = Memo(_TASKS_LIMIT)
         # (0 or CR3, stack page) -> the task whose stack it is, when the pointer said so
         self._owners: Memo[tuple[int, int], tuple[int, float]] = Memo(_TASKS_LIMIT)
 
@@ -174,9 +190,32 @@ class LinuxIdentifier:
             if found is not None:
                 self._use_modules([self.kernel_modules[0], *found])
         control, vmas = self.control, self.vmas
+        if control is not None and self.layout is not None:
+            await self._confirm_tasks(control, self.layout, now)
         if control is not None and vmas is not None and now - self._spaces_read >= SPACE_CONFIRM:
             self._spaces_read = now
             await self._confirm_space(control, vmas, now)
+
+    async def _confirm_tasks(self, control: GuestTransport, layout: TaskLayout, now: float) -> None:
+        """Read again the fields of the tasks samples used lately whose identity is 3/4 of its
+        ``recheck`` old: unchanged, it is trusted for another ``recheck`` seconds, so no pause
+        has to read them; changed (the pointer now holds another task, an exec renamed it),
+        the next sample of it reads them."""
+        due = sorted(
+            (seen.checked, task)
+            for task, seen in self._tasks.items()
+            if now - seen.checked >= self.recheck * 0.75
+            and now - self._tasks_used.get(task, 0.0) <= 2 * self.recheck
+        )
+        for _, task in due[:TASKS_CONFIRMED]:
+            seen = self._tasks[task]
+            found = await self._read_task(control, 0, task, layout)
+            if self._tasks.get(task) is not seen:
+                continue  # read again by a sample meanwhile, or started over
+            if found == seen.task:
+                self._tasks[task] = dataclasses.replace(seen, checked=now)
+            else:
+                del self._tasks[task]
 
     async def _confirm_space(self, control: GuestTransport, vmas: VmaLayout, now: float) -> None:
         due = [
@@ -229,9 +268,11 @@ class LinuxIdentifier:
             task = cache.read_u64(addr)
             if not task or task < _UPPER_HALF:
                 return self.kernel
+        now = self.clock()
+        self._tasks_used.put(task, now)
         seen = self._tasks.get(task)
-        if seen is not None and self.clock() - seen[1] <= self.recheck:
-            identity, _, stack = seen
+        if seen is not None and now - seen.checked <= self.recheck:
+            identity, stack = seen.identity, seen.stack
         else:
             found = await self._read_task(transport, regs.cpu, task, layout)
             if found is None:
@@ -239,7 +280,7 @@ class LinuxIdentifier:
             else:
                 space = await self._space_of(transport, regs.cpu, found)
                 identity, stack = Identity(found.process, space), found.stack
-            self._tasks.put(task, (identity, self.clock(), stack))
+            self._tasks.put(task, _Seen(identity, now, found, stack))
         user = regs.cpl == 3
         on_own_stack = user or (stack != 0 and stack <= regs.rsp < stack + self.thread_size)
         if pointer_read and identity is not self.kernel and on_own_stack:
