@@ -5,7 +5,7 @@ unwinder asks for, a bounded number per sample)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from qmpprof.errors import MemoryReadError, TransportError
@@ -27,6 +27,7 @@ MAX_BEYOND = 4  # pieces outside the window fetched with it because the last wal
 ALIGN = 64  # a window starts at RSP rounded down to this
 SLACK = 256  # bytes a window reaches past the highest byte walks from its RSP page read
 PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
+SETTLED = 4  # walks in a row from an RSP page that needed nothing more than they were given
 _UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096
 
@@ -81,6 +82,23 @@ async def fetch_piece(
     cache.pieces[addr] = (size, data)
 
 
+async def read_many(
+    transport: GuestTransport, cpu: int, ranges: Sequence[tuple[int, int]]
+) -> list[bytes | MemoryReadError]:
+    """Each range's bytes, or the MemoryReadError its read raised: in one request where the
+    transport can (a gdbstub: one write, one wake-up), else as reads issued together."""
+    many = getattr(transport, "read_many", None)
+    if many is not None:
+        return list(await many(cpu, ranges))
+    found = await asyncio.gather(
+        *(transport.read(cpu, a, n) for a, n in ranges), return_exceptions=True
+    )
+    for result in found:
+        if isinstance(result, BaseException) and not isinstance(result, MemoryReadError):
+            raise result
+    return [r for r in found if isinstance(r, bytes | MemoryReadError)]
+
+
 def _runs(pages: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for p in pages:
@@ -118,45 +136,74 @@ class StackReader:
         self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._deepest: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._beyond: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
+        self._calm: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
 
-    async def prefetch(self, regs: Registers, cache: PageCache) -> None:
-        """The stack window at RSP, and in the same round trip what the last walk from this
-        RSP page read beyond it (a system call's user stack beneath the kernel's)."""
+    def settled(self, regs: Registers) -> bool:
+        """Whether the last SETTLED walks from this RSP page found all they read in what was
+        fetched before them: then this sample's walk can wait until the guest runs again
+        (``walk_late``), out of the pause."""
+        return self._calm.get(_stack_key(regs), 0) >= SETTLED
+
+    async def prefetch(
+        self,
+        regs: Registers,
+        cache: PageCache,
+        also: Sequence[tuple[int, int]] = (),
+        into: PageCache | None = None,
+    ) -> None:
+        """The stack window at RSP, and in the same request what the last walk from this RSP
+        page read beyond it (a system call's user stack beneath the kernel's) and the pieces
+        ``also`` (the identifier's: into ``into``)."""
         key = _stack_key(regs)
-        beyond = self._beyond.get(key)
-        if not beyond:
-            await self._window(regs, cache, key)
+        lo, end = self._window_range(regs, key)
+        beyond = [r for r in self._beyond.get(key, ()) if not cache.has(*r)]
+        wanted = [] if into is None else [r for r in also if not into.has(*r)]
+        try:
+            found = await read_many(self.transport, regs.cpu, [(lo, end - lo), *beyond, *wanted])
+        except TransportError:
+            self._stack_ends.pop(key, None)
+            await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
+            for target, pieces in ((cache, beyond), (into, wanted)):
+                for a, n in pieces:
+                    if target is not None:
+                        await fetch_piece(self.transport, target, regs.cpu, a, n)
             return
-        await asyncio.gather(
-            self._window(regs, cache, key),
-            *(fetch_piece(self.transport, cache, regs.cpu, a, n) for a, n in beyond),
-        )
+        await self._take_window(regs, cache, key, lo, end, found[0])
+        for (a, n), data in zip(beyond, found[1 : 1 + len(beyond)], strict=True):
+            cache.pieces[a] = (n, data if isinstance(data, bytes) else None)
+        if into is not None:
+            for (a, n), data in zip(wanted, found[1 + len(beyond) :], strict=True):
+                into.pieces[a] = (n, data if isinstance(data, bytes) else None)
 
-    async def _window(self, regs: Registers, cache: PageCache, key: tuple[int, int]) -> None:
-        start = page_of(regs.rsp)
+    def _window_range(self, regs: Registers, key: tuple[int, int]) -> tuple[int, int]:
         lo = regs.rsp & ~(ALIGN - 1)
         end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
         end = min(end, self._stack_ends.get(key, end))
         deepest = self._deepest.get(key)
         if deepest is not None:
             end = min(end, _align_up(deepest + SLACK))
-        try:
-            data = await self.transport.read(regs.cpu, lo, end - lo)
-        except MemoryReadError as err:
-            self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
-            if not err.readable:
-                await self._read_up_to_hole(regs.cpu, cache, start, end)
-                return
-            # The transport said how far it could read: the next page boundary is the hole
-            # (the bytes before it, on the same page, were readable).
-            cache.put_window(lo, err.readable)
-            cache.pages[page_of(lo + len(err.readable) + PAGE - 1)] = None
+        return lo, end
+
+    async def _take_window(
+        self,
+        regs: Registers,
+        cache: PageCache,
+        key: tuple[int, int],
+        lo: int,
+        end: int,
+        found: bytes | MemoryReadError,
+    ) -> None:
+        if isinstance(found, bytes):
+            cache.put_window(lo, found)
             return
-        except TransportError:
-            self._stack_ends.pop(key, None)
-            await self._read_up_to_hole(regs.cpu, cache, start, end)
+        self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
+        if not found.readable:
+            await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
             return
-        cache.put_window(lo, data)
+        # The transport said how far it could read: the next page boundary is the hole (the
+        # bytes before it, on the same page, were readable).
+        cache.put_window(lo, found.readable)
+        cache.pages[page_of(lo + len(found.readable) + PAGE - 1)] = None
 
     async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
         for page in range(start, end, PAGE):
@@ -178,11 +225,14 @@ class StackReader:
         # Bytes read within a window's reach of RSP (walks skip pages under large frames).
         reach = start + self.window + PAGE
         used = cache.used
+        # Pages a walk after the guest resumed lacked: not read at all, so all of each is due.
+        lacked = [p for p in cache.missed if p not in cache.pages]
+        self._calm.put(key, 0 if cache.missed else self._calm.get(key, 0) + 1)
         deepest = max(
             (p + span[1] for p, span in used.items() if start <= p < reach),
             default=regs.rsp + 8,
         )
-        deepest = max(deepest, cache.top)
+        deepest = max(deepest, cache.top, *(p + PAGE for p in lacked if start <= p < reach))
         if deepest > self._deepest.get(key, -1):
             self._deepest.put(key, deepest)
         # Beyond that reach, for the next sample here; a guess that missed is dropped for one
@@ -191,6 +241,7 @@ class StackReader:
         beyond = sorted(
             _around(p + span[0], p + span[1]) for p, span in used.items() if not start <= p < reach
         )
+        beyond += [(p, PAGE) for p in lacked if not start <= p < reach]
         if guessed and not any(page_of(a) in used for a, _ in guessed):
             beyond = []
         self._beyond.put(key, tuple(beyond[:MAX_BEYOND]))
@@ -204,14 +255,39 @@ class StackReader:
             try:
                 return attempt()
             except PageMissing as miss:
-                page = page_of(miss.addr)
-                if page in cache.pages:
-                    raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
+                page = _missing(cache, miss)
                 if fetched < self.max_refetch:
                     fetched += 1
                     await fetch(self.transport, cache, cpu, page, PAGE)
                 else:
                     cache.pages[page] = None
+
+    def walk_late(self, cache: PageCache, attempt: Callable[[], T]) -> T:
+        """``attempt()`` run after the guest resumed, over what was read while it was stopped.
+        A page the walk lacks can no longer be read consistently: it reads as unmapped, so the
+        walk ends there (truncated), and the page comes with the next window from this RSP
+        page, whose walks then wait for it in the pause again until they have settled."""
+        lacked: list[int] = []
+        try:
+            while True:
+                try:
+                    return attempt()
+                except PageMissing as miss:
+                    page = _missing(cache, miss)
+                    cache.pages[page] = None
+                    lacked.append(page)
+        finally:
+            for page in lacked:
+                del cache.pages[page]
+
+
+def _missing(cache: PageCache, miss: PageMissing) -> int:
+    """The page a walk lacked, noted in ``cache.missed``."""
+    page = page_of(miss.addr)
+    if page in cache.pages:
+        raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
+    cache.missed.append(page)
+    return page
 
 
 def _align_up(addr: int) -> int:

@@ -183,6 +183,21 @@ async def test_error_reply_is_a_memory_read_error() -> None:
         assert await transport.read(0, 0x4F00, 4) == bytes.fromhex("00010203")  # still in sync
 
 
+async def test_several_reads_go_in_one_request_and_fail_one_by_one() -> None:
+    # held: no answer until the last m packet came (one write, or the client would hang).
+    async with (
+        FakeStub(hold=(4, 8)) as stub,
+        await GdbTransport.connect(stub.address, timeout=2) as transport,
+    ):
+        found = await transport.read_many(0, [(0x1100, 0x900), (0x4F00, 0x200), (0x2000, 8)])
+        assert found[0] == bytes(a & 0xFF for a in range(0x1100, 0x1A00))
+        assert isinstance(found[1], MemoryReadError) and found[1].addr == 0x4F00
+        assert found[2] == bytes(range(8))  # the read after the failed one is still in sync
+        chunks = [b"m1100,800", b"m1900,100", b"m4f00,200", b"m2000,8"]
+        assert stub.packets[3:] == [b"Hg01", *chunks]
+        assert await transport.read_many(0, []) == []
+
+
 async def test_unknown_vcpu_is_refused() -> None:
     async with FakeStub() as stub, await GdbTransport.connect(stub.address) as transport:
         with pytest.raises(TransportError, match="no vCPU 5"):
@@ -424,6 +439,9 @@ async def test_memory_agrees_with_memsave(tmp_path: Path) -> None:
         windows = [(regs.rsp & ~0xFFF, 0x1000), (text - 100, 0x2345), (regs.rsp, to_page_end)]
         for addr, size in windows:
             assert await transport.read(0, addr, size) == qmp.memsave(addr, size), hex(addr)
+        together = await transport.read_many(0, [*windows, (0xFFFF_9000_0000_0000, 64)])
+        assert together[:-1] == [qmp.memsave(addr, size) for addr, size in windows]
+        assert isinstance(together[-1], MemoryReadError)
         with pytest.raises(MemoryReadError):
             await transport.read(0, 0xFFFF_9000_0000_0000, 64)  # nothing mapped there
         with pytest.raises(TransportError):

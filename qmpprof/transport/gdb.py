@@ -199,22 +199,36 @@ class GdbTransport:
         """Guest-virtual memory as ``cpu`` sees it, in pipelined ``m`` requests."""
         if size <= 0:
             return b""
-        if addr < 0 or addr + size > 1 << 64:
-            raise MemoryReadError(addr, size, "outside the 64-bit address space")
+        (found,) = await self.read_many(cpu, [(addr, size)])
+        if isinstance(found, MemoryReadError):
+            raise found
+        return found
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """Several reads as ``cpu`` sees them, in one request (one write, one wake-up when the
+        last reply is in): each range's bytes, or the MemoryReadError its own read raises."""
         step = self._chunk
-        lengths = [min(step, addr + size - pos) for pos in range(addr, addr + size, step)]
-        bodies = [b"m%x,%x" % (addr + i * step, n) for i, n in enumerate(lengths)]
-        replies = await self._on_cpu(cpu, bodies)
-        for i, (reply, n) in enumerate(zip(replies, lengths, strict=True)):
-            # A data reply is exactly two hex digits a byte; Exx (E14: unmapped) is not.
-            if len(reply) != 2 * n:
-                readable = _unhex(b"".join(replies[:i]))
-                detail = f"gdbstub answered {reply[:8]!r}"
-                raise MemoryReadError(addr, size, detail, b"" if readable is None else readable)
-        data = _unhex(b"".join(replies))
-        if data is None:
-            raise MemoryReadError(addr, size, "gdbstub answered no hex")
-        return data
+        bodies: list[bytes] = []
+        plans: list[list[int] | MemoryReadError] = []  # per range: its packets' lengths
+        for addr, size in ranges:
+            if addr < 0 or addr + size > 1 << 64:
+                plans.append(MemoryReadError(addr, size, "outside the 64-bit address space"))
+                continue
+            lengths = [min(step, addr + size - pos) for pos in range(addr, addr + size, step)]
+            bodies += [b"m%x,%x" % (addr + i * step, n) for i, n in enumerate(lengths)]
+            plans.append(lengths)
+        replies = await self._on_cpu(cpu, bodies) if bodies else []
+        out: list[bytes | MemoryReadError] = []
+        at = 0
+        for (addr, size), plan in zip(ranges, plans, strict=True):
+            if isinstance(plan, MemoryReadError):
+                out.append(plan)
+                continue
+            out.append(_data(addr, size, plan, replies[at : at + len(plan)]))
+            at += len(plan)
+        return out
 
     async def query(self, body: str) -> str:
         """Send one raw packet and return the reply (for diagnostics and qXfer reads; not for
@@ -294,6 +308,22 @@ async def _handshake(
     except ValueError as err:
         raise ConnectError(f"{address} is not a gdbstub: qSupported said {reply!r}") from err
     return saw_stop, max(16, min(_MAX_READ, size // 2)), ack
+
+
+def _data(
+    addr: int, size: int, lengths: list[int], replies: list[bytes]
+) -> bytes | MemoryReadError:
+    """One read's bytes from the replies to its ``m`` packets."""
+    for i, (reply, n) in enumerate(zip(replies, lengths, strict=True)):
+        # A data reply is exactly two hex digits a byte; Exx (E14: unmapped) is not.
+        if len(reply) != 2 * n:
+            readable = _unhex(b"".join(replies[:i]))
+            detail = f"gdbstub answered {reply[:8]!r}"
+            return MemoryReadError(addr, size, detail, b"" if readable is None else readable)
+    data = _unhex(b"".join(replies))
+    if data is None:
+        return MemoryReadError(addr, size, "gdbstub answered no hex")
+    return data
 
 
 def _unhex(text: bytes) -> bytes | None:

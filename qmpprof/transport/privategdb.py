@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.errors import ConnectError, MemoryReadError, QmpprofError
 from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
 from qmpprof.transport.gdb import GdbTransport
@@ -168,6 +168,12 @@ class PrivateGdbTransport:
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         return await self._gdb.read(cpu, addr, size)
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """Several reads in one gdbstub request (see GdbTransport)."""
+        return await self._gdb.read_many(cpu, ranges)
 
     async def hmp(self, command: str, cpu: int | None = None) -> str:
         """A human monitor command over the QMP control channel."""
