@@ -5,6 +5,7 @@ unwinder asks for, a bounded number per sample)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -156,10 +157,14 @@ class StackReader:
         ``also`` (the identifier's: into ``into``)."""
         key = _stack_key(regs)
         lo, end = self._window_range(regs, key)
+        # Where the stack ends is not known yet: the window goes page by page (in the same
+        # request), so that an unmapped page above the stack fails alone.
+        known = key in self._stack_ends or key in self._deepest
+        window = [(lo, end - lo)] if known else _by_page(lo, end)
         beyond = [r for r in self._beyond.get(key, ()) if not cache.has(*r)]
         wanted = [] if into is None else [r for r in also if not into.has(*r)]
         try:
-            found = await read_many(self.transport, regs.cpu, [(lo, end - lo), *beyond, *wanted])
+            found = await read_many(self.transport, regs.cpu, [*window, *beyond, *wanted])
         except TransportError:
             self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
@@ -168,11 +173,12 @@ class StackReader:
                     if target is not None:
                         await fetch_piece(self.transport, target, regs.cpu, a, n)
             return
-        await self._take_window(regs, cache, key, lo, end, found[0])
-        for (a, n), data in zip(beyond, found[1 : 1 + len(beyond)], strict=True):
+        await self._take_window(regs, cache, key, window, found[: len(window)])
+        found = found[len(window) :]
+        for (a, n), data in zip(beyond, found[: len(beyond)], strict=True):
             cache.pieces[a] = (n, data if isinstance(data, bytes) else None)
         if into is not None:
-            for (a, n), data in zip(wanted, found[1 + len(beyond) :], strict=True):
+            for (a, n), data in zip(wanted, found[len(beyond) :], strict=True):
                 into.pieces[a] = (n, data if isinstance(data, bytes) else None)
 
     def _window_range(self, regs: Registers, key: tuple[int, int]) -> tuple[int, int]:
@@ -189,21 +195,25 @@ class StackReader:
         regs: Registers,
         cache: PageCache,
         key: tuple[int, int],
-        lo: int,
-        end: int,
-        found: bytes | MemoryReadError,
+        window: list[tuple[int, int]],
+        found: list[bytes | MemoryReadError],
     ) -> None:
-        if isinstance(found, bytes):
-            cache.put_window(lo, found)
-            return
-        self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
-        if not found.readable:
-            await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
-            return
-        # The transport said how far it could read: the next page boundary is the hole (the
-        # bytes before it, on the same page, were readable).
-        cache.put_window(lo, found.readable)
-        cache.pages[page_of(lo + len(found.readable) + PAGE - 1)] = None
+        """The window's bytes from its reads, up to the first that failed: the page where
+        that one could read no further is the hole (the top of the stack)."""
+        taken: list[bytes] = []
+        for (addr, _), data in zip(window, found, strict=True):
+            if isinstance(data, bytes):
+                taken.append(data)
+                continue
+            self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
+            readable = data.readable or b""
+            if len(window) == 1 and not readable:
+                await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), addr + data.size)
+                return
+            taken.append(readable)
+            cache.pages[page_of(addr + len(readable) + PAGE - 1)] = None
+            break
+        cache.put_window(window[0][0], b"".join(taken))
 
     async def _read_up_to_hole(self, cpu: int, cache: PageCache, start: int, end: int) -> None:
         for page in range(start, end, PAGE):
@@ -279,6 +289,12 @@ class StackReader:
         finally:
             for page in lacked:
                 del cache.pages[page]
+
+
+def _by_page(lo: int, end: int) -> list[tuple[int, int]]:
+    """[lo, end) cut at page boundaries, as (start, size) ranges."""
+    cuts = [lo, *range(page_of(lo) + PAGE, end, PAGE), end]
+    return [(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _missing(cache: PageCache, miss: PageMissing) -> int:

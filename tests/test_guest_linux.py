@@ -4,8 +4,9 @@ per-CPU base, the pointer read with the stack and the task only when not seen re
 
 from __future__ import annotations
 
+import itertools
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -16,6 +17,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.guest import linux
 from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, RECHECK, LinuxIdentifier, TaskLayout
 from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
+from qmpprof.guest.linuxpages import PageTables
 from qmpprof.guest.linuxvma import VM_EXEC, ReadMany, Vma, VmaLayout
 from qmpprof.linux.btf import Btf
 from qmpprof.model import Mapping, Process
@@ -317,6 +319,71 @@ async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
     control.calls.clear()
     await identifier.housekeep()
     assert not [c for c in control.calls if c.startswith("read")]
+
+
+class _Tables:
+    """PageTables' reader, recording which page tables it was asked to read through."""
+
+    def __init__(self) -> None:
+        self.pgds: list[int] = []
+
+    def reader(self, pgd: int) -> ReadMany:
+        self.pgds.append(pgd)
+
+        async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+            return [b"\x55" * n for _, n in ranges]
+
+        return read
+
+    def forget(self) -> None:
+        pass
+
+
+async def test_preload_places_every_process_before_the_first_stop(
+    layout: TaskLayout, linux_vmlinux: ElfImage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    vmas = VmaLayout.from_btf(btf)
+    init, mm, pgd = 0xFFFF_FFFF_82C0_0000, 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000
+    memory = guest(layout, (APP_LEADER, KWORKER))
+    memory.task(layout, init, 0, 0, "swapper/0", PF_KTHREAD, init)
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", mm))
+    memory.put(mm + vmas.pgd, struct.pack("<Q", pgd))
+    ring = [init, APP_LEADER, KWORKER, init]  # the task list, through task_struct.tasks
+    for task, following in itertools.pairwise(ring):
+        memory.put(task + layout.tasks, struct.pack("<Q", following + layout.tasks))
+
+    async def vmas_of(read: ReadMany, at: int, _layout: object) -> list[Vma]:
+        assert at == mm
+        return [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, "myapp")]
+
+    monkeypatch.setattr(linux, "read_exec_vmas", vmas_of)
+    control, transport = FakeTransport({}, memory.frozen()), FakeTransport({}, memory.frozen())
+    tables = _Tables()
+    identifier = LinuxIdentifier(
+        [KERNEL], layout, PER_CPU_OFFSET, vmas=vmas, control=control,
+        tables=cast(PageTables, tables),
+    )  # fmt: skip
+    assert await identifier.preload(control, init, [0, 1]) == 1
+    assert tables.pgds == [pgd]  # the code probe went through the process's own tables
+    # The first stop: each vCPU's pointer is read with its stack, nothing else.
+    for cpu, rip in ((0, 0x40_0010), (1, KERNEL.start + 16)):
+        r = regs(cpu, rip)
+        assert identifier.reads_for(r) == ((BASES[cpu] + layout.current, 8),)
+        seen = PageCache()
+        seen.pieces[BASES[cpu] + layout.current] = (
+            8,
+            struct.pack("<Q", (APP_LEADER, KWORKER)[cpu]),
+        )
+        transport.calls.clear()
+        found = await identifier.identify(transport, r, seen)
+        assert not [c for c in transport.calls if c.startswith("read")]
+        assert found.process is not None and found.process.pid == (1230, 55)[cpu]
+        if cpu == 0:
+            assert found.space.find(0x40_0010) is not None  # [myapp], placed
 
 
 def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[bytes]]:

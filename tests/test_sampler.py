@@ -4,6 +4,7 @@ on a virtual clock), run-state safety, errors as data, filtering, page refetchin
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -223,9 +224,10 @@ async def test_mode_filter_counts_filtered_apart_from_errors(
         assert stacks == {("kernel", "schedule", "idle_loop")}
     else:
         assert stacks == {("kernel", "user_main")}
-        # The filtered kernel vCPU's stack is never read, only the user one's (at 0).
+        # The filtered kernel vCPU's stack is never read, only the user one's (from 0, its
+        # first window page by page).
         reads = {c for c in transport.calls if c.startswith("read")}
-        assert reads and all(c.startswith("read:0x0+") for c in reads)
+        assert reads and all(int(c[5:].split("+")[0], 16) < 0x4000 for c in reads)
 
 
 async def test_pages_the_unwinder_misses_are_fetched_while_stopped() -> None:
@@ -238,7 +240,9 @@ async def test_pages_the_unwinder_misses_are_fetched_while_stopped() -> None:
     assert outcome.last[0].stack.stop is StopReason.END
     assert unwinder.unwinds > 1
     reads = [c for c in transport.calls if c.startswith("read")]
-    assert len(reads) == unwinder.unwinds
+    # The first window page by page (RSP is mid-page: two reads, one request), then one read
+    # for each walk that asked for more.
+    assert len(reads) == 2 + unwinder.unwinds - 1
     assert transport.calls.index("cont") > transport.calls.index(reads[-1])
 
 
@@ -250,7 +254,8 @@ async def test_refetch_budget_bounds_reads_and_truncates() -> None:
     outcome = await sampler.run(one_shot=True)
     assert outcome.last[0].stack.stop is StopReason.READ_FAILED
     assert sampler.profile.truncated == 1
-    assert sum(c.startswith("read") for c in transport.calls) == 1
+    # The first window (page by page, in one request: two reads), and nothing on demand.
+    assert sum(c.startswith("read") for c in transport.calls) == 2
     assert sampler.profile.named_counts(Naming()) == {
         ("kernel", "[truncated]", "schedule", "idle_loop"): 1
     }
@@ -263,23 +268,36 @@ async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() ->
     await sampler.run()
     reads = [c for c in transport.calls if c.startswith("read")]
     rsp_page = r0.rsp & ~0xFFF
-    first = [f"read:{r0.rsp:#x}+{rsp_page + 0x11000 - r0.rsp:#x}", f"read:{rsp_page:#x}+0x1000"]
-    assert reads[:3] == [*first, f"read:{rsp_page + 0x1000:#x}+0x1000"]
+    # One request, page by page: the pages above the stack fail alone, RSP's page is read.
+    first = by_page(r0.rsp, rsp_page + 0x11000)
+    assert reads[: len(first)] == first and len(first) == 17
     # Later ticks know where the stack ends: one read each, from RSP to there.
-    assert reads[3:] == [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
+    assert reads[len(first) :] == [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
     assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
 async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> None:
-    r0, pages = kernel_cpu()  # RSP's page is the last mapped one
-    transport = FakeTransport({0: r0}, pages, partial=True)
-    sampler = make(transport, window=64 * 1024, duration=0.03)
-    await sampler.run()
-    reads = [c for c in transport.calls if c.startswith("read")]
+    # Two stack pages: the leaf's frame on RSP's page, the outer one on the page above.
+    rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010], gap=0x800)
+    r0 = regs(0, K + 0x3004, rsp=rbp - 32, rbp=rbp)
     rsp_page = r0.rsp & ~0xFFF
-    first = f"read:{r0.rsp:#x}+{rsp_page + 0x11000 - r0.rsp:#x}"
-    assert reads == [first] + [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
-    assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
+    assert len(pages) == 2 and rsp_page + 0x1000 in pages
+    transport = FakeTransport({0: r0}, pages, partial=True)
+    sampler = make(transport, window=16 * 1024, duration=0.02)
+    await sampler.run()  # learns the window: from RSP to the top of the stack, one read
+    transport.calls.clear()
+    del transport.pages[rsp_page + 0x1000]  # the upper page is gone (the mapping changed)
+    again = make(transport, window=16 * 1024, duration=0.02)
+    again.stacks = sampler.stacks
+    await again.run()
+    reads = [c for c in transport.calls if c.startswith("read")]
+    # The window fails past RSP's page but says how far it read: no second pass page by
+    # page. The next tick knows the stack ends there (and its walk tries the page above
+    # once, on demand: unmapped).
+    window = f"read:{r0.rsp:#x}+{STACK_TOP - 0x800 + SLACK - r0.rsp:#x}"
+    cut = f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"
+    assert reads == [window, cut, f"read:{rsp_page + 0x1000:#x}+0x1000"], reads
+    assert again.profile.truncated == 2
 
 
 async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand() -> None:
@@ -294,8 +312,8 @@ async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand()
     # the walk read up to the top of RSP's page (the outermost frame's return address): the
     # next window ends SLACK bytes above that.
     top = rsp_page + 0x1000
-    first = f"read:{r0.rsp:#x}+{rsp_page + 0x5000 - r0.rsp:#x}"
-    assert reads == [first, f"read:{r0.rsp:#x}+{top + SLACK - r0.rsp:#x}"]
+    first = by_page(r0.rsp, rsp_page + 0x5000)
+    assert reads == [*first, f"read:{r0.rsp:#x}+{top + SLACK - r0.rsp:#x}"]
     # A deeper walk from the same RSP page fetches what it lacks, and the window grows to it.
     rbp, deeper = frame_chain(rsp_page + 0x4000, [K + 0x2010, K + 0x1010], gap=0x1800)
     transport.pages.update(deeper)
@@ -325,7 +343,7 @@ async def test_pages_a_walk_read_beyond_the_window_come_with_the_next_window() -
     outer = rbp + 0x8010  # the outermost frame: [saved rbp][return address]
     far = outer & ~0xFFF
     first, second = ticks[1 : ticks.index("stop", 1)], ticks[ticks.index("stop", 1) + 1 :]
-    assert first[1:] == [f"read:{far:#x}+0x1000"]  # on demand, after a walk asked for it
+    assert first[-1] == f"read:{far:#x}+0x1000"  # on demand, after a walk asked for it
     window = f"read:{rbp & ~(ALIGN - 1):#x}+"  # RSP (= RBP here), rounded down
     assert len(second) == 2 and first[0].startswith(window) and second[0].startswith(window)
     # Both before the walk: the window, and about one packet around the bytes read out there.
@@ -528,3 +546,9 @@ def test_too_few_samples_are_warned_about() -> None:
     assert not any("Warning" in line for line in one_shot.summary_lines(2, 0, 2))
     with pytest.raises(UsageError, match="overhead"):
         SamplerConfig(max_overhead=1.5)
+
+
+def by_page(lo: int, end: int) -> list[str]:
+    """The reads of a first window [lo, end): page by page."""
+    cuts = [lo, *range((lo & ~0xFFF) + 0x1000, end, 0x1000), end]
+    return [f"read:{a:#x}+{b - a:#x}" for a, b in itertools.pairwise(cuts)]

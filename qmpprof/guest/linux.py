@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from qmpprof.guest.base import Identity
 from qmpprof.guest.linuxmodules import ModuleList
+from qmpprof.guest.linuxpages import PageTables
 from qmpprof.guest.linuxvma import ReadMany, Vma, VmaLayout, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
@@ -140,6 +141,7 @@ class LinuxIdentifier:
         files: UserFiles | None = None,
         module_list: ModuleList | None = None,
         control: GuestTransport | None = None,
+        tables: PageTables | None = None,
         thread_size: int = THREAD_SIZE,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
@@ -148,11 +150,14 @@ class LinuxIdentifier:
         ``per_cpu_offset``: the runtime address of ``__per_cpu_offset`` (None: unknown).
         ``vmas``: how to read a process's mappings (None: user code is not placed); ``files``:
         where its ELF files are. ``module_list``: the guest's module list, and ``control``, a
-        transport that reads kernel memory while the guest runs, for ``housekeep``."""
+        transport that reads kernel memory while the guest runs, for ``housekeep``;
+        ``tables``, how to read a process's memory through its own page tables with it (so
+        that ``preload`` places processes' code before the first stop)."""
         self.vmas = vmas
         self.files = files or UserFiles(None)
         self.module_list = module_list
         self.control = control
+        self.tables = tables
         self.thread_size = thread_size
         self._modules_read = self._spaces_read = clock()
         self._use_modules(kernel_modules)
@@ -326,28 +331,68 @@ class LinuxIdentifier:
         kernel_thread = bool(flags & PF_KTHREAD)
         return Task(pid, tgid, comm, kernel_thread, leader_comm, 0 if kernel_thread else mm, stack)
 
-    async def preload(self, control: GuestTransport, init_task: int) -> int:
-        """Before the first stop: load the ELF files the processes running now have mapped
-        (walking the task list from ``init_task`` through ``control``, which reads kernel
-        memory while the guest runs), so that a first sample of them reads no file. Returns
-        how many processes were looked at."""
+    async def preload(
+        self, control: GuestTransport, init_task: int, cpus: Sequence[int] = ()
+    ) -> int:
+        """Before the first stop, through ``control`` (which reads kernel memory while the
+        guest runs): the per-CPU bases of ``cpus``, and every task on the task list from
+        ``init_task``: its identity, and for each process its mappings and ELF files, placed
+        where the process's page tables say its code is (with ``tables``; else the ELF files
+        are loaded, to be placed by the first sample of the process). So a first sample reads
+        what a steady one does, and no file. Returns how many processes were looked at."""
         layout = self.layout
-        if layout is None or self.vmas is None:
+        if layout is None:
             return 0
         read = _reader(control, 0)
+        if self.per_cpu_offset is not None:
+            found = await read([(self.per_cpu_offset + 8 * cpu, 8) for cpu in cpus])
+            for cpu, raw in zip(cpus, found, strict=True):
+                base = 0 if raw is None else int.from_bytes(raw, "little")
+                if base:
+                    self._bases[cpu] = base
         seen = 0
         node = await _next(read, init_task + layout.tasks)
         visited = {init_task + layout.tasks}
         while node is not None and node not in visited and len(visited) <= _TASKS_LIMIT:
             visited.add(node)
-            task = await self._read_task(control, 0, node - layout.tasks, layout)
-            if task is not None and task.mm and task.pid == task.tgid:
-                seen += 1
-                for vma in await read_exec_vmas(read, task.mm, self.vmas):
-                    for image in self.files.candidates(vma.name) if vma.name else ():
-                        image.prepare()
+            at = node - layout.tasks
+            task = await self._read_task(control, 0, at, layout)
+            identity = self.kernel if task is None else await self._preload_task(control, task)
+            if identity is not None:
+                self._tasks.put(
+                    at, _Seen(identity, self.clock(), task, 0 if task is None else task.stack)
+                )
+            seen += task is not None and bool(task.mm) and task.pid == task.tgid
             node = await _next(read, node)
+        if self.tables is not None:
+            self.tables.forget()
         return seen
+
+    async def _preload_task(self, control: GuestTransport, task: Task) -> Identity | None:
+        """A task's identity, its process's space placed (None: it cannot be placed before a
+        sample of it, which then reads the task again)."""
+        if self.vmas is None or not task.mm:
+            return Identity(task.process, self.space)
+        key = (task.mm, task.tgid)
+        placed = self._spaces.get(key)
+        if placed is not None:
+            return Identity(task.process, placed.space)
+        read = _reader(control, 0)
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        for vma in vmas:
+            for image in self.files.candidates(vma.name) if vma.name else ():
+                image.prepare()
+        if self.tables is None:
+            return None
+        (raw,) = await read([(task.mm + self.vmas.pgd, 8)])
+        if raw is None:
+            return None
+        user = await user_modules(
+            self.tables.reader(int.from_bytes(raw, "little")), vmas, self.files
+        )
+        space = AddressSpace([*self.kernel_modules, *user]) if user else self.space
+        self._spaces.put(key, _Placed(space, self.clock(), vmas))
+        return Identity(task.process, space)
 
     async def _space_of(self, transport: GuestTransport, cpu: int, task: Task) -> AddressSpace:
         """The kernel's modules and the process's executable mappings (kept for SPACE_RECHECK

@@ -48,6 +48,7 @@ class VmaLayout:
     vm_file: int
     dentry: int  # file.f_path.dentry
     name: int  # dentry.d_name.name
+    pgd: int  # mm_struct.pgd: the process's top-level page table (a kernel address)
 
     @classmethod
     def from_btf(cls, btf: Btf) -> VmaLayout:
@@ -77,6 +78,7 @@ class VmaLayout:
             vm_file=field("vm_area_struct.vm_file"),
             dentry=field("file.f_path") + field("path.dentry"),
             name=field("dentry.d_name") + field("qstr.name"),
+            pgd=field("mm_struct.pgd"),
         )
 
 

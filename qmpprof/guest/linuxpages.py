@@ -1,0 +1,93 @@
+"""A Linux process's memory read without its page tables loaded: its virtual addresses
+translated through its own tables (``mm_struct.pgd``), walked by reading kernel memory.
+
+The kernel maps all physical memory at ``page_offset_base`` (the direct map, randomized with
+KASLR's CONFIG_RANDOMIZE_MEMORY; without that variable, the fixed base of the paging mode), and
+every page-table page is reachable there: so a reader of kernel memory that needs no stop (QMP
+memsave) can read a process's code while the guest runs, before the first sample, when the
+vCPUs run other processes. Four levels, or five when ``__pgtable_l5_enabled`` says so (LA57);
+1 GiB and 2 MiB pages end the walk early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qmpprof.guest.linuxvma import ReadMany
+
+DIRECT_MAP_4 = 0xFFFF_8880_0000_0000  # the direct map's base without KASLR, 4-level paging
+DIRECT_MAP_5 = 0xFF11_0000_0000_0000  # and with 5-level paging
+_PRESENT = 1
+_HUGE = 1 << 7  # PS: in a PUD or PMD entry, the entry maps the page itself
+_ADDRESS = 0x000F_FFFF_FFFF_F000  # bits 12..51 of an entry: a physical address
+_PAGE = 4096
+
+
+class PageTables:
+    """How to walk any process's page tables through ``read`` (kernel memory). Table pages
+    are read whole, once each (a read costs about the same for 8 bytes or 4 KiB, and the
+    processes' code and libraries share the upper levels)."""
+
+    def __init__(self, read: ReadMany, direct_map: int, levels: int = 4) -> None:
+        self.read = read
+        self.direct_map = direct_map
+        self.levels = levels
+        self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
+
+    def forget(self) -> None:
+        """Drop the table pages read so far (page tables change as processes run)."""
+        self._tables.clear()
+
+    async def _entry(self, table: int, index: int) -> int | None:
+        if table not in self._tables:
+            (self._tables[table],) = await self.read([(table, _PAGE)])
+        page = self._tables[table]
+        return None if page is None else int.from_bytes(page[8 * index : 8 * index + 8], "little")
+
+    async def physical(self, pgd: int, va: int) -> int | None:
+        """The physical address of user address ``va`` in the address space whose top-level
+        table is at kernel address ``pgd``; None when it is not mapped (or not readable)."""
+        table = pgd & ~(_PAGE - 1)
+        for level in range(self.levels, 0, -1):
+            shift = 12 + 9 * (level - 1)
+            entry = await self._entry(table, (va >> shift) & 511)
+            if entry is None or not entry & _PRESENT:
+                return None
+            base = entry & _ADDRESS
+            if level in (2, 3) and entry & _HUGE:
+                return (base & ~((1 << shift) - 1)) + (va & ((1 << shift) - 1))
+            if level == 1:
+                return base + (va & (_PAGE - 1))
+            table = self.direct_map + base
+        return None
+
+    def reader(self, pgd: int) -> ReadMany:
+        """Reads of the process's user addresses (each within one page)."""
+
+        async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for addr, size in ranges:
+                within = (addr % _PAGE) + size <= _PAGE
+                at = await self.physical(pgd, addr) if within else None
+                found = None if at is None else await self.read([(self.direct_map + at, size)])
+                out.append(None if found is None else found[0])
+            return out
+
+        return read
+
+
+async def page_tables(
+    read: ReadMany, page_offset_base: int | None, l5_enabled: int | None
+) -> PageTables:
+    """The page tables as this kernel lays them out: ``page_offset_base`` and
+    ``__pgtable_l5_enabled`` are the runtime addresses of those variables (None: the kernel
+    has none, so the direct map is at its fixed base and paging has 4 levels)."""
+    levels = 4
+    if l5_enabled is not None:
+        (raw,) = await read([(l5_enabled, 4)])
+        levels = 5 if raw is not None and int.from_bytes(raw, "little") else 4
+    base = DIRECT_MAP_5 if levels == 5 else DIRECT_MAP_4
+    if page_offset_base is not None:
+        (raw,) = await read([(page_offset_base, 8)])
+        base = base if raw is None else int.from_bytes(raw, "little")
+    return PageTables(read, base, levels)

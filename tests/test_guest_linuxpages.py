@@ -1,0 +1,105 @@
+"""Page-table walks of a Linux process through the kernel's direct map (guest/linuxpages.py),
+over fake physical memory: 4 and 5 levels, 1 GiB and 2 MiB pages, holes, reads that cross a
+page, the variables that say the layout."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from qmpprof.guest.linuxpages import DIRECT_MAP_4, DIRECT_MAP_5, PageTables, page_tables
+
+BASE = 0xFFFF_9A00_0000_0000  # a KASLR'd page_offset_base
+PRESENT, WRITE, USER, HUGE, NX = 1, 2, 4, 1 << 7, 1 << 63
+
+
+class Physical:
+    """Physical memory seen through a direct map at ``base``: what a kernel-memory read sees."""
+
+    def __init__(self, base: int = BASE) -> None:
+        self.base = base
+        self.bytes: dict[int, bytearray] = {}
+        self.reads = 0
+
+    def put(self, phys: int, data: bytes) -> None:
+        for i, byte in enumerate(data):
+            page = (phys + i) & ~0xFFF
+            self.bytes.setdefault(page, bytearray(4096))[phys + i - page] = byte
+
+    def entry(self, table: int, index: int, value: int) -> None:
+        self.put(table + 8 * index, struct.pack("<Q", value))
+
+    async def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for addr, size in ranges:
+            self.reads += 1
+            phys = addr - self.base
+            page = self.bytes.get(phys & ~0xFFF)
+            inside = page is not None and (phys & 0xFFF) + size <= 4096
+            out.append(bytes(page[phys & 0xFFF : (phys & 0xFFF) + size]) if inside else None)
+        return out
+
+
+def indexes(va: int, levels: int) -> list[int]:
+    return [(va >> (12 + 9 * (level - 1))) & 511 for level in range(levels, 0, -1)]
+
+
+async def test_four_levels_huge_pages_and_holes() -> None:
+    memory = Physical()
+    pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
+    code = 0x5555_5555_4000  # a PIE's text
+    i4, i3, i2, i1 = indexes(code, 4)
+    memory.entry(pgd, i4, pud | PRESENT | WRITE | USER)
+    memory.entry(pud, i3, pmd | PRESENT | USER)
+    memory.entry(pmd, i2, pte | PRESENT | USER)
+    memory.entry(pte, i1, 0x7_7000 | PRESENT | USER | NX)
+    memory.put(0x7_7000 + 0x123, b"\x55\x48\x89\xe5")  # push rbp; mov rbp, rsp
+    # A 2 MiB page (PS in the PMD entry) and a 1 GiB page (PS in the PUD entry).
+    lib = 0x7F00_0020_0000
+    j4, j3, j2, _ = indexes(lib, 4)
+    memory.entry(pgd, j4, 0x14_0000 | PRESENT | USER)
+    memory.entry(0x14_0000, j3, 0x15_0000 | PRESENT | USER)
+    memory.entry(0x15_0000, j2, 0x4000_0000 | PRESENT | USER | HUGE | (1 << 12))  # PAT bit
+    big = 0x7E00_4000_0000
+    k4, k3, *_ = indexes(big, 4)
+    memory.entry(pgd, k4, 0x16_0000 | PRESENT | USER)
+    memory.entry(0x16_0000, k3, 0x8000_0000 | PRESENT | USER | HUGE)
+    memory.entry(pte, i1 + 1, 0x7_8000)  # swapped out: not present
+    tables = PageTables(memory.read, BASE)
+    assert await tables.physical(BASE + pgd, code + 0x123) == 0x7_7123
+    read = tables.reader(BASE + pgd)
+    assert await read([(code + 0x123, 4)]) == [b"\x55\x48\x89\xe5"]
+    assert await tables.physical(BASE + pgd, lib + 0x1_2345) == 0x4001_2345
+    assert await tables.physical(BASE + pgd, big + 0x1234_5678) == 0x8000_0000 + 0x1234_5678
+    # Not present at any level, or a read crossing a page: nothing.
+    assert await tables.physical(BASE + pgd, 0x4000_0000) is None
+    assert await tables.physical(BASE + pgd, code + 0x1000) is None
+    assert await read([(code + 0xFFE, 4)]) == [None]
+    # Table pages are read once each.
+    before = memory.reads
+    await tables.physical(BASE + pgd, code + 0x10)
+    assert memory.reads == before
+
+
+async def test_five_levels_and_the_layout_from_the_kernel_s_variables() -> None:
+    memory = Physical(DIRECT_MAP_5)
+    l5, pob = 0xFFFF_FFFF_825D_85B8, 0xFFFF_FFFF_825D_85A8
+    variables = {l5: (1).to_bytes(4, "little")}
+
+    async def kernel(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        if all(a in variables for a, _ in ranges):
+            return [variables[a][:n] for a, n in ranges]
+        return await memory.read(ranges)
+
+    tables = await page_tables(kernel, None, l5)  # no page_offset_base: the fixed base
+    assert (tables.levels, tables.direct_map) == (5, DIRECT_MAP_5)
+    va = 0x5555_5555_4000
+    chain = [0x20_0000, 0x21_0000, 0x22_0000, 0x23_0000, 0x24_0000]
+    for table, index, following in zip(chain, indexes(va, 5), [*chain[1:], 0x9000], strict=True):
+        memory.entry(table, index, following | PRESENT | USER)
+    assert await tables.physical(DIRECT_MAP_5 + chain[0], va + 8) == 0x9008
+    variables[l5] = bytes(4)
+    variables[pob] = BASE.to_bytes(8, "little")
+    four = await page_tables(kernel, pob, l5)
+    assert (four.levels, four.direct_map) == (4, BASE)
+    assert (await page_tables(kernel, None, None)).direct_map == DIRECT_MAP_4
