@@ -11,6 +11,7 @@ to the next on this shared machine, more than the target's margin."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.session import RunSpec, start
 from qmpprof.stats import SamplerStats
 from qmpprof.unwind.chain import AddressSpace, RawStack
+from support.bench.qmpprof_run import settle
 
 STRETCH = 0.5  # seconds of guest run time each guest is sampled in turn
 INTERVAL = 0.010
@@ -90,6 +92,7 @@ async def _alternate(
         for spec in specs:
             samplers.append(await start(spec))
             await samplers[-1].transport.stop()
+        settle()
         pauses: list[list[float]] = [[] for _ in specs]
         truncated = samples = 0
         for turn in range(round(duration / STRETCH)):
@@ -107,6 +110,7 @@ async def _alternate(
                 sampler.profile = Profile(interval_ms=sampler.profile.interval_ms)
         return pauses, truncated, samples
     finally:
+        gc.unfreeze()
         for sampler in samplers:
             await sampler.transport.cont()
             await sampler.transport.close()

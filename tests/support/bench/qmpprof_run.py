@@ -5,6 +5,7 @@ gdbstub opened over QMP), QMP alone, or a gdbstub the VM has; and the first paus
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class QmpprofSampler:
         self._identifier = build_identifier(self._spec)
         connection = await connect(self._spec)
         self._transport, self.path = connection.transport, connection.path
+        settle()
 
     async def run(self, interval: float, duration: float) -> Paced:
         assert self._transport is not None and self._identifier is not None
@@ -80,8 +82,16 @@ class QmpprofSampler:
         return Paced(list(stats.pauses), stats.error_count, elapsed, details)
 
     async def teardown(self) -> None:
+        gc.unfreeze()
         if self._transport is not None:
             await self._transport.close()
+
+
+def settle() -> None:
+    """What the qmpprof command does once loaded (cli/sample.py): what was loaded is moved out
+    of the collector's sight, so that no full collection walks it inside a pause."""
+    gc.collect()
+    gc.freeze()
 
 
 async def first_pause_ms(spec: RunSpec, tries: int) -> list[float]:
@@ -91,9 +101,11 @@ async def first_pause_ms(spec: RunSpec, tries: int) -> list[float]:
     pauses = []
     for _ in range(tries):
         sampler = await start(spec)
+        settle()
         try:
             await sampler.run()
         finally:
+            gc.unfreeze()
             await sampler.transport.close()
         if sampler.stats.pauses:
             pauses.append(sampler.stats.pauses[0] * 1e3)
