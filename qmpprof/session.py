@@ -200,7 +200,10 @@ async def linux_identifier(
             notes.append(f"this kernel's BTF lacks {err}: {lacking}")
             return None
 
-    layout = from_btf(TaskLayout.from_btf, "stacks without process names")
+    layout = from_btf(
+        lambda btf: TaskLayout.from_btf(btf, kernel.symbols.address_of),
+        "stacks without process names",
+    )
     modules = [kernel.module(slide, lines=spec.lines)]
     head = kernel.address("modules", slide)
     module_layout = from_btf(ModuleLayout.from_btf, "module frames unnamed")

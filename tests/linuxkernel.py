@@ -1,7 +1,8 @@
 """The Debian kernels the linux tests read: fetched by scripts/fetch-linux, unpacked once.
 
 6.12 (zstd, the 6.9 table order) is the project's Linux fixture; 6.1 (xz, the old order with
-seqs of names between markers and tokens) is there for the readers of kernel images.
+seqs of names between markers and tokens) and bullseye's 5.10 (xz, no seqs of names, BTF
+without variables) are there for the readers of kernel images.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-SERIES = ("6.12", "6.1")
-_DIRS = {"6.12": "linux", "6.1": "linux-6.1"}
+SERIES = ("6.12", "6.1", "5.10")
+_DIRS = {"6.12": "linux", "6.1": "linux-6.1", "5.10": "linux-5.10"}
 
 
 @cache

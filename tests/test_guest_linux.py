@@ -10,16 +10,25 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import cast
 
+import linuxkernel
 import pytest
 from fakes import FakeTransport, regs
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest import linux
-from qmpprof.guest.linux import MODULES_RECHECK, PF_KTHREAD, RECHECK, LinuxIdentifier, TaskLayout
+from qmpprof.guest.linux import (
+    MODULES_RECHECK,
+    PER_CPU_AREA,
+    PF_KTHREAD,
+    RECHECK,
+    LinuxIdentifier,
+    TaskLayout,
+)
 from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
 from qmpprof.guest.linuxpages import PageTables
 from qmpprof.guest.linuxvma import VM_EXEC, ReadMany, Vma, VmaLayout
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Mapping, Process
 from qmpprof.pages import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import Module
@@ -66,6 +75,23 @@ def guest(layout: TaskLayout, current: tuple[int, int]) -> Memory:
     for base, task in zip(BASES, current, strict=True):
         memory.put(base + layout.current, struct.pack("<Q", task))
     return memory
+
+
+@pytest.mark.linux
+def test_a_btf_without_variables_takes_the_current_task_from_kallsyms() -> None:
+    # 5.10's BTF (Debian bullseye: an older pahole) has no per-CPU variables; 6.1's has, and
+    # there both say the same.
+    old = LinuxKernel.load(linuxkernel.linux_dir("5.10") / "vmlinuz")
+    assert old.btf is not None
+    with pytest.raises(KeyError, match="current_task"):
+        TaskLayout.from_btf(old.btf)
+    found = TaskLayout.from_btf(old.btf, old.symbols.address_of)
+    assert found.current == old.symbols.address_of("current_task") < PER_CPU_AREA
+    newer = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
+    assert newer.btf is not None
+    both = TaskLayout.from_btf(newer.btf, newer.symbols.address_of)
+    assert both == TaskLayout.from_btf(newer.btf)
+    assert both.current == newer.symbols.address_of("current_task")
 
 
 APP_LEADER, APP_THREAD = 0xFFFF_8880_0100_0000, 0xFFFF_8880_0100_4000

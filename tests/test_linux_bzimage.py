@@ -127,7 +127,7 @@ def test_a_payload_running_past_the_end_is_refused() -> None:
 
 
 @pytest.mark.linux
-@pytest.mark.parametrize(("series", "codec"), [("6.12", "zstd"), ("6.1", "xz")])
+@pytest.mark.parametrize(("series", "codec"), [("6.12", "zstd"), ("6.1", "xz"), ("5.10", "xz")])
 def test_debian_payload_codec_is_the_one_its_config_chose(series: str, codec: str) -> None:
     folder = linuxkernel.linux_dir(series)
     config = (folder / "config").read_text()

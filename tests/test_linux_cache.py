@@ -111,7 +111,7 @@ def cold_load(series: str, tmp_path_factory: pytest.TempPathFactory) -> Cold:
     return _COLD[series]
 
 
-@pytest.fixture(params=["6.12", "6.1"])
+@pytest.fixture(params=["6.12", "6.1", "5.10"])
 def cold(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Cold:
     """Each kernel's cold load."""
     return cold_load(request.param, tmp_path_factory)

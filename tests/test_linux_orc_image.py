@@ -7,6 +7,7 @@ import struct
 from pathlib import Path
 
 import linuxkernel
+import pytest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.orc import OrcLayout, OrcReg, OrcTable, OrcType, decode_entry
@@ -50,9 +51,10 @@ def test_debian_612_tables(linux_vmlinux_path: Path) -> None:
     assert len(calls) >= 0.99 * len(starts)
 
 
-def test_debian_61_tables_use_the_legacy_layout(tmp_path: Path) -> None:
-    """Debian's 6.1 kernel (scripts/fetch-linux 6.1): the layout before 6.4."""
-    image = linuxkernel.vmlinux("6.1")
+@pytest.mark.parametrize("series", ["6.1", "5.10"])
+def test_debian_older_tables_use_the_legacy_layout(series: str) -> None:
+    """Debian's 6.1 and 5.10 kernels (scripts/fetch-linux 6.1, 5.10): the layout before 6.4."""
+    image = linuxkernel.vmlinux(series)
     table = OrcTable.from_image(image)
     assert table is not None and table.layout is OrcLayout.LEGACY
     entries = [table.lookup(pc) for pc in exported_functions(image)]

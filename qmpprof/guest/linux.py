@@ -47,6 +47,7 @@ PF_KTHREAD = 0x0020_0000
 _UPPER_HALF = 0xFFFF_8000_0000_0000
 _TASKS_LIMIT = 4096
 _COMM = 16  # TASK_COMM_LEN
+PER_CPU_AREA = 1 << 24  # a per-CPU variable's offset is below this (kallsyms' per-CPU addresses)
 THREAD_SIZE = 16384  # x86_64's kernel stack (32 KiB with KASAN: then stacks are not learnt)
 
 
@@ -65,14 +66,28 @@ class TaskLayout:
     stack: int  # void *: the task's kernel stack (THREAD_SIZE bytes)
 
     @classmethod
-    def from_btf(cls, btf: Btf) -> TaskLayout:
-        """Raises KeyError naming what this kernel's BTF lacks."""
-        try:
-            hot, _ = btf.percpu("pcpu_hot")
-            current = hot + btf.offset_of("pcpu_hot.current_task")
-        except KeyError:
-            current, _ = btf.percpu("current_task")
+    def from_btf(
+        cls, btf: Btf, per_cpu_symbol: Callable[[str], int | None] = lambda name: None
+    ) -> TaskLayout:
+        """Raises KeyError naming what this kernel's BTF lacks. The current task's per-CPU
+        offset comes from BTF's per-CPU variables, else from ``per_cpu_symbol`` (kallsyms: a
+        per-CPU variable's address there is its offset in the per-CPU area), for kernels whose
+        BTF has no variables (Debian's 5.10, built with an older pahole)."""
         field = btf.offset_of
+        current = None
+        for hot in (True, False):
+            name = "pcpu_hot" if hot else "current_task"
+            try:
+                base, _ = btf.percpu(name)
+            except KeyError:
+                found = per_cpu_symbol(name)
+                if found is None or found >= PER_CPU_AREA:
+                    continue
+                base = found
+            current = base + field("pcpu_hot.current_task") if hot else base
+            break
+        if current is None:
+            raise KeyError("the per-CPU variable current_task (in BTF or kallsyms)")
         return cls(
             current=current,
             pid=field("task_struct.pid"),
