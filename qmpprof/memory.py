@@ -28,7 +28,6 @@ MAX_BEYOND = 4  # pieces outside the window fetched with it because the last wal
 ALIGN = 64  # a window starts at RSP rounded down to this
 SLACK = 256  # bytes a window reaches past the highest byte walks from its RSP page read
 PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
-SETTLED = 4  # walks in a row from an RSP page that needed nothing more than they were given
 _UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096
 
@@ -137,13 +136,6 @@ class StackReader:
         self._stack_ends: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._deepest: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._beyond: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
-        self._calm: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
-
-    def settled(self, regs: Registers) -> bool:
-        """Whether the last SETTLED walks from this RSP page found all they read in what was
-        fetched before them: then this sample's walk can wait until the guest runs again
-        (``walk_late``), out of the pause."""
-        return self._calm.get(_stack_key(regs), 0) >= SETTLED
 
     async def prefetch(
         self,
@@ -235,14 +227,11 @@ class StackReader:
         # Bytes read within a window's reach of RSP (walks skip pages under large frames).
         reach = start + self.window + PAGE
         used = cache.used
-        # Pages a walk after the guest resumed lacked: not read at all, so all of each is due.
-        lacked = [p for p in cache.missed if p not in cache.pages]
-        self._calm.put(key, 0 if cache.missed else self._calm.get(key, 0) + 1)
         deepest = max(
             (p + span[1] for p, span in used.items() if start <= p < reach),
             default=regs.rsp + 8,
         )
-        deepest = max(deepest, cache.top, *(p + PAGE for p in lacked if start <= p < reach))
+        deepest = max(deepest, cache.top)
         if deepest > self._deepest.get(key, -1):
             self._deepest.put(key, deepest)
         # Beyond that reach, for the next sample here; a guess that missed is dropped for one
@@ -251,7 +240,6 @@ class StackReader:
         beyond = sorted(
             _around(p + span[0], p + span[1]) for p, span in used.items() if not start <= p < reach
         )
-        beyond += [(p, PAGE) for p in lacked if not start <= p < reach]
         if guessed and not any(page_of(a) in used for a, _ in guessed):
             beyond = []
         self._beyond.put(key, tuple(beyond[:MAX_BEYOND]))
@@ -265,45 +253,20 @@ class StackReader:
             try:
                 return attempt()
             except PageMissing as miss:
-                page = _missing(cache, miss)
+                page = page_of(miss.addr)
+                if page in cache.pages:
+                    raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
                 if fetched < self.max_refetch:
                     fetched += 1
                     await fetch(self.transport, cache, cpu, page, PAGE)
                 else:
                     cache.pages[page] = None
 
-    def walk_late(self, cache: PageCache, attempt: Callable[[], T]) -> T:
-        """``attempt()`` run after the guest resumed, over what was read while it was stopped.
-        A page the walk lacks can no longer be read consistently: it reads as unmapped, so the
-        walk ends there (truncated), and the page comes with the next window from this RSP
-        page, whose walks then wait for it in the pause again until they have settled."""
-        lacked: list[int] = []
-        try:
-            while True:
-                try:
-                    return attempt()
-                except PageMissing as miss:
-                    page = _missing(cache, miss)
-                    cache.pages[page] = None
-                    lacked.append(page)
-        finally:
-            for page in lacked:
-                del cache.pages[page]
-
 
 def _by_page(lo: int, end: int) -> list[tuple[int, int]]:
     """[lo, end) cut at page boundaries, as (start, size) ranges."""
     cuts = [lo, *range(page_of(lo) + PAGE, end, PAGE), end]
     return [(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
-
-
-def _missing(cache: PageCache, miss: PageMissing) -> int:
-    """The page a walk lacked, noted in ``cache.missed``."""
-    page = page_of(miss.addr)
-    if page in cache.pages:
-        raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
-    cache.missed.append(page)
-    return page
 
 
 def _align_up(addr: int) -> int:

@@ -40,17 +40,15 @@ class PageCache:
     said it is not mapped. ``pieces``: reads smaller than a page (a pointer, a few fields, the
     part of a user stack a walk read last time): start address -> size and bytes, or None when
     unmapped. ``used`` holds, per page read outside the window, the lowest and highest offsets
-    read there, and ``missed`` the pages a walk asked for that were not fetched with the window
-    (the stack reader learns from both where walks go).
+    read there (the stack reader learns from it where walks go).
     """
 
-    __slots__ = ("data", "hi", "lo", "missed", "pages", "pieces", "top", "used")
+    __slots__ = ("data", "hi", "lo", "pages", "pieces", "top", "used")
 
     def __init__(self) -> None:
         self.pages: dict[int, bytes | None] = {}
         self.pieces: dict[int, tuple[int, bytes | None]] = {}
         self.used: dict[int, list[int]] = {}
-        self.missed: list[int] = []  # pages a walk asked for that the first reads lacked
         self.lo = self.hi = self.top = 0  # the window is [lo, hi)
         self.data = b""
 

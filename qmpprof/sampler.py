@@ -4,11 +4,7 @@ what to do after it runs again.
 Per tick: ``stop``; the registers of every selected vCPU (pipelined); per vCPU, identify the
 process (the guest identifier) and read its stack (``memory.StackReader``) into a fresh
 PageCache, then unwind; ``cont``. Resolving frames, filtering and adding to the profile happen
-after ``cont``, while the guest runs again. So does the unwinding of a stack whose RSP page's
-last walks found all they read in what was fetched before them (``StackReader.settled``): the
-walk reads only the sample's copy, and a page it lacks after all ends it there, truncated (and
-counted: ``late_misses``), rather than be read from a guest that has moved on. The sampler
-orchestrates; the profile counts.
+after ``cont``, while the guest runs again. The sampler orchestrates; the profile counts.
 
 Timing: the interval is guest *run* time between samples. After ``cont`` the sampler waits
 until the guest has run a full interval (optionally jittered), however long the previous pause
@@ -86,7 +82,6 @@ class _Captured(Generic[Space, Raw]):
     process: Process | None = None
     raw: Raw | None = None
     error: str | None = None
-    late: PageCache | None = None  # what was read, when the walk waits until after cont
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +126,6 @@ class Sampler(Generic[Space, Raw]):
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
         self.interval = config.interval  # now: lengthened when pauses outgrow the budget
         self._pause_avg = 0.0  # recent pauses, exponentially weighted
-        self._late_ok = False
         self.stats.requested_hz = 1 / config.interval
         self.stats.budget = config.max_overhead
 
@@ -197,7 +191,6 @@ class Sampler(Generic[Space, Raw]):
     async def _tick(self, cpus: Sequence[int], *, stop: bool) -> list[Sample]:
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
-        self._late_ok = stop  # a walk may wait for cont only when there will be a cont
         if stop:
             try:
                 captured = await self._capture_all(cpus, stop=True)
@@ -260,11 +253,8 @@ class Sampler(Generic[Space, Raw]):
             await self.stacks.prefetch(regs, cache, self.identifier.reads_for(regs), seen)
             identity = await self.identifier.identify(self.transport, regs, seen)
             captured.process, captured.space = identity.process, identity.space
-            if self._late_ok and self.stacks.settled(regs):
-                captured.late = cache  # walked after cont: it found all it needed lately
-            else:
-                captured.raw = await self._unwind(regs, cache, identity.space)
-                self.stacks.learn(regs, cache)
+            captured.raw = await self._unwind(regs, cache, identity.space)
+            self.stacks.learn(regs, cache)
         except GuestGoneError:
             raise
         except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
@@ -289,31 +279,11 @@ class Sampler(Generic[Space, Raw]):
             self.stats.phase_time["unwind"] += unwinds
             self.stats.phase_time["memory"] -= unwinds  # counted once, as unwinding
 
-    def _walk_late(self, captured: _Captured[Space, Raw]) -> None:
-        """The walk of a sample whose stack page walks had settled, after cont, over what was
-        read in the pause (``StackReader.walk_late``)."""
-        cache, regs, space = captured.late, captured.regs, captured.space
-        if cache is None or space is None:
-            return
-        self.stats.late_walks += 1
-        try:
-            captured.raw = self.stacks.walk_late(
-                cache, lambda: self.unwinder.unwind(regs, cache, space)
-            )
-        except Exception as err:  # as in _capture: one bad sample is data
-            captured.error = f"{type(err).__name__}: {err}"
-        if cache.missed:
-            self.stats.late_misses += 1
-        self.stacks.learn(regs, cache)
-
     def _finish(self, captured: _Captured[Space, Raw]) -> Sample | None:
-        """After cont: walk the stack if that waited, name the frames, filter, count, add to
-        the profile."""
+        """After cont: name the frames, filter, count, add to the profile."""
         if self.config.keep is not None and captured.mode is not self.config.keep:
             self.stats.filtered += 1
             return None
-        if captured.late is not None and captured.error is None:
-            self._walk_late(captured)
         if captured.error is not None or captured.space is None or captured.raw is None:
             self.stats.errors[captured.error or "no stack"] += 1
             return None

@@ -20,8 +20,6 @@ class SamplerStats:
     ticks: int = 0  # stop/cont cycles (each samples every selected vCPU)
     filtered: int = 0  # vCPU samples left out by the mode filter
     cpl_mismatch: int = 0  # RIP's side of the kernel boundary disagreed with CPL
-    late_walks: int = 0  # stacks walked after cont (their stack page's walks had settled)
-    late_misses: int = 0  # of those, walks that lacked a page (truncated there)
     errors: Counter[str] = field(default_factory=Counter)
     pauses: array[float] = field(default_factory=lambda: array("d"))  # seconds stopped, per tick
     phase_time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -99,11 +97,6 @@ class SamplerStats:
         lines = [f"Pause breakdown (mean ms per tick): {phases}"]
         if self.cpl_mismatch:
             lines.append(f"CPL disagreed with the kernel boundary in {self.cpl_mismatch} samples")
-        if self.late_walks:
-            lines.append(
-                f"Stacks walked after the guest resumed: {self.late_walks}; of them"
-                f" {self.late_misses} lacked a page and were truncated"
-            )
         return lines
 
 

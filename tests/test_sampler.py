@@ -19,7 +19,7 @@ from fakes import (
 )
 
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
-from qmpprof.memory import ALIGN, PIECE, SETTLED, SLACK
+from qmpprof.memory import ALIGN, PIECE, SLACK
 from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
 from qmpprof.naming import Naming
 from qmpprof.pages import PageCache, PageMissing
@@ -352,51 +352,6 @@ async def test_pages_a_walk_read_beyond_the_window_come_with_the_next_window() -
     assert size <= PIECE
     assert unwinder.unwinds == 3  # two walks in the first tick, one in the second
     assert len(sampler.profile) == 2 and sampler.profile.truncated == 0
-
-
-async def test_walks_wait_until_after_cont_once_their_stack_page_has_settled() -> None:
-    r0, pages = kernel_cpu()
-    transport = FakeTransport({0: r0}, pages)
-    unwinder = FramePointerUnwinder()
-    walked: list[bool] = []  # per walk: was the guest running again?
-    plain = unwinder.unwind
-
-    def unwind(*args: object) -> object:
-        walked.append(transport.calls[-1] == "cont")
-        return plain(*args)  # type: ignore[arg-type]
-
-    unwinder.unwind = unwind  # type: ignore[method-assign]
-    sampler = make(transport, unwinder, window=16 * 1024, duration=0.08)
-    await sampler.run()
-    # The first walks stand in the pause (the window is still being learnt), the rest wait.
-    assert walked == [False] * SETTLED + [True] * (8 - SETTLED)
-    assert sampler.stats.late_walks == 8 - SETTLED and sampler.stats.late_misses == 0
-    assert len(sampler.profile) == 8 and sampler.profile.truncated == 0
-    # A paused guest's one look (no cont coming) walks at once, settled or not.
-    transport.running = False
-    await sampler.run()
-    assert walked[-1] is False
-
-
-async def test_a_late_walk_that_lacks_a_page_is_truncated_and_the_next_walk_waits_again() -> None:
-    r0, pages = kernel_cpu()  # two frames just below STACK_TOP, the page above unmapped
-    transport = FakeTransport({0: r0}, pages)
-    sampler = make(transport, window=16 * 1024, duration=0.01 * (SETTLED + 2))
-    # The same registers, but the outer frame now lies above STACK_TOP, on a page no window
-    # from this RSP page has read.
-    rbp, deeper = frame_chain(STACK_TOP + 0x800, [K + 0x2010, K + 0x1010], gap=0x400)
-    assert rbp == r0.rbp
-
-    def on_tick(stats: SamplerStats) -> None:
-        if stats.ticks == SETTLED:
-            transport.pages.update(deeper)
-
-    sampler._on_tick = on_tick
-    outcome = await sampler.run()
-    assert sampler.stats.late_walks == 1 and sampler.stats.late_misses == 1
-    assert sampler.profile.truncated == 1  # the late walk, which lacked the page above
-    # The next tick walked in the pause again, fetching the page: whole.
-    assert outcome.last[0].stack.stop is StopReason.END and len(outcome.last[0].stack.frames) == 3
 
 
 def test_a_piece_is_read_where_pages_are_not_and_unmapped_pieces_read_as_none() -> None:

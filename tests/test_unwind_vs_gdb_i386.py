@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 from guestvm import expected, free_tcp_port, running_guest
 from support.gdbi386 import I386GdbProxy
-from test_unwind_vs_gdb import FrameOracle, Mismatch, listing, ours, without_cfi
+from test_unwind_vs_gdb import (
+    FrameOracle,
+    Mismatch,
+    both_unknown_past_the_same_frames,
+    listing,
+    ours,
+    without_cfi,
+)
 
 from qmpprof.dwarf.arch import I386
 from qmpprof.elf.image import ElfImage
@@ -143,12 +150,19 @@ def test_i386_stacks_agree_with_gdb(qemu: str, variant: str, cfi: bool, tmp_path
     """``no-cfi``: every CFI section removed from qmpprof's copies, so frame pointers and
     prologue analysis (32-bit trap frames included) alone must find gdb's stacks."""
     agree, disagreements, seen = asyncio.run(compare(qemu, tmp_path, cfi=cfi, variant=variant))
+    # Both walking unknown code past the same named frames, a different number of frames of it:
+    # the timer's schedule caught between loading the next process's CR3 and switching stacks
+    # (test_unwind_vs_gdb.both_unknown_past_the_same_frames): garbage to both, no verdict.
+    garbage = [m for m in disagreements if both_unknown_past_the_same_frames(m[1], m[2])]
+    disagreements = [m for m in disagreements if m not in garbage]
+    print(f"set aside (unknown code past the same frames in both): {len(garbage)}")
+    print(listing(garbage))
     total = agree + len(disagreements)
     what = variant if cfi else f"{variant} without CFI"
     share = f"{agree}/{total} ({agree / total:.1%})"
     print(f"\n{what} under {qemu}: qmpprof agrees with gdb on {share}")
     print(listing(disagreements))
-    assert total >= STOPS
+    assert total + len(garbage) >= STOPS and len(garbage) <= STOPS // 20
     assert agree / total >= REQUIRED, listing(disagreements)
     # The moments must reach user code, the system call path and the kernel thread.
     assert {"_start", "kthread_start"} <= {s[-1] for s in seen}, seen

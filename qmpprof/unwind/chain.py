@@ -60,6 +60,9 @@ def _trap_frame_sp32(after_eip: int, memory: PageCache) -> int | None:
     return memory.read_u32((after_eip + 8) & 0xFFFF_FFFF)
 
 
+TRAP_SCAN = 32  # words above a kernel's fake frame searched for the trap frame
+
+
 def _canonical(pc: int) -> bool:
     return pc < 0x0000_8000_0000_0000 or pc >= 0xFFFF_8000_0000_0000
 
@@ -149,12 +152,32 @@ class Unwinder:
                 new[sp_reg] = user_sp
             exact = signal or crossed
             sp_guessed = crossed and via is Via.FRAME_POINTER
-            if sp_guessed and new.get(fp_reg):
-                # A kernel's fake frame [rbp, interrupted rip] gives no user RSP; the user RBP
-                # bounds it from above, which is all the next frame-pointer step needs.
-                new[sp_reg] = new[fp_reg]
+            if sp_guessed:
+                # A kernel's fake frame [rbp, interrupted rip] gives no user RSP; the trap frame
+                # the CPU pushed lies a few words above it, holding that same rip.
+                user_sp = self._trap_frame_above(new[sp_reg], new[pc_reg], memory)
+                if user_sp is not None:
+                    new[sp_reg], sp_guessed = user_sp, False
+                elif new.get(fp_reg):
+                    # The user RBP bounds it from above, all the next frame-pointer step needs.
+                    new[sp_reg] = new[fp_reg]
             cur, pc = new, new[pc_reg]
         return RawStack(tuple(pcs), StopReason.DEPTH, tuple(exacts), tuple(vias))
+
+    def _trap_frame_above(self, sp: int, pc: int, memory: PageCache) -> int | None:
+        """The interrupted user stack pointer of the trap frame holding ``pc`` within
+        TRAP_SCAN words from ``sp`` up (the entry code saves registers below the frame the CPU
+        pushed), by ``_trap_frame_sp``'s checks of what follows the pc; None when none is."""
+        word = self.arch.address_size
+        read = memory.read_u64 if word == 8 else memory.read_u32
+        check = _trap_frame_sp if word == 8 else _trap_frame_sp32
+        for i in range(TRAP_SCAN):
+            slot = (sp + i * word) & self.arch.mask
+            if read(slot) == pc:
+                found = check((slot + word) & self.arch.mask, memory)
+                if found is not None:
+                    return found
+        return None
 
     def _check(
         self, cur: Regs, new: Regs, pc: int, jumped: bool, seen: set[tuple[int, int]]
