@@ -146,24 +146,26 @@ class StackReader:
     ) -> None:
         """The stack window at RSP, and in the same request what the last walk from this RSP
         page read beyond it (a system call's user stack beneath the kernel's) and the pieces
-        ``also`` (the identifier's: into ``into``)."""
+        ``also`` (the identifier's: into ``into``). ``cache`` and ``into`` are the sample's
+        fresh caches."""
         key = _stack_key(regs)
         lo, end = self._window_range(regs, key)
         # Where the stack ends is not known yet: the window goes page by page (in the same
         # request), so that an unmapped page above the stack fails alone.
         known = key in self._stack_ends or key in self._deepest
         window = [(lo, end - lo)] if known else _by_page(lo, end)
-        beyond = [r for r in self._beyond.get(key, ()) if not cache.has(*r)]
-        wanted = [] if into is None else [r for r in also if not into.has(*r)]
+        beyond = self._beyond.get(key, ())
+        wanted = () if into is None else also
         try:
             found = await read_many(self.transport, regs.cpu, [*window, *beyond, *wanted])
         except TransportError:
             self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
-            for target, pieces in ((cache, beyond), (into, wanted)):
-                for a, n in pieces:
-                    if target is not None:
-                        await fetch_piece(self.transport, target, regs.cpu, a, n)
+            for a, n in beyond:
+                await fetch_piece(self.transport, cache, regs.cpu, a, n)
+            for a, n in wanted:
+                assert into is not None
+                await fetch_piece(self.transport, into, regs.cpu, a, n)
             return
         await self._take_window(regs, cache, key, window, found[: len(window)])
         found = found[len(window) :]

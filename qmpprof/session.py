@@ -9,7 +9,7 @@ anything is stopped, and nothing heavy is left for the first pause.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -21,16 +21,16 @@ from qmpprof.guest import metadata
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
-from qmpprof.guest.linux import LinuxIdentifier, TaskLayout
+from qmpprof.guest.linux import LinuxIdentifier, TaskLayout, reader_of
 from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
 from qmpprof.guest.linuxpages import page_tables
-from qmpprof.guest.linuxvma import ReadMany, VmaLayout
+from qmpprof.guest.linuxvma import VmaLayout
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kaslr import detect_slide
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
-from qmpprof.memory import GDB_WINDOW, HMP_WINDOW, read_many
+from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.model import KERNEL_BOUNDARY
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
@@ -215,9 +215,8 @@ async def linux_identifier(
     per_cpu_offset = kernel.address("__per_cpu_offset", slide)
     vmas = from_btf(VmaLayout.from_btf, "user code is not placed")
     files = UserFiles(spec.user_dir)
-    many = _many(control)
     tables = await page_tables(
-        many,
+        reader_of(control, 0),
         kernel.address("page_offset_base", slide),
         kernel.address("__pgtable_l5_enabled", slide),
     )
@@ -239,14 +238,6 @@ async def linux_identifier(
         f" {len(modules) - 1} modules ({', '.join(m.name for m in modules[1:]) or 'none'})",
     )
     return identifier, detail, tuple(f"{kernel.path}: {note}" for note in notes)
-
-
-def _many(control: QmpTransport) -> ReadMany:
-    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        found = await read_many(control, 0, ranges)
-        return [data if isinstance(data, bytes) else None for data in found]
-
-    return read
 
 
 def _reader(control: QmpTransport) -> Reader:

@@ -248,7 +248,7 @@ class LinuxIdentifier:
             return
         _, key = min(due)
         placed = self._spaces[key]
-        found = tuple(await read_exec_vmas(_reader(control, 0), key[0], vmas))
+        found = tuple(await read_exec_vmas(reader_of(control, 0), key[0], vmas))
         if self._spaces.get(key) is not placed:
             return  # read again meanwhile, or started over
         if found == placed.vmas:
@@ -358,7 +358,7 @@ class LinuxIdentifier:
         layout = self.layout
         if layout is None:
             return 0
-        read = _reader(control, 0)
+        read = reader_of(control, 0)
         if self.per_cpu_offset is not None:
             found = await read([(self.per_cpu_offset + 8 * cpu, 8) for cpu in cpus])
             for cpu, raw in zip(cpus, found, strict=True):
@@ -392,7 +392,7 @@ class LinuxIdentifier:
         placed = self._spaces.get(key)
         if placed is not None:
             return Identity(task.process, placed.space)
-        read = _reader(control, 0)
+        read = reader_of(control, 0)
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
         for vma in vmas:
             for image in self.files.candidates(vma.name) if vma.name else ():
@@ -419,7 +419,7 @@ class LinuxIdentifier:
         seen = self._spaces.get(key)
         if seen is not None and self.clock() - seen.checked <= SPACE_RECHECK:
             return seen.space
-        read = _reader(transport, cpu)
+        read = reader_of(transport, cpu)
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
         user = await user_modules(read, vmas, self.files)
         space = AddressSpace([*self.kernel_modules, *user]) if user else self.space
@@ -460,7 +460,9 @@ def _disjoint(modules: list[Module]) -> list[Module]:
     return out
 
 
-def _reader(transport: GuestTransport, cpu: int) -> ReadMany:
+def reader_of(transport: GuestTransport, cpu: int) -> ReadMany:
+    """Reads of several ranges as ``cpu`` sees memory, issued together (None: unreadable)."""
+
     async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         cache = PageCache()
         await asyncio.gather(

@@ -21,7 +21,16 @@ from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stac
 from qmpprof.pages import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
-from qmpprof.unwind.steps import EXACT, MASK64, NEW_STACK, Found, Regs, Via, frame_pointer_only
+from qmpprof.unwind.steps import (
+    EXACT,
+    MASK64,
+    NEW_STACK,
+    Found,
+    Regs,
+    Via,
+    frame_pointer_only,
+    word_reader,
+)
 
 __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
@@ -140,10 +149,7 @@ class Unwinder:
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
             crossed = pc >= boundary > new[pc_reg]
             if crossed and via is Via.PROLOGUE and not signal:
-                if arch is X86_64:
-                    user_sp = _trap_frame_sp(new[RSP], memory)
-                else:
-                    user_sp = _trap_frame_sp32(new[sp_reg], memory)
+                user_sp = self._trap_frame(new[sp_reg], memory)
                 if user_sp is None:
                     # Kernel code "returning" to user code by a plain return address is no
                     # frame at all: a syscall entry before it saved anything (the user's pc
@@ -168,16 +174,21 @@ class Unwinder:
         """The interrupted user stack pointer of the trap frame holding ``pc`` within
         TRAP_SCAN words from ``sp`` up (the entry code saves registers below the frame the CPU
         pushed), by ``_trap_frame_sp``'s checks of what follows the pc; None when none is."""
-        word = self.arch.address_size
-        read = memory.read_u64 if word == 8 else memory.read_u32
-        check = _trap_frame_sp if word == 8 else _trap_frame_sp32
+        word, mask = self.arch.address_size, self.arch.mask
+        read = word_reader(memory, self.arch)
         for i in range(TRAP_SCAN):
-            slot = (sp + i * word) & self.arch.mask
+            slot = (sp + i * word) & mask
             if read(slot) == pc:
-                found = check((slot + word) & self.arch.mask, memory)
+                found = self._trap_frame((slot + word) & mask, memory)
                 if found is not None:
                     return found
         return None
+
+    def _trap_frame(self, after_pc: int, memory: PageCache) -> int | None:
+        """The user stack pointer of the trap frame whose pc slot ends at ``after_pc``."""
+        if self.arch is X86_64:
+            return _trap_frame_sp(after_pc, memory)
+        return _trap_frame_sp32(after_pc, memory)
 
     def _check(
         self, cur: Regs, new: Regs, pc: int, jumped: bool, seen: set[tuple[int, int]]

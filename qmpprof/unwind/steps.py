@@ -111,7 +111,7 @@ class PrologueStep:
         rule = _analyzer(arch.address_size).analyze(self.code, self.code_addr, link_pc, func_start)
         if rule is None:
             return None
-        mask, read = arch.mask, _word_reader(memory, arch)
+        mask, read = arch.mask, word_reader(memory, arch)
         cfa = (cur[arch.sp] + rule.cfa_offset) & mask
         ra = read((cfa - arch.address_size) & mask)
         if ra is None:
@@ -204,7 +204,7 @@ def _analyzer(word: int = 8) -> PrologueAnalyzer:
     return PrologueAnalyzer(word)
 
 
-def _word_reader(memory: PageCache, arch: Arch) -> Callable[[int], int | None]:
+def word_reader(memory: PageCache, arch: Arch) -> Callable[[int], int | None]:
     return memory.read_u64 if arch.address_size == 8 else memory.read_u32
 
 
