@@ -1,12 +1,11 @@
 """Guest memory for one sample over a transport: page-split reads into the sample's ``PageCache``,
-and the stack-reading policy (one window at RSP, cut at the stack's end once known; the pages the
+and the stack-reading policy (one window at SP, cut at the stack's end once known; the pages the
 unwinder asks for, a bounded number per sample)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from qmpprof.errors import MemoryReadError, TransportError
@@ -15,20 +14,19 @@ from qmpprof.model import Registers
 from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
 from qmpprof.transport.base import GuestTransport
 
-# Stack bytes read at RSP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and
+# Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and
 # gdbstub reads of it are pipelined. HMP ``x`` is formatting-bound: read one page up front there.
 WINDOW = 16384
 HMP_WINDOW = 4096
 # Over a gdbstub every 2 KiB is a packet QEMU answers in turn: a first window of two pages (or
-# three, RSP being mid-page) and more on demand, until a walk from that RSP page has shown what
+# three, SP being mid-page) and more on demand, until a walk from that SP page has shown what
 # it needs (StackReader's cut).
 GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 MAX_BEYOND = 4  # pieces outside the window fetched with it because the last walk there read them
-ALIGN = 64  # a window starts at RSP rounded down to this
-SLACK = 256  # bytes a window reaches past the highest byte walks from its RSP page read
+ALIGN = 64  # a window starts at SP rounded down to this
+SLACK = 256  # bytes a window reaches past the highest byte walks from its SP page read
 PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
-_UPPER_HALF = 0xFFFF_8000_0000_0000  # x86_64 kernels live in the upper half of the address space
 _STACK_ENDS_LIMIT = 4096
 
 T = TypeVar("T")
@@ -82,21 +80,36 @@ async def fetch_piece(
     cache.pieces[addr] = (size, data)
 
 
-async def read_many(
-    transport: GuestTransport, cpu: int, ranges: Sequence[tuple[int, int]]
-) -> list[bytes | MemoryReadError]:
-    """Each range's bytes, or the MemoryReadError its read raised: in one request where the
-    transport can (a gdbstub: one write, one wake-up), else as reads issued together."""
-    many = getattr(transport, "read_many", None)
-    if many is not None:
-        return list(await many(cpu, ranges))
-    found = await asyncio.gather(
-        *(transport.read(cpu, a, n) for a, n in ranges), return_exceptions=True
-    )
-    for result in found:
-        if isinstance(result, BaseException) and not isinstance(result, MemoryReadError):
-            raise result
-    return [r for r in found if isinstance(r, bytes | MemoryReadError)]
+# Guest memory as a guest OS reads it: ranges in, each range's bytes out (None: not mapped).
+Reader = Callable[[Sequence[tuple[int, int]]], Awaitable[list[bytes | None]]]
+
+
+def reader(transport: GuestTransport, cpu: int) -> Reader:
+    """Reads of ``transport`` as ``cpu`` sees memory, issued together (one request where the
+    transport can). Ranges of size 0 read as None."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        wanted = [(a, n) for a, n in ranges if n > 0]
+        found = iter(await transport.read_many(cpu, wanted) if wanted else [])
+        return [None if n <= 0 else _bytes(next(found)) for _, n in ranges]
+
+    return read
+
+
+async def read_ints(read: Reader, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+    """Little-endian unsigned integers at (address, size) pairs, read together; None where
+    unmapped."""
+    found = await read(fields)
+    return [None if raw is None else int.from_bytes(raw, "little") for raw in found]
+
+
+async def read_one(read: Reader, addr: int, size: int) -> bytes | None:
+    (found,) = await read([(addr, size)])
+    return found
+
+
+def _bytes(found: bytes | MemoryReadError) -> bytes | None:
+    return found if isinstance(found, bytes) else None
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -110,21 +123,21 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 class StackReader:
-    """Reads the stack of each sampled vCPU: the window at RSP in one read, and the pages the
+    """Reads the stack of each sampled vCPU: the window at SP in one read, and the pages the
     unwinder asks for.
 
-    The window starts at RSP (rounded down to ALIGN bytes: walks read nothing below it) and
-    ends, the first time at an RSP page, a ``window``'s reach above that page; after that at
+    The window starts at SP (rounded down to ALIGN bytes: walks read nothing below it) and
+    ends, the first time at an SP page, a ``window``'s reach above that page; after that at
     the highest byte walks from that page read, plus SLACK. Over the gdbstub every 2 KiB costs
-    a packet QEMU answers in turn, and a walk from RSP rarely needs more than 1-2 KiB of the
+    a packet QEMU answers in turn, and a walk from SP rarely needs more than 1-2 KiB of the
     first window; a walk that needs more fetches the page on demand, and the window grows to
     it. What a walk read beyond the window's reach (the user stack under a system call's kernel
-    frames) is fetched with the next window at that RSP page, in the same round trip, as a
+    frames) is fetched with the next window at that SP page, in the same round trip, as a
     piece of about one packet around the bytes read, rather than one more round trip later.
 
     memsave fails whole if one page is unmapped, and a failed read costs as much as a good one;
     so when the window fails, it is read page by page up to the first unmapped page (the top of
-    the stack), once: later samples at this RSP page read just up to there.
+    the stack), once: later samples at this SP page read just up to there.
     """
 
     def __init__(
@@ -144,7 +157,7 @@ class StackReader:
         also: Sequence[tuple[int, int]] = (),
         into: PageCache | None = None,
     ) -> None:
-        """The stack window at RSP, and in the same request what the last walk from this RSP
+        """The stack window at SP, and in the same request what the last walk from this SP
         page read beyond it (a system call's user stack beneath the kernel's) and the pieces
         ``also`` (the identifier's: into ``into``). ``cache`` and ``into`` are the sample's
         fresh caches."""
@@ -157,10 +170,10 @@ class StackReader:
         beyond = self._beyond.get(key, ())
         wanted = () if into is None else also
         try:
-            found = await read_many(self.transport, regs.cpu, [*window, *beyond, *wanted])
+            found = await self.transport.read_many(regs.cpu, [*window, *beyond, *wanted])
         except TransportError:
             self._stack_ends.pop(key, None)
-            await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), end)
+            await self._read_up_to_hole(regs.cpu, cache, page_of(regs.sp), end)
             for a, n in beyond:
                 await fetch_piece(self.transport, cache, regs.cpu, a, n)
             for a, n in wanted:
@@ -176,8 +189,8 @@ class StackReader:
                 into.pieces[a] = (n, data if isinstance(data, bytes) else None)
 
     def _window_range(self, regs: Registers, key: tuple[int, int]) -> tuple[int, int]:
-        lo = regs.rsp & ~(ALIGN - 1)
-        end = min(page_of(regs.rsp + self.window - 1) + PAGE, 1 << 64)
+        lo = regs.sp & ~(ALIGN - 1)
+        end = min(page_of(regs.sp + self.window - 1) + PAGE, 1 << 64)
         end = min(end, self._stack_ends.get(key, end))
         deepest = self._deepest.get(key)
         if deepest is not None:
@@ -202,7 +215,7 @@ class StackReader:
             self._stack_ends.pop(key, None)  # the mapping changed (or was never known)
             readable = data.readable or b""
             if len(window) == 1 and not readable:
-                await self._read_up_to_hole(regs.cpu, cache, page_of(regs.rsp), addr + data.size)
+                await self._read_up_to_hole(regs.cpu, cache, page_of(regs.sp), addr + data.size)
                 return
             taken.append(readable)
             cache.pages[page_of(addr + len(readable) + PAGE - 1)] = None
@@ -218,20 +231,20 @@ class StackReader:
                 return
 
     def learn(self, regs: Registers, cache: PageCache) -> None:
-        """Remember the first unmapped page above RSP that this sample met, the highest byte
-        its walk read near RSP, and what it read beyond the window's reach."""
+        """Remember the first unmapped page above SP that this sample met, the highest byte
+        its walk read near SP, and what it read beyond the window's reach."""
         key = _stack_key(regs)
-        start = page = page_of(regs.rsp)
+        start = page = page_of(regs.sp)
         while page < cache.hi or cache.pages.get(page) is not None:
             page += PAGE
         if page in cache.pages:
             self._stack_ends.put(key, page)
-        # Bytes read within a window's reach of RSP (walks skip pages under large frames).
+        # Bytes read within a window's reach of SP (walks skip pages under large frames).
         reach = start + self.window + PAGE
         used = cache.used
         deepest = max(
             (p + span[1] for p, span in used.items() if start <= p < reach),
-            default=regs.rsp + 8,
+            default=regs.sp + 8,
         )
         deepest = max(deepest, cache.top)
         if deepest > self._deepest.get(key, -1):
@@ -287,6 +300,5 @@ def _around(low: int, high: int) -> tuple[int, int]:
 
 
 def _stack_key(regs: Registers) -> tuple[int, int]:
-    # Kernel stacks (upper half) look the same under every CR3; user stacks belong to their CR3.
-    space = 0 if regs.rsp >= _UPPER_HALF else regs.cr3
-    return (space, page_of(regs.rsp))
+    # Kernel stacks look the same in every address space; user stacks belong to their own.
+    return (regs.space if regs.user else 0, page_of(regs.sp))

@@ -5,38 +5,28 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-# Default split between user and kernel space (the mission's convention).
-KERNEL_BOUNDARY = 0xFFFF_FFFF_8000_0000
-
-# DWARF register numbers of x86_64 (System V psABI, figure 3.36).
-DWARF_REGS: tuple[str, ...] = (
-    "rax", "rdx", "rcx", "rbx", "rsi", "rdi", "rbp", "rsp",
-    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "rip",
-)  # fmt: skip
-RIP = 16
-RSP = 7
-RBP = 6
-
 
 @dataclass(frozen=True, slots=True)
 class Registers:
-    """The registers of one vCPU at the moment the guest was stopped.
+    """The registers of one vCPU at the moment the guest was stopped, in the terms of the
+    instruction set it was running (``isa``, a name of ``qmpprof.arch``'s registry).
 
-    ``gprs`` maps DWARF register numbers (0..16, 16 being RIP) to values; in 32-bit or real mode
-    the 32-bit values are zero-extended and ``long_mode`` is False.
+    ``gprs`` maps that instruction set's DWARF register numbers to values (``pc``, ``sp`` and
+    ``fp`` among them); ``user``: the CPU ran unprivileged code; ``space``: the root of the page
+    tables in use, whole (a PAE CR3 keeps its bits 5..11); ``special``: the instruction set's own
+    state by name (x86: ``cpl``, ``fs_base``, ``gs_base``), read by its ``qmpprof.arch`` module.
     """
 
     cpu: int
-    rip: int
-    rsp: int
-    rbp: int
-    cpl: int
-    cr3: int  # the whole register, never masked: a PAE CR3 (32-byte aligned) keeps bits 5..11
-    fs_base: int = 0
-    gs_base: int = 0
-    long_mode: bool = True
+    isa: str
+    pc: int
+    sp: int
+    fp: int
+    user: bool
+    space: int
     halted: bool = False
     gprs: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
+    special: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
 
 class StopReason(enum.Enum):
@@ -110,20 +100,22 @@ class Mode(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Process:
     """A process as identified in the guest: pid (None when the guest gives none), program name
-    (None when no ELF matched) and the address space (CR3); and the thread that ran, where the
-    guest tells threads apart (Linux: the task's own pid and comm; a process's threads are
-    several Process values with one label)."""
+    (None when no ELF matched) and the address space (its page-table root, which a process
+    without a pid is named by: ``space_name`` is the register's, ``cr3`` on x86); and the
+    thread that ran, where the guest tells threads apart (Linux: the task's own pid and comm; a
+    process's threads are several Process values with one label)."""
 
     pid: int | None
     program: str | None
-    cr3: int
+    space: int
     tid: int | None = None
     thread: str | None = None
+    space_name: str = "space"
 
     @property
     def label(self) -> str:
         if self.pid is None:
-            space = f"cr3={self.cr3:#x}"
+            space = f"{self.space_name}={self.space:#x}"
             return space if self.program is None else f"{self.program} ({space})"
         return f"{self.program or '[unknown]'} (pid {self.pid})"
 
@@ -135,7 +127,7 @@ class Sample:
     time: float  # seconds since the start of the run (wall clock)
     cpu: int
     mode: Mode
-    cpl: int
-    cr3: int
+    user: bool  # the CPU ran unprivileged code (``mode`` is by address)
+    space: int  # the page-table root in use
     stack: Stack
     process: Process | None = None

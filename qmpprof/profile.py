@@ -137,5 +137,7 @@ class Profile:
             if keep is Mode.KERNEL:
                 frames = [f for f in frames if f.kernel]
             stack = Stack(tuple(frames), record.stop)
-            out.add(Sample(time, cpu, record.mode, 0, 0, stack, record.process))
+            out.add(
+                Sample(time, cpu, record.mode, record.mode is Mode.USER, 0, stack, record.process)
+            )
         return out

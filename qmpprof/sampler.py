@@ -28,7 +28,7 @@ from typing import Generic, Protocol, TypeVar
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader
-from qmpprof.model import KERNEL_BOUNDARY, Mode, Process, Registers, Sample, Stack
+from qmpprof.model import Mode, Process, Registers, Sample, Stack
 from qmpprof.pages import PageCache
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
@@ -41,7 +41,11 @@ T = TypeVar("T")
 
 
 class StackUnwinder(Protocol[Space_contra, Raw]):
-    """unwind() runs while stopped and may raise PageMissing; resolve() runs after cont."""
+    """unwind() runs while stopped and may raise PageMissing; resolve() runs after cont.
+    ``kernel_boundary``: the instruction set's split, where the configuration gives none."""
+
+    @property
+    def kernel_boundary(self) -> int: ...
 
     def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
 
@@ -55,7 +59,7 @@ class SamplerConfig:
     jitter: float = 0.0  # each interval is scaled by a uniform factor in [1-jitter, 1+jitter]
     cpus: tuple[int, ...] | None = None  # None: every vCPU
     window: int = WINDOW  # stack bytes read at RSP in one call
-    kernel_boundary: int = KERNEL_BOUNDARY
+    kernel_boundary: int | None = None  # None: the unwinder's (its instruction set's)
     keep: Mode | None = None  # --kernel-only / --user-only
     max_refetch: int = MAX_REFETCH  # pages fetched on the unwinder's demand per sample
     # The most of the wall time the guest may stand stopped (a fraction): intervals lengthen
@@ -114,6 +118,9 @@ class Sampler(Generic[Space, Raw]):
         self.identifier = identifier
         self.config = config
         self.stacks = StackReader(transport, config.window, config.max_refetch)
+        self.boundary = (
+            unwinder.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
+        )
         self.profile = Profile(interval_ms=config.interval * 1e3)
         self.stats = SamplerStats()
         self._clock = clock
@@ -128,6 +135,15 @@ class Sampler(Generic[Space, Raw]):
         self._pause_avg = 0.0  # recent pauses, exponentially weighted
         self.stats.requested_hz = 1 / config.interval
         self.stats.budget = config.max_overhead
+
+    def take(self) -> tuple[Profile, SamplerStats]:
+        """What was collected so far, handed over; the sampler goes on with a fresh profile and
+        fresh statistics (their pause list and error kinds would grow, and the tick count is
+        what ends the next ``run``)."""
+        taken = self.profile, self.stats
+        self.profile = Profile(interval_ms=self.config.interval * 1e3)
+        self.stats = SamplerStats(requested_hz=taken[1].requested_hz, budget=taken[1].budget)
+        return taken
 
     def request_stop(self) -> None:
         """End the run after the current tick (safe from a signal handler)."""
@@ -239,9 +255,9 @@ class Sampler(Generic[Space, Raw]):
         return [c for c in captured if isinstance(c, _Captured)]  # exceptions were raised
 
     async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
-        mode = Mode.KERNEL if regs.rip >= self.config.kernel_boundary else Mode.USER
-        if (regs.cpl == 3) != (mode is Mode.USER):
-            self.stats.cpl_mismatch += 1
+        mode = Mode.KERNEL if regs.pc >= self.boundary else Mode.USER
+        if regs.user != (mode is Mode.USER):
+            self.stats.mode_mismatch += 1
         captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
         if self.config.keep is not None and mode is not self.config.keep:
             return captured  # filtered after cont; no need to read its memory
@@ -296,7 +312,7 @@ class Sampler(Generic[Space, Raw]):
             stack = Stack(tuple(f for f in stack.frames if f.kernel), stack.stop)
         regs = captured.regs
         sample = Sample(
-            captured.time, regs.cpu, captured.mode, regs.cpl, regs.cr3, stack, captured.process
+            captured.time, regs.cpu, captured.mode, regs.user, regs.space, stack, captured.process
         )
         self.profile.add(sample)
         return sample

@@ -1,8 +1,9 @@
-"""How a run is built, in one place: the transport, the guest identifier, the unwinder and the
-sampler's configuration, from a RunSpec (what to profile and how). The command line (profile,
-record, demo) and the benchmark build their runs here; nothing here prints or parses flags.
+"""How a run is built, in one place: the guest OS and the instruction set from their registries,
+the transport, the unwinder and the sampler's configuration, from a RunSpec (what to profile and
+how). The command line (profile, record, demo), serve and the benchmark build their runs here;
+nothing here prints or parses flags, and nothing here names a guest OS or an instruction set.
 
-ELF files are loaded and indexed before the guest is touched, so a bad file fails before
+Files are loaded and indexed before the guest is touched (``load``), so a bad file fails before
 anything is stopped, and nothing heavy is left for the first pause.
 """
 
@@ -12,56 +13,23 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal
 
-from qmpprof.dwarf.arch import I386, X86_64, Arch
-from qmpprof.elf.image import ElfImage
-from qmpprof.errors import MemoryReadError, UsageError
-from qmpprof.guest import metadata
-from qmpprof.guest.base import GuestIdentifier
-from qmpprof.guest.cr3 import Cr3Identifier
-from qmpprof.guest.emerald import EmeraldIdentifier
-from qmpprof.guest.linux import LinuxIdentifier, TaskLayout, reader_of
-from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
-from qmpprof.guest.linuxpages import page_tables
-from qmpprof.guest.linuxvma import VmaLayout
-from qmpprof.guest.programs import ProgramIndex
-from qmpprof.guest.userfiles import UserFiles
-from qmpprof.linux.btf import Btf
-from qmpprof.linux.kaslr import detect_slide
-from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof import arch as arches
+from qmpprof import guest as guests
+from qmpprof.guest.base import Guest, GuestSpec, KernelFile
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
-from qmpprof.model import KERNEL_BOUNDARY
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 from qmpprof.transport.privategdb import connect_fast
 from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder
-from qmpprof.unwind.space import Module
 
 # "auto": a private gdbstub opened over a local QMP socket when QEMU allows one, else QMP.
 TransportKind = Literal["auto", "qmp", "gdb"]
 TRANSPORTS: tuple[TransportKind, ...] = ("auto", "qmp", "gdb")
 MemoryPath = Literal["auto", "memsave", "hmp"]
-# How the guest tells its processes apart: "auto" is "linux" for a Linux kernel file, else it
-# tries the Emerald page and falls back to CR3 for good once user code runs without one;
-# "emerald" keeps looking for the page; "cr3" never; "linux" reads the current task_struct.
-GuestOs = Literal["auto", "emerald", "cr3", "linux"]
-GUEST_OSES: tuple[GuestOs, ...] = ("auto", "emerald", "cr3", "linux")
-_L = TypeVar("_L")
-# A 32-bit kernel's default boundary: the 3 GiB / 1 GiB split of i386 higher-half kernels.
-KERNEL_BOUNDARY_32 = 0xC000_0000
-
-
-def kernel_arch(kernel: Path | None) -> Arch:
-    """The instruction set of the run: the kernel ELF's (x86_64 without one)."""
-    return (None if kernel is None else ElfImage.sniff_arch(kernel)) or X86_64
-
-
-def default_kernel_boundary(kernel: Path | None) -> int:
-    """The kernel boundary when none is given: it follows the kernel ELF's class."""
-    return KERNEL_BOUNDARY_32 if kernel_arch(kernel) is I386 else KERNEL_BOUNDARY
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +44,12 @@ class RunSpec:
     kernel: Path | None = None
     kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
     user_dir: Path | None = None
-    os: GuestOs = "auto"
-    metadata_addr: int = metadata.METADATA_ADDR
-    metadata_layout: tuple[str, ...] = metadata.FIELDS
+    # How the guest tells its processes apart: a name of qmpprof.guest's registry, or "auto"
+    # (the first guest OS that recognises the kernel file).
+    os: str = guests.AUTO
+    # The Emerald page's address and layout (None: its defaults).
+    metadata_addr: int | None = None
+    metadata_layout: tuple[str, ...] | None = None
     # Resolve source lines and inlined frames where DWARF has them (for --lines, and for saved
     # profiles, which any naming may render later); off, frames carry no lines (cheaper).
     lines: bool = False
@@ -94,24 +65,22 @@ class RunSpec:
         return str(self.qmp_socket)
 
 
-def build_identifier(spec: RunSpec) -> GuestIdentifier[AddressSpace]:
-    """The guest identifier over the kernel ELF and the programs of ``--user-dir``."""
-    modules = []
-    if spec.kernel is not None:
-        modules.append(Module.from_image(ElfImage.load(spec.kernel).prepare(), kernel=True))
-    programs = ProgramIndex.from_dir(spec.user_dir) if spec.user_dir else ProgramIndex([])
-    for image in programs.images:
-        image.prepare()
-    # A 32-bit guest has no Emerald page (a 64-bit convention): "auto" means CR3 there.
-    if spec.os == "cr3" or (spec.os == "auto" and kernel_arch(spec.kernel) is I386):
-        return Cr3Identifier(modules, programs)
-    return EmeraldIdentifier(
-        modules,
-        programs,
-        metadata_addr=spec.metadata_addr,
-        layout=spec.metadata_layout,
-        fallback=spec.os == "auto",
+def load(spec: RunSpec) -> Guest:
+    """The run's guest OS, its files read and indexed (before the guest is touched): the
+    registry's choice for ``spec.os`` and the kernel file."""
+    kernel = None if spec.kernel is None else KernelFile.open(spec.kernel)
+    kind = guests.choose(spec.os, kernel)
+    options = {"metadata_addr": spec.metadata_addr, "metadata_layout": spec.metadata_layout}
+    guest_spec = GuestSpec(
+        arch=(kernel.arch if kernel is not None else None) or arches.default(),
+        kernel=kernel,
+        kallsyms=spec.kallsyms,
+        user_dir=spec.user_dir,
+        lines=spec.lines,
+        auto=spec.os == guests.AUTO,
+        options={name: value for name, value in options.items() if value is not None},
     )
+    return kind.load(guest_spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +113,21 @@ async def connect(spec: RunSpec) -> Connection:
     return Connection(transport, "QMP (--transport qmp)")
 
 
+async def attach(guest: Guest, connection: Connection) -> Connection:
+    """The guest OS attached to the running guest through ``connection``, what it learnt
+    added to the connection's lines; the transport is closed if that fails."""
+    try:
+        attached = await guest.attach(connection.transport)
+    except BaseException:
+        await connection.transport.close()
+        raise
+    return dataclasses.replace(
+        connection,
+        detail=connection.detail + attached.detail,
+        notes=connection.notes + attached.notes,
+    )
+
+
 def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
     """The sampling configuration, its stack window fitted to what reads cost on
     ``transport``: memsave costs the same for 4 or 64 KiB, HMP x and the gdbstub by size."""
@@ -154,100 +138,29 @@ def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
     return dataclasses.replace(spec.sampling, window=min(window, spec.sampling.window))
 
 
-def unwinder(spec: RunSpec) -> Unwinder:
-    return Unwinder(
-        kernel_boundary=spec.sampling.kernel_boundary,
-        lines=spec.lines,
-        arch=kernel_arch(spec.kernel),
-    )
+def unwinder(spec: RunSpec, guest: Guest) -> Unwinder:
+    """The walker of the guest kernel's instruction set."""
+    return Unwinder(guest.arch, kernel_boundary=spec.sampling.kernel_boundary, lines=spec.lines)
 
 
 Run = Sampler[AddressSpace, RawStack]
 
 
-def is_linux(spec: RunSpec) -> bool:
-    """Whether the run is of a Linux guest: ``--os linux``, or a Linux kernel file under auto."""
-    if spec.os == "linux":
-        return True
-    return spec.os == "auto" and spec.kernel is not None and looks_like_linux(spec.kernel)
-
-
-def load_linux(spec: RunSpec) -> LinuxKernel:
-    """The Linux kernel of the run, loaded and indexed (before the guest is touched)."""
-    if spec.kernel is None:
-        raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
-    return LinuxKernel.load(spec.kernel, spec.kallsyms).prepare()
-
-
-async def linux_identifier(
-    spec: RunSpec, kernel: LinuxKernel, transport: GuestTransport
-) -> tuple[LinuxIdentifier, tuple[str, ...], tuple[str, ...]]:
-    """The identifier of a running Linux guest, with what a run says of it: (identifier,
-    detail lines, note lines). Finds the KASLR slide through the transport's QMP side (the
-    guest keeps running: HMP and memsave need no stop)."""
-    control = getattr(transport, "control", transport)
-    if not isinstance(control, QmpTransport):
-        raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
-    slide = await detect_slide(control, kernel.symbols)
-    notes = list(kernel.missing)
-
-    def from_btf(make: Callable[[Btf], _L], lacking: str) -> _L | None:
-        if kernel.btf is None:
-            return None
-        try:
-            return make(kernel.btf)
-        except KeyError as err:
-            notes.append(f"this kernel's BTF lacks {err}: {lacking}")
-            return None
-
-    layout = from_btf(
-        lambda btf: TaskLayout.from_btf(btf, kernel.symbols.address_of),
-        "stacks without process names",
+def sampler(
+    spec: RunSpec,
+    guest: Guest,
+    transport: GuestTransport,
+    on_tick: Callable[[SamplerStats], None] | None = None,
+) -> Run:
+    """A sampler of ``guest`` over ``transport`` (attached), ready to run."""
+    return Sampler(
+        transport,
+        unwinder(spec, guest),
+        guest,
+        sampler_config(spec, transport),
+        on_tick=on_tick,
+        housekeeping=guest.housekeep,
     )
-    modules = [kernel.module(slide, lines=spec.lines)]
-    head = kernel.address("modules", slide)
-    module_layout = from_btf(ModuleLayout.from_btf, "module frames unnamed")
-    module_list = None
-    if module_layout is not None and head is not None:
-        orc_layout = None if kernel.orc is None else kernel.orc.layout
-        module_list = ModuleList(_reader(control), head, module_layout, orc_layout)
-        modules += await module_list.refresh() or []
-    per_cpu_offset = kernel.address("__per_cpu_offset", slide)
-    vmas = from_btf(VmaLayout.from_btf, "user code is not placed")
-    files = UserFiles(spec.user_dir)
-    tables = await page_tables(
-        reader_of(control, 0),
-        kernel.address("page_offset_base", slide),
-        kernel.address("__pgtable_l5_enabled", slide),
-    )
-    identifier = LinuxIdentifier(
-        modules,
-        layout,
-        per_cpu_offset,
-        vmas=vmas,
-        files=files,
-        module_list=module_list,
-        control=control,
-        tables=tables,
-    )
-    init_task = kernel.address("init_task", slide)
-    if init_task is not None:
-        await identifier.preload(control, init_task, await control.cpus())
-    detail = (
-        f"Linux kernel {kernel.path}: KASLR slide {slide:#x},"
-        f" {len(modules) - 1} modules ({', '.join(m.name for m in modules[1:]) or 'none'})",
-    )
-    return identifier, detail, tuple(f"{kernel.path}: {note}" for note in notes)
-
-
-def _reader(control: QmpTransport) -> Reader:
-    async def read(addr: int, size: int) -> bytes | None:
-        try:
-            return await control.read(0, addr, size)
-        except MemoryReadError:
-            return None
-
-    return read
 
 
 async def start(
@@ -258,30 +171,8 @@ async def start(
     """A sampler connected to the guest, ready to run; the caller closes its transport.
     ``on_connect`` hears how samples travel and what was learnt of the guest, once connected.
     Files are loaded before the guest is touched: a bad one fails first."""
-    linux = load_linux(spec) if is_linux(spec) else None
-    identifier: GuestIdentifier[AddressSpace] | None = None
-    if linux is None:
-        identifier = build_identifier(spec)
-    connection = await connect(spec)
-    transport = connection.transport
-    try:
-        if linux is not None:
-            identifier, detail, notes = await linux_identifier(spec, linux, transport)
-            connection = dataclasses.replace(
-                connection, detail=connection.detail + detail, notes=connection.notes + notes
-            )
-    except BaseException:
-        await transport.close()
-        raise
-    assert identifier is not None
+    guest = load(spec)
+    connection = await attach(guest, await connect(spec))
     if on_connect is not None:
         on_connect(connection)
-    housekeeping = identifier.housekeep if isinstance(identifier, LinuxIdentifier) else None
-    return Sampler(
-        transport,
-        unwinder(spec),
-        identifier,
-        sampler_config(spec, transport),
-        on_tick=on_tick,
-        housekeeping=housekeeping,
-    )
+    return sampler(spec, guest, connection.transport, on_tick)

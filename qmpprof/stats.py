@@ -19,7 +19,7 @@ PHASES = ("stop", "registers", "memory", "unwind", "cont")
 class SamplerStats:
     ticks: int = 0  # stop/cont cycles (each samples every selected vCPU)
     filtered: int = 0  # vCPU samples left out by the mode filter
-    cpl_mismatch: int = 0  # RIP's side of the kernel boundary disagreed with CPL
+    mode_mismatch: int = 0  # the pc's side of the kernel boundary disagreed with the CPU's mode
     errors: Counter[str] = field(default_factory=Counter)
     pauses: array[float] = field(default_factory=lambda: array("d"))  # seconds stopped, per tick
     phase_time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -95,8 +95,11 @@ class SamplerStats:
         """Where the pause time went (for --verbose)."""
         phases = ", ".join(f"{name} {ms:.3f}" for name, ms in self.phase_ms().items())
         lines = [f"Pause breakdown (mean ms per tick): {phases}"]
-        if self.cpl_mismatch:
-            lines.append(f"CPL disagreed with the kernel boundary in {self.cpl_mismatch} samples")
+        if self.mode_mismatch:
+            lines.append(
+                f"the CPU's mode (user or kernel) disagreed with the kernel boundary in"
+                f" {self.mode_mismatch} samples"
+            )
         return lines
 
 

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from qmpprof.arch.x86 import X86_64
+from qmpprof.arch.x86regs import x86_registers
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import MemoryReadError
 from qmpprof.model import (
-    KERNEL_BOUNDARY,
     Frame,
     Mapping,
     Mode,
@@ -33,6 +34,8 @@ from qmpprof.pages import PAGE, PageCache, page_of
 from qmpprof.profile import Profile
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import Module
+
+KERNEL_BOUNDARY = X86_64.kernel_boundary
 
 
 @dataclass
@@ -116,6 +119,22 @@ class FakeTransport:
             out += self.pages[page]
         return bytes(out[start : start + size])
 
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        out: list[bytes | MemoryReadError] = []
+        for addr, size in ranges:
+            try:
+                out.append(await self.read(cpu, addr, size))
+            except MemoryReadError as err:
+                out.append(err)
+        return out
+
+    @property
+    def control(self) -> FakeTransport:
+        """Itself: reads need no stop here."""
+        return self
+
     async def close(self) -> None:
         self.closed = True
 
@@ -124,8 +143,24 @@ def regs(cpu: int, rip: int, rsp: int = 0, rbp: int = 0, cpl: int | None = None)
     """Registers with CPL following the kernel boundary unless given."""
     if cpl is None:
         cpl = 0 if rip >= KERNEL_BOUNDARY else 3
-    gprs = {16: rip, 7: rsp, 6: rbp}
-    return Registers(cpu=cpu, rip=rip, rsp=rsp, rbp=rbp, cpl=cpl, cr3=0x1000, gprs=gprs)
+    return x86(cpu, rip, rsp, rbp, cpl=cpl)
+
+
+def x86(
+    cpu: int = 0,
+    rip: int = 0,
+    rsp: int = 0,
+    rbp: int = 0,
+    *,
+    cpl: int = 0,
+    cr3: int = 0x1000,
+    gprs: dict[str, int] | None = None,
+    long_mode: bool = True,
+    gs_base: int = 0,
+) -> Registers:
+    """An x86 vCPU's registers as QEMU's would read (x86_64's in long mode, i386's outside)."""
+    named = {**(gprs or {}), "rip": rip, "rsp": rsp, "rbp": rbp}
+    return x86_registers(cpu, named, cpl=cpl, cr3=cr3, long_mode=long_mode, gs_base=gs_base)
 
 
 def frame_chain(
@@ -170,6 +205,8 @@ RawStack = tuple[tuple[int, ...], StopReason]
 class FramePointerUnwinder:
     """The leaf's RIP, then [rbp+8] return addresses along the saved-rbp chain."""
 
+    kernel_boundary = KERNEL_BOUNDARY
+
     def __init__(self, max_depth: int = 64, on_resolve: Callable[[], None] | None = None) -> None:
         self.max_depth = max_depth
         self.on_resolve = on_resolve
@@ -177,8 +214,8 @@ class FramePointerUnwinder:
 
     def unwind(self, regs: Registers, cache: PageCache, space: FakeSpace) -> RawStack:
         self.unwinds += 1
-        pcs = [regs.rip]
-        rbp = regs.rbp
+        pcs = [regs.pc]
+        rbp = regs.fp
         while rbp != 0:
             if len(pcs) >= self.max_depth:
                 return tuple(pcs), StopReason.DEPTH
@@ -244,7 +281,7 @@ def named_sample(
     )
     process = _process(root)
     mode = Mode.KERNEL if frames and frames[0].kernel else Mode.USER
-    return Sample(time, cpu, mode, 0 if mode is Mode.KERNEL else 3, 0, Stack(frames, stop), process)
+    return Sample(time, cpu, mode, mode is Mode.USER, 0, Stack(frames, stop), process)
 
 
 def _process(root: str) -> Process | None:
@@ -254,7 +291,7 @@ def _process(root: str) -> Process | None:
     if found:
         return Process(int(found[2]), found[1], 0)
     if root.startswith("cr3="):
-        return Process(None, None, int(root[4:], 16))
+        return Process(None, None, int(root[4:], 16), space_name="cr3")
     raise ValueError(f"not a context name: {root!r}")
 
 
@@ -280,4 +317,4 @@ def make_module(
 ) -> Module:
     """A Module from its parts, with the unwinding steps they allow."""
     mapping = Mapping(name, start, end, kernel, bias)
-    return Module.build(mapping, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols)
+    return Module.build(mapping, X86_64, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols)

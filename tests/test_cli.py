@@ -18,13 +18,13 @@ from fakes import FakeTransport, frame_chain, regs
 from guestvm import BUILD_ROOT, build_fixtures
 
 from qmpprof import session
+from qmpprof.arch.x86 import X86_64
 from qmpprof.cli import main, options
 from qmpprof.cli import sample as sample_cmd
 from qmpprof.errors import GuestGoneError, UsageError
-from qmpprof.model import KERNEL_BOUNDARY
 from qmpprof.output import folded
 
-K = KERNEL_BOUNDARY
+K = X86_64.kernel_boundary
 
 
 def scripted_guest(
@@ -111,9 +111,9 @@ def test_one_shot_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     transport = scripted_guest(monkeypatch)
     assert main(["--one-shot", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [(s["cpu"], s["mode"], s["cpl"], s["cr3"]) for s in doc] == [
-        (0, "kernel", 0, "0x1000"),
-        (1, "user", 3, "0x1000"),
+    assert [(s["cpu"], s["mode"], s["user"], s["space"]) for s in doc] == [
+        (0, "kernel", False, "0x1000"),
+        (1, "user", True, "0x1000"),
     ]
     # Hex strings: kernel addresses are beyond what a JSON number holds exactly (2**53).
     addresses = [int(f["address"], 16) for f in doc[0]["frames"]]
@@ -131,7 +131,7 @@ def test_paused_guest_stays_paused_and_its_stacks_are_printed(
     captured = capsys.readouterr()
     assert "the guest is paused: took one sample without resuming it" in captured.err
     assert captured.out.splitlines()[:2] == [
-        "vCPU 0: kernel (CPL 0, CR3 0x1000)",
+        "vCPU 0: kernel (CPU in kernel mode, page tables 0x1000)",
         f"  #0  {K + 0x3004:#018x} [unknown]",
     ]
     assert "stop" not in transport.calls and "cont" not in transport.calls
@@ -198,7 +198,7 @@ def test_cpu_lists_and_addresses() -> None:
         5.0,
         Path("qmp-socket"),
     )
-    assert sampling.kernel_boundary == K and sampling.keep is None and sampling.cpus is None
+    assert sampling.kernel_boundary is None and sampling.keep is None and sampling.cpus is None
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -269,13 +269,16 @@ def test_progress_line_only_on_a_terminal(
 
 def test_the_kernel_boundary_follows_the_kernel_elf_class(guest_build_i386: Path) -> None:
     kernel = str(guest_build_i386 / "kernel.elf")
-    assert options.parse(["--kernel", kernel]).spec.sampling.kernel_boundary == 0xC000_0000
     given = options.parse(["--kernel", kernel, "--kernel-boundary", "0x80000000"])
     assert given.spec.sampling.kernel_boundary == 0x8000_0000
-    assert options.parse([]).spec.sampling.kernel_boundary == KERNEL_BOUNDARY
+    assert options.parse([]).spec.sampling.kernel_boundary is None  # the instruction set's
     spec = options.parse(["--kernel", kernel, "--user-dir", str(guest_build_i386 / "user")]).spec
-    assert session.unwinder(spec).arch.name == "i386"
-    assert type(session.build_identifier(spec)).__name__ == "Cr3Identifier"  # no Emerald page
+    guest = session.load(spec)
+    assert type(guest).__name__ == "Cr3Identifier"  # no Emerald page on a 32-bit kernel
+    unwinder = session.unwinder(spec, guest)
+    assert unwinder.arch.name == "i386" and unwinder.kernel_boundary == 0xC000_0000
+    x86_64 = session.load(options.parse([]).spec)
+    assert session.unwinder(options.parse([]).spec, x86_64).kernel_boundary == K
 
 
 @pytest.fixture

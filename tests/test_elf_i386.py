@@ -11,7 +11,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from guestvm import BUILD_ROOT, build_fixtures, expected, section
 
-from qmpprof.dwarf.arch import I386
+from qmpprof.arch.x86 import I386
 from qmpprof.dwarf.cfi import Kind, RegRule, Rule
 from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.image import ElfImage

@@ -13,7 +13,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.enums import ENUM_SH_TYPE_BASE
 
-from qmpprof.dwarf.arch import I386
+from qmpprof.arch.x86 import I386
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
 
@@ -192,5 +192,5 @@ def test_other_machine_is_rejected(
     data[18:20] = machine.to_bytes(2, "little")  # e_machine
     path = tmp_path / "other"
     path.write_bytes(bytes(data))
-    with pytest.raises(ElfError, match=f"{described}, not x86_64 or 32-bit i386"):
+    with pytest.raises(ElfError, match=f"{described}: qmpprof reads x86_64, i386"):
         ElfImage.load(path)

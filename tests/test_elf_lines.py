@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
 from qmpprof.model import StopReason
@@ -88,10 +89,10 @@ def test_symbolize_with_lines_expands_inlined_frames(inline_binary: Path) -> Non
     pc = next(a for a in instructions(inline_binary, "outer") if len(image.lines.frames(a)) == 3)
     space = AddressSpace([Module.from_image(image, kernel=False)])
     raw = RawStack((pc,), StopReason.END, (True,))
-    plain = Unwinder().resolve(raw, space)
+    plain = Unwinder(X86_64).resolve(raw, space)
     assert [f.symbol for f in plain.frames] == ["outer"] and plain.frames[0].line is None
-    detailed = Unwinder(lines=True).resolve(raw, space)
-    assert Unwinder(lines=True).resolve(raw, space, lines=False) == plain
+    detailed = Unwinder(X86_64, lines=True).resolve(raw, space)
+    assert Unwinder(X86_64, lines=True).resolve(raw, space, lines=False) == plain
     assert [(f.symbol, f.inlined) for f in detailed.frames] == [
         ("mix", True),
         ("round2", True),

@@ -4,11 +4,14 @@ pid reuse, no page; CR3 alone."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fakes import x86
 from guestvm import BUILD_ROOT
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
 from qmpprof.guest.cr3 import Cr3Identifier
@@ -43,11 +46,26 @@ class PagedGuest:
         self.reads += 1
         pages = self.spaces.get(self.cr3_of[cpu], {})
         out = b""
-        for pos in range(addr, addr + size, PAGE):
+        for pos in range(page_of(addr), addr + size, PAGE):
             if pos not in pages:
                 raise MemoryReadError(addr, size)
             out += pages[pos]
-        return out[:size]
+        return out[addr - page_of(addr) :][:size]
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        out: list[bytes | MemoryReadError] = []
+        for addr, size in ranges:
+            try:
+                out.append(await self.read(cpu, addr, size))
+            except MemoryReadError as err:
+                out.append(err)
+        return out
+
+    @property
+    def control(self) -> None:
+        return None
 
     # The rest of GuestTransport is not used by the tracker.
     async def is_running(self) -> bool:
@@ -76,7 +94,7 @@ def metadata_page(pid: int, image: ElfImage, text_addr: int | None = None) -> by
 
 
 def regs(cpu: int, cr3: int, cpl: int = 3) -> Registers:
-    return Registers(cpu=cpu, rip=0x401000, rsp=0x7FF000, rbp=0, cpl=cpl, cr3=cr3)
+    return x86(cpu, 0x401000, 0x7FF000, cpl=cpl, cr3=cr3)
 
 
 @pytest.fixture
@@ -108,7 +126,7 @@ def tracker(
     images: dict[str, ElfImage], clock: Clock | None = None, *, fallback: bool = True
 ) -> EmeraldIdentifier:
     programs = ProgramIndex(list(images.values()))
-    return EmeraldIdentifier([KERNEL], programs, clock=clock or Clock(), fallback=fallback)
+    return EmeraldIdentifier([KERNEL], programs, X86_64, clock=clock or Clock(), fallback=fallback)
 
 
 async def test_two_instances_of_one_program_both_get_symbols(
@@ -228,7 +246,7 @@ async def test_cr3_identifier_never_reads_a_metadata_page(images: dict[str, ElfI
     guest = PagedGuest()
     spin = images["spin"]
     start(guest, 0, 0xA000, 1, spin, spin.text_bytes)
-    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())))
+    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())), X86_64)
     assert t.reads_for(regs(0, 0xA000)) == ()
     ident = await t.identify(guest, regs(0, 0xA000), PageCache())
     assert ident.process is not None and ident.process.label == "spin (cr3=0xa000)"
@@ -245,7 +263,7 @@ async def test_cr3_identifier_names_a_process_first_seen_in_the_kernel(
     guest = PagedGuest()
     spin = images["spin"]
     start(guest, 0, 0xA000, 1, spin, spin.text_bytes)
-    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())))
+    t = Cr3Identifier([KERNEL], ProgramIndex(list(images.values())), X86_64)
     ident = await t.identify(guest, regs(0, 0xA000, cpl=0), PageCache())
     assert ident.process is not None and ident.process.label == "spin (cr3=0xa000)"
 

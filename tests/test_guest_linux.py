@@ -1,6 +1,7 @@
-"""The Linux identifier over fake guest memory laid out with the offsets of Debian's 6.12 BTF:
-the current task of each vCPU, processes by tgid and leader name, kernel threads and idle, the
-per-CPU base, the pointer read with the stack and the task only when not seen recently."""
+"""The Linux identifier (qmpprof/guest/linux/) over fake guest memory laid out with the offsets
+of Debian's 6.12 BTF: the current task of each vCPU, processes by tgid and leader name, kernel
+threads and idle, the per-CPU base, the pointer read with the stack and the task only when not
+seen recently; the module list; mappings and tasks confirmed between samples."""
 
 from __future__ import annotations
 
@@ -12,30 +13,50 @@ from typing import cast
 
 import linuxkernel
 import pytest
-from fakes import FakeTransport, regs
+from fakes import FakeTransport, regs, x86
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
-from qmpprof.guest import linux
-from qmpprof.guest.linux import (
-    MODULES_RECHECK,
-    PER_CPU_AREA,
-    PF_KTHREAD,
-    RECHECK,
-    LinuxIdentifier,
-    TaskLayout,
-)
-from qmpprof.guest.linuxmodules import ModuleLayout, ModuleList, Reader
-from qmpprof.guest.linuxpages import PageTables
-from qmpprof.guest.linuxvma import VM_EXEC, ReadMany, Vma, VmaLayout
+from qmpprof.guest.linux import spaces as spaces_module
+from qmpprof.guest.linux.current import PER_CPU_AREA, CurrentTask, current_offset
+from qmpprof.guest.linux.identify import MODULES_RECHECK, LinuxIdentifier
+from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
+from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.spaces import Spaces
+from qmpprof.guest.linux.tasks import PF_KTHREAD, RECHECK, TaskLayout, task_list
+from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
+from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process
 from qmpprof.pages import PAGE, PageCache, PageMissing
-from qmpprof.unwind.space import Module
+from qmpprof.unwind.space import AddressSpace, Module
 
 PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20
 BASES = (0xFFFF_8880_3EA0_0000, 0xFFFF_8880_3EB0_0000)
 KERNEL = Module(Mapping("vmlinux", 0xFFFF_FFFF_8100_0000, 0xFFFF_FFFF_8300_0000, True))
+CURRENT = 0x351C0  # 6.12: pcpu_hot.current_task, the first member (pahole on the same image)
+
+
+def make(
+    layout: TaskLayout | None,
+    per_cpu_offset: int | None,
+    *,
+    vmas: VmaLayout | None = None,
+    tables: PageTables | None = None,
+    module_list: ModuleList | None = None,
+    control: FakeTransport | None = None,
+    recheck: float = RECHECK,
+    clock: Callable[[], float] = lambda: 0.0,
+) -> LinuxIdentifier:
+    """The identifier as LinuxGuest.attach puts it together, from these parts."""
+    current = CurrentTask(CURRENT, per_cpu_offset, X86_64, clock, recheck)
+    spaces = Spaces(AddressSpace(()), vmas, UserFiles(None), tables, clock)
+    return LinuxIdentifier(
+        [KERNEL], X86_64, layout=layout, current=current, spaces=spaces,
+        module_list=module_list, control=control, clock=clock, recheck=recheck,
+    )  # fmt: skip
 
 
 class Memory:
@@ -73,7 +94,7 @@ def guest(layout: TaskLayout, current: tuple[int, int]) -> Memory:
     memory = Memory()
     memory.put(PER_CPU_OFFSET, struct.pack("<2Q", *BASES))
     for base, task in zip(BASES, current, strict=True):
-        memory.put(base + layout.current, struct.pack("<Q", task))
+        memory.put(base + CURRENT, struct.pack("<Q", task))
     return memory
 
 
@@ -84,24 +105,26 @@ def test_a_btf_without_variables_takes_the_current_task_from_kallsyms() -> None:
     old = LinuxKernel.load(linuxkernel.linux_dir("5.10") / "vmlinuz")
     assert old.btf is not None
     with pytest.raises(KeyError, match="current_task"):
-        TaskLayout.from_btf(old.btf)
-    found = TaskLayout.from_btf(old.btf, old.symbols.address_of)
-    assert found.current == old.symbols.address_of("current_task") < PER_CPU_AREA
+        current_offset(old.btf, lambda name: None)
+    found = current_offset(old.btf, old.symbols.address_of)
+    assert found == old.symbols.address_of("current_task") < PER_CPU_AREA
     newer = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
     assert newer.btf is not None
-    both = TaskLayout.from_btf(newer.btf, newer.symbols.address_of)
-    assert both == TaskLayout.from_btf(newer.btf)
-    assert both.current == newer.symbols.address_of("current_task")
+    both = current_offset(newer.btf, newer.symbols.address_of)
+    assert both == current_offset(newer.btf, lambda name: None)
+    assert both == newer.symbols.address_of("current_task")
 
 
 APP_LEADER, APP_THREAD = 0xFFFF_8880_0100_0000, 0xFFFF_8880_0100_4000
 KWORKER, IDLE = 0xFFFF_8880_0200_0000, 0xFFFF_FFFF_82C1_0940
 
 
-def test_the_layout_of_debian_612(layout: TaskLayout) -> None:
+def test_the_layout_of_debian_612(layout: TaskLayout, linux_vmlinux: ElfImage) -> None:
     # pahole on the same image (tests/test_linux_btf.py checks the BTF reader against it).
-    assert layout.current == 0x351C0  # pcpu_hot.current_task, the first member
-    assert (layout.pid, layout.tgid, layout.comm) == (2432, 2436, 2976)
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    assert current_offset(btf, lambda name: None) == CURRENT
+    assert (layout.pid, layout.tgid, layout.comm, layout.comm_size) == (2432, 2436, 2976, 16)
 
 
 async def test_threads_belong_to_their_process_and_kernel_threads_are_bracketed(
@@ -112,7 +135,7 @@ async def test_threads_belong_to_their_process_and_kernel_threads_are_bracketed(
     memory.task(layout, APP_THREAD, 1234, 1230, "worker", 0, APP_LEADER)
     memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
     transport = FakeTransport({}, memory.frozen())
-    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET)
+    identifier = make(layout, PER_CPU_OFFSET)
     user = await identifier.identify(transport, regs(0, 0x40_1000), PageCache())
     kthread = await identifier.identify(transport, regs(1, KERNEL.start + 16), PageCache())
     assert user.process == Process(1230, "myapp", 0, 1234, "worker")  # the leader's name
@@ -129,19 +152,19 @@ async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_s
     memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
     now = [0.0]
     transport = FakeTransport({}, memory.frozen())
-    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET, clock=lambda: now[0])
+    identifier = make(layout, PER_CPU_OFFSET, clock=lambda: now[0])
     r0 = regs(0, KERNEL.start + 16)
     assert identifier.reads_for(r0) == ()  # the per-CPU base is not known yet
     assert (await identifier.identify(transport, r0, PageCache())).process == Process(
         0, "swapper/0", 0, 0, "swapper/0"
     )
-    assert identifier.reads_for(r0) == ((BASES[0] + layout.current, 8),)
+    assert identifier.reads_for(r0) == ((BASES[0] + CURRENT, 8),)
     # Within RECHECK, the pointer alone (read with the stack) identifies the task.
     transport.calls.clear()
     cache = PageCache()
     await identifier.identify(transport, r0, cache)
     assert [c for c in transport.calls if c.startswith("read")] == [
-        f"read:{BASES[0] + layout.current:#x}+0x8"  # the pointer, not its page
+        f"read:{BASES[0] + CURRENT:#x}+0x8"  # the pointer, not its page
     ]
     # Past it, the task is read again: the pid changed (the pointer now holds another task).
     memory.task(layout, IDLE, 77, 77, "kworker/0:2", PF_KTHREAD, IDLE)
@@ -157,18 +180,18 @@ async def test_without_per_cpu_offsets_the_gs_base_of_kernel_mode_serves(
     memory = guest(layout, (KWORKER, KWORKER))
     memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
     transport = FakeTransport({}, memory.frozen())
-    identifier = LinuxIdentifier([KERNEL], layout, None)
+    identifier = make(layout, None)
     user = regs(0, 0x40_1000)  # user mode: GS is the user's, no base to learn
     assert (await identifier.identify(transport, user, PageCache())).process is None
 
-    kernel = replace(regs(0, KERNEL.start + 16), gs_base=BASES[0])
+    kernel = x86(0, KERNEL.start + 16, gs_base=BASES[0])
     assert (await identifier.identify(transport, kernel, PageCache())).process == Process(
         55, "[kworker/1:0]", 0, 55, "kworker/1:0"
     )
 
 
 async def test_without_btf_every_sample_is_the_kernel_s() -> None:
-    identifier = LinuxIdentifier([KERNEL], None, PER_CPU_OFFSET)
+    identifier = make(None, PER_CPU_OFFSET)
     found = await identifier.identify(FakeTransport({}, {}), regs(0, 0x40_1000), PageCache())
     assert found.process is None and identifier.reads_for(regs(0, 0x40_1000)) == ()
 
@@ -198,14 +221,17 @@ def module(memory: Memory, layout: ModuleLayout, at: int, name: str, text: int) 
 
 
 def reader(memory: Memory, reads: list[int]) -> Reader:
-    async def read(addr: int, size: int) -> bytes | None:
-        reads.append(addr)
-        data = PageCache()
-        data.pages = dict(memory.frozen())
-        try:
-            return data.read(addr, size)
-        except PageMissing:
-            return None
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for addr, size in ranges:
+            reads.append(addr)
+            data = PageCache()
+            data.pages = dict(memory.frozen())
+            try:
+                out.append(data.read(addr, size))
+            except PageMissing:
+                out.append(None)
+        return out
 
     return read
 
@@ -217,7 +243,7 @@ async def test_the_module_list_is_read_again_by_its_links_and_only_new_modules_i
     module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
     module(memory, module_layout, BETA, "beta", 0xFFFF_FFFF_C020_0000)
     link(memory, module_layout, [ALPHA])
-    modules = ModuleList(reader(memory, reads), HEAD, module_layout, None)
+    modules = ModuleList(reader(memory, reads), HEAD, module_layout, None, X86_64)
     assert [m.name for m in await modules.refresh() or []] == ["[alpha]"]
     reads.clear()
     assert await modules.refresh() is None  # the same list: its two links read, nothing else
@@ -238,11 +264,9 @@ async def test_housekeeping_takes_in_a_module_loaded_during_the_run(
     module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
     link(memory, module_layout, [])
     now = [0.0]
-    modules = ModuleList(reader(memory, []), HEAD, module_layout, None)
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64)
     assert await modules.refresh() == []
-    identifier = LinuxIdentifier(
-        [KERNEL], layout, PER_CPU_OFFSET, module_list=modules, clock=lambda: now[0]
-    )
+    identifier = make(layout, PER_CPU_OFFSET, module_list=modules, clock=lambda: now[0])
     transport = FakeTransport({}, memory.frozen())
     before = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
     assert before.space.find(0xFFFF_FFFF_C010_0010) is None
@@ -269,18 +293,18 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     mapped = [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, None)]
     reads: list[str] = []
 
-    async def vmas_of(read: ReadMany, at: int, _layout: object) -> list[Vma]:
+    async def vmas_of(read: Reader, at: int, _layout: object) -> list[Vma]:
         assert at == mm
         await read([(at, 8)])  # through the transport it was given
         reads.append("control" if control.calls else "pause")
         control.calls.clear()
         return list(mapped)
 
-    monkeypatch.setattr(linux, "read_exec_vmas", vmas_of)
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
     monkeypatch.setattr(control, "read", _counting(control))
     now = [0.0]
-    identifier = LinuxIdentifier(
-        [KERNEL], layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, object()), control=control,
+    identifier = make(
+        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, object()), control=control,
         recheck=0.1, clock=lambda: now[0],
     )  # fmt: skip
 
@@ -311,11 +335,9 @@ async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
     transport = FakeTransport({}, memory.frozen())
     control = FakeTransport({}, memory.frozen())  # reads while the guest runs
     now = [0.0]
-    identifier = LinuxIdentifier(
-        [KERNEL], layout, PER_CPU_OFFSET, control=control, clock=lambda: now[0]
-    )
+    identifier = make(layout, PER_CPU_OFFSET, control=control, clock=lambda: now[0])
     r0 = regs(0, KERNEL.start + 16)
-    pointer = f"read:{BASES[0] + layout.current:#x}+0x8"
+    pointer = f"read:{BASES[0] + CURRENT:#x}+0x8"
 
     async def pause_reads() -> list[str]:
         transport.calls.clear()
@@ -353,7 +375,7 @@ class _Tables:
     def __init__(self) -> None:
         self.pgds: list[int] = []
 
-    def reader(self, pgd: int) -> ReadMany:
+    def reader(self, pgd: int) -> Reader:
         self.pgds.append(pgd)
 
         async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
@@ -382,25 +404,27 @@ async def test_preload_places_every_process_before_the_first_stop(
     for task, following in itertools.pairwise(ring):
         memory.put(task + layout.tasks, struct.pack("<Q", following + layout.tasks))
 
-    async def vmas_of(read: ReadMany, at: int, _layout: object) -> list[Vma]:
+    async def vmas_of(read: Reader, at: int, _layout: object) -> list[Vma]:
         assert at == mm
         return [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, "myapp")]
 
-    monkeypatch.setattr(linux, "read_exec_vmas", vmas_of)
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
     control, transport = FakeTransport({}, memory.frozen()), FakeTransport({}, memory.frozen())
     tables = _Tables()
-    identifier = LinuxIdentifier(
-        [KERNEL], layout, PER_CPU_OFFSET, vmas=vmas, control=control,
-        tables=cast(PageTables, tables),
-    )  # fmt: skip
-    assert await identifier.preload(control, init, [0, 1]) == 1
+    identifier = make(
+        layout, PER_CPU_OFFSET, vmas=vmas, control=control, tables=cast(PageTables, tables)
+    )
+    read = reader(memory, [])
+    assert identifier.current is not None
+    await identifier.current.preload(read, [0, 1])
+    await identifier.preload(read, await task_list(read, init, layout))
     assert tables.pgds == [pgd]  # the code probe went through the process's own tables
     # The first stop: each vCPU's pointer is read with its stack, nothing else.
     for cpu, rip in ((0, 0x40_0010), (1, KERNEL.start + 16)):
         r = regs(cpu, rip)
-        assert identifier.reads_for(r) == ((BASES[cpu] + layout.current, 8),)
+        assert identifier.reads_for(r) == ((BASES[cpu] + CURRENT, 8),)
         seen = PageCache()
-        seen.pieces[BASES[cpu] + layout.current] = (
+        seen.pieces[BASES[cpu] + CURRENT] = (
             8,
             struct.pack("<Q", (APP_LEADER, KWORKER)[cpu]),
         )
@@ -430,7 +454,7 @@ async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
     memory.put(KWORKER + layout.stack, struct.pack("<Q", stack))
     now = [0.0]
     transport = FakeTransport({}, memory.frozen())
-    identifier = LinuxIdentifier([KERNEL], layout, PER_CPU_OFFSET, clock=lambda: now[0])
+    identifier = make(layout, PER_CPU_OFFSET, clock=lambda: now[0])
     on_stack = regs(0, KERNEL.start + 16, rsp=stack + 0x3F00)
     irq = regs(0, KERNEL.start + 16, rsp=0xFFFF_C900_0000_0F00)  # this CPU's interrupt stack
     found = await identifier.identify(transport, on_stack, PageCache())
@@ -446,6 +470,6 @@ async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
         1230, "myapp", 0, 1230, "myapp"
     )
     assert identifier.reads_for(user) == ()  # a user stack page under this CR3
-    assert identifier.reads_for(replace(user, cr3=0x2000)) != ()  # another address space
+    assert identifier.reads_for(replace(user, space=0x2000)) != ()  # another address space
     now[0] = RECHECK + 0.1
     assert identifier.reads_for(on_stack) != ()  # the pointer again after RECHECK

@@ -105,6 +105,15 @@ def breaches(rule: str) -> list[str]:
                 if any(within(target, b) for b in banned):
                     out.append(path)
         return out
+    if m := re.fullmatch(r"(.+) imports? from (\S+) only (.+)", rule):
+        owners, family, allowed = names(m[1]), m[2], names(m[3])
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if any(within(mod, o) for o in owners)
+            for t in edges
+            if within(t, family) and t not in allowed
+        ]
     if m := re.fullmatch(r"(\S+) imports only (.+)", rule):
         owner, allowed = m[1], names(m[2])
         return [
@@ -142,6 +151,25 @@ def test_the_check_sees_a_breach() -> None:
         g["qmpprof.unwind.chain"].discard("qmpprof.memory")
     assert any("qmpprof.memory -> qmpprof.transport" in path for path in found)
     assert imports_of("from . import steps", "qmpprof.unwind.chain") >= {"qmpprof.unwind"}
+
+
+def test_a_module_named_by_a_seam_s_users_is_a_breach() -> None:
+    """Session naming a guest OS (or the sampler an instruction set) directly breaks its rule;
+    through the registry it does not."""
+    g = graph()
+    rule = "qmpprof.session import from qmpprof.guest only qmpprof.guest, qmpprof.guest.base"
+    assert not breaches(rule)
+    g["qmpprof.session"].add("qmpprof.guest.linux.guest")
+    try:
+        assert breaches(rule) == ["qmpprof.session imports qmpprof.guest.linux.guest"]
+    finally:
+        g["qmpprof.session"].discard("qmpprof.guest.linux.guest")
+    g["qmpprof.sampler"].add("qmpprof.arch.x86")
+    try:
+        found = breaches("qmpprof.sampler imports from qmpprof.arch only qmpprof.arch.base")
+    finally:
+        g["qmpprof.sampler"].discard("qmpprof.arch.x86")
+    assert found == ["qmpprof.sampler imports qmpprof.arch.x86"]
 
 
 def test_every_module_is_seen() -> None:

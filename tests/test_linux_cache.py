@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import linuxkernel
 import pytest
 
-from qmpprof.guest.linux import TaskLayout
-from qmpprof.guest.linuxmodules import ModuleLayout
-from qmpprof.guest.linuxvma import VmaLayout
+from qmpprof.arch.x86 import X86_64
+from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.modules import ModuleLayout
+from qmpprof.guest.linux.tasks import TaskLayout
+from qmpprof.guest.linux.vma import VmaLayout
 from qmpprof.linux import btf as btf_module
 from qmpprof.linux import cache, kernel
 from qmpprof.linux.btf import Btf, BtfIndex, Kind
@@ -55,7 +57,7 @@ def snapshot(kernel: LinuxKernel) -> dict[str, object]:
     assert orc is not None and btf is not None
     low, high = kernel.span
     pcs = range(low, min(high, low + (48 << 20)), 997)  # every 997th byte of the code
-    module = kernel.module(SLIDE)
+    module = kernel_module(kernel, SLIDE, X86_64)
     return {
         "symbols": (kernel.symbols.addrs, kernel.symbols.types, kernel.symbols.names),
         "modules": kernel.symbols.modules,

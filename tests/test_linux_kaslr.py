@@ -1,5 +1,5 @@
 """KASLR slide detection from IDT bytes built by hand: gate decoding, the vote, its refusals,
-and detect_slide over a scripted monitor; then end to end on the Linux test guest: the slide
+and find_slide over a fake guest; then end to end on the Linux test guest: the slide
 is 0 under nokaslr and, on several KASLR boots, (guest /proc/kallsyms _text) - (image _text)."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import linuxkernel
 import pytest
+from fakes import FakeTransport, x86
 from linuxvm import LinuxGuest, running_linux_guest
 
 from qmpprof.errors import KernelMismatchError
+from qmpprof.guest.linux.slide import find_slide
 from qmpprof.linux import kaslr
 from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
 from qmpprof.linux.symbols import KernelSymbols
@@ -67,17 +69,6 @@ def test_decode_gate_fields() -> None:
     first, second = kaslr.decode_idt(data)
     assert first == kaslr.Gate(0, 0xFFFFFFFF81E01030, 0x10, 3, 0xE, 3, True)
     assert not second.present and second.vector == 1
-
-
-def test_parse_idt_register() -> None:
-    text = (
-        "GDT=     fffffe0000001000 0000007f\r\n"
-        "IDT=     fffffe0000000000 00000fff\r\n"
-        "CR0=80050033 CR2=00007f0000000000 CR3=0000000002a0e000 CR4=000006f0\r\n"
-    )
-    assert kaslr.parse_idt_register(text) == (0xFFFFFE0000000000, 0xFFF)
-    with pytest.raises(KernelMismatchError, match="no IDT= line"):
-        kaslr.parse_idt_register("RAX=0000000000000000\r\n")
 
 
 @pytest.mark.parametrize("slide", [0, MIB2, 0x2E000000, 0x3EC00000 - 0x1000000])
@@ -143,33 +134,27 @@ def test_slide_window() -> None:
     assert kaslr.slide_window(TEXT) == (-0x1000000, 0x3F000000)
 
 
-class ScriptedMonitor:
-    """A guest whose monitor prints ``idt_base`` and whose memory holds ``table`` there."""
-
-    def __init__(self, idt_base: int, table: bytes) -> None:
-        self.idt_base = idt_base
-        self.table = table
-        self.reads: list[tuple[int, int, int]] = []
-
-    async def hmp(self, command: str, cpu: int | None = None) -> str:
-        assert command == "info registers"
-        return f"RAX=0\r\nIDT=     {self.idt_base:016x} {len(self.table) - 1:08x}\r\n"
-
-    async def read(self, cpu: int, addr: int, size: int) -> bytes:
-        self.reads.append((cpu, addr, size))
-        assert addr == self.idt_base
-        return self.table[:size]
+def monitored(idt_base: int, table: bytes) -> FakeTransport:
+    """A guest whose vCPU 0 holds an IDT at ``idt_base`` (as the monitor's registers say) and
+    whose memory holds ``table`` there."""
+    regs = x86(0, 0)
+    regs.special.update(idt_base=idt_base, idt_limit=len(table) - 1)
+    pages = {
+        idt_base + off: table[off : off + 4096].ljust(4096, b"\0")
+        for off in range(0, len(table), 4096)
+    }
+    return FakeTransport({0: regs}, pages)
 
 
-async def test_detect_slide_reads_the_idt_once() -> None:
-    monitor = ScriptedMonitor(0xFFFFFE0000000000, idt(0x2E000000, stubs=232))
-    assert await kaslr.detect_slide(monitor, image_symbols()) == 0x2E000000
-    assert monitor.reads == [(0, 0xFFFFFE0000000000, 4096)]
+async def test_the_slide_is_found_with_one_read_of_the_idt() -> None:
+    guest = monitored(0xFFFFFE0000000000, idt(0x2E000000, stubs=232))
+    assert await find_slide(guest, image_symbols()) == 0x2E000000
+    assert [c for c in guest.calls if c.startswith("read")] == ["read:0xfffffe0000000000+0x1000"]
 
 
-async def test_detect_slide_before_the_kernel_runs() -> None:
+async def test_no_slide_before_the_kernel_runs() -> None:
     with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
-        await kaslr.detect_slide(ScriptedMonitor(0, idt(0)), image_symbols())
+        await find_slide(monitored(0, idt(0)), image_symbols())
 
 
 # ---- end to end, on the Linux test guest ----------------------------------------------------
@@ -183,7 +168,7 @@ def debian_symbols() -> KernelSymbols:
 async def slide_of(guest: LinuxGuest) -> int:
     transport = await QmpTransport.connect(guest.qmp_socket)
     try:
-        return await kaslr.detect_slide(transport, debian_symbols())
+        return await find_slide(transport, debian_symbols())
     finally:
         await transport.close()
 

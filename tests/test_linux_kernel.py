@@ -1,5 +1,6 @@
 """A Linux kernel loaded for a run from the files in /boot: Debian's 6.12 bzImage as found there
-(scripts/fetch-linux), its kallsyms, ORC and BTF, and its Module at a KASLR slide."""
+(scripts/fetch-linux), its kallsyms, ORC and BTF, and its Module at a KASLR slide
+(``qmpprof.guest.linux.image``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from pathlib import Path
 import linuxkernel
 import pytest
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
-from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
-from qmpprof.linux.orc import OrcStep
+from qmpprof.guest.base import KernelFile
+from qmpprof.guest.linux import LINUX
+from qmpprof.guest.linux.image import kernel_module
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.unwind.orc import OrcStep
 
 SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel
 
@@ -34,7 +39,7 @@ def test_the_bzimage_from_boot_has_all_a_run_needs(kernel: LinuxKernel) -> None:
 def test_the_module_at_a_slide_unwinds_by_orc_and_names_slid_addresses(
     kernel: LinuxKernel,
 ) -> None:
-    module = kernel.module(SLIDE)
+    module = kernel_module(kernel, SLIDE, X86_64)
     low, high = kernel.span
     assert (module.start, module.end, module.bias) == (low + SLIDE, high + SLIDE, SLIDE)
     assert module.kernel and module.name == "vmlinux"
@@ -50,14 +55,14 @@ def test_thunks_are_marked_on_61_only(kernel: LinuxKernel) -> None:
     """6.1 brackets its retpoline thunks with __indirect_thunk_start/_end (their ORC reads as
     an end of stack there); 6.12 has neither the symbols nor the need."""
     assert kernel.thunks is None
-    (step,) = kernel.module(SLIDE).steps
-    assert isinstance(step, OrcStep) and step.thunks is None
+    (step,) = kernel_module(kernel, SLIDE, X86_64).steps
+    assert isinstance(step, OrcStep) and step.code.thunks is None
     old = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
     thunk = old.symbols.address_of("__x86_indirect_thunk_r11")
     assert old.thunks is not None and thunk is not None
     assert old.thunks[0] < thunk < old.thunks[1]
-    (step,) = old.module(SLIDE).steps
-    assert isinstance(step, OrcStep) and step.thunks == old.thunks
+    (step,) = kernel_module(old, SLIDE, X86_64).steps
+    assert isinstance(step, OrcStep) and step.code.thunks == old.thunks
 
 
 def test_a_kallsyms_file_from_a_kaslr_boot_is_moved_back_to_link_addresses(
@@ -89,12 +94,13 @@ def test_what_is_not_a_linux_kernel_is_one_error(tmp_path: Path) -> None:
 
     build_fixtures()
     ours = BUILD_ROOT / "cfi" / "kernel.elf"
-    assert not looks_like_linux(ours)
+    assert not LINUX.recognises(KernelFile.open(ours))
     with pytest.raises(KernelImageError, match="not a Linux kernel"):
         LinuxKernel.load(ours)
     garbage = tmp_path / "garbage"
     garbage.write_bytes(b"\x7fELF" + bytes(100))
-    assert not looks_like_linux(garbage)
+    with pytest.raises(ElfError):
+        KernelFile.open(garbage)
     with pytest.raises(ElfError):
         LinuxKernel.load(garbage)
     with pytest.raises(ElfError, match="No such file"):
@@ -102,7 +108,7 @@ def test_what_is_not_a_linux_kernel_is_one_error(tmp_path: Path) -> None:
 
 
 def test_a_bzimage_is_recognised_from_its_header(linux_dir: Path) -> None:
-    assert looks_like_linux(linux_dir / "vmlinuz")
+    assert LINUX.recognises(KernelFile.open(linux_dir / "vmlinuz"))
 
 
 def test_a_second_load_comes_from_the_cache_and_equals_the_first(

@@ -6,22 +6,24 @@ from __future__ import annotations
 import struct
 
 import pytest
+from fakes import x86
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.orc import (
     OrcLayout,
     OrcReg,
-    OrcStep,
     OrcTable,
     OrcType,
     decode_entry,
     detect_layout,
     kernel_version,
 )
-from qmpprof.model import Mapping, Registers, StopReason
+from qmpprof.model import Mapping, StopReason
 from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
-from qmpprof.unwind.steps import FRAME_POINTER, NEW_STACK
+from qmpprof.unwind.orc import OrcCode, OrcStep
+from qmpprof.unwind.steps import NEW_STACK, FramePointerStep
 
 RAX, RDX, RCX, RBX, RSI, RDI, RBP, RSP = range(8)
 R8, R9, R10, R11, R12, R13, R14, R15, RIP = range(8, 17)
@@ -79,8 +81,17 @@ def pt_regs(addr: int, ip: int, sp: int, cs: int, **gprs: int) -> dict[int, int]
     return words
 
 
+def orc_step(
+    t: OrcTable,
+    bias: int = 0,
+    functions: SymbolTable | None = None,
+    thunks: tuple[int, int] | None = None,
+) -> OrcStep:
+    return OrcStep(OrcCode(t, functions, thunks), bias, X86_64)
+
+
 def step(t: OrcTable, cur: dict[int, int], words: dict[int, int], pc: int = TEXT + 0x10):
-    return OrcStep(t).step(cur, pc, True, memory(words))
+    return orc_step(t).step(cur, pc, True, memory(words))
 
 
 # --- entries and layouts ------------------------------------------------------------------
@@ -252,11 +263,11 @@ def test_outcomes_that_end_or_pass() -> None:
     assert step(one(bits(SP, UNDEF, CALL)), cur, {}, pc=TEXT + 0x200) is None  # past the end
     unmapped = PageCache()
     unmapped.pages[page_of(KSTACK)] = None
-    assert OrcStep(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, unmapped) == (
+    assert orc_step(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, unmapped) == (
         StopReason.READ_FAILED
     )
     with pytest.raises(PageMissing):
-        OrcStep(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, PageCache())
+        orc_step(one(bits(SP, UNDEF, CALL))).step(cur, TEXT, True, PageCache())
 
 
 def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
@@ -264,13 +275,13 @@ def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
     address is at RSP, as gdb finds it; inside it, or as a caller's frame, still no CFI."""
     sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
     thunk = SymbolTable([Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_array")])
-    orc = OrcStep(one(0), bias=slide, functions=thunk)
+    orc = orc_step(one(0), bias=slide, functions=thunk)
     cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
     out = orc.step(cur, TEXT + slide + 0x40, True, words)
     assert out == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, False)
     assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.NO_CFI
     assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.NO_CFI
-    assert OrcStep(one(0), bias=slide).step(cur, TEXT + slide + 0x40, True, words) is (
+    assert orc_step(one(0), bias=slide).step(cur, TEXT + slide + 0x40, True, words) is (
         StopReason.NO_CFI
     )
 
@@ -289,21 +300,21 @@ def test_legacy_thunks_read_as_an_end_are_walked_from_their_first_byte() -> None
             Symbol(TEXT + 0x60, 0x20, "__x86_indirect_thunk_rcx"),
         ]
     )
-    orc = OrcStep(t, bias=slide, functions=functions, thunks=(TEXT + 0x40, TEXT + 0x80))
+    orc = orc_step(t, bias=slide, functions=functions, thunks=(TEXT + 0x40, TEXT + 0x80))
     cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
     for thunk in (TEXT + 0x40, TEXT + 0x60):
         assert orc.step(cur, thunk + slide, True, words) == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, 0)
     assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.END
     assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.END
     assert orc.step(cur, TEXT + slide + 0x20, True, words) is StopReason.END  # a true end
-    no_range = OrcStep(t, bias=slide, functions=functions)
+    no_range = orc_step(t, bias=slide, functions=functions)
     assert no_range.step(cur, TEXT + slide + 0x40, True, words) is StopReason.END
 
 
 def test_bias_moves_the_table() -> None:
     slide = 0x2A0_0000
     sp = KSTACK + 0x100
-    out = OrcStep(one(bits(SP, UNDEF, CALL)), bias=slide).step(
+    out = orc_step(one(bits(SP, UNDEF, CALL)), bias=slide).step(
         {RSP: sp, RBP: 0}, TEXT + slide + 0x10, False, memory({sp: TEXT + slide + 0x99})
     )
     assert isinstance(out, tuple) and out[0][RIP] == TEXT + slide + 0x99
@@ -322,7 +333,8 @@ def test_walk_from_a_kernel_function_through_a_syscall_into_user_code() -> None:
             (TEXT + 0x300, 0, 0, 0),
         ]
     )
-    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x300, True), (OrcStep(t), FRAME_POINTER))
+    steps = (orc_step(t), FramePointerStep(X86_64))
+    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x300, True), steps)
     space = AddressSpace([kernel])
     sp = KSTACK + 0x3E00
     regs_at = sp + 16 + 8
@@ -330,8 +342,8 @@ def test_walk_from_a_kernel_function_through_a_syscall_into_user_code() -> None:
     ubp = USTACK + 0x100
     words |= pt_regs(regs_at, 0x401000, USTACK, 0x33, bp=ubp)
     words |= {ubp: 0, ubp + 8: 0x402000}
-    rsp_regs = Registers(cpu=0, rip=TEXT + 0x20, rsp=sp, rbp=0, cpl=0, cr3=0x1000)
-    raw = Unwinder().unwind(rsp_regs, memory(words), space)
+    rsp_regs = x86(0, TEXT + 0x20, sp)
+    raw = Unwinder(X86_64).unwind(rsp_regs, memory(words), space)
     assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, 0x401000, 0x402000)
     assert raw.exact == (True, False, False, True, False)
     assert raw.via == (Via.REGS, Via.ORC, Via.ORC, Via.ORC, Via.FRAME_POINTER)
@@ -352,13 +364,14 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
             (TEXT + 0x400, 0, 0, 0),
         ]
     )
-    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x400, True), (OrcStep(t), FRAME_POINTER))
+    steps = (orc_step(t), FramePointerStep(X86_64))
+    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x400, True), steps)
     irq_sp = KSTACK + 0x3F00
     task_sp = KSTACK - 0x10_0000 + 0x3E00  # another stack, 1 MiB lower
     words = {irq_sp: TEXT + 0x105, irq_sp + 8: task_sp}  # return address, saved task sp
     words |= {task_sp: TEXT + 0x205, task_sp + 8: TEXT + 0x305}
-    regs = Registers(cpu=0, rip=TEXT + 0x20, rsp=irq_sp, rbp=0, cpl=0, cr3=0x1000)
-    raw = Unwinder().unwind(regs, memory(words), AddressSpace([kernel]))
+    regs = x86(0, TEXT + 0x20, irq_sp)
+    raw = Unwinder(X86_64).unwind(regs, memory(words), AddressSpace([kernel]))
     assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
     assert raw.exact == (True, False, False, False)
     assert raw.stop is StopReason.END

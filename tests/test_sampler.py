@@ -18,15 +18,16 @@ from fakes import (
     regs,
 )
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.memory import ALIGN, PIECE, SLACK
-from qmpprof.model import KERNEL_BOUNDARY, Mode, Registers, StopReason
+from qmpprof.model import Mode, Registers, StopReason
 from qmpprof.naming import Naming
 from qmpprof.pages import PageCache, PageMissing
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 
-K = KERNEL_BOUNDARY
+K = X86_64.kernel_boundary
 SPACE = FakeSpace(
     (
         (0x40_1000, 0x40_1100, "user_main"),
@@ -64,7 +65,7 @@ def make(
 
 async def test_every_tick_stops_once_samples_every_cpu_and_resumes() -> None:
     r0, pages = kernel_cpu(0)
-    r1 = regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)
+    r1 = regs(1, K + 0x3008, rsp=r0.sp, rbp=r0.fp)
     transport = FakeTransport({0: r0, 1: r1}, pages)
     sampler = make(transport, duration=0.03, interval=0.01)
     outcome = await sampler.run()
@@ -267,12 +268,12 @@ async def test_window_over_the_stack_top_is_read_once_page_by_page_then_cut() ->
     sampler = make(transport, window=64 * 1024, duration=0.03)
     await sampler.run()
     reads = [c for c in transport.calls if c.startswith("read")]
-    rsp_page = r0.rsp & ~0xFFF
+    rsp_page = r0.sp & ~0xFFF
     # One request, page by page: the pages above the stack fail alone, RSP's page is read.
-    first = by_page(r0.rsp, rsp_page + 0x11000)
+    first = by_page(r0.sp, rsp_page + 0x11000)
     assert reads[: len(first)] == first and len(first) == 17
     # Later ticks know where the stack ends: one read each, from RSP to there.
-    assert reads[len(first) :] == [f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"] * 2
+    assert reads[len(first) :] == [f"read:{r0.sp:#x}+{rsp_page + 0x1000 - r0.sp:#x}"] * 2
     assert len(sampler.profile) == 3 and sampler.profile.truncated == 0
 
 
@@ -280,7 +281,7 @@ async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> Non
     # Two stack pages: the leaf's frame on RSP's page, the outer one on the page above.
     rbp, pages = frame_chain(STACK_TOP, [K + 0x2010, K + 0x1010], gap=0x800)
     r0 = regs(0, K + 0x3004, rsp=rbp - 32, rbp=rbp)
-    rsp_page = r0.rsp & ~0xFFF
+    rsp_page = r0.sp & ~0xFFF
     assert len(pages) == 2 and rsp_page + 0x1000 in pages
     transport = FakeTransport({0: r0}, pages, partial=True)
     sampler = make(transport, window=16 * 1024, duration=0.02)
@@ -294,15 +295,15 @@ async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> Non
     # The window fails past RSP's page but says how far it read: no second pass page by
     # page. The next tick knows the stack ends there (and its walk tries the page above
     # once, on demand: unmapped).
-    window = f"read:{r0.rsp:#x}+{STACK_TOP - 0x800 + SLACK - r0.rsp:#x}"
-    cut = f"read:{r0.rsp:#x}+{rsp_page + 0x1000 - r0.rsp:#x}"
+    window = f"read:{r0.sp:#x}+{STACK_TOP - 0x800 + SLACK - r0.sp:#x}"
+    cut = f"read:{r0.sp:#x}+{rsp_page + 0x1000 - r0.sp:#x}"
     assert reads == [window, cut, f"read:{rsp_page + 0x1000:#x}+0x1000"], reads
     assert again.profile.truncated == 2
 
 
 async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand() -> None:
     r0, pages = kernel_cpu()
-    rsp_page = r0.rsp & ~0xFFF
+    rsp_page = r0.sp & ~0xFFF
     above = {rsp_page + i * 0x1000: bytes(0x1000) for i in range(1, 16)}  # mapped, unused
     transport = FakeTransport({0: r0}, {**above, **pages})
     sampler = make(transport, window=16 * 1024, duration=0.02)
@@ -312,12 +313,12 @@ async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand()
     # the walk read up to the top of RSP's page (the outermost frame's return address): the
     # next window ends SLACK bytes above that.
     top = rsp_page + 0x1000
-    first = by_page(r0.rsp, rsp_page + 0x5000)
-    assert reads == [*first, f"read:{r0.rsp:#x}+{top + SLACK - r0.rsp:#x}"]
+    first = by_page(r0.sp, rsp_page + 0x5000)
+    assert reads == [*first, f"read:{r0.sp:#x}+{top + SLACK - r0.sp:#x}"]
     # A deeper walk from the same RSP page fetches what it lacks, and the window grows to it.
     rbp, deeper = frame_chain(rsp_page + 0x4000, [K + 0x2010, K + 0x1010], gap=0x1800)
     transport.pages.update(deeper)
-    transport._regs = {0: regs(0, K + 0x3004, rsp=r0.rsp, rbp=rbp)}
+    transport._regs = {0: regs(0, K + 0x3004, rsp=r0.sp, rbp=rbp)}
     for expected_reads in (2, 1):  # on demand once, then within the window
         transport.calls.clear()
         again = make(transport, window=16 * 1024)
@@ -325,7 +326,7 @@ async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand()
         outcome = await again.run(one_shot=True)
         assert outcome.last[0].stack.stop is StopReason.END
         reads = [c for c in transport.calls if c.startswith("read")]
-        assert len(reads) >= expected_reads and reads[0].startswith(f"read:{r0.rsp:#x}+")
+        assert len(reads) >= expected_reads and reads[0].startswith(f"read:{r0.sp:#x}+")
         if expected_reads == 1:
             assert len(reads) == 1 and int(reads[0].split("+")[1], 16) > 0x1000
 
@@ -410,14 +411,14 @@ async def test_request_stop_ends_after_the_current_tick() -> None:
     assert transport.calls[-1] == "cont"
 
 
-async def test_cpl_disagreeing_with_the_boundary_is_counted() -> None:
+async def test_a_cpu_mode_disagreeing_with_the_boundary_is_counted() -> None:
     r0, pages = kernel_cpu()
-    odd = regs(0, r0.rip, rsp=r0.rsp, rbp=r0.rbp, cpl=3)
+    odd = regs(0, r0.pc, rsp=r0.sp, rbp=r0.fp, cpl=3)
     transport = FakeTransport({0: odd}, pages)
     sampler = make(transport, duration=0.02)
     await sampler.run()
-    assert sampler.stats.cpl_mismatch == 2
-    assert any("CPL disagreed" in line for line in sampler.stats.detail_lines())
+    assert sampler.stats.mode_mismatch == 2
+    assert any("mode (user or kernel) disagreed" in line for line in sampler.stats.detail_lines())
 
 
 async def test_selecting_an_absent_cpu_is_a_usage_error() -> None:
@@ -457,7 +458,7 @@ class ReadingIdentifier(KernelIdentifier[FakeSpace]):
 
 async def test_identity_reads_are_made_for_every_vcpu_while_stopped() -> None:
     r0, pages = kernel_cpu(0)
-    transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.rsp, rbp=r0.rbp)}, pages)
+    transport = FakeTransport({0: r0, 1: regs(1, K + 0x3008, rsp=r0.sp, rbp=r0.fp)}, pages)
     sampler = make(transport, identifier=ReadingIdentifier(SPACE), duration=0.01, interval=0.01)
     await sampler.run()
     tick = transport.calls[transport.calls.index("stop") : transport.calls.index("cont")]
@@ -507,3 +508,16 @@ def by_page(lo: int, end: int) -> list[str]:
     """The reads of a first window [lo, end): page by page."""
     cuts = [lo, *range((lo & ~0xFFF) + 0x1000, end, 0x1000), end]
     return [f"read:{a:#x}+{b - a:#x}" for a, b in itertools.pairwise(cuts)]
+
+
+async def test_what_was_collected_is_taken_and_the_next_run_starts_afresh() -> None:
+    r0, pages = kernel_cpu(0)
+    transport = FakeTransport({0: r0}, pages)
+    sampler = make(transport, duration=0.02, interval=0.01)
+    await sampler.run()
+    profile, stats = sampler.take()
+    assert (len(profile), stats.ticks, len(stats.pauses)) == (2, 2, 2)
+    assert (len(sampler.profile), sampler.stats.ticks) == (0, 0)
+    assert sampler.stats.requested_hz == stats.requested_hz
+    await sampler.run()  # a whole run again: its tick count starts from zero
+    assert (len(sampler.profile), sampler.stats.ticks) == (2, 2) and len(profile) == 2

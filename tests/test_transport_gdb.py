@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from guestvm import BUILD_ROOT, Guest, build_fixtures, free_tcp_port, gdb_backtrace, running_guest
 from support.bench.rawqmp import RawQmp
-from test_transport_gdbpackets import CAPTURED_G, monitor_fields
+from test_arch_x86regs import CAPTURED_G, monitor_fields
 
+from qmpprof.arch.x86regs import REGISTER_NAMES, X86Formats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.transport.gdb import GdbTransport
-from qmpprof.transport.gdbpackets import REGISTER_NAMES, encode_packet
+from qmpprof.transport.gdbpackets import encode_packet
 
 # --- protocol against a scripted stub ----------------------------------------------------------
 
@@ -34,6 +35,8 @@ def qemu_like(body: bytes) -> bytes | None:
     """Answers like QEMU 7.2 for one vCPU; memory 0x1000..0x4fff holds the byte addr & 0xff."""
     if body.startswith(b"qSupported"):
         return b"PacketSize=1000;qXfer:features:read+;vContSupported+"
+    if body.startswith(b"qXfer:features:read:target.xml:"):
+        return b"l<target><architecture>i386:x86-64</architecture></target>"
     if body in (b"qfThreadInfo", b"qsThreadInfo"):
         return b"m01" if body == b"qfThreadInfo" else b"l"
     if body.startswith(b"Hg") or body == b"D":
@@ -186,7 +189,7 @@ async def test_error_reply_is_a_memory_read_error() -> None:
 async def test_several_reads_go_in_one_request_and_fail_one_by_one() -> None:
     # held: no answer until the last m packet came (one write, or the client would hang).
     async with (
-        FakeStub(hold=(4, 8)) as stub,
+        FakeStub(hold=(5, 9)) as stub,
         await GdbTransport.connect(stub.address, timeout=2) as transport,
     ):
         found = await transport.read_many(0, [(0x1100, 0x900), (0x4F00, 0x200), (0x2000, 8)])
@@ -194,7 +197,7 @@ async def test_several_reads_go_in_one_request_and_fail_one_by_one() -> None:
         assert isinstance(found[1], MemoryReadError) and found[1].addr == 0x4F00
         assert found[2] == bytes(range(8))  # the read after the failed one is still in sync
         chunks = [b"m1100,800", b"m1900,100", b"m4f00,200", b"m2000,8"]
-        assert stub.packets[3:] == [b"Hg01", *chunks]
+        assert stub.packets[4:] == [b"Hg01", *chunks]
         assert await transport.read_many(0, []) == []
 
 
@@ -205,7 +208,7 @@ async def test_unknown_vcpu_is_refused() -> None:
 
 
 async def test_stub_hanging_up_is_guest_gone() -> None:
-    async with FakeStub(hang_up=4) as stub, await GdbTransport.connect(stub.address) as transport:
+    async with FakeStub(hang_up=5) as stub, await GdbTransport.connect(stub.address) as transport:
         with pytest.raises(GuestGoneError):
             await transport.registers(0)
 
@@ -238,7 +241,7 @@ async def test_concurrent_register_reads_are_pipelined() -> None:
     # Packets 4-7 are Hg01 g Hg02 g: no answer before all four came, so a client that waited
     # for the first answer before sending the second request would time out.
     async with (
-        FakeStub(lambda body: two_vcpus(body, selected), hold=(4, 7)) as stub,
+        FakeStub(lambda body: two_vcpus(body, selected), hold=(5, 8)) as stub,
         await GdbTransport.connect(stub.address, timeout=2) as transport,
     ):
         assert await transport.cpus() == [0, 1]
@@ -248,14 +251,14 @@ async def test_concurrent_register_reads_are_pipelined() -> None:
             transport.registers(7),
             return_exceptions=True,
         )
-        assert [r.rip for r in results[:2] if not isinstance(r, BaseException)] == [0x1000, 0x2000]
+        assert [r.pc for r in results[:2] if not isinstance(r, BaseException)] == [0x1000, 0x2000]
         assert isinstance(results[2], TransportError) and "no vCPU 7" in str(results[2])
-        assert stub.packets[3:] == [b"Hg01", b"g", b"Hg02", b"g"]  # nothing for vCPU 7
+        assert stub.packets[4:] == [b"Hg01", b"g", b"Hg02", b"g"]  # nothing for vCPU 7
         selected.append(1)  # from now on thread 2 refuses its registers
         results = await asyncio.gather(
             transport.registers(0), transport.registers(1), return_exceptions=True
         )
-        assert not isinstance(results[0], BaseException) and results[0].rip == 0x1000
+        assert not isinstance(results[0], BaseException) and results[0].pc == 0x1000
         assert isinstance(results[1], TransportError)
 
 
@@ -271,17 +274,17 @@ async def test_hg_is_sent_only_when_the_selection_changes() -> None:
         return two_vcpus(body, selected)
 
     async with FakeStub(respond) as stub, await GdbTransport.connect(stub.address) as transport:
-        rips = [(await transport.registers(cpu)).rip for cpu in (1, 1, 0, 0, 1)]
+        rips = [(await transport.registers(cpu)).pc for cpu in (1, 1, 0, 0, 1)]
         assert rips == [0x2000, 0x2000, 0x1000, 0x1000, 0x2000]
-        assert stub.packets[3:] == [b"Hg02", b"g", b"g", b"Hg01", b"g", b"g", b"Hg02", b"g"]
+        assert stub.packets[4:] == [b"Hg02", b"g", b"g", b"Hg01", b"g", b"g", b"Hg02", b"g"]
         assert await transport.query("qStopNow") == "OK"
         # vCPU 1 looked selected, but the stop reset it: the reply is checked and asked again.
-        assert (await transport.registers(1)).rip == 0x2000
+        assert (await transport.registers(1)).pc == 0x2000
         assert stub.packets[-3:] == [b"g", b"Hg02", b"g"]
         del stub.packets[:]
         await transport.cont()
         await transport.stop()  # the stop reply names thread 1: vCPU 0 needs no Hg after it
-        assert (await transport.registers(0)).rip == 0x1000
+        assert (await transport.registers(0)).pc == 0x1000
         assert stub.packets == [b"c", b"\x03", b"qC", b"g"]
 
 
@@ -308,11 +311,11 @@ async def test_stop_and_registers_is_one_round_trip() -> None:
     ):
         assert await transport.is_running()
         (regs,) = await transport.stop_and_registers([0])
-        assert regs.rip == 0x12839  # the captured packet's
+        assert regs.pc == 0x12839  # the captured packet's
         assert not await transport.is_running()
-        assert stub.packets[3:] == [b"c", b"\x03", b"qC", b"Hg01", b"g"]
+        assert stub.packets[4:] == [b"c", b"\x03", b"qC", b"Hg01", b"g"]
         (again,) = await transport.stop_and_registers([0])  # paused: no second \x03
-        assert again.rip == regs.rip and stub.packets[8:] == [b"g"]  # and no second Hg01
+        assert again.pc == regs.pc and stub.packets[9:] == [b"g"]  # and no second Hg01
 
 
 async def test_a_qmp_server_is_not_a_gdbstub() -> None:
@@ -385,7 +388,7 @@ async def test_registers_agree_with_info_registers(tmp_path: Path) -> None:
         await transport.stop()
         assert not qmp.running()
         for cpu in (0, 1):
-            regs = await transport.register_dict(cpu)
+            regs = X86Formats().gdb_named(await transport.register_packet(cpu))
             model = await transport.registers(cpu)
             text = qmp.hmp("info registers", cpu=cpu)
             mon = monitor_fields(text)
@@ -397,18 +400,25 @@ async def test_registers_agree_with_info_registers(tmp_path: Path) -> None:
             for name in ("cs", "ss", "ds", "es", "fs", "gs", "cr0", "cr2", "cr3", "cr4", "efer"):
                 assert regs[name] == mon[name.upper()], (cpu, name)
             bases = dict(re.findall(r"^(FS|GS) =[0-9a-f]+ ([0-9a-f]+) ", text, re.MULTILINE))
-            assert (model.fs_base, model.gs_base) == (int(bases["FS"], 16), int(bases["GS"], 16))
-            assert (model.cpu, model.cpl, model.long_mode) == (cpu, mon["CPL"], True)
-            assert (model.rip, model.rsp, model.gprs[1]) == (mon["RIP"], mon["RSP"], mon["RDX"])
+            assert (model.special["fs_base"], model.special["gs_base"]) == (
+                int(bases["FS"], 16),
+                int(bases["GS"], 16),
+            )
+            assert (model.cpu, model.special["cpl"], model.isa == "x86_64") == (
+                cpu,
+                mon["CPL"],
+                True,
+            )
+            assert (model.pc, model.sp, model.gprs[1]) == (mon["RIP"], mon["RSP"], mon["RDX"])
         both = await asyncio.gather(transport.registers(0), transport.registers(1))
         for cpu, regs in enumerate(both):
-            assert regs.rip == monitor_fields(qmp.hmp("info registers", cpu=cpu))["RIP"]
+            assert regs.pc == monitor_fields(qmp.hmp("info registers", cpu=cpu))["RIP"]
         await transport.cont()
         fused = await transport.stop_and_registers([0, 1])
         assert not qmp.running()
         for cpu, regs in enumerate(fused):
             mon = monitor_fields(qmp.hmp("info registers", cpu=cpu))
-            assert (regs.rip, regs.rsp, regs.cr3) == (mon["RIP"], mon["RSP"], mon["CR3"])
+            assert (regs.pc, regs.sp, regs.space) == (mon["RIP"], mon["RSP"], mon["CR3"])
         await transport.close(running=True)
         assert qmp.running()
 
@@ -419,12 +429,12 @@ async def test_registers_in_32_bit_mode_agree(tmp_path: Path) -> None:
     with qemu(tmp_path, []) as (gdb, qmp):
         transport = await GdbTransport.connect(gdb)
         await transport.stop()
-        regs = await transport.register_dict(0)
+        regs = X86Formats().gdb_named(await transport.register_packet(0))
         mon = monitor_fields(qmp.hmp("info registers", cpu=0))
         for name in ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", "ip"):
             assert regs["r" + name] == mon["E" + name.upper()], name
         assert (regs["eflags"], regs["cs"], regs["cr0"]) == (mon["EFL"], mon["CS"], mon["CR0"])
-        assert not (await transport.registers(0)).long_mode
+        assert (await transport.registers(0)).isa == "i386"
         await transport.close()
 
 
@@ -435,8 +445,8 @@ async def test_memory_agrees_with_memsave(tmp_path: Path) -> None:
         await transport.stop()
         regs = await transport.registers(0)
         text = symbol(guest.kernel_elf, "kworker_main")
-        to_page_end = 0x1000 - (regs.rsp & 0xFFF)  # the page above a stack may be unmapped
-        windows = [(regs.rsp & ~0xFFF, 0x1000), (text - 100, 0x2345), (regs.rsp, to_page_end)]
+        to_page_end = 0x1000 - (regs.sp & 0xFFF)  # the page above a stack may be unmapped
+        windows = [(regs.sp & ~0xFFF, 0x1000), (text - 100, 0x2345), (regs.sp, to_page_end)]
         for addr, size in windows:
             assert await transport.read(0, addr, size) == qmp.memsave(addr, size), hex(addr)
         together = await transport.read_many(0, [*windows, (0xFFFF_9000_0000_0000, 64)])
@@ -503,7 +513,7 @@ async def test_a_stop_behind_its_back_does_not_mix_up_vcpus(tmp_path: Path) -> N
             qmp.execute("stop")
             regs = await transport.registers(1)
             mon = monitor_fields(qmp.hmp("info registers", cpu=1))
-            assert (regs.rip, regs.rsp) == (mon["RIP"], mon["RSP"])  # each vCPU its own stack
+            assert (regs.pc, regs.sp) == (mon["RIP"], mon["RSP"])  # each vCPU its own stack
             assert not await transport.is_running()
             await transport.cont()
         await transport.close(running=True)
@@ -519,7 +529,7 @@ async def test_after_a_gdb_session_in_multiprocess_mode(tmp_path: Path) -> None:
         transport = await GdbTransport.connect(gdb)
         assert not transport.was_running and await transport.cpus() == [0, 1]
         mon = monitor_fields(qmp.hmp("info registers", cpu=1))
-        assert (await transport.registers(1)).rip == mon["RIP"]
+        assert (await transport.registers(1)).pc == mon["RIP"]
         await transport.close(running=True)
         assert qmp.running()
 

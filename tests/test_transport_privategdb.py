@@ -39,7 +39,7 @@ async def sample(transport: PrivateGdbTransport) -> None:
     for cpu in await transport.cpus():
         regs = await transport.registers(cpu)
         with contextlib.suppress(Exception):  # the page above a stack may be unmapped
-            await transport.read(cpu, regs.rsp, WINDOW)
+            await transport.read(cpu, regs.sp, WINDOW)
     await transport.cont()
 
 
@@ -77,12 +77,15 @@ async def test_a_paused_guest_stays_paused_and_reads_as_over_qmp(tmp_path: Path)
             assert await transport.cpus() == await witness.cpus() == [0, 1]
             for cpu in (0, 1):
                 ours, theirs = await transport.registers(cpu), await witness.registers(cpu)
-                assert (ours.rip, ours.rsp, ours.rbp, ours.cr3, ours.cpl) == (
-                    theirs.rip, theirs.rsp, theirs.rbp, theirs.cr3, theirs.cpl,
+                assert (ours.pc, ours.sp, ours.fp, ours.space, ours.special["cpl"]) == (
+                    theirs.pc, theirs.sp, theirs.fp, theirs.space, theirs.special["cpl"],
                 )  # fmt: skip
                 assert ours.gprs == theirs.gprs
-                assert (ours.fs_base, ours.gs_base) == (theirs.fs_base, theirs.gs_base)
-                stack = ours.rsp & ~0xFFF
+                assert (ours.special["fs_base"], ours.special["gs_base"]) == (
+                    theirs.special["fs_base"],
+                    theirs.special["gs_base"],
+                )
+                stack = ours.sp & ~0xFFF
                 assert await transport.read(cpu, stack, 0x1000) == await witness.read(
                     cpu, stack, 0x1000
                 )
@@ -162,7 +165,7 @@ async def test_qemu_killed_mid_run(tmp_path: Path) -> None:
         machine.guest.process.kill()
         machine.guest.process.wait()
         with pytest.raises(GuestGoneError):
-            await transport.read(0, (await transport.registers(0)).rsp, 64)
+            await transport.read(0, (await transport.registers(0)).sp, 64)
         await asyncio.wait_for(transport.close(), 20)  # no hang, no traceback
         assert not os.path.exists(transport.directory)
 
@@ -210,7 +213,7 @@ async def test_a_refused_gdbserver_falls_back_to_qmp(
         assert isinstance(transport, QmpTransport)
         assert reason is not None and reason.startswith("QEMU refused a gdbstub: Failed to bind")
         assert reason.endswith("using QMP") and "\n" not in reason
-        assert (await transport.registers(0)).long_mode
+        assert (await transport.registers(0)).isa == "x86_64"
         await transport.close()
         assert_gone(machine, made[-1])
         assert machine.witness.running()

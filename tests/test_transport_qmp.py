@@ -123,7 +123,7 @@ async def test_status_stop_cont_and_registers_of_each_cpu(bios: QmpTransport) ->
     assert not await bios.is_running()  # the STOP event in between is skipped
     regs = await asyncio.gather(bios.registers(0), bios.registers(1))
     assert [r.cpu for r in regs] == [0, 1]
-    assert all(not r.long_mode and r.cpl == 0 for r in regs)
+    assert all(r.isa == "i386" and r.special["cpl"] == 0 for r in regs)
     assert regs[0] == await bios.registers(0)  # stopped: nothing moves
     await bios.cont()
     assert await bios.is_running()
@@ -253,7 +253,7 @@ async def test_both_memory_paths_agree_on_the_bundled_guest(tmp_path: Path) -> N
             await transport.stop()
             regs = await transport.registers(0)
             kernel_text = ElfImage.load(guest.kernel_elf).text_addr
-            where = [(kernel_text, 4096), (regs.rsp & ~0xFFF, 4096), (regs.rip, 24)]
+            where = [(kernel_text, 4096), (regs.sp & ~0xFFF, 4096), (regs.pc, 24)]
             assert kernel_text >= 1 << 63
             via = {}
             for path in ("memsave", "hmp"):

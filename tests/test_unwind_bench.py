@@ -7,6 +7,7 @@ from pathlib import Path
 
 from support.synthetic import load_time, offline_rate, running_code_path, synthetic_stack
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import StopReason
 from qmpprof.unwind.chain import Unwinder, Via
@@ -19,12 +20,12 @@ def test_synthetic_stack_unwinds_through_every_chosen_frame(tmp_path: Path) -> N
     subprocess.run(["gcc", "-O2", "-static", "-o", str(binary), str(DATA / "work.c")], check=True)
     image = ElfImage.load(binary)
     regs, cache, space, depth = synthetic_stack(image, depth=12)
-    raw = Unwinder().unwind(regs, cache, space)
+    raw = Unwinder(X86_64).unwind(regs, cache, space)
     assert len(raw.pcs) == depth == 12
     assert raw.stop is StopReason.END
     assert set(raw.via[1:]) == {Via.CFI}
     assert len(set(raw.pcs)) == 12
-    assert all(frame.symbol for frame in Unwinder().resolve(raw, space).frames)
+    assert all(frame.symbol for frame in Unwinder(X86_64).resolve(raw, space).frames)
 
 
 def test_offline_rate_and_load_time_report_numbers() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import struct
 
 import pytest
-from fakes import make_module
+from fakes import make_module, x86
 from test_cfi import PLT_EXPR, cie, fde, sleb, uleb
 
-from qmpprof.dwarf.arch import I386
+from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.model import Registers, StopReason
@@ -38,7 +38,7 @@ def memory(words: dict[int, int], unmapped: tuple[int, ...] = ()) -> PageCache:
 
 
 def regs(rip: int, rsp: int, rbp: int = 0, cpl: int = 3) -> Registers:
-    return Registers(cpu=0, rip=rip, rsp=rsp, rbp=rbp, cpl=cpl, cr3=0x1000)
+    return x86(0, rip, rsp, rbp, cpl=cpl)
 
 
 # --- CFI ---------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def cfi_module() -> Module:
 def test_cfi_walk_to_the_outermost_frame() -> None:
     space = AddressSpace([cfi_module()])
     mem = memory({STACK + 8: 0x1150, STACK + 16 + 24: 0x1250})
-    raw = Unwinder().unwind(regs(0x1010, STACK), mem, space)
+    raw = Unwinder(X86_64).unwind(regs(0x1010, STACK), mem, space)
     assert raw.pcs == (0x1010, 0x1150, 0x1250)
     assert raw.stop is StopReason.END
     assert raw.via == (Via.REGS, Via.CFI, Via.CFI)
@@ -71,13 +71,13 @@ def test_cfi_walk_to_the_outermost_frame() -> None:
 def test_cfi_row_at_function_entry_uses_the_cie_rule() -> None:
     space = AddressSpace([cfi_module()])
     mem = memory({STACK: 0x1150, STACK + 8 + 24: 0x1250})
-    raw = Unwinder().unwind(regs(0x1000, STACK), mem, space)
+    raw = Unwinder(X86_64).unwind(regs(0x1000, STACK), mem, space)
     assert raw.pcs == (0x1000, 0x1150, 0x1250)
 
 
 def test_stack_pointer_that_does_not_grow_is_a_loop() -> None:
     space = AddressSpace([cfi_module()])
-    raw = Unwinder().unwind(regs(0x1310, STACK), memory({STACK - 8: 0x1310}), space)
+    raw = Unwinder(X86_64).unwind(regs(0x1310, STACK), memory({STACK - 8: 0x1310}), space)
     assert raw.pcs == (0x1310,) and raw.stop is StopReason.LOOP
 
 
@@ -85,7 +85,7 @@ def test_unmapped_stack_page_truncates() -> None:
     space = AddressSpace([cfi_module()])
     sp = STACK + PAGE - 16  # A's frame fits in this page, B's return address is on the next
     mem = memory({sp + 8: 0x1150}, unmapped=(STACK + PAGE,))
-    raw = Unwinder().unwind(regs(0x1010, sp), mem, space)
+    raw = Unwinder(X86_64).unwind(regs(0x1010, sp), mem, space)
     assert raw.pcs == (0x1010, 0x1150) and raw.stop is StopReason.READ_FAILED
 
 
@@ -93,7 +93,7 @@ def test_page_missing_propagates_and_a_rerun_succeeds() -> None:
     space = AddressSpace([cfi_module()])
     mem = memory({STACK + 8: 0x1150})
     del mem.pages[page_of(STACK)]
-    unwinder = Unwinder()
+    unwinder = Unwinder(X86_64)
     with pytest.raises(PageMissing) as missing:
         unwinder.unwind(regs(0x1010, STACK), mem, space)
     assert page_of(missing.value.addr) == page_of(STACK)
@@ -116,7 +116,7 @@ def fp_chain(depth: int, outer_rbp: int = 0) -> tuple[dict[int, int], int]:
 
 def test_frame_pointer_walk_ends_at_a_zero_rbp() -> None:
     words, rbp = fp_chain(3)
-    raw = Unwinder().unwind(regs(0x400010, STACK, rbp), memory(words), AddressSpace([]))
+    raw = Unwinder(X86_64).unwind(regs(0x400010, STACK, rbp), memory(words), AddressSpace([]))
     assert raw.pcs == (0x400010, 0x400100, 0x400200, 0x400300)
     assert raw.stop is StopReason.END
     assert raw.via[1:] == (Via.FRAME_POINTER,) * 3
@@ -124,18 +124,22 @@ def test_frame_pointer_walk_ends_at_a_zero_rbp() -> None:
 
 def test_depth_cap() -> None:
     words, rbp = fp_chain(50)
-    raw = Unwinder(max_depth=10).unwind(regs(0x400010, STACK, rbp), memory(words), AddressSpace([]))
+    raw = Unwinder(X86_64, max_depth=10).unwind(
+        regs(0x400010, STACK, rbp), memory(words), AddressSpace([])
+    )
     assert len(raw.pcs) == 10 and raw.stop is StopReason.DEPTH
 
 
 def test_rbp_below_the_stack_pointer_is_not_a_frame_pointer() -> None:
-    raw = Unwinder().unwind(regs(0x400010, STACK, STACK - 64), memory({}), AddressSpace([]))
+    raw = Unwinder(X86_64).unwind(regs(0x400010, STACK, STACK - 64), memory({}), AddressSpace([]))
     assert raw.pcs == (0x400010,) and raw.stop is StopReason.NO_CFI
 
 
 def test_non_canonical_return_address_is_bad() -> None:
     words = {STACK + 16: 0, STACK + 24: 0x0000_9000_0000_0000}
-    raw = Unwinder().unwind(regs(0x400010, STACK, STACK + 16), memory(words), AddressSpace([]))
+    raw = Unwinder(X86_64).unwind(
+        regs(0x400010, STACK, STACK + 16), memory(words), AddressSpace([])
+    )
     assert raw.stop is StopReason.BAD_RETURN
 
 
@@ -189,7 +193,9 @@ def test_prologue_cases(pc: int, ra_slot: int | None, via: Via) -> None:
         words[ra_slot] = CALLER
         if pc == 0x1001:
             words[STACK] = OUTER  # the pushed rbp
-    raw = Unwinder().unwind(regs(pc, STACK, rbp), memory(words), AddressSpace([prologue_module()]))
+    raw = Unwinder(X86_64).unwind(
+        regs(pc, STACK, rbp), memory(words), AddressSpace([prologue_module()])
+    )
     assert raw.pcs == (pc, CALLER)
     assert raw.via[1] is via
     assert raw.stop is StopReason.END
@@ -199,7 +205,7 @@ def test_prologue_cases(pc: int, ra_slot: int | None, via: Via) -> None:
 def test_prologue_without_symbols(pc: int, ra_slot: int) -> None:
     words = {OUTER: 0, OUTER + 8: 0, ra_slot: CALLER, STACK: OUTER} | {ra_slot: CALLER}
     space = AddressSpace([prologue_module(with_symbols=False)])
-    raw = Unwinder().unwind(regs(pc, STACK, OUTER), memory(words), space)
+    raw = Unwinder(X86_64).unwind(regs(pc, STACK, OUTER), memory(words), space)
     assert raw.pcs == (pc, CALLER) and raw.via[1] is Via.PROLOGUE
 
 
@@ -240,11 +246,11 @@ def test_trap_frame_crosses_into_the_interrupted_user_stack(signal: bool) -> Non
         USTACK + 8: 0x401150,  # f's return address into main
     }
     space = AddressSpace([kernel_module(signal), user_module()])
-    raw = Unwinder().unwind(regs(KBASE + 0x110, KSTACK, cpl=0), memory(words), space)
+    raw = Unwinder(X86_64).unwind(regs(KBASE + 0x110, KSTACK, cpl=0), memory(words), space)
     assert raw.pcs == (KBASE + 0x110, KBASE + 0x50, 0x401010, 0x401150)
     assert raw.exact == (True, False, True, False)
     assert raw.stop is StopReason.END
-    names = [f.kernel for f in Unwinder().resolve(raw, space).frames]
+    names = [f.kernel for f in Unwinder(X86_64).resolve(raw, space).frames]
     assert names == [True, True, False, False]
 
 
@@ -265,7 +271,9 @@ def test_frame_pointer_walk_crosses_a_fake_trap_frame_into_user_code() -> None:
             make_module("user", 0x400000, 0x500000, kernel=False),
         ]
     )
-    raw = Unwinder().unwind(regs(KBASE + 0x110, KSTACK, handler_rbp, cpl=0), memory(words), space)
+    raw = Unwinder(X86_64).unwind(
+        regs(KBASE + 0x110, KSTACK, handler_rbp, cpl=0), memory(words), space
+    )
     assert raw.pcs == (KBASE + 0x110, KBASE + 0x50, 0x401010, 0x401150)
     assert raw.exact == (True, False, True, False)
     assert raw.stop is StopReason.END
@@ -273,7 +281,9 @@ def test_frame_pointer_walk_crosses_a_fake_trap_frame_into_user_code() -> None:
 
 def test_user_code_never_returns_into_the_kernel() -> None:
     words = {USTACK + 8: KBASE + 0x10}
-    raw = Unwinder().unwind(regs(0x401010, USTACK), memory(words), AddressSpace([user_module()]))
+    raw = Unwinder(X86_64).unwind(
+        regs(0x401010, USTACK), memory(words), AddressSpace([user_module()])
+    )
     assert raw.pcs == (0x401010,) and raw.stop is StopReason.BAD_RETURN
 
 
@@ -285,13 +295,13 @@ def test_symbolize_looks_callers_up_at_return_address_minus_one() -> None:
     module = make_module("prog", 0x5000, 0x6000, kernel=False, bias=0x4000, symbols=symbols)
     space = AddressSpace([module])
     raw = RawStack((0x5100, 0x5100, 0x9999), StopReason.NO_CFI, (True, False, False))
-    stack = Unwinder().resolve(raw, space)
+    stack = Unwinder(X86_64).resolve(raw, space)
     leaf, caller, unknown = stack.frames
     assert (leaf.symbol, leaf.offset, leaf.module_name) == ("b", 0, "prog")
     assert (caller.symbol, caller.offset) == ("a", 0x100)  # a call was a's last instruction
     assert (unknown.symbol, unknown.module_name, unknown.kernel) == (None, None, False)
     assert stack.stop is StopReason.NO_CFI and stack.truncated
-    assert Unwinder().resolve(raw, space) == stack  # the cached frames are the same
+    assert Unwinder(X86_64).resolve(raw, space) == stack  # the cached frames are the same
 
 
 def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
@@ -300,7 +310,7 @@ def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
     other_code = bytes.fromhex("90c3") + CODE[2:]  # 0x1000 nop, 0x1001 ret
     other = make_module("other", 0x1000, 0x2000, kernel=False, code=other_code, code_addr=0x1000)
     words = {STACK: OUTER, STACK + 8: CALLER, OUTER: 0, OUTER + 8: 0}
-    unwinder = Unwinder()
+    unwinder = Unwinder(X86_64)
     first = unwinder.unwind(
         regs(0x1001, STACK, OUTER), memory(words), AddressSpace([prologue_module()])
     )
@@ -310,8 +320,8 @@ def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
 
 
 def test_code_outside_long_mode_is_not_walked() -> None:
-    legacy = Registers(cpu=0, rip=0x7C00, rsp=0x7000, rbp=0x7010, cpl=0, cr3=0, long_mode=False)
-    raw = Unwinder().unwind(legacy, memory({}), AddressSpace([]))
+    legacy = x86(0, 0x7C00, 0x7000, 0x7010, cr3=0, long_mode=False)
+    raw = Unwinder(X86_64).unwind(legacy, memory({}), AddressSpace([]))
     assert raw.pcs == (0x7C00,) and raw.stop is StopReason.NO_CFI
 
 
@@ -347,7 +357,7 @@ def test_every_register_rule_kind_feeds_the_next_frame() -> None:
         s + 48: s + 88,  # F3: rbx saved at CFA3 - 16
         s + 88: 0x1450,  # F4's return address (CFA4 = rbx + 8 = s+96)
     }
-    raw = Unwinder().unwind(regs(0x1010, s), memory(words), AddressSpace([rules_module()]))
+    raw = Unwinder(X86_64).unwind(regs(0x1010, s), memory(words), AddressSpace([rules_module()]))
     assert raw.pcs == (0x1010, 0x1150, 0x1250, 0x1350, 0x1450)
     assert raw.stop is StopReason.END
     assert set(raw.via[1:]) == {Via.CFI}
@@ -356,7 +366,7 @@ def test_every_register_rule_kind_feeds_the_next_frame() -> None:
 @pytest.mark.parametrize(("pc", "ra_slot"), [(0x1504, STACK), (0x150C, STACK + 8)])
 def test_plt_stub_cfa_expression(pc: int, ra_slot: int) -> None:
     words = {ra_slot: 0x1450}
-    raw = Unwinder().unwind(regs(pc, STACK), memory(words), AddressSpace([rules_module()]))
+    raw = Unwinder(X86_64).unwind(regs(pc, STACK), memory(words), AddressSpace([rules_module()]))
     assert raw.pcs == (pc, 0x1450) and raw.stop is StopReason.END
 
 
@@ -366,19 +376,18 @@ def test_a_trap_frame_is_told_from_a_plain_return_address() -> None:
     import struct
 
     from qmpprof.pages import PageCache
-    from qmpprof.unwind.chain import _trap_frame_sp
 
     page = 0xFFFF_FFFF_8020_0000
     cache = PageCache()
     frame = struct.pack("<5Q", 0x40_1068, 0x23, 0x202, 0x7F_F000, 0x1B)  # rip cs flags rsp ss
     cache.pages[page] = frame + bytes(4096 - len(frame))
-    assert _trap_frame_sp(page + 8, cache) == 0x7F_F000
+    assert X86_64.trap_frame_sp(page + 8, cache.read_u64) == 0x7F_F000
     kernel_cs = struct.pack("<5Q", 0x40_1068, 0x08, 0x202, 0x7F_F000, 0x10)
     cache.pages[page] = kernel_cs + bytes(4096 - len(kernel_cs))
-    assert _trap_frame_sp(page + 8, cache) is None  # CPL 0: not an entry from user mode
+    assert X86_64.trap_frame_sp(page + 8, cache.read_u64) is None  # CPL 0: not from user mode
     junk = struct.pack("<5Q", 0x40_1068, 0x40_2000, 7, 0, 0)
     cache.pages[page] = junk + bytes(4096 - len(junk))
-    assert _trap_frame_sp(page + 8, cache) is None  # user stack data, not a CS
+    assert X86_64.trap_frame_sp(page + 8, cache.read_u64) is None  # user stack data, not a CS
 
 
 def _memory32(words: dict[int, int]) -> PageCache:
@@ -393,26 +402,23 @@ def _memory32(words: dict[int, int]) -> PageCache:
 def test_i386_frame_pointers_walk_4_byte_words() -> None:
     # [ebp] = caller's ebp, [ebp+4] = return address; the outermost frame's ebp is 0.
     mem = _memory32({0x7FF010: 0x7FF020, 0x7FF014: 0x401234, 0x7FF020: 0, 0x7FF024: 0x401300})
-    gprs = {7: 0x7FF000, 6: 0x7FF010, 16: 0x401100}  # the model's x86_64 numbers
-    r = Registers(cpu=0, rip=0x401100, rsp=0x7FF000, rbp=0x7FF010, cpl=3, cr3=0,
-                  long_mode=False, gprs=gprs)  # fmt: skip
-    walker = Unwinder(kernel_boundary=0xC000_0000, arch=I386)
+    r = x86(0, 0x401100, 0x7FF000, 0x7FF010, cpl=3, cr3=0, long_mode=False)
+    walker = Unwinder(I386)
     raw = walker.unwind(r, mem, AddressSpace([]))
     assert raw.pcs == (0x401100, 0x401234, 0x401300)
     assert raw.stop is StopReason.END
     # An x86_64 walker gives a 32-bit guest its one exact frame, as before.
-    assert Unwinder().unwind(r, mem, AddressSpace([])).pcs == (0x401100,)
+    assert Unwinder(X86_64).unwind(r, mem, AddressSpace([])).pcs == (0x401100,)
 
 
 def test_an_i386_trap_frame_is_told_from_a_plain_return_address() -> None:
     """i386: after the EIP slot, a user CS and EFLAGS (4 bytes each), then the user ESP."""
-    from qmpprof.unwind.chain import _trap_frame_sp32
 
     page = 0xC014_5000
     frame = struct.pack("<5I", 0x40_1068, 0x23, 0x202, 0x7F_FFC0, 0x2B)  # eip cs eflags esp ss
     cache = PageCache()
     cache.pages[page] = frame + bytes(PAGE - len(frame))
-    assert _trap_frame_sp32(page + 4, cache) == 0x7F_FFC0
+    assert I386.trap_frame_sp(page + 4, cache.read_u32) == 0x7F_FFC0
     kernel_cs = struct.pack("<3I", 0x40_1068, 0x08, 0x202)
     cache.pages[page] = kernel_cs + bytes(PAGE - len(kernel_cs))
-    assert _trap_frame_sp32(page + 4, cache) is None  # ring 0: no user ESP was pushed
+    assert I386.trap_frame_sp(page + 4, cache.read_u32) is None  # ring 0: no user ESP pushed

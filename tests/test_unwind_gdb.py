@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from qmpprof.arch.x86 import X86_64
+from qmpprof.arch.x86regs import x86_registers
 from qmpprof.elf.image import ElfImage
-from qmpprof.model import DWARF_REGS, RIP, Registers, Stack, StopReason
+from qmpprof.model import Stack, StopReason
 from qmpprof.pages import PAGE, PageCache
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
@@ -45,9 +47,8 @@ def replay(binary: Path, snap: dict[str, object]) -> tuple[RawStack, Stack]:
         cache.pages[start + off] = stack[off : off + PAGE]
     regs = snap["regs"]
     assert isinstance(regs, dict)
-    gprs = {i: regs[name] for i, name in enumerate(DWARF_REGS)}
-    registers = Registers(0, gprs[RIP], regs["rsp"], regs["rbp"], 3, 0, gprs=gprs)
-    unwinder = Unwinder()
+    registers = x86_registers(0, regs, cpl=3, cr3=0)
+    unwinder = Unwinder(X86_64)
     raw = unwinder.unwind(registers, cache, space)
     return raw, unwinder.resolve(raw, space)
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 from guestvm import build_fixtures
 
-from qmpprof.dwarf.arch import I386
+from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.dwarf.cfi import CfiTable, Kind, RegRule, Rule
 from qmpprof.elf.image import ElfImage
-from qmpprof.model import DWARF_REGS
 
 DATA = Path(__file__).parent / "data" / "unwind"
 
@@ -26,7 +25,7 @@ _FDE = re.compile(
 # A row's LOC is a full 64- or 32-bit address ("00000068 ZERO terminator" is no row).
 _ROW = re.compile(r"^([0-9a-f]{16}|[0-9a-f]{8}) (?!ZERO)(.*)$")
 _VALUE = re.compile(r"r\d+ \([^)]*\)|\S+")  # "r9 (r9)" is the only value with a space inside
-REG_NAMES = (*DWARF_REGS[:16], "rip", *(f"xmm{i}" for i in range(16)))
+REG_NAMES = (*X86_64.names[:16], "rip", *(f"xmm{i}" for i in range(16)))
 I386_NAMES = I386.names  # readelf's i386 columns: eax ecx edx ebx esp ebp esi edi eip
 
 

@@ -21,6 +21,7 @@ import pytest
 from guestvm import METADATA_ADDR, expected, free_tcp_port, running_guest
 from support.bench.gdbcli import GdbMi
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import GuestGoneError
 from qmpprof.guest.emerald import EmeraldIdentifier
@@ -161,8 +162,8 @@ async def compare(variant: str, tmp_path: Path, *, cfi: bool = True) -> tuple[in
                 without_cfi(elf, user_dir)
         kernel = Module.from_image(ElfImage.load(kernel_elf), kernel=True)
         assert isinstance(kernel.steps[0], CfiStep) or not cfi
-        tracker = EmeraldIdentifier([kernel], ProgramIndex.from_dir(user_dir))
-        unwinder = Unwinder()
+        tracker = EmeraldIdentifier([kernel], ProgramIndex.from_dir(user_dir), X86_64)
+        unwinder = Unwinder(X86_64)
         try:
             stop = 0
             while agree + len(disagreements) < 2 * STOPS:

@@ -31,12 +31,11 @@ from test_unwind_vs_gdb import (
     without_cfi,
 )
 
-from qmpprof.dwarf.arch import I386
+from qmpprof.arch.x86 import I386
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.sampler import Sampler, SamplerConfig
-from qmpprof.session import KERNEL_BOUNDARY_32
 from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import Module, Unwinder
 from qmpprof.unwind.steps import CfiStep
@@ -111,8 +110,8 @@ async def compare(
                     without_cfi(elf, user_dir)
             kernel = Module.from_image(ElfImage.load(kernel_elf), kernel=True)
             assert isinstance(kernel.steps[0], CfiStep) == cfi
-            tracker = Cr3Identifier([kernel], ProgramIndex.from_dir(user_dir))
-            unwinder = Unwinder(kernel_boundary=KERNEL_BOUNDARY_32, arch=I386)
+            tracker = Cr3Identifier([kernel], ProgramIndex.from_dir(user_dir), I386)
+            unwinder = Unwinder(I386)
             try:
                 while agree + len(disagreements) < STOPS:
                     stop += 1

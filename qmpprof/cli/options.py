@@ -11,21 +11,15 @@ from pathlib import Path
 from typing import NoReturn, TypedDict
 
 from qmpprof import __version__
+from qmpprof import arch as arches
+from qmpprof import guest as guests
 from qmpprof.errors import UsageError
 from qmpprof.guest import metadata
-from qmpprof.model import KERNEL_BOUNDARY, Mode
+from qmpprof.model import Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import (
-    GUEST_OSES,
-    KERNEL_BOUNDARY_32,
-    TRANSPORTS,
-    GuestOs,
-    RunSpec,
-    TransportKind,
-    default_kernel_boundary,
-)
+from qmpprof.session import TRANSPORTS, RunSpec, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +77,14 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add("--kallsyms", metavar="FILE",
         help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
              "kallsyms tables inside --kernel)")  # fmt: skip
-    add("--kernel-boundary", metavar="ADDR",
-        help=f"lowest kernel address (default {KERNEL_BOUNDARY:#x}, "
-             f"{KERNEL_BOUNDARY_32:#x} for a 32-bit --kernel)")  # fmt: skip
+    defaults = ", ".join(
+        f"{arches.by_name(name).kernel_boundary:#x} on {name}" for name in arches.names()
+    )
+    add(
+        "--kernel-boundary",
+        metavar="ADDR",
+        help=f"lowest kernel address (default: the --kernel's instruction set's, {defaults})",
+    )
     add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
         help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
     add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
@@ -93,8 +92,8 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add("--no-metadata", action="store_true", help="the same as --os cr3")
     add(
         "--os",
-        choices=GUEST_OSES,
-        default="auto",
+        choices=guests.names(),
+        default=guests.AUTO,
         help="how the guest tells its processes apart: Linux's current task (linux), the "
         "Emerald metadata page (emerald), page-table roots alone (cr3), or auto (the default): "
         "linux for a Linux --kernel, else the page when it is there",
@@ -107,7 +106,7 @@ class GuestFields(TypedDict):
     kernel: Path | None
     kallsyms: Path | None
     user_dir: Path | None
-    os: GuestOs
+    os: str
     metadata_addr: int
     metadata_layout: tuple[str, ...]
 
@@ -123,10 +122,10 @@ def guest_fields(ns: argparse.Namespace) -> GuestFields:
     }
 
 
-def kernel_boundary_of(ns: argparse.Namespace) -> int:
-    """``--kernel-boundary``, else the default of the kernel ELF's class."""
+def kernel_boundary_of(ns: argparse.Namespace) -> int | None:
+    """``--kernel-boundary``, else None: the default of the kernel's instruction set."""
     if ns.kernel_boundary is None:
-        return default_kernel_boundary(Path(ns.kernel) if ns.kernel else None)
+        return None
     return parse_address(ns.kernel_boundary, "--kernel-boundary")
 
 

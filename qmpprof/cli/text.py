@@ -29,7 +29,10 @@ def one_shot_text(samples: Sequence[Sample], show_addresses: bool) -> str:
     lines = []
     for s in samples:
         who = "" if s.process is None else f"  {s.process.label}{_thread(s.process)}"
-        lines.append(f"vCPU {s.cpu}: {s.mode.value} (CPL {s.cpl}, CR3 {s.cr3:#x}){who}")
+        state = "user" if s.user else "kernel"
+        lines.append(
+            f"vCPU {s.cpu}: {s.mode.value} (CPU in {state} mode, page tables {s.space:#x}){who}"
+        )
         for i, frame in enumerate(s.stack.frames):
             lines.append(f"  #{i:<2} {frame_text(frame, show_addresses)}")
         if s.stack.truncated:
@@ -44,14 +47,14 @@ def _thread(process: Process) -> str:
 
 
 def one_shot_json(samples: Sequence[Sample]) -> str:
-    """Addresses and CR3 as hex strings: JSON numbers above 2**53 lose digits in JavaScript
-    and in many other readers, and every kernel address is above it."""
+    """Addresses and page-table roots as hex strings: JSON numbers above 2**53 lose digits in
+    JavaScript and in many other readers, and every kernel address is above it."""
     doc = [
         {
             "cpu": s.cpu,
             "mode": s.mode.value,
-            "cpl": s.cpl,
-            "cr3": f"{s.cr3:#x}",
+            "user": s.user,
+            "space": f"{s.space:#x}",
             "process": None
             if s.process is None
             else {

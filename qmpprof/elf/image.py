@@ -22,7 +22,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from qmpprof.dwarf.arch import BY_MACHINE, Arch
+from qmpprof import arch as arches
+from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
@@ -38,7 +39,6 @@ _SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
 # Program headers: (type, offset, vaddr, memsz) at these field indexes of each class's order.
 _PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
 _PHDR_FIELDS = {64: (0, 2, 3, 6), 32: (0, 1, 2, 5)}
-_MACHINES = {3: "EM_386", 62: "EM_X86_64"}
 _PT_LOAD, _SHT_NOBITS = 1, 8
 _SHF_EXECINSTR = 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
@@ -67,7 +67,7 @@ class SectionHeader:
 
 @dataclass(frozen=True, slots=True)
 class _Headers:
-    arch: Arch
+    arch: InstructionSet
     entry: int
     sections: list[SectionHeader]
     loads: list[tuple[int, int, int]]  # PT_LOAD segments: (vaddr, file offset, memsz)
@@ -112,7 +112,7 @@ class ElfImage:
         return cls.from_bytes(text, data)
 
     @staticmethod
-    def sniff_arch(path: str | Path) -> Arch | None:
+    def sniff_arch(path: str | Path) -> InstructionSet | None:
         """The instruction set an ELF file's header names (class and e_machine), without
         parsing the rest; None for anything else or a file that cannot be read."""
         try:
@@ -122,8 +122,7 @@ class ElfImage:
             return None
         if len(head) < 20 or not head.startswith(b"\x7fELF"):
             return None
-        machine = _MACHINES.get(int.from_bytes(head[18:20], "little"))
-        return None if machine is None else BY_MACHINE.get((machine, 32 * head[4]))
+        return arches.by_elf(int.from_bytes(head[18:20], "little"), 32 * head[4])
 
     @classmethod
     def from_bytes(cls, path: str, data: Data) -> ElfImage:
@@ -284,9 +283,10 @@ def _headers(path: str, data: Data) -> _Headers:
     fields = ehdr.unpack_from(data, 16)
     _type, machine, _version, entry, phoff, shoff = fields[:6]
     phentsize, phnum, shentsize, shnum, shstrndx = fields[8:]
-    arch = BY_MACHINE.get((_MACHINES.get(machine, ""), bits))
+    arch = arches.by_elf(machine, bits)
     if arch is None:
-        raise ElfError(path, f"{bits}-bit {_machine_name(machine)}, not x86_64 or 32-bit i386")
+        known = ", ".join(arches.names())
+        raise ElfError(path, f"{bits}-bit {_machine_name(machine)}: qmpprof reads {known}")
     shdr = _SHDR[bits]
     raw = []
     if shoff:

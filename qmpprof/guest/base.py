@@ -1,25 +1,83 @@
-"""The guest OS seam: who runs on a vCPU, and in which address space to unwind and name it.
+"""The guest-OS seam: one Protocol for a guest OS's whole life in a run.
 
-One implementation per way a guest lets us know: the Emerald metadata page (``emerald.py``),
-page-table roots alone (``cr3.py``); a Linux guest will read its task_struct. The sampler calls
-``reads_for`` before it reads the stack (those ranges go out in the same round trip) and
-``identify`` while the guest is stopped; ``identify`` may read guest memory through the sample's
-page cache and the transport.
+A kind of guest OS (``GuestOs``, one per ``--os`` name in the registry, ``qmpprof.guest``) says
+whether it recognises a kernel file (``--os auto`` asks each in turn) and loads what it needs
+before the guest is touched (``load``: files read and indexed, a bad one fails first). What it
+loads is a ``Guest``: it ``attach``es to the running guest (where the kernel was loaded, its
+modules, its tasks: through the transport's control channel, while the guest runs), keeps up
+with slow changes between ticks (``housekeep``, while the guest runs), and tells who runs on a
+vCPU at each sample (``reads_for`` before the stack is read: those ranges go out in the same
+round trip; ``identify`` while the guest is stopped, reading through the sample's page cache and
+the transport). Implementations: the Linux package (``linux/``), the Emerald metadata page
+(``emerald.py``), page-table roots alone (``cr3.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, TypeVar
 
-from qmpprof.memory import fetch
+from qmpprof.arch.base import InstructionSet
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import ElfError
 from qmpprof.model import Process, Registers
 from qmpprof.pages import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace
 
 Space_co = TypeVar("Space_co", covariant=True)
+_HEAD = 0x300  # bytes of a kernel file looked at to recognise it (a bzImage's header is below)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KernelFile:
+    """The kernel file of a run, opened once: its first bytes, and its ELF (mapped) and
+    instruction set when it is an ELF of one qmpprof reads."""
+
+    path: Path
+    head: bytes
+    elf: ElfImage | None = None
+
+    @classmethod
+    def open(cls, path: Path) -> KernelFile:
+        """Raises ElfError (one line) for a file that cannot be read, or an ELF qmpprof cannot
+        read; another file is kept by its head for the guest OSes to recognise."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEAD)
+        except OSError as err:
+            raise ElfError(str(path), err.strerror or str(err)) from err
+        elf = ElfImage.load(path, mapped=True) if head.startswith(b"\x7fELF") else None
+        return cls(path, head, elf)
+
+    @property
+    def arch(self) -> InstructionSet | None:
+        return None if self.elf is None else self.elf.arch
+
+
+@dataclass(frozen=True, slots=True)
+class GuestSpec:
+    """What a guest OS is told of a run. ``options``: settings of one OS by name (the Emerald
+    page's address and layout), each OS reading its own."""
+
+    arch: InstructionSet  # the run's: the kernel file's, else the registry's default
+    kernel: KernelFile | None = None
+    kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
+    user_dir: Path | None = None
+    lines: bool = False  # resolve source lines and inlined frames where DWARF has them
+    auto: bool = False  # chosen by --os auto, not named: fall back where the guest says nothing
+    options: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """What attaching learnt, for the user: lines for ``--verbose`` (``detail``) and lines to
+    tell in any case (``notes``: what the guest lacks, say)."""
+
+    detail: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 class Identified(Protocol[Space_co]):
@@ -35,7 +93,7 @@ class Identified(Protocol[Space_co]):
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """What the identifiers of this package answer."""
+    """What the guest OSes of this package answer."""
 
     process: Process | None
     space: AddressSpace
@@ -55,10 +113,54 @@ class GuestIdentifier(Protocol[Space_co]):
     ) -> Identified[Space_co]: ...
 
 
-async def read_range(transport: GuestTransport, cpu: int, addr: int, size: int) -> bytes | None:
-    """Bytes of a guest range, or None if any of it is unmapped (not yet faulted in, say)."""
-    if size == 0:
+class Guest(GuestIdentifier[AddressSpace], Protocol):
+    """A guest OS as a run knows it, once loaded."""
+
+    @property
+    def arch(self) -> InstructionSet:
+        """The instruction set of the guest's kernel: the run's walker walks it."""
+        ...
+
+    async def attach(self, transport: GuestTransport) -> Attached:
+        """Before the first sample, while the guest runs: learn what the running guest holds
+        (through ``transport.control``, which reads without a stop)."""
+        ...
+
+    async def housekeep(self) -> None:
+        """Between ticks, while the guest runs: keep up with slow changes (its own schedule)."""
+        ...
+
+
+class GuestOs(Protocol):
+    """A kind of guest OS: one registry entry, chosen by ``--os NAME``."""
+
+    @property
+    def name(self) -> str: ...
+
+    def recognises(self, kernel: KernelFile | None) -> bool:
+        """Whether ``--os auto`` takes this OS for a run with this kernel file (or none)."""
+        ...
+
+    def load(self, spec: GuestSpec) -> Guest:
+        """Read and index what the run needs before the guest is touched; errors raise with
+        one line (a QmpprofError)."""
+        ...
+
+
+def kernel_image(spec: GuestSpec) -> ElfImage | None:
+    """The kernel ELF of a run (read and indexed), None without one; ElfError (one line) for a
+    kernel file that is no ELF qmpprof reads."""
+    if spec.kernel is None:
         return None
-    cache = PageCache()
-    await fetch(transport, cache, cpu, addr, size)
-    return cache.read(addr, size)
+    image = spec.kernel.elf or ElfImage.load(spec.kernel.path)
+    return image.prepare()
+
+
+class Quiet:
+    """``attach`` and ``housekeep`` of a guest OS that learns everything while sampling."""
+
+    async def attach(self, transport: GuestTransport) -> Attached:
+        return Attached()
+
+    async def housekeep(self) -> None:
+        return None

@@ -11,21 +11,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qmpprof.guest.base import Identity, read_range
+from qmpprof.arch.base import InstructionSet
+from qmpprof.guest.base import GuestSpec, Identity, KernelFile, Quiet, kernel_image
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.memo import Memo
+from qmpprof.memory import read_one, reader
 from qmpprof.model import Process, Registers
 from qmpprof.pages import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 
 
-class Cr3Identifier:
-    """A GuestIdentifier by CR3; also the fallback of identifiers that know more."""
+class Cr3Os:
+    """``--os cr3``; ``auto`` takes it when no other guest OS recognises the kernel file."""
 
-    def __init__(self, kernel_modules: Sequence[Module], programs: ProgramIndex) -> None:
+    name = "cr3"
+
+    def recognises(self, kernel: KernelFile | None) -> bool:
+        return True
+
+    def load(self, spec: GuestSpec) -> Cr3Identifier:
+        modules, programs = load_files(spec)
+        return Cr3Identifier(modules, programs, spec.arch)
+
+
+def load_files(spec: GuestSpec) -> tuple[list[Module], ProgramIndex]:
+    """The kernel ELF's module and the programs of ``--user-dir``, read and indexed."""
+    image = kernel_image(spec)
+    modules = [] if image is None else [Module.from_image(image, kernel=True)]
+    programs = ProgramIndex.from_dir(spec.user_dir) if spec.user_dir else ProgramIndex([])
+    for program in programs.images:
+        program.prepare()
+    return modules, programs
+
+
+class Cr3Identifier(Quiet):
+    """A Guest by page-table root; also the fallback of guest OSes that know more."""
+
+    def __init__(
+        self, kernel_modules: Sequence[Module], programs: ProgramIndex, arch: InstructionSet
+    ) -> None:
         self.kernel_modules = tuple(kernel_modules)
         self.programs = programs
+        self.arch = arch
         self.kernel = Identity(None, AddressSpace(self.kernel_modules))
         self._by_cr3: Memo[int, Identity] = Memo(4096)
         self._user_cr3s: set[int] = set()
@@ -36,34 +64,38 @@ class Cr3Identifier:
 
     def note(self, regs: Registers) -> None:
         """Remember that this address space runs user code (call for every sample)."""
-        if regs.cpl == 3:
-            self._user_cr3s.add(regs.cr3)
+        if regs.user:
+            self._user_cr3s.add(regs.space)
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
         self.note(regs)
-        found = self._by_cr3.get(regs.cr3)
+        found = self._by_cr3.get(regs.space)
         if found is not None:
             return found
-        if regs.cr3 not in self._user_cr3s:
-            if regs.cr3 in self._kernel_cr3s or not self.programs.images:
+        if regs.space not in self._user_cr3s:
+            if regs.space in self._kernel_cr3s or not self.programs.images:
                 return self.kernel
             found = await self._from_cr3(transport, regs)
             if found.process is None or found.process.program is None:
-                self._kernel_cr3s.add(regs.cr3)
+                self._kernel_cr3s.add(regs.space)
                 return self.kernel
         else:
             found = await self._from_cr3(transport, regs)
-        return self._by_cr3.put(regs.cr3, found)
+        return self._by_cr3.put(regs.space, found)
 
     async def _from_cr3(self, transport: GuestTransport, regs: Registers) -> Identity:
+        read = reader(transport, regs.cpu)
+        name = self.arch.space_register
         for image in self.programs.images:
-            text = await read_range(transport, regs.cpu, image.text_addr, image.text_size)
+            text = await read_one(read, image.text_addr, image.text_size)
             if text is not None and self.programs.match(text) is image:
                 module = Module.from_image(image, kernel=False)
-                return self.with_module(Process(None, image.name, regs.cr3), module)
-        return Identity(Process(None, None, regs.cr3), self.kernel.space)
+                return self.with_module(
+                    Process(None, image.name, regs.space, space_name=name), module
+                )
+        return Identity(Process(None, None, regs.space, space_name=name), self.kernel.space)
 
     def with_module(self, process: Process, user: Module) -> Identity:
         """The identity of a process whose user code is ``user``, beside the kernel's modules."""

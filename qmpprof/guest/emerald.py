@@ -14,14 +14,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.guest import metadata
-from qmpprof.guest.base import Identity, read_range
-from qmpprof.guest.cr3 import Cr3Identifier
+from qmpprof.guest.base import GuestSpec, Identity, KernelFile, Quiet
+from qmpprof.guest.cr3 import Cr3Identifier, load_files
 from qmpprof.guest.metadata import ProcessInfo
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.memo import Memo
-from qmpprof.memory import fetch_piece
+from qmpprof.memory import fetch_piece, read_one, reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.naming import UNKNOWN
 from qmpprof.pages import PageCache
@@ -35,13 +36,34 @@ RECHECK = 0.5
 _RECENT_LIMIT = 4096
 
 
-class EmeraldIdentifier:
-    """A GuestIdentifier for guests with the metadata page; nothing learnt is ever consumed."""
+class EmeraldOs:
+    """``--os emerald``; ``auto`` takes it for a 64-bit kernel ELF or none (the page is a
+    64-bit convention), then turning the page off for good once user code runs without one.
+    Its options: ``metadata_addr`` (where the page is) and ``metadata_layout`` (its fields)."""
+
+    name = "emerald"
+
+    def recognises(self, kernel: KernelFile | None) -> bool:
+        return kernel is None or (kernel.arch is not None and kernel.arch.address_size == 8)
+
+    def load(self, spec: GuestSpec) -> EmeraldIdentifier:
+        modules, programs = load_files(spec)
+        addr = spec.options.get("metadata_addr", metadata.METADATA_ADDR)
+        layout = spec.options.get("metadata_layout", metadata.FIELDS)
+        assert isinstance(addr, int) and isinstance(layout, tuple)
+        return EmeraldIdentifier(
+            modules, programs, spec.arch, metadata_addr=addr, layout=layout, fallback=spec.auto
+        )
+
+
+class EmeraldIdentifier(Quiet):
+    """A Guest with the metadata page; nothing learnt is ever consumed."""
 
     def __init__(
         self,
         kernel_modules: Sequence[Module],
         programs: ProgramIndex,
+        arch: InstructionSet,
         *,
         metadata_addr: int = metadata.METADATA_ADDR,
         layout: tuple[str, ...] = metadata.FIELDS,
@@ -49,11 +71,12 @@ class EmeraldIdentifier:
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.by_cr3 = Cr3Identifier(kernel_modules, programs)
+        self.by_cr3 = Cr3Identifier(kernel_modules, programs, arch)
         self.programs = programs
         self.metadata_addr: int | None = metadata_addr
         self.layout = layout
         self.fallback = fallback
+        self.arch = arch
         self.recheck = recheck
         self.clock = clock
         self._by_page: Memo[tuple[int, ProcessInfo], Identity] = Memo(_RECENT_LIMIT)
@@ -66,7 +89,7 @@ class EmeraldIdentifier:
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         """The metadata page, unless this address space was identified a moment ago."""
-        if self.metadata_addr is None or self._fresh(regs.cr3) is not None:
+        if self.metadata_addr is None or self._fresh(regs.space) is not None:
             return ()
         return ((self.metadata_addr, 8 * len(self.layout)),)
 
@@ -82,8 +105,8 @@ class EmeraldIdentifier:
         """The process ``regs.cpu`` runs; call while the guest is stopped."""
         self.by_cr3.note(regs)
         if self.metadata_addr is not None:
-            fresh = self._fresh(regs.cr3)
-            if fresh is not None and (fresh.process is not None or regs.cpl != 3):
+            fresh = self._fresh(regs.space)
+            if fresh is not None and (fresh.process is not None or not regs.user):
                 return fresh
             found = await self._from_metadata(transport, regs, cache, self.metadata_addr)
             if found is not None:
@@ -98,32 +121,34 @@ class EmeraldIdentifier:
         page = cache.read(addr, size)
         info = None if page is None else metadata.parse(page, self.layout)
         if info is None:
-            if regs.cpl == 3:
+            if regs.user:
                 if self.fallback:
                     # User code runs without a page: this kernel does not follow the convention.
                     self.metadata_addr = None
                 return None
-            self._recent.put(regs.cr3, (self.kernel, self.clock()))
+            self._recent.put(regs.space, (self.kernel, self.clock()))
             return self.kernel
-        found = self._by_page.get((regs.cr3, info))
+        found = self._by_page.get((regs.space, info))
         if found is None:
             found = self._by_page.put(
-                (regs.cr3, info), await self._from_page(transport, regs, info)
+                (regs.space, info), await self._from_page(transport, regs, info)
             )
-        self._recent.put(regs.cr3, (found, self.clock()))
+        self._recent.put(regs.space, (found, self.clock()))
         return found
 
     async def _from_page(
         self, transport: GuestTransport, regs: Registers, info: ProcessInfo
     ) -> Identity:
-        text = await read_range(transport, regs.cpu, info.text_address, info.text_size)
+        text = await read_one(reader(transport, regs.cpu), info.text_address, info.text_size)
         image = None if text is None else self.programs.match(text)
         if image is not None:
             bias = info.text_address - image.text_addr
             module = Module.from_image(image, kernel=False, bias=bias)
-            return self.by_cr3.with_module(Process(info.pid, image.name, regs.cr3), module)
+            process = Process(info.pid, image.name, regs.space)
+            return self.by_cr3.with_module(process, module)
         module = await self._unknown_module(transport, regs.cpu, info, text)
-        return self.by_cr3.with_module(Process(info.pid, None, regs.cr3), module)
+        process = Process(info.pid, None, regs.space)
+        return self.by_cr3.with_module(process, module)
 
     async def _unknown_module(
         self, transport: GuestTransport, cpu: int, info: ProcessInfo, text: bytes | None
@@ -131,9 +156,10 @@ class EmeraldIdentifier:
         """A program no ELF matched: its own ``.eh_frame`` from guest memory, and its code."""
         cfi = None
         if info.has_eh_frame:
-            data = await read_range(transport, cpu, info.eh_frame_address, info.eh_frame_size)
+            read = reader(transport, cpu)
+            data = await read_one(read, info.eh_frame_address, info.eh_frame_size)
             if data is not None:
                 cfi = CfiTable.parse(data, info.eh_frame_address)
         end = info.image_base + info.image_size
         mapping = Mapping(UNKNOWN, info.image_base, end, kernel=False)
-        return Module.build(mapping, cfi=cfi, code=text, code_addr=info.text_address)
+        return Module.build(mapping, self.arch, cfi=cfi, code=text, code_addr=info.text_address)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import UsageError
-from qmpprof.unwind.space import unwindable
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -36,7 +35,7 @@ class ProgramIndex:
         images = []
         for path in sorted(directory.iterdir()):
             if path.is_file() and _looks_like_elf(path):
-                images.append(unwindable(ElfImage.load(path)))
+                images.append(ElfImage.load(path))
         return cls(images)
 
     def match(self, text: bytes) -> ElfImage | None:

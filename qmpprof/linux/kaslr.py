@@ -23,19 +23,16 @@ no handler in it. Handlers with no symbol of their own (the IRQ stubs after
 ``irq_entries_start``; vectors 22-31, left pointing into the freed ``early_idt_handler_array``)
 do not vote.
 
-``parse_idt_register``, ``decode_idt`` and ``vote_slide`` are pure (bytes and text in);
-``detect_slide`` does the two reads over anything with ``hmp()`` and ``read()``
-(``QmpTransport``).
+Everything here is pure (bytes and symbols in): ``qmpprof.guest.linux.slide`` reads the IDT of
+the running guest and hands it over.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
@@ -44,18 +41,9 @@ ENTRY_TEXT = ("__entry_text_start", "__entry_text_end")
 ALIGN = 0x200000  # CONFIG_PHYSICAL_ALIGN of x86_64 distribution kernels
 TEXT_MAP = (0xFFFFFFFF80000000, 0xFFFFFFFFC0000000)  # where _text may land (KERNEL_IMAGE_SIZE)
 MIN_VOTES = 4
-_KERNEL_SPACE = 0xFFFF800000000000
-_GATE = struct.Struct("<HHBBHII")  # offset 15..0, selector, IST, type/attributes, 31..16, 63..32
-_IDT_LINE = re.compile(r"^IDT=\s*([0-9a-f]+)\s+([0-9a-f]+)", re.MULTILINE)
+KERNEL_SPACE = 0xFFFF800000000000
+GATE = struct.Struct("<HHBBHII")  # offset 15..0, selector, IST, type/attributes, 31..16, 63..32
 _INTERRUPT_GATE, _TRAP_GATE = 0xE, 0xF
-
-
-class MonitoredGuest(Protocol):
-    """What ``detect_slide`` needs of a transport (``QmpTransport`` has both)."""
-
-    async def hmp(self, command: str, cpu: int | None = None) -> str: ...
-
-    async def read(self, cpu: int, addr: int, size: int) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,19 +77,11 @@ class SlideVote:
         )
 
 
-def parse_idt_register(text: str) -> tuple[int, int]:
-    """(base, limit) of the IDT from ``info registers`` text."""
-    match = _IDT_LINE.search(text)
-    if match is None:
-        raise KernelMismatchError("no IDT= line in 'info registers' output")
-    return int(match.group(1), 16), int(match.group(2), 16)
-
-
 def decode_idt(data: bytes) -> list[Gate]:
     """The gates in ``data`` (16 bytes each, the 64-bit layout)."""
     gates = []
-    for vector in range(len(data) // _GATE.size):
-        low, selector, ist, attributes, middle, high, _ = _GATE.unpack_from(data, 16 * vector)
+    for vector in range(len(data) // GATE.size):
+        low, selector, ist, attributes, middle, high, _ = GATE.unpack_from(data, 16 * vector)
         gates.append(
             Gate(
                 vector=vector,
@@ -121,7 +101,7 @@ def handlers(gates: Iterable[Gate]) -> list[int]:
     found = {
         g.handler
         for g in gates
-        if g.present and g.kind in (_INTERRUPT_GATE, _TRAP_GATE) and g.handler >= _KERNEL_SPACE
+        if g.present and g.kind in (_INTERRUPT_GATE, _TRAP_GATE) and g.handler >= KERNEL_SPACE
     }
     return sorted(found)
 
@@ -202,15 +182,3 @@ def apply_slide(symbols: KernelSymbols, slide: int) -> KernelSymbols:
     low = TEXT_MAP[0]
     addrs = [addr + slide if addr >= low else addr for addr in symbols.addrs]
     return KernelSymbols(addrs, list(symbols.types), list(symbols.names), list(symbols.modules))
-
-
-async def detect_slide(
-    guest: MonitoredGuest, symbols: KernelSymbols, cpu: int = 0, align: int = ALIGN
-) -> int:
-    """The running kernel's KASLR slide (0 under ``nokaslr``) against the image's ``symbols``:
-    runtime address = image address + slide, for every symbol of the image."""
-    base, limit = parse_idt_register(await guest.hmp("info registers", cpu))
-    if base < _KERNEL_SPACE:
-        raise KernelMismatchError(f"IDT at {base:#x} is not in kernel space (kernel not booted?)")
-    data = await guest.read(cpu, base, min(limit + 1, 256 * _GATE.size))
-    return slide_from_gates(decode_idt(data), symbols, align)

@@ -1,6 +1,6 @@
 """A Linux kernel as a run uses it: the image from /boot (a bzImage, or a vmlinux ELF with or
 without symbols and DWARF), its symbols, its ORC tables and its BTF, loaded and indexed before
-the guest is touched; and the kernel's ``Module`` at the slide the running kernel was found at.
+the guest is touched.
 
 Symbols come, best first, from ``--kallsyms FILE`` (System.map or /proc/kallsyms text), the
 image's ``.symtab`` (a debug vmlinux) or the kallsyms tables built into the image itself.
@@ -25,10 +25,8 @@ from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.orc import OrcLayout, OrcStep, OrcTable
+from qmpprof.linux.orc import OrcLayout, OrcTable
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
-from qmpprof.model import Mapping
-from qmpprof.unwind.space import Module
 
 UPPER_HALF = 0xFFFF_8000_0000_0000
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
@@ -96,26 +94,6 @@ class LinuxKernel:
             self.image.prepare()
         return self
 
-    def module(self, slide: int = 0, *, lines: bool = False) -> Module:
-        """The kernel image as loaded at ``slide`` (runtime - link address: the KASLR slide)."""
-        low, high = self.span
-        image = self.image
-        mapping = Mapping(
-            "vmlinux", low + slide, high + slide, True, slide, image.path, image.build_id, 0
-        )
-        line_table = image.lines if lines else None
-        if self.orc is not None:
-            step = OrcStep(self.orc, slide, self.functions, self.thunks)
-            return Module(mapping, (step,), self.functions, line_table)
-        return Module.build(
-            mapping,
-            cfi=image.cfi,
-            code=image.text_bytes,
-            code_addr=image.text_addr,
-            symbols=self.functions,
-            lines=line_table,
-        )
-
     @property
     def thunks(self) -> tuple[int, int] | None:
         """Link addresses of the retpoline and return thunks, where kallsyms marks them (before
@@ -135,22 +113,10 @@ def is_linux(image: ElfImage) -> bool:
     return any(image.section_addr(mark) is not None for mark in _LINUX_MARKS)
 
 
-def looks_like_linux(path: str | Path) -> bool:
-    """A quick look at a file: a bzImage, or an ELF a Linux kernel would be (for ``--os auto``).
-    Unreadable files are not Linux here: loading them says why."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(0x300)
-    except OSError:
-        return False
-    if is_bzimage(head):
-        return True
-    if not head.startswith(b"\x7fELF"):
-        return False
-    try:
-        return is_linux(ElfImage.load(path, mapped=True))
-    except ElfError:
-        return False
+def looks_like_linux(head: bytes, elf: ElfImage | None) -> bool:
+    """Whether a file whose first bytes are ``head`` (and which is ``elf`` when an ELF) is a
+    Linux kernel image: a bzImage, or an ELF with the sections only Linux kernels have."""
+    return is_bzimage(head) or (elf is not None and is_linux(elf))
 
 
 def _key(path: str | Path, name: str) -> tuple[str, bytes | None]:

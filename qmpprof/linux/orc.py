@@ -11,10 +11,8 @@ the 6.4 numbering. The layout is decided from the entries themselves (``detect_l
 backport that changed the layout of an older version is read right; the kernel's version string
 breaks a tie. A kernel module's tables, read out of guest memory, use the layout of its kernel.
 
-``OrcStep`` follows the entries as the kernel's ``unwind_orc.c`` does: the caller's stack pointer
-from SP, BP, an indirect slot or a register saved in a ``pt_regs``; its pc from the return address
-below it (CALL), from a full ``pt_regs`` (REGS, which also hands over every register, those of
-user mode under a system call or an interrupt) or from an iret frame (REGS_PARTIAL).
+The entries are followed by ``qmpprof.unwind.orc.OrcStep``; this module reads them, and names
+the facts of the x86_64 ABI they refer to (``pt_regs``, the registers ORC names).
 """
 
 from __future__ import annotations
@@ -29,21 +27,36 @@ from itertools import islice
 from operator import add, le
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
-from qmpprof.model import RBP, RIP, RSP, StopReason
-from qmpprof.pages import PageCache
-from qmpprof.unwind.steps import NEW_STACK, Outcome, Regs, Via
 
 MASK64 = (1 << 64) - 1
 ENTRY_SIZE = 6
 _ENTRY = struct.Struct("<hhH")
 
-# struct pt_regs on x86_64: 21 u64, in this order; the DWARF number of each general register.
-PT_REGS = struct.Struct("<21Q")
-PT_REGS_DWARF = (15, 14, 13, 12, RBP, 3, 11, 10, 9, 8, 0, 2, 1, 4, 5)  # r15 .. di
-PT_REGS_IP, PT_REGS_CS, PT_REGS_SP = 16, 17, 19  # indexes of ip, cs and sp
-IRET_FRAME = struct.Struct("<5Q")  # ip, cs, flags, sp, ss: the tail of pt_regs
+
+@dataclass(frozen=True, slots=True)
+class PtRegs:
+    """Where a ``struct pt_regs`` (the registers the entry code saves on a trap, an interrupt or
+    a system call) keeps each register: (DWARF number, byte offset) pairs, and ip, cs, sp."""
+
+    size: int
+    regs: tuple[tuple[int, int], ...]
+    ip: int
+    cs: int
+    sp: int
+
+
+# struct pt_regs on x86_64: 21 u64, r15 r14 r13 r12 bp bx r11 r10 r9 r8 ax cx dx si di orig_ax
+# ip cs flags sp ss (the entry code's ABI: the same on 5.10, 6.1, 6.12 and 7.2); as DWARF numbers.
+X86_64_PT_REGS = PtRegs(
+    size=21 * 8,
+    regs=tuple((dwarf, 8 * i) for i, dwarf in enumerate((15, 14, 13, 12, 6, 3, 11, 10, 9, 8,
+                                                         0, 2, 1, 4, 5))),
+    ip=16 * 8,
+    cs=17 * 8,
+    sp=19 * 8,
+)  # fmt: skip
+IRET_FRAME = struct.Struct("<5Q")  # ip, cs, flags, sp, ss: what the CPU pushes, pt_regs' tail
 
 
 class OrcReg(enum.IntEnum):
@@ -85,7 +98,8 @@ _REGS_TYPES = (OrcType.REGS, OrcType.REGS_PARTIAL)  # legacy kernels: these make
 _CALL_SP_HIGH = {OrcLayout.SIGNAL: 0x02, OrcLayout.LEGACY: 0x00}
 _NO_SIGNAL = bytes(b for b in range(256) if not b & 0x08)  # high bytes without the signal bit
 _VERSION = re.compile(rb"Linux version (\d+)\.(\d+)")
-_BASE_REGS: dict[int, int] = {OrcReg.R10: 10, OrcReg.R13: 13, OrcReg.DI: 5, OrcReg.DX: 1}
+# The registers an entry may take its sp from, as x86_64 DWARF numbers.
+BASE_REGS: dict[int, int] = {OrcReg.R10: 10, OrcReg.R13: 13, OrcReg.DI: 5, OrcReg.DX: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,153 +249,3 @@ class OrcTable:
         """The entry covering link address ``pc``, None outside the table."""
         index = self.index_of(pc)
         return None if index is None else self.entry(index)
-
-
-class OrcStep:
-    """The caller of a frame by the ORC entry of its pc (``unwind_orc.c``'s rules).
-
-    One rule more than the kernel's: code ORC leaves UNDEFINED (the retpoline and return
-    thunks) is walked when the CPU stands on its first byte, a function's entry (``functions``
-    says where functions start, at link addresses): the call just pushed the return address
-    and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel ones).
-    Before 6.4 the thunks' hint (UNWIND_HINT_EMPTY) reads as END_OF_STACK, as at true ends
-    (``entry_SYSCALL_64``, ``ret_from_fork``): there the rule holds only within ``thunks``, the
-    link addresses ``__indirect_thunk_start`` .. ``__indirect_thunk_end`` of such kernels."""
-
-    via = Via.ORC
-    __slots__ = ("_entries", "bias", "functions", "table", "thunks")
-
-    def __init__(
-        self,
-        table: OrcTable,
-        bias: int = 0,
-        functions: SymbolTable | None = None,
-        thunks: tuple[int, int] | None = None,
-    ) -> None:
-        self.table = table
-        self.bias = bias  # runtime address - link address (the KASLR slide)
-        self.functions = functions
-        self.thunks = thunks
-        # runtime pc -> its entry (None: outside the table; NO_CFI: undecodable)
-        self._entries: Memo[int, OrcEntry | StopReason | None] = Memo()
-
-    def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
-        link_pc = (pc - self.bias) & MASK64
-        try:
-            entry = self._entries[pc]
-        except KeyError:
-            entry = self._entries.put(pc, self._entry(link_pc))
-        if entry is None or isinstance(entry, StopReason):
-            return entry
-        kind = entry.type
-        if kind is OrcType.END_OF_STACK:
-            if interrupted and self._in_thunks(link_pc) and self._at_entry(link_pc):
-                return _return_address_at_sp(cur, memory)
-            return StopReason.END
-        if kind is OrcType.UNDEFINED:
-            if interrupted and self._at_entry(link_pc):
-                return _return_address_at_sp(cur, memory)
-            return StopReason.NO_CFI  # the kernel gives up here too: its code is known, unwalkable
-        sp = _caller_sp(entry, cur, memory)
-        if isinstance(sp, StopReason):
-            return sp
-        if kind is OrcType.CALL:
-            ra = memory.read_u64((sp - 8) & MASK64)
-            if ra is None:
-                return StopReason.READ_FAILED
-            # Only sp and bp are known in a caller: ORC tracks no other register.
-            new: Regs = {RIP: ra, RSP: sp, RBP: cur.get(RBP, 0)}
-            signal = entry.signal
-        else:
-            found = _regs_frame(kind, sp, cur, memory)
-            if isinstance(found, StopReason):
-                return found
-            new, signal = found
-            signal = signal or entry.signal
-        bp = _caller_bp(entry, sp, cur, memory)
-        if isinstance(bp, StopReason):
-            return bp
-        if bp is not None:
-            new[RBP] = bp
-        # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
-        # the interrupted stack may lie anywhere, below this one too.
-        return new, signal | NEW_STACK if entry.sp_reg == OrcReg.SP_INDIRECT else signal
-
-    def _entry(self, link_pc: int) -> OrcEntry | StopReason | None:
-        try:
-            return self.table.lookup(link_pc)
-        except ValueError:
-            return StopReason.NO_CFI
-
-    def _in_thunks(self, link_pc: int) -> bool:
-        return self.thunks is not None and self.thunks[0] <= link_pc < self.thunks[1]
-
-    def _at_entry(self, link_pc: int) -> bool:
-        found = None if self.functions is None else self.functions.lookup(link_pc)
-        return found is not None and found[1] == 0
-
-
-def _return_address_at_sp(cur: Regs, memory: PageCache) -> Outcome:
-    sp = cur[RSP]
-    ra = memory.read_u64(sp)
-    if ra is None:
-        return StopReason.READ_FAILED
-    return {RIP: ra, RSP: (sp + 8) & MASK64, RBP: cur.get(RBP, 0)}, False
-
-
-def _caller_sp(entry: OrcEntry, cur: Regs, memory: PageCache) -> int | StopReason:
-    """The address the entry's sp rule gives: the caller's sp, or the pt_regs/iret frame's."""
-    reg, offset = entry.sp_reg, entry.sp_offset
-    if reg == OrcReg.SP:
-        return (cur[RSP] + offset) & MASK64
-    if reg == OrcReg.BP:
-        return (cur.get(RBP, 0) + offset) & MASK64
-    if reg == OrcReg.SP_INDIRECT:  # since 5.12 "*sp + offset"; unused by earlier kernels
-        slot = memory.read_u64(cur[RSP])
-        return StopReason.READ_FAILED if slot is None else (slot + offset) & MASK64
-    if reg == OrcReg.BP_INDIRECT:
-        slot = memory.read_u64((cur.get(RBP, 0) + offset) & MASK64)
-        return StopReason.READ_FAILED if slot is None else slot
-    dwarf = _BASE_REGS.get(reg)
-    value = None if dwarf is None else cur.get(dwarf)
-    # A register base is only known where a pt_regs (or the CPU) gave it: the kernel's rule.
-    return StopReason.NO_CFI if value is None else value
-
-
-def _regs_frame(
-    kind: OrcType, addr: int, cur: Regs, memory: PageCache
-) -> tuple[Regs, bool] | StopReason:
-    """The interrupted code's registers from a pt_regs (REGS) or an iret frame (REGS_PARTIAL) at
-    ``addr``, and whether they are user mode's."""
-    if kind is OrcType.REGS:
-        data = memory.read(addr, PT_REGS.size)
-        if data is None:
-            return StopReason.READ_FAILED
-        words = PT_REGS.unpack(data)
-        new = dict(zip(PT_REGS_DWARF, words, strict=False))
-        new[RIP], new[RSP] = words[PT_REGS_IP], words[PT_REGS_SP]
-        return new, bool(words[PT_REGS_CS] & 3)
-    data = memory.read(addr, IRET_FRAME.size)
-    if data is None:
-        return StopReason.READ_FAILED
-    ip, cs, _flags, sp, _ss = IRET_FRAME.unpack(data)
-    # The other registers are the ones the entry code has not touched yet: those of ``cur``.
-    partial = dict(cur)
-    partial[RIP], partial[RSP] = ip, sp
-    return partial, bool(cs & 3)
-
-
-def _caller_bp(entry: OrcEntry, sp: int, cur: Regs, memory: PageCache) -> int | StopReason | None:
-    """The caller's bp by the entry's bp rule; None: undefined, so the bp is the frame's own or
-    the one the pt_regs held."""
-    reg = entry.bp_reg
-    if reg == OrcReg.UNDEFINED:
-        return None
-    if reg == OrcReg.PREV_SP:
-        addr = (sp + entry.bp_offset) & MASK64
-    elif reg == OrcReg.BP:
-        addr = (cur.get(RBP, 0) + entry.bp_offset) & MASK64
-    else:
-        return StopReason.NO_CFI
-    bp = memory.read_u64(addr)
-    return StopReason.READ_FAILED if bp is None else bp

@@ -51,7 +51,9 @@ def render(profile: Profile, naming: Naming) -> bytes:
             ]
             for m in mappings
         ],
-        "processes": [[p.pid, p.program, _hex(p.cr3), p.tid, p.thread] for p in processes],
+        "processes": [
+            [p.pid, p.program, _hex(p.space), p.tid, p.thread, p.space_name] for p in processes
+        ],
         "frames": [
             [
                 _hex(f.pc),
@@ -111,11 +113,13 @@ def _profile(doc: dict[str, Any]) -> Profile:
                 _str(path), _str(build_id), int(offset[0]) if offset else 0)
         for name, start, end, kernel, bias, path, build_id, *offset in doc["mappings"]
     ]  # fmt: skip
-    # Files written before processes had threads hold three fields.
+    # Files written before processes had threads hold three fields, before their space had a
+    # name five: those came from x86 guests, whose page-table root is CR3.
     processes = [
-        Process(None if pid is None else int(pid), _str(program), int(cr3, 16),
-                *((None if t[0] is None else int(t[0]), _str(t[1])) if t else ()))
-        for pid, program, cr3, *t in doc["processes"]
+        Process(None if pid is None else int(pid), _str(program), int(space, 16),
+                None if t[0:1] in ([], [None]) else int(t[0]), _str(t[1]) if t[1:] else None,
+                str(t[2]) if t[2:] else "cr3")
+        for pid, program, space, *t in doc["processes"]
     ]  # fmt: skip
     frames = [
         Frame(int(pc, 16), bool(kernel), _str(symbol), int(offset),
@@ -135,7 +139,10 @@ def _profile(doc: dict[str, Any]) -> Profile:
     samples = doc["samples"]
     for time, cpu, sid in zip(samples["time"], samples["cpu"], samples["stack"], strict=True):
         process, mode, stop, stack_frames = stacks[sid]
-        profile.add(Sample(float(time), int(cpu), mode, 0, 0, Stack(stack_frames, stop), process))
+        user = mode is Mode.USER
+        profile.add(
+            Sample(float(time), int(cpu), mode, user, 0, Stack(stack_frames, stop), process)
+        )
     return profile
 
 

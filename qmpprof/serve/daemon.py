@@ -23,7 +23,7 @@ from qmpprof.errors import UsageError
 from qmpprof.naming import Naming
 from qmpprof.serve.endpoints import Board, listen
 from qmpprof.serve.vm import Vm
-from qmpprof.session import RunSpec, build_identifier
+from qmpprof.session import RunSpec, load
 
 RESCAN = 1.0  # seconds between looks at --qmp-dir
 
@@ -77,7 +77,7 @@ class Daemon:
                 self.add(name, path)
 
     async def run(self, announce: Callable[[str], None]) -> int:
-        build_identifier(self.config.spec)  # a bad ELF file fails now, not once per VM
+        load(self.config.spec)  # a bad ELF file fails now, not once per VM
         try:
             server = listen(self.config.host, self.config.port, self.board)
         except OSError as err:

@@ -104,7 +104,7 @@ def merge(seconds: Sequence[Second], interval_ms: float, facts: dict[str, str]) 
     for second in seconds:
         at = second.start - origin
         for (process, mode, stop, frames), cpu, count in second.counts:
-            sample = Sample(at, cpu, mode, 0, 0, Stack(frames, stop), process)
+            sample = Sample(at, cpu, mode, mode is Mode.USER, 0, Stack(frames, stop), process)
             for _ in range(count):
                 out.add(sample)
     return out

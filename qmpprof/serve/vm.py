@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qmpprof.errors import ConnectError, QmpprofError
-from qmpprof.profile import Profile
 from qmpprof.serve.ring import Ring, Second
 from qmpprof.session import Run, RunSpec, start
 from qmpprof.stats import SamplerStats
@@ -135,11 +134,7 @@ class Vm:
     def take(self, sampler: Run, *, keep: bool) -> None:
         """Move what the sampler collected since the last call into the ring and totals."""
         now = time.monotonic()
-        profile, stats = sampler.profile, sampler.stats
-        sampler.profile = Profile(interval_ms=profile.interval_ms)
-        # Fresh statistics: its pause list and error kinds (texts with addresses) would grow,
-        # and its tick count is what ends the next run after FLUSH.
-        sampler.stats = SamplerStats(requested_hz=stats.requested_hz, budget=stats.budget)
+        profile, stats = sampler.take()
         errors = stats.error_count
         if stats.errors:
             self.problem = stats.errors.most_common(1)[0][0]

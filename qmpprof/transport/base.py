@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+from qmpprof.errors import MemoryReadError
 from qmpprof.model import Registers
 
 
@@ -33,6 +35,21 @@ class GuestTransport(Protocol):
 
         ``addr`` is an unsigned 64-bit address; the read may span pages only if all are mapped.
         """
+        ...
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """Several ranges as ``cpu`` sees memory, in as few round trips as the transport can
+        (a gdbstub: one): each range's bytes, or the MemoryReadError saying it is unmapped
+        (with the bytes before the first unmapped page, ``readable``). Other errors raise."""
+        ...
+
+    @property
+    def control(self) -> GuestTransport | None:
+        """A channel that reads memory and registers while the guest runs, without stopping it
+        (QMP's memsave and monitor), for what a guest OS learns between ticks; None when the
+        transport has none (a gdbstub alone)."""
         ...
 
     async def close(self) -> None: ...

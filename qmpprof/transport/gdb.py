@@ -31,14 +31,15 @@ import asyncio
 import re
 from collections.abc import Sequence
 
+from qmpprof import arch
+from qmpprof.arch.base import RegisterFormats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.model import Registers
 from qmpprof.transport.gdbchannel import Channel, read_packet
 from qmpprof.transport.gdbpackets import (
-    decode_registers,
+    architecture,
     encode_packet,
     is_stop_reply,
-    parse_registers,
     parse_thread_ids,
 )
 
@@ -74,8 +75,15 @@ class GdbTransport:
     are pipelined: they share round trips.
     """
 
-    def __init__(self, channel: Channel, threads: dict[int, bytes], chunk: int) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        threads: dict[int, bytes],
+        chunk: int,
+        formats: RegisterFormats | None = None,
+    ) -> None:
         self._channel = channel
+        self.formats = formats  # how the target's `g` replies read (None: not known yet)
         self._threads = threads  # thread id -> its spelling in Hg (plain or pPID.TID)
         first = next(iter(threads.values()), b"")
         # The process id, when the stub spells ids pPID.TID (it then wants D;PID).
@@ -89,7 +97,12 @@ class GdbTransport:
 
     @classmethod
     async def connect(
-        cls, address: str, *, was_running: bool | None = None, timeout: float = 5.0
+        cls,
+        address: str,
+        *,
+        was_running: bool | None = None,
+        timeout: float = 5.0,
+        formats: RegisterFormats | None = None,
     ) -> GdbTransport:
         """Attach to the gdbstub at ``address`` (``HOST:PORT``, ``:PORT``, ``unix:PATH``, a path).
 
@@ -97,6 +110,8 @@ class GdbTransport:
         holds a QMP connection can ask ``query-status``); None detects it from the stop reply
         QEMU sends when attaching stops a running guest. A guest that was running is resumed
         before this returns, so ``is_running()`` is True; a paused guest stays paused.
+        ``formats``: how the target prints registers, when the caller knows (QMP's
+        ``query-target``); else the stub's target description says which target it is.
         Raises ConnectError when nothing listens there or the peer is not a gdbstub.
         """
         reader, writer = await _open(address, timeout)
@@ -115,7 +130,12 @@ class GdbTransport:
         except BaseException:
             await channel.close()
             raise
-        self = cls(channel, threads, chunk)
+        self = cls(channel, threads, chunk, formats)
+        try:
+            self.formats = formats or await self._target_formats(address)
+        except BaseException:
+            await channel.close()
+            raise
         channel.on_stopped = self._stopped
         self.was_running = saw_stop if was_running is None else was_running
         if self.was_running:
@@ -180,11 +200,23 @@ class GdbTransport:
         return reply
 
     async def registers(self, cpu: int) -> Registers:
-        return parse_registers(cpu, await self._register_packet(cpu))
+        assert self.formats is not None  # connect found them
+        return self.formats.from_gdb(cpu, await self._register_packet(cpu))
 
-    async def register_dict(self, cpu: int) -> dict[str, int]:
-        """Every named register of ``cpu`` (segments, control registers, EFER, ...)."""
-        return decode_registers(await self._register_packet(cpu))
+    async def register_packet(self, cpu: int) -> bytes:
+        """``cpu``'s raw ``g`` reply (hex text), for a target's own reading of every register."""
+        return await self._register_packet(cpu)
+
+    async def _target_formats(self, address: str) -> RegisterFormats:
+        try:
+            target = architecture(await self.target_xml()) or ""
+        except TransportError:
+            target = ""
+        formats = arch.formats(target)
+        if formats is None:
+            raise ConnectError(f"{address}: the gdbstub's target is {target or 'not named'}:"
+                               f" qmpprof reads {', '.join(arch.names())}")  # fmt: skip
+        return formats
 
     async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
         """Stop the guest and read the registers of ``cpus`` in one round trip: ``\\x03`` and
@@ -203,6 +235,11 @@ class GdbTransport:
         if isinstance(found, MemoryReadError):
             raise found
         return found
+
+    @property
+    def control(self) -> None:
+        """None: a gdbstub reads nothing while the guest runs."""
+        return None
 
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]

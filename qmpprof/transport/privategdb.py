@@ -119,7 +119,9 @@ class PrivateGdbTransport:
             if not started:
                 raise _NoFastPath(f"QEMU refused a gdbstub: {_first_line(reply)}")
             try:
-                gdb = await GdbTransport.connect(path, was_running=was_running, timeout=timeout)
+                gdb = await GdbTransport.connect(
+                    path, was_running=was_running, timeout=timeout, formats=qmp.formats
+                )
             except ConnectError as err:
                 # QEMU made the socket where we cannot reach it (another mount namespace), or
                 # attached and then did not answer: the attach may have stopped the guest.

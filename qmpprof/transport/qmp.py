@@ -1,6 +1,7 @@
 """GuestTransport over QMP, with qemu.qmp's asyncio client (the only module importing qemu.qmp).
 
-Registers come from HMP ``info registers`` (``human-monitor-command`` with ``cpu-index``).
+Registers come from HMP ``info registers`` (``human-monitor-command`` with ``cpu-index``), read
+by the register formats of QEMU's target (``query-target``, ``qmpprof.arch``'s registry).
 Memory comes from QMP ``memsave`` into a private file when QEMU shares our filesystem (a Unix
 socket), else from HMP ``x/Ngx`` (QMP over TCP: assume QEMU's filesystem is not ours). The
 automatic choice falls back to ``x`` for good when ``memsave`` cannot write our file.
@@ -14,12 +15,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from qemu.qmp import ConnectError as QmpConnectError
 from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMPError, StateError
 
+from qmpprof import arch
+from qmpprof.arch.base import RegisterFormats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.model import Registers
 from qmpprof.transport import hmp
@@ -33,8 +37,15 @@ _SHM = "/dev/shm"
 class QmpTransport:
     """An open QMP session with one QEMU. Create it with ``await QmpTransport.connect(...)``."""
 
-    def __init__(self, client: QMPClient, memory: Literal["memsave", "hmp"], auto: bool) -> None:
+    def __init__(
+        self,
+        client: QMPClient,
+        memory: Literal["memsave", "hmp"],
+        auto: bool,
+        formats: RegisterFormats,
+    ) -> None:
         self._client = client
+        self.formats = formats
         self.memory: Literal["memsave", "hmp"] = memory
         self._auto = auto
         self._dump_dir: str | None = None
@@ -75,7 +86,12 @@ class QmpTransport:
         chosen: Literal["memsave", "hmp"] = "hmp" if tcp is not None else "memsave"
         if memory != "auto":
             chosen = memory
-        return cls(client, chosen, auto=memory == "auto")
+        try:
+            formats = await _formats(client, where)
+        except BaseException:
+            await _quiet_disconnect(client)
+            raise
+        return cls(client, chosen, auto=memory == "auto", formats=formats)
 
     async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
         try:
@@ -131,7 +147,10 @@ class QmpTransport:
         if "CPU#" not in text:
             # QEMU answers an unknown cpu-index with an error text, not a QMP error.
             raise TransportError(f"no registers for vCPU {cpu}: {text.strip()[:80]}")
-        return hmp.parse_registers(text)
+        found = self.formats.from_monitor(text)
+        if len(found) != 1:
+            raise TransportError(f"expected one CPU in 'info registers' output, found {len(found)}")
+        return found[0]
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         if self.memory == "memsave":
@@ -143,6 +162,23 @@ class QmpTransport:
                 self.memory = "hmp"
         text = await self.hmp(hmp.x_command(addr, size), cpu)
         return hmp.parse_x(text, addr, size)
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """The reads issued together (QMP matches replies by id): one round trip's wait."""
+        found = await asyncio.gather(
+            *(self.read(cpu, a, n) for a, n in ranges), return_exceptions=True
+        )
+        for result in found:
+            if isinstance(result, BaseException) and not isinstance(result, MemoryReadError):
+                raise result
+        return [r for r in found if isinstance(r, bytes | MemoryReadError)]
+
+    @property
+    def control(self) -> QmpTransport:
+        """QMP itself: memsave and the monitor need no stop."""
+        return self
 
     async def _memsave(self, cpu: int, addr: int, size: int) -> bytes:
         path, fd = self._take_dump()
@@ -225,6 +261,22 @@ def _no_event(event: Message) -> bool:
 
 class _MemsaveUnusable(Exception):
     """memsave failed for a reason other than an unmapped address."""
+
+
+async def _formats(client: QMPClient, where: str) -> RegisterFormats:
+    """How this QEMU prints registers, by its target (``qemu-system-<target>``)."""
+    try:
+        reply = await client.execute("query-target")
+    except _GONE as err:
+        raise ConnectError(f"{where}: QEMU closed the QMP connection") from err
+    except QMPError as err:
+        raise ConnectError(f"{where}: query-target failed: {err}") from err
+    target = str(reply.get("arch", "")) if isinstance(reply, dict) else ""
+    formats = arch.formats(target)
+    if formats is None:
+        raise ConnectError(f"{where}: QEMU emulates {target or 'an unknown target'}:"
+                           f" qmpprof reads {', '.join(arch.names())}")  # fmt: skip
+    return formats
 
 
 async def _quiet_disconnect(client: QMPClient) -> None:

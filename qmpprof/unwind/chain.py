@@ -7,23 +7,22 @@ the answer against the sanity rules below. It reads memory only through ``PageCa
 simply call ``unwind`` again: the walk is pure. Every way a walk can end is a ``StopReason``;
 nothing here raises for bad stacks. Synchronous on purpose: no asyncio, no transport.
 
-An Unwinder walks one instruction set, the kernel's (``arch``): an i386 walker takes the 32-bit
-registers of a guest outside long mode, renumbers them to i386 DWARF numbers and reads 4-byte
-stack words; an x86_64 walker gives such a guest's stack its one exact frame.
+An Unwinder walks one instruction set, the kernel's (``arch``, a ``qmpprof.arch``
+InstructionSet): registers in its DWARF numbers, stack words of its size. A vCPU that ran
+another instruction set (a 32-bit process under a 64-bit kernel, say) gets its one exact frame.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qmpprof.dwarf.arch import I386, X86_64, Arch
-from qmpprof.model import KERNEL_BOUNDARY, RBP, RIP, RSP, Frame, Registers, Stack, StopReason
+from qmpprof.arch.base import InstructionSet
+from qmpprof.model import Frame, Registers, Stack, StopReason
 from qmpprof.pages import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
 from qmpprof.unwind.steps import (
     EXACT,
-    MASK64,
     NEW_STACK,
     Found,
     Regs,
@@ -46,46 +45,7 @@ class RawStack:
     via: tuple[Via, ...] = ()
 
 
-def _trap_frame_sp(after_rip: int, memory: PageCache) -> int | None:
-    """The interrupted RSP of an x86-64 trap frame whose RIP slot ends at ``after_rip`` (an
-    interrupt or exception taken in user mode pushes SS, RSP, RFLAGS, CS, RIP), or None when
-    what follows the RIP is not a user-mode CS and RFLAGS (bit 1 always set)."""
-    cs = memory.read_u64(after_rip)
-    flags = memory.read_u64((after_rip + 8) & MASK64)
-    if cs is None or flags is None or cs & 3 != 3 or cs > 0xFFFF or not flags & 2:
-        return None
-    if flags >> 32:
-        return None
-    return memory.read_u64((after_rip + 16) & MASK64)
-
-
-def _trap_frame_sp32(after_eip: int, memory: PageCache) -> int | None:
-    """``_trap_frame_sp`` for i386: a trap from ring 3 pushes SS, ESP, EFLAGS, CS, EIP (4 bytes
-    each), so the user ESP is two words above the CS that follows the EIP."""
-    cs = memory.read_u32(after_eip)
-    flags = memory.read_u32((after_eip + 4) & 0xFFFF_FFFF)
-    if cs is None or flags is None or cs & 3 != 3 or cs > 0xFFFF or not flags & 2:
-        return None
-    return memory.read_u32((after_eip + 8) & 0xFFFF_FFFF)
-
-
 TRAP_SCAN = 32  # words above a kernel's fake frame searched for the trap frame
-
-
-def _canonical(pc: int) -> bool:
-    return pc < 0x0000_8000_0000_0000 or pc >= 0xFFFF_8000_0000_0000
-
-
-# The model's registers use x86_64 DWARF numbers, a 32-bit guest's zero-extended: each i386
-# register's x86_64 number (eax rdx... -> eax ecx edx ebx esp ebp esi edi eip).
-_I386_FROM_X86_64 = {0: 0, 2: 1, 1: 2, 3: 3, 7: 4, 6: 5, 4: 6, 5: 7, 16: 8}
-
-
-def _registers32(regs: Registers) -> Regs:
-    cur = {i386: regs.gprs[x64] & 0xFFFF_FFFF for x64, i386 in _I386_FROM_X86_64.items()
-           if x64 in regs.gprs}  # fmt: skip
-    cur[I386.pc], cur[I386.sp], cur[I386.fp] = regs.rip, regs.rsp, regs.rbp
-    return cur
 
 
 class Unwinder:
@@ -93,13 +53,13 @@ class Unwinder:
 
     def __init__(
         self,
+        arch: InstructionSet,
         *,
-        kernel_boundary: int = KERNEL_BOUNDARY,
+        kernel_boundary: int | None = None,
         max_depth: int = 128,
         lines: bool = False,
-        arch: Arch = X86_64,
     ) -> None:
-        self.kernel_boundary = kernel_boundary
+        self.kernel_boundary = arch.kernel_boundary if kernel_boundary is None else kernel_boundary
         self.max_depth = max_depth
         self.lines = lines  # resolve's default: add file:line and inlined frames
         self.arch = arch
@@ -108,16 +68,13 @@ class Unwinder:
         """Walk the stack ``regs`` describe. Raises ``PageMissing`` for a page the cache has
         not fetched: fetch it and call again (the walk has no side effects)."""
         arch = self.arch
-        if regs.long_mode == (arch is not X86_64):  # 8-byte slots on a 32-bit stack, or back
-            return RawStack((regs.rip,), StopReason.NO_CFI, (True,), (Via.REGS,))
-        if arch is X86_64:
-            cur = dict(regs.gprs)
-            cur[RIP], cur[RSP], cur[RBP] = regs.rip, regs.rsp, regs.rbp
-        else:
-            cur = _registers32(regs)
+        if regs.isa != arch.name:  # another word size, other registers: only the pc is known
+            return RawStack((regs.pc,), StopReason.NO_CFI, (True,), (Via.REGS,))
         pc_reg, sp_reg, fp_reg = arch.pc, arch.sp, arch.fp
+        cur = dict(regs.gprs)
+        cur[pc_reg], cur[sp_reg], cur[fp_reg] = regs.pc, regs.sp, regs.fp
         no_module = frame_pointer_only(arch)
-        pc, exact, via = regs.rip, True, Via.REGS
+        pc, exact, via = regs.pc, True, Via.REGS
         pcs: list[int] = []
         exacts: list[bool] = []
         vias: list[Via] = []
@@ -132,7 +89,7 @@ class Unwinder:
             lookup = pc if exact else pc - 1
             module = find(lookup)
             outcome: Found | StopReason | None = None
-            for step in no_module if module is None else module.steps:
+            for step in no_module if module is None else module.steps or no_module:
                 outcome = step.step(cur, lookup, exact and not sp_guessed, memory)
                 if outcome is not None:
                     via = step.via
@@ -186,9 +143,7 @@ class Unwinder:
 
     def _trap_frame(self, after_pc: int, memory: PageCache) -> int | None:
         """The user stack pointer of the trap frame whose pc slot ends at ``after_pc``."""
-        if self.arch is X86_64:
-            return _trap_frame_sp(after_pc, memory)
-        return _trap_frame_sp32(after_pc, memory)
+        return self.arch.trap_frame_sp(after_pc, word_reader(memory, self.arch))
 
     def _check(
         self, cur: Regs, new: Regs, pc: int, jumped: bool, seen: set[tuple[int, int]]
@@ -201,7 +156,7 @@ class Unwinder:
         if not new_pc:
             return StopReason.END
         boundary = self.kernel_boundary
-        valid = _canonical(new_pc) if arch is X86_64 else new_pc <= arch.mask
+        valid = arch.return_address(new_pc) is not None
         if not valid or new_pc < 0x1000 or (pc < boundary <= new_pc):
             return StopReason.BAD_RETURN  # user code never returns into the kernel
         crossing = jumped or (pc >= boundary > new_pc)

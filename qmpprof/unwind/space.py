@@ -11,32 +11,28 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from qmpprof.dwarf.arch import I386, X86_64, Arch
+from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import SymbolTable
-from qmpprof.errors import ElfError
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
-from qmpprof.unwind.steps import FRAME_POINTER_ONLY, UnwindStep, steps_for
+from qmpprof.unwind.steps import UnwindStep, steps_for
 
-
-def unwindable(image: ElfImage) -> ElfImage:
-    """``image`` if the unwinding steps know its instruction set (x86_64, i386); ElfError
-    otherwise, so a run fails before it touches the guest."""
-    if image.arch not in (X86_64, I386):
-        raise ElfError(image.path, f"{image.arch.name} code is not unwound")
-    return image
+if TYPE_CHECKING:
+    from qmpprof.unwind.orc import OrcCode
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Module:
-    """Code loaded in the guest at [start, end), with what it offers for unwinding and naming."""
+    """Code loaded in the guest at [start, end), with what it offers for unwinding and naming.
+    No steps: frame pointers, in the walker's instruction set."""
 
     mapping: Mapping
-    steps: tuple[UnwindStep, ...] = FRAME_POINTER_ONLY
+    steps: tuple[UnwindStep, ...] = ()
     symbols: SymbolTable | None = None
     lines: LineTable | None = None  # DWARF source lines and inlined functions
 
@@ -64,27 +60,30 @@ class Module:
     def build(
         cls,
         mapping: Mapping,
+        arch: InstructionSet,
         *,
         cfi: CfiTable | None = None,
         code: bytes | None = None,
         code_addr: int = 0,
         symbols: SymbolTable | None = None,
         lines: LineTable | None = None,
-        arch: Arch = X86_64,
+        orc: OrcCode | None = None,
     ) -> Module:
-        """A module with the unwinding steps its CFI and code allow (``code`` starts at link
+        """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``), for the instruction set ``arch``."""
-        steps = steps_for(mapping.bias, cfi, code, code_addr, symbols, arch)
+        steps = steps_for(
+            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc
+        )
         return cls(mapping, steps, symbols, lines)
 
     @classmethod
     def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
-        low, high = unwindable(image).load_range
+        low, high = image.load_range
         mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
-            mapping, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
-            symbols=image.symbols, lines=image.lines, arch=unwindable(image).arch,
+            mapping, image.arch, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
+            symbols=image.symbols, lines=image.lines,
         )  # fmt: skip
 
 

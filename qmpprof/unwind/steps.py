@@ -5,28 +5,27 @@ A module carries an ordered list of steps chosen from what it provides (``steps_
 interrupted in, then frame pointers, which need nothing. The walker (``chain.py``) tries them in
 order: a step returns None when it has nothing to say about this pc (the next one is tried), a
 ``StopReason`` when the walk must end here, or the caller's registers. A new method (ORC for
-Linux kernels) is a class with ``via`` and ``step`` and one line in ``steps_for``.
+Linux kernels, ``orc.py``) is a class with ``via`` and ``step`` and one line in ``steps_for``.
 Steps read memory only through the sample's ``PageCache`` and let ``PageMissing`` through.
-Each step serves one instruction set (``qmpprof.dwarf.arch``): on i386 the registers are i386
-DWARF numbers (eip 8, esp 4, ebp 5), stack words are 4 bytes and addresses wrap at 32 bits.
+Each step serves one instruction set (a ``qmpprof.arch`` InstructionSet): registers are its
+DWARF numbers, stack words its address size, and addresses wrap at its width.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from functools import cache
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from qmpprof.dwarf.arch import X86_64, Arch
+from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.symbols import SymbolTable
-from qmpprof.model import RBP, RIP, RSP, StopReason
+from qmpprof.model import StopReason
 from qmpprof.pages import PageCache
-from qmpprof.unwind.prologue import PrologueAnalyzer
 
-MASK64 = (1 << 64) - 1
+if TYPE_CHECKING:
+    from qmpprof.unwind.orc import OrcCode
 
 Regs = dict[int, int]  # DWARF register number -> value
 # The caller's registers, and flags: EXACT (True) when its pc is exact (a trap or signal frame
@@ -65,7 +64,7 @@ class CfiStep:
     via = Via.CFI
     __slots__ = ("arch", "bias", "table")
 
-    def __init__(self, table: CfiTable, bias: int, arch: Arch = X86_64) -> None:
+    def __init__(self, table: CfiTable, bias: int, arch: InstructionSet) -> None:
         self.table = table
         self.bias = bias
         self.arch = arch
@@ -74,9 +73,7 @@ class CfiStep:
         rule = self.table.row_for(pc - self.bias)
         if rule is None:
             return None
-        if self.arch is X86_64:
-            return _fast_cfi(rule, cur, memory.read_u64) or _apply(rule, cur, memory)
-        return _apply(rule, cur, memory, self.arch)
+        return _fast_cfi(rule, cur, self.arch, memory) or _apply(rule, cur, memory, self.arch)
 
 
 class PrologueStep:
@@ -91,7 +88,7 @@ class PrologueStep:
         code_addr: int,
         bias: int,
         symbols: SymbolTable | None,
-        arch: Arch = X86_64,
+        arch: InstructionSet,
     ) -> None:
         self.code = code
         self.code_addr = code_addr  # link address of code[0]
@@ -108,7 +105,7 @@ class PrologueStep:
             hit = self.symbols.lookup(link_pc)
             func_start = None if hit is None else link_pc - hit[1]
         arch = self.arch
-        rule = _analyzer(arch.address_size).analyze(self.code, self.code_addr, link_pc, func_start)
+        rule = arch.prologue(self.code, self.code_addr, link_pc, func_start)
         if rule is None:
             return None
         mask, read = arch.mask, word_reader(memory, arch)
@@ -118,97 +115,84 @@ class PrologueStep:
             return StopReason.READ_FAILED
         new = dict(cur)
         new[arch.pc], new[arch.sp] = ra, cfa
-        if rule.rbp_offset is not None:
-            rbp = read((cfa + rule.rbp_offset) & mask)
-            if rbp is None:
+        if rule.fp_offset is not None:
+            fp = read((cfa + rule.fp_offset) & mask)
+            if fp is None:
                 return StopReason.READ_FAILED
-            new[arch.fp] = rbp
+            new[arch.fp] = fp
         return new, False
 
 
 class FramePointerStep:
-    """[RBP] is the caller's RBP, [RBP+8] the return address (the psABI's frame chain); on i386
-    [EBP] and [EBP+4]."""
+    """[fp] is the caller's frame pointer, [fp + word] the return address (the psABI's frame
+    chain: [rbp] and [rbp+8] on x86_64, [ebp] and [ebp+4] on i386)."""
 
     via = Via.FRAME_POINTER
     __slots__ = ("arch",)
 
-    def __init__(self, arch: Arch = X86_64) -> None:
+    def __init__(self, arch: InstructionSet) -> None:
         self.arch = arch
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
-        if self.arch is not X86_64:
-            return self._step32(cur, memory)
-        rbp = cur.get(RBP, 0)
-        if rbp == 0:
-            return StopReason.END  # the outermost frame clears RBP (psABI 3.4.1)
-        if rbp < cur[RSP] or rbp & 7:
-            return StopReason.NO_CFI  # RBP is not a frame pointer into this stack
-        saved_rbp = memory.read_u64(rbp)
-        ra = memory.read_u64((rbp + 8) & MASK64)
-        if saved_rbp is None or ra is None:
-            return StopReason.READ_FAILED
-        new = dict(cur)
-        new[RIP], new[RBP], new[RSP] = ra, saved_rbp, (rbp + 16) & MASK64
-        return new, False
-
-    def _step32(self, cur: Regs, memory: PageCache) -> Outcome:
         arch = self.arch
-        word = arch.address_size
+        word, mask = arch.address_size, arch.mask
         fp = cur.get(arch.fp, 0)
         if fp == 0:
-            return StopReason.END
+            return StopReason.END  # the outermost frame clears the frame pointer (psABI)
         if fp < cur[arch.sp] or fp & (word - 1):
-            return StopReason.NO_CFI
-        saved_fp = memory.read_u32(fp)
-        ra = memory.read_u32((fp + word) & arch.mask)
+            return StopReason.NO_CFI  # not a frame pointer into this stack
+        read = word_reader(memory, arch)
+        saved_fp = read(fp)
+        ra = read((fp + word) & mask)
         if saved_fp is None or ra is None:
             return StopReason.READ_FAILED
         new = dict(cur)
-        new[arch.pc], new[arch.fp], new[arch.sp] = ra, saved_fp, (fp + 2 * word) & arch.mask
+        new[arch.pc], new[arch.fp], new[arch.sp] = ra, saved_fp, (fp + 2 * word) & mask
         return new, False
 
 
-FRAME_POINTER = FramePointerStep()
-FRAME_POINTER_ONLY: tuple[UnwindStep, ...] = (FRAME_POINTER,)
+_FRAME_POINTER_ONLY: dict[str, tuple[UnwindStep, ...]] = {}
 
 
-@cache
-def frame_pointer_only(arch: Arch) -> tuple[UnwindStep, ...]:
+def frame_pointer_only(arch: InstructionSet) -> tuple[UnwindStep, ...]:
     """The steps of code known only by its range (no module): frame pointers."""
-    return FRAME_POINTER_ONLY if arch is X86_64 else (FramePointerStep(arch),)
+    found = _FRAME_POINTER_ONLY.get(arch.name)
+    if found is None:
+        found = _FRAME_POINTER_ONLY[arch.name] = (FramePointerStep(arch),)
+    return found
 
 
 def steps_for(
     bias: int,
+    arch: InstructionSet,
+    *,
     cfi: CfiTable | None = None,
     code: bytes | None = None,
     code_addr: int = 0,
     symbols: SymbolTable | None = None,
-    arch: Arch = X86_64,
+    orc: OrcCode | None = None,
 ) -> tuple[UnwindStep, ...]:
-    """The steps for a module at ``bias``, from what it provides, best first."""
+    """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
+    tables alone (they cover all of its code), else CFI, prologue analysis, frame pointers."""
+    if orc is not None:
+        from qmpprof.unwind.orc import OrcStep
+
+        return (OrcStep(orc, bias, arch),)
     steps: list[UnwindStep] = []
     if cfi is not None:
         steps.append(CfiStep(cfi, bias, arch))
     if code:
-        _analyzer(arch.address_size)  # made now: not inside the first pause that needs it
+        arch.prepare()  # now: not inside the first pause that needs it
         steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
     steps.extend(frame_pointer_only(arch))
     return tuple(steps)
 
 
-@cache
-def _analyzer(word: int = 8) -> PrologueAnalyzer:
-    # One analyzer (one capstone handle, one cache) per instruction set serves every module.
-    return PrologueAnalyzer(word)
-
-
-def word_reader(memory: PageCache, arch: Arch) -> Callable[[int], int | None]:
+def word_reader(memory: PageCache, arch: InstructionSet) -> Callable[[int], int | None]:
     return memory.read_u64 if arch.address_size == 8 else memory.read_u32
 
 
-def _fast_cfi(rule: Rule, cur: Regs, read: Callable[[int], int | None]) -> Outcome:
+def _fast_cfi(rule: Rule, cur: Regs, arch: InstructionSet, memory: PageCache) -> Outcome:
     """Most frames: CFA = register + offset, registers saved at CFA+n. None: not this case."""
     saved_at = rule.saved_at
     if saved_at is None or rule.cfa_expr is not None:
@@ -216,23 +200,25 @@ def _fast_cfi(rule: Rule, cur: Regs, read: Callable[[int], int | None]) -> Outco
     base = cur.get(rule.cfa_reg)
     if base is None:
         return None
-    cfa = (base + rule.cfa_offset) & MASK64
+    mask = arch.mask
+    read = word_reader(memory, arch)
+    cfa = (base + rule.cfa_offset) & mask
     new = cur.copy()
-    new[RSP] = cfa  # on x86_64 the CFA is the caller's stack pointer, unless a rule says otherwise
+    new[arch.sp] = cfa  # the CFA is the caller's stack pointer, unless a rule says otherwise
     for reg, offset in saved_at:
-        value = read((cfa + offset) & MASK64)
+        value = read((cfa + offset) & mask)
         if value is None:
             return StopReason.READ_FAILED
         new[reg] = value
-    if rule.ra != RIP:
-        new[RIP] = new[rule.ra]
+    if rule.ra != arch.pc:
+        new[arch.pc] = new[rule.ra]
     return new, rule.signal
 
 
-def _apply(rule: Rule, cur: Regs, memory: PageCache, arch: Arch = X86_64) -> Found | StopReason:
+def _apply(rule: Rule, cur: Regs, memory: PageCache, arch: InstructionSet) -> Found | StopReason:
     """The caller's registers from one CFI row, any rule kind, in ``arch``'s register numbers
     and word size (addresses wrap at its width; a dereference reads exactly its size)."""
-    read = memory.read_u64 if arch.address_size == 8 else memory.read_u32
+    read = word_reader(memory, arch)
     mask = arch.mask
 
     def run(expr: bytes | None, push: int | None = None) -> int | None:

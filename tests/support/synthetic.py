@@ -12,9 +12,11 @@ import struct
 import time
 from pathlib import Path
 
+from qmpprof.arch.x86 import X86_64
+from qmpprof.arch.x86regs import x86_registers
 from qmpprof.dwarf.cfi import Kind, Rule
 from qmpprof.elf.image import ElfImage
-from qmpprof.model import RSP, Registers
+from qmpprof.model import Registers
 from qmpprof.pages import PAGE, PageCache, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 
@@ -37,7 +39,7 @@ def _usable(rule: Rule) -> bool:
     ra = rule.reg(rule.ra)
     return (
         rule.cfa_expr is None
-        and rule.cfa_reg == RSP
+        and rule.cfa_reg == X86_64.sp
         and ra is not None
         and ra.kind is Kind.OFFSET
         and all(
@@ -83,7 +85,7 @@ def synthetic_stack(
         page = pages.setdefault(page_of(addr), bytearray(PAGE))
         struct.pack_into("<Q", page, addr - page_of(addr), value)
     cache.pages.update({base: bytes(page) for base, page in pages.items()})
-    regs = Registers(cpu=0, rip=chosen[0].start, rsp=STACK_TOP, rbp=0, cpl=3, cr3=0)
+    regs = x86_registers(0, {"rip": chosen[0].start, "rsp": STACK_TOP, "rbp": 0}, cpl=3, cr3=0)
     space = AddressSpace([Module.from_image(image, kernel=False)])
     return regs, cache, space, depth
 
@@ -93,7 +95,7 @@ def offline_rate(path: str | Path | None = None, *, depth: int = 10, samples: in
     caches), best of five batches of ``samples / 5``."""
     image = ElfImage.load(path or running_code_path())
     regs, cache, space, expected = synthetic_stack(image, depth)
-    unwinder = Unwinder()
+    unwinder = Unwinder(X86_64)
     raw: RawStack = unwinder.unwind(regs, cache, space)
     if len(raw.pcs) != expected:
         raise RuntimeError(f"synthetic stack unwound to {len(raw.pcs)} frames, not {expected}")

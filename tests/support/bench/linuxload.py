@@ -31,21 +31,17 @@ def phases(path: Path) -> dict[str, float]:
     """Milliseconds of each phase, in this (fresh) process: imports, the whole load as a run
     does it (unpack, kallsyms, ORC index, BTF; from the cache when it has them), the kernel's
     Module and the task and module layouts."""
-    from qmpprof.guest.linux import TaskLayout
-    from qmpprof.guest.linuxmodules import ModuleLayout
-    from qmpprof.guest.linuxvma import VmaLayout
+    from qmpprof import arch
+    from qmpprof.guest.linux.guest import Layouts
+    from qmpprof.guest.linux.image import kernel_module
     from qmpprof.linux.kernel import LinuxKernel
 
     marks = {"imports": time.perf_counter()}
     kernel = LinuxKernel.load(path).prepare()
     marks["load"] = time.perf_counter()
-    kernel.module(0)
+    kernel_module(kernel, 0, arch.by_name("x86_64"))
     assert kernel.btf is not None
-    (
-        TaskLayout.from_btf(kernel.btf),
-        ModuleLayout.from_btf(kernel.btf),
-        VmaLayout.from_btf(kernel.btf),
-    )
+    Layouts.of(kernel)
     marks["module_and_layouts"] = time.perf_counter()
     out, before = {}, _START
     for name, mark in marks.items():

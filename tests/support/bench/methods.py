@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qmpprof.arch.x86regs import X86Formats
 from qmpprof.errors import MemoryReadError, QmpprofError
 from qmpprof.transport import hmp
 from qmpprof.transport.gdb import GdbTransport
@@ -91,8 +92,8 @@ class FloorQmp:
         t0 = time.perf_counter()
         self._qmp.execute("stop")
         try:
-            regs = hmp.parse_registers(self._qmp.hmp("info registers", cpu=0))
-            self._qmp.memsave(regs.rsp & ~(PAGE - 1), PAGE, cpu=0)
+            regs = X86Formats().from_monitor(self._qmp.hmp("info registers", cpu=0))[0]
+            self._qmp.memsave(regs.sp & ~(PAGE - 1), PAGE, cpu=0)
         finally:
             self._qmp.execute("cont")
         return time.perf_counter() - t0
@@ -139,9 +140,9 @@ class EmeraldHmp:
         t0 = time.perf_counter()
         self._qmp.execute("stop")
         try:
-            regs = hmp.parse_registers(self._qmp.hmp("info registers", cpu=0))
+            regs = X86Formats().from_monitor(self._qmp.hmp("info registers", cpu=0))[0]
             with contextlib.suppress(MemoryReadError):  # the walk ends where the stack does
-                self._walk(regs.rsp, regs.rbp)
+                self._walk(regs.sp, regs.fp)
         finally:
             self._qmp.execute("cont")
         return time.perf_counter() - t0
@@ -174,7 +175,7 @@ class GdbstubLoop:
         try:
             if not self._fused:
                 regs = await transport.registers(0)
-            await transport.read(0, regs.rsp & ~(PAGE - 1), PAGE)
+            await transport.read(0, regs.sp & ~(PAGE - 1), PAGE)
         finally:
             await transport.cont()
         return time.perf_counter() - t0

@@ -9,19 +9,9 @@ import gc
 import time
 from pathlib import Path
 
-from qmpprof.guest.base import GuestIdentifier
-from qmpprof.sampler import Sampler
-from qmpprof.session import (
-    RunSpec,
-    TransportKind,
-    build_identifier,
-    connect,
-    sampler_config,
-    start,
-    unwinder,
-)
+from qmpprof.guest.base import Guest
+from qmpprof.session import RunSpec, TransportKind, attach, connect, load, sampler, start
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.chain import AddressSpace
 from support.bench.methods import Paced
 
 
@@ -53,29 +43,28 @@ class QmpprofSampler:
         else:
             self._spec = RunSpec(transport="gdb", gdb=gdb, kernel=kernel, user_dir=user_dir)
         self._transport: GuestTransport | None = None
-        self._identifier: GuestIdentifier[AddressSpace] | None = None
+        self._guest: Guest | None = None
         self.path = ""  # how the samples travelled (session.Connection.path)
         self.samples = 0
         self.truncated = 0
 
     async def setup(self) -> None:
-        self._identifier = build_identifier(self._spec)
-        connection = await connect(self._spec)
+        self._guest = load(self._spec)
+        connection = await attach(self._guest, await connect(self._spec))
         self._transport, self.path = connection.transport, connection.path
         settle()
 
     async def run(self, interval: float, duration: float) -> Paced:
-        assert self._transport is not None and self._identifier is not None
-        config = dataclasses.replace(
-            sampler_config(self._spec, self._transport), interval=interval, duration=duration
-        )
-        sampler = Sampler(self._transport, unwinder(self._spec), self._identifier, config)
+        assert self._transport is not None and self._guest is not None
+        sampling = dataclasses.replace(self._spec.sampling, interval=interval, duration=duration)
+        spec = dataclasses.replace(self._spec, sampling=sampling)
+        run = sampler(spec, self._guest, self._transport)
         start = time.perf_counter()
-        outcome = await sampler.run()
+        outcome = await run.run()
         elapsed = time.perf_counter() - start
-        stats = sampler.stats
-        self.samples += len(sampler.profile)
-        self.truncated += sampler.profile.truncated
+        stats = run.stats
+        self.samples += len(run.profile)
+        self.truncated += run.profile.truncated
         details = [f"{kind} x{n}" for kind, n in stats.errors.most_common(3)]
         if not outcome.was_running:
             details.append("the guest was paused: one sample only")
@@ -100,13 +89,13 @@ async def first_pause_ms(spec: RunSpec, tries: int) -> list[float]:
     stop with every cache cold."""
     pauses = []
     for _ in range(tries):
-        sampler = await start(spec)
+        run = await start(spec)
         settle()
         try:
-            await sampler.run()
+            await run.run()
         finally:
             gc.unfreeze()
-            await sampler.transport.close()
-        if sampler.stats.pauses:
-            pauses.append(sampler.stats.pauses[0] * 1e3)
+            await run.transport.close()
+        if run.stats.pauses:
+            pauses.append(run.stats.pauses[0] * 1e3)
     return pauses

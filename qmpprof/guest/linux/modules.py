@@ -14,16 +14,17 @@ the guest runs (``ModuleList``: the list's links, then only the modules not seen
 from __future__ import annotations
 
 import struct
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf
-from qmpprof.linux.orc import OrcLayout, OrcStep, OrcTable
+from qmpprof.linux.orc import OrcLayout, OrcTable
+from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
+from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 
-Reader = Callable[[int, int], Awaitable[bytes | None]]  # (address, size) -> bytes, None: unmapped
 MAX_MODULES = 4096
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 _STT_FUNC = 2
@@ -83,9 +84,15 @@ class ModuleList:
     seconds while the guest runs, so that a module loaded after the run started gets named."""
 
     def __init__(
-        self, read: Reader, head: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+        self,
+        read: Reader,
+        head: int,
+        layout: ModuleLayout,
+        orc_layout: OrcLayout | None,
+        arch: InstructionSet,
     ) -> None:
         self.read, self.head, self.layout, self.orc_layout = read, head, layout, orc_layout
+        self.arch = arch
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
 
     async def refresh(self) -> list[Module] | None:
@@ -99,50 +106,51 @@ class ModuleList:
             fresh[at] = (
                 known[at]
                 if at in known
-                else await _read_module(self.read, at, self.layout, self.orc_layout)
+                else await _read_module(self.read, at, self.layout, self.orc_layout, self.arch)
             )
         self.known = fresh
         return [m for m in fresh.values() if m is not None]
 
     async def _structs(self) -> list[int]:
         out: list[int] = []
-        node = await _u64(self.read, self.head)
+        (node,) = await read_ints(self.read, [(self.head, 8)])
         seen = {self.head}
         while node is not None and node not in seen and len(seen) <= MAX_MODULES:
             seen.add(node)
             out.append(node - self.layout.list)
-            node = await _u64(self.read, node)
+            (node,) = await read_ints(self.read, [(node, 8)])
         return out
 
 
 async def _read_module(
-    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None, arch: InstructionSet
 ) -> Module | None:
-    raw_name = await read(at + layout.name, layout.name_size)
-    base = await _u64(read, at + layout.text_base)
-    size = await _u32(read, at + layout.text_size)
+    raw_name = await read_one(read, at + layout.name, layout.name_size)
+    base, size = await read_ints(read, [(at + layout.text_base, 8), (at + layout.text_size, 4)])
     if raw_name is None or not base or not size or base < _UPPER_HALF:
         return None
     name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
     symbols = await _symbols(read, at, layout, base, base + size)
     table = await _orc(read, at, layout, orc_layout)
     mapping = Mapping(f"[{name}]", base, base + size, True)
-    steps = (OrcStep(table),) if table is not None else ()
-    return Module(mapping, steps, symbols) if steps else Module.build(mapping, symbols=symbols)
+    orc = None if table is None else OrcCode(table)
+    return Module.build(mapping, arch, symbols=symbols, orc=orc)
 
 
 async def _symbols(
     read: Reader, at: int, layout: ModuleLayout, low: int, high: int
 ) -> SymbolTable | None:
-    kallsyms = await _u64(read, at + layout.kallsyms)
+    (kallsyms,) = await read_ints(read, [(at + layout.kallsyms, 8)])
     if not kallsyms:
         return None
-    symtab = await _u64(read, kallsyms + layout.symtab)
-    count = await _u32(read, kallsyms + layout.num_symtab)
-    strtab = await _u64(read, kallsyms + layout.strtab)
+    symtab, count, strtab = await read_ints(
+        read,
+        [(kallsyms + layout.symtab, 8), (kallsyms + layout.num_symtab, 4),
+         (kallsyms + layout.strtab, 8)],
+    )  # fmt: skip
     if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
         return None
-    raw = await read(symtab, count * _SYM.size)
+    raw = await read_one(read, symtab, count * _SYM.size)
     if raw is None:
         return None
     entries = [
@@ -152,7 +160,7 @@ async def _symbols(
     ]
     if not entries:
         return None
-    names = await read(strtab, max(name for name, _, _ in entries) + 256)
+    names = await read_one(read, strtab, max(name for name, _, _ in entries) + 256)
     if names is None:
         return None
     return SymbolTable(
@@ -165,26 +173,15 @@ async def _symbols(
 async def _orc(
     read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None
 ) -> OrcTable | None:
-    count = await _u32(read, at + layout.num_orcs)
-    ips = await _u64(read, at + layout.orc_ip)
-    entries = await _u64(read, at + layout.orc)
+    count, ips, entries = await read_ints(
+        read, [(at + layout.num_orcs, 4), (at + layout.orc_ip, 8), (at + layout.orc, 8)]
+    )
     if not count or not ips or not entries or count > _MAX_ORCS:
         return None
-    ip_bytes = await read(ips, 4 * count)
-    orc_bytes = await read(entries, 6 * count)
+    ip_bytes, orc_bytes = await read([(ips, 4 * count), (entries, 6 * count)])
     if ip_bytes is None or orc_bytes is None:
         return None
     try:
         return OrcTable.from_sections(ip_bytes, ips, orc_bytes, orc_layout)
     except ValueError:
         return None
-
-
-async def _u64(read: Reader, addr: int) -> int | None:
-    data = await read(addr, 8)
-    return None if data is None else int.from_bytes(data, "little")
-
-
-async def _u32(read: Reader, addr: int) -> int | None:
-    data = await read(addr, 4)
-    return None if data is None else int.from_bytes(data, "little")

@@ -10,18 +10,17 @@ children, encoded the same way. Slots of
 nodes and leaves are read whole and checked (a VMA must point back at this ``mm`` and span a
 user range), so stale slots past a node's end do no harm. Offsets come from BTF.
 
-Reads go through ``ReadMany``: a list of ranges read together (one round trip over the gdbstub).
+Reads go through a ``Reader``: a list of ranges read together (one round trip over the gdbstub).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.linux.btf import Btf
+from qmpprof.memory import Reader
 
-ReadMany = Callable[[Sequence[tuple[int, int]]], Awaitable[list[bytes | None]]]
 VM_EXEC = 0x4
 USER_END = 0x0000_8000_0000_0000
 MAX_VMAS = 65536
@@ -96,7 +95,7 @@ class Vma:
         return bool(self.flags & VM_EXEC)
 
 
-async def read_exec_vmas(read: ReadMany, mm: int, layout: VmaLayout) -> list[Vma]:
+async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout) -> list[Vma]:
     """The executable mappings of the address space ``mm``, by start address, with names."""
     pointers = await _vma_pointers(read, mm, layout)
     span = max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
@@ -121,7 +120,7 @@ async def read_exec_vmas(read: ReadMany, mm: int, layout: VmaLayout) -> list[Vma
     return sorted(set(vmas), key=lambda v: v.start)
 
 
-async def _vma_pointers(read: ReadMany, mm: int, layout: VmaLayout) -> list[int]:
+async def _vma_pointers(read: Reader, mm: int, layout: VmaLayout) -> list[int]:
     (root_raw,) = await read([(mm + layout.vmas, 8)])
     if root_raw is None:
         return []
@@ -149,7 +148,7 @@ async def _vma_pointers(read: ReadMany, mm: int, layout: VmaLayout) -> list[int]
     return out[:MAX_VMAS]
 
 
-async def _list(read: ReadMany, first: int, layout: VmaLayout) -> list[int]:
+async def _list(read: Reader, first: int, layout: VmaLayout) -> list[int]:
     out: list[int] = []
     vma = first
     while vma and vma not in out and len(out) < MAX_VMAS:
@@ -159,7 +158,7 @@ async def _list(read: ReadMany, first: int, layout: VmaLayout) -> list[int]:
     return out
 
 
-async def _file_names(read: ReadMany, files: list[int], layout: VmaLayout) -> dict[int, str]:
+async def _file_names(read: Reader, files: list[int], layout: VmaLayout) -> dict[int, str]:
     files = sorted({f for f in files if f})
     dentries = await read([(f + layout.dentry, 8) for f in files])
     pairs = [(f, _u64(d, 0)) for f, d in zip(files, dentries, strict=True) if d is not None]

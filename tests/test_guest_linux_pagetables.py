@@ -1,4 +1,4 @@
-"""Page-table walks of a Linux process through the kernel's direct map (guest/linuxpages.py),
+"""Page-table walks of a Linux process through the kernel's direct map (guest/linux/pagetables.py),
 over fake physical memory: 4 and 5 levels, 1 GiB and 2 MiB pages, holes, reads that cross a
 page, the variables that say the layout."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from qmpprof.guest.linuxpages import DIRECT_MAP_4, DIRECT_MAP_5, PageTables, page_tables
+from qmpprof.guest.linux.pagetables import DIRECT_MAP_4, DIRECT_MAP_5, PageTables, page_tables
 
 BASE = 0xFFFF_9A00_0000_0000  # a KASLR'd page_offset_base
 PRESENT, WRITE, USER, HUGE, NX = 1, 2, 4, 1 << 7, 1 << 63

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qmpprof.guest.linuxvma import ReadMany
+from qmpprof.memory import Reader
 
 DIRECT_MAP_4 = 0xFFFF_8880_0000_0000  # the direct map's base without KASLR, 4-level paging
 DIRECT_MAP_5 = 0xFF11_0000_0000_0000  # and with 5-level paging
@@ -28,7 +28,7 @@ class PageTables:
     are read whole, once each (a read costs about the same for 8 bytes or 4 KiB, and the
     processes' code and libraries share the upper levels)."""
 
-    def __init__(self, read: ReadMany, direct_map: int, levels: int = 4) -> None:
+    def __init__(self, read: Reader, direct_map: int, levels: int = 4) -> None:
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
@@ -61,7 +61,7 @@ class PageTables:
             table = self.direct_map + base
         return None
 
-    def reader(self, pgd: int) -> ReadMany:
+    def reader(self, pgd: int) -> Reader:
         """Reads of the process's user addresses (each within one page)."""
 
         async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
@@ -77,7 +77,7 @@ class PageTables:
 
 
 async def page_tables(
-    read: ReadMany, page_offset_base: int | None, l5_enabled: int | None
+    read: Reader, page_offset_base: int | None, l5_enabled: int | None
 ) -> PageTables:
     """The page tables as this kernel lays them out: ``page_offset_base`` and
     ``__pgtable_l5_enabled`` are the runtime addresses of those variables (None: the kernel

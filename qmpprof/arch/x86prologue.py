@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
+from qmpprof.arch.base import PrologueRule
 from qmpprof.memo import Memo
 
 # Functions longer than this are not scanned: the linear scan is a heuristic, and a sample
@@ -42,15 +44,6 @@ _ISAS = {
     8: _Isa("CS_MODE_64", 8, "rsp", "rbp"),
     4: _Isa("CS_MODE_32", 4, "esp", "ebp"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PrologueRule:
-    """At this pc the CFA is ``rsp + cfa_offset`` (return address one word below); the caller's RBP
-    is saved at ``CFA + rbp_offset`` when ``rbp_offset`` is set, else RBP is unchanged."""
-
-    cfa_offset: int
-    rbp_offset: int | None = None
 
 
 @dataclass(slots=True)
@@ -183,3 +176,9 @@ class PrologueAnalyzer:
         elif op_str.startswith(f"{sp},") and mnemonic not in ("cmp", "test"):
             return state.frame_depth is not None  # e.g. `and rsp, -16`: fine under a frame pointer
         return state.depth >= 0
+
+
+@cache
+def analyzer(word: int) -> PrologueAnalyzer:
+    """One analyzer (one capstone handle, one cache) per instruction set serves every module."""
+    return PrologueAnalyzer(word)

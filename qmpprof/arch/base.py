@@ -1,0 +1,125 @@
+"""The instruction-set seam: what the rest of qmpprof needs to know of one instruction set.
+
+An instruction set names its registers by DWARF number (its psABI's), has a word size, splits
+the address space between kernel and user, lays out the frames the CPU pushes on a trap, says
+what a plausible return address is, and may analyse a function's prologue when code has no CFI.
+QEMU prints a target's registers in its own formats (the monitor's ``info registers`` text, the
+gdbstub's ``g`` packet): a ``RegisterFormats`` of the target's family turns them into the model's
+``Registers``, in the DWARF numbers of the instruction set the vCPU was running.
+
+Each instruction set is one module of this package, registered in ``qmpprof.arch``; nothing
+outside this package names one (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from qmpprof.model import Registers
+
+ReadWord = Callable[[int], int | None]  # a stack word at an address, None: not readable
+
+
+@dataclass(frozen=True, slots=True)
+class PrologueRule:
+    """At a pc with no CFI, the CFA is ``sp + cfa_offset`` (the return address one word below
+    it); the caller's frame pointer is saved at ``CFA + fp_offset`` when that is set, else the
+    frame pointer is unchanged."""
+
+    cfa_offset: int
+    fp_offset: int | None = None
+
+
+class InstructionSet(Protocol):
+    """One instruction set, as the walker, the sampler and the guest OSes need it."""
+
+    @property
+    def name(self) -> str:
+        """The registry's name (``x86_64``): ``Registers.isa`` holds it."""
+        ...
+
+    @property
+    def address_size(self) -> int:
+        """Bytes of an address and of a stack word."""
+        ...
+
+    @property
+    def pc(self) -> int:
+        """DWARF number of the program counter (the return-address column)."""
+        ...
+
+    @property
+    def sp(self) -> int: ...
+
+    @property
+    def fp(self) -> int: ...
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Each DWARF number's register name, up to ``pc``."""
+        ...
+
+    @property
+    def elf_machine(self) -> tuple[int, int]:
+        """The ELF ``e_machine`` and class (32, 64) of its code."""
+        ...
+
+    @property
+    def kernel_boundary(self) -> int:
+        """The default split: code at or above it is the kernel's."""
+        ...
+
+    @property
+    def shared_from(self) -> int:
+        """Addresses at or above this look the same in every address space (the kernel's)."""
+        ...
+
+    @property
+    def mask(self) -> int:
+        """All address bits set: address arithmetic wraps at this width."""
+        ...
+
+    @property
+    def space_register(self) -> str:
+        """What the instruction set calls the page-table root (``cr3``): the name a process
+        known only by its address space goes by."""
+        ...
+
+    def return_address(self, value: int) -> int | None:
+        """The code address a saved return address stands for (bits the CPU adds to it, such
+        as a pointer-authentication code, taken off), None when no code can be there."""
+        ...
+
+    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
+        """The interrupted user stack pointer of the frame the CPU pushed on a trap from user
+        mode, whose pc slot ends at ``after_pc``; None when what follows is not such a frame."""
+        ...
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        """The kernel's per-CPU base as the CPU holds it in kernel mode, None when not known."""
+        ...
+
+    def prologue(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        """How to find the caller at link address ``pc`` in ``code`` (at ``code_addr``) by
+        analysing the function's instructions; None: no answer (frame pointers then)."""
+        ...
+
+    def prepare(self) -> None:
+        """Build what ``prologue`` needs (a disassembler) before the first pause."""
+        ...
+
+
+class RegisterFormats(Protocol):
+    """How QEMU prints one target family's registers."""
+
+    def from_monitor(self, text: str) -> list[Registers]:
+        """Every vCPU's registers from ``info registers`` text (one block per vCPU)."""
+        ...
+
+    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+        """One vCPU's registers from a gdbstub ``g`` reply (hex text)."""
+        ...

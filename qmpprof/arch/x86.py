@@ -1,0 +1,87 @@
+"""x86: the 64-bit instruction set (x86_64) and the 32-bit one (i386), as their psABIs number
+the registers, with what the CPU pushes on a trap and what a code address can be.
+
+DWARF numbers registers by the psABI: the return-address column, the stack and frame pointers
+are 16, 7, 6 on x86_64 and 8, 4, 5 on i386. A trap from user mode (CPL 3) pushes SS, SP, FLAGS,
+CS and IP, a word each: above the pc slot a user CS (RPL 3, a 16-bit selector) and FLAGS (bit 1
+always set; the upper half zero on x86_64) tell such a frame from anything else. On x86_64 an
+address is canonical when bits 63..47 are all equal; the kernel's half starts at
+0xffff800000000000, and the default split puts the kernel at 0xffffffff80000000 (the mission's
+convention), at 0xc0000000 (the 3 GiB / 1 GiB split of higher-half kernels) on i386.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qmpprof.arch.base import PrologueRule, ReadWord
+from qmpprof.arch.x86prologue import analyzer
+from qmpprof.model import Registers
+
+_UPPER_HALF = 0xFFFF_8000_0000_0000
+
+
+@dataclass(frozen=True, slots=True)
+class X86:
+    """One of the two x86 instruction sets (``X86_64``, ``I386``)."""
+
+    name: str
+    address_size: int
+    pc: int
+    sp: int
+    fp: int
+    names: tuple[str, ...]
+    elf_machine: tuple[int, int]
+    kernel_boundary: int
+    shared_from: int
+    space_register: str = "cr3"
+
+    @property
+    def mask(self) -> int:
+        return (1 << (8 * self.address_size)) - 1
+
+    def return_address(self, value: int) -> int | None:
+        if self.address_size == 8 and _UPPER_HALF > value >= 1 << 47:
+            return None  # not canonical: no code can be there
+        return value if value <= self.mask else None
+
+    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
+        word, mask = self.address_size, self.mask
+        cs = read(after_pc)
+        flags = read((after_pc + word) & mask)
+        if cs is None or flags is None or cs & 3 != 3 or cs > 0xFFFF or not flags & 2:
+            return None
+        if flags >> 32:
+            return None
+        return read((after_pc + 2 * word) & mask)
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        # In kernel mode (after swapgs) GS holds the per-CPU base; in user mode the user's.
+        base = regs.special.get("gs_base", 0)
+        return base if not regs.user and base >= _UPPER_HALF else None
+
+    def prologue(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        return analyzer(self.address_size).analyze(code, code_addr, pc, func_start)
+
+    def prepare(self) -> None:
+        analyzer(self.address_size)  # built now, not inside the first pause that needs it
+
+
+# x86-64 psABI figure 3.36; i386 psABI (SCO numbering, as gcc and gdb use it).
+X86_64 = X86(
+    "x86_64", 8, pc=16, sp=7, fp=6,
+    names=("rax", "rdx", "rcx", "rbx", "rsi", "rdi", "rbp", "rsp",
+           "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "rip"),
+    elf_machine=(62, 64),
+    kernel_boundary=0xFFFF_FFFF_8000_0000,
+    shared_from=_UPPER_HALF,
+)  # fmt: skip
+I386 = X86(
+    "i386", 4, pc=8, sp=4, fp=5,
+    names=("eax", "ecx", "edx", "ebx", "esp", "ebp", "esi", "edi", "eip"),
+    elf_machine=(3, 32),
+    kernel_boundary=0xC000_0000,
+    shared_from=0xC000_0000,
+)  # fmt: skip

@@ -1,0 +1,151 @@
+"""A Linux guest's life in a run: what its kernel's BTF says of its structures (``Layouts``,
+read when the kernel is loaded, before the guest is touched); then, attached to the running
+guest, the kernel image at its slide, its modules, every vCPU's per-CPU base, every task and
+each process's code placed through its own page tables, all read before the first stop through
+the control channel while the guest runs, and handed to ``identify.LinuxIdentifier``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.errors import UsageError
+from qmpprof.guest.base import Attached, Identity
+from qmpprof.guest.linux.current import CurrentTask, current_offset
+from qmpprof.guest.linux.identify import LinuxIdentifier
+from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
+from qmpprof.guest.linux.pagetables import page_tables
+from qmpprof.guest.linux.slide import find_slide
+from qmpprof.guest.linux.spaces import Spaces
+from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
+from qmpprof.guest.linux.vma import VmaLayout
+from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.memory import reader
+from qmpprof.model import Registers
+from qmpprof.pages import PageCache
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.space import AddressSpace
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Layouts:
+    """What the kernel's BTF says of its structures (None: this kernel lacks it; ``notes`` say
+    what is missing then, one line each)."""
+
+    tasks: TaskLayout | None
+    current: int | None  # the current task pointer's offset in the per-CPU area
+    modules: ModuleLayout | None
+    vmas: VmaLayout | None
+    notes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, kernel: LinuxKernel) -> Layouts:
+        notes = list(kernel.missing)
+        btf = kernel.btf
+        if btf is None:
+            return cls(None, None, None, None, tuple(notes))
+        names = "stacks without process names"
+        tasks = _from_btf(btf, TaskLayout.from_btf, names, notes)
+        current = _from_btf(
+            btf, lambda b: current_offset(b, kernel.symbols.address_of), names, notes
+        )
+        modules = _from_btf(btf, ModuleLayout.from_btf, "module frames unnamed", notes)
+        vmas = _from_btf(btf, VmaLayout.from_btf, "user code is not placed", notes)
+        return cls(tasks, current, modules, vmas, tuple(notes))
+
+
+def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
+    try:
+        return make(btf)
+    except KeyError as err:
+        notes.append(f"this kernel's BTF lacks {err}: {lacking}")
+        return None
+
+
+class LinuxGuest:
+    """The ``Guest`` of a Linux kernel: loaded (``kernel``, ``layouts``, the files of
+    ``--user-dir``), then attached to the running guest (``identifier``)."""
+
+    def __init__(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        files: UserFiles,
+        *,
+        lines: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kernel = kernel
+        self.arch = arch
+        self.files = files
+        self.lines = lines
+        self.clock = clock
+        self.layouts = Layouts.of(kernel)
+        self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
+
+    async def attach(self, transport: GuestTransport) -> Attached:
+        """The slide, the modules, every vCPU's per-CPU base, every task and each process's
+        code placed, read through the control channel while the guest runs."""
+        control = transport.control
+        if control is None:
+            raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
+        kernel, layouts, arch = self.kernel, self.layouts, self.arch
+        slide = await find_slide(control, kernel.symbols)
+        read = reader(control, 0)
+        modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
+        head = kernel.address("modules", slide)
+        module_list = None
+        if layouts.modules is not None and head is not None:
+            orc_layout = None if kernel.orc is None else kernel.orc.layout
+            module_list = ModuleList(read, head, layouts.modules, orc_layout, arch)
+            modules += await module_list.refresh() or []
+        tables = await page_tables(
+            read,
+            kernel.address("page_offset_base", slide),
+            kernel.address("__pgtable_l5_enabled", slide),
+        )
+        current = None
+        if layouts.current is not None:
+            per_cpu_offset = kernel.address("__per_cpu_offset", slide)
+            current = CurrentTask(layouts.current, per_cpu_offset, arch, self.clock, RECHECK)
+            await current.preload(read, await control.cpus())
+        spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock)
+        self.identifier = LinuxIdentifier(
+            modules,
+            arch,
+            layout=layouts.tasks,
+            current=current,
+            spaces=spaces,
+            module_list=module_list,
+            control=control,
+            clock=self.clock,
+        )
+        init_task = kernel.address("init_task", slide)
+        if layouts.tasks is not None and init_task is not None:
+            await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
+        names = ", ".join(m.name for m in modules[1:]) or "none"
+        detail = (
+            f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
+            f" ({names})",
+        )
+        return Attached(detail, tuple(f"{kernel.path}: {note}" for note in layouts.notes))
+
+    async def housekeep(self) -> None:
+        await self.identifier.housekeep()
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return self.identifier.reads_for(regs)
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        return await self.identifier.identify(transport, regs, cache)

@@ -1,0 +1,136 @@
+"""Who runs on a vCPU of a running Linux guest, put together from its parts: the kernel's
+modules (``modules.ModuleList`` looked at again between ticks), each vCPU's current task
+(``current``), what was read of each task (``tasks``) and the processes' address spaces
+(``spaces``). A task's kernel work belongs to the process it serves: the current task is the
+same during a system call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.guest.base import Identity
+from qmpprof.guest.linux.current import CurrentTask
+from qmpprof.guest.linux.modules import ModuleList
+from qmpprof.guest.linux.spaces import Spaces
+from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, Tasks, read_task
+from qmpprof.memory import Reader, reader
+from qmpprof.model import Registers
+from qmpprof.pages import PageCache
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.space import AddressSpace, Module
+
+MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
+THREAD_SIZE = 16384  # x86_64's kernel stack (32 KiB with KASAN: then stacks are not learnt)
+
+
+class LinuxIdentifier:
+    """Tells who runs on a vCPU. Without a task layout or a current task (a kernel without
+    BTF) every sample is the kernel's, unnamed; stacks are walked all the same."""
+
+    def __init__(
+        self,
+        kernel_modules: Sequence[Module],
+        arch: InstructionSet,
+        *,
+        layout: TaskLayout | None = None,
+        current: CurrentTask | None = None,
+        spaces: Spaces | None = None,
+        module_list: ModuleList | None = None,
+        control: GuestTransport | None = None,
+        thread_size: int = THREAD_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+        recheck: float = RECHECK,
+    ) -> None:
+        """``kernel_modules``: the kernel image's Module, then the loaded modules'.
+        ``control``: a transport that reads kernel memory while the guest runs, for
+        ``housekeep``."""
+        self.arch = arch
+        self.layout = layout
+        self.current = current
+        self.spaces = spaces
+        self.module_list = module_list
+        self.control = control
+        self.thread_size = thread_size
+        self.clock = clock
+        self.tasks = Tasks(clock, recheck)
+        self._modules_read = clock()
+        self.use_modules(kernel_modules)
+
+    def use_modules(self, kernel_modules: Sequence[Module]) -> None:
+        """Start over with these kernel modules: every process's space is built again."""
+        self.kernel_modules = tuple(kernel_modules)
+        self.space = AddressSpace(kernel_modules)
+        self.kernel = Identity(None, self.space)  # the kernel's own: no process
+        if self.spaces is not None:
+            self.spaces.start_over(self.space)
+        self.tasks.forget()
+
+    async def preload(self, read: Reader, tasks: Sequence[int]) -> None:
+        """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
+        identity of each task at ``tasks``, and each process's space placed where its page
+        tables say its code is, so that a first sample reads what a steady one does."""
+        if self.layout is None:
+            return
+        for at in tasks:
+            task = await read_task(read, at, self.layout, self.arch.shared_from)
+            if task is None:
+                self.tasks.put(at, None, self.kernel)
+                continue
+            space = self.space if self.spaces is None else await self.spaces.preload(read, task)
+            if space is not None:
+                self.tasks.put(at, task, Identity(task.process, space))
+        if self.spaces is not None and self.spaces.tables is not None:
+            self.spaces.tables.forget()
+
+    async def housekeep(self) -> None:
+        """Between samples, while the guest runs: every MODULES_RECHECK seconds, read the
+        module list again (its links; new modules in full) and take in what was loaded or
+        unloaded since; confirm the tasks sampled lately and one process's mappings."""
+        now = self.clock()
+        if self.module_list is not None and now - self._modules_read >= MODULES_RECHECK:
+            self._modules_read = now
+            found = await self.module_list.refresh()
+            if found is not None:
+                self.use_modules([self.kernel_modules[0], *found])
+        if self.control is None:
+            return
+        read = reader(self.control, 0)
+        if self.layout is not None:
+            await self.tasks.confirm(read, self.layout, self.arch.shared_from)
+        if self.spaces is not None:
+            await self.spaces.confirm(read)
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return () if self.current is None else self.current.reads_for(regs)
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        current, layout = self.current, self.layout
+        if current is None or layout is None:
+            return self.kernel
+        task = current.owner(regs)
+        pointer_read = task is None
+        if task is None:
+            task = await current.pointer(transport, regs, cache)
+            if task is None:
+                return self.kernel
+        seen = self.tasks.fresh(task)
+        if seen is None:
+            read = reader(transport, regs.cpu)
+            found = await read_task(read, task, layout, self.arch.shared_from)
+            identity = self.kernel
+            if found is not None:
+                space = (
+                    self.space if self.spaces is None else await self.spaces.space_of(read, found)
+                )
+                identity = Identity(found.process, space)
+            seen = self.tasks.put(task, found, identity)
+        stack = seen.stack
+        on_own_stack = regs.user or (stack != 0 and stack <= regs.sp < stack + self.thread_size)
+        if pointer_read and seen.identity is not self.kernel and on_own_stack:
+            current.own(regs, task)
+        return seen.identity

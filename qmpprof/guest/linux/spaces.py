@@ -1,0 +1,169 @@
+"""Linux processes' address spaces: the kernel's modules and each process's executable mappings
+(``vma.py``), its programs and libraries found in ``--user-dir`` and placed at their load bias,
+trusted for ``RECHECK`` seconds per address space and confirmed between samples.
+
+Placing a mapping compares a few bytes of its code with the file that claims it, read through
+the process's own page tables: inside a pause through the vCPU that runs it, before the first
+stop and between samples through ``PageTables`` (``pagetables.py``), which walks them in kernel
+memory while the guest runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.tasks import LIMIT, Task
+from qmpprof.guest.linux.vma import Vma, VmaLayout, read_exec_vmas
+from qmpprof.guest.userfiles import UserFiles
+from qmpprof.memo import Memo
+from qmpprof.memory import Reader, read_ints
+from qmpprof.model import Mapping
+from qmpprof.pages import PAGE
+from qmpprof.unwind.space import AddressSpace, Module
+
+RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
+CONFIRM_EVERY = 0.5  # seconds between two confirmations of a process's mappings
+_PROBE = 32  # bytes of code compared between a mapping and the file that claims it
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A process's address space as built from its mappings (``vmas``), read or confirmed
+    unchanged at ``checked``."""
+
+    space: AddressSpace
+    checked: float
+    vmas: tuple[Vma, ...]
+
+
+class Spaces:
+    """Each process's address space by (mm, tgid); ``kernel``: the kernel's space (its
+    modules), which a kernel thread uses and every process's space starts from."""
+
+    def __init__(
+        self,
+        kernel: AddressSpace,
+        vmas: VmaLayout | None,
+        files: UserFiles,
+        tables: PageTables | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.kernel = kernel
+        self.vmas = vmas
+        self.files = files
+        self.tables = tables
+        self.clock = clock
+        self._confirmed = clock()
+        self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
+        self._used: Memo[tuple[int, int], float] = Memo(LIMIT)  # when a sample last did
+
+    def start_over(self, kernel: AddressSpace) -> None:
+        """The kernel's modules changed: every process's space is built again."""
+        self.kernel = kernel
+        self._placed = Memo(LIMIT)
+        self._used = Memo(LIMIT)
+
+    async def space_of(self, read: Reader, task: Task) -> AddressSpace:
+        """The space of ``task``'s process, its mappings read through ``read`` (memory as the
+        task's own vCPU sees it) when they were not read within RECHECK seconds."""
+        if self.vmas is None or not task.mm:
+            return self.kernel
+        key = (task.mm, task.tgid)
+        self._used.put(key, self.clock())
+        seen = self._placed.get(key)
+        if seen is not None and self.clock() - seen.checked <= RECHECK:
+            return seen.space
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        return await self._place(key, vmas, read)
+
+    async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
+        """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
+        space of ``task``'s process, its code read through its own page tables; its ELF files
+        are loaded in any case. None: it cannot be placed before a sample of it."""
+        if self.vmas is None or not task.mm:
+            return self.kernel
+        key = (task.mm, task.tgid)
+        placed = self._placed.get(key)
+        if placed is not None:
+            return placed.space
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        for vma in vmas:
+            for image in self.files.candidates(vma.name) if vma.name else ():
+                image.prepare()
+        if self.tables is None:
+            return None
+        (pgd,) = await read_ints(read, [(task.mm + self.vmas.pgd, 8)])
+        if pgd is None:
+            return None
+        return await self._place(key, vmas, self.tables.reader(pgd))
+
+    async def _place(
+        self, key: tuple[int, int], vmas: tuple[Vma, ...], code: Reader
+    ) -> AddressSpace:
+        user = await user_modules(code, vmas, self.files)
+        space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
+        self._placed.put(key, Placed(space, self.clock(), vmas))
+        return space
+
+    async def confirm(self, read: Reader) -> None:
+        """Every CONFIRM_EVERY seconds, through ``read`` (kernel memory, while the guest runs):
+        the mappings of the process whose were read longest ago (of those sampled lately).
+        Unchanged, they are trusted again, so no pause has to read them; changed, the next
+        sample of it reads them (its code must be compared with the files under its own page
+        tables)."""
+        now = self.clock()
+        if self.vmas is None or now - self._confirmed < CONFIRM_EVERY:
+            return
+        self._confirmed = now
+        due = [
+            (placed.checked, key)
+            for key, placed in self._placed.items()
+            if now - placed.checked >= RECHECK / 2 and now - self._used.get(key, 0.0) <= 2 * RECHECK
+        ]
+        if not due:
+            return
+        _, key = min(due)
+        placed = self._placed[key]
+        found = tuple(await read_exec_vmas(read, key[0], self.vmas))
+        if self._placed.get(key) is not placed:
+            return  # read again meanwhile, or started over
+        if found == placed.vmas:
+            self._placed[key] = dataclasses.replace(placed, checked=self.clock())
+        else:
+            del self._placed[key]
+
+
+async def user_modules(read: Reader, vmas: Sequence[Vma], files: UserFiles) -> list[Module]:
+    """A Module per mapped file (an ELF from ``files`` at its load bias, when one matches the
+    guest's bytes) and per anonymous executable mapping (frame pointers, named by mapping)."""
+    codes = await read([(v.start, _PROBE) for v in vmas])
+    modules: list[Module] = []
+    placed: set[str] = set()
+    for vma, code in zip(vmas, codes, strict=True):
+        offset = vma.pgoff * PAGE
+        image = None if vma.name is None else files.match(vma.name, offset, code)
+        if image is not None:
+            if image.path not in placed:
+                placed.add(image.path)
+                bias = vma.start - offset - (image.load_range[0] - image.load_offset)
+                modules.append(Module.from_image(image, kernel=False, bias=bias))
+            continue
+        name = f"[{vma.name or 'anon'}]"
+        modules.append(Module(Mapping(name, vma.start, vma.end, False, file_offset=offset)))
+    return _disjoint(modules)
+
+
+def _disjoint(modules: list[Module]) -> list[Module]:
+    """Modules by start, each cut short of the next (an ELF's range spans its data segments,
+    which other mappings may follow closely)."""
+    ordered = sorted(modules, key=lambda m: m.start)
+    out = []
+    for module, following in zip(ordered, [*ordered[1:], None][: len(ordered)], strict=True):
+        if following is not None and module.end > following.start:
+            mapping = dataclasses.replace(module.mapping, end=following.start)
+            module = dataclasses.replace(module, mapping=mapping)
+        out.append(module)
+    return out

@@ -1,0 +1,191 @@
+"""Linux tasks: a ``task_struct``'s identity read at the offsets the kernel's own BTF gives (pid,
+tgid, comm, flags, its thread group leader's comm, its mm and kernel stack), and what was read
+of each task pointer, trusted for ``recheck`` seconds.
+
+A process is its tgid and its leader's comm; kernel threads are named ``[comm]``
+(``[kworker/0:1]``), the idle tasks ``swapper/N``. Between samples, while the guest runs, the
+tasks sampled lately are read again through the control channel (``confirm``), so that a pause
+reads a task's fields the first time it meets the task, not every ``recheck``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qmpprof.guest.base import Identity
+from qmpprof.linux.btf import Btf
+from qmpprof.memo import Memo
+from qmpprof.memory import Reader, read_ints, read_one
+from qmpprof.model import Process
+
+RECHECK = 0.5  # seconds a task pointer's identity is trusted without reading the task again
+CONFIRMED = 2  # task structs read again per confirmation, at most
+LIMIT = 4096  # tasks remembered
+# task_struct.flags: a kernel thread (include/linux/sched.h, the same from 5.10 to 7.2; BTF
+# carries no #define).
+PF_KTHREAD = 0x0020_0000
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLayout:
+    """Byte offsets in ``struct task_struct``, and the size of its ``comm``."""
+
+    pid: int
+    tgid: int
+    comm: int
+    comm_size: int  # TASK_COMM_LEN
+    flags: int
+    group_leader: int
+    mm: int
+    tasks: int  # the list of every task, from init_task
+    stack: int  # void *: the task's kernel stack
+
+    @classmethod
+    def from_btf(cls, btf: Btf) -> TaskLayout:
+        """Raises KeyError naming what this kernel's BTF lacks."""
+        field = btf.offset_of
+        comm = btf.field("task_struct.comm")
+        return cls(
+            pid=field("task_struct.pid"),
+            tgid=field("task_struct.tgid"),
+            comm=comm.offset,
+            comm_size=btf.array(comm.type_id)[1],
+            flags=field("task_struct.flags"),
+            group_leader=field("task_struct.group_leader"),
+            mm=field("task_struct.mm"),
+            tasks=field("task_struct.tasks"),
+            stack=field("task_struct.stack"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    pid: int
+    tgid: int
+    comm: str
+    kernel_thread: bool
+    leader_comm: str
+    mm: int  # its address space (struct mm_struct *), 0 for kernel threads
+    stack: int  # its kernel stack's lowest address
+
+    @property
+    def process(self) -> Process:
+        """The process (tgid, leader's comm) and this thread (pid, comm)."""
+        if self.pid == 0:
+            return Process(0, self.comm, 0, 0, self.comm)  # swapper/N, the idle task of CPU N
+        if self.kernel_thread:
+            return Process(self.tgid, f"[{self.comm}]", 0, self.pid, self.comm)
+        return Process(self.tgid, self.leader_comm, 0, self.pid, self.comm)
+
+
+async def read_task(read: Reader, task: int, layout: TaskLayout, kernel_from: int) -> Task | None:
+    """The task at ``task`` (its fields in one read, its leader's comm in a second when it is
+    not its own leader); None when it does not read. ``kernel_from``: the lowest kernel
+    address (a leader pointer below it is not one)."""
+    fields = (
+        (layout.pid, 4), (layout.tgid, 4), (layout.comm, layout.comm_size), (layout.flags, 4),
+        (layout.group_leader, 8), (layout.mm, 8), (layout.stack, 8),
+    )  # fmt: skip
+    low = min(offset for offset, _ in fields)
+    high = max(offset + size for offset, size in fields)
+    raw = await read_one(read, task + low, high - low)
+    if raw is None:
+        return None
+
+    def number(offset: int, size: int) -> int:
+        return int.from_bytes(raw[offset - low : offset - low + size], "little")
+
+    comm = _text(raw[layout.comm - low : layout.comm - low + layout.comm_size])
+    leader, mm = number(layout.group_leader, 8), number(layout.mm, 8)
+    leader_comm = comm
+    if leader and leader != task and leader >= kernel_from:
+        found = await read_one(read, leader + layout.comm, layout.comm_size)
+        leader_comm = comm if found is None else _text(found) or comm
+    kernel_thread = bool(number(layout.flags, 4) & PF_KTHREAD)
+    return Task(
+        number(layout.pid, 4),
+        number(layout.tgid, 4),
+        comm,
+        kernel_thread,
+        leader_comm,
+        0 if kernel_thread else mm,
+        number(layout.stack, 8),
+    )
+
+
+async def task_list(read: Reader, init_task: int, layout: TaskLayout) -> list[int]:
+    """Every task on the list of all tasks, from ``init_task`` (init_task itself left out)."""
+    out: list[int] = []
+    head = init_task + layout.tasks
+    (node,) = await read_ints(read, [(head, 8)])
+    visited = {head}
+    while node is not None and node not in visited and len(visited) <= LIMIT:
+        visited.add(node)
+        out.append(node - layout.tasks)
+        (node,) = await read_ints(read, [(node, 8)])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A task pointer's identity, from its fields (``task``, None when they did not read) as
+    read or confirmed unchanged at ``checked``, and its kernel stack's lowest address."""
+
+    identity: Identity
+    checked: float
+    task: Task | None
+
+    @property
+    def stack(self) -> int:
+        return 0 if self.task is None else self.task.stack
+
+
+class Tasks:
+    """What was read of each task pointer, and when samples last used it."""
+
+    def __init__(self, clock: Callable[[], float], recheck: float = RECHECK) -> None:
+        self.clock = clock
+        self.recheck = recheck
+        self._seen: Memo[int, Seen] = Memo(LIMIT)
+        self._used: Memo[int, float] = Memo(LIMIT)
+
+    def fresh(self, task: int) -> Seen | None:
+        """What a sample may take of ``task`` without reading it (and note that one did)."""
+        now = self.clock()
+        self._used.put(task, now)
+        seen = self._seen.get(task)
+        return seen if seen is not None and now - seen.checked <= self.recheck else None
+
+    def put(self, task: int, found: Task | None, identity: Identity) -> Seen:
+        return self._seen.put(task, Seen(identity, self.clock(), found))
+
+    def forget(self) -> None:
+        self._seen = Memo(LIMIT)
+
+    async def confirm(self, read: Reader, layout: TaskLayout, kernel_from: int) -> None:
+        """Read again the fields of the tasks samples used lately whose identity is 3/4 of
+        ``recheck`` old: unchanged, it is trusted for another ``recheck`` seconds, so no pause
+        has to read them; changed (the pointer now holds another task, an exec renamed it), the
+        next sample of it reads them."""
+        now = self.clock()
+        due = sorted(
+            (seen.checked, task)
+            for task, seen in self._seen.items()
+            if now - seen.checked >= self.recheck * 0.75
+            and now - self._used.get(task, 0.0) <= 2 * self.recheck
+        )
+        for _, task in due[:CONFIRMED]:
+            seen = self._seen[task]
+            found = await read_task(read, task, layout, kernel_from)
+            if self._seen.get(task) is not seen:
+                continue  # read again by a sample meanwhile, or started over
+            if found == seen.task:
+                self._seen[task] = dataclasses.replace(seen, checked=now)
+            else:
+                del self._seen[task]
+
+
+def _text(data: bytes) -> str:
+    return data.split(b"\0", 1)[0].decode("utf-8", "replace")
