@@ -11,7 +11,7 @@ from typing import TypeVar
 from qmpprof.errors import MemoryReadError, TransportError
 from qmpprof.memo import Memo
 from qmpprof.model import Registers
-from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
+from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.transport.base import GuestTransport
 
 # Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and

@@ -29,7 +29,7 @@ from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageEr
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader
 from qmpprof.model import Mode, Process, Registers, Sample, Stack
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport

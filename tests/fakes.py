@@ -30,7 +30,7 @@ from qmpprof.model import (
     Stack,
     StopReason,
 )
-from qmpprof.pages import PAGE, PageCache, page_of
+from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.profile import Profile
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import Module

@@ -19,7 +19,7 @@ from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.metadata import METADATA_ADDR
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.model import Mapping, Registers
-from qmpprof.pages import PAGE, PageCache, page_of
+from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.unwind.space import Module
 from qmpprof.unwind.steps import CfiStep
 

@@ -30,7 +30,7 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process
-from qmpprof.pages import PAGE, PageCache, PageMissing
+from qmpprof.pagecache import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import AddressSpace, Module
 
 PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20

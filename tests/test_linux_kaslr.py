@@ -13,6 +13,7 @@ import pytest
 from fakes import FakeTransport, x86
 from linuxvm import LinuxGuest, running_linux_guest
 
+from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import KernelMismatchError
 from qmpprof.guest.linux.slide import find_slide
 from qmpprof.linux import kaslr
@@ -23,6 +24,7 @@ from qmpprof.transport.qmp import QmpTransport
 TEXT = 0xFFFFFFFF81000000
 ENTRY = 0xFFFFFFFF81E00000
 MIB2 = 0x200000
+KERNEL = X86_64.shared_from  # where kernel space starts
 # Named handlers in the entry text, 32 bytes apart, as idtentry lays them out.
 HANDLERS = [ENTRY + 0x1000 + 0x20 * i for i in range(24)]
 
@@ -73,48 +75,50 @@ def test_decode_gate_fields() -> None:
 
 @pytest.mark.parametrize("slide", [0, MIB2, 0x2E000000, 0x3EC00000 - 0x1000000])
 def test_slide_found(slide: int) -> None:
-    assert kaslr.slide_from_gates(kaslr.decode_idt(idt(slide)), image_symbols()) == slide
+    assert kaslr.slide_from_gates(kaslr.decode_idt(idt(slide)), image_symbols(), KERNEL) == slide
 
 
 def test_absent_gates_and_user_handlers_do_not_vote() -> None:
     noise = gate(0xDEAD0000, present=True) + gate(ENTRY + 0x1000 + 4 * MIB2, present=False)
     gates = kaslr.decode_idt(idt(6 * MIB2) + noise)
-    assert kaslr.handlers(gates)[0] != 0xDEAD0000
-    assert kaslr.slide_from_gates(gates, image_symbols()) == 6 * MIB2
+    assert kaslr.handlers(gates, KERNEL)[0] != 0xDEAD0000
+    assert kaslr.slide_from_gates(gates, image_symbols(), KERNEL) == 6 * MIB2
 
 
 def test_slide_outside_the_text_map_is_not_considered() -> None:
     # Handlers 1 GiB up would put _text past 0xffffffffc0000000: no slide fits.
     with pytest.raises(KernelMismatchError, match="none of 224 interrupt handlers"):
-        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x40000000)), image_symbols())
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x40000000)), image_symbols(), KERNEL)
 
 
 def test_unaligned_shift_matches_nothing() -> None:
     with pytest.raises(KernelMismatchError, match="is a symbol of the image's entry text"):
-        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x1008)), image_symbols())
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0x1008)), image_symbols(), KERNEL)
 
 
 def test_split_vote_is_refused() -> None:
     halves = [gate(h + (0 if i % 2 else 2 * MIB2)) for i, h in enumerate(HANDLERS)]
     with pytest.raises(KernelMismatchError, match=r"no clear KASLR slide: .* 12 of 24 handlers"):
-        kaslr.slide_from_gates(kaslr.decode_idt(b"".join(halves)), image_symbols())
+        kaslr.slide_from_gates(kaslr.decode_idt(b"".join(halves)), image_symbols(), KERNEL)
 
 
 def test_too_few_votes_are_refused() -> None:
     data = b"".join(gate(h + MIB2) for h in HANDLERS[: kaslr.MIN_VOTES - 1])
     with pytest.raises(KernelMismatchError, match="no clear KASLR slide"):
-        kaslr.slide_from_gates(kaslr.decode_idt(data), image_symbols())
+        kaslr.slide_from_gates(kaslr.decode_idt(data), image_symbols(), KERNEL)
 
 
 def test_image_without_entry_text_markers() -> None:
     symbols = KernelSymbols([TEXT], ["T"], ["_text"])
     with pytest.raises(KernelMismatchError, match="__entry_text_start"):
-        kaslr.slide_from_gates(kaslr.decode_idt(idt(0)), symbols)
+        kaslr.slide_from_gates(kaslr.decode_idt(idt(0)), symbols, KERNEL)
 
 
 def test_empty_idt() -> None:
     with pytest.raises(KernelMismatchError, match="no present interrupt gate"):
-        kaslr.slide_from_gates(kaslr.decode_idt(gate(0, present=False) * 4), image_symbols())
+        kaslr.slide_from_gates(
+            kaslr.decode_idt(gate(0, present=False) * 4), image_symbols(), KERNEL
+        )
 
 
 def test_vote_counts() -> None:
@@ -148,13 +152,13 @@ def monitored(idt_base: int, table: bytes) -> FakeTransport:
 
 async def test_the_slide_is_found_with_one_read_of_the_idt() -> None:
     guest = monitored(0xFFFFFE0000000000, idt(0x2E000000, stubs=232))
-    assert await find_slide(guest, image_symbols()) == 0x2E000000
+    assert await find_slide(guest, image_symbols(), X86_64) == 0x2E000000
     assert [c for c in guest.calls if c.startswith("read")] == ["read:0xfffffe0000000000+0x1000"]
 
 
 async def test_no_slide_before_the_kernel_runs() -> None:
     with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
-        await find_slide(monitored(0, idt(0)), image_symbols())
+        await find_slide(monitored(0, idt(0)), image_symbols(), X86_64)
 
 
 # ---- end to end, on the Linux test guest ----------------------------------------------------
@@ -168,7 +172,7 @@ def debian_symbols() -> KernelSymbols:
 async def slide_of(guest: LinuxGuest) -> int:
     transport = await QmpTransport.connect(guest.qmp_socket)
     try:
-        return await find_slide(transport, debian_symbols())
+        return await find_slide(transport, debian_symbols(), X86_64)
     finally:
         await transport.close()
 

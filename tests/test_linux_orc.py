@@ -20,7 +20,7 @@ from qmpprof.linux.orc import (
     kernel_version,
 )
 from qmpprof.model import Mapping, StopReason
-from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
+from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
 from qmpprof.unwind.orc import OrcCode, OrcStep
 from qmpprof.unwind.steps import NEW_STACK, FramePointerStep

@@ -23,7 +23,7 @@ from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.memory import ALIGN, PIECE, SLACK
 from qmpprof.model import Mode, Registers, StopReason
 from qmpprof.naming import Naming
-from qmpprof.pages import PageCache, PageMissing
+from qmpprof.pagecache import PageCache, PageMissing
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 

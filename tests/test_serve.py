@@ -29,7 +29,7 @@ from test_output import hand_built_profile
 from qmpprof.cli import main
 from qmpprof.naming import Naming
 from qmpprof.profile import Profile
-from qmpprof.serve import pages
+from qmpprof.serve import views
 from qmpprof.serve.endpoints import Board, listen
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
@@ -179,7 +179,7 @@ def parse_prometheus(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], f
 def test_metrics_are_prometheus_text_with_every_family() -> None:
     vms = [filled_vm("a"), filled_vm('we"ird\\name')]
     vms[1].state = "down"
-    parsed = parse_prometheus(pages.metrics(vms))
+    parsed = parse_prometheus(views.metrics(vms))
     assert parsed["qmpprof_samples_total"][(("vm", "a"),)] == 24
     assert parsed["qmpprof_vm_up"] == {(("vm", "a"),): 1, (("vm", 'we\\"ird\\\\name'),): 0}
     assert parsed["qmpprof_pause_seconds_count"][(("vm", "a"),)] == 5

@@ -13,7 +13,7 @@ from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.model import Registers, StopReason
-from qmpprof.pages import PAGE, PageCache, PageMissing, page_of
+from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
 RSP, RBX, RIP = 7, 3, 16
@@ -375,7 +375,7 @@ def test_a_trap_frame_is_told_from_a_plain_return_address() -> None:
     stack must be a user CS and RFLAGS for it to be a trap frame (then RSP is its next slot)."""
     import struct
 
-    from qmpprof.pages import PageCache
+    from qmpprof.pagecache import PageCache
 
     page = 0xFFFF_FFFF_8020_0000
     cache = PageCache()

@@ -14,7 +14,7 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.arch.x86regs import x86_registers
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import Stack, StopReason
-from qmpprof.pages import PAGE, PageCache
+from qmpprof.pagecache import PAGE, PageCache
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
 DATA = Path(__file__).parent / "data" / "unwind"

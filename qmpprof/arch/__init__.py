@@ -18,11 +18,13 @@ __all__ = [
     "formats",
     "names",
     "register",
+    "unregister",
 ]
 
-_BY_NAME: dict[str, InstructionSet] = {}
-# QEMU's target (query-target's arch, or a gdbstub's <architecture>) -> its register formats
-_FORMATS: dict[str, RegisterFormats] = {}
+# Each in order of registration; a later one takes precedence where two claim the same ELF
+# machine or QEMU target (a test's, say), until it is unregistered.
+_ISAS: list[InstructionSet] = []
+_FORMATS: list[tuple[str, RegisterFormats, InstructionSet]] = []  # (QEMU target, formats, isa)
 
 
 def register(
@@ -30,24 +32,33 @@ def register(
 ) -> None:
     """Make ``isa`` known by its name and its ELF machine; ``formats`` read the registers of
     QEMU's ``targets`` (as ``query-target`` or a gdbstub's target description names them)."""
-    _BY_NAME[isa.name] = isa
+    _ISAS.append(isa)
     if formats is not None:
-        _FORMATS.update(dict.fromkeys(targets, formats))
+        _FORMATS.extend((target, formats, isa) for target in targets)
 
 
-def by_name(name: str) -> InstructionSet:
-    """The instruction set ``Registers.isa`` names. KeyError for one never registered."""
-    return _BY_NAME[name]
+def unregister(isa: InstructionSet) -> None:
+    """Forget ``isa`` and its register formats."""
+    _ISAS[:] = [known for known in _ISAS if known is not isa]
+    _FORMATS[:] = [entry for entry in _FORMATS if entry[2] is not isa]
 
 
 def names() -> list[str]:
     """The registered instruction sets' names, in order."""
-    return list(_BY_NAME)
+    return list(dict.fromkeys(isa.name for isa in _ISAS))
+
+
+def by_name(name: str) -> InstructionSet:
+    """The instruction set ``Registers.isa`` names. KeyError for one never registered."""
+    for isa in reversed(_ISAS):
+        if isa.name == name:
+            return isa
+    raise KeyError(name)
 
 
 def by_elf(machine: int, bits: int) -> InstructionSet | None:
     """The instruction set of an ELF's ``e_machine`` and class, None when none is known."""
-    for isa in _BY_NAME.values():
+    for isa in reversed(_ISAS):
         if isa.elf_machine == (machine, bits):
             return isa
     return None
@@ -55,12 +66,15 @@ def by_elf(machine: int, bits: int) -> InstructionSet | None:
 
 def default() -> InstructionSet:
     """The instruction set of a run that has no kernel file to tell: the first registered."""
-    return next(iter(_BY_NAME.values()))
+    return _ISAS[0]
 
 
 def formats(target: str) -> RegisterFormats | None:
     """How QEMU's ``target`` prints registers, None for a target no module reads."""
-    return _FORMATS.get(target)
+    for known, found, _ in reversed(_FORMATS):
+        if known == target:
+            return found
+    return None
 
 
 _X86 = x86regs.X86Formats()

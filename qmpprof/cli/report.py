@@ -7,20 +7,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from qmpprof.cli import text
-from qmpprof.cli.options import (
-    Parser,
-    add_view_flags,
-    mode_of,
-    naming_of,
-    outputs_of,
-    parse_cpus,
-)
+from qmpprof.cli import options, text
 from qmpprof.output import native, write_profile
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = options.Parser(
         prog="qmpprof report",
         description="Render a profile saved as .qmpprof again: any format, any naming.",
         epilog="Example: qmpprof report run.qmpprof -o run.svg --lines",
@@ -31,18 +23,18 @@ def parser() -> argparse.ArgumentParser:
         help="write it here, in the format its name implies (repeatable); else print the top "
              "stacks")  # fmt: skip
     add("--format", metavar="FMT", help="output format (default: from the file name)")
-    add_view_flags(p)
+    options.add_view_flags(p)
     return p
 
 
 def main(args: list[str]) -> int:
     ns = parser().parse_args(args)
-    outputs = outputs_of(ns)
-    keep = mode_of(ns)
+    outputs = options.outputs_of(ns)
+    keep = options.mode_of(ns)
     profile = native.load(Path(ns.profile))
     if keep is not None or ns.cpus:
-        profile = profile.select(keep, parse_cpus(ns.cpus) if ns.cpus else None)
-    naming = naming_of(ns)
+        profile = profile.select(keep, options.parse_cpus(ns.cpus) if ns.cpus else None)
+    naming = options.naming_of(ns)
     if not outputs:
         sys.stdout.write(text.top_stacks(profile, naming))
     for path in outputs:

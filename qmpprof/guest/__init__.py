@@ -12,9 +12,20 @@ AUTO = "auto"
 _OSES: dict[str, GuestOs] = {}
 
 
-def register(kind: GuestOs) -> None:
-    """Make ``kind`` known as ``--os NAME``, after those registered before it."""
+def register(kind: GuestOs, *, first: bool = False) -> None:
+    """Make ``kind`` known as ``--os NAME``, after those registered before it (``first``:
+    before them, so that ``auto`` asks it first)."""
+    _OSES.pop(kind.name, None)
+    before = dict(_OSES) if first else {}
+    if first:
+        _OSES.clear()
     _OSES[kind.name] = kind
+    _OSES.update(before)
+
+
+def unregister(name: str) -> None:
+    """Forget the guest OS ``--os NAME``."""
+    _OSES.pop(name, None)
 
 
 def names() -> list[str]:

@@ -23,7 +23,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
 from qmpprof.model import Process, Registers
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace
 

@@ -17,7 +17,7 @@ from qmpprof.guest.programs import ProgramIndex
 from qmpprof.memo import Memo
 from qmpprof.memory import read_one, reader
 from qmpprof.model import Process, Registers
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 

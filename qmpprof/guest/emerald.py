@@ -25,7 +25,7 @@ from qmpprof.memo import Memo
 from qmpprof.memory import fetch_piece, read_one, reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.naming import UNKNOWN
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import Module
 

@@ -41,7 +41,6 @@ ENTRY_TEXT = ("__entry_text_start", "__entry_text_end")
 ALIGN = 0x200000  # CONFIG_PHYSICAL_ALIGN of x86_64 distribution kernels
 TEXT_MAP = (0xFFFFFFFF80000000, 0xFFFFFFFFC0000000)  # where _text may land (KERNEL_IMAGE_SIZE)
 MIN_VOTES = 4
-KERNEL_SPACE = 0xFFFF800000000000
 GATE = struct.Struct("<HHBBHII")  # offset 15..0, selector, IST, type/attributes, 31..16, 63..32
 _INTERRUPT_GATE, _TRAP_GATE = 0xE, 0xF
 
@@ -96,12 +95,13 @@ def decode_idt(data: bytes) -> list[Gate]:
     return gates
 
 
-def handlers(gates: Iterable[Gate]) -> list[int]:
-    """The distinct kernel-space handlers of the present 64-bit interrupt and trap gates."""
+def handlers(gates: Iterable[Gate], kernel_from: int) -> list[int]:
+    """The distinct kernel-space handlers (at or above ``kernel_from``) of the present 64-bit
+    interrupt and trap gates."""
     found = {
         g.handler
         for g in gates
-        if g.present and g.kind in (_INTERRUPT_GATE, _TRAP_GATE) and g.handler >= KERNEL_SPACE
+        if g.present and g.kind in (_INTERRUPT_GATE, _TRAP_GATE) and g.handler >= kernel_from
     }
     return sorted(found)
 
@@ -153,13 +153,16 @@ def entry_text_symbols(symbols: KernelSymbols) -> list[int]:
     ]
 
 
-def slide_from_gates(gates: Iterable[Gate], symbols: KernelSymbols, align: int = ALIGN) -> int:
-    """The slide that maps the image ``symbols`` onto the running handlers in ``gates``."""
+def slide_from_gates(
+    gates: Iterable[Gate], symbols: KernelSymbols, kernel_from: int, align: int = ALIGN
+) -> int:
+    """The slide that maps the image ``symbols`` onto the running handlers in ``gates`` (those
+    at or above ``kernel_from``, where kernel space starts)."""
     text = symbols.address_of("_text")
     if text is None:
         raise KernelMismatchError("the image's symbols have no _text")
     entry = entry_text_symbols(symbols)
-    running = handlers(gates)
+    running = handlers(gates, kernel_from)
     if not running:
         raise KernelMismatchError("no present interrupt gate in the IDT (kernel not booted?)")
     vote = vote_slide(running, entry, slide_window(text, align), align)

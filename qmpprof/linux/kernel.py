@@ -28,7 +28,6 @@ from qmpprof.linux.kallsyms import read_kallsyms
 from qmpprof.linux.orc import OrcLayout, OrcTable
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 
-UPPER_HALF = 0xFFFF_8000_0000_0000
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
 _LINUX_MARKS = (".orc_unwind_ip", ".BTF", "__ksymtab", "__ksymtab_strings")
@@ -263,7 +262,7 @@ def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:
     if shift:
         # Only the image moves: per-CPU symbols (absolute offsets) and modules stay.
         addrs = [
-            a - shift if module is None and a >= UPPER_HALF else a
+            a - shift if module is None and a >= image.arch.shared_from else a
             for a, module in zip(symbols.addrs, symbols.modules, strict=True)
         ]
         symbols = KernelSymbols(addrs, symbols.types, symbols.names, symbols.modules)
@@ -273,7 +272,7 @@ def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:
 def _span(image: ElfImage) -> tuple[int, int]:
     """The upper-half range of the kernel's code and data. A vmlinux also loads its per-CPU
     section at address 0, which is not where anything runs: it is left out."""
-    ranges = [(lo, hi) for lo, hi in image.code_ranges() if lo >= UPPER_HALF]
+    ranges = [(lo, hi) for lo, hi in image.code_ranges() if lo >= image.arch.shared_from]
     if not ranges:
         raise KernelImageError(image.path, "no kernel code in the upper half of the address space")
     return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)

@@ -2,7 +2,7 @@
 
 - ``ring.py``: per-second aggregates of one VM over the retention window (bounded memory);
 - ``vm.py``: one VM's worker (connect, sample, reconnect) and what it measured;
-- ``pages.py``: the index page and the Prometheus metrics, as text;
+- ``views.py``: the index page and the Prometheus metrics, as text;
 - ``endpoints.py``: the HTTP endpoints, answered from the rings in threads of their own;
 - ``daemon.py``: the VMs to follow (sockets given, a directory rescanned), signals, shutdown.
 """

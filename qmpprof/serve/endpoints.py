@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from qmpprof.naming import Naming
 from qmpprof.output import render
 from qmpprof.profile import Profile
-from qmpprof.serve import pages
+from qmpprof.serve import views
 from qmpprof.serve.ring import Second, merge
 from qmpprof.serve.vm import FLUSH, Vm
 
@@ -64,7 +64,7 @@ class Board:
         raise HttpError(400, f"several VMs: add vm=NAME ({', '.join(v.name for v in vms)})")
 
     def seconds(self, query: dict[str, list[str]]) -> int:
-        text = (query.get("seconds") or [str(min(pages.DEFAULT_SECONDS, self.window))])[-1]
+        text = (query.get("seconds") or [str(min(views.DEFAULT_SECONDS, self.window))])[-1]
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= self.window:
             raise HttpError(400, f"seconds must be a whole number from 1 to {self.window}")
         return int(text)
@@ -82,7 +82,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             "/healthz": lambda q: ("text/plain; charset=utf-8", b"ok\n"),
             "/metrics": lambda q: (
                 "text/plain; version=0.0.4; charset=utf-8",
-                pages.metrics(self.board.vms).encode(),
+                views.metrics(self.board.vms).encode(),
             ),
             "/flamegraph.svg": self._flamegraph,
             "/debug/pprof/profile": self._pprof,
@@ -102,7 +102,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._send(200, kind, body)
 
     def _index(self) -> bytes:
-        return pages.index(self.board.vms, self.board.window).encode()
+        return views.index(self.board.vms, self.board.window).encode()
 
     def _flamegraph(self, query: dict[str, list[str]]) -> tuple[str, bytes]:
         vm, seconds = self.board.pick(query), self.board.seconds(query)

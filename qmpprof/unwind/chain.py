@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.model import Frame, Registers, Stack, StopReason
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
 from qmpprof.unwind.steps import (

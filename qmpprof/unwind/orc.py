@@ -32,7 +32,7 @@ from qmpprof.linux.orc import (
 )
 from qmpprof.memo import Memo
 from qmpprof.model import StopReason
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.unwind.steps import NEW_STACK, Outcome, Regs, Via
 
 

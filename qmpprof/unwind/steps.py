@@ -22,7 +22,7 @@ from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.model import StopReason
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 
 if TYPE_CHECKING:
     from qmpprof.unwind.orc import OrcCode

@@ -17,7 +17,7 @@ from qmpprof.arch.x86regs import x86_registers
 from qmpprof.dwarf.cfi import Kind, Rule
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import Registers
-from qmpprof.pages import PAGE, PageCache, page_of
+from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 
 STACK_TOP = 0x7FFF_0000_0000  # where the synthetic stack starts (grows up from here)

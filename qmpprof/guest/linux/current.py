@@ -18,7 +18,7 @@ from qmpprof.linux.btf import Btf
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, fetch_piece, read_ints
 from qmpprof.model import Registers
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 
 _OWNERS_LIMIT = 4096

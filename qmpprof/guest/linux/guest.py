@@ -29,7 +29,7 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memory import reader
 from qmpprof.model import Registers
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace
 
@@ -99,7 +99,7 @@ class LinuxGuest:
         if control is None:
             raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
         kernel, layouts, arch = self.kernel, self.layouts, self.arch
-        slide = await find_slide(control, kernel.symbols)
+        slide = await find_slide(control, kernel.symbols, arch)
         read = reader(control, 0)
         modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
         head = kernel.address("modules", slide)

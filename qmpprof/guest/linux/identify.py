@@ -18,7 +18,7 @@ from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, Tasks, read_task
 from qmpprof.memory import Reader, reader
 from qmpprof.model import Registers
-from qmpprof.pages import PageCache
+from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 

@@ -28,7 +28,6 @@ from qmpprof.unwind.space import Module
 MAX_MODULES = 4096
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 _STT_FUNC = 2
-_UPPER_HALF = 0xFFFF_8000_0000_0000
 _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
 
@@ -127,7 +126,7 @@ async def _read_module(
 ) -> Module | None:
     raw_name = await read_one(read, at + layout.name, layout.name_size)
     base, size = await read_ints(read, [(at + layout.text_base, 8), (at + layout.text_size, 4)])
-    if raw_name is None or not base or not size or base < _UPPER_HALF:
+    if raw_name is None or not base or not size or base < arch.shared_from:
         return None
     name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
     symbols = await _symbols(read, at, layout, base, base + size)

@@ -4,15 +4,20 @@ its gates from kernel memory, both while the guest runs."""
 
 from __future__ import annotations
 
+from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
-from qmpprof.linux.kaslr import ALIGN, GATE, KERNEL_SPACE, decode_idt, slide_from_gates
+from qmpprof.linux.kaslr import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
 
 
 async def find_slide(
-    control: GuestTransport, symbols: KernelSymbols, cpu: int = 0, align: int = ALIGN
+    control: GuestTransport,
+    symbols: KernelSymbols,
+    arch: InstructionSet,
+    cpu: int = 0,
+    align: int = ALIGN,
 ) -> int:
     """The running kernel's KASLR slide (0 under ``nokaslr``) against the image's ``symbols``:
     runtime address = image address + slide, for every symbol of the image."""
@@ -20,9 +25,9 @@ async def find_slide(
     base, limit = regs.special.get("idt_base"), regs.special.get("idt_limit")
     if base is None or limit is None:
         raise KernelMismatchError("the vCPU's registers show no IDT: no KASLR slide")
-    if base < KERNEL_SPACE:
+    if base < arch.shared_from:
         raise KernelMismatchError(f"IDT at {base:#x} is not in kernel space (kernel not booted?)")
     (data,) = await reader(control, cpu)([(base, min(limit + 1, 256 * GATE.size))])
     if data is None:
         raise KernelMismatchError(f"the IDT at {base:#x} does not read")
-    return slide_from_gates(decode_idt(data), symbols, align)
+    return slide_from_gates(decode_idt(data), symbols, arch.shared_from, align)

@@ -21,7 +21,7 @@ from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, read_ints
 from qmpprof.model import Mapping
-from qmpprof.pages import PAGE
+from qmpprof.pagecache import PAGE
 from qmpprof.unwind.space import AddressSpace, Module
 
 RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again

@@ -1,0 +1,176 @@
+"""The guest-OS and instruction-set seams are real: a guest OS and an instruction set written
+only in this file, registered through the registries, are what a run of the real bundled guest
+uses, with no other file touched.
+
+The instruction set is x86_64 under another name (QEMU runs x86), counting what the walker asks
+of it; its register formats relabel QEMU's x86 registers as its own. The guest OS recognises
+the bundled kernel by a symbol and calls every user-mode sample one process."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from guestvm import running_guest
+
+from qmpprof import arch, guest, session
+from qmpprof.arch.base import InstructionSet, PrologueRule, ReadWord
+from qmpprof.arch.x86 import X86_64
+from qmpprof.arch.x86regs import X86Formats
+from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
+from qmpprof.model import Mode, Process, Registers
+from qmpprof.pagecache import PageCache
+from qmpprof.sampler import SamplerConfig
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.space import AddressSpace, Module
+
+pytestmark = pytest.mark.qemu
+
+
+class ToyIsa:
+    """x86_64's numbers under the name "toy64"; counts the walker's questions."""
+
+    name = "toy64"
+    address_size, pc, sp, fp, names = 8, X86_64.pc, X86_64.sp, X86_64.fp, X86_64.names
+    elf_machine, kernel_boundary = X86_64.elf_machine, X86_64.kernel_boundary
+    shared_from, space_register, mask = X86_64.shared_from, "toyroot", X86_64.mask
+
+    def __init__(self) -> None:
+        self.asked: Counter[str] = Counter()
+
+    def return_address(self, value: int) -> int | None:
+        self.asked["return_address"] += 1
+        return X86_64.return_address(value)
+
+    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
+        self.asked["trap_frame_sp"] += 1
+        return X86_64.trap_frame_sp(after_pc, read)
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        return None
+
+    def prologue(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        self.asked["prologue"] += 1
+        return X86_64.prologue(code, code_addr, pc, func_start)
+
+    def prepare(self) -> None:
+        X86_64.prepare()
+
+
+class ToyFormats:
+    """QEMU's x86 registers, as the toy's."""
+
+    def __init__(self, isa: ToyIsa) -> None:
+        self.isa = isa
+
+    def from_monitor(self, text: str) -> list[Registers]:
+        return [self._ours(regs) for regs in X86Formats().from_monitor(text)]
+
+    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+        return self._ours(X86Formats().from_gdb(cpu, payload))
+
+    def _ours(self, regs: Registers) -> Registers:
+        return dataclasses.replace(regs, isa=self.isa.name) if regs.isa == "x86_64" else regs
+
+
+class ToyGuest:
+    """Every user-mode sample is process 7, "toy"; kernel ones the kernel's."""
+
+    def __init__(self, isa: InstructionSet, kernel: Module) -> None:
+        self.arch = isa
+        self.space = AddressSpace([kernel])
+        self.attached = self.housekept = 0
+
+    async def attach(self, transport: GuestTransport) -> Attached:
+        self.attached += 1
+        assert transport.control is not None  # QMP, beside the private gdbstub
+        return Attached(("toy: attached",))
+
+    async def housekeep(self) -> None:
+        self.housekept += 1
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return ()
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        process = Process(7, "toy", regs.space, space_name=self.arch.space_register)
+        return Identity(process if regs.user else None, self.space)
+
+
+class ToyOs:
+    name = "toy"
+
+    def __init__(self) -> None:
+        self.loaded: list[ToyGuest] = []
+
+    def recognises(self, kernel: KernelFile | None) -> bool:
+        return (
+            kernel is not None
+            and kernel.elf is not None
+            and bool(kernel.elf.symbols.address_of("syscall_dispatch"))
+        )
+
+    def load(self, spec: GuestSpec) -> ToyGuest:
+        assert spec.kernel is not None and spec.kernel.elf is not None and spec.auto
+        image = spec.kernel.elf.prepare()
+        self.loaded.append(ToyGuest(spec.arch, Module.from_image(image, kernel=True)))
+        return self.loaded[-1]
+
+
+@pytest.fixture
+def toys() -> Iterator[tuple[ToyIsa, ToyOs]]:
+    isa, kind = ToyIsa(), ToyOs()
+    arch.register(isa, ToyFormats(isa), ("x86_64",))
+    guest.register(kind, first=True)
+    try:
+        yield isa, kind
+    finally:
+        arch.unregister(isa)
+        guest.unregister(kind.name)
+
+
+async def test_a_run_uses_the_guest_os_and_instruction_set_registered_here(
+    tmp_path: Path, toys: tuple[ToyIsa, ToyOs]
+) -> None:
+    isa, kind = toys
+    with running_guest(tmp_path) as booted:
+        spec = session.RunSpec(
+            qmp_socket=booted.qmp_socket,
+            kernel=booted.kernel_elf,
+            sampling=SamplerConfig(interval=0.01, duration=1.0),
+        )
+        run = await session.start(spec)
+        try:
+            await run.run()
+        finally:
+            await run.transport.close()
+    (toy,) = kind.loaded
+    assert toy.attached == 1 and toy.housekept > 0
+    assert run.unwinder.arch is isa  # type: ignore[attr-defined]
+    assert isa.asked["return_address"] > 0
+    profile = run.profile
+    assert len(profile) >= 50
+    users = [r for r in profile.stacks if r.mode is Mode.USER]
+    kernels = [r for r in profile.stacks if r.mode is Mode.KERNEL]
+    assert users and kernels
+    assert {r.process.label for r in users if r.process} == {"toy (pid 7)"}
+    assert all(r.process is None for r in kernels)
+    # Walked and named through the toy: the kernel's frames by the kernel ELF's symbols.
+    assert all(profile.frames_of(r) and profile.frames_of(r)[0].symbol for r in kernels)
+    assert arch.by_elf(*X86_64.elf_machine) is isa and guest.choose("auto", None).name != "toy"
+
+
+def test_unregistered_they_are_gone(toys: tuple[ToyIsa, ToyOs]) -> None:
+    isa, kind = toys
+    assert guest.names()[:2] == ["auto", "toy"] and arch.formats("x86_64") is not None
+    arch.unregister(isa)
+    guest.unregister(kind.name)
+    assert arch.by_elf(*X86_64.elf_machine) is X86_64 and "toy" not in guest.names()
+    assert isinstance(arch.formats("x86_64"), X86Formats)
