@@ -271,10 +271,10 @@ def test_outcomes_that_end_or_pass() -> None:
 
 
 def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
-    """A retpoline thunk (ORC: UNDEFINED) entered by a call: on its first byte the return
+    """A return thunk (ORC: UNDEFINED) entered by a call: on its first byte the return
     address is at RSP, as gdb finds it; inside it, or as a caller's frame, still no CFI."""
     sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
-    thunk = SymbolTable([Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_array")])
+    thunk = SymbolTable([Symbol(TEXT + 0x40, 0x20, "srso_return_thunk")])
     orc = orc_step(one(0), bias=slide, functions=thunk)
     cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
     out = orc.step(cur, TEXT + slide + 0x40, True, words)
@@ -287,9 +287,10 @@ def test_undefined_code_is_walked_only_from_a_functions_first_byte() -> None:
 
 
 def test_legacy_thunks_read_as_an_end_are_walked_from_their_first_byte() -> None:
-    """Before 6.4 a retpoline thunk's hint (UNWIND_HINT_EMPTY) is "undefined, end": it decodes
-    as END_OF_STACK like entry_SYSCALL_64's. Within the thunks' range, on a function's first
-    byte, the return address is at RSP; elsewhere the end stays an end."""
+    """Before 6.4 a thunk's hint (UNWIND_HINT_EMPTY) is "undefined, end": it decodes as
+    END_OF_STACK like entry_SYSCALL_64's. Within the thunks' range, on a function's first
+    byte, the return address is at RSP; elsewhere the end stays an end (inside a retpoline
+    thunk too, see test_a_walk_through_a_retpoline_thunk_equals_gdbs)."""
     sp, ra, slide = KSTACK + 0x100, TEXT + 0x5555, 0x200_0000
     end = legacy_bits(UNDEF, UNDEF, 0, end=True)
     t = table([(TEXT, 0, 0, end), (TEXT + 0x100, 0, 0, 0)], OrcLayout.LEGACY)
@@ -297,18 +298,80 @@ def test_legacy_thunks_read_as_an_end_are_walked_from_their_first_byte() -> None
         [
             Symbol(TEXT + 0x20, 0x10, "entry_SYSCALL_64"),
             Symbol(TEXT + 0x40, 0x20, "__x86_indirect_thunk_rax"),
-            Symbol(TEXT + 0x60, 0x20, "__x86_indirect_thunk_rcx"),
+            Symbol(TEXT + 0x60, 0x20, "__x86_return_thunk"),
         ]
     )
     orc = orc_step(t, bias=slide, functions=functions, thunks=(TEXT + 0x40, TEXT + 0x80))
     cur, words = {RSP: sp, RBP: 0x77}, memory({sp: ra})
     for thunk in (TEXT + 0x40, TEXT + 0x60):
         assert orc.step(cur, thunk + slide, True, words) == ({RIP: ra, RSP: sp + 8, RBP: 0x77}, 0)
-    assert orc.step(cur, TEXT + slide + 0x46, True, words) is StopReason.END
-    assert orc.step(cur, TEXT + slide + 0x40, False, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x66, True, words) is StopReason.END
+    assert orc.step(cur, TEXT + slide + 0x60, False, words) is StopReason.END
     assert orc.step(cur, TEXT + slide + 0x20, True, words) is StopReason.END  # a true end
     no_range = orc_step(t, bias=slide, functions=functions)
     assert no_range.step(cur, TEXT + slide + 0x40, True, words) is StopReason.END
+
+
+# A retpoline thunk as 6.12 lays it out at TEXT + 0x40 (objtool's entries as in its vmlinux):
+#   +0  e8 01 00 00 00   call +6         UNDEFINED (UNWIND_HINT_UNDEFINED)
+#   +5  cc               int3            (never runs: the speculation trap)
+#   +6  48 89 04 24      mov %rax,(%rsp)
+#   +10 e9 ...           jmp __x86_return_thunk     CALL, sp + 8 (UNWIND_HINT_FUNC)
+#   +15 nops up to the next thunk                   UNDEFINED
+THUNK = TEXT + 0x40
+THUNK_ROWS = [
+    (TEXT, 8, 0, bits(SP, UNDEF, CALL)),
+    (THUNK, 0, 0, 0),
+    (THUNK + 10, 8, 0, bits(SP, UNDEF, CALL)),
+    (THUNK + 15, 0, 0, 0),
+    (THUNK + 0x20, 8, 0, bits(SP, UNDEF, CALL)),
+    (TEXT + 0x100, 0, 0, 0),
+]
+
+
+def test_a_retpoline_thunk_is_walked_after_its_internal_call() -> None:
+    """Stopped at the thunk's ``mov`` (issue 19: a TCG block start after the internal call):
+    RSP holds the internal call's return address (thunk + 5), then the caller's. The frame
+    at thunk + 5 (looked up at + 4, in that call) is back at the thunk's entry. gdb walks
+    both (``__x86_indirect_thunk_array+6``, ``+4``, then the caller); ORC says UNDEFINED."""
+    sp, ra = KSTACK + 0x100, TEXT + 0x5555
+    functions = SymbolTable([Symbol(THUNK, 0x20, "__x86_indirect_thunk_array")])
+    orc = orc_step(table(THUNK_ROWS), functions=functions)
+    words = memory({sp: THUNK + 5, sp + 8: ra})
+    inner = orc.step({RSP: sp, RBP: 0x77}, THUNK + 6, True, words)
+    assert inner == ({RIP: THUNK + 5, RSP: sp + 8, RBP: 0x77}, False)
+    outer = orc.step({RSP: sp + 8, RBP: 0x77}, THUNK + 4, False, words)
+    assert outer == ({RIP: ra, RSP: sp + 16, RBP: 0x77}, False)
+    # Without names the thunk is unknown code, as before.
+    assert orc_step(table(THUNK_ROWS)).step({RSP: sp}, THUNK + 6, True, words) is (
+        StopReason.NO_CFI
+    )
+
+
+def test_a_walk_through_a_retpoline_thunk_equals_gdbs() -> None:
+    """Stopped in the thunk called by a function: thunk + 6, thunk + 5, the caller's return
+    address, and the caller's caller by its CALL entry, before 6.4 (the thunk's hint read as an
+    end, within the thunks' range) as from 6.4 on."""
+    sp = KSTACK + 0x3E00
+    words = memory({sp: THUNK + 5, sp + 8: TEXT + 0x15, sp + 16: TEXT + 0x205})
+    functions = SymbolTable([Symbol(THUNK, 0x20, "__x86_indirect_thunk_array")])
+    legacy_end = legacy_bits(UNDEF, UNDEF, 0, end=True)
+    legacy = [
+        (ip, sp_off, bp, legacy_bits(SP, UNDEF, 0) if f else legacy_end)
+        for ip, sp_off, bp, f in THUNK_ROWS
+    ]
+    for t, thunks in (
+        (table(THUNK_ROWS), None),
+        (table(legacy, OrcLayout.LEGACY), (THUNK, THUNK + 0x20)),
+    ):
+        step = orc_step(t, functions=functions, thunks=thunks)
+        kernel = Module(
+            Mapping("vmlinux", TEXT, TEXT + 0x300, True), (step, FramePointerStep(X86_64))
+        )
+        regs = x86(0, THUNK + 6, sp)
+        raw = Unwinder(X86_64).unwind(regs, words, AddressSpace([kernel]))
+        assert raw.pcs[:4] == (THUNK + 6, THUNK + 5, TEXT + 0x15, TEXT + 0x205), t.layout
+        assert raw.exact[:3] == (True, False, False)
 
 
 def test_bias_moves_the_table() -> None:
@@ -333,8 +396,9 @@ def test_walk_from_a_kernel_function_through_a_syscall_into_user_code() -> None:
             (TEXT + 0x300, 0, 0, 0),
         ]
     )
-    steps = (orc_step(t), FramePointerStep(X86_64))
-    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x300, True), steps)
+    kernel = Module(
+        Mapping("vmlinux", TEXT, TEXT + 0x300, True), (orc_step(t), FramePointerStep(X86_64))
+    )
     space = AddressSpace([kernel])
     sp = KSTACK + 0x3E00
     regs_at = sp + 16 + 8
@@ -364,8 +428,9 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
             (TEXT + 0x400, 0, 0, 0),
         ]
     )
-    steps = (orc_step(t), FramePointerStep(X86_64))
-    kernel = Module(Mapping("vmlinux", TEXT, TEXT + 0x400, True), steps)
+    kernel = Module(
+        Mapping("vmlinux", TEXT, TEXT + 0x400, True), (orc_step(t), FramePointerStep(X86_64))
+    )
     irq_sp = KSTACK + 0x3F00
     task_sp = KSTACK - 0x10_0000 + 0x3E00  # another stack, 1 MiB lower
     words = {irq_sp: TEXT + 0x105, irq_sp + 8: task_sp}  # return address, saved task sp

@@ -58,9 +58,10 @@ PF_KTHREAD = 0x0020_0000
 # timer doesn't work"): skip the check.
 NO_TIMER_CHECK = "no_timer_check"
 
-# Defined once in gdb. Frames: "pc:function" for each real frame, newest first: not the
-# inlined ones, nor the tail-call frames gdb makes up from DWARF call sites (a function that
-# jumped to another is no longer on the stack; qmpprof cannot and should not see it). gdb's
+# Defined once in gdb. Frames: "pc:function" for each frame, newest first, but the inlined
+# ones (qmpprof has no DWARF for the kernel); the tail-call frames gdb makes up from DWARF call
+# sites count (a function that jumped to another is no longer on the stack: qmpprof finds it
+# from the code, qmpprof.unwind.tailcall). gdb's
 # frames end at the system call or interrupt entry (the first frame in entry text): entry code
 # has no DWARF CFI, and what gdb guesses past it (user addresses, 0) is not a frame. The task:
 # numbers, then the two names hex-encoded (a comm may hold any byte).
@@ -70,7 +71,7 @@ import gdb
 QG_SLIDE = 0
 
 _ENTRY = [int(gdb.parse_and_eval("(unsigned long)&__entry_text_" + e)) for e in ("start", "end")]
-_VIRTUAL = (gdb.INLINE_FRAME, gdb.TAILCALL_FRAME)
+_VIRTUAL = (gdb.INLINE_FRAME,)
 
 def _name(frame):
     # The ELF symbol: gdb's DWARF of the relocatable .ko puts qb_init (.init.text) over .text,

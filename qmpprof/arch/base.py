@@ -112,6 +112,16 @@ class InstructionSet(Protocol):
         """Build what ``prologue`` needs (a disassembler) before the first pause."""
         ...
 
+    def call_before(self, code: bytes, ra: int) -> int | None:
+        """The target of the direct call that returns to ``ra`` (``code``: the bytes right
+        before ``ra``), None when no direct call ends there."""
+        ...
+
+    def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:
+        """(address after, target) of every jump in ``code`` at ``addr`` (target None: an
+        indirect one); calls are not jumps."""
+        ...
+
 
 class RegisterFormats(Protocol):
     """How QEMU prints one target family's registers."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qmpprof.arch.base import PrologueRule, ReadWord
-from qmpprof.arch.x86prologue import analyzer
+from qmpprof.arch.x86code import analyzer, branches
 from qmpprof.model import Registers
 
 _UPPER_HALF = 0xFFFF_8000_0000_0000
@@ -67,6 +67,15 @@ class X86:
 
     def prepare(self) -> None:
         analyzer(self.address_size)  # built now, not inside the first pause that needs it
+
+    def call_before(self, code: bytes, ra: int) -> int | None:
+        # A direct call is e8 and a 32-bit displacement from the next instruction, on both.
+        if len(code) < 5 or code[-5] != 0xE8:
+            return None
+        return (ra + int.from_bytes(code[-4:], "little", signed=True)) & self.mask
+
+    def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:
+        return branches(self.address_size, code, addr)
 
 
 # x86-64 psABI figure 3.36; i386 psABI (SCO numbering, as gcc and gdb use it).

@@ -98,6 +98,12 @@ _REGS_TYPES = (OrcType.REGS, OrcType.REGS_PARTIAL)  # legacy kernels: these make
 _CALL_SP_HIGH = {OrcLayout.SIGNAL: 0x02, OrcLayout.LEGACY: 0x00}
 _NO_SIGNAL = bytes(b for b in range(256) if not b & 0x08)  # high bytes without the signal bit
 _VERSION = re.compile(rb"Linux version (\d+)\.(\d+)")
+# The x86_64 kernel's thunks that jump through a register, by their kallsyms names (the same
+# prefixes on 5.10, 6.1, 6.12 and 7.2): every one (call-depth ones too, 6.2 on), and the
+# retpolines, laid out as "call 1f; int3; 1: mov %reg, (%rsp); ret" (__x86_indirect_thunk_rax,
+# __x86_indirect_thunk_array ...).
+INDIRECT_THUNKS = "__x86_indirect_"
+RETPOLINE_THUNK = "__x86_indirect_thunk_"
 # The registers an entry may take its sp from, as x86_64 DWARF numbers.
 BASE_REGS: dict[int, int] = {OrcReg.R10: 10, OrcReg.R13: 13, OrcReg.DI: 5, OrcReg.DX: 1}
 

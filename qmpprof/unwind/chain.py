@@ -30,6 +30,7 @@ from qmpprof.unwind.steps import (
     frame_pointer_only,
     word_reader,
 )
+from qmpprof.unwind.tailcall import with_tail_calls
 
 __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 
@@ -170,15 +171,19 @@ class Unwinder:
 
     def resolve(self, raw: RawStack, space: AddressSpace, *, lines: bool | None = None) -> Stack:
         """The frames of a walked stack; callers are looked up at return address - 1 (the call
-        instruction). With ``lines`` (default: the constructor's), frames get file:line and the
-        functions inlined at a pc become frames of their own."""
+        instruction). The functions a caller's callee was reached through by tail jumps become
+        frames of their own where the space's code tells them (``tailcall.py``). With ``lines``
+        (default: the constructor's), frames get file:line and the functions inlined at a pc
+        become frames of their own."""
         if lines is None:
             lines = self.lines
         cache = space.frames
         boundary = self.kernel_boundary
-        exacts = raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
+        pcs, exacts = raw.pcs, raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
+        if space.tail_calls is not None:
+            pcs, exacts, _ = with_tail_calls(pcs, exacts, space.tail_calls)
         frames: list[Frame] = []
-        for pc, exact in zip(raw.pcs, exacts, strict=True):
+        for pc, exact in zip(pcs, exacts, strict=True):
             key = (pc, exact, boundary, lines)
             found = cache.get(key)
             if found is None:

@@ -5,13 +5,21 @@ from SP, BP, an indirect slot or a register saved in a ``pt_regs``; its pc from 
 below it (CALL), from a full ``pt_regs`` (REGS, which also hands over every register, those of
 user mode under a system call or an interrupt) or from an iret frame (REGS_PARTIAL).
 
-One rule more than the kernel's: code ORC leaves UNDEFINED (the retpoline and return thunks) is
-walked when the CPU stands on its first byte, a function's entry (``functions`` says where
-functions start, at link addresses): the call just pushed the return address and nothing else.
-TCG stops at block starts, so samples land there (~1 % of kernel ones). Before 6.4 the thunks'
-hint (UNWIND_HINT_EMPTY) reads as END_OF_STACK, as at true ends (``entry_SYSCALL_64``,
-``ret_from_fork``): there the rule holds only within ``thunks``, the link addresses
-``__indirect_thunk_start`` .. ``__indirect_thunk_end`` of such kernels.
+Two rules more than the kernel's, for code ORC leaves UNDEFINED (the retpoline and return
+thunks), where the word at SP is a return address (``functions`` says where functions start and
+what they are called, at link addresses):
+
+- when the CPU stands on a function's first byte, its entry: the call just pushed the return
+  address and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel
+  ones);
+- anywhere in a retpoline thunk (``__x86_indirect_thunk_<reg>``: ``call 1f; int3; 1: mov
+  %reg, (%rsp); ret``): after its internal call, at the ``mov`` (a block start too), SP holds
+  that call's return address (thunk + 5); the frame returning there is back at the thunk's
+  entry, the caller's return address at SP. gdb shows both frames.
+
+Before 6.4 the thunks' hint (UNWIND_HINT_EMPTY) reads as END_OF_STACK, as at true ends
+(``entry_SYSCALL_64``, ``ret_from_fork``): there the rules hold only within ``thunks``, the link
+addresses ``__indirect_thunk_start`` .. ``__indirect_thunk_end`` of such kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.linux.orc import (
     BASE_REGS,
     IRET_FRAME,
+    RETPOLINE_THUNK,
     X86_64_PT_REGS,
     OrcEntry,
     OrcReg,
@@ -72,11 +81,11 @@ class OrcStep:
             return entry
         kind = entry.type
         if kind is OrcType.END_OF_STACK:
-            if interrupted and self._in_thunks(link_pc) and self._at_entry(link_pc):
+            if self._in_thunks(link_pc) and self._return_at_sp(link_pc, interrupted):
                 return self._return_address_at_sp(cur, memory)
             return StopReason.END
         if kind is OrcType.UNDEFINED:
-            if interrupted and self._at_entry(link_pc):
+            if self._return_at_sp(link_pc, interrupted):
                 return self._return_address_at_sp(cur, memory)
             return StopReason.NO_CFI  # the kernel gives up here too: its code is known, unwalkable
         sp = self._caller_sp(entry, cur, memory)
@@ -114,10 +123,13 @@ class OrcStep:
         thunks = self.code.thunks
         return thunks is not None and thunks[0] <= link_pc < thunks[1]
 
-    def _at_entry(self, link_pc: int) -> bool:
+    def _return_at_sp(self, link_pc: int, interrupted: bool) -> bool:
+        """Unwound code where the word at SP is a return address (the module's docstring)."""
         functions = self.code.functions
         found = None if functions is None else functions.lookup(link_pc)
-        return found is not None and found[1] == 0
+        if found is None:
+            return False
+        return (interrupted and found[1] == 0) or found[0].startswith(RETPOLINE_THUNK)
 
     def _return_address_at_sp(self, cur: Regs, memory: PageCache) -> Outcome:
         arch = self.arch

@@ -1,8 +1,9 @@
 """Where code lives in one guest address space: modules (code at a bias) and lookups by pc.
 
 A Module is what the walker and the namer need of one piece of code: its mapping (name, range,
-bias, file), the unwinding steps it supports, its symbols and source lines. An AddressSpace is
-immutable once built, so it also carries the per-pc caches of the walker (module) and of frame
+bias, file), the unwinding steps it supports, its symbols and source lines, and its code for
+tail-call frames where its provider gives it (a kernel image). An AddressSpace is immutable
+once built, so it also carries the per-pc caches of the walker (module) and of frame
 resolution: a sampler keeps one AddressSpace per process and the caches stay warm.
 """
 
@@ -21,6 +22,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
 from qmpprof.unwind.steps import UnwindStep, steps_for
+from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
     from qmpprof.unwind.orc import OrcCode
@@ -35,6 +37,7 @@ class Module:
     steps: tuple[UnwindStep, ...] = ()
     symbols: SymbolTable | None = None
     lines: LineTable | None = None  # DWARF source lines and inlined functions
+    calls: CodeImage | None = None  # its code and functions, searched for tail-call frames
 
     @property
     def name(self) -> str:
@@ -68,13 +71,14 @@ class Module:
         symbols: SymbolTable | None = None,
         lines: LineTable | None = None,
         orc: OrcCode | None = None,
+        calls: CodeImage | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``), for the instruction set ``arch``."""
         steps = steps_for(
             mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc
         )
-        return cls(mapping, steps, symbols, lines)
+        return cls(mapping, steps, symbols, lines, calls)
 
     @classmethod
     def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
@@ -92,6 +96,10 @@ class AddressSpace:
 
     def __init__(self, modules: Sequence[Module]) -> None:
         self.modules = tuple(sorted(modules, key=lambda m: m.start))
+        images = [m.calls for m in self.modules if m.calls is not None]
+        # The search of the modules that give their code: one per set of them, so that every
+        # process's space (the kernel's modules and its own) shares its caches.
+        self.tail_calls = TailCallFinder.of(images) if images else None
         self._starts = [m.start for m in self.modules]
         self._found: Memo[int, Module | None] = Memo()
         # Unwinder.resolve's cache: (pc, exact, kernel boundary, lines) -> frames at pc

@@ -1,14 +1,22 @@
 """The Linux kernel image as a ``Module`` of the running guest: its code at the KASLR slide,
 unwound by its ORC tables (its CFI, prologues and frame pointers without), named by its
-functions."""
+functions, and searched for tail-call frames in the image's code (``.text``: the running
+kernel's own differs where boot-time patching changed it, not in its direct calls and jumps).
+
+Which of its symbols are thunks and trampolines is a fact of the x86_64 kernel's naming, the
+same on 5.10, 6.1, 6.12 and 7.2: ``__x86_indirect_*`` (``linux.orc.INDIRECT_THUNKS``: the
+target is in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*``
+(static-call trampolines: no DWARF, gdb stops there)."""
 
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.orc import INDIRECT_THUNKS
 from qmpprof.model import Mapping
 from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
+from qmpprof.unwind.tailcall import CodeImage, TargetKind
 
 
 def kernel_module(
@@ -21,13 +29,27 @@ def kernel_module(
         "vmlinux", low + slide, high + slide, True, slide, image.path, image.build_id, 0
     )
     orc = None if kernel.orc is None else OrcCode(kernel.orc, kernel.functions, kernel.thunks)
+    text = image.text_bytes
+    calls = CodeImage(image.text_addr, text, kernel.functions, target_kind, arch, slide)
     return Module.build(
         mapping,
         arch,
         cfi=None if orc is not None else image.cfi,
-        code=None if orc is not None else image.text_bytes,
+        code=None if orc is not None else text,
         code_addr=image.text_addr,
         symbols=kernel.functions,
         lines=image.lines if lines else None,
         orc=orc,
+        calls=calls if text else None,
     )
+
+
+def target_kind(name: str) -> TargetKind:
+    """What a jump or call to the kernel symbol ``name`` means for the tail-call search."""
+    if name.startswith(INDIRECT_THUNKS):
+        return TargetKind.INDIRECT
+    if name.endswith(("return_thunk", "untrain_ret")):
+        return TargetKind.RETURN
+    if name.startswith("__SCT__"):
+        return TargetKind.OPAQUE
+    return TargetKind.FUNCTION

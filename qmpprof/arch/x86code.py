@@ -1,4 +1,5 @@
-"""Prologue/epilogue analysis for the frame the CPU stopped in when it has no CFI.
+"""x86 machine code read with capstone (confined here): prologue/epilogue analysis for the
+frame the CPU stopped in when it has no CFI, and a function's jumps (for tail-call frames).
 
 Frame pointers are wrong at a few places even in code built with them: at a function's first
 instruction (before ``push rbp``), between ``push rbp`` and ``mov rbp, rsp``, at ``ret`` after
@@ -9,11 +10,15 @@ is always at a call site, where its frame is fully set up. One analyzer reads on
 set: x86_64 (8-byte pushes, rsp/rbp) or i386 (4-byte pushes, esp/ebp). capstone is imported
 when the first analyzer is made (a module with code to scan), not by a run that never scans:
 a Linux kernel unwound by ORC.
+
+``branches`` lists the jumps of a piece of code: ``jmp`` and the conditional ones (loop and
+jrcxz never leave a function), with their targets when they are direct.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -88,6 +93,10 @@ class PrologueAnalyzer:
             return self._cache[key]
         except KeyError:
             return self._cache.put(key, self._analyze(code, code_addr, pc, func_start))
+
+    def disasm(self, code: bytes, addr: int) -> Iterator[tuple[int, int, str, str]]:
+        """(address, size, mnemonic, operands) of each instruction of ``code`` at ``addr``."""
+        yield from self._cs.disasm_lite(code, addr)
 
     def _insn_at(self, code: bytes, code_addr: int, pc: int) -> tuple[str, str] | None:
         off = pc - code_addr
@@ -182,3 +191,22 @@ class PrologueAnalyzer:
 def analyzer(word: int) -> PrologueAnalyzer:
     """One analyzer (one capstone handle, one cache) per instruction set serves every module."""
     return PrologueAnalyzer(word)
+
+
+_CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",
+               "s", "ns")  # fmt: skip
+_JUMPS = frozenset(["jmp", *(f"j{c}" for c in _CONDITIONS)])
+
+
+def branches(word: int, code: bytes, addr: int) -> list[tuple[int, int | None]]:
+    """(address after, target) of every jump in ``code`` (at ``addr``); target None: through
+    a register or memory."""
+    out: list[tuple[int, int | None]] = []
+    for insn_addr, size, mnemonic, op_str in analyzer(word).disasm(code, addr):
+        if mnemonic in _JUMPS:
+            try:
+                target: int | None = int(op_str, 16)
+            except ValueError:
+                target = None
+            out.append((insn_addr + size, target))
+    return out
