@@ -9,6 +9,7 @@ import itertools
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import cast
 
 import linuxkernel
@@ -18,7 +19,7 @@ from fakes import FakeTransport, regs, x86
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest.linux import spaces as spaces_module
-from qmpprof.guest.linux.current import PER_CPU_AREA, CurrentTask, current_offset
+from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import MODULES_RECHECK, LinuxIdentifier
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.pagetables import PageTables
@@ -55,7 +56,8 @@ def make(
     spaces = Spaces(AddressSpace(()), vmas, UserFiles(None), tables, clock)
     return LinuxIdentifier(
         [KERNEL], X86_64, layout=layout, current=current, spaces=spaces,
-        module_list=module_list, control=control, clock=clock, recheck=recheck,
+        module_list=module_list, control=control, thread_size=0x4000, clock=clock,
+        recheck=recheck,
     )  # fmt: skip
 
 
@@ -101,18 +103,56 @@ def guest(layout: TaskLayout, current: tuple[int, int]) -> Memory:
 @pytest.mark.linux
 def test_a_btf_without_variables_takes_the_current_task_from_kallsyms() -> None:
     # 5.10's BTF (Debian bullseye: an older pahole) has no per-CPU variables; 6.1's has, and
-    # there both say the same.
+    # there both say the same. Both per-CPU areas are zero-based: KASLR does not move them.
     old = LinuxKernel.load(linuxkernel.linux_dir("5.10") / "vmlinuz")
-    assert old.btf is not None
-    with pytest.raises(KeyError, match="current_task"):
-        current_offset(old.btf, lambda name: None)
-    found = current_offset(old.btf, old.symbols.address_of)
-    assert found == old.symbols.address_of("current_task") < PER_CPU_AREA
+    assert old.per_cpu_start == 0 and old.thread_size == 0x4000
+    found, note = locate_current(old)
+    assert found == PerCpuVariable(0x1FBC0, False) and note is None
+    assert found.link == old.symbols.address_of("current_task") and found.at(0x2000000) == 0x1FBC0
     newer = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
-    assert newer.btf is not None
-    both = current_offset(newer.btf, newer.symbols.address_of)
-    assert both == current_offset(newer.btf, lambda name: None)
-    assert both == newer.symbols.address_of("current_task")
+    assert locate_current(newer) == (PerCpuVariable(0x1FB80, False), None)
+
+
+class _Btf:
+    """A BTF with one per-CPU variable at ``offset``, or none."""
+
+    def __init__(self, offset: int | None) -> None:
+        self.offset = offset
+
+    def percpu(self, name: str) -> tuple[int, int]:
+        if self.offset is None or name != "current_task":
+            raise KeyError(name)
+        return self.offset, 1
+
+    def offset_of(self, path: str) -> int:
+        raise KeyError(path)
+
+
+class _Kernel:
+    """What locate_current reads of a kernel: its per-CPU area, BTF and kallsyms."""
+
+    def __init__(self, area: int | None, btf: int | None, symbol: int | None) -> None:
+        self.per_cpu_start, self.btf = area, _Btf(btf)
+        self.symbols = SimpleNamespace(address_of={"current_task": symbol}.get)
+
+
+def test_a_per_cpu_area_that_is_ordinary_data_moves_with_the_slide() -> None:
+    """7.x: the per-CPU area is linked at an ordinary address (ffffffff83e0c000 on Debian's
+    7.2.13), its variables are addresses that KASLR moves; zero-based ones it does not."""
+    slide = 0x1E00_0000
+    moved, note = locate_current(cast(LinuxKernel, _Kernel(0xFFFF_FFFF_83E0_C000, 0x18018, None)))
+    assert moved == PerCpuVariable(0xFFFF_FFFF_83E2_4018, True) and note is None
+    assert moved.at(slide) == 0xFFFF_FFFF_83E2_4018 + slide
+    from_kallsyms, _ = locate_current(
+        cast(LinuxKernel, _Kernel(0xFFFF_FFFF_83E0_C000, None, 0xFFFF_FFFF_83E2_4018))
+    )
+    assert from_kallsyms == moved
+    odd = _Kernel(0xFFFF_FFFF_83E0_C000, 0x18018, 0xFFFF_FFFF_83E2_4020)
+    assert "kallsyms at 0xffffffff83e24020: BTF taken" in (
+        locate_current(cast(LinuxKernel, odd))[1] or ""
+    )
+    with pytest.raises(KeyError, match="current_task"):
+        locate_current(cast(LinuxKernel, _Kernel(0, None, None)))
 
 
 APP_LEADER, APP_THREAD = 0xFFFF_8880_0100_0000, 0xFFFF_8880_0100_4000
@@ -121,9 +161,8 @@ KWORKER, IDLE = 0xFFFF_8880_0200_0000, 0xFFFF_FFFF_82C1_0940
 
 def test_the_layout_of_debian_612(layout: TaskLayout, linux_vmlinux: ElfImage) -> None:
     # pahole on the same image (tests/test_linux_btf.py checks the BTF reader against it).
-    btf = Btf.from_image(linux_vmlinux)
-    assert btf is not None
-    assert current_offset(btf, lambda name: None) == CURRENT
+    kernel = LinuxKernel.load(linuxkernel.linux_dir("6.12") / "vmlinuz")
+    assert locate_current(kernel) == (PerCpuVariable(CURRENT, False), None)
     assert (layout.pid, layout.tgid, layout.comm, layout.comm_size) == (2432, 2436, 2976, 16)
 
 
@@ -293,7 +332,7 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     mapped = [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, None)]
     reads: list[str] = []
 
-    async def vmas_of(read: Reader, at: int, _layout: object) -> list[Vma]:
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
         assert at == mm
         await read([(at, 8)])  # through the transport it was given
         reads.append("control" if control.calls else "pause")
@@ -372,6 +411,8 @@ async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
 class _Tables:
     """PageTables' reader, recording which page tables it was asked to read through."""
 
+    user_end = 1 << 47
+
     def __init__(self) -> None:
         self.pgds: list[int] = []
 
@@ -404,7 +445,7 @@ async def test_preload_places_every_process_before_the_first_stop(
     for task, following in itertools.pairwise(ring):
         memory.put(task + layout.tasks, struct.pack("<Q", following + layout.tasks))
 
-    async def vmas_of(read: Reader, at: int, _layout: object) -> list[Vma]:
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
         assert at == mm
         return [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, "myapp")]
 

@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 from qmpprof.linux.btf import BtfIndex
 from qmpprof.linux.symbols import END, KernelSymbols
 
-VERSION = 3
+VERSION = 4
 _VMLINUX = "vmlinux"
 _SYMBOLS = "symbols.bin"
 _INDEX = "index.bin"

@@ -31,9 +31,13 @@ from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
 _LINUX_MARKS = (".orc_unwind_ip", ".BTF", "__ksymtab", "__ksymtab_strings")
-# The kinds of BTF types a run looks up by name (structs, unions, typedefs, per-CPU data): the
-# index of their names is cached with the BTF's.
-_NAMED_KINDS = (Kind.STRUCT, Kind.UNION, Kind.TYPEDEF, Kind.DATASEC)
+# The kinds of BTF types a run looks up by name (structs, unions, typedefs, enums, per-CPU
+# data): the index of their names is cached with the BTF's.
+_NAMED_KINDS = (Kind.STRUCT, Kind.UNION, Kind.TYPEDEF, Kind.ENUM, Kind.DATASEC)
+PER_CPU_SECTION = ".data..percpu"  # the per-CPU area's initial copy, in every kernel image
+# Where the initial task's stack starts and ends (vmlinux.lds: __end_init_task before 6.6,
+# __end_init_stack after): its size is every task's kernel stack size, THREAD_SIZE.
+_INIT_STACK = ("init_stack", ("__end_init_task", "__end_init_stack"))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -92,6 +96,27 @@ class LinuxKernel:
         if self.orc is None:
             self.image.prepare()
         return self
+
+    @property
+    def per_cpu_start(self) -> int | None:
+        """Where the image links its per-CPU area: 0 when per-CPU symbols are offsets into a
+        zero-based area (x86_64 up to 6.x), else an ordinary address of the image, which
+        KASLR moves (7.x); None when the image has no per-CPU area."""
+        section = self.image.section_header(PER_CPU_SECTION)
+        if section is not None:
+            return section.addr
+        return self.symbols.address_of("__per_cpu_start")
+
+    @property
+    def thread_size(self) -> int | None:
+        """The size of a task's kernel stack, from the initial task's (None: not told)."""
+        start = self.symbols.address_of(_INIT_STACK[0])
+        ends = (self.symbols.address_of(name) for name in _INIT_STACK[1])
+        end = next((found for found in ends if found is not None), None)
+        if start is None or end is None or not 0 < end - start <= 1 << 20:
+            return None
+        size = end - start
+        return size if size & (size - 1) == 0 else None
 
     @property
     def thunks(self) -> tuple[int, int] | None:

@@ -1,20 +1,24 @@
 """Which task a Linux vCPU runs: the per-CPU current-task pointer, and the stacks it owns.
 
 The pointer is a per-CPU variable (``current_task``, or a field of ``pcpu_hot`` on the kernels
-that have it; ``CurrentTask.locate`` finds it from BTF or kallsyms). A vCPU's per-CPU base is
-``__per_cpu_offset[cpu]``, read once (before the first stop, by ``preload``); without that
-symbol, the base the CPU holds in kernel mode. The pointer is read with the stack window
-(``reads_for``). A stack belongs to one task (a kernel stack; a user stack page in one address
-space to one thread): once the pointer said whose stack the stack pointer is on, samples on
-that stack page skip the pointer for ``recheck`` seconds.
+that have it, 6.2 to 6.14; ``locate_current`` finds it in BTF or kallsyms). Where it is for a
+vCPU: ``__per_cpu_offset[cpu]`` plus the variable's address. What that address is the image
+says (``LinuxKernel.per_cpu_start``): an offset into a zero-based per-CPU area (x86_64 up to
+6.x; KASLR leaves it alone), or an ordinary address of the image (7.x), which moves with the
+slide. ``__per_cpu_offset[cpu]`` is read once (before the first stop, by ``preload``); without
+that symbol, the base the CPU holds in kernel mode serves. The pointer is read with the stack
+window (``reads_for``). A stack belongs to one task (a kernel stack; a user stack page in one
+address space to one thread): once the pointer said whose stack the stack pointer is on,
+samples on that stack page skip the pointer for ``recheck`` seconds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
-from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, fetch_piece, read_ints
 from qmpprof.model import Registers
@@ -22,23 +26,47 @@ from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 
 _OWNERS_LIMIT = 4096
-PER_CPU_AREA = 1 << 24  # a per-CPU variable's offset is below this (kallsyms' per-CPU addresses)
+# The per-CPU variables that hold the current task, by the kernels' names: pcpu_hot (its field
+# current_task) from 6.2 to 6.14, current_task before and after.
+_HOLDERS = ("pcpu_hot", "current_task")
 
 
-def current_offset(btf: Btf, per_cpu_symbol: Callable[[str], int | None]) -> int:
-    """The current task pointer's offset in the per-CPU area: from BTF's per-CPU variables,
-    else from ``per_cpu_symbol`` (kallsyms: a per-CPU variable's address there is its offset
-    in the per-CPU area), for kernels whose BTF has no variables (Debian's 5.10, built with an
-    older pahole). Raises KeyError when neither has it."""
-    for name in ("pcpu_hot", "current_task"):
+@dataclass(frozen=True, slots=True)
+class PerCpuVariable:
+    """A per-CPU variable's link address (an offset where the per-CPU area is zero-based) and
+    whether KASLR moves it (the area is ordinary data of the image)."""
+
+    link: int
+    moves: bool
+
+    def at(self, slide: int) -> int:
+        """What to add to a vCPU's ``__per_cpu_offset`` to reach it in the running kernel."""
+        return self.link + slide if self.moves else self.link
+
+
+def locate_current(kernel: LinuxKernel) -> tuple[PerCpuVariable, str | None]:
+    """The current task pointer, and a line when BTF and kallsyms disagree on where it is.
+    BTF's per-CPU variables go first (their offsets into the per-CPU section), kallsyms next
+    (for kernels whose BTF has no variables: Debian's 5.10, built with an older pahole).
+    Raises KeyError naming what is missing."""
+    area = kernel.per_cpu_start
+    btf = kernel.btf
+    if area is None or btf is None:
+        raise KeyError("a per-CPU area (.data..percpu) and BTF")
+    for name in _HOLDERS:
+        from_symbols = kernel.symbols.address_of(name)
         try:
-            base, _ = btf.percpu(name)
+            link: int | None = area + btf.percpu(name)[0]
         except KeyError:
-            found = per_cpu_symbol(name)
-            if found is None or found >= PER_CPU_AREA:
-                continue
-            base = found
-        return base + btf.offset_of("pcpu_hot.current_task") if name == "pcpu_hot" else base
+            link = None
+        found = link if link is not None else from_symbols
+        if found is None:
+            continue
+        note = None
+        if link is not None and from_symbols is not None and from_symbols != link:
+            note = f"BTF puts {name} at {link:#x}, kallsyms at {from_symbols:#x}: BTF taken"
+        field = btf.offset_of("pcpu_hot.current_task") if name == "pcpu_hot" else 0
+        return PerCpuVariable(found + field, area != 0), note
     raise KeyError("the per-CPU variable current_task (in BTF or kallsyms)")
 
 

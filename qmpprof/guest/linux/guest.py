@@ -15,7 +15,7 @@ from typing import TypeVar
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, Identity
-from qmpprof.guest.linux.current import CurrentTask, current_offset
+from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
@@ -24,6 +24,7 @@ from qmpprof.guest.linux.slide import find_slide
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
 from qmpprof.guest.linux.vma import VmaLayout
+from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
@@ -42,7 +43,7 @@ class Layouts:
     what is missing then, one line each)."""
 
     tasks: TaskLayout | None
-    current: int | None  # the current task pointer's offset in the per-CPU area
+    current: PerCpuVariable | None  # the current task pointer
     modules: ModuleLayout | None
     vmas: VmaLayout | None
     notes: tuple[str, ...]
@@ -55,9 +56,12 @@ class Layouts:
             return cls(None, None, None, None, tuple(notes))
         names = "stacks without process names"
         tasks = _from_btf(btf, TaskLayout.from_btf, names, notes)
-        current = _from_btf(
-            btf, lambda b: current_offset(b, kernel.symbols.address_of), names, notes
-        )
+        located = _from_btf(btf, lambda _: locate_current(kernel), names, notes)
+        current = None if located is None else located[0]
+        if located is not None and located[1] is not None:
+            notes.append(located[1])
+        if kernel.thread_size is None:
+            notes.append("no init_stack's end in kallsyms: a task's stack size is not known")
         modules = _from_btf(btf, ModuleLayout.from_btf, "module frames unnamed", notes)
         vmas = _from_btf(btf, VmaLayout.from_btf, "user code is not placed", notes)
         return cls(tasks, current, modules, vmas, tuple(notes))
@@ -101,6 +105,8 @@ class LinuxGuest:
         kernel, layouts, arch = self.kernel, self.layouts, self.arch
         slide = await find_slide(control, kernel.symbols, arch)
         read = reader(control, 0)
+        own = await read_vmcoreinfo(read, kernel, slide)
+        checks = None if own is None else check(own, kernel, slide)
         modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
         head = kernel.address("modules", slide)
         module_list = None
@@ -116,7 +122,8 @@ class LinuxGuest:
         current = None
         if layouts.current is not None:
             per_cpu_offset = kernel.address("__per_cpu_offset", slide)
-            current = CurrentTask(layouts.current, per_cpu_offset, arch, self.clock, RECHECK)
+            place = layouts.current.at(slide)
+            current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
             await current.preload(read, await control.cpus())
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock)
         self.identifier = LinuxIdentifier(
@@ -127,17 +134,25 @@ class LinuxGuest:
             spaces=spaces,
             module_list=module_list,
             control=control,
+            thread_size=kernel.thread_size,
             clock=self.clock,
         )
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
         names = ", ".join(m.name for m in modules[1:]) or "none"
-        detail = (
+        detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
             f" ({names})",
-        )
-        return Attached(detail, tuple(f"{kernel.path}: {note}" for note in layouts.notes))
+        ]
+        notes = list(layouts.notes)
+        if own is None or checks is None:
+            notes.append("no vmcoreinfo in the guest: the slide and symbols are not checked")
+        else:
+            release = own.get("OSRELEASE", "?")
+            detail.append(f"vmcoreinfo: Linux {release}, {checks.confirmed} symbols confirmed")
+            notes += checks.notes
+        return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

@@ -23,7 +23,6 @@ from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
-THREAD_SIZE = 16384  # x86_64's kernel stack (32 KiB with KASAN: then stacks are not learnt)
 
 
 class LinuxIdentifier:
@@ -40,13 +39,14 @@ class LinuxIdentifier:
         spaces: Spaces | None = None,
         module_list: ModuleList | None = None,
         control: GuestTransport | None = None,
-        thread_size: int = THREAD_SIZE,
+        thread_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``control``: a transport that reads kernel memory while the guest runs, for
-        ``housekeep``."""
+        ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
+        user stacks are learnt as a task's)."""
         self.arch = arch
         self.layout = layout
         self.current = current
@@ -129,8 +129,10 @@ class LinuxIdentifier:
                 )
                 identity = Identity(found.process, space)
             seen = self.tasks.put(task, found, identity)
-        stack = seen.stack
-        on_own_stack = regs.user or (stack != 0 and stack <= regs.sp < stack + self.thread_size)
+        stack, size = seen.stack, self.thread_size
+        on_own_stack = regs.user or (
+            stack != 0 and size is not None and stack <= regs.sp < stack + size
+        )
         if pointer_read and seen.identity is not self.kernel and on_own_stack:
             current.own(regs, task)
         return seen.identity

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.linux.btf import Btf
+from qmpprof.linux.btf import Btf, Kind
 from qmpprof.linux.orc import OrcLayout, OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
@@ -55,9 +55,11 @@ class ModuleLayout:
         field = btf.offset_of
         name = btf.field("module.name")
         try:
-            mem = btf.field("module.mem")  # 6.4 on: mem[MOD_TEXT] is element 0
-            text_base = mem.offset + field("module_memory.base")
-            text_size = mem.offset + field("module_memory.size")
+            mem = btf.field("module.mem")  # 6.4 on: mem[MOD_TEXT]
+            element = btf.struct("module_memory")
+            text = mem.offset + _mod_text(btf) * btf.size_of(element.id)
+            text_base = text + field("module_memory.base")
+            text_size = text + field("module_memory.size")
         except KeyError:
             text_base = field("module.core_layout.base")
             text_size = field("module.core_layout.text_size")
@@ -75,6 +77,15 @@ class ModuleLayout:
             orc_ip=field("module.arch.orc_unwind_ip"),
             orc=field("module.arch.orc_unwind"),
         )
+
+
+def _mod_text(btf: Btf) -> int:
+    """``MOD_TEXT`` of ``enum mod_mem_type``: the element of ``module.mem`` that holds a
+    module's text."""
+    found = btf.find("mod_mem_type", Kind.ENUM)
+    if found is None:
+        raise KeyError("enum mod_mem_type")
+    return btf.enum_values(found)["MOD_TEXT"]
 
 
 class ModuleList:

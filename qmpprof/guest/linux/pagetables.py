@@ -34,6 +34,12 @@ class PageTables:
         self.levels = levels
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
 
+    @property
+    def user_end(self) -> int:
+        """Where user space ends: half of what the paging levels translate (2^47 with four
+        levels, 2^56 with five)."""
+        return user_end(self.levels)
+
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""
         self._tables.clear()
@@ -74,6 +80,11 @@ class PageTables:
             return out
 
         return read
+
+
+def user_end(levels: int) -> int:
+    """Where x86_64 user space ends with ``levels`` levels of page tables."""
+    return 1 << (12 + 9 * levels - 1)
 
 
 async def page_tables(

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.pagetables import PageTables, user_end
 from qmpprof.guest.linux.tasks import LIMIT, Task
 from qmpprof.guest.linux.vma import Vma, VmaLayout, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
@@ -51,10 +51,13 @@ class Spaces:
         tables: PageTables | None,
         clock: Callable[[], float],
     ) -> None:
+        """``tables``: the page tables, walked in kernel memory (None: not walked; then user
+        space is taken to end where four levels of tables put it)."""
         self.kernel = kernel
         self.vmas = vmas
         self.files = files
         self.tables = tables
+        self.user_end = user_end(4) if tables is None else tables.user_end
         self.clock = clock
         self._confirmed = clock()
         self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
@@ -76,7 +79,7 @@ class Spaces:
         seen = self._placed.get(key)
         if seen is not None and self.clock() - seen.checked <= RECHECK:
             return seen.space
-        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         return await self._place(key, vmas, read)
 
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
@@ -89,7 +92,7 @@ class Spaces:
         placed = self._placed.get(key)
         if placed is not None:
             return placed.space
-        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas))
+        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         for vma in vmas:
             for image in self.files.candidates(vma.name) if vma.name else ():
                 image.prepare()
@@ -127,7 +130,7 @@ class Spaces:
             return
         _, key = min(due)
         placed = self._placed[key]
-        found = tuple(await read_exec_vmas(read, key[0], self.vmas))
+        found = tuple(await read_exec_vmas(read, key[0], self.vmas, self.user_end))
         if self._placed.get(key) is not placed:
             return  # read again meanwhile, or started over
         if found == placed.vmas:

@@ -3,12 +3,15 @@ library is (start, end, file offset, file name), so that PIE executables and lib
 placed and named without help from the guest.
 
 The VMAs are in ``mm->mm_mt``, a maple tree (6.1 on), or the ``mm->mmap`` list (before). A
-maple node is 256-byte aligned; an encoded node pointer holds its type in bits 3-6 (the root's
-also has bit 1 set, an "internal" entry). Leaves (type 1, ``maple_leaf_64``) hold the VMA
-pointers; ranges (type 2) and allocation ranges (type 3, ``maple_arange_64``) hold their
-children, encoded the same way. Slots of
-nodes and leaves are read whole and checked (a VMA must point back at this ``mm`` and span a
-user range), so stale slots past a node's end do no harm. Offsets come from BTF.
+maple node is aligned to its size (``struct maple_node``, 256 bytes) and an encoded node pointer
+holds its type (``enum maple_type``: both from BTF) in bits 3-6, the root's also bit 1 (an
+"internal" entry): those two are the only facts no description carries (lib/maple_tree.c's
+MAPLE_NODE_TYPE_SHIFT and MAPLE_NODE_TYPE_MASK, the same in 6.1, 6.12 and 7.2). Leaves
+(``maple_leaf_64``) hold the VMA pointers; ranges (``maple_range_64``) and allocation ranges
+(``maple_arange_64``) hold their children, encoded the same way. Slots of nodes and leaves are
+read whole and checked (a VMA must point back at this ``mm`` and span a user range, below
+``user_end``: where user space ends depends on the paging mode), so stale slots past a node's
+end do no harm. Offsets come from BTF.
 
 Reads go through a ``Reader``: a list of ranges read together (one round trip over the gdbstub).
 """
@@ -18,16 +21,17 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from qmpprof.linux.btf import Btf
+from qmpprof.linux.btf import Btf, Kind
 from qmpprof.memory import Reader
 
+# vm_flags: an executable mapping (include/linux/mm.h, the same from 5.10 to 7.2; BTF carries no
+# #define).
 VM_EXEC = 0x4
-USER_END = 0x0000_8000_0000_0000
 MAX_VMAS = 65536
 _NAME_MAX = 256
 _PAGE = 4096
-_NODE_MASK = 0xFF
-_LEAF, _RANGE, _ARANGE = 1, 2, 3
+# An encoded maple node's type: bits 3-6 (lib/maple_tree.c, 6.1 to 7.2).
+_TYPE_SHIFT, _TYPE_MASK = 3, 0xF
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,8 @@ class VmaLayout:
     vm_next: int  # vm_area_struct.vm_next (the list only)
     leaf_slots: tuple[int, int]  # (offset, count) of the slots of maple_range_64
     arange_slots: tuple[int, int]  # and of maple_arange_64
+    node_size: int  # struct maple_node: a node's size and alignment
+    types: tuple[int, int, int]  # enum maple_type: maple_leaf_64, maple_range_64, and arange
     vm_start: int
     vm_end: int
     vm_mm: int
@@ -60,15 +66,20 @@ class VmaLayout:
             arange_slot = btf.field("maple_arange_64.slot")
             leaf = (range_slot.offset, btf.array(range_slot.type_id)[1])
             arange = (arange_slot.offset, btf.array(arange_slot.type_id)[1])
+            node_size = btf.size_of(btf.struct("maple_node").id)
+            types = _maple_types(btf)
         except KeyError:
             vmas, maple, vm_next = field("mm_struct.mmap"), False, field("vm_area_struct.vm_next")
             leaf = arange = (0, 0)
+            node_size, types = 0, (0, 0, 0)
         return cls(
             maple=maple,
             vmas=vmas,
             vm_next=vm_next,
             leaf_slots=leaf,
             arange_slots=arange,
+            node_size=node_size,
+            types=types,
             vm_start=field("vm_area_struct.vm_start"),
             vm_end=field("vm_area_struct.vm_end"),
             vm_mm=field("vm_area_struct.vm_mm"),
@@ -95,8 +106,17 @@ class Vma:
         return bool(self.flags & VM_EXEC)
 
 
-async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout) -> list[Vma]:
-    """The executable mappings of the address space ``mm``, by start address, with names."""
+def _maple_types(btf: Btf) -> tuple[int, int, int]:
+    found = btf.find("maple_type", Kind.ENUM)
+    if found is None:
+        raise KeyError("enum maple_type")
+    values = btf.enum_values(found)
+    return values["maple_leaf_64"], values["maple_range_64"], values["maple_arange_64"]
+
+
+async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout, user_end: int) -> list[Vma]:
+    """The executable mappings of the address space ``mm``, by start address, with names;
+    user space ends at ``user_end``."""
     pointers = await _vma_pointers(read, mm, layout)
     span = max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
                layout.vm_file) + 8  # fmt: skip
@@ -110,7 +130,7 @@ async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout) -> list[Vma]:
             for offset in (layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags,
                            layout.vm_pgoff, layout.vm_file)
         )  # fmt: skip
-        if owner == mm and start < end <= USER_END and flags & VM_EXEC:
+        if owner == mm and start < end <= user_end and flags & VM_EXEC:
             found.append((start, end, pgoff, flags, file))
     names = await _file_names(read, [file for *_, file in found], layout)
     vmas = [
@@ -129,19 +149,21 @@ async def _vma_pointers(read: Reader, mm: int, layout: VmaLayout) -> list[int]:
         return await _list(read, root, layout)
     if not _is_node(root):  # a tree of one entry holds it in the root itself
         return [root] if root and not _is_internal(root) else []
+    leaf, _, arange = layout.types
     out: list[int] = []
-    level = [root]  # encoded nodes: 256-aligned address | type << 3 | flags
+    level = [root]  # encoded nodes: node-aligned address | type << 3 | flags
     while level and len(out) < MAX_VMAS:
-        nodes = [e for e in level if e > 4096 and _type(e) in (_LEAF, _RANGE, _ARANGE)]
-        spans = [layout.arange_slots if _type(e) == _ARANGE else layout.leaf_slots for e in nodes]
-        ranges = [(e & ~_NODE_MASK, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]
+        nodes = [e for e in level if e > 4096 and _type(e) in layout.types]
+        spans = [layout.arange_slots if _type(e) == arange else layout.leaf_slots for e in nodes]
+        node_mask = layout.node_size - 1
+        ranges = [(e & ~node_mask, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]
         raws = await read(ranges)
         level = []
         for node, raw, (off, count) in zip(nodes, raws, spans, strict=True):
             if raw is None:
                 continue
             slots = [_u64(raw, off + 8 * i) for i in range(count)]
-            if _type(node) == _LEAF:  # a leaf's slots are the entries: VMA pointers
+            if _type(node) == leaf:  # a leaf's slots are the entries: VMA pointers
                 out += [e for e in slots if e > 4096 and not _is_internal(e)]
             else:  # other nodes' slots are their children
                 level += [e for e in slots if e]
@@ -182,7 +204,7 @@ def _is_node(entry: int) -> bool:
 
 
 def _type(entry: int) -> int:
-    return (entry >> 3) & 0xF
+    return (entry >> _TYPE_SHIFT) & _TYPE_MASK
 
 
 def _u64(data: bytes, offset: int) -> int:
