@@ -2,7 +2,8 @@
 
 ``running_linux_guest`` boots it through scripts/run-linux-guest, waits for the workload line on
 the console, unpacks the guest's own /proc/kallsyms (sent gzipped over COM2) and kills QEMU
-afterwards, whatever happens.
+afterwards, whatever happens. Any kernel scripts/fetch-linux fetched boots with the same
+initramfs (``kernel=linux_dir(series) / "vmlinuz"``), the test module built for each.
 """
 
 from __future__ import annotations
@@ -33,25 +34,54 @@ MODULE_KO = BUILD / "module" / "qmpprof_burn.ko"
 MODULE = "qmpprof_burn"
 LIBC = ROOTFS / "lib" / "x86_64-linux-gnu" / "libc.so.6"
 LDSO = ROOTFS / "lib64" / "ld-linux-x86-64.so.2"
+XZ = ROOTFS / "usr" / "bin" / "xz"  # Debian's (bookworm), PIE; its work is done in liblzma
+LIBLZMA = ROOTFS / "lib" / "x86_64-linux-gnu" / "liblzma.so.5"  # a symlink, as packaged
 WORKLOAD_LINE = "qmpprof-linux: workload running"
 KALLSYMS_END = "qmpprof-linux: kallsyms end"
+MAPS_END = "qmpprof-linux: maps end"
+CHURN = "qmpprof.churn"  # the kernel command-line word of the churn workload
 # 5-10 s on an idle 2-core machine, 20-35 s at load average 12, once over 120 s
 # (docs/linux-guest.md): a guard against a hung boot, not a speed check.
 BOOT_TIMEOUT = 300.0
 
 _build_lock = threading.Lock()
-_built = False
+_built: set[tuple[str, ...]] = set()
+
+
+def module_ko(release: str) -> Path:
+    """The test module built for a kernel release, as /init finds it in the guest."""
+    return ROOTFS / "lib" / "modules" / release / "qmpprof_burn.ko"
 
 
 def build_linux_guest() -> None:
-    """Run scripts/build-linux-guest once per test session (it skips an up-to-date build)."""
-    global _built
+    """Run scripts/build-linux-guest once per test session (it skips an up-to-date build), and
+    again when the session fetched another kernel meanwhile (it builds the module for each)."""
+    fetched = tuple(sorted(p.read_text() for p in BUILD.parent.glob("linux*/version")))
     with _build_lock:
-        if not _built:
+        if fetched not in _built:
             subprocess.run(
                 [ROOT / "scripts" / "build-linux-guest"], check=True, stdin=subprocess.DEVNULL
             )
-            _built = True
+            _built.add(fetched)
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One line of a /proc/PID/maps."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int
+    path: str  # "" for anonymous memory
+
+
+@dataclass(frozen=True, slots=True)
+class ChurnRate:
+    """One of the churn workload's reports: processes started in guest seconds."""
+
+    processes: int
+    seconds: float
 
 
 @dataclass
@@ -89,10 +119,36 @@ class LinuxGuest:
             raise RuntimeError(f"{self.console}: no module line")
         return int(match.group(1), 16)
 
+    def xz_maps(self) -> tuple[int, list[Mapping]]:
+        """The pid of the guest's long-lived xz and its /proc/PID/maps, as /init printed them
+        (once, before the workload line)."""
+        text = self.console_text()
+        match = re.search(
+            r"^qmpprof-linux: maps of xz pid (\d+) begin\r?\n(.*?)^" + MAPS_END, text, re.M | re.S
+        )
+        if match is None:
+            raise RuntimeError(f"{self.console}: no maps of xz")
+        return int(match.group(1)), [parse_maps_line(line) for line in match.group(2).splitlines()]
+
+    def churn_rates(self) -> list[ChurnRate]:
+        """The churn workload's reports so far (every 5 s of guest time; ``qmpprof.churn``)."""
+        found = re.findall(
+            r"^qmpprof-linux: churn (\d+) processes in (\d+\.\d+) s", self.console_text(), re.M
+        )
+        return [ChurnRate(int(n), float(s)) for n, s in found]
+
     @cached_property
     def symbols(self) -> KernelSymbols:
         """The guest's /proc/kallsyms: runtime addresses, module symbols tagged."""
         return parse_symbol_map(self.kallsyms.read_text(), str(self.kallsyms))
+
+
+def parse_maps_line(line: str) -> Mapping:
+    """``start-end perms offset dev inode [path]``, as /proc/PID/maps writes it."""
+    fields = line.split(maxsplit=5)
+    start, end = (int(x, 16) for x in fields[0].split("-"))
+    path = fields[5].strip() if len(fields) > 5 else ""
+    return Mapping(start, end, fields[1], int(fields[2], 16), path)
 
 
 def _unpack_kallsyms(guest: LinuxGuest) -> None:
@@ -115,6 +171,17 @@ def wait_console(guest: LinuxGuest, text: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def wait_churn(guest: LinuxGuest, count: int, timeout: float) -> list[ChurnRate]:
+    """Wait until the churn workload has reported ``count`` times; its reports."""
+    deadline = time.monotonic() + timeout
+    while len(rates := guest.churn_rates()) < count:
+        _check_alive(guest)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} churn reports never came:\n{guest.console_text()}")
+        time.sleep(0.2)
+    return rates
+
+
 @contextlib.contextmanager
 def running_linux_guest(
     tmp_path: Path,
@@ -131,8 +198,9 @@ def running_linux_guest(
     """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
     ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
     ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``. ``kernel``: a
-    bzImage other than 6.12's (the same initramfs; the test module, built for 6.12, does not
-    load there: no module line, no ``sys`` workload)."""
+    bzImage other than 6.12's (``linux_dir(series) / "vmlinuz"``: the same initramfs, with
+    the test module built for every kernel fetched before the guest was built; for another,
+    init says "insmod failed" and runs a busybox loop in place of the ``sys`` workload)."""
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="lg-", dir="/tmp"))

@@ -1,7 +1,9 @@
 """The Linux test guest (scripts/build-linux-guest, scripts/run-linux-guest) boots Debian's
 kernel on 2 vCPUs with and without KASLR: the workload runs, the guest's /proc/kallsyms comes
-over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; the
-initramfs writer gives a cpio newc archive back as built."""
+over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; every
+kernel fetched (5.10, 6.1, 6.12, 7.x) boots with KASLR, its test module loaded, Debian's xz
+running (its /proc/PID/maps on the console) and the churn workload starting >= 20 processes a
+second; the initramfs writer gives a cpio newc archive back as built."""
 
 from __future__ import annotations
 
@@ -13,8 +15,22 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from elftools.elf.elffile import ELFFile
 from guestvm import free_tcp_port
-from linuxvm import MODULE, MODULE_KO, ROOT, WORK_ELF, build_linux_guest, running_linux_guest
+from linuxkernel import BOOTED, linux_dir
+from linuxvm import (
+    CHURN,
+    LIBLZMA,
+    MODULE,
+    MODULE_KO,
+    ROOT,
+    WORK_ELF,
+    XZ,
+    build_linux_guest,
+    module_ko,
+    running_linux_guest,
+    wait_churn,
+)
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.transport.qmp import QmpTransport
@@ -62,13 +78,66 @@ async def test_boots_with_workload_and_kallsyms(tmp_path: Path, kaslr: bool) -> 
 
 @pytest.mark.linux
 def test_build_outputs() -> None:
-    """The workload program keeps .eh_frame and a build-id; the module carries ORC tables."""
+    """The workload program keeps .eh_frame and a build-id; the module carries ORC tables, for
+    every kernel fetched; Debian's xz is a PIE (ET_DYN with an interpreter) and liblzma keeps
+    its .eh_frame (both stripped of .symtab: only dynamic symbols name their code)."""
     build_linux_guest()
     work = ElfImage.load(WORK_ELF)
     assert work.section(".eh_frame")
     assert work.build_id
-    module = ElfImage.load(MODULE_KO)
-    assert module.section(".orc_unwind") and module.section(".orc_unwind_ip")
+    releases = [(linux_dir(s) / "version").read_text().strip() for s in BOOTED]
+    for ko in [MODULE_KO, *map(module_ko, releases)]:
+        module = ElfImage.load(ko)
+        assert module.section(".orc_unwind") and module.section(".orc_unwind_ip"), ko
+    with XZ.open("rb") as f:
+        xz = ELFFile(f)
+        assert xz.header.e_type == "ET_DYN"
+        assert any(seg.header.p_type == "PT_INTERP" for seg in xz.iter_segments())
+    assert LIBLZMA.is_symlink() and LIBLZMA.resolve().parent == LIBLZMA.parent
+    lzma = ElfImage.load(LIBLZMA.resolve())
+    assert lzma.section(".eh_frame") and lzma.section(".eh_frame_hdr")
+    assert lzma.section(".symtab") is None and lzma.build_id
+
+
+IMAGE_KERNEL_TEXT = 0xFFFFFFFF80000000  # KASLR keeps _text in [this, +1 GiB)
+CHURN_RATE = 20  # processes a second, at least
+CHURN_TIMEOUT = 120.0  # 15 s of guest time: a guard against a hung guest, not a speed check
+
+
+@pytest.mark.qemu
+@pytest.mark.linux
+@pytest.mark.parametrize("series", BOOTED)
+def test_every_kernel_boots_with_module_xz_and_churn(tmp_path: Path, series: str) -> None:
+    folder = linux_dir(series)
+    release = (folder / "version").read_text().strip()
+    with running_linux_guest(
+        tmp_path, kaslr=True, dump_kallsyms=False, append=CHURN, kernel=folder / "vmlinuz"
+    ) as guest:
+        # The first report overlaps the boot: the next two are the workload's own rate.
+        rates = wait_churn(guest, 3, CHURN_TIMEOUT)
+        console = guest.console_text()
+        xz_pid, maps = guest.xz_maps()
+    print(f"{release}: boot {guest.boot_seconds:.1f} s, text {guest.text_address:#x}, {rates}")
+    # KASLR moved the kernel by a multiple of 2 MiB, within the kernel's 1 GiB.
+    assert guest.text_address != IMAGE_TEXT
+    assert (guest.text_address - IMAGE_TEXT) % (2 << 20) == 0
+    assert IMAGE_KERNEL_TEXT <= guest.text_address < IMAGE_KERNEL_TEXT + (1 << 30)
+    # The module built for this kernel loaded, unsigned and out of tree (taint O + E).
+    assert module_ko(release).exists()
+    assert "insmod failed" not in console, console
+    assert guest.module_address >= 0xFFFFFFFFC0000000
+    assert "qmpprof-linux: tainted 12288" in console
+    # xz runs, its program and liblzma mapped from the initramfs, code executable.
+    paths = {m.path for m in maps}
+    assert {"/usr/bin/xz", "/lib/x86_64-linux-gnu/liblzma.so.5.4.1"} <= paths, maps
+    for path in ("/usr/bin/xz", "/lib/x86_64-linux-gnu/liblzma.so.5.4.1"):
+        assert any(m.path == path and m.perms == "r-xp" for m in maps), maps
+        assert (ROOT / "fixtures/build/linux-guest/rootfs" / path.lstrip("/")).is_file()
+    assert xz_pid > 1
+    # The churn workload starts processes all the time.
+    steady = rates[1:3]
+    rate = sum(r.processes for r in steady) / sum(r.seconds for r in steady)
+    assert rate >= CHURN_RATE, rates
 
 
 @pytest.mark.qemu
