@@ -44,10 +44,11 @@ class KernelSymbols:
         """The address of the first symbol with this name (in the kernel image by default)."""
         if module is None:
             if self._by_name is None:
-                self._by_name = {}
-                for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
-                    if mod is None:
-                        self._by_name.setdefault(sym_name, addr)
+                # Built backwards, so that the first symbol of a name is the one that stays.
+                rows = zip(
+                    reversed(self.names), reversed(self.addrs), reversed(self.modules), strict=True
+                )
+                self._by_name = {sym_name: addr for sym_name, addr, mod in rows if mod is None}
             return self._by_name.get(name)
         for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
             if sym_name == name and mod == module:
