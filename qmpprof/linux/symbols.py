@@ -8,12 +8,18 @@ adds the module a symbol belongs to (``[ext4]``).
 Only text symbols (``t T w W``) name code: ``text_symbols`` and ``symbol_table`` give them, one
 per address, the first alias as the kernel names an address by it, with sizes taken as the
 distance to the next symbol at a higher address, since kallsyms records no sizes.
+
+``parse_export_table`` reads another list the image holds, its exported symbols (name and
+address, ``__ksymtab``): what the kallsyms decoded from an image are checked against.
 """
 
 from __future__ import annotations
 
+import operator
+import struct
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.errors import SymbolMapError
@@ -44,15 +50,28 @@ class KernelSymbols:
         """The address of the first symbol with this name (in the kernel image by default)."""
         if module is None:
             if self._by_name is None:
-                self._by_name = {}
-                for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
-                    if mod is None:
-                        self._by_name.setdefault(sym_name, addr)
+                # Built backwards, so that the first symbol of a name is the one that stays.
+                rows = zip(
+                    reversed(self.names), reversed(self.addrs), reversed(self.modules), strict=True
+                )
+                self._by_name = {sym_name: addr for sym_name, addr, mod in rows if mod is None}
             return self._by_name.get(name)
         for addr, sym_name, mod in zip(self.addrs, self.names, self.modules, strict=True):
             if sym_name == name and mod == module:
                 return addr
         return None
+
+    def has(self, name: str, addr: int) -> bool:
+        """Whether a symbol of the kernel image with this name is at ``addr`` (static functions
+        of the same name live elsewhere, the first of them maybe lower)."""
+        if self.address_of(name) == addr:
+            return True
+        i = bisect_left(self.addrs, addr)
+        while i < len(self.addrs) and self.addrs[i] == addr:
+            if self.names[i] == name and self.modules[i] is None:
+                return True
+            i += 1
+        return False
 
     def addresses_of(self, name: str) -> list[int]:
         """Every address a name has: static functions of the same name live in many files."""
@@ -122,3 +141,31 @@ def parse_symbol_map(text: str, path: str = "<symbols>") -> KernelSymbols:
     return KernelSymbols(
         [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
     )
+
+
+def parse_export_table(
+    entries: bytes, entries_addr: int, strings: bytes, strings_addr: int
+) -> list[tuple[str, int]] | None:
+    """(name, address) of each exported symbol in a ``__ksymtab`` section: with
+    CONFIG_HAVE_ARCH_PREL32_RELOCATIONS (x86_64) three s32 (value, name, namespace), each
+    relative to its own address, the names in ``__ksymtab_strings``. None when the entries are
+    not of that form (a name outside the strings)."""
+    if len(entries) % 12:
+        return None
+    fields = struct.unpack(f"<{len(entries) // 4}i", entries)
+    parts = strings.decode("latin-1").split("\0")
+    starts = accumulate(map((1).__add__, map(len, parts)), initial=0)  # one more than parts
+    by_offset = dict(zip(starts, parts, strict=False))
+    name_at = map(operator.add, fields[1::3], range(entries_addr + 4 - strings_addr, END, 12))
+    # The linker merges strings, so a name may be the tail of another.
+    names = [by_offset.get(at) or _string_at(strings, at) for at in name_at]
+    if "" in names:
+        return None
+    addrs = map(operator.add, fields[::3], range(entries_addr, END, 12))
+    return list(zip(names, (addr % END for addr in addrs), strict=True))
+
+
+def _string_at(data: bytes, pos: int) -> str:
+    """The NUL-terminated string at ``pos``, or "" when there is none."""
+    end = data.find(b"\0", pos) if 0 <= pos < len(data) else -1
+    return data[pos:end].decode("latin-1") if end > pos else ""
