@@ -1,7 +1,8 @@
 """Stock Linux guests, from the files in /boot alone.
 
-``bzimage`` turns the kernel file as found in /boot into the vmlinux ELF; ``kallsyms`` finds and
-decodes the symbol tables every kernel carries in its ``.rodata``; ``symbols`` holds what both
+``bzimage`` turns the kernel file as found in /boot into the vmlinux ELF; ``kallsymtables``
+finds the symbol tables every kernel carries in its ``.rodata`` and ``kallsyms`` decodes them,
+checked against the image; ``symbols`` holds what both
 kallsyms and a System.map or /proc/kallsyms text give: addresses, type letters and names, and
 the ``SymbolTable`` of text symbols built from them; ``orc`` reads the kernel's ORC unwind
 tables (``qmpprof.unwind.orc.OrcStep`` walks with them); ``btf`` reads its BTF types (struct
