@@ -36,7 +36,8 @@ tables are found by their contents, any byte apart:
    reading whose addresses come out sorted, in that order.
 
 A relative base is taken only where the tables themselves lie within the 4 GiB above it that
-its 32-bit offsets reach (they are the kernel's data, named by its symbols). ``qmpprof.linux.kallsyms`` checks what is decoded against the rest of the image.
+its 32-bit offsets reach (they are the kernel's data, named by its symbols).
+``qmpprof.linux.kallsyms`` checks what is decoded against the rest of the image.
 """
 
 from __future__ import annotations
