@@ -97,7 +97,10 @@ def test_debian_tables_are_whole_in_the_order_of_their_version(debian: Kernel) -
     base = debian.elf.section_addr(".rodata")
     assert rodata is not None and base is not None
     layout = locate_kallsyms(rodata, base)
-    if debian.series == "6.12":  # 6.4 on: offsets and base after the token index
+    if debian.series == "7":  # offsets after the token index, relative to themselves: no base
+        assert layout.names < layout.markers < layout.token_table < layout.offsets
+        assert layout.relative_base is None and not layout.absolute_percpu
+    elif debian.series == "6.12":  # 6.4 on: offsets and base after the token index
         assert layout.names < layout.markers < layout.token_table < layout.offsets
     else:  # before: offsets and base first (6.1: seqs of names between markers and tokens)
         assert layout.offsets < layout.names < layout.markers < layout.token_table
@@ -106,7 +109,8 @@ def test_debian_tables_are_whole_in_the_order_of_their_version(debian: Kernel) -
             assert layout.token_table - markers_end >= 3 * layout.count
         else:  # 5.10: the token table follows the markers (aligned)
             assert 0 <= layout.token_table - markers_end < 256
-    assert layout.relative_base is not None and layout.absolute_percpu
+    if debian.series != "7":
+        assert layout.relative_base is not None and layout.absolute_percpu
     symbols = debian.symbols
     assert len(symbols) == layout.count > 90_000
     assert symbols.addrs == sorted(symbols.addrs)
@@ -142,9 +146,13 @@ def test_kallsyms_text_of_the_decode_parses_back(debian: Kernel) -> None:
 @pytest.mark.linux
 def test_per_cpu_symbols_are_offsets_in_a_zero_based_area_up_to_6_12(debian: Kernel) -> None:
     """x86_64 up to 6.12 links .data..percpu at 0: its symbols are absolute offsets (``A``)
-    from __per_cpu_start = 0 to __per_cpu_end = the section's size, below all others."""
+    from __per_cpu_start = 0 to __per_cpu_end = the section's size, below all others. (7.x
+    links it with the rest of the kernel's data: test_linux_7_tables_have_no_base_and_...)"""
     section = debian.elf.section_header(".data..percpu")
     symbols = debian.symbols
+    if debian.series == "7":
+        assert section is not None and section.addr == symbols.address_of("__per_cpu_start")
+        return
     assert section is not None and section.addr == 0
     assert symbols.address_of("__per_cpu_start") == 0
     assert symbols.address_of("__per_cpu_end") == section.size

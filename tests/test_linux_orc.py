@@ -11,8 +11,9 @@ from fakes import x86
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.orc import (
+    CLASSIC,
+    RENUMBERED,
     OrcLayout,
-    OrcReg,
     OrcTable,
     OrcType,
     decode_entry,
@@ -30,8 +31,10 @@ R8, R9, R10, R11, R12, R13, R14, R15, RIP = range(8, 17)
 TEXT = 0xFFFF_FFFF_8100_0000
 KSTACK = 0xFFFF_C900_0001_0000
 USTACK = 0x7FFF_F000_0000
-SP, BP, UNDEF, PREV_SP = OrcReg.SP, OrcReg.BP, OrcReg.UNDEFINED, OrcReg.PREV_SP
+SP, BP, UNDEF, PREV_SP = CLASSIC.sp, CLASSIC.bp, CLASSIC.undefined, CLASSIC.prev_sp
 CALL, REGS, PARTIAL = OrcType.CALL, OrcType.REGS, OrcType.REGS_PARTIAL
+assert CLASSIC.sp_indirect is not None and CLASSIC.bp_indirect is not None
+SP_INDIRECT, BP_INDIRECT = CLASSIC.sp_indirect, CLASSIC.bp_indirect
 
 
 def bits(sp_reg: int, bp_reg: int, kind: int, signal: bool = False) -> int:
@@ -189,20 +192,18 @@ def test_bp_rule_relative_to_bp() -> None:
 
 def test_sp_indirect_and_bp_indirect() -> None:
     sp, other = KSTACK + 0x100, KSTACK + 0x800
-    t = one(bits(OrcReg.SP_INDIRECT, UNDEF, CALL), sp_offset=8)  # *sp + 8: off an IRQ stack
+    t = one(bits(SP_INDIRECT, UNDEF, CALL), sp_offset=8)  # *sp + 8: off an IRQ stack
     new, flags = step(t, {RSP: sp, RBP: 0}, {sp: other, other: TEXT + 0x11})
     assert new[RSP] == other + 8 and new[RIP] == TEXT + 0x11
     assert flags == NEW_STACK  # a return address (not exact), on another stack
     bp = KSTACK + 0x40
-    t = one(bits(OrcReg.BP_INDIRECT, UNDEF, CALL), sp_offset=-8)  # *(bp - 8)
+    t = one(bits(BP_INDIRECT, UNDEF, CALL), sp_offset=-8)  # *(bp - 8)
     new, flags = step(t, {RSP: sp, RBP: bp}, {bp - 8: other, other - 8: TEXT + 0x22})
     assert new[RSP] == other and new[RIP] == TEXT + 0x22 and flags == 0
 
 
-@pytest.mark.parametrize(
-    ("reg", "dwarf"), [(OrcReg.R10, R10), (OrcReg.R13, R13), (OrcReg.DI, RDI), (OrcReg.DX, RDX)]
-)
-def test_register_bases(reg: OrcReg, dwarf: int) -> None:
+@pytest.mark.parametrize(("reg", "dwarf"), [(6, R10), (7, R13), (3, RDI), (2, RDX)])
+def test_register_bases(reg: int, dwarf: int) -> None:  # the classic numbers of R10 .. DX
     base = KSTACK + 0x300
     t = one(bits(reg, UNDEF, PARTIAL, True), sp_offset=0)
     words = {base: TEXT + 0x66, base + 8: 0x10, base + 24: KSTACK + 0x900}
@@ -422,7 +423,7 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
     t = table(
         [
             (TEXT, 8, 0, bits(SP, UNDEF, CALL)),  # the handler on the IRQ stack
-            (TEXT + 0x100, 8, 0, bits(OrcReg.SP_INDIRECT, UNDEF, CALL)),  # after call_on_stack
+            (TEXT + 0x100, 8, 0, bits(SP_INDIRECT, UNDEF, CALL)),  # after call_on_stack
             (TEXT + 0x200, 8, 0, bits(SP, UNDEF, CALL)),  # its caller, on the task stack
             (TEXT + 0x300, 0, 0, bits(UNDEF, UNDEF, OrcType.END_OF_STACK)),
             (TEXT + 0x400, 0, 0, 0),
@@ -440,3 +441,25 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
     assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
     assert raw.exact == (True, False, False, False)
     assert raw.stop is StopReason.END
+
+
+def test_a_kernel_that_renumbered_its_registers_is_walked_by_its_numbers() -> None:
+    """7.x renumbered ORC's registers (SP 3, PREV_SP 8, BP_INDIRECT 10, AX 1): the same frames
+    written in its numbers walk the same; read with the classic ones they would not."""
+    sp, bp = KSTACK + 0x100, KSTACK + 0x180
+    rows = [(TEXT, 16, -16, bits(RENUMBERED.sp, RENUMBERED.prev_sp, CALL)), (TEXT + 0x100, 0, 0, 0)]
+    new, _ = step_renumbered(table(rows), {RSP: sp, RBP: 1}, {sp + 8: TEXT + 0x44, sp: bp})
+    assert new == {RIP: TEXT + 0x44, RSP: sp + 16, RBP: bp}
+    assert step(table(rows), {RSP: sp, RBP: 1}, {sp + 8: TEXT + 0x44, sp: bp}) is StopReason.NO_CFI
+    regs_at = KSTACK + 0x300
+    partial = table(
+        [(TEXT, 0, 0, bits(1, RENUMBERED.undefined, PARTIAL, True)), (TEXT + 0x100, 0, 0, 0)]
+    )
+    words = {regs_at: TEXT + 0x66, regs_at + 8: 0x10, regs_at + 24: KSTACK + 0x900}
+    new, signal = step_renumbered(partial, {RSP: KSTACK, RBP: 0, RAX: regs_at}, words)
+    assert new[RIP] == TEXT + 0x66 and signal  # AX, a base 7.x added
+
+
+def step_renumbered(t: OrcTable, cur: dict[int, int], words: dict[int, int]):
+    t.regs = RENUMBERED
+    return orc_step(t).step(cur, TEXT + 0x10, True, memory(words))

@@ -56,6 +56,11 @@ class SymbolTable:
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def starts(self) -> list[int]:
+        """Every symbol's start, in address order (the table's own list: not to be changed)."""
+        return self._starts
+
     def lookup(self, addr: int, *, lenient: bool = False) -> tuple[str, int] | None:
         """The symbol covering ``addr`` and the offset into it."""
         i = bisect_right(self._starts, addr) - 1

@@ -25,7 +25,7 @@ from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.orc import OrcLayout, OrcTable
+from qmpprof.linux.orc import OrcLayout, OrcTable, numbering
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
@@ -80,6 +80,9 @@ class LinuxKernel:
             missing.insert(
                 0, "no ORC tables (CONFIG_UNWINDER_ORC): kernel stacks by frame pointers"
             )
+        else:
+            orc.regs, odd = numbering(image.section(".orc_header"), orc, functions.starts)
+            missing += [odd] if odd else []
         new_index = None  # kept when built here: not with --kallsyms (not the image's own)
         if kallsyms is None and _stale(index, text_picks, orc, btf):
             new_index = _index(image, text_picks, orc, btf)

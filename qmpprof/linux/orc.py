@@ -17,10 +17,12 @@ the facts of the x86_64 ABI they refer to (``pt_regs``, the registers ORC names)
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 import struct
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -59,19 +61,36 @@ X86_64_PT_REGS = PtRegs(
 IRET_FRAME = struct.Struct("<5Q")  # ip, cs, flags, sp, ss: what the CPU pushes, pt_regs' tail
 
 
-class OrcReg(enum.IntEnum):
-    """The base registers of an entry's sp and bp rules (``ORC_REG_*``)."""
+@dataclass(frozen=True, slots=True)
+class OrcRegs:
+    """What each ORC register number means in one kernel's tables (``ORC_REG_*`` of its
+    ``orc_types.h``): the bases of an entry's sp and bp rules, and the general registers a
+    ``pt_regs`` gave (ORC number, x86_64 DWARF number). None: a base these tables never use,
+    or that could not be told."""
 
-    UNDEFINED = 0
-    PREV_SP = 1
-    DX = 2
-    DI = 3
-    BP = 4
-    SP = 5
-    R10 = 6
-    R13 = 7
-    BP_INDIRECT = 8
-    SP_INDIRECT = 9
+    undefined: int
+    prev_sp: int
+    sp: int
+    bp: int
+    sp_indirect: int | None
+    bp_indirect: int | None
+    general: tuple[tuple[int, int], ...] = ()
+
+    def dwarf(self, reg: int) -> int | None:
+        """The DWARF number of general register ``reg``, None when it is no such register."""
+        return next((dwarf for orc, dwarf in self.general if orc == reg), None)
+
+
+# The numberings of the kernels seen (arch/x86/include/asm/orc_types.h of each): 4.14 to 6.x
+# (checked on Debian's 5.10, 6.1 and 6.12), and the one 7.x renumbered (checked on 7.2.13):
+# UNDEFINED, PREV_SP, SP, BP, SP_INDIRECT, BP_INDIRECT, then DX, DI, R10, R13 (and AX).
+CLASSIC = OrcRegs(0, 1, 5, 4, 9, 8, ((2, 1), (3, 5), (6, 10), (7, 13)))
+RENUMBERED = OrcRegs(0, 8, 3, 4, 9, 10, ((1, 0), (2, 1), (5, 5), (6, 10), (7, 13)))
+# .orc_header (6.4 on) holds the SHA-1 of the kernel's orc_types.h: which of them it is.
+_BY_HEADER = {
+    "fe5d32bf581bd63b2ca9a5c65ba5a625eab3fe24": CLASSIC,  # 6.4 to 6.x (seen: 6.12)
+    "137c36ad7627c4dd55932176bb0ecdbd5041fc82": RENUMBERED,  # 7.x (seen: 7.2.13)
+}
 
 
 class OrcType(enum.IntEnum):
@@ -104,8 +123,6 @@ _VERSION = re.compile(rb"Linux version (\d+)\.(\d+)")
 # __x86_indirect_thunk_array ...).
 INDIRECT_THUNKS = "__x86_indirect_"
 RETPOLINE_THUNK = "__x86_indirect_thunk_"
-# The registers an entry may take its sp from, as x86_64 DWARF numbers.
-BASE_REGS: dict[int, int] = {OrcReg.R10: 10, OrcReg.R13: 13, OrcReg.DI: 5, OrcReg.DX: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +148,7 @@ def decode_entry(sp_offset: int, bp_offset: int, bits: int, layout: OrcLayout) -
     raw = (bits >> 8) & 3
     if raw == 3:
         raise ValueError(f"ORC type 3 in a legacy entry ({bits:#06x})")
-    if sp_reg == OrcReg.UNDEFINED:
+    if sp_reg == CLASSIC.undefined:  # (legacy kernels number the registers the classic way)
         kind = OrcType.END_OF_STACK if bits >> 10 & 1 else OrcType.UNDEFINED
     else:
         kind = _LEGACY_TYPES[raw]
@@ -169,7 +186,7 @@ def _layout_of_entries(entries: bytes) -> OrcLayout | None:
 class OrcTable:
     """The entries of one piece of code (the kernel image, a module), looked up by address."""
 
-    __slots__ = ("_decoded", "_raw", "base", "end", "layout", "offsets")
+    __slots__ = ("_decoded", "_raw", "base", "end", "layout", "offsets", "regs")
 
     def __init__(
         self,
@@ -178,6 +195,7 @@ class OrcTable:
         entries: bytes,
         layout: OrcLayout,
         end: int | None = None,
+        regs: OrcRegs = CLASSIC,
     ) -> None:
         if len(entries) != ENTRY_SIZE * len(offsets):
             raise ValueError(f"{len(offsets)} ORC ips but {len(entries)} bytes of entries")
@@ -188,6 +206,7 @@ class OrcTable:
         self.offsets = offsets  # ascending
         self._raw = entries
         self.layout = layout
+        self.regs = regs  # how its kernel numbers the registers (``numbering``)
         # Addresses past the last entry belong to no table (it is a section's end marker).
         self.end = end if end is not None else (base + offsets[-1] + 1 if offsets else base)
         self._decoded: Memo[int, OrcEntry] = Memo()
@@ -200,6 +219,7 @@ class OrcTable:
         entries: bytes,
         layout: OrcLayout | None = None,
         version: tuple[int, int] | None = None,
+        regs: OrcRegs = CLASSIC,
     ) -> OrcTable:
         """A table from the two sections' bytes; ``ip_addr`` is the address of ``ip_bytes[0]``
         (a link address, or a runtime one for tables read from guest memory). Tables are sorted
@@ -213,7 +233,7 @@ class OrcTable:
             order = sorted(range(count), key=offsets.__getitem__)
             entries = b"".join(entries[6 * i : 6 * i + 6] for i in order)
             offsets = [offsets[i] for i in order]
-        return cls(ip_addr, offsets, entries, layout)
+        return cls(ip_addr, offsets, entries, layout, regs=regs)
 
     @classmethod
     def from_image(cls, image: ElfImage) -> OrcTable | None:
@@ -255,3 +275,66 @@ class OrcTable:
         """The entry covering link address ``pc``, None outside the table."""
         index = self.index_of(pc)
         return None if index is None else self.entry(index)
+
+
+def numbering(
+    header: bytes | None, table: OrcTable, function_starts: Sequence[int]
+) -> tuple[OrcRegs, str | None]:
+    """How the kernel that wrote ``table`` numbers ORC registers, and a line when it is not a
+    numbering seen before. Before 6.4 (no ``.orc_header``) every kernel numbered them the
+    classic way; from 6.4 the header's hash names its numbering; a hash not seen before is
+    told from the entries (``core_of``): the seen numbering they agree with, else only what
+    they show (the indirect bases and general registers are then unknown)."""
+    if header is None:
+        return CLASSIC, None
+    known = _BY_HEADER.get(header.hex())
+    if known is not None:
+        return known, None
+    found = core_of(table, function_starts)
+    for regs in (CLASSIC, RENUMBERED):
+        if found == _core(regs):
+            return regs, None
+    if found is None:
+        return CLASSIC, "ORC tables numbered as no kernel seen, too few entries to tell how"
+    undefined, prev_sp, sp, bp = found
+    note = (
+        f"ORC registers numbered as no kernel seen (SP {sp}, BP {bp}, PREV_SP {prev_sp}):"
+        " frames found through the others end there"
+    )
+    return OrcRegs(undefined, prev_sp, sp, bp, None, None), note
+
+
+def core_of(table: OrcTable, function_starts: Sequence[int]) -> tuple[int, int, int, int] | None:
+    """(UNDEFINED, PREV_SP, SP, BP) as the entries show them: SP is the base of a function's
+    entry at its first byte (a call: sp + 8), PREV_SP the base of a saved bp (below the
+    caller's sp), BP the other base of frames 16 bytes deep that saved bp (frame pointers),
+    UNDEFINED the bp base of most frames. None when too few entries to tell."""
+    at_start: Counter[int] = Counter()
+    for start in function_starts[:: max(1, len(function_starts) // 2000)]:
+        with contextlib.suppress(ValueError):
+            entry = table.lookup(start)
+            if entry is not None and entry.type is OrcType.CALL and entry.sp_offset == 8:
+                at_start[entry.sp_reg] += 1
+    saved: Counter[int] = Counter()
+    deep: Counter[int] = Counter()
+    plain: Counter[int] = Counter()
+    for index in range(0, len(table), max(1, len(table) // 20000)):
+        with contextlib.suppress(ValueError):
+            entry = table.entry(index)
+            if entry.type is OrcType.CALL:
+                plain[entry.bp_reg] += 1
+                if entry.bp_offset < 0:
+                    saved[entry.bp_reg] += 1
+                if entry.sp_offset == 16 and entry.bp_offset == -16:
+                    deep[entry.sp_reg] += 1
+    if min(len(at_start), len(saved), len(plain)) == 0 or sum(at_start.values()) < 20:
+        return None
+    sp = at_start.most_common(1)[0][0]
+    bp = next((reg for reg, _ in deep.most_common() if reg != sp), None)
+    if bp is None:
+        return None
+    return plain.most_common(1)[0][0], saved.most_common(1)[0][0], sp, bp
+
+
+def _core(regs: OrcRegs) -> tuple[int, int, int, int]:
+    return regs.undefined, regs.prev_sp, regs.sp, regs.bp

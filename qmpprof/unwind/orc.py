@@ -29,12 +29,10 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.linux.orc import (
-    BASE_REGS,
     IRET_FRAME,
     RETPOLINE_THUNK,
     X86_64_PT_REGS,
     OrcEntry,
-    OrcReg,
     OrcTable,
     OrcType,
     PtRegs,
@@ -111,7 +109,8 @@ class OrcStep:
             new[arch.fp] = bp
         # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
         # the interrupted stack may lie anywhere, below this one too.
-        return new, signal | NEW_STACK if entry.sp_reg == OrcReg.SP_INDIRECT else signal
+        indirect = entry.sp_reg == self.code.table.regs.sp_indirect
+        return new, signal | NEW_STACK if indirect else signal
 
     def _entry(self, link_pc: int) -> OrcEntry | StopReason | None:
         try:
@@ -143,17 +142,18 @@ class OrcStep:
         """The address the entry's sp rule gives: the caller's sp, or the pt_regs/iret frame's."""
         reg, offset, mask = entry.sp_reg, entry.sp_offset, self.arch.mask
         sp, bp = cur[self.arch.sp], cur.get(self.arch.fp, 0)
-        if reg == OrcReg.SP:
+        regs = self.code.table.regs
+        if reg == regs.sp:
             return (sp + offset) & mask
-        if reg == OrcReg.BP:
+        if reg == regs.bp:
             return (bp + offset) & mask
-        if reg == OrcReg.SP_INDIRECT:  # since 5.12 "*sp + offset"; unused by earlier kernels
+        if reg == regs.sp_indirect:  # since 5.12 "*sp + offset"; unused by earlier kernels
             slot = memory.read_u64(sp)
             return StopReason.READ_FAILED if slot is None else (slot + offset) & mask
-        if reg == OrcReg.BP_INDIRECT:
+        if reg == regs.bp_indirect:
             slot = memory.read_u64((bp + offset) & mask)
             return StopReason.READ_FAILED if slot is None else slot
-        dwarf = BASE_REGS.get(reg)
+        dwarf = regs.dwarf(reg)
         value = None if dwarf is None else cur.get(dwarf)
         # A register base is only known where a pt_regs (or the CPU) gave it: the kernel's rule.
         return StopReason.NO_CFI if value is None else value
@@ -186,12 +186,12 @@ class OrcStep:
     ) -> int | StopReason | None:
         """The caller's bp by the entry's bp rule; None: undefined, so the bp is the frame's own
         or the one the pt_regs held."""
-        reg, mask = entry.bp_reg, self.arch.mask
-        if reg == OrcReg.UNDEFINED:
+        reg, mask, regs = entry.bp_reg, self.arch.mask, self.code.table.regs
+        if reg == regs.undefined:
             return None
-        if reg == OrcReg.PREV_SP:
+        if reg == regs.prev_sp:
             addr = (sp + entry.bp_offset) & mask
-        elif reg == OrcReg.BP:
+        elif reg == regs.bp:
             addr = (cur.get(self.arch.fp, 0) + entry.bp_offset) & mask
         else:
             return StopReason.NO_CFI

@@ -104,7 +104,7 @@ class CurrentTask:
         base = self.bases.get(regs.cpu)
         if base is None or self.owner(regs) is not None:
             return ()
-        return ((base + self.offset, 8),)
+        return (((base + self.offset) & self.arch.mask, 8),)
 
     def owner(self, regs: Registers) -> int | None:
         """The task whose stack the stack pointer is on, when the current task's pointer said
@@ -126,7 +126,7 @@ class CurrentTask:
         base = await self._base(transport, regs, cache)
         if base is None:
             return None
-        addr = base + self.offset
+        addr = (base + self.offset) & self.arch.mask  # a 7.x variable's address wraps
         await fetch_piece(transport, cache, regs.cpu, addr, 8)
         task = cache.read_u64(addr)
         return task if task and task >= self.arch.shared_from else None

@@ -111,8 +111,7 @@ class LinuxGuest:
         head = kernel.address("modules", slide)
         module_list = None
         if layouts.modules is not None and head is not None:
-            orc_layout = None if kernel.orc is None else kernel.orc.layout
-            module_list = ModuleList(read, head, layouts.modules, orc_layout, arch)
+            module_list = ModuleList(read, head, layouts.modules, kernel.orc, arch)
             modules += await module_list.refresh() or []
         tables = await page_tables(
             read,

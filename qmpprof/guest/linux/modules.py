@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf, Kind
-from qmpprof.linux.orc import OrcLayout, OrcTable
+from qmpprof.linux.orc import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
 from qmpprof.unwind.orc import OrcCode
@@ -98,10 +98,10 @@ class ModuleList:
         read: Reader,
         head: int,
         layout: ModuleLayout,
-        orc_layout: OrcLayout | None,
+        kernel_orc: OrcTable | None,
         arch: InstructionSet,
     ) -> None:
-        self.read, self.head, self.layout, self.orc_layout = read, head, layout, orc_layout
+        self.read, self.head, self.layout, self.kernel_orc = read, head, layout, kernel_orc
         self.arch = arch
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
 
@@ -116,7 +116,7 @@ class ModuleList:
             fresh[at] = (
                 known[at]
                 if at in known
-                else await _read_module(self.read, at, self.layout, self.orc_layout, self.arch)
+                else await _read_module(self.read, at, self.layout, self.kernel_orc, self.arch)
             )
         self.known = fresh
         return [m for m in fresh.values() if m is not None]
@@ -133,7 +133,7 @@ class ModuleList:
 
 
 async def _read_module(
-    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None, arch: InstructionSet
+    read: Reader, at: int, layout: ModuleLayout, kernel_orc: OrcTable | None, arch: InstructionSet
 ) -> Module | None:
     raw_name = await read_one(read, at + layout.name, layout.name_size)
     base, size = await read_ints(read, [(at + layout.text_base, 8), (at + layout.text_size, 4)])
@@ -141,7 +141,7 @@ async def _read_module(
         return None
     name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
     symbols = await _symbols(read, at, layout, base, base + size)
-    table = await _orc(read, at, layout, orc_layout)
+    table = await _orc(read, at, layout, kernel_orc)
     mapping = Mapping(f"[{name}]", base, base + size, True)
     orc = None if table is None else OrcCode(table)
     return Module.build(mapping, arch, symbols=symbols, orc=orc)
@@ -181,7 +181,7 @@ async def _symbols(
 
 
 async def _orc(
-    read: Reader, at: int, layout: ModuleLayout, orc_layout: OrcLayout | None
+    read: Reader, at: int, layout: ModuleLayout, kernel_orc: OrcTable | None
 ) -> OrcTable | None:
     count, ips, entries = await read_ints(
         read, [(at + layout.num_orcs, 4), (at + layout.orc_ip, 8), (at + layout.orc, 8)]
@@ -192,6 +192,11 @@ async def _orc(
     if ip_bytes is None or orc_bytes is None:
         return None
     try:
-        return OrcTable.from_sections(ip_bytes, ips, orc_bytes, orc_layout)
+        # A module's tables are written as its kernel's are.
+        if kernel_orc is None:
+            return OrcTable.from_sections(ip_bytes, ips, orc_bytes)
+        return OrcTable.from_sections(
+            ip_bytes, ips, orc_bytes, kernel_orc.layout, regs=kernel_orc.regs
+        )
     except ValueError:
         return None
