@@ -29,6 +29,7 @@ def text_of(kernel: LinuxKernel, release: str, offset: int, moved: int = 0) -> s
         f"OSRELEASE={release}\nBUILD-ID=00\nPAGESIZE=4096\n"
         f"SYMBOL(init_uts_ns)={uts + SLIDE + moved:x}\nSYMBOL(init_top_pgt)={swapper + SLIDE:x}\n"
         f"SYMBOL(nonexistent_here)=ffffffff81000000\nOFFSET(list_head.next)=0\n"
+        f"SYMBOL(init_task)=ffff888001234000\n"  # a pointer's value (as mem_section's is)
         f"KERNELOFFSET={offset:x}\n"
     )
 

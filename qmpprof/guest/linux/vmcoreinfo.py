@@ -63,13 +63,16 @@ def check(info: dict[str, str], kernel: LinuxKernel, slide: int) -> Checks:
     if offset is not None and _hex(offset) not in (None, slide):
         notes.append(f"the guest's KERNELOFFSET is {offset}, the slide found {slide:#x}")
     confirmed = wrong = 0
+    low, high = _image_range(kernel)
     for key, value in info.items():
         found = _SYMBOL.fullmatch(key)
         link = None if found is None else kernel.symbols.address_of(found[1])
-        if link is None or link < kernel.image.arch.shared_from:
-            continue  # not the image's, or a per-CPU offset
-        ours = link + slide
-        if ours == _hex(value):
+        theirs = _hex(value)
+        # Some lines hold a pointer's value, not its address (mem_section): only addresses in
+        # the image are its symbols'.
+        if link is None or theirs is None or not low + slide <= theirs < high + slide:
+            continue
+        if link + slide == theirs:
             confirmed += 1
         else:
             wrong += 1
@@ -79,6 +82,12 @@ def check(info: dict[str, str], kernel: LinuxKernel, slide: int) -> Checks:
             " image's symbols at this slide"
         )
     return Checks(confirmed, tuple(notes))
+
+
+def _image_range(kernel: LinuxKernel) -> tuple[int, int]:
+    """Link addresses from ``_text`` to ``_end``: where the image's own symbols are."""
+    low = kernel.symbols.address_of("_text") or 0
+    return low, kernel.symbols.address_of("_end") or max(kernel.symbols.addrs)
 
 
 def _hex(text: str) -> int | None:
