@@ -63,6 +63,13 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
     if bracketed and (frame.kernel or frame.symbol is None):
         # A kernel module's code, function [module]; code with no symbol, [unknown] [mapping].
         name = f"{name} {module}"
+    elif frame.symbol is None and not frame.kernel and frame.module and frame.module.path:
+        # A file's code no symbol covers (a stripped library's internal function): the file,
+        # and with --offsets where in it (its link address, as addr2line takes it).
+        where = frame.module.name
+        if naming.detail is not Detail.FUNCTION:
+            where += f"+{frame.pc - frame.module.bias:#x}"
+        name = f"{name} [{where}]"
     if frame.inlined:
         name += INLINED_SUFFIX
     if mark_kernel and frame.kernel:

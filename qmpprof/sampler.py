@@ -8,7 +8,9 @@ after ``cont``, while the guest runs again. The sampler orchestrates; the profil
 
 Timing: the interval is guest *run* time between samples. After ``cont`` the sampler waits
 until the guest has run a full interval (optionally jittered), however long the previous pause
-took; the duration counts the same run time, so a 5 s run at 10 ms asks for 500 ticks.
+took; the duration counts the same run time, so a 5 s run at 10 ms asks for 500 ticks. A tick
+that came late (the work after ``cont`` or the wake-up took longer) makes the next come sooner,
+so that the rate in run time is the one asked.
 
 Safety: the guest is left in the run state it had. A paused guest is sampled once without
 stop/cont. Errors inside one sample are counted (stats), never raised; only GuestGoneError and
@@ -162,11 +164,18 @@ class Sampler(Generic[Space, Raw]):
         last: list[Sample] = []
         target = max(1, round(self.config.duration / self.config.interval))
         resumed = self._start
+        late = 0.0  # run time the last tick came late by: the next one comes that much sooner
         while self.stats.ticks < target and not self._stop_requested and not self._budget_done():
-            await self._sleep(max(0.0, self._next_interval() - (self._clock() - resumed)))
+            interval = self._next_interval()
+            await self._sleep(max(0.0, interval - late - (self._clock() - resumed)))
             if self._stop_requested:
                 break
-            self.stats.run_time += self._clock() - resumed
+            ran = self._clock() - resumed
+            self.stats.run_time += ran
+            # What the loop's own work between ticks (naming, housekeeping) and the sleep's
+            # wake-up added is made up at the next tick, at most one interval (no burst after a
+            # long stall): the rate in guest run time is the one asked.
+            late = min(max(0.0, late + ran - interval), interval)
             last = await self._tick(cpus, stop=True)
             resumed = self._resumed
             self._adapt()

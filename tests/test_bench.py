@@ -157,3 +157,15 @@ def test_the_bench_finds_the_checkout_and_its_entry_point_runs() -> None:
         [str(bench_run.ROOT / "scripts" / "bench"), "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "--soak" in done.stdout, done.stderr
+
+
+def test_the_churn_targets_are_a_floor_and_a_ceiling() -> None:
+    met = report.targets({"linux_churn_rate_share": 0.97, "linux_churn_wall_ratio": 1.3})
+    assert met["Linux churn: rate in run time vs asked"]["met"] is True
+    assert met["Linux churn: wall vs run time asked + pauses"]["met"] is False
+    low = report.targets({"linux_churn_rate_share": 0.9, "linux_churn_wall_ratio": 1.1})
+    assert low["Linux churn: rate in run time vs asked"]["met"] is False
+    assert low["Linux churn: wall vs run time asked + pauses"]["met"] is True
+    assert report.targets({})["Linux churn: rate in run time vs asked"]["met"] is None
+    table = report.table({"runs": [], "baseline_progress_per_s": [1, 1], "targets": low})
+    assert "rate in run time vs asked: 0.90x (at least 0.95x): NOT met" in table

@@ -9,12 +9,14 @@ import itertools
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
 import linuxkernel
 import pytest
 from fakes import FakeTransport, regs, x86
+from guestvm import BUILD_ROOT
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
@@ -24,7 +26,7 @@ from qmpprof.guest.linux.identify import MODULES_RECHECK, LinuxIdentifier
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.pagetables import PageTables
 from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import PF_KTHREAD, RECHECK, TaskLayout, task_list
+from qmpprof.guest.linux.tasks import PF_KTHREAD, RECHECK, Task, TaskLayout, task_list
 from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
@@ -514,3 +516,47 @@ async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
     assert identifier.reads_for(replace(user, space=0x2000)) != ()  # another address space
     now[0] = RECHECK + 0.1
     assert identifier.reads_for(on_stack) != ()  # the pointer again after RECHECK
+
+
+async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_build: None
+) -> None:
+    """No file is read inside a pause: the process is placed without it (its code known by
+    the mapping's name), the name noted; between samples the file is read and the process
+    placed again through its own page tables."""
+    program = BUILD_ROOT / "cfi" / "user" / "spin.elf"
+    (tmp_path / "myapp").write_bytes(program.read_bytes())
+    files = UserFiles(tmp_path)
+    mm, pgd, pgd_at = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000, 0x58
+    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+
+    class Tables(_Tables):
+        def reader(self, pgd: int) -> Reader:
+            self.pgds.append(pgd)
+
+            async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+                return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
+
+            return read
+
+    tables = Tables()
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=pgd_at))
+    spaces = Spaces(AddressSpace([KERNEL]), vmas, files, cast(PageTables, tables), lambda: 0.0)
+    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    memory = Memory()
+    memory.put(mm + pgd_at, struct.pack("<Q", pgd))
+    read, reads = reader(memory, []), []
+    first = await spaces.space_of(reader(memory, reads), task)
+    module = first.find(0x40_1000)
+    assert module is not None and module.name == "[myapp]" and module.mapping.path is None
+    assert files.unread == {"myapp"} and not files.read("myapp")
+    assert await spaces.space_of(read, task) is first  # not placed again meanwhile
+    await spaces.settle(read)
+    assert files.read("myapp") and not files.unread and tables.pgds == [pgd]
+    again = (await spaces.space_of(read, task)).find(0x40_1000)
+    assert again is not None and again.name == "myapp" and again.mapping.path is not None

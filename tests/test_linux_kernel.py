@@ -107,6 +107,25 @@ def test_what_is_not_a_linux_kernel_is_one_error(tmp_path: Path) -> None:
         LinuxKernel.load(tmp_path / "missing")
 
 
+def test_a_folder_stands_for_the_one_image_it_holds(linux_dir: Path, tmp_path: Path) -> None:
+    # Where Debian's newest packages put the image: /usr/lib/modules/RELEASE/vmlinuz.
+    release = tmp_path / "usr" / "lib" / "modules" / "7.2.13+deb14-amd64"
+    release.mkdir(parents=True)
+    (release / "vmlinuz").symlink_to(linux_dir / "vmlinuz")
+    (release / "modules.dep").write_text("")
+    opened = KernelFile.open(release)
+    assert opened.path == release / "vmlinuz" and LINUX.recognises(opened)
+    # /boot holds several: the error names them, and the folder with none says what it looked for.
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    for name in ("vmlinuz-6.1.0-40-amd64", "vmlinuz-6.12.57+deb13-amd64", "config-6.1.0-40-amd64"):
+        (boot / name).write_bytes(b"")
+    with pytest.raises(KernelImageError, match=r"name one of its images \(vmlinuz-6.1.0-40-amd64"):
+        KernelFile.open(boot)
+    with pytest.raises(KernelImageError, match="a folder with none of vmlinuz"):
+        KernelFile.open(tmp_path / "usr")
+
+
 def test_a_bzimage_is_recognised_from_its_header(linux_dir: Path) -> None:
     assert LINUX.recognises(KernelFile.open(linux_dir / "vmlinuz"))
 

@@ -125,3 +125,22 @@ def test_kernel_module_frames_are_named_function_and_module() -> None:
     assert frame_name(in_module, Naming(), True) == "qb_read [qmpprof_burn]_[k]"
     assert frame_name(unnamed, Naming(), False) == "[unknown] [qmpprof_burn]"
     assert frame_name(in_image, Naming(), True) == "schedule_[k]"
+
+
+def test_a_files_code_no_symbol_covers_is_named_by_its_file() -> None:
+    from qmpprof.model import Frame, Mapping
+    from qmpprof.naming import Naming, frame_name
+
+    lib = "/rootfs/lib/liblzma.so.5.4.1"
+    liblzma = Mapping(
+        "liblzma.so.5.4.1", 0x7F00_0000_3000, 0x7F00_0002_0000, False, 0x7F00_0000_0000, lib
+    )
+    stripped = Frame(0x7F00_0001_F2E0, False, None, 0, liblzma)
+    exported = Frame(0x7F00_0000_4010, False, "lzma_code", 0x10, liblzma)
+    assert frame_name(stripped, Naming(), False) == "[unknown] [liblzma.so.5.4.1]"
+    assert frame_name(stripped, Naming.of(offsets=True), False) == (
+        "[unknown] [liblzma.so.5.4.1+0x1f2e0]"
+    )
+    assert frame_name(exported, Naming(), False) == "lzma_code"
+    # An anonymous mapping has no file: still one [unknown] bucket.
+    assert frame_name(Frame(0x9000, False), Naming(), False) == "[unknown]"

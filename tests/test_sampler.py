@@ -99,6 +99,39 @@ async def test_interval_is_guest_run_time_not_wall_clock_slots() -> None:
     assert sampler.stats.rate_hz() == pytest.approx(100.0)
 
 
+async def test_a_late_tick_makes_the_next_one_sooner() -> None:
+    """Sleeps that wake 1.5 ms late (a loaded host, asyncio's wake-up): each next wait is that
+    much shorter, so 50 ms of run time still hold 5 ticks, the rate asked; the debt is at most
+    one interval (a 30 ms stall is not made up by a burst)."""
+    r0, pages = kernel_cpu()
+    clock = FakeClock()
+    transport = FakeTransport({0: r0}, pages, clock=clock)
+
+    async def late_sleep(seconds: float) -> None:
+        await clock.sleep(seconds + 0.0015)
+
+    sampler = Sampler(
+        transport, FramePointerUnwinder(), KernelIdentifier(SPACE),
+        SamplerConfig(interval=0.01, duration=0.05), clock=clock, sleep=late_sleep,
+    )  # fmt: skip
+    await sampler.run()
+    assert clock.sleeps == pytest.approx([0.0115, 0.010, 0.010, 0.010, 0.010])  # (as slept)
+    assert sampler.stats.run_time == pytest.approx(0.05 + 0.0015)
+    assert sampler.stats.rate_hz() == pytest.approx(5 / 0.0515)
+    stalled = FakeClock()
+
+    async def one_stall(seconds: float) -> None:
+        await stalled.sleep(seconds + (0.030 if not stalled.sleeps else 0.0))
+
+    again = Sampler(
+        FakeTransport({0: r0}, pages, clock=stalled), FramePointerUnwinder(),
+        KernelIdentifier(SPACE), SamplerConfig(interval=0.01, duration=0.05),
+        clock=stalled, sleep=one_stall,
+    )  # fmt: skip
+    await again.run()
+    assert stalled.sleeps == pytest.approx([0.040, 0.0, 0.010, 0.010, 0.010])
+
+
 async def test_jitter_scales_each_interval() -> None:
     r0, pages = kernel_cpu()
     transport = FakeTransport({0: r0}, pages)

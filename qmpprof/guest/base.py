@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import ElfError
+from qmpprof.errors import ElfError, KernelImageError
 from qmpprof.model import Process, Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -43,7 +43,11 @@ class KernelFile:
     @classmethod
     def open(cls, path: Path) -> KernelFile:
         """Raises ElfError (one line) for a file that cannot be read, or an ELF qmpprof cannot
-        read; another file is kept by its head for the guest OSes to recognise."""
+        read; another file is kept by its head for the guest OSes to recognise. A folder that
+        holds one kernel image under its plain name (``/usr/lib/modules/RELEASE/``, where
+        distributions now put ``vmlinuz``) stands for that image."""
+        if path.is_dir():
+            path = _image_in(path)
         try:
             with open(path, "rb") as f:
                 head = f.read(_HEAD)
@@ -55,6 +59,21 @@ class KernelFile:
     @property
     def arch(self) -> InstructionSet | None:
         return None if self.elf is None else self.elf.arch
+
+
+IMAGE_NAMES = ("vmlinuz", "vmlinux", "bzImage")  # a kernel image's plain names in a folder
+
+
+def _image_in(folder: Path) -> Path:
+    """The kernel image a folder holds under a plain name; ElfError naming what it has else."""
+    found = [folder / name for name in IMAGE_NAMES if (folder / name).is_file()]
+    if len(found) == 1:
+        return found[0]
+    names = found or sorted(folder.glob("vmlinu[xz]-*"))
+    which = ", ".join(p.name for p in names[:4]) + (", ..." if len(names) > 4 else "")
+    if names:
+        raise KernelImageError(str(folder), f"a folder: name one of its images ({which})")
+    raise KernelImageError(str(folder), f"a folder with none of {', '.join(IMAGE_NAMES)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """The files of a guest's root filesystem as the user copied them (``--user-dir`` for a Linux
 guest): ELF files found by the name a mapping gives, checked against the guest's own bytes.
 
-The tree is walked once, when the run starts, for names only; an ELF is read the first time a
-mapping names it, and kept. A candidate is taken when its bytes at the mapping's file offset
-equal what the guest has there (user code is not patched at run time), or, when the guest's
-page is not resident, by name alone.
+The tree is walked once, when the run starts, for names only; an ELF is read and indexed the
+first time a mapping names it, and kept; inside a pause it is not (``match(..., load=False)``):
+a name seen then is only noted (``unread``) and read between samples (``read_one``). A
+candidate is taken when its bytes at the mapping's file offset equal what the guest has there
+(user code is not patched at run time), or, when the guest's page is not resident, by name
+alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class UserFiles:
     def __init__(self, root: Path | None) -> None:
         self._by_name: dict[str, list[Path]] = {}
         self._images: dict[Path, ElfImage | None] = {}
+        self.unread: set[str] = set()  # names a pause met whose files are not read yet
         if root is None:
             return
         if not root.is_dir():
@@ -35,12 +38,12 @@ class UserFiles:
                 break
 
     def candidates(self, name: str) -> list[ElfImage]:
-        """The readable ELF files of this name (loaded once)."""
+        """The readable ELF files of this name (read and indexed once)."""
         out = []
         for path in self._by_name.get(name, ()):
             if path not in self._images:
                 try:
-                    self._images[path] = ElfImage.load(path)
+                    self._images[path] = ElfImage.load(path).prepare()
                 except ElfError:
                     self._images[path] = None
             image = self._images[path]
@@ -48,9 +51,26 @@ class UserFiles:
                 out.append(image)
         return out
 
-    def match(self, name: str, offset: int, code: bytes | None) -> ElfImage | None:
+    def read(self, name: str) -> bool:
+        """Whether every file of this name was read already (or there is none)."""
+        return all(path in self._images for path in self._by_name.get(name, ()))
+
+    def read_one(self) -> bool:
+        """Read the files of one name a pause noted; False when none is left."""
+        if not self.unread:
+            return False
+        self.candidates(self.unread.pop())
+        return True
+
+    def match(
+        self, name: str, offset: int, code: bytes | None, *, load: bool = True
+    ) -> ElfImage | None:
         """The file named ``name`` whose bytes at file ``offset`` are ``code`` (None: not known,
-        then the first file of that name)."""
+        then the first file of that name). ``load=False`` (inside a pause): files not read yet
+        are not read but noted in ``unread``, and give None."""
+        if not load and not self.read(name):
+            self.unread.add(name)
+            return None
         found = self.candidates(name)
         if code is None:
             return found[0] if found else None

@@ -101,6 +101,7 @@ class LinuxIdentifier:
         if self.layout is not None:
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
         if self.spaces is not None:
+            await self.spaces.settle(read)
             await self.spaces.confirm(read)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:

@@ -5,7 +5,10 @@ trusted for ``RECHECK`` seconds per address space and confirmed between samples.
 Placing a mapping compares a few bytes of its code with the file that claims it, read through
 the process's own page tables: inside a pause through the vCPU that runs it, before the first
 stop and between samples through ``PageTables`` (``pagetables.py``), which walks them in kernel
-memory while the guest runs.
+memory while the guest runs. No file is read inside a pause: a process first met there with a
+file not read yet (one that started during the run) is placed without it (its code known by
+the mapping's name alone), and between samples the file is read and the process placed again
+(``settle``): a new process costs its first pause a few reads of its mappings, never a file.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Placed:
     space: AddressSpace
     checked: float
     vmas: tuple[Vma, ...]
+    waiting: bool = False  # placed without files that were not read yet
 
 
 class Spaces:
@@ -80,7 +84,7 @@ class Spaces:
         if seen is not None and self.clock() - seen.checked <= RECHECK:
             return seen.space
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
-        return await self._place(key, vmas, read)
+        return await self._place(key, vmas, read, load=False)
 
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
         """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
@@ -94,22 +98,43 @@ class Spaces:
             return placed.space
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         for vma in vmas:
-            for image in self.files.candidates(vma.name) if vma.name else ():
-                image.prepare()
-        if self.tables is None:
+            if vma.name:
+                self.files.candidates(vma.name)  # read and indexed now, not in a pause
+        return await self._place_through_tables(read, key, vmas)
+
+    async def _place_through_tables(
+        self, read: Reader, key: tuple[int, int], vmas: tuple[Vma, ...]
+    ) -> AddressSpace | None:
+        """Place a process between samples: its code through its own page tables."""
+        if self.tables is None or self.vmas is None:
             return None
-        (pgd,) = await read_ints(read, [(task.mm + self.vmas.pgd, 8)])
+        (pgd,) = await read_ints(read, [(key[0] + self.vmas.pgd, 8)])
         if pgd is None:
             return None
         return await self._place(key, vmas, self.tables.reader(pgd))
 
     async def _place(
-        self, key: tuple[int, int], vmas: tuple[Vma, ...], code: Reader
+        self, key: tuple[int, int], vmas: tuple[Vma, ...], code: Reader, *, load: bool = True
     ) -> AddressSpace:
-        user = await user_modules(code, vmas, self.files)
+        user = await user_modules(code, vmas, self.files, load=load)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
-        self._placed.put(key, Placed(space, self.clock(), vmas))
+        waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
+        self._placed.put(key, Placed(space, self.clock(), vmas, waiting))
         return space
+
+    async def settle(self, read: Reader) -> None:
+        """Between samples, through ``read`` (kernel memory): read the files of one name a pause
+        met, and place again each process that waited for files now read."""
+        if not self.files.read_one():
+            return
+        ready = [
+            (key, placed.vmas)
+            for key, placed in self._placed.items()
+            if placed.waiting and all(not v.name or self.files.read(v.name) for v in placed.vmas)
+        ]
+        for key, vmas in ready:
+            if await self._place_through_tables(read, key, vmas) is None:
+                del self._placed[key]  # the next sample places it
 
     async def confirm(self, read: Reader) -> None:
         """Every CONFIRM_EVERY seconds, through ``read`` (kernel memory, while the guest runs):
@@ -139,15 +164,18 @@ class Spaces:
             del self._placed[key]
 
 
-async def user_modules(read: Reader, vmas: Sequence[Vma], files: UserFiles) -> list[Module]:
+async def user_modules(
+    read: Reader, vmas: Sequence[Vma], files: UserFiles, *, load: bool = True
+) -> list[Module]:
     """A Module per mapped file (an ELF from ``files`` at its load bias, when one matches the
-    guest's bytes) and per anonymous executable mapping (frame pointers, named by mapping)."""
+    guest's bytes) and per anonymous executable mapping (frame pointers, named by mapping);
+    ``load=False``: files not read yet are not read (those mappings are named alone)."""
     codes = await read([(v.start, _PROBE) for v in vmas])
     modules: list[Module] = []
     placed: set[str] = set()
     for vma, code in zip(vmas, codes, strict=True):
         offset = vma.pgoff * PAGE
-        image = None if vma.name is None else files.match(vma.name, offset, code)
+        image = None if vma.name is None else files.match(vma.name, offset, code, load=load)
         if image is not None:
             if image.path not in placed:
                 placed.add(image.path)

@@ -22,6 +22,7 @@ from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec
 from support.bench import report
 from support.bench.guest import Fixture, Guest, boot
+from support.bench.linuxchurn import linux_churn
 from support.bench.linuxrun import linux_run
 from support.bench.methods import (
     EmeraldHmp,
@@ -56,6 +57,7 @@ METHODS = (
 _GDBSTUB = frozenset({"gdb-loop", "gdb-batch", "gdbstub", "gdbstub-fused", "qmpprof-gdb"})
 SMP2_METHODS = ("floor", "qmpprof-default", "gdb-loop")
 FIRST_PAUSE_TRIES = 5
+CHURN_SECONDS = 5.0  # issue 19: a 5 s profile at 10 ms of a guest starting processes
 
 
 @dataclass
@@ -287,6 +289,8 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
                 cfg.smp2_methods, guest, fixture, cfg, cfg.intervals[:1], log
             )
     linux = await linux_run(ROOT, 2 * cfg.duration, log) if cfg.linux else {}
+    if cfg.linux:
+        linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {

@@ -1,0 +1,94 @@
+"""Processes that come and go (issue 19), on every kernel the test guest boots: the guest's
+``qmpprof.churn`` workload starts short-lived processes all the time (busybox's dd, head and
+sha256sum, Debian's dynamically linked xz, sleeps; >= 20 a second, the guest's own count), and
+a 5 s profile at 10 ms through the command line, KASLR on, 2 vCPUs, must place them as they
+come: each new process named by its own task (comm and tgid), its code placed in the files
+it maps (busybox; xz, liblzma, libc and the dynamic loader), the ticks all taken on both vCPUs.
+How fast (the rate in guest run time, the wall time) is ``scripts/bench``'s
+``linux_churn_rate_share`` and ``linux_churn_wall_ratio``, not a timed assertion here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from linuxkernel import BOOTED, linux_dir
+from linuxvm import CHURN, ROOTFS, running_linux_guest, wait_churn
+
+from qmpprof.cli import main
+from qmpprof.model import Mode
+from qmpprof.output import native
+
+pytestmark = pytest.mark.qemu
+
+CHURN_TIMEOUT = 180.0  # seconds for the first report (5 s of guest time, after the boot)
+# What the workload runs; a fork of /init's shell not yet exec'd is still called init.
+CHURN_PROGRAMS = {"dd", "head", "sha256sum", "xz", "sleep", "sh", "init"}
+# The files an xz process maps code from (Debian bookworm's xz: the program, liblzma, libc,
+# the dynamic loader).
+XZ_FILES = ("xz", "liblzma.so.5", "libc.so.6", "ld-linux-x86-64.so.2")
+SAMPLED = 0.9  # of the ticks, on each vCPU
+NEW_PROCESSES = 10  # at least this many processes started during the run are sampled
+PLACED = 0.95  # of the user frames of new processes: in a file placed from --user-dir
+
+
+@pytest.mark.parametrize("series", BOOTED)
+def test_new_processes_are_named_and_placed_as_they_come(
+    series: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kernel = linux_dir(series) / "vmlinuz"
+    saved = tmp_path / "churn.qmpprof"
+    with running_linux_guest(
+        tmp_path, kaslr=True, smp=2, append=CHURN, kernel=kernel, dump_kallsyms=False
+    ) as guest:
+        before = wait_churn(guest, 1, CHURN_TIMEOUT)
+        args = ["--qmp-socket", str(guest.qmp_socket), "--kernel", str(kernel)]
+        args += ["--user-dir", str(ROOTFS), "--duration", "5", "--interval", "10", "-v"]
+        assert main([*args, "-o", str(saved)]) == 0
+        rates = guest.churn_rates()
+        xz_pid, _maps = guest.xz_maps()
+    err = capsys.readouterr().err
+    print(err, "\n".join(f"churn: {r.processes} in {r.seconds} s" for r in rates))
+    # The workload did churn: >= 20 new processes a second of guest time.
+    assert all(r.processes >= 20 * r.seconds for r in before), before
+
+    ticks = int(re.search(r"(\d+) ticks", err).group(1))  # type: ignore[union-attr]
+    assert ticks == 500, err  # the whole run asked: 5 s of run time at 10 ms
+    profile = native.load(saved)
+    per_cpu = Counter(cpu for _time, cpu, _sid in profile.timeline())
+    assert sorted(per_cpu) == [0, 1] and all(n >= SAMPLED * ticks for n in per_cpu.values())
+
+    # Processes the run met that /init started during it (the long-lived ones have pids below
+    # the long-lived xz's, which started last): by name, each its own task's.
+    first_seen: dict[int, str] = {}
+    placed = Counter[bool]()  # user frames of new processes: in a file from --user-dir or not
+    unplaced: Counter[str] = Counter()  # where those that are not are
+    xz_elsewhere: Counter[str] = Counter()  # files an xz frame was placed in that xz lacks
+    for record, count in zip(profile.stacks, profile.counts, strict=True):
+        process = record.process
+        if process is None or process.pid is None or process.pid <= xz_pid:
+            continue
+        first_seen.setdefault(process.pid, process.program or "")
+        if record.mode is not Mode.USER:
+            continue
+        for frame in profile.frames_of(record):
+            module = frame.module
+            if frame.kernel:
+                continue
+            if module is None or module.path is None:
+                placed[False] += count
+                unplaced[module.name if module else "(no module)"] += count
+                continue
+            placed[True] += count
+            if process.program == "xz" and not module.name.startswith(XZ_FILES):
+                xz_elsewhere[module.name] += count
+    names = Counter(first_seen.values())
+    print("new processes by name", dict(names), "user frames placed", dict(placed))
+    print("user frames in no file", dict(unplaced), "xz frames elsewhere", dict(xz_elsewhere))
+    assert len(first_seen) >= NEW_PROCESSES, names
+    assert set(names) <= CHURN_PROGRAMS, names
+    assert placed[True] >= PLACED * sum(placed.values()), (placed, unplaced)
+    assert not xz_elsewhere, xz_elsewhere
