@@ -32,7 +32,7 @@ from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memory import Reader
-from qmpprof.model import Mapping, Process
+from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import AddressSpace, Module
 
@@ -199,8 +199,9 @@ async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_s
     assert (await identifier.identify(transport, r0, PageCache())).process == Process(
         0, "swapper/0", 0, 0, "swapper/0"
     )
-    assert identifier.reads_for(r0) == ((BASES[0] + CURRENT, 8),)
-    # Within RECHECK, the pointer alone (read with the stack) identifies the task.
+    # The pointer, and the stamp of the task expected (the vCPU's last), with the window.
+    assert identifier.reads_for(r0) == ((BASES[0] + CURRENT, 8), layout.stamp_range(IDLE))
+    # Within RECHECK, the pointer alone identifies the task, even without its stamp.
     transport.calls.clear()
     cache = PageCache()
     await identifier.identify(transport, r0, cache)
@@ -487,12 +488,25 @@ def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[b
     return read
 
 
-async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
+def paused(memory: Memory, ranges: Sequence[tuple[int, int]]) -> PageCache:
+    """What a pause read with the stack window: ``ranges`` of ``memory``."""
+    cache = PageCache()
+    for addr, size in ranges:
+        data = bytearray()
+        for at in range(addr, addr + size):
+            page = memory.pages.get(at & ~(PAGE - 1), bytearray(PAGE))
+            data.append(page[at & (PAGE - 1)])
+        cache.pieces[addr] = (size, bytes(data))
+    return cache
+
+
+async def test_the_task_expected_is_verified_by_its_stamp_read_with_the_window(
     layout: TaskLayout,
 ) -> None:
     memory = guest(layout, (KWORKER, APP_LEADER))
     memory.task(layout, KWORKER, 55, 55, "kworker/0:1", PF_KTHREAD, KWORKER)
     memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", 0xFFFF_8880_0500_0000))
     stack = 0xFFFF_C900_0001_0000
     memory.put(KWORKER + layout.stack, struct.pack("<Q", stack))
     now = [0.0]
@@ -500,22 +514,44 @@ async def test_a_stack_page_seen_with_its_task_needs_no_pointer_within_recheck(
     identifier = make(layout, PER_CPU_OFFSET, clock=lambda: now[0])
     on_stack = regs(0, KERNEL.start + 16, rsp=stack + 0x3F00)
     irq = regs(0, KERNEL.start + 16, rsp=0xFFFF_C900_0000_0F00)  # this CPU's interrupt stack
-    found = await identifier.identify(transport, on_stack, PageCache())
-    assert found.process is not None and found.process.pid == 55
-    assert identifier.reads_for(on_stack) == ()  # the kworker's own stack: no pointer needed
-    transport.calls.clear()
-    assert await identifier.identify(transport, on_stack, PageCache()) == found
-    assert not [c for c in transport.calls if c.startswith("read")]
-    await identifier.identify(transport, irq, PageCache())
-    assert identifier.reads_for(irq) != ()  # not a stack of the task: the pointer, every time
     user = regs(1, 0x40_1000, rsp=0x7FFF_F000)
-    assert (await identifier.identify(transport, user, PageCache())).process == Process(
-        1230, "myapp", 0, 1230, "myapp"
-    )
-    assert identifier.reads_for(user) == ()  # a user stack page under this CR3
-    assert identifier.reads_for(replace(user, space=0x2000)) != ()  # another address space
-    now[0] = RECHECK + 0.1
-    assert identifier.reads_for(on_stack) != ()  # the pointer again after RECHECK
+    pointer = [(base + CURRENT, 8) for base in BASES]
+
+    async def sample(r: Registers) -> tuple[Process | None, list[str]]:
+        """One vCPU's identity in a pause that read what reads_for asked, and what it read."""
+        transport.pages.update(memory.frozen())
+        transport.calls.clear()
+        found = await identifier.identify(transport, r, paused(memory, identifier.reads_for(r)))
+        return found.process, [c for c in transport.calls if c.startswith("read")]
+
+    first, reads = await sample(on_stack)  # the per-CPU base, the pointer, the task: read
+    assert first is not None and first.pid == 55 and reads
+    # On its own stack the kworker is expected: its stamp comes with the pointer and the
+    # window, and it is the same: nothing else is read, now or long after RECHECK.
+    assert identifier.reads_for(on_stack) == (pointer[0], layout.stamp_range(KWORKER))
+    for now[0] in (0.1, RECHECK * 3, RECHECK * 9):
+        assert await sample(on_stack) == (first, [])
+    # Elsewhere on the vCPU (an interrupt stack), the vCPU's last task is expected.
+    assert identifier.reads_for(irq) == (pointer[0], layout.stamp_range(KWORKER))
+    app, _ = await sample(user)
+    assert app == Process(1230, "myapp", 0, 1230, "myapp")
+    assert identifier.reads_for(user) == (pointer[1], layout.stamp_range(APP_LEADER))
+    # An exec: another program in another mm, the same task. Its stamp changed: read again.
+    memory.task(layout, APP_LEADER, 1230, 1230, "xz", 0, APP_LEADER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", 0xFFFF_8880_0700_0000))
+    execd, reads = await sample(user)
+    assert execd == Process(1230, "xz", 0, 1230, "xz") and reads
+    # The task exited and its task_struct holds the next process at once (same mm address,
+    # as it may be): the pid tells.
+    memory.task(layout, APP_LEADER, 1301, 1301, "head", 0, APP_LEADER)
+    reused, reads = await sample(user)
+    assert reused == Process(1301, "head", 0, 1301, "head") and reads
+    assert await sample(user) == (reused, [])
+    # The task moved to vCPU 0, which expected its kworker: no stamp of the task, which is
+    # trusted by its age, but not at a user pc its space lacks (an exec the stamp did not see).
+    memory.put(BASES[0] + CURRENT, struct.pack("<Q", APP_LEADER))
+    moved, reads = await sample(replace(user, cpu=0, sp=0x7FFF_D000))  # a page not seen
+    assert moved == reused and reads
 
 
 async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is_read(
@@ -560,3 +596,33 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
     assert files.read("myapp") and not files.unread and tables.pgds == [pgd]
     again = (await spaces.space_of(read, task)).find(0x40_1000)
     assert again is not None and again.name == "myapp" and again.mapping.path is not None
+
+
+async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that has just started maps its libraries one after the other: a sample at a
+    pc its mappings as read lack reads them again; a page still lacking is not read again."""
+    mm = 0xFFFF_8880_0500_0000
+    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
+    reads = []
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        reads.append(at)
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58))
+    spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
+    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    read = reader(Memory(), [])
+    await spaces.space_of(read, task, 0x40_1000)
+    assert reads == [mm]
+    await spaces.space_of(read, task, 0x40_2000)  # held: nothing read
+    assert reads == [mm]
+    mapped.append(Vma(0x7F00_0000_0000, 0x7F00_0002_0000, 0, VM_EXEC, 0, "libc.so.6"))
+    libc = await spaces.space_of(read, task, 0x7F00_0000_1234)  # mapped since: read again
+    assert reads == [mm, mm] and libc.find(0x7F00_0000_1234) is not None
+    await spaces.space_of(read, task, 0x7E00_0000_0000)  # in no mapping: read once...
+    await spaces.space_of(read, task, 0x7E00_0000_0010)  # ...not again for that page
+    assert reads == [mm, mm, mm]

@@ -79,7 +79,9 @@ class ElfImage:
     def __init__(self, path: str, data: Data, headers: _Headers) -> None:
         self.path = path
         self.arch = headers.arch  # the instruction set: DWARF register numbers, address size
-        self.name = Path(path).stem
+        # The file's name less an ".elf" ending (the bundled guest's spin.elf is "spin"); a
+        # library keeps its whole name (libc.so.6, not libc.so).
+        self.name = Path(path).name.removesuffix(".elf")
         self._data = data
         self.size = len(data)  # of the file, in bytes
         self._section_list = headers.sections

@@ -7,9 +7,10 @@ says (``LinuxKernel.per_cpu_start``): an offset into a zero-based per-CPU area (
 6.x; KASLR leaves it alone), or an ordinary address of the image (7.x), which moves with the
 slide. ``__per_cpu_offset[cpu]`` is read once (before the first stop, by ``preload``); without
 that symbol, the base the CPU holds in kernel mode serves. The pointer is read with the stack
-window (``reads_for``). A stack belongs to one task (a kernel stack; a user stack page in one
-address space to one thread): once the pointer said whose stack the stack pointer is on,
-samples on that stack page skip the pointer for ``recheck`` seconds.
+window (``reads_for``), every sample: 8 bytes in the same request. A stack belongs to one task
+(a kernel stack; a user stack page in one address space to one thread): once the pointer said
+whose stack the stack pointer is on, that task is the one expected on that stack page for
+``recheck`` seconds (``owner``), so that its stamp is read with the window too.
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ class CurrentTask:
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self.bases.get(regs.cpu)
-        if base is None or self.owner(regs) is not None:
+        if base is None:
             return ()
         return (((base + self.offset) & self.arch.mask, 8),)
 
     def owner(self, regs: Registers) -> int | None:
         """The task whose stack the stack pointer is on, when the current task's pointer said
-        so within ``recheck`` seconds: then the pointer need not be read."""
+        so within ``recheck`` seconds: the task a sample there expects."""
         owned = self._owners.get(_stack_page(regs))
         if owned is None or self.clock() - owned[1] > self.recheck:
             return None

@@ -3,6 +3,11 @@ modules (``modules.ModuleList`` looked at again between ticks), each vCPU's curr
 (``current``), what was read of each task (``tasks``) and the processes' address spaces
 (``spaces``). A task's kernel work belongs to the process it serves: the current task is the
 same during a system call.
+
+In a pause, the current task's pointer and the stamp of the task expected (the owner of the
+stack page, else the vCPU's last task) are read with the stack window: when the pointer holds
+the expected task and its stamp is the one read before, nothing more is read; a stamp that
+changed (an exec, a task_struct reused) has the task read again in the pause.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from qmpprof.guest.base import Identity
 from qmpprof.guest.linux.current import CurrentTask
 from qmpprof.guest.linux.modules import ModuleList
 from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, Tasks, read_task
+from qmpprof.guest.linux.tasks import RECHECK, Task, TaskLayout, Tasks, read_task
 from qmpprof.memory import Reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
@@ -56,6 +61,7 @@ class LinuxIdentifier:
         self.thread_size = thread_size
         self.clock = clock
         self.tasks = Tasks(clock, recheck)
+        self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self._modules_read = clock()
         self.use_modules(kernel_modules)
 
@@ -105,7 +111,13 @@ class LinuxIdentifier:
             await self.spaces.confirm(read)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        return () if self.current is None else self.current.reads_for(regs)
+        if self.current is None:
+            return ()
+        pointer = self.current.reads_for(regs)
+        expected = self.current.owner(regs) or self._last.get(regs.cpu)
+        if not pointer or expected is None or self.layout is None:
+            return pointer
+        return (*pointer, self.layout.stamp_range(expected))
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -113,27 +125,46 @@ class LinuxIdentifier:
         current, layout = self.current, self.layout
         if current is None or layout is None:
             return self.kernel
-        task = current.owner(regs)
-        pointer_read = task is None
+        task = await current.pointer(transport, regs, cache)
         if task is None:
-            task = await current.pointer(transport, regs, cache)
-            if task is None:
-                return self.kernel
-        seen = self.tasks.fresh(task)
+            return self.kernel
+        stamp = self._stamp(task, cache)
+        seen = self.tasks.fresh(task, stamp)
+        # Trusted by its age alone, a task whose space lacks the user pc has exec'd since.
+        if seen and stamp is None and regs.user and seen.identity.space.find(regs.pc) is None:
+            seen = None
+        self._last[regs.cpu] = task
+        read = reader(transport, regs.cpu)
         if seen is None:
-            read = reader(transport, regs.cpu)
             found = await read_task(read, task, layout, self.arch.shared_from)
             identity = self.kernel
             if found is not None:
-                space = (
-                    self.space if self.spaces is None else await self.spaces.space_of(read, found)
-                )
-                identity = Identity(found.process, space)
+                identity = Identity(found.process, await self._space(read, found, regs))
             seen = self.tasks.put(task, found, identity)
+        elif seen.task is not None and seen.identity is not self.kernel:
+            # The process's space as its mappings stand (they are placed again when they
+            # change), not as they stood when the task was read.
+            space = await self._space(read, seen.task, regs)
+            if space is not seen.identity.space:
+                seen = self.tasks.update(task, Identity(seen.task.process, space))
         stack, size = seen.stack, self.thread_size
         on_own_stack = regs.user or (
             stack != 0 and size is not None and stack <= regs.sp < stack + size
         )
-        if pointer_read and seen.identity is not self.kernel and on_own_stack:
+        if seen.identity is not self.kernel and on_own_stack:
             current.own(regs, task)
         return seen.identity
+
+    async def _space(self, read: Reader, task: Task, regs: Registers) -> AddressSpace:
+        if self.spaces is None:
+            return self.space
+        return await self.spaces.space_of(read, task, regs.pc if regs.user else None)
+
+    def _stamp(self, task: int, cache: PageCache) -> tuple[int, int, int] | None:
+        """The stamp of ``task`` when the sample read it with the window (it was expected)."""
+        assert self.layout is not None
+        addr, size = self.layout.stamp_range(task)
+        if not cache.has(addr, size):
+            return None
+        raw = cache.read(addr, size)
+        return None if raw is None else self.layout.stamp_of(raw)

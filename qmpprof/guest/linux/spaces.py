@@ -9,6 +9,8 @@ memory while the guest runs. No file is read inside a pause: a process first met
 file not read yet (one that started during the run) is placed without it (its code known by
 the mapping's name alone), and between samples the file is read and the process placed again
 (``settle``): a new process costs its first pause a few reads of its mappings, never a file.
+A process that has just started maps its libraries one after the other: a sample in user mode
+whose pc no mapping read covers has them read again, once per page of code they lack.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Placed:
     checked: float
     vmas: tuple[Vma, ...]
     waiting: bool = False  # placed without files that were not read yet
+    lacking: frozenset[int] = frozenset()  # pages of user pcs the mappings lacked when read
 
 
 class Spaces:
@@ -73,18 +76,25 @@ class Spaces:
         self._placed = Memo(LIMIT)
         self._used = Memo(LIMIT)
 
-    async def space_of(self, read: Reader, task: Task) -> AddressSpace:
+    async def space_of(self, read: Reader, task: Task, pc: int | None = None) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
-        task's own vCPU sees it) when they were not read within RECHECK seconds."""
+        task's own vCPU sees it) when they were not read within RECHECK seconds, or when none
+        of them holds the user-mode ``pc`` the task runs at (a library mapped since)."""
         if self.vmas is None or not task.mm:
             return self.kernel
         key = (task.mm, task.tgid)
-        self._used.put(key, self.clock())
+        now = self.clock()
+        self._used.put(key, now)
         seen = self._placed.get(key)
-        if seen is not None and self.clock() - seen.checked <= RECHECK:
+        if seen is not None and now - seen.checked <= RECHECK and _holds(seen, pc):
             return seen.space
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
-        return await self._place(key, vmas, read, load=False)
+        space = await self._place(key, vmas, read, load=False)
+        if pc is not None and space.find(pc) is None:  # not mapped as code: not read again
+            known = seen.lacking if seen is not None and seen.vmas == vmas else frozenset()
+            placed = self._placed[key]
+            self._placed[key] = dataclasses.replace(placed, lacking=known | {pc >> 12})
+        return space
 
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
         """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
@@ -162,6 +172,11 @@ class Spaces:
             self._placed[key] = dataclasses.replace(placed, checked=self.clock())
         else:
             del self._placed[key]
+
+
+def _holds(placed: Placed, pc: int | None) -> bool:
+    """Whether the mappings as placed answer for the user-mode ``pc`` (None: no user pc)."""
+    return pc is None or pc >> 12 in placed.lacking or placed.space.find(pc) is not None
 
 
 async def user_modules(

@@ -6,6 +6,12 @@ A process is its tgid and its leader's comm; kernel threads are named ``[comm]``
 (``[kworker/0:1]``), the idle tasks ``swapper/N``. Between samples, while the guest runs, the
 tasks sampled lately are read again through the control channel (``confirm``), so that a pause
 reads a task's fields the first time it meets the task, not every ``recheck``.
+
+A task pointer does not name one process for ever: an exec gives the task another program and
+address space (its ``mm``), and a task that exited leaves its ``task_struct`` to the next one
+(the slab reuses it at once on a guest that starts processes all the time). Its ``stamp`` (pid,
+tgid and mm, as read) tells: a pause reads the stamp of the task it expects with the stack
+window, and a stamp that changed has the task read again.
 """
 
 from __future__ import annotations
@@ -42,6 +48,21 @@ class TaskLayout:
     tasks: int  # the list of every task, from init_task
     stack: int  # void *: the task's kernel stack
 
+    def stamp_range(self, task: int) -> tuple[int, int]:
+        """Where the task at ``task`` keeps its stamp: the bytes from the first to the last of
+        pid, tgid and mm (136 on 6.12, 5.10 and 7.2)."""
+        low = min(self.pid, self.tgid, self.mm)
+        return task + low, max(self.pid + 4, self.tgid + 4, self.mm + 8) - low
+
+    def stamp_of(self, raw: bytes) -> tuple[int, int, int]:
+        """(pid, tgid, mm) from the bytes at ``stamp_range``."""
+        low = min(self.pid, self.tgid, self.mm)
+
+        def number(offset: int, size: int) -> int:
+            return int.from_bytes(raw[offset - low : offset - low + size], "little")
+
+        return number(self.pid, 4), number(self.tgid, 4), number(self.mm, 8)
+
     @classmethod
     def from_btf(cls, btf: Btf) -> TaskLayout:
         """Raises KeyError naming what this kernel's BTF lacks."""
@@ -69,6 +90,7 @@ class Task:
     leader_comm: str
     mm: int  # its address space (struct mm_struct *), 0 for kernel threads
     stack: int  # its kernel stack's lowest address
+    stamp: tuple[int, int, int] = (0, 0, 0)  # pid, tgid, mm as read (TaskLayout.stamp_of)
 
     @property
     def process(self) -> Process:
@@ -112,6 +134,7 @@ async def read_task(read: Reader, task: int, layout: TaskLayout, kernel_from: in
         leader_comm,
         0 if kernel_thread else mm,
         number(layout.stack, 8),
+        (number(layout.pid, 4), number(layout.tgid, 4), mm),
     )
 
 
@@ -151,15 +174,30 @@ class Tasks:
         self._seen: Memo[int, Seen] = Memo(LIMIT)
         self._used: Memo[int, float] = Memo(LIMIT)
 
-    def fresh(self, task: int) -> Seen | None:
-        """What a sample may take of ``task`` without reading it (and note that one did)."""
+    def fresh(self, task: int, stamp: tuple[int, int, int] | None = None) -> Seen | None:
+        """What a sample may take of ``task`` without reading it (and note that one did):
+        with the task's ``stamp`` as a pause read it, what was read of it if the stamp is the
+        same (from now on trusted for ``recheck``); without, what was read or confirmed within
+        ``recheck``."""
         now = self.clock()
         self._used.put(task, now)
         seen = self._seen.get(task)
-        return seen if seen is not None and now - seen.checked <= self.recheck else None
+        if seen is None:
+            return None
+        if stamp is not None and seen.task is not None:
+            if stamp != seen.task.stamp:
+                return None
+            if now - seen.checked > self.recheck / 2:
+                seen = self._seen.put(task, dataclasses.replace(seen, checked=now))
+            return seen
+        return seen if now - seen.checked <= self.recheck else None
 
     def put(self, task: int, found: Task | None, identity: Identity) -> Seen:
         return self._seen.put(task, Seen(identity, self.clock(), found))
+
+    def update(self, task: int, identity: Identity) -> Seen:
+        """The same task, its identity in another space (its mappings changed)."""
+        return self._seen.put(task, dataclasses.replace(self._seen[task], identity=identity))
 
     def forget(self) -> None:
         self._seen = Memo(LIMIT)
