@@ -10,7 +10,8 @@ Timing: the interval is guest *run* time between samples. After ``cont`` the sam
 until the guest has run a full interval (optionally jittered), however long the previous pause
 took; the duration counts the same run time, so a 5 s run at 10 ms asks for 500 ticks. A tick
 that came late (the work after ``cont`` or the wake-up took longer) makes the next come sooner,
-so that the rate in run time is the one asked.
+so that the rate in run time is the one asked. The guest OS's housekeeping (reads of kernel
+memory while the guest runs) goes on beside the wait for the next tick, never in its way.
 
 Safety: the guest is left in the run state it had. A paused guest is sampled once without
 stop/cont. Errors inside one sample are counted (stats), never raised; only GuestGoneError and
@@ -40,6 +41,7 @@ Space = TypeVar("Space")
 Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
 T = TypeVar("T")
+HOUSEWORK_GRACE = 1.0  # seconds the end of a run waits for housekeeping under way
 
 
 class StackUnwinder(Protocol[Space_contra, Raw]):
@@ -112,9 +114,10 @@ class Sampler(Generic[Space, Raw]):
         on_tick: Callable[[SamplerStats], None] | None = None,
         housekeeping: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """``housekeeping``: called after every tick, while the guest runs (the guest OS's
-        slow changes, e.g. modules loaded; it keeps its own schedule); its time counts as run
-        time, and its errors are dropped (a guest gone shows at the next stop)."""
+        """``housekeeping``: started after every tick unless the last one still runs, while
+        the guest runs (the guest OS's slow changes, e.g. modules loaded; it keeps its own
+        schedule), beside the wait for the next tick; its errors are dropped (a guest gone
+        shows at the next stop)."""
         self.transport = transport
         self.unwinder = unwinder
         self.identifier = identifier
@@ -130,6 +133,7 @@ class Sampler(Generic[Space, Raw]):
         self._rng = rng
         self._on_tick = on_tick
         self._housekeeping = housekeeping
+        self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
@@ -161,6 +165,12 @@ class Sampler(Generic[Space, Raw]):
             return RunOutcome(False, tuple(await self._tick(cpus, stop=False)))
         if one_shot:
             return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
+        try:
+            return await self._ticks(cpus)
+        finally:
+            await self._housework_done()
+
+    async def _ticks(self, cpus: Sequence[int]) -> RunOutcome:
         last: list[Sample] = []
         target = max(1, round(self.config.duration / self.config.interval))
         resumed = self._start
@@ -181,10 +191,33 @@ class Sampler(Generic[Space, Raw]):
             self._adapt()
             if self._on_tick is not None:
                 self._on_tick(self.stats)
-            if self._housekeeping is not None and not self._stop_requested:
-                with contextlib.suppress(QmpprofError):
-                    await self._housekeeping()
+            if not self._stop_requested:
+                await self._start_housework()
         return RunOutcome(True, tuple(last))
+
+    async def _start_housework(self) -> None:
+        """Start the guest OS's housekeeping, unless the last one still runs, beside the sleep
+        to the next tick: it runs up to its first wait now, the rest while the sampler waits,
+        so that a long job (a process's mappings read over QMP) never holds the next tick
+        back. Its reads may meet a pause (then one of them delays it a little)."""
+        if self._housekeeping is None or not (self._housework is None or self._housework.done()):
+            return
+        self._housework = asyncio.ensure_future(self._housekeep(self._housekeeping))
+        await asyncio.sleep(0)
+
+    @staticmethod
+    async def _housekeep(job: Callable[[], Awaitable[None]]) -> None:
+        with contextlib.suppress(QmpprofError):
+            await job()
+
+    async def _housework_done(self) -> None:
+        """The run ends with no housekeeping left running: what runs is let finish, a
+        second at most (then cancelled)."""
+        work, self._housework = self._housework, None
+        if work is None or work.done():
+            return
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(work, HOUSEWORK_GRACE)
 
     async def _select_cpus(self) -> tuple[int, ...]:
         present = await self.transport.cpus()

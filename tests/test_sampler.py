@@ -434,6 +434,27 @@ async def test_housekeeping_runs_between_ticks_while_the_guest_runs_and_its_erro
     assert "housekeeping" not in transport.calls
 
 
+async def test_a_long_housekeeping_job_never_holds_the_next_tick_back() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    released, finished = asyncio.Event(), []
+
+    async def housekeeping() -> None:  # a job waiting on QEMU longer than the interval
+        transport.calls.append("housekeeping")
+        await released.wait()
+        finished.append(len([c for c in transport.calls if c == "stop"]))
+
+    sampler = make(transport, housekeeping=housekeeping, duration=0.05)
+    sampler._on_tick = lambda stats: released.set() if stats.ticks == 4 else None
+    await sampler.run()
+    # Every tick came while the first job waited, and none started another meanwhile; the run
+    # ended with the job done (it was let finish), not left running.
+    assert [c for c in transport.calls if c in ("stop", "housekeeping")][:5] == [
+        "stop", "housekeeping", "stop", "stop", "stop",
+    ]  # fmt: skip
+    assert transport.calls.count("stop") == 5 and finished and finished[0] >= 4
+
+
 async def test_request_stop_ends_after_the_current_tick() -> None:
     r0, pages = kernel_cpu()
     transport = FakeTransport({0: r0}, pages)

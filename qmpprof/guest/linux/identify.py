@@ -28,6 +28,9 @@ from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace, Module
 
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
+# Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
+# seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
+TASKS_CONFIRM_EVERY = 0.2
 
 
 class LinuxIdentifier:
@@ -63,6 +66,7 @@ class LinuxIdentifier:
         self.tasks = Tasks(clock, recheck)
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self._modules_read = clock()
+        self._tasks_confirmed = clock()
         self.use_modules(kernel_modules)
 
     def use_modules(self, kernel_modules: Sequence[Module]) -> None:
@@ -92,23 +96,28 @@ class LinuxIdentifier:
             self.spaces.tables.forget()
 
     async def housekeep(self) -> None:
-        """Between samples, while the guest runs: every MODULES_RECHECK seconds, read the
+        """Between samples, while the guest runs, one job a call, each on its own schedule, so
+        that no call keeps the next tick waiting long: every MODULES_RECHECK seconds, read the
         module list again (its links; new modules in full) and take in what was loaded or
-        unloaded since; confirm the tasks sampled lately and one process's mappings."""
+        unloaded since; read the files a pause met; confirm one process's mappings; every
+        TASKS_CONFIRM_EVERY seconds, the tasks sampled lately."""
         now = self.clock()
         if self.module_list is not None and now - self._modules_read >= MODULES_RECHECK:
             self._modules_read = now
             found = await self.module_list.refresh()
             if found is not None:
                 self.use_modules([self.kernel_modules[0], *found])
+            return
         if self.control is None:
             return
         read = reader(self.control, 0)
-        if self.layout is not None:
+        if self.spaces is not None and (
+            await self.spaces.settle(read) or await self.spaces.confirm(read)
+        ):
+            return
+        if self.layout is not None and now - self._tasks_confirmed >= TASKS_CONFIRM_EVERY:
+            self._tasks_confirmed = now
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
-        if self.spaces is not None:
-            await self.spaces.settle(read)
-            await self.spaces.confirm(read)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         if self.current is None:

@@ -132,11 +132,12 @@ class Spaces:
         self._placed.put(key, Placed(space, self.clock(), vmas, waiting))
         return space
 
-    async def settle(self, read: Reader) -> None:
+    async def settle(self, read: Reader) -> bool:
         """Between samples, through ``read`` (kernel memory): read the files of one name a pause
-        met, and place again each process that waited for files now read."""
+        met, and place again each process that waited for files now read; False when there
+        was nothing to do."""
         if not self.files.read_one():
-            return
+            return False
         ready = [
             (key, placed.vmas)
             for key, placed in self._placed.items()
@@ -145,16 +146,17 @@ class Spaces:
         for key, vmas in ready:
             if await self._place_through_tables(read, key, vmas) is None:
                 del self._placed[key]  # the next sample places it
+        return True
 
-    async def confirm(self, read: Reader) -> None:
+    async def confirm(self, read: Reader) -> bool:
         """Every CONFIRM_EVERY seconds, through ``read`` (kernel memory, while the guest runs):
         the mappings of the process whose were read longest ago (of those sampled lately).
         Unchanged, they are trusted again, so no pause has to read them; changed, the next
         sample of it reads them (its code must be compared with the files under its own page
-        tables)."""
+        tables). False when nothing was read."""
         now = self.clock()
         if self.vmas is None or now - self._confirmed < CONFIRM_EVERY:
-            return
+            return False
         self._confirmed = now
         due = [
             (placed.checked, key)
@@ -162,16 +164,17 @@ class Spaces:
             if now - placed.checked >= RECHECK / 2 and now - self._used.get(key, 0.0) <= 2 * RECHECK
         ]
         if not due:
-            return
+            return False
         _, key = min(due)
         placed = self._placed[key]
         found = tuple(await read_exec_vmas(read, key[0], self.vmas, self.user_end))
         if self._placed.get(key) is not placed:
-            return  # read again meanwhile, or started over
+            return True  # read again meanwhile, or started over
         if found == placed.vmas:
             self._placed[key] = dataclasses.replace(placed, checked=self.clock())
         else:
             del self._placed[key]
+        return True
 
 
 def _holds(placed: Placed, pc: int | None) -> bool:
