@@ -79,7 +79,7 @@ class ElfImage:
     def __init__(self, path: str, data: Data, headers: _Headers) -> None:
         self.path = path
         self.arch = headers.arch  # the instruction set: DWARF register numbers, address size
-        self.name = Path(path).stem
+        self.name = _module_name(path)
         self._data = data
         self.size = len(data)  # of the file, in bytes
         self._section_list = headers.sections
@@ -262,6 +262,15 @@ class ElfImage:
         if note_type != 3 or desc + descsz > len(note):  # NT_GNU_BUILD_ID
             return None
         return note[desc : desc + descsz].hex()
+
+
+def _module_name(path: str) -> str:
+    """The name frames give a file's code: its file name without a suffix that only says what
+    the file is (``kernel.elf``, ``qmpprof_burn.ko``), but whole for a shared object, whose
+    version is in its suffixes (``liblzma.so.5.4.1`` and ``libc.so.6``, not ``liblzma.so.5.4``
+    and ``libc.so``: a version that does not exist, a name that is not the library's)."""
+    file = Path(path)
+    return file.name if ".so" in file.suffixes else file.stem
 
 
 def _map(f: Any) -> Data:
