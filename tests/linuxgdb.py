@@ -44,7 +44,10 @@ import gdb, json
 QG_SLIDE = 0
 QG_PERCPU_AT_ZERO = True
 
-_ENTRY = [int(gdb.parse_and_eval("(unsigned long)&__entry_text_" + e)) for e in ("start", "end")]
+# Addresses as Python ints of pointers, never through a C cast: in 5.10's vmlinux gdb takes
+# "unsigned long" from a 32-bit compilation unit (4 bytes), and (unsigned long)&sym is cut to
+# its low half.
+_ENTRY = [int(gdb.parse_and_eval("&__entry_text_" + e)) for e in ("start", "end")]
 _KINDS = {gdb.NORMAL_FRAME: "normal", gdb.TAILCALL_FRAME: "tailcall",
           gdb.SIGTRAMP_FRAME: "sigtramp", gdb.ARCH_FRAME: "arch"}
 
@@ -97,7 +100,7 @@ def _comm(array):
 def qg_task(cpu):
     base = int(gdb.parse_and_eval("__per_cpu_offset[%d]" % cpu))
     variable = _current_task_variable()
-    symbol = int(gdb.parse_and_eval("(unsigned long)&" + variable))
+    symbol = int(gdb.parse_and_eval("&" + variable))
     if QG_PERCPU_AT_ZERO:
         symbol -= QG_SLIDE  # an offset in the per-CPU area: KASLR leaves it, -o moved it
     pointer = "*(struct task_struct **)%#x" % ((base + symbol) % 2**64)
