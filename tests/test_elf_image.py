@@ -27,6 +27,28 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.parametrize(
+    ("file", "name"),
+    [
+        ("kernel.elf", "kernel"),
+        ("qmpprof_burn.ko", "qmpprof_burn"),
+        ("xz", "xz"),
+        ("libc.so.6", "libc.so.6"),
+        ("liblzma.so.5.4.1", "liblzma.so.5.4.1"),
+        ("libfoo.so", "libfoo.so"),
+        ("python3.11", "python3.11"),
+    ],
+)
+def test_name_keeps_a_shared_objects_version(
+    work: Path, tmp_path: Path, file: str, name: str
+) -> None:
+    """Frames are named by it: a library's name is its file name (the stem of
+    liblzma.so.5.4.1 names a version that does not exist)."""
+    copy = tmp_path / file
+    copy.write_bytes(work.read_bytes())
+    assert ElfImage.load(copy).name == name
+
+
 def binutils(*args: str) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 

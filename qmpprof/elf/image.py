@@ -79,9 +79,7 @@ class ElfImage:
     def __init__(self, path: str, data: Data, headers: _Headers) -> None:
         self.path = path
         self.arch = headers.arch  # the instruction set: DWARF register numbers, address size
-        # The file's name less an ".elf" ending (the bundled guest's spin.elf is "spin"); a
-        # library keeps its whole name (libc.so.6, not libc.so).
-        self.name = Path(path).name.removesuffix(".elf")
+        self.name = _module_name(path)
         self._data = data
         self.size = len(data)  # of the file, in bytes
         self._section_list = headers.sections
@@ -264,6 +262,18 @@ class ElfImage:
         if note_type != 3 or desc + descsz > len(note):  # NT_GNU_BUILD_ID
             return None
         return note[desc : desc + descsz].hex()
+
+
+_KIND_SUFFIXES = (".elf", ".ko", ".o")
+
+
+def _module_name(path: str) -> str:
+    """The name frames give a file's code: its file name, less a suffix that only says what
+    the file is (``kernel.elf``, ``qmpprof_burn.ko``); whole otherwise, for the version a
+    shared object or a program carries in its suffixes (``liblzma.so.5.4.1`` and
+    ``libc.so.6``, not ``liblzma.so.5.4`` and ``libc.so``; ``python3.11``)."""
+    file = Path(path)
+    return file.stem if file.suffix in _KIND_SUFFIXES else file.name
 
 
 def _map(f: Any) -> Data:
