@@ -11,7 +11,7 @@ import bisect
 import re
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -122,13 +122,7 @@ class FakeTransport:
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
-        out: list[bytes | MemoryReadError] = []
-        for addr, size in ranges:
-            try:
-                out.append(await self.read(cpu, addr, size))
-            except MemoryReadError as err:
-                out.append(err)
-        return out
+        return await read_each(self.read, cpu, ranges)
 
     @property
     def control(self) -> FakeTransport:
@@ -137,6 +131,19 @@ class FakeTransport:
 
     async def close(self) -> None:
         self.closed = True
+
+
+async def read_each(
+    read: Callable[[int, int, int], Awaitable[bytes]], cpu: int, ranges: Sequence[tuple[int, int]]
+) -> list[bytes | MemoryReadError]:
+    """A fake transport's read_many: each range read alone, an unmapped one as its error."""
+    out: list[bytes | MemoryReadError] = []
+    for addr, size in ranges:
+        try:
+            out.append(await read(cpu, addr, size))
+        except MemoryReadError as err:
+            out.append(err)
+    return out
 
 
 def regs(cpu: int, rip: int, rsp: int = 0, rbp: int = 0, cpl: int | None = None) -> Registers:

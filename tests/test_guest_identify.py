@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from fakes import x86
+from fakes import read_each, x86
 from guestvm import BUILD_ROOT
 
 from qmpprof.arch.x86 import X86_64
@@ -55,13 +55,7 @@ class PagedGuest:
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
-        out: list[bytes | MemoryReadError] = []
-        for addr, size in ranges:
-            try:
-                out.append(await self.read(cpu, addr, size))
-            except MemoryReadError as err:
-                out.append(err)
-        return out
+        return await read_each(self.read, cpu, ranges)
 
     @property
     def control(self) -> None:

@@ -146,7 +146,9 @@ class Guest(GuestIdentifier[AddressSpace], Protocol):
         ...
 
     async def housekeep(self) -> None:
-        """Between ticks, while the guest runs: keep up with slow changes (its own schedule)."""
+        """Between ticks, while the guest runs: keep up with slow changes (its own schedule).
+        It runs beside the sampler's wait for the next tick and may still be waiting on the
+        control channel when a pause begins: what it changes must be whole at each await."""
         ...
 
 
