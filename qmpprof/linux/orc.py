@@ -287,7 +287,7 @@ def numbering(
     they show (the indirect bases and general registers are then unknown)."""
     if header is None:
         return CLASSIC, None
-    known = _BY_HEADER.get(header.hex())
+    known = known_numbering(header)
     if known is not None:
         return known, None
     found = core_of(table, function_starts)
@@ -302,6 +302,11 @@ def numbering(
         " frames found through the others end there"
     )
     return OrcRegs(undefined, prev_sp, sp, bp, None, None), note
+
+
+def known_numbering(header: bytes) -> OrcRegs | None:
+    """The numbering an ``.orc_header`` names, None when its hash is not one seen before."""
+    return _BY_HEADER.get(header.hex())
 
 
 def core_of(table: OrcTable, function_starts: Sequence[int]) -> tuple[int, int, int, int] | None:
