@@ -443,6 +443,33 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
     assert raw.stop is StopReason.END
 
 
+def test_walk_off_a_5_10_irq_stack_by_bp_onto_a_lower_task_stack() -> None:
+    """5.10's asm_call_irq_on_stack: ``push %rbp; mov %rsp, %rbp; mov %rdi, %rsp; call``, so
+    after the call the caller's frame is bp + 16 (the task's stack pointer kept in bp). Seen on
+    Debian's 5.10.0-46-cloud-amd64 (scripts/check-kernels, booted): swapper/1's stack lies
+    below its IRQ stack, and the walk stopped there as a loop (5 of 497 kernel stacks)."""
+    t = table(
+        [
+            (TEXT, 8, 0, bits(SP, UNDEF, CALL)),  # the handler on the IRQ stack
+            (TEXT + 0x100, 16, -16, bits(BP, PREV_SP, CALL)),  # after the switch: bp + 16
+            (TEXT + 0x200, 8, 0, bits(SP, UNDEF, CALL)),  # its caller, on the task stack
+            (TEXT + 0x300, 0, 0, bits(UNDEF, UNDEF, OrcType.END_OF_STACK)),
+            (TEXT + 0x400, 0, 0, 0),
+        ]
+    )
+    kernel = Module(
+        Mapping("vmlinux", TEXT, TEXT + 0x400, True), (orc_step(t), FramePointerStep(X86_64))
+    )
+    irq_sp = KSTACK + 0x3F00
+    task_bp = KSTACK - 0x10_0000 + 0x3E00  # the task's sp after push %rbp, 1 MiB lower
+    words = {irq_sp: TEXT + 0x105}  # the call's return address on the IRQ stack
+    words |= {task_bp: 0, task_bp + 8: TEXT + 0x205, task_bp + 16: TEXT + 0x305}
+    regs = x86(0, TEXT + 0x20, irq_sp, task_bp)
+    raw = Unwinder(X86_64).unwind(regs, memory(words), AddressSpace([kernel]))
+    assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
+    assert raw.stop is StopReason.END
+
+
 def test_a_kernel_that_renumbered_its_registers_is_walked_by_its_numbers() -> None:
     """7.x renumbered ORC's registers (SP 3, PREV_SP 8, BP_INDIRECT 10, AX 1): the same frames
     written in its numbers walk the same; read with the classic ones they would not."""

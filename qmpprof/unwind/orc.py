@@ -107,10 +107,14 @@ class OrcStep:
             return bp
         if bp is not None:
             new[arch.fp] = bp
-        # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
-        # the interrupted stack may lie anywhere, below this one too.
-        indirect = entry.sp_reg == self.code.table.regs.sp_indirect
-        return new, signal | NEW_STACK if indirect else signal
+        # A stack pointer saved when the kernel switched to an IRQ stack: "*sp + offset" (5.12
+        # on: call_on_stack keeps it at the IRQ stack's top) or "bp + offset" (5.10's
+        # asm_call_irq_on_stack kept it in bp; elsewhere bp-based frames realign their own
+        # stack). The interrupted stack may lie anywhere, below this one too: the kernel's
+        # unwinder holds the stack pointer to growing only within one stack.
+        regs = self.code.table.regs
+        saved = entry.sp_reg in (regs.sp_indirect, regs.bp)
+        return new, signal | NEW_STACK if saved else signal
 
     def _entry(self, link_pc: int) -> OrcEntry | StopReason | None:
         try:
