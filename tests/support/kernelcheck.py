@@ -34,7 +34,7 @@ from typing import Any
 from qmpprof import arch
 from qmpprof.guest.linux.current import locate_current
 from qmpprof.guest.linux.guest import Layouts
-from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux import orc
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
@@ -119,7 +119,21 @@ def image_facts(path: Path, kernel: LinuxKernel) -> Row:
         "entry_text_symbols": len(entry_text_symbols(kernel.symbols)),
         "missing_symbols": [n for n in RUN_SYMBOLS if kernel.symbols.address_of(n) is None],
         "thunks": kernel.thunks is not None,
+        "thunk_names": thunk_names(kernel),
     }
+
+
+def thunk_names(kernel: LinuxKernel) -> dict[str, str]:
+    """The names a function lookup gives the retpoline and return thunks (where a sample is
+    named, and what the unwinder's and the tail-call search's rules see), and what kind of
+    code ``target_kind`` takes each for."""
+    out = {}
+    for name in ("__x86_indirect_thunk_rax", "__x86_return_thunk"):
+        addr = kernel.symbols.address_of(name)
+        found = None if addr is None else kernel.functions.lookup(addr)
+        if found is not None:
+            out[found[0]] = target_kind(found[0]).value
+    return out
 
 
 def kallsyms_facts(kernel: LinuxKernel) -> Row:

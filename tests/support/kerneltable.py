@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 Row = dict[str, Any]
+_L5 = "__pgtable_l5_enabled"  # without it a run takes 4-level paging (guest/linux/pagetables.py)
 COLUMNS = (
     "kernel",
     "suite",
@@ -107,8 +108,14 @@ def _btf(facts: Row) -> list[str]:
 def _notes(row: Row) -> str:
     said = list(row.get("notes", []))
     image = row["image"]
-    if image["missing_symbols"]:
-        said.append("no " + ", ".join(image["missing_symbols"]) + " in kallsyms")
+    missing = [name for name in image["missing_symbols"] if name != _L5]
+    if _L5 in image["missing_symbols"]:
+        said.append(f"no {_L5}: 4-level paging taken")
+    if missing:
+        said.append("no " + ", ".join(missing) + " in kallsyms")
+    thunks = image.get("thunk_names", {})
+    if list(thunks.values()) != ["indirect", "return"]:
+        said.append(f"thunks taken for {thunks}")
     if not image["entry_text_symbols"]:
         said.append("no entry-text symbols (KASLR vote)")
     current = row["per_cpu"].get("current") or {}
