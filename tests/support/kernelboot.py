@@ -73,8 +73,11 @@ def summary(profile: Profile, table: GuestNames) -> dict[str, Any]:
     equal, total, wrong, names = kernel_names(profile, table)
     processes: Counter[str] = Counter()
     stops: Counter[str] = Counter()
-    kernel_stacks = whole_kernel = 0
+    kernel_stacks = whole_kernel = user_frames = user_named = 0
     for record, count in zip(profile.stacks, profile.counts, strict=True):
+        users = [profile.frames[f] for f in record.frames if not profile.frames[f].kernel]
+        user_frames += count * len(users)
+        user_named += count * sum(f.symbol is not None for f in users)
         process = record.process
         processes[(process.program or "?") if process else "(none)"] += count
         if record.truncated:
@@ -91,6 +94,7 @@ def summary(profile: Profile, table: GuestNames) -> dict[str, Any]:
         "kernel_names_wrong": [f"{n} {what}" for what, n in wrong.most_common(10)],
         "kernel_top": dict(names.most_common(8)),
         "kernel_stacks_reaching_user_or_end": f"{whole_kernel}/{kernel_stacks}",
+        "user_frames_named": f"{user_named}/{user_frames}",
     }
 
 

@@ -11,7 +11,7 @@ COLUMNS = (
     "kernel",
     "suite",
     "codec",
-    "load s (cold / cached)",
+    "load s (cold / cached; best of runs)",
     "kallsyms symbols (exports checked)",
     "tables in .rodata (label alignment; offsets)",
     "per-CPU area",
