@@ -33,33 +33,93 @@ series_use() {
         ;;
     *) return 1 ;;
     esac
-    # As root apt drops to _apt for downloads, which cannot write into a private folder.
-    apt_opts=()
-    [ "$(id -u)" = 0 ] && apt_opts+=(-o APT::Sandbox::User=root)
-    if [ -n "$series_suite" ]; then
-        local state="$PWD/$series_dir/.apt"
-        apt_opts+=(-o "Dir::Etc::SourceList=$state/sources.list" -o Dir::Etc::SourceParts=/nonexistent
-            -o "Dir::State::Lists=$state/lists" -o "Dir::Cache=$state/cache")
-    fi
-    return 0
+    apt_private "${series_suite:+$PWD/$series_dir/.apt}"
 }
 
 # series_update: fetch the package lists apt_opts read. A private suite's into its own state
 # folder (any user); the host's own lists only as root.
 series_update() {
     if [ -n "$series_suite" ]; then
-        local state="$PWD/$series_dir/.apt"
-        mkdir -p "$state/lists/partial" "$state/cache/archives/partial"
-        {
-            echo "deb http://deb.debian.org/debian $series_suite main"
-            # unstable has no security suite (fixes land in unstable itself)
-            [ "$series_suite" = unstable ] ||
-                echo "deb http://deb.debian.org/debian-security $series_suite-security main"
-        } >"$state/sources.list"
-        apt-get "${apt_opts[@]}" -qq update </dev/null
+        apt_private_update "$PWD/$series_dir/.apt" "$series_suite"
     elif [ "$(id -u)" = 0 ]; then
         DEBIAN_FRONTEND=noninteractive apt-get "${apt_opts[@]}" -qq update </dev/null
     else
         return 1
     fi
+}
+
+# apt_private [STATE]: sets apt_opts (options for apt-get and apt-cache) to read the private apt
+# state folder STATE (an absolute path: its sources list, lists and cache); without STATE, the
+# host's own sources.
+apt_private() {
+    # As root apt drops to _apt for downloads, which cannot write into a private folder.
+    apt_opts=()
+    [ "$(id -u)" = 0 ] && apt_opts+=(-o APT::Sandbox::User=root)
+    if [ -n "${1:-}" ]; then
+        apt_opts+=(-o "Dir::Etc::SourceList=$1/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+            -o "Dir::State::Lists=$1/lists" -o "Dir::Cache=$1/cache")
+    fi
+    return 0
+}
+
+# apt_private_update STATE SUITE: STATE's sources list reads SUITE (and its security suite), and
+# its lists are fetched (apt checks their signatures with the host's keyring). apt_opts must be
+# apt_private's for STATE.
+apt_private_update() {
+    local state=$1 suite=$2
+    mkdir -p "$state/lists/partial" "$state/cache/archives/partial"
+    {
+        echo "deb http://deb.debian.org/debian $suite main"
+        # unstable, experimental and backports have no security suite (fixes land in them)
+        case "$suite" in
+        unstable | experimental | *-backports) ;;
+        *) echo "deb http://deb.debian.org/debian-security $suite-security main" ;;
+        esac
+    } >"$state/sources.list"
+    apt-get "${apt_opts[@]}" -qq update </dev/null
+}
+
+# kernel_unpack WORK DEB RELEASE: the boot files of kernel RELEASE (vmlinuz, config, System.map)
+# out of its image package DEB (downloaded into WORK) into WORK/root, where kernel_file finds
+# them. Bookworm's and bullseye's linux-image-<release> holds them in /boot. Unstable's (7.x) is
+# a metapackage depending, at its own version, on linux-binary-<release> (the bzImage as
+# /usr/lib/modules/<release>/vmlinuz), linux-base-<release> (config and System.map beside it)
+# and linux-modules-<release> (110 MB of .ko.xz, not needed): when DEB holds no vmlinuz, the
+# packages it depends on are downloaded with apt_opts (but the modules) and unpacked too.
+# Messages go through the caller's `say`.
+kernel_unpack() {
+    local work=$1 deb=$2 release=$3 version deps dep
+    version=$(dpkg-deb --field "$deb" Version)
+    mkdir -p "$work/root"
+    _kernel_members "$work" "$deb" "$release"
+    kernel_file "$work" "$release" vmlinuz >/dev/null && return 0
+    deps=$(dpkg-deb --field "$deb" Depends | tr ',|' '\n\n' |
+        awk -v suffix="-$release" -v pin="(= $version)" '{
+            name = $1; $1 = ""; sub(/^ /, "")
+            if (substr(name, length(name) - length(suffix) + 1) == suffix && $0 == pin) print name
+        }')
+    for dep in $deps; do
+        case "$dep" in linux-modules-*) continue ;; esac # the modules: no fixture file in them
+        say "downloading $dep (a dependency of ${deb##*/})"
+        (cd "$work" && apt-get download -q=2 "${apt_opts[@]}" "$dep=$version" </dev/null)
+        _kernel_members "$work" "$(ls "$work/${dep}_"*.deb)" "$release"
+    done
+}
+
+# _kernel_members WORK DEB RELEASE: DEB's vmlinuz, config and System.map (if any) into WORK/root.
+_kernel_members() {
+    local release_re files_re members
+    release_re=$(sed 's/[.+]/\\&/g' <<<"$3")
+    files_re="^\./(boot/(vmlinuz|config|System\.map)-$release_re|(usr/)?lib/modules/$release_re/(vmlinuz|config|System\.map))\$"
+    mapfile -t members < <(dpkg-deb --fsys-tarfile "$2" | tar -t | grep -E "$files_re")
+    ((${#members[@]} == 0)) || dpkg-deb --fsys-tarfile "$2" | tar -x -C "$1/root" "${members[@]}"
+}
+
+# kernel_file WORK RELEASE NAME: where kernel_unpack put NAME (vmlinuz, config or System.map).
+kernel_file() {
+    local path
+    for path in "boot/$3-$2" "usr/lib/modules/$2/$3" "lib/modules/$2/$3"; do
+        [ -s "$1/root/$path" ] && echo "$1/root/$path" && return 0
+    done
+    return 1
 }

@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 from linuxvm import Mapping
 
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
@@ -119,7 +120,7 @@ def shared_object(path: Path) -> SharedObject:
         table = elf.get_section_by_name(".dynsym")
         dynsym = tuple(
             DynamicSymbol(s["st_value"], s["st_value"] + s["st_size"], s.name)
-            for s in ([] if table is None else table.iter_symbols())
+            for s in (table.iter_symbols() if isinstance(table, SymbolTableSection) else ())
             if s["st_shndx"] != "SHN_UNDEF" and s["st_size"] and s.name
         )
         return SharedObject(loads, dynsym, elf.get_section_by_name(".symtab") is not None)

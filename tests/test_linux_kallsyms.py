@@ -16,7 +16,7 @@ import pytest
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError, SymbolMapError
 from qmpprof.linux.bzimage import vmlinux_bytes
-from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
+from qmpprof.linux.kallsyms import check_kallsyms, locate_kallsyms, read_kallsyms
 from qmpprof.linux.symbols import KernelSymbols, parse_export_table, parse_symbol_map
 
 LINUX_7 = linuxkernel.ROOT / "fixtures" / "build" / "linux-7"  # scripts/fetch-linux 7
@@ -89,6 +89,20 @@ def check_exports(kernel: Kernel) -> None:
 @pytest.mark.linux
 def test_every_exported_symbol_has_its_kallsyms_address(debian: Kernel) -> None:
     check_exports(debian)
+
+
+@pytest.mark.linux
+def test_the_check_says_what_it_checked(debian: Kernel) -> None:
+    """check_kallsyms (what scripts/check-kernels reports): the decoding read_kallsyms takes,
+    where its tables are, and that every export was checked, none refused first."""
+    checked = check_kallsyms(debian.elf)
+    assert checked.symbols.addrs == debian.symbols.addrs
+    assert checked.symbols.names == debian.symbols.names
+    assert checked.exports == len(exported(debian.elf)) > 9000
+    assert checked.refused == 0
+    rodata, base = debian.elf.section(".rodata"), debian.elf.section_addr(".rodata")
+    assert rodata is not None and base is not None
+    assert checked.layout == locate_kallsyms(rodata, base)
 
 
 @pytest.mark.linux

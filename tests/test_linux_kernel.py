@@ -13,9 +13,11 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
 from qmpprof.guest.linux import LINUX
-from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.orc import RETPOLINE_THUNK, unaliased
 from qmpprof.unwind.orc import OrcStep
+from qmpprof.unwind.tailcall import TargetKind
 
 SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel
 
@@ -63,6 +65,26 @@ def test_thunks_are_marked_on_61_only(kernel: LinuxKernel) -> None:
     assert old.thunks[0] < thunk < old.thunks[1]
     (step,) = kernel_module(old, SLIDE, X86_64).steps
     assert isinstance(step, OrcStep) and step.code.thunks == old.thunks
+
+
+@pytest.mark.parametrize("series", linuxkernel.SERIES)
+def test_the_thunks_as_functions_name_them_are_known_as_thunks(series: str) -> None:
+    """The name a function lookup gives a thunk is the one kallsyms lists first at its address:
+    on 7.x (6.16 on) its startup-code alias, __pi___x86_indirect_thunk_rax; the unwinder's
+    retpoline rule and the tail-call search know it as a thunk all the same."""
+    kernel = LinuxKernel.load(linuxkernel.linux_dir(series) / "vmlinuz")
+    thunk = kernel.symbols.address_of("__x86_indirect_thunk_rax")
+    ret = kernel.symbols.address_of("__x86_return_thunk")
+    assert thunk is not None and ret is not None
+    thunk_name, ret_name = kernel.functions.lookup(thunk)[0], kernel.functions.lookup(ret)[0]
+    if series == "7":
+        assert (thunk_name, ret_name) == (
+            "__pi___x86_indirect_thunk_rax",
+            "__pi___x86_return_thunk",
+        )
+    assert target_kind(thunk_name) is TargetKind.INDIRECT
+    assert target_kind(ret_name) is TargetKind.RETURN
+    assert unaliased(thunk_name).startswith(RETPOLINE_THUNK)
 
 
 def test_a_kallsyms_file_from_a_kaslr_boot_is_moved_back_to_link_addresses(

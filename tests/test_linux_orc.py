@@ -330,13 +330,16 @@ THUNK_ROWS = [
 ]
 
 
-def test_a_retpoline_thunk_is_walked_after_its_internal_call() -> None:
+@pytest.mark.parametrize("name", ["__x86_indirect_thunk_array", "__pi___x86_indirect_thunk_rax"])
+def test_a_retpoline_thunk_is_walked_after_its_internal_call(name: str) -> None:
     """Stopped at the thunk's ``mov`` (issue 19: a TCG block start after the internal call):
     RSP holds the internal call's return address (thunk + 5), then the caller's. The frame
     at thunk + 5 (looked up at + 4, in that call) is back at the thunk's entry. gdb walks
-    both (``__x86_indirect_thunk_array+6``, ``+4``, then the caller); ORC says UNDEFINED."""
+    both (``__x86_indirect_thunk_array+6``, ``+4``, then the caller); ORC says UNDEFINED.
+    From 6.16 kallsyms names the thunk by its startup-code alias (``__pi_``; booted
+    7.2.13+deb14-rt-amd64: a sample there stopped as NO_CFI)."""
     sp, ra = KSTACK + 0x100, TEXT + 0x5555
-    functions = SymbolTable([Symbol(THUNK, 0x20, "__x86_indirect_thunk_array")])
+    functions = SymbolTable([Symbol(THUNK, 0x20, name)])
     orc = orc_step(table(THUNK_ROWS), functions=functions)
     words = memory({sp: THUNK + 5, sp + 8: ra})
     inner = orc.step({RSP: sp, RBP: 0x77}, THUNK + 6, True, words)
@@ -440,6 +443,33 @@ def test_walk_off_an_irq_stack_onto_a_lower_task_stack() -> None:
     raw = Unwinder(X86_64).unwind(regs, memory(words), AddressSpace([kernel]))
     assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
     assert raw.exact == (True, False, False, False)
+    assert raw.stop is StopReason.END
+
+
+def test_walk_off_a_5_10_irq_stack_by_bp_onto_a_lower_task_stack() -> None:
+    """5.10's asm_call_irq_on_stack: ``push %rbp; mov %rsp, %rbp; mov %rdi, %rsp; call``, so
+    after the call the caller's frame is bp + 16 (the task's stack pointer kept in bp). Seen on
+    Debian's 5.10.0-46-cloud-amd64 (scripts/check-kernels, booted): swapper/1's stack lies
+    below its IRQ stack, and the walk stopped there as a loop (5 of 497 kernel stacks)."""
+    t = table(
+        [
+            (TEXT, 8, 0, bits(SP, UNDEF, CALL)),  # the handler on the IRQ stack
+            (TEXT + 0x100, 16, -16, bits(BP, PREV_SP, CALL)),  # after the switch: bp + 16
+            (TEXT + 0x200, 8, 0, bits(SP, UNDEF, CALL)),  # its caller, on the task stack
+            (TEXT + 0x300, 0, 0, bits(UNDEF, UNDEF, OrcType.END_OF_STACK)),
+            (TEXT + 0x400, 0, 0, 0),
+        ]
+    )
+    kernel = Module(
+        Mapping("vmlinux", TEXT, TEXT + 0x400, True), (orc_step(t), FramePointerStep(X86_64))
+    )
+    irq_sp = KSTACK + 0x3F00
+    task_bp = KSTACK - 0x10_0000 + 0x3E00  # the task's sp after push %rbp, 1 MiB lower
+    words = {irq_sp: TEXT + 0x105}  # the call's return address on the IRQ stack
+    words |= {task_bp: 0, task_bp + 8: TEXT + 0x205, task_bp + 16: TEXT + 0x305}
+    regs = x86(0, TEXT + 0x20, irq_sp, task_bp)
+    raw = Unwinder(X86_64).unwind(regs, memory(words), AddressSpace([kernel]))
+    assert raw.pcs == (TEXT + 0x20, TEXT + 0x105, TEXT + 0x205, TEXT + 0x305)
     assert raw.stop is StopReason.END
 
 

@@ -18,6 +18,7 @@ from qmpprof.linux.orc import (
     OrcType,
     core_of,
     decode_entry,
+    known_numbering,
     numbering,
 )
 
@@ -84,6 +85,8 @@ def test_the_numbering_is_the_one_the_tables_show(series: str, expected: object)
     header = image.section(".orc_header")
     assert header is not None and numbering(header, table, starts) == (expected, None)
     assert core_of(table, starts) == (0, expected.prev_sp, expected.sp, expected.bp)  # type: ignore[attr-defined]
+    assert known_numbering(header) == expected
+    assert known_numbering(b"\0" * 20) is None
     unseen, note = numbering(b"\0" * 20, table, starts)
     assert unseen == expected and note is None
     assert numbering(None, table, starts) == (CLASSIC, None)  # before 6.4: no header

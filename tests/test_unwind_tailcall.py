@@ -219,6 +219,8 @@ def test_linux_names() -> None:
             "entry_untrain_ret",
             "__SCT__might_resched",
             "schedule",
+            "__pi___x86_indirect_thunk_rax",
+            "__pi___x86_return_thunk",
         )
     }
     assert kinds == {
@@ -228,6 +230,8 @@ def test_linux_names() -> None:
         "srso_return_thunk": "return",
         "entry_untrain_ret": "return",
         "__SCT__might_resched": "opaque",
+        "__pi___x86_indirect_thunk_rax": "indirect",  # 6.16 on: the startup code's alias
+        "__pi___x86_return_thunk": "return",
         "schedule": "function",
     }
 

@@ -6,6 +6,7 @@ that fails is passed over; when none checks out, one line says why.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import islice
 
 from qmpprof.elf.image import ElfImage
@@ -13,25 +14,50 @@ from qmpprof.errors import KernelImageError
 from qmpprof.linux.kallsymtables import LONG_RUN, KallsymsLayout, decodings
 from qmpprof.linux.symbols import KernelSymbols, parse_export_table
 
-__all__ = ["KallsymsLayout", "decode_kallsyms", "locate_kallsyms", "read_kallsyms"]
+__all__ = [
+    "CheckedKallsyms",
+    "KallsymsLayout",
+    "check_kallsyms",
+    "decode_kallsyms",
+    "locate_kallsyms",
+    "read_kallsyms",
+]
 
 _TRIES = 8  # decodings read_kallsyms checks against the image before it gives up
 _KNOWN_TEXT = ("start_kernel", "schedule")
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedKallsyms:
+    """A decoding the image agreed with: where its tables are, its symbols, and how many
+    exports it was checked against (0: the image has none in a form that reads)."""
+
+    layout: KallsymsLayout
+    symbols: KernelSymbols
+    exports: int
+    refused: int  # decodings the image contradicted before this one
+
+
 def read_kallsyms(image: ElfImage) -> KernelSymbols:
     """The kernel's symbols from the kallsyms tables in ``image``'s ``.rodata``, checked
     against the image; KernelImageError when there are none or none check out."""
+    return check_kallsyms(image).symbols
+
+
+def check_kallsyms(image: ElfImage) -> CheckedKallsyms:
+    """``read_kallsyms`` with where the tables were found and what they were checked against."""
     rodata = image.section(".rodata")
     base = image.section_addr(".rodata")
     if rodata is None or base is None:
         raise KernelImageError(image.path, "no .rodata section, so no kallsyms tables")
     exports = _exports(image)
     problem = None
-    for _, symbols in islice(decodings(rodata, base, image.path, LONG_RUN), _TRIES):
+    for tried, (layout, symbols) in enumerate(
+        islice(decodings(rodata, base, image.path, LONG_RUN), _TRIES)
+    ):
         problem = _disagreement(image, symbols, exports)
         if problem is None:
-            return symbols
+            return CheckedKallsyms(layout, symbols, len(exports or ()), tried)
     raise KernelImageError(image.path, f"kallsyms tables found but {problem}")
 
 

@@ -118,11 +118,22 @@ _CALL_SP_HIGH = {OrcLayout.SIGNAL: 0x02, OrcLayout.LEGACY: 0x00}
 _NO_SIGNAL = bytes(b for b in range(256) if not b & 0x08)  # high bytes without the signal bit
 _VERSION = re.compile(rb"Linux version (\d+)\.(\d+)")
 # The x86_64 kernel's thunks that jump through a register, by their kallsyms names (the same
-# prefixes on 5.10, 6.1, 6.12 and 7.2): every one (call-depth ones too, 6.2 on), and the
-# retpolines, laid out as "call 1f; int3; 1: mov %reg, (%rsp); ret" (__x86_indirect_thunk_rax,
-# __x86_indirect_thunk_array ...).
+# prefixes from 5.10 to 7.3, once ``unaliased``): every one (call-depth ones too, 6.2 on), and
+# the retpolines, laid out as "call 1f; int3; 1: mov %reg, (%rsp); ret"
+# (__x86_indirect_thunk_rax, __x86_indirect_thunk_array ...).
 INDIRECT_THUNKS = "__x86_indirect_"
 RETPOLINE_THUNK = "__x86_indirect_thunk_"
+# From 6.16 (Debian's 6.16 to 7.3; not 6.12) the code the early startup code calls has a second
+# name with this prefix (the startup objects are linked with their symbols prefixed), and
+# kallsyms lists it first at the address, so that it is the name a function lookup gives and
+# /proc/kallsyms shows: __pi___x86_indirect_thunk_rax, __pi___x86_return_thunk.
+PI_ALIAS = "__pi_"
+
+
+def unaliased(name: str) -> str:
+    """A kernel function's name without the prefix of its startup-code alias (``PI_ALIAS``),
+    for telling what kind of code it is (a frame keeps the name kallsyms gives)."""
+    return name.removeprefix(PI_ALIAS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +298,7 @@ def numbering(
     they show (the indirect bases and general registers are then unknown)."""
     if header is None:
         return CLASSIC, None
-    known = _BY_HEADER.get(header.hex())
+    known = known_numbering(header)
     if known is not None:
         return known, None
     found = core_of(table, function_starts)
@@ -302,6 +313,11 @@ def numbering(
         " frames found through the others end there"
     )
     return OrcRegs(undefined, prev_sp, sp, bp, None, None), note
+
+
+def known_numbering(header: bytes) -> OrcRegs | None:
+    """The numbering an ``.orc_header`` names, None when its hash is not one seen before."""
+    return _BY_HEADER.get(header.hex())
 
 
 def core_of(table: OrcTable, function_starts: Sequence[int]) -> tuple[int, int, int, int] | None:

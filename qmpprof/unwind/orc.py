@@ -12,7 +12,8 @@ what they are called, at link addresses):
 - when the CPU stands on a function's first byte, its entry: the call just pushed the return
   address and nothing else. TCG stops at block starts, so samples land there (~1 % of kernel
   ones);
-- anywhere in a retpoline thunk (``__x86_indirect_thunk_<reg>``: ``call 1f; int3; 1: mov
+- anywhere in a retpoline thunk (``__x86_indirect_thunk_<reg>``, ``__pi_``-prefixed from 6.16
+  on: ``call 1f; int3; 1: mov
   %reg, (%rsp); ret``): after its internal call, at the ``mov`` (a block start too), SP holds
   that call's return address (thunk + 5); the frame returning there is back at the thunk's
   entry, the caller's return address at SP. gdb shows both frames.
@@ -36,6 +37,7 @@ from qmpprof.linux.orc import (
     OrcTable,
     OrcType,
     PtRegs,
+    unaliased,
 )
 from qmpprof.memo import Memo
 from qmpprof.model import StopReason
@@ -107,10 +109,14 @@ class OrcStep:
             return bp
         if bp is not None:
             new[arch.fp] = bp
-        # "*sp + offset": the stack pointer saved when call_on_stack switched to an IRQ stack;
-        # the interrupted stack may lie anywhere, below this one too.
-        indirect = entry.sp_reg == self.code.table.regs.sp_indirect
-        return new, signal | NEW_STACK if indirect else signal
+        # A stack pointer saved when the kernel switched to an IRQ stack: "*sp + offset" (5.12
+        # on: call_on_stack keeps it at the IRQ stack's top) or "bp + offset" (5.10's
+        # asm_call_irq_on_stack kept it in bp; elsewhere bp-based frames realign their own
+        # stack). The interrupted stack may lie anywhere, below this one too: the kernel's
+        # unwinder holds the stack pointer to growing only within one stack.
+        regs = self.code.table.regs
+        saved = entry.sp_reg in (regs.sp_indirect, regs.bp)
+        return new, signal | NEW_STACK if saved else signal
 
     def _entry(self, link_pc: int) -> OrcEntry | StopReason | None:
         try:
@@ -128,7 +134,7 @@ class OrcStep:
         found = None if functions is None else functions.lookup(link_pc)
         if found is None:
             return False
-        return (interrupted and found[1] == 0) or found[0].startswith(RETPOLINE_THUNK)
+        return (interrupted and found[1] == 0) or unaliased(found[0]).startswith(RETPOLINE_THUNK)
 
     def _return_address_at_sp(self, cur: Regs, memory: PageCache) -> Outcome:
         arch = self.arch

@@ -4,15 +4,16 @@ functions, and searched for tail-call frames in the image's code (``.text``: the
 kernel's own differs where boot-time patching changed it, not in its direct calls and jumps).
 
 Which of its symbols are thunks and trampolines is a fact of the x86_64 kernel's naming, the
-same on 5.10, 6.1, 6.12 and 7.2: ``__x86_indirect_*`` (``linux.orc.INDIRECT_THUNKS``: the
-target is in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*``
-(static-call trampolines: no DWARF, gdb stops there)."""
+same from 5.10 to 7.3 once a 6.16+ startup-code alias's ``__pi_`` prefix is left out
+(``linux.orc.unaliased``): ``__x86_indirect_*`` (``linux.orc.INDIRECT_THUNKS``: the target is
+in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*`` (static-call
+trampolines: no DWARF, gdb stops there)."""
 
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import INDIRECT_THUNKS
+from qmpprof.linux.orc import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
 from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
@@ -46,6 +47,7 @@ def kernel_module(
 
 def target_kind(name: str) -> TargetKind:
     """What a jump or call to the kernel symbol ``name`` means for the tail-call search."""
+    name = unaliased(name)
     if name.startswith(INDIRECT_THUNKS):
         return TargetKind.INDIRECT
     if name.endswith(("return_thunk", "untrain_ret")):

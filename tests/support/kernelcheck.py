@@ -1,0 +1,357 @@
+"""``scripts/check-kernels``: Linux kernel images loaded as a run loads them, each in a Python
+process of its own with an empty cache, and what qmpprof's own readers found in each reported
+in one row: the symbols and where kallsyms' tables were, the per-CPU area and the current task
+pointer, the stack size, the ORC tables and their register numbering, BTF and the layouts read
+from it, and the notes a run would print. Nothing here knows a kernel version: every value is
+what a reader returned (or the error it raised: a kernel that fails is a row, not a crash).
+
+    python -m support.kernelcheck [--json FILE] [--repeat N] [VMLINUZ ...]
+    python -m support.kernelcheck --one VMLINUZ [--load-only]
+
+Without paths: the kernels the tests boot (``fixtures/build/linux``, ``linux-6.1``,
+``linux-5.10``, ``linux-7``) and every one ``scripts/check-kernels`` fetched
+(``fixtures/build/kernels/<release>/``). A kernel's folder says its release, package version
+and suite (files ``version``, ``package``, ``suite``). ``--one`` prints one kernel's row as JSON
+(what each process runs); ``--load-only`` only its load time. The table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from bisect import bisect_right
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from qmpprof import arch
+from qmpprof.guest.linux.current import locate_current
+from qmpprof.guest.linux.guest import Layouts
+from qmpprof.guest.linux.image import kernel_module, target_kind
+from qmpprof.linux import orc
+from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
+from qmpprof.linux.kallsyms import check_kallsyms
+from qmpprof.linux.kaslr import entry_text_symbols
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.symbols import KernelSymbols
+from support.kerneltable import markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "fixtures" / "build"
+TESTED = ("linux-5.10", "linux-6.1", "linux", "linux-7")  # the folders of the booted ones
+FETCHED = BUILD / "kernels"
+TIMEOUT = 600.0  # seconds one kernel's process may take
+REPEAT = 3  # loads timed cold, and cached: the best of each is reported
+# Symbols a run looks up by name in the image's kallsyms when it attaches to a guest
+# (qmpprof/guest/linux/guest.py, pagetables.py, vmcoreinfo.py).
+RUN_SYMBOLS = (
+    "init_task",
+    "modules",
+    "__per_cpu_offset",
+    "page_offset_base",
+    "__pgtable_l5_enabled",
+    "vmcoreinfo_note",
+)
+
+Row = dict[str, Any]
+
+
+def load(path: Path) -> tuple[LinuxKernel, Layouts, float]:
+    """The kernel and its layouts as a run has them before it touches the guest, and the
+    seconds that took (``support.bench.linuxload.phases``: load, module, layouts)."""
+    start = time.perf_counter()
+    kernel = LinuxKernel.load(path).prepare()
+    kernel_module(kernel, 0, arch.by_name("x86_64"))
+    layouts = Layouts.of(kernel)
+    return kernel, layouts, time.perf_counter() - start
+
+
+def one(path: Path, load_only: bool) -> Row:
+    """This process's row for ``path``: its load time and (unless ``load_only``) what was read."""
+    row: Row = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            kernel, layouts, seconds = load(path)
+            row["load_s"] = round(seconds, 3)
+            if not load_only:
+                row |= describe(path, kernel, layouts)
+        except Exception as err:  # a kernel that fails is a finding: its row says how
+            row["error"] = f"{type(err).__name__}: {err}"
+    if caught:
+        row["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return row
+
+
+def describe(path: Path, kernel: LinuxKernel, layouts: Layouts) -> Row:
+    """What qmpprof's readers found in ``kernel``, one entry each (an error where one raised)."""
+    row: Row = {"image": image_facts(path, kernel)}
+    readers: tuple[tuple[str, Callable[[], Row]], ...] = (
+        ("kallsyms", lambda: kallsyms_facts(kernel)),
+        ("per_cpu", lambda: per_cpu_facts(kernel)),
+        ("orc", lambda: orc_facts(kernel)),
+        ("btf", lambda: btf_facts(kernel, layouts)),
+    )
+    for key, read in readers:
+        try:
+            row[key] = read()
+        except Exception as err:  # one reader's failure leaves the others'
+            row[key] = {"error": f"{type(err).__name__}: {err}"}
+    row["notes"] = list(layouts.notes)
+    return row
+
+
+def image_facts(path: Path, kernel: LinuxKernel) -> Row:
+    data = path.read_bytes()
+    codec = payload_codec(bzimage_payload(data, str(path))) if is_bzimage(data) else "ELF"
+    version = orc.kernel_version(kernel.image.section(".rodata") or b"")
+    return {
+        "codec": codec,
+        "vmlinux_bytes": kernel.image.size,
+        "banner": None if version is None else f"{version[0]}.{version[1]}",
+        "thread_size": kernel.thread_size,
+        "entry_text_symbols": len(entry_text_symbols(kernel.symbols)),
+        "missing_symbols": [n for n in RUN_SYMBOLS if kernel.symbols.address_of(n) is None],
+        "thunks": kernel.thunks is not None,
+        "thunk_names": thunk_names(kernel),
+    }
+
+
+def thunk_names(kernel: LinuxKernel) -> dict[str, str]:
+    """The names a function lookup gives the retpoline and return thunks (where a sample is
+    named, and what the unwinder's and the tail-call search's rules see), and what kind of
+    code ``target_kind`` takes each for."""
+    out = {}
+    for name in ("__x86_indirect_thunk_rax", "__x86_return_thunk"):
+        addr = kernel.symbols.address_of(name)
+        found = None if addr is None else kernel.functions.lookup(addr)
+        if found is not None:
+            out[found[0]] = target_kind(found[0]).value
+    return out
+
+
+def kallsyms_facts(kernel: LinuxKernel) -> Row:
+    """The symbols as the load decoded them, and the decoding the image checked: where its
+    tables are in ``.rodata`` (their order, the alignment all their labels share)."""
+    checked = check_kallsyms(kernel.image)
+    layout, base = checked.layout, kernel.image.section_addr(".rodata") or 0
+    places = {
+        "count": layout.num_syms,
+        "names": layout.names,
+        "markers": layout.markers,
+        "tokens": layout.token_table,
+        "index": layout.token_index,
+        "offsets": layout.offsets,
+    }
+    if layout.relative_base is not None:
+        places["base"] = layout.relative_base
+    align = min(4096, *((base + pos) & -(base + pos) or 4096 for pos in places.values()))
+    return {
+        "symbols": len(kernel.symbols),
+        "same_as_load": checked.symbols.addrs == kernel.symbols.addrs,
+        "exports_checked": checked.exports,
+        "decodings_refused": checked.refused,
+        "order": sorted(places, key=places.__getitem__),
+        "align": align,
+        "offsets": (
+            "self-relative"
+            if layout.relative_base is None
+            else "base, absolute per-CPU"
+            if layout.absolute_percpu
+            else "base"
+        ),
+        "wide_lengths": layout.wide_lengths,
+    }
+
+
+def per_cpu_facts(kernel: LinuxKernel) -> Row:
+    """Where the per-CPU area is linked and where a run reads the current task pointer."""
+    start = kernel.per_cpu_start
+    kind = "none" if start is None else "zero-based" if start == 0 else "kernel data"
+    row: Row = {"kind": kind, "start": None if start is None else hex(start)}
+    try:
+        variable, note = locate_current(kernel)
+    except KeyError as err:
+        row["current"] = None
+        row["current_error"] = str(err)
+        return row
+    row["current"] = {
+        "link": hex(variable.link),
+        "moves": variable.moves,
+        "symbol": symbol_at(kernel.symbols, variable.link),
+        "note": note,
+    }
+    return row
+
+
+def symbol_at(symbols: KernelSymbols, addr: int) -> str | None:
+    """``name+0xoff`` of the kernel symbol at or below ``addr`` (None below the first)."""
+    i = bisect_right(symbols.addrs, addr) - 1
+    if i < 0:
+        return None
+    offset = addr - symbols.addrs[i]
+    name: str = symbols.names[i]
+    return name + (f"+{offset:#x}" if offset else "")
+
+
+def orc_facts(kernel: LinuxKernel) -> Row:
+    """The ORC table, which numbering of its registers the load chose and from what, and
+    whether the entries themselves show that numbering (``orc.core_of``)."""
+    table = kernel.orc
+    if table is None:
+        return {"entries": 0}
+    header = kernel.image.section(".orc_header")
+    regs = table.regs
+    names = {orc.CLASSIC: "classic", orc.RENUMBERED: "renumbered"}
+    if header is None:
+        source = "no .orc_header"
+    elif orc.known_numbering(header) is not None:
+        source = "known digest"
+    else:
+        source = "inferred (digest " + header.hex()[:12] + ")"
+    shown = orc.core_of(table, kernel.functions.starts)
+    used = (regs.undefined, regs.prev_sp, regs.sp, regs.bp)
+    return {
+        "entries": len(table),
+        "layout": table.layout.value,
+        "numbering": names.get(regs, f"other (SP {regs.sp}, BP {regs.bp})"),
+        "source": source,
+        "entries_agree": None if shown is None else shown == used,
+        "entries_show": shown,
+    }
+
+
+def btf_facts(kernel: LinuxKernel, layouts: Layouts) -> Row:
+    """BTF's size and per-CPU variables, and each layout a run reads from it."""
+    btf = kernel.btf
+    if btf is None:
+        return {"types": 0}
+    try:
+        variables = len(btf.datasec(".data..percpu"))
+    except KeyError:
+        variables = 0
+    modules = None
+    if layouts.modules is not None:
+        try:
+            btf.field("module.mem")
+            modules = "mem[MOD_TEXT]"
+        except KeyError:
+            modules = "core_layout"
+    vmas = layouts.vmas
+    return {
+        "types": len(btf),
+        "percpu_variables": variables,
+        "task": layouts.tasks is not None,
+        "comm_len": None if layouts.tasks is None else layouts.tasks.comm_size,
+        "module": modules,
+        "vma": None if vmas is None else "maple" if vmas.maple else "list",
+    }
+
+
+def run_one(path: Path, cache: str, load_only: bool) -> Row:
+    """``--one`` for ``path`` in a process of its own using ``cache`` as its cache folder."""
+    env = os.environ | {"QMPPROF_CACHE_DIR": cache}
+    argv = [sys.executable, "-m", "support.kernelcheck", "--one", str(path)]
+    try:
+        done = subprocess.run(
+            argv + (["--load-only"] if load_only else []),
+            capture_output=True,
+            text=True,
+            check=False,
+            env=env,
+            timeout=TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer in {TIMEOUT:.0f} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit status {done.returncode}: {last}"}
+    row: Row = json.loads(done.stdout)
+    return row
+
+
+def check(path: Path, repeat: int = REPEAT) -> Row:
+    """``path``'s row: described by a process with an empty cache, then loaded again by
+    ``repeat`` - 1 more with an empty cache each (cold) and ``repeat`` with the cache the first
+    filled (cached); the best of each, as the host's cores are shared."""
+    folder = path.parent
+    row: Row = {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)}
+    for name in ("version", "package", "suite"):
+        found = folder / name
+        row[name] = found.read_text().strip() if found.exists() else None
+    row["booted_by_tests"] = folder.resolve() in {(BUILD / d).resolve() for d in TESTED}
+    release = row["version"] or ""
+    row["flavour"] = next(
+        (f for f in ("cloud-amd64", "rt-amd64") if release.endswith("-" + f)), "amd64"
+    )
+    with tempfile.TemporaryDirectory(prefix="kernelcheck-") as cache:
+        row |= run_one(path, cache, load_only=False)
+        cold = [row.pop("load_s", None)]
+        if "error" not in row:
+            for _ in range(repeat - 1):
+                with tempfile.TemporaryDirectory(prefix="kernelcheck-") as empty:
+                    cold.append(run_one(path, empty, load_only=True).get("load_s"))
+            cached = [run_one(path, cache, load_only=True).get("load_s") for _ in range(repeat)]
+            row["load_cached_s"] = _best(cached)
+        row["load_cold_s"] = _best(cold)
+    return row
+
+
+def _best(seconds: list[float | None]) -> float | None:
+    found = [s for s in seconds if s is not None]
+    return min(found) if found else None
+
+
+def kernels() -> list[Path]:
+    """The tests' kernels, then the fetched ones by release."""
+    tested = [BUILD / d / "vmlinuz" for d in TESTED]
+    fetched = sorted(FETCHED.glob("*/vmlinuz"), key=lambda p: _release_key(p.parent.name))
+    return [p for p in tested if p.exists()] + fetched
+
+
+def _release_key(release: str) -> tuple[tuple[int, str], ...]:
+    parts = release.replace("+", ".").replace("-", ".").split(".")
+    return tuple((int(p), "") if p.isdigit() else (1 << 30, p) for p in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="check-kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", type=Path, help="bzImage or vmlinux files")
+    parser.add_argument("--json", type=Path, help="write every row (all fields) here")
+    parser.add_argument("--repeat", type=int, default=REPEAT, help="loads timed (best taken)")
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(one(args.one, args.load_only)))
+        return 0
+    paths = [p.resolve() for p in args.paths] or kernels()
+    if not paths:
+        print("check-kernels: no kernels (scripts/fetch-linux, check-kernels)", file=sys.stderr)
+        return 1
+    started = datetime.now(UTC)
+    rows = []
+    for path in paths:
+        print(f"check-kernels: {path}", file=sys.stderr)
+        rows.append(check(path, max(1, args.repeat)))
+    measured = {
+        "started_utc": started.isoformat(timespec="seconds"),
+        "repeat": args.repeat,
+        "rows": rows,
+    }
+    print(markdown(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(measured, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The markdown table of ``support.kernelcheck``'s rows: one line a kernel, the columns the
+facts docs/linux-guest.md compares across kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Row = dict[str, Any]
+_L5 = "__pgtable_l5_enabled"  # without it a run takes 4-level paging (guest/linux/pagetables.py)
+COLUMNS = (
+    "kernel",
+    "suite",
+    "codec",
+    "load s (cold / cached; best of runs)",
+    "kallsyms symbols (exports checked)",
+    "tables in .rodata (label alignment; offsets)",
+    "per-CPU area",
+    "current task pointer",
+    "THREAD_SIZE",
+    "TASK_COMM_LEN",
+    "ORC entries (layout): numbering",
+    "BTF types (per-CPU vars)",
+    "module text",
+    "VMAs",
+    "notes",
+)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cells(row: Row) -> list[str]:
+    kernel = row.get("version") or row["path"]
+    if row.get("booted_by_tests"):
+        kernel = f"**{kernel}** (booted)"
+    load = _num(row.get("load_cold_s"), ".2f")
+    if row.get("load_cached_s") is not None:
+        load += " / " + _num(row["load_cached_s"], ".2f")
+    if "error" in row and "image" not in row:
+        return [kernel, row.get("suite") or "", "", load, *[""] * 10, _escape(row["error"])]
+    return [
+        kernel,
+        row.get("suite") or "tests",
+        row["image"]["codec"],
+        load,
+        *_kallsyms(row["kallsyms"]),
+        *_per_cpu(row["per_cpu"]),
+        _num(row["image"]["thread_size"], "#x"),
+        _num(row["btf"].get("comm_len"), "d"),
+        _orc(row["orc"]),
+        *_btf(row["btf"]),
+        _notes(row),
+    ]
+
+
+def _kallsyms(facts: Row) -> list[str]:
+    if "error" in facts:
+        return [_escape(facts["error"]), ""]
+    count = f"{facts['symbols']:,}".replace(",", " ")
+    check = f"{facts['exports_checked']:,}".replace(",", " ")
+    if not facts["same_as_load"]:
+        count += " (not the load's)"
+    order = " ".join(facts["order"])
+    return [f"{count} ({check})", f"{order} ({facts['align']}; {facts['offsets']})"]
+
+
+def _per_cpu(facts: Row) -> list[str]:
+    if "error" in facts:
+        return [_escape(facts["error"]), ""]
+    kind = facts["kind"] if facts["kind"] != "kernel data" else f"data at {facts['start']}"
+    current = facts.get("current")
+    if current is None:
+        return [kind, _escape(facts.get("current_error", "-"))]
+    where = f"`{current['symbol']}` ({current['link']}{', moves' if current['moves'] else ''})"
+    return [kind, where]
+
+
+def _orc(facts: Row) -> str:
+    if "error" in facts:
+        return _escape(facts["error"])
+    if not facts["entries"]:
+        return "none"
+    count = f"{facts['entries']:,}".replace(",", " ")
+    agree = {True: "", False: f"; entries show {facts['entries_show']}", None: "; too few"}
+    return (
+        f"{count} ({facts['layout']}): {facts['numbering']}, {facts['source']}"
+        + agree[facts["entries_agree"]]
+    )
+
+
+def _btf(facts: Row) -> list[str]:
+    if "error" in facts:
+        return [_escape(facts["error"]), "", ""]
+    if not facts["types"]:
+        return ["none", "", ""]
+    types = f"{facts['types']:,}".replace(",", " ")
+    task = "" if facts["task"] else ", no task layout"
+    return [
+        f"{types} ({facts['percpu_variables']}){task}",
+        facts["module"] or "-",
+        facts["vma"] or "-",
+    ]
+
+
+def _notes(row: Row) -> str:
+    said = list(row.get("notes", []))
+    image = row["image"]
+    missing = [name for name in image["missing_symbols"] if name != _L5]
+    if _L5 in image["missing_symbols"]:
+        said.append(f"no {_L5}: 4-level paging taken")
+    if missing:
+        said.append("no " + ", ".join(missing) + " in kallsyms")
+    thunks = image.get("thunk_names", {})
+    if list(thunks.values()) != ["indirect", "return"]:
+        said.append(f"thunks taken for {thunks}")
+    if not image["entry_text_symbols"]:
+        said.append("no entry-text symbols (KASLR vote)")
+    current = row["per_cpu"].get("current") or {}
+    if current.get("note"):
+        said.append(current["note"])
+    said += row.get("warnings", [])
+    if "error" in row:
+        said.append(row["error"])
+    return _escape("; ".join(said)) or "-"
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
