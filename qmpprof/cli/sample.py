@@ -7,9 +7,7 @@ the output is written atomically whatever ended the run, and the transport is cl
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -19,29 +17,13 @@ from typing import TextIO
 from qmpprof.cli import text
 from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError
+from qmpprof.interrupts import interrupts
 from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
 
 _PROGRESS_EVERY = 0.2  # seconds between progress line updates
-
-
-class _Interrupts:
-    """The first SIGINT/SIGTERM ends the run after the current tick (the guest is resumed by
-    the code that stopped it); another one cancels the run, should QEMU stop answering."""
-
-    def __init__(self, request_stop: Callable[[], None]) -> None:
-        self.request_stop = request_stop
-        self.task = asyncio.current_task()
-        self.count = 0
-
-    def __call__(self) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.request_stop()
-        elif self.task is not None:
-            self.task.cancel()
 
 
 class _Progress:
@@ -91,10 +73,6 @@ async def run(
     gc.freeze()
     try:
         progress.samples = lambda: len(sampler.profile)
-        loop = asyncio.get_running_loop()
-        on_signal = _Interrupts(sampler.request_stop)
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal)
         if not opts.one_shot:
             err.write(f"{text.start_line(opts)}\n")
             err.flush()
@@ -102,12 +80,11 @@ async def run(
         outcome: RunOutcome | None = None
         unwritten: list[OutputError] = []
         try:
-            if on_start is not None:
-                await on_start(sampler)
-            outcome = await sampler.run(one_shot=opts.one_shot)
+            with interrupts(sampler.request_stop):
+                if on_start is not None:
+                    await on_start(sampler)
+                outcome = await sampler.run(one_shot=opts.one_shot)
         finally:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
             progress.clear()
             unwritten = _finish(opts, sampler, started, outcome, out, err)
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import stat
 import threading
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from qmpprof.errors import UsageError
+from qmpprof.interrupts import interrupts
 from qmpprof.naming import Naming
 from qmpprof.serve.endpoints import Board, listen
 from qmpprof.serve.vm import Vm
@@ -85,47 +85,28 @@ class Daemon:
             raise UsageError(f"cannot listen on {where}: {err.strerror or err}") from None
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
-        loop = asyncio.get_running_loop()
-        on_signal = _Interrupts(self.stopping.set)
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal)
         try:
-            for name, socket in self.config.sockets:
-                self.add(name, socket)
-            self.rescan()
-            host, port = server.server_address[:2]
-            names = ", ".join(vm.name for vm in self.board.vms) or "none yet"
-            announce(f"qmpprof: serving http://{host!s}:{port}/ (VMs: {names})")
-            while not self.stopping.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), RESCAN)
-                self.rescan()
+            with interrupts(self.stopping.set):
+                try:
+                    for name, socket in self.config.sockets:
+                        self.add(name, socket)
+                    self.rescan()
+                    host, port = server.server_address[:2]
+                    names = ", ".join(vm.name for vm in self.board.vms) or "none yet"
+                    announce(f"qmpprof: serving http://{host!s}:{port}/ (VMs: {names})")
+                    while not self.stopping.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self.stopping.wait(), RESCAN)
+                        self.rescan()
+                finally:
+                    self.board.closing.set()
+                    for vm, _ in self.tasks.values():
+                        vm.stop()
+                    await asyncio.gather(*(task for _, task in self.tasks.values()), *self.leaving)
         finally:
-            self.board.closing.set()
-            for vm, _ in self.tasks.values():
-                vm.stop()
-            await asyncio.gather(*(task for _, task in self.tasks.values()), *self.leaving)
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
             await asyncio.to_thread(server.shutdown)
             server.server_close()
         return 0
-
-
-class _Interrupts:
-    """The first signal asks for an orderly stop; a second cancels (should QEMU hang)."""
-
-    def __init__(self, stop: Callable[[], None]) -> None:
-        self.stop = stop
-        self.task = asyncio.current_task()
-        self.count = 0
-
-    def __call__(self) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.stop()
-        elif self.task is not None:
-            self.task.cancel()
 
 
 def _sockets_in(directory: Path) -> list[Path]:
