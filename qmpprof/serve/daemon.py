@@ -86,7 +86,7 @@ class Daemon:
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
         try:
-            with interrupts(self.stopping.set):
+            with interrupts(lambda signum: self.stopping.set()):
                 try:
                     for name, socket in self.config.sockets:
                         self.add(name, socket)
