@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -43,8 +44,23 @@ def name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+# Signals stage 1 raised for. Python drops an exception raised where nobody can catch it (a
+# weakref callback, __del__: "Exception ignored in"); stage 2 raises it again on entry.
+_early: list[int] = []
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
+    _early.append(signum)
     raise Interrupted(signum)
+
+
+def _quiet(hook: Callable[[sys.UnraisableHookArgs], object]) -> Callable[..., object]:
+    """``sys.unraisablehook`` that says nothing of a dropped Interrupted (see _early)."""
+
+    def unraisable(info: sys.UnraisableHookArgs) -> object:
+        return None if isinstance(info.exc_value, Interrupted) else hook(info)
+
+    return unraisable
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -58,17 +74,23 @@ def _handlers() -> dict[signal.Signals, Handler]:
 
 
 @contextmanager
-def installed() -> Iterator[None]:
-    """Within the block, SIGINT/SIGTERM raise ``Interrupted`` (stage 1); the handlers found
-    are restored after it."""
-    previous = _handlers()
+def installed(*, restore: bool = True) -> Iterator[None]:
+    """Within the block, SIGINT/SIGTERM raise ``Interrupted`` (stage 1); after it, the handlers
+    found are restored, or (``restore`` False: the program itself, about to exit) ignored."""
+    previous, hook = _handlers(), sys.unraisablehook
+    _early.clear()
+    sys.unraisablehook = _quiet(hook)
     for signum in SIGNALS:
         signal.signal(signum, _raise)
     try:
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            # SIG_IGN, not _ignore: Python resets its own handlers to the default while it exits.
+            signal.signal(signum, handler if restore else signal.SIG_IGN)
+        if restore:
+            sys.unraisablehook = hook
+        _early.clear()
 
 
 class Caught:
@@ -95,7 +117,10 @@ class Caught:
 @contextmanager
 def interrupts(on_first: Callable[[int], None]) -> Iterator[Caught]:
     """Within the block, the event loop handles SIGINT/SIGTERM (stage 2): the first calls
-    ``on_first(signum)``, others cancel the current task. After it, stage 3."""
+    ``on_first(signum)``, others cancel the current task. After it, stage 3. A signal of stage 1
+    that Python dropped is raised now, before anything is opened."""
+    if _early:
+        raise Interrupted(_early[0])
     loop = asyncio.get_running_loop()
     caught = Caught(on_first)
     previous = _handlers()
