@@ -238,7 +238,8 @@ async def _undo(
 ) -> None:
     """Undo what was opened in QEMU: ``detach`` (the gdbstub client), the stub (if ``stub``),
     the run state (unless ``running`` is None), each step tried whatever the last did; QMP is
-    closed after them when the stub was open (a failed open keeps it for the QMP path).
+    closed after them when a run closes (``detach`` given: a failed open keeps it, for the QMP
+    path).
 
     Should the QMP connection be gone while QEMU still listens on the stub's socket, a new QMP
     connection removes the stub; failing that, the directory is left (unlocked) for the next
