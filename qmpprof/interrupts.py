@@ -17,7 +17,6 @@ meets the default actions: nothing was opened yet.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -97,6 +96,8 @@ class Caught:
     """What the loop's handler saw: the signals, in order; ``first`` calls ``on_first``."""
 
     def __init__(self, on_first: Callable[[int], None]) -> None:
+        import asyncio  # here, not on top: stage 1 begins before anything heavy is imported
+
         self.on_first = on_first
         self.task = asyncio.current_task()
         self.signals: list[int] = []
@@ -119,6 +120,8 @@ def interrupts(on_first: Callable[[int], None]) -> Iterator[Caught]:
     """Within the block, the event loop handles SIGINT/SIGTERM (stage 2): the first calls
     ``on_first(signum)``, others cancel the current task. After it, stage 3. A signal of stage 1
     that Python dropped is raised now, before anything is opened."""
+    import asyncio  # as in Caught
+
     if _early:
         raise Interrupted(_early[0])
     loop = asyncio.get_running_loop()
