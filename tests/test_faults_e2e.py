@@ -10,8 +10,9 @@ output holds N (when it ended before sampling, there is no output). Every run th
 as connecting took the fast path: nothing earlier runs left stood in its way. One QEMU serves
 every run but those that kill it.
 
-The random point is drawn over the span of a whole run, as a run without a fault took it
-(measured once, on the first QEMU: under load a run's start takes from 0.5 to 3 s), counted
+The random point is drawn over the span of a whole run, as a run without a fault took it (the
+least of CALIBRATIONS on the first QEMU: under load one run's start takes from 0.5 to 5 s, and
+one slow calibration would stretch every run after it), counted
 from the moment qmpprof's handlers are in place (its SigCgt in /proc): before it, in the
 interpreter's own start, signals have their default actions (interrupts.py).
 """
@@ -48,6 +49,7 @@ DURATION = "0.2"  # seconds of guest run time a run asks for
 KINDS = ("SIGINT", "SIGTERM", "qmp-closed", "qemu-killed")
 WEIGHTS = (38, 38, 19, 5)  # a killed QEMU costs a boot: ~10 of them
 FAST = "qmpprof: samples travel through a private gdbstub opened over QMP"
+CALIBRATIONS = 3
 SUMMARY = re.compile(r"^Samples: (\d+) ", re.MULTILINE)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,6 +192,7 @@ def inject(kind: str, proc: subprocess.Popen[str], target: Machine) -> None:
 
 def check(draw: str, kind: str, code: int, err: str, out: Path, private: Path) -> None:
     """What every run must leave, whatever ended it (the guest's side is checked by the caller)."""
+    draw = f"{draw}; stderr:\n{err}"
     assert "Traceback" not in err, draw
     assert list(private.iterdir()) == [], draw
     lines = err.splitlines()
@@ -233,7 +236,8 @@ def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, s
                     boots += 1
                     target = stack.enter_context(machine(tmp_path, boots))
                 if span is None:
-                    span = calibrate(target, tmp_path / "calibrate.folded", env)
+                    out = tmp_path / "calibrate.folded"
+                    span = min(calibrate(target, out, env) for _ in range(CALIBRATIONS))
                 delay = point * span
                 state = "paused" if paused else "running"
                 draw = f"run {run}: {kind} at {delay:.3f} s of {span:.3f}, guest {state}"
@@ -262,7 +266,9 @@ def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, s
                     witness.execute("cont")
         finally:
             shutil.rmtree(private, ignore_errors=True)
-    print(f"seed {seed}: {RUNS} runs, {boots} QEMUs;", dict(sorted(outcomes.items())))
+    print(
+        f"seed {seed}: {RUNS} runs, {boots} QEMUs, span {span} s;", dict(sorted(outcomes.items()))
+    )
     # The draw reached every stage: runs ended before sampling, runs stopped while sampling,
     # and runs whose QMP connection closed while sampling over the gdbstub (which goes on: the
     # stub is removed over a new connection at the end).

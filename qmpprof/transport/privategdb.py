@@ -298,7 +298,7 @@ async def _finish(steps: Sequence[Awaitable[object]], timeout: float) -> None:
             await _bounded(step, timeout)
         except asyncio.CancelledError as err:
             cancelled = cancelled or err
-        except (QmpprofError, TimeoutError):
+        except (QmpprofError, TimeoutError, OSError):
             pass
     if cancelled is not None:
         raise cancelled
