@@ -124,7 +124,10 @@ class PrivateGdbTransport:
     async def _open(cls, qmp: QmpTransport, timeout: float) -> PrivateGdbTransport:
         """Start a gdbstub in a new 0700 directory and attach to it. On failure everything made
         so far is undone and ``_NoFastPath`` says why; ``qmp`` stays open either way."""
-        directory = StubDir.make()
+        try:
+            directory = StubDir.make()
+        except OSError as err:
+            raise _NoFastPath(f"cannot make a private directory: {err}") from err
         path = directory.socket
         was_running: bool | None = None
         asked = False  # QEMU may have opened the stub (a reply cancelled in flight counts)

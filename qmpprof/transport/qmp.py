@@ -85,6 +85,11 @@ class QmpTransport:
             ) from err
         except QmpConnectError as err:
             raise ConnectError(f"{where}: {_connect_reason(err)}") from err
+        except AssertionError as err:
+            # qemu.qmp asserts it is running once negotiated; the peer may have closed the
+            # connection just before (QEMU killed, the monitor's client cut).
+            await _quiet_disconnect(client)
+            raise ConnectError(f"{where}: closed the connection during the QMP greeting") from err
         chosen: Literal["memsave", "hmp"] = "hmp" if tcp is not None else "memsave"
         if memory != "auto":
             chosen = memory
