@@ -26,7 +26,9 @@ Command = Callable[[list[str]], int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    with installed():
+    """``argv`` None: the program's own arguments, and signals stay ignored after it returns,
+    while Python exits; a caller's ``argv`` (tests) gets its handlers back."""
+    with installed(restore=argv is not None):
         args = sys.argv[1:] if argv is None else list(argv)
         if args and args[0] in SUBCOMMANDS:
             return guarded(lambda rest: _command(args[0], rest), args[1:])
