@@ -19,6 +19,7 @@ from pathlib import Path
 import linuxkernel
 import pytest
 from fuzzing import GuestMemory, Mutator, seed
+from guestvm import BUILD_ROOT as BUILD
 from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
 
 from qmpprof.arch.x86 import X86_64
@@ -33,6 +34,7 @@ from qmpprof.guest.linux.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
+from qmpprof.linux.kallsyms import read_kallsyms
 from qmpprof.linux.kernel import LinuxKernel, _orc
 from qmpprof.linux.orc import numbering
 from qmpprof.linux.symbols import parse_symbol_map
@@ -92,6 +94,75 @@ def section_span(image: ElfImage, name: str) -> tuple[int, int]:
     return header.offset, header.offset + header.size
 
 
+def headers_span(elf: bytes) -> tuple[int, int]:
+    """Where an ELF64's section header table is."""
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    return shoff, shoff + shentsize * shnum
+
+
+def test_damaged_elf_files(guest_build: None) -> None:
+    """The bundled guest's kernel (symbols, .eh_frame, DWARF lines): its headers, section
+    headers and those sections damaged, then read as a sample reads them."""
+    data = (BUILD / "cfi" / "kernel.elf").read_bytes()
+    image = ElfImage.from_bytes("kernel.elf", data)
+    names = (".symtab", ".strtab", ".eh_frame", ".debug_line", ".debug_info", ".shstrtab")
+    spans = [(0, 64), headers_span(data), *(section_span(image, name) for name in names)]
+    pcs = range(image.text_addr, image.text_addr + image.text_size, 211)
+    cases = Cases("elf")
+    for _ in range(250):
+        damaged = cases.mutator.mutate(data, cases.rng.choice(spans), edits=6)
+
+        def read(damaged: bytes = damaged) -> None:
+            elf = ElfImage.from_bytes("kernel.elf", damaged)
+            elf.prepare()
+            for pc in pcs:
+                elf.symbols.lookup(pc)
+                if elf.cfi is not None:
+                    elf.cfi.row_for(pc)
+            if elf.lines is not None:
+                elf.lines.frames(pcs[len(pcs) // 2])
+
+        cases.run(read)
+    cases.verdict(250)
+
+
+def kallsyms_span(kernel: LinuxKernel) -> tuple[int, int]:
+    """The file offsets of the kallsyms tables in the image's .rodata (names to offsets)."""
+    rodata = kernel.image.section_header(".rodata")
+    first, last = kernel.address("kallsyms_num_syms"), kernel.address("kallsyms_relative_base")
+    assert rodata is not None and first is not None and last is not None
+    return rodata.offset + first - rodata.addr, rodata.offset + last + 8 - rodata.addr
+
+
+def test_damaged_kallsyms_tables(kernel: LinuxKernel) -> None:
+    """The image's kallsyms tables damaged, found and decoded as a load does (1.7 s each: the
+    tables are searched for in all of .rodata when they do not check out)."""
+    data = vmlinux_bytes((linuxkernel.linux_dir("6.12") / "vmlinuz").read_bytes())
+    span = kallsyms_span(kernel)
+    cases = Cases("kallsyms")
+    for _ in range(6):
+        damaged = cases.mutator.mutate(data, span, edits=12)
+        cases.run(lambda damaged=damaged: read_kallsyms(ElfImage.from_bytes("vmlinux", damaged)))
+    cases.verdict(6)
+
+
+def test_damaged_images_load_as_one_error(kernel: LinuxKernel, tmp_path: Path) -> None:
+    """Whole loads (``LinuxKernel.load``, 0.7 s each) of a vmlinux damaged in its headers, its
+    section headers, its ORC tables, BTF or kallsyms: loaded, or one ElfError."""
+    data = vmlinux_bytes((linuxkernel.linux_dir("6.12") / "vmlinuz").read_bytes())
+    image = kernel.image
+    spans = [(0, 64), headers_span(data), kallsyms_span(kernel),
+             *(section_span(image, name) for name in (".orc_unwind_ip", ".orc_unwind")),
+             (section_span(image, ".BTF")[0], section_span(image, ".BTF")[0] + 24)]  # fmt: skip
+    cases = Cases("load")
+    path = tmp_path / "vmlinux"
+    for at in range(12):
+        path.write_bytes(cases.mutator.mutate(data, spans[at % len(spans)], edits=4))
+        cases.run(lambda: LinuxKernel.load(path))
+    cases.verdict(12)
+
+
 def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) -> None:
     """The records of the structures a run reads (task, module, mm, maple tree), damaged with
     the index of the undamaged section, as a cached load has it; then the layouts as a run
@@ -105,14 +176,14 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
         start = btf.index.starts[found.id]
         spans.append((start, start + 12 + 12 * found.vlen))
     cases = Cases("btf-layouts")
-    for _ in range(700):
+    for _ in range(400):
         damaged = cases.mutator.mutate(data, cases.rng.choice(spans), edits=6)
 
         def layouts(damaged: bytes = damaged) -> None:
             Layouts.of(replace(kernel, btf=Btf(damaged, btf.index)))
 
         cases.run(layouts, allowed=(BtfError,))  # Btf(...) itself: kernel._btf's note
-    cases.verdict(700)
+    cases.verdict(400)
 
 
 def every_type(btf: Btf) -> None:
@@ -173,7 +244,7 @@ def test_damaged_orc_tables(kernel: LinuxKernel) -> None:
     ips, entries = ips[: 4 * 2000], entries[: 6 * 2000]
     starts = list(kernel.functions.starts[:3000])
     cases = Cases("orc")
-    for _ in range(400):
+    for _ in range(300):
         damaged_ips = cases.mutator.mutate(ips) if cases.rng.randrange(2) else ips
         damaged = cases.mutator.mutate(entries, edits=20)
         image = Sections("vmlinux", {".orc_unwind_ip": (ip_addr, damaged_ips),
@@ -188,7 +259,7 @@ def test_damaged_orc_tables(kernel: LinuxKernel) -> None:
                     table.lookup(pc)
 
         cases.run(read)
-    cases.verdict(400)
+    cases.verdict(300)
 
 
 def test_damaged_symbol_maps(kernel: LinuxKernel) -> None:
@@ -262,7 +333,7 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
     layouts, old = Layouts.of(kernel), Layouts.of(kernel_510)
     assert layouts.tasks and layouts.modules and layouts.vmas and old.vmas
     assert layouts.vmas.maple and not old.vmas.maple
-    for cases, memory in memory_cases("guest-memory", 250):
+    for cases, memory in memory_cases("guest-memory", 200):
 
         async def walks(memory: GuestMemory = memory) -> None:
             read, start = memory.read, memory.pointer()
