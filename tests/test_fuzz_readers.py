@@ -1,14 +1,16 @@
 """The seeded fuzz test of the readers of untrusted bytes: thousands of damaged kernel images,
-BTF and ORC sections, symbol maps, vmcoreinfo texts, cache entries and guest memories, built
-from Debian's 6.12 and 5.10 images and from synthetic inputs. Each reader either reads the
-damage, ignores it where it promises to (the cache), or raises the project's own error; any
-other exception fails the case, and the report names the seed that found it (run it again
-with QMPPROF_FUZZ_SEED=N). The walks of guest memory must end (``fuzzing.READ_LIMIT``)."""
+BTF and ORC sections, symbol maps, vmcoreinfo texts, cache entries, pprof profiles and guest
+memories, built from Debian's 6.12 and 5.10 images and from synthetic inputs. Each reader
+either reads the damage, ignores it where it promises to (the cache), or raises the project's
+own error; any other exception fails the case, and the report names the seed that found it
+(run it again with QMPPROF_FUZZ_SEED=N). The walks of guest memory must end
+(``fuzzing.READ_LIMIT``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import random
 import struct
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ import pytest
 from fuzzing import GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
 from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
+from test_report_pprof import run_like_profile
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
@@ -38,6 +41,9 @@ from qmpprof.linux.kallsyms import read_kallsyms
 from qmpprof.linux.kernel import LinuxKernel, _orc
 from qmpprof.linux.orc import numbering
 from qmpprof.linux.symbols import parse_symbol_map
+from qmpprof.naming import Naming
+from qmpprof.output import native
+from qmpprof.output.pprof import encode
 
 SEED = seed()
 KERNEL_HALF = 0xFFFF_8880_0000_0000  # the direct map: where task and module structs live
@@ -348,3 +354,17 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
             await read_vmcoreinfo(read, kernel, 0)
 
         cases.run(lambda walks=walks: asyncio.run(walks()))
+
+
+def test_damaged_pprof_profiles(tmp_path: Path) -> None:
+    """A run's pprof (as report and diff read it), damaged before and after gzip."""
+    data = encode(run_like_profile(), Naming())
+    cases = Cases("pprof")
+    path = tmp_path / "run.pb.gz"
+    for _ in range(600):
+        damaged = gzip.compress(cases.mutator.mutate(data, edits=6), mtime=0)
+        if cases.rng.randrange(8) == 0:
+            damaged = cases.mutator.mutate(damaged, edits=2)
+        path.write_bytes(damaged)
+        cases.run(lambda: native.load(path).named_counts(Naming()))
+    cases.verdict(600)

@@ -17,6 +17,7 @@ sample type (``samples``/``count`` when it has one).
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ _UPPER_HALF = 1 << 63
 _I386_KERNEL = 0xC000_0000
 _PID_LABEL = re.compile(r"(.*) \(pid (\d+)\)")
 _SPACE_LABEL = re.compile(r"(?:(.*) \()?(\w+)=0x([0-9a-f]+)\)?")
-_NO_SYMBOL = re.compile(r"(\[unknown\]|0x[0-9a-f]+)( \[.*\])?(_\[i\])?")
+# How pprof.py names a frame no symbol covers: [unknown] or its address, then the module's
+# name where it has a file (a kernel module's is the mapping's own, bracketed).
+_NO_SYMBOL = re.compile(r"(?:\[unknown\]|0x[0-9a-f]+)(?: \[(.*?)(?:\+0x[0-9a-f]+)?\])?(?:_\[i\])?")
 _MAX_SAMPLES = 50_000_000  # counts summed: more is damage, not a profile
 
 
@@ -137,7 +140,7 @@ def decode(data: bytes) -> Profile:
     profile = Profile(interval_ms, facts)
     addresses = [address for _, address, _ in raw.locations.values()]
     boundary = _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
-    mappings = _mappings(raw, boundary)
+    mappings = _mappings(raw, boundary, _module_names(raw))
     stacks = [_stack(raw, mappings, boundary, ids, labels) for ids, _, labels in raw.samples]
     counts = [values[column] if column < len(values) else 0 for _, values, _ in raw.samples]
     if sum(counts) > _MAX_SAMPLES:
@@ -219,20 +222,29 @@ def _location(data: bytes) -> tuple[int, tuple[int, int, list[tuple[int, int]]]]
     return location_id, (mapping_id, address, lines)
 
 
-def _mappings(raw: _Raw, boundary: int) -> dict[int, Mapping]:
+def _module_names(raw: _Raw) -> dict[int, str]:
+    """The name frames give each mapping's code, where a frame no symbol covers shows it (a
+    mapping written with its file's path: ``[unknown] [libc.so.6]``)."""
+    out: dict[int, str] = {}
+    for mapping_id, _, lines in raw.locations.values():
+        for function_id, _ in lines:
+            name = raw.string(raw.functions.get(function_id, (0, 0))[0])
+            found = _NO_SYMBOL.fullmatch(name)
+            if mapping_id and found is not None and found[1] is not None:
+                out.setdefault(mapping_id, found[1])
+    return out
+
+
+def _mappings(raw: _Raw, boundary: int, names: dict[int, str]) -> dict[int, Mapping]:
+    """Mappings by id: bracketed names are names (a kernel module, code known by its range),
+    other names are paths, and their code is named by the file's name."""
     out = {}
     for mapping_id, (start, limit, offset, file_index, build_id) in raw.mappings.items():
-        name = raw.string(file_index) or f"{start:#x}"
-        bracketed = name.startswith("[")
+        written = raw.string(file_index) or f"[{start:#x}]"
+        path = None if written.startswith("[") else written
+        name = names.get(mapping_id, written if path is None else posixpath.basename(path))
         out[mapping_id] = Mapping(
-            name,
-            start,
-            limit,
-            start >= boundary,
-            0,
-            None if bracketed else name,
-            raw.string(build_id) or None,
-            offset,
+            name, start, limit, start >= boundary, 0, path, raw.string(build_id) or None, offset
         )
     return out
 
