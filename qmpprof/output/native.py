@@ -23,7 +23,7 @@ from qmpprof.profile import Profile
 
 KIND = "qmpprof-profile"
 VERSION = 1
-MAX_PROFILE = 1 << 30  # a profile unpacked: larger is damage (a day at 1 kHz is ~100 MB)
+MAX_PROFILE = 4 << 30  # a profile unpacked: larger is damage (~16 bytes a sample: 250 million)
 
 
 def render(profile: Profile, naming: Naming) -> bytes:
