@@ -126,9 +126,13 @@ def _bounded(pieces: Iterator[bytes]) -> bytes:
 
 def _gzip(payload: bytes) -> Iterator[bytes]:
     unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    yield unpacker.decompress(payload, _STEP)
-    while unpacker.unconsumed_tail and not unpacker.eof:
-        yield unpacker.decompress(unpacker.unconsumed_tail, _STEP)
+    data = payload
+    while not unpacker.eof:
+        piece = unpacker.decompress(data, _STEP)
+        data = unpacker.unconsumed_tail
+        if not piece and not data:
+            break  # nothing more comes of the input: it ended early
+        yield piece
     _check_end(unpacker.eof)
 
 
