@@ -142,19 +142,19 @@ def kallsyms_span(kernel: LinuxKernel) -> tuple[int, int]:
 
 
 def test_damaged_kallsyms_tables(kernel: LinuxKernel) -> None:
-    """The image's kallsyms tables damaged, found and decoded as a load does (1.7 s each: the
-    tables are searched for in all of .rodata when they do not check out)."""
+    """The image's kallsyms tables damaged, found and decoded as a load does (2 to 6 s each:
+    the tables are searched for in all of .rodata when they do not check out)."""
     data = vmlinux_bytes((linuxkernel.linux_dir("6.12") / "vmlinuz").read_bytes())
     span = kallsyms_span(kernel)
     cases = Cases("kallsyms")
-    for _ in range(6):
+    for _ in range(3):
         damaged = cases.mutator.mutate(data, span, edits=12)
         cases.run(lambda damaged=damaged: read_kallsyms(ElfImage.from_bytes("vmlinux", damaged)))
-    cases.verdict(6)
+    cases.verdict(3)
 
 
 def test_damaged_images_load_as_one_error(kernel: LinuxKernel, tmp_path: Path) -> None:
-    """Whole loads (``LinuxKernel.load``, 0.7 s each) of a vmlinux damaged in its headers, its
+    """Whole loads (``LinuxKernel.load``, 1 to 3 s each) of a vmlinux damaged in its headers, its
     section headers, its ORC tables, BTF or kallsyms: loaded, or one ElfError."""
     data = vmlinux_bytes((linuxkernel.linux_dir("6.12") / "vmlinuz").read_bytes())
     image = kernel.image
@@ -163,10 +163,10 @@ def test_damaged_images_load_as_one_error(kernel: LinuxKernel, tmp_path: Path) -
              (section_span(image, ".BTF")[0], section_span(image, ".BTF")[0] + 24)]  # fmt: skip
     cases = Cases("load")
     path = tmp_path / "vmlinux"
-    for at in range(12):
+    for at in range(8):
         path.write_bytes(cases.mutator.mutate(data, spans[at % len(spans)], edits=4))
         cases.run(lambda: LinuxKernel.load(path))
-    cases.verdict(12)
+    cases.verdict(8)
 
 
 def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) -> None:
