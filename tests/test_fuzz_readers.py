@@ -38,6 +38,7 @@ from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
+from qmpprof.linux.kaslr import GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel, _orc
 from qmpprof.linux.orc import numbering
 from qmpprof.linux.symbols import parse_symbol_map
@@ -334,8 +335,9 @@ def memory_cases(name: str, count: int) -> Iterator[tuple[Cases, GuestMemory]]:
 
 
 def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: LinuxKernel) -> None:
-    """Tasks, modules, mappings (the maple tree of 6.12, the list of 5.10), page tables and
-    vmcoreinfo, read from memory whose pointers loop: every walk ends, nothing escapes."""
+    """Tasks, modules, mappings (the maple tree of 6.12, the list of 5.10), page tables,
+    vmcoreinfo and the IDT's gates, read from memory whose pointers loop: every walk ends,
+    nothing escapes."""
     layouts, old = Layouts.of(kernel), Layouts.of(kernel_510)
     assert layouts.tasks and layouts.modules and layouts.vmas and old.vmas
     assert layouts.vmas.maple and not old.vmas.maple
@@ -352,6 +354,9 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
             tables = PageTables(read, DIRECT_MAP_4)
             await tables.physical(memory.pointer(), memory.rng.getrandbits(47))
             await read_vmcoreinfo(read, kernel, 0)
+            (idt,) = await read([(memory.pointer(), 256 * GATE.size)])
+            if idt is not None:  # the KASLR vote over the gates it holds
+                slide_from_gates(decode_idt(idt), kernel.symbols, X86_64.shared_from)
 
         cases.run(lambda walks=walks: asyncio.run(walks()))
 
