@@ -196,7 +196,7 @@ def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampl
         return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path)
     if name == "qmpprof-qmp":
         return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path, transport="qmp")
-    return QmpprofSampler(name, fixture.kernel, user_dir, gdb=guest.gdb_address)
+    return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path, gdb=guest.gdb_address)
 
 
 async def measure(
