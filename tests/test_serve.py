@@ -191,7 +191,7 @@ def test_metrics_are_prometheus_text_with_every_family() -> None:
 
 @contextmanager
 def board_server(*vms: Vm) -> Iterator[str]:
-    board = Board(window=60, interval_ms=10.0, naming=Naming(), vms=vms)
+    board = Board(window=60, naming=Naming(), vms=vms)
     server = listen("127.0.0.1", 0, board)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

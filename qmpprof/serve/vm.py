@@ -10,6 +10,13 @@ statistics are taken out of it into the ring (``Ring.push``) and the totals, so 
 with the uptime; ``request_stop`` ends a run after the tick in progress, so the guest is never
 left stopped. A VM that is not there (no socket, nobody listening, QEMU killed) is "down" and
 tried again every RETRY seconds.
+
+Each VM has its own run: the command line's, with its ``--config`` table applied, and with the
+``NAME.toml`` beside its socket read again at each connection (a bad one leaves the VM down,
+the reason shown). The files of a run load in a thread of their own (a kernel takes a second
+or two), so that the other VMs' ticks go on; VMs with the same kernel share one load (the
+guest OSes keep what they loaded). Under a budget the sampler lengthens the interval when
+pauses cost more; the interval in force is kept here for the pages.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qmpprof import session
 from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.serve.config import read_beside
 from qmpprof.serve.ring import Ring, Second
-from qmpprof.session import Run, RunSpec, start
+from qmpprof.session import Run, RunSpec
 from qmpprof.stats import SamplerStats
 
 RETRY = 1.0  # seconds between connection attempts, and between looks at a paused guest
@@ -59,11 +68,17 @@ class Live:
 class Vm:
     """One followed VM: its ring, its totals since serve started, and whether it is up."""
 
-    def __init__(self, name: str, socket: Path, spec: RunSpec, window: int) -> None:
+    def __init__(
+        self, name: str, socket: Path, spec: RunSpec, window: int, beside: Path | None = None
+    ) -> None:
+        """``spec``: this VM's run but for its socket; ``beside``: a NAME.toml that may be
+        there, read at each connection."""
         self.name = name
         self.socket = socket
-        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
-        self.spec = dataclasses.replace(spec, qmp_socket=socket, sampling=sampling)
+        self.base = spec
+        self.beside = beside
+        self.spec = self._spec(spec)
+        self.interval = self.spec.sampling.interval  # in force (seconds of guest run time)
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
@@ -76,6 +91,20 @@ class Vm:
         self._stopping = asyncio.Event()
         self._sampler: Run | None = None
         self._since = time.monotonic()  # start of the second being collected
+
+    def _spec(self, spec: RunSpec) -> RunSpec:
+        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
+        return dataclasses.replace(spec, qmp_socket=self.socket, sampling=sampling)
+
+    def settings(self) -> RunSpec:
+        """This VM's run now: the NAME.toml beside its socket read again, if there is one."""
+        if self.beside is None or not self.beside.exists():
+            return self._spec(self.base)
+        return self._spec(read_beside(self.beside).apply(self.base))
+
+    @property
+    def budget(self) -> float | None:
+        return self.spec.sampling.max_overhead
 
     @property
     def up(self) -> bool:
@@ -108,8 +137,12 @@ class Vm:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _session(self) -> None:
-        await _listening(self.socket)  # cheap: start() loads the ELF files first
-        sampler = await start(self.spec, on_tick=self._on_tick)
+        self.spec = spec = self.settings()
+        await _listening(self.socket)  # cheap: the files load first
+        guest = await asyncio.to_thread(session.load, spec)
+        connection = await session.attach(guest, await session.connect(spec))
+        sampler = session.sampler(spec, guest, connection.transport, self._on_tick)
+        self.interval = sampler.interval
         try:
             self._sampler = sampler
             self.connects += 1
@@ -139,6 +172,7 @@ class Vm:
         if stats.errors:
             self.problem = stats.errors.most_common(1)[0][0]
         since, self._since = self._since, now
+        self.interval = sampler.interval
         if not keep or not (stats.pauses or len(profile)):
             return
         second = self.ring.push(
