@@ -177,7 +177,9 @@ def serving(*args: str) -> Iterator[Served]:
 def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_path: Path) -> None:
     """Linux 6.12 and 6.1 each boot the test guest; serve follows both from one TOML file:
     "new" at 20 ms without a budget, "old" at the default budget of 1 %. Each VM's stacks are
-    whole (its own kernel loaded); the budget lengthens old's interval and holds its share."""
+    whole in its kernel (its own kernel loaded; the guest's busybox has no .eh_frame, so 1-3 %
+    of its stacks stop in user code whatever the kernel); the budget lengthens old's interval
+    and holds its share."""
     with (
         running_linux_guest(tmp_path, kernel=linux_dir("6.12") / "vmlinuz", dump_kallsyms=False)
         as new,
@@ -189,27 +191,41 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
             f'[vm.new]\nsocket = "{new.qmp_socket}"\nkernel = "{linux_dir("6.12")}/vmlinuz"\n'
             f'interval = 20\nmax_overhead = "none"\nuser_dir = "{ROOTFS}"\n\n'
             f'[vm.old]\nsocket = "{old.qmp_socket}"\nkernel = "{linux_dir("6.1")}/vmlinuz"\n'
+            f'user_dir = "{ROOTFS}"\n'
         )
         with serving("--config", str(config), "--interval", "20") as served:
             samples = lambda: served.per_vm("qmpprof_samples_total")  # noqa: E731
-            wait_until("200 samples of each", lambda: min(samples().values(), default=0) >= 200,
+            wait_until("200 samples of new, 20 of old",
+                       lambda: samples().get("new", 0) >= 200 and samples().get("old", 0) >= 20,
                        timeout=150)  # fmt: skip
             metrics = served.metrics()
             code, err = served.stop()
         assert code == 0, err
     one = lambda name, vm: metrics[name][(("vm", vm),)]  # noqa: E731
+    print({name: dict(values) for name, values in metrics.items() if "bucket" not in name})
     for vm in ("new", "old"):
         assert one("qmpprof_errors_total", vm) <= 0.01 * one("qmpprof_samples_total", vm)
-        assert one("qmpprof_truncated_total", vm) <= 0.01 * one("qmpprof_samples_total", vm), vm
+        whole = one("qmpprof_samples_total", vm) - one("qmpprof_truncated_in_kernel_total", vm)
+        assert whole >= 0.99 * one("qmpprof_samples_total", vm), vm
+        assert one("qmpprof_truncated_total", vm) <= 0.05 * one("qmpprof_samples_total", vm), vm
     assert one("qmpprof_interval_seconds", "new") == 0.02
     assert ("vm", "new") not in {k[0] for k in metrics["qmpprof_overhead_budget_ratio"]}
     assert one("qmpprof_overhead_budget_ratio", "old") == 0.01
-    # Old's pauses cost more than 1 % at 20 ms: its interval in force grew, its share did not.
-    assert one("qmpprof_interval_seconds", "old") > 0.1
+    # Old's pauses cost more than 1 % at 20 ms: its interval in force grew, and its share of
+    # the time stopped (serve's, from its own pauses) is held near the budget, unless the
+    # pauses outgrow what the longest interval (5 s) fits in it: then the interval is there.
+    interval = one("qmpprof_interval_seconds", "old")
     pause_old = one("qmpprof_pause_seconds_sum", "old") / one("qmpprof_pause_seconds_count", "old")
-    assert pause_old / (pause_old + 0.02) > 0.02  # what 20 ms would have cost
-    assert one("qmpprof_stopped_ratio", "old") <= 0.015
-    assert one("qmpprof_stopped_ratio", "new") > 2 * one("qmpprof_stopped_ratio", "old")
+    assert interval > 0.1 and pause_old / (pause_old + 0.02) > 0.01
+    stopped = {
+        vm: one("qmpprof_pause_seconds_sum", vm) / one("qmpprof_sampled_seconds_total", vm)
+        for vm in ("new", "old")
+    }
+    if interval < 5.0:
+        assert stopped["old"] <= 0.015  # 0.9 % aimed at; the first ticks came at 20 ms
+    else:
+        assert pause_old > 0.009 * 5.0
+    assert stopped["new"] > 2 * stopped["old"]
 
 
 def free_port() -> int:

@@ -29,6 +29,8 @@ from qmpprof.serve.daemon import ServeConfig, serve
 from qmpprof.session import RunSpec
 
 DEFAULT_LISTEN = "127.0.0.1:6060"
+# The longest interval the budget may ask for: pauses of up to 45 ms still fit in 1 %.
+MAX_INTERVAL = 5.0
 MAX_WINDOW = 86400
 
 
@@ -59,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
              "%(default)g ms)")  # fmt: skip
     add("--max-overhead", metavar="PCT", default="1",
         help="keep each guest stopped at most PCT %% of the wall time: its interval lengthens "
-             "when pauses cost more, up to 1 s (default %(default)s; 0 or none: no budget, "
+             "when pauses cost more, up to 5 s (default %(default)s; 0 or none: no budget, "
              "every --interval)")  # fmt: skip
     add("--window", metavar="SECONDS", type=int, default=300,
         help="how many seconds of profile to keep per VM (default %(default)s)")  # fmt: skip
@@ -88,6 +90,7 @@ def parse(args: list[str]) -> ServeConfig:
             kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),
             max_overhead=parse_overhead(ns.max_overhead),
+            max_interval=MAX_INTERVAL,
         ),
     )
     sockets = with_configured(parse_sockets(ns.qmp_socket), settings)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +28,13 @@ from qmpprof.interrupts import interrupts
 from qmpprof.naming import Naming
 from qmpprof.serve.config import VmSettings
 from qmpprof.serve.endpoints import Board, listen
-from qmpprof.serve.vm import Vm
+from qmpprof.serve.vm import Vm, in_thread
 from qmpprof.session import RunSpec, load
 
 RESCAN = 1.0  # seconds between looks at --qmp-dir
+# The most a VM's thread waits for the interpreter while another thread computes (Python's
+# default is 5 ms): a reply for a stopped VM is read within it.
+SWITCH = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +58,13 @@ class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.board = Board(config.window, config.naming)
-        self.tasks: dict[str, tuple[Vm, asyncio.Task[None]]] = {}
-        self.leaving: set[asyncio.Task[None]] = set()  # dropped VMs finishing their tick
+        self.tasks: dict[str, tuple[Vm, asyncio.Future[None]]] = {}  # each in its thread
+        self.leaving: set[asyncio.Future[None]] = set()  # dropped VMs finishing their tick
         self.stopping = asyncio.Event()
 
     def add(self, name: str, socket: Path, beside: Path | None = None) -> None:
         vm = Vm(name, socket, self.config.spec_of(name), self.config.window, beside)
-        self.tasks[name] = (vm, asyncio.create_task(vm.follow(), name=f"vm {name}"))
+        self.tasks[name] = (vm, in_thread(vm))
         self._publish()
 
     def drop(self, name: str) -> None:
@@ -96,6 +100,8 @@ class Daemon:
             raise UsageError(f"cannot listen on {where}: {err.strerror or err}") from None
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH)
         try:
             with interrupts(self.stopping.set):
                 try:
@@ -115,6 +121,7 @@ class Daemon:
                         vm.stop()
                     await asyncio.gather(*(task for _, task in self.tasks.values()), *self.leaving)
         finally:
+            sys.setswitchinterval(switch)
             await asyncio.to_thread(server.shutdown)
             server.server_close()
         return 0

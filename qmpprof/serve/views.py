@@ -71,6 +71,11 @@ def metrics(vms: Sequence[Vm]) -> str:
         ("qmpprof_samples_total", "vCPU samples taken", "samples_total"),
         ("qmpprof_errors_total", "samples that failed (counted, not raised)", "errors_total"),
         ("qmpprof_truncated_total", "samples whose stack walk stopped early", "truncated_total"),
+        (
+            "qmpprof_truncated_in_kernel_total",
+            "samples whose stack walk stopped early at a kernel frame",
+            "truncated_in_kernel_total",
+        ),
     ):
         family(name, "counter", about)
         out += [f"qmpprof_{name[8:]}{_labels(vm)} {getattr(vm, attr)}" for vm in vms]
@@ -84,6 +89,12 @@ def metrics(vms: Sequence[Vm]) -> str:
             out.append(f"qmpprof_pause_seconds_bucket{_labels(vm, le=le)} {running}")
         out.append(f"qmpprof_pause_seconds_sum{_labels(vm)} {total:.6f}")
         out.append(f"qmpprof_pause_seconds_count{_labels(vm)} {running}")
+    family(
+        "qmpprof_sampled_seconds_total",
+        "counter",
+        "wall time the VM was sampled: pause_seconds_sum over it is its stopped share",
+    )
+    out += [f"qmpprof_sampled_seconds_total{_labels(vm)} {vm.sampled_seconds:.3f}" for vm in vms]
     lives = [(vm, vm.live()) for vm in vms]
     family("qmpprof_stopped_ratio", "gauge", f"share of the last {LIVE} s the guest stood stopped")
     out += [f"qmpprof_stopped_ratio{_labels(vm)} {live.stopped:.6f}" for vm, live in lives]

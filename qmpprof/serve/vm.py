@@ -13,10 +13,11 @@ tried again every RETRY seconds.
 
 Each VM has its own run: the command line's, with its ``--config`` table applied, and with the
 ``NAME.toml`` beside its socket read again at each connection (a bad one leaves the VM down,
-the reason shown). The files of a run load in a thread of their own (a kernel takes a second
-or two), so that the other VMs' ticks go on; VMs with the same kernel share one load (the
-guest OSes keep what they loaded). Under a budget the sampler lengthens the interval when
-pauses cost more; the interval in force is kept here for the pages.
+the reason shown). Each VM follows in a thread and event loop of its own (``in_thread``): its
+pauses do not wait for the other VMs' work, and loading its kernel (a second or two) holds up
+no other VM; VMs with the same kernel share one load (the guest OSes keep what they loaded).
+Under a budget the sampler lengthens the interval when pauses cost more; the interval in force
+is kept here for the pages.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import bisect
 import contextlib
 import dataclasses
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +88,13 @@ class Vm:
         self.samples_total = 0
         self.errors_total = 0
         self.truncated_total = 0
+        self.truncated_in_kernel_total = 0
         self.pause_counts = [0] * (len(PAUSE_BUCKETS) + 1)  # per bucket, the last is +Inf
         self.pause_sum = 0.0
-        self._stopping = asyncio.Event()
+        self.sampled_seconds = 0.0  # wall time the ring's seconds spanned, since serve started
+        self._asked = threading.Event()  # stop() was called, from any thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # follow()'s, once it runs
+        self._stopping = asyncio.Event()  # the same, in follow()'s loop
         self._sampler: Run | None = None
         self._since = time.monotonic()  # start of the second being collected
 
@@ -115,13 +121,24 @@ class Vm:
 
     def stop(self) -> None:
         """End following: the sampler stops after its tick in progress (safe to call any
-        time from the event loop)."""
+        time, from any thread)."""
+        self._asked.set()
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # follow() ended and its loop closed
+                loop.call_soon_threadsafe(self._stop_here)
+
+    def _stop_here(self) -> None:
         self._stopping.set()
         if self._sampler is not None:
             self._sampler.request_stop()
 
     async def follow(self) -> None:
         """Sessions one after the other, until ``stop``."""
+        self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if self._asked.is_set():
+            self._stopping.set()
         while not self._stopping.is_set():
             try:
                 await self._session()
@@ -139,7 +156,7 @@ class Vm:
     async def _session(self) -> None:
         self.spec = spec = self.settings()
         await _listening(self.socket)  # cheap: the files load first
-        guest = await asyncio.to_thread(session.load, spec)
+        guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
         sampler = session.sampler(spec, guest, connection.transport, self._on_tick)
         self.interval = sampler.interval
@@ -179,11 +196,36 @@ class Vm:
             profile, since, now, ticks=stats.ticks, errors=errors, pauses=stats.pauses
         )
         self.samples_total += second.samples
+        self.sampled_seconds += second.end - second.start
         self.truncated_total += second.truncated
+        self.truncated_in_kernel_total += second.truncated_in_kernel
         self.errors_total += errors
         for pause in stats.pauses:
             self.pause_counts[bisect.bisect_left(PAUSE_BUCKETS, pause)] += 1
             self.pause_sum += pause
+
+
+def in_thread(vm: Vm) -> asyncio.Future[None]:
+    """``vm.follow()`` in a thread and event loop of its own; done (in the calling loop) when
+    it ends. Why a thread per VM: in one event loop, a VM stood stopped while the loop did the
+    other VMs' work (walking and naming their stacks, their housekeeping); in threads, the
+    interpreter switches to the stopped VM's thread within ``sys.getswitchinterval()``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def run() -> None:
+        try:
+            asyncio.run(vm.follow())
+        finally:
+            with contextlib.suppress(RuntimeError):  # serve's own loop is gone
+                loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name=f"vm {vm.name}", daemon=True).start()
+    return done
 
 
 async def _listening(socket: Path) -> None:
