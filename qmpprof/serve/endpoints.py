@@ -105,7 +105,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _flamegraph(self, query: dict[str, list[str]]) -> tuple[str, bytes]:
         vm, seconds = self.board.pick(query), self.board.seconds(query)
-        picked = vm.ring.last(seconds)
+        # By time, not by entry: under a budget one entry of the ring spans an interval (5 s at
+        # most) when that is longer than a second.
+        since = time.monotonic() - seconds
+        picked = [s for s in vm.ring.last(seconds) if s.end > since]
         return "image/svg+xml", render(self._profile(vm, picked, seconds), "svg", self.board.naming)
 
     def _pprof(self, query: dict[str, list[str]]) -> tuple[str, bytes]:
