@@ -272,8 +272,11 @@ class Served:
 
 @contextmanager
 def serving(guest: Guest, *args: str) -> Iterator[Served]:
+    # These tests count on samples coming at --interval: no overhead budget (test_serve_fleet.py
+    # has the budget's).
     argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0"]
-    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir), *args]
+    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+    argv += ["--max-overhead", "none", *args]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
