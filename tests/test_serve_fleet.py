@@ -143,6 +143,24 @@ def test_the_budget_and_the_interval_in_force_are_on_the_pages() -> None:
     assert "<td>200</td>" in page and "<td>1.00%</td>" in page and "<td>none</td>" in page
 
 
+def test_walks_stopped_in_kernel_code_are_told_from_those_stopped_in_user_code() -> None:
+    from fakes import named_sample
+
+    from qmpprof.profile import Profile
+    from qmpprof.serve.ring import Ring
+
+    profile = Profile()
+    for names in (
+        ("kernel", "[truncated]", "page_fault_[k]"),  # a kernel walk cut short
+        ("sh (pid 3)", "[truncated]", "main", "sys_read_[k]"),  # out of the kernel, no user CFI
+        ("sh (pid 3)", "[truncated]", "main"),
+        ("sh (pid 3)", "_start", "main", "sys_read_[k]"),  # whole
+    ):
+        profile.add(named_sample(names))
+    second = Ring(2).push(profile, 0.0, 1.0, ticks=4, errors=0, pauses=[0.001] * 4)
+    assert (second.samples, second.truncated, second.truncated_in_kernel) == (4, 3, 1)
+
+
 # ---- against real QEMUs ---------------------------------------------------------------------
 
 
