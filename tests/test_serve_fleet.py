@@ -246,6 +246,41 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
     assert stopped["new"] > 2 * stopped["old"]
 
 
+@pytest.mark.qemu
+def test_a_vm_of_the_socket_dir_takes_its_name_toml(tmp_path: Path) -> None:
+    """serve's flags name no kernel; vm7.toml beside the socket gives the bundled guest's, its
+    interval and no budget. A bad one leaves the VM down, the reason on the index page."""
+    watched = Path(tempfile.mkdtemp(prefix="qg-toml-", dir="/tmp"))
+    try:
+        with (
+            running_guest(tmp_path, "cfi", 1) as guest,
+            serving("--qmp-dir", str(watched)) as served,
+        ):
+            (watched / "bad.toml").write_text("interval = 'fast'\n")
+            (watched / "bad").symlink_to(guest.qmp_socket)
+            wait_until(
+                "bad is shown down", lambda: b"bad.toml: interval: a positive" in get(served.url)[2]
+            )
+            (watched / "bad").unlink()
+            (watched / "vm7.toml").write_text(
+                f'kernel = "{guest.kernel_elf}"\nuser_dir = "{guest.user_dir}"\n'
+                'interval = 20\nmax_overhead = "none"\n'
+            )
+            (watched / "vm7").symlink_to(guest.qmp_socket)
+            samples = lambda: served.per_vm("qmpprof_samples_total").get("vm7", 0)  # noqa: E731
+            wait_until("vm7 sampled", lambda: samples() >= 50)
+            metrics = served.metrics()
+            code, err = served.stop()
+        assert code == 0, err
+    finally:
+        shutil.rmtree(watched, ignore_errors=True)
+    vm7 = (("vm", "vm7"),)
+    assert metrics["qmpprof_interval_seconds"][vm7] == 0.02
+    assert vm7 not in metrics.get("qmpprof_overhead_budget_ratio", {})
+    # The kernel ELF named in vm7.toml was loaded: the guest's kernel stacks walk whole.
+    assert metrics["qmpprof_truncated_total"][vm7] <= 0.01 * metrics["qmpprof_samples_total"][vm7]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
