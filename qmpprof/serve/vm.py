@@ -155,7 +155,7 @@ class Vm:
 
     async def _session(self) -> None:
         self.spec = spec = self.settings()
-        await _listening(self.socket)  # cheap: the files load first
+        await _listening(self.socket)  # cheap, before the files load
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
         sampler = session.sampler(spec, guest, connection.transport, self._on_tick)
