@@ -192,7 +192,7 @@ def test_metrics_are_prometheus_text_with_every_family() -> None:
 
 @contextmanager
 def board_server(*vms: Vm) -> Iterator[str]:
-    board = Board(window=60, interval_ms=10.0, naming=Naming(), vms=vms)
+    board = Board(window=60, naming=Naming(), vms=vms)
     server = listen("127.0.0.1", 0, board)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -273,8 +273,11 @@ class Served:
 
 @contextmanager
 def serving(guest: Guest, *args: str) -> Iterator[Served]:
+    # These tests count on samples coming at --interval: no overhead budget (test_serve_fleet.py
+    # has the budget's).
     argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0"]
-    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir), *args]
+    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+    argv += ["--max-overhead", "none", *args]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None

@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         nargs="?",
         const=600.0,
-        help="only qmpprof serve on two guests for SECONDS (default 600): RSS start and end",
+        help="only qmpprof serve on four Linux guests of two kernels for SECONDS (default "
+        "600): stopped share, truncated, RSS",
     )
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)
