@@ -143,6 +143,7 @@ class Sampler(Generic[Space, Raw]):
         self._housekeeping = housekeeping
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
+        self._woken: asyncio.Event | None = None  # set by request_stop: the wait ends at once
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
         self.interval = config.interval  # now: lengthened when pauses outgrow the budget
@@ -160,8 +161,11 @@ class Sampler(Generic[Space, Raw]):
         return taken
 
     def request_stop(self) -> None:
-        """End the run after the current tick (safe from a signal handler)."""
+        """End the run after the current tick, or now if it waits for the next one (safe from
+        a signal handler of the sampler's event loop)."""
         self._stop_requested = True
+        if self._woken is not None:
+            self._woken.set()
 
     async def run(self, *, one_shot: bool = False) -> RunOutcome:
         """Profile for the configured duration (or one tick). A paused guest is sampled once,
@@ -185,7 +189,7 @@ class Sampler(Generic[Space, Raw]):
         late = 0.0  # run time the last tick came late by: the next one comes that much sooner
         while self.stats.ticks < target and not self._stop_requested and not self._budget_done():
             interval = self._next_interval()
-            await self._sleep(max(0.0, interval - late - (self._clock() - resumed)))
+            await self._wait(max(0.0, interval - late - (self._clock() - resumed)))
             if self._stop_requested:
                 break
             ran = self._clock() - resumed
@@ -202,6 +206,19 @@ class Sampler(Generic[Space, Raw]):
             if not self._stop_requested:
                 await self._start_housework()
         return RunOutcome(True, tuple(last))
+
+    async def _wait(self, seconds: float) -> None:
+        """Sleep until the next tick, or less when a stop is requested meanwhile (an interval
+        the overhead budget lengthened may be seconds long)."""
+        if self._woken is None:
+            self._woken = asyncio.Event()
+        sleeping = asyncio.ensure_future(self._sleep(seconds))
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait((sleeping, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            woken.cancel()
 
     async def _start_housework(self) -> None:
         """Start the guest OS's housekeeping, unless the last one still runs, beside the sleep

@@ -465,6 +465,28 @@ async def test_request_stop_ends_after_the_current_tick() -> None:
     assert transport.calls[-1] == "cont"
 
 
+async def test_a_stop_requested_while_waiting_for_the_next_tick_ends_the_wait() -> None:
+    # An interval the overhead budget lengthened may be seconds long: a stop does not wait it out.
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    never = asyncio.Event()
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        KernelIdentifier(SPACE),
+        SamplerConfig(duration=3600.0, interval=600.0),
+        clock=transport.clock,
+        sleep=lambda seconds: never.wait(),
+    )
+    running = asyncio.ensure_future(sampler.run())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    sampler.request_stop()
+    outcome = await asyncio.wait_for(running, 5)
+    assert outcome.was_running and sampler.stats.ticks == 0
+    assert "stop" not in transport.calls
+
+
 async def test_a_cpu_mode_disagreeing_with_the_boundary_is_counted() -> None:
     r0, pages = kernel_cpu()
     odd = regs(0, r0.pc, rsp=r0.sp, rbp=r0.fp, cpl=3)
