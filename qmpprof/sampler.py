@@ -42,6 +42,9 @@ Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
 T = TypeVar("T")
 HOUSEWORK_GRACE = 1.0  # seconds the end of a run waits for housekeeping under way
+# Under a budget the intervals aim at this share of it: the stopped share then moves around
+# that aim with the pauses, and stays under the budget itself.
+HEADROOM = 0.9
 
 
 class StackUnwinder(Protocol[Space_contra, Raw]):
@@ -69,6 +72,9 @@ class SamplerConfig:
     # The most of the wall time the guest may stand stopped (a fraction): intervals lengthen
     # when pauses grow, and the run then ends by guest run time. None: no budget.
     max_overhead: float | None = None
+    # Under a budget, the longest interval it may ask for (seconds; never below ``interval``):
+    # pauses too long for the budget even then are let through, and the share shows it.
+    max_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.duration <= 0:
@@ -77,6 +83,8 @@ class SamplerConfig:
             raise UsageError("jitter must be a fraction in [0, 1)")
         if self.max_overhead is not None and not 0 < self.max_overhead < 1:
             raise UsageError("the overhead budget must be a fraction in (0, 1)")
+        if self.max_interval <= 0:
+            raise UsageError("the longest interval must be positive")
 
 
 @dataclass(slots=True)
@@ -135,10 +143,11 @@ class Sampler(Generic[Space, Raw]):
         self._housekeeping = housekeeping
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
+        self._woken: asyncio.Event | None = None  # set by request_stop: the wait ends at once
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
         self.interval = config.interval  # now: lengthened when pauses outgrow the budget
-        self._pause_avg = 0.0  # recent pauses, exponentially weighted
+        self._pause_avg: float | None = None  # recent pauses, exponentially weighted
         self.stats.requested_hz = 1 / config.interval
         self.stats.budget = config.max_overhead
 
@@ -152,8 +161,11 @@ class Sampler(Generic[Space, Raw]):
         return taken
 
     def request_stop(self) -> None:
-        """End the run after the current tick (safe from a signal handler)."""
+        """End the run after the current tick, or now if it waits for the next one (safe from
+        a signal handler of the sampler's event loop)."""
         self._stop_requested = True
+        if self._woken is not None:
+            self._woken.set()
 
     async def run(self, *, one_shot: bool = False) -> RunOutcome:
         """Profile for the configured duration (or one tick). A paused guest is sampled once,
@@ -177,7 +189,7 @@ class Sampler(Generic[Space, Raw]):
         late = 0.0  # run time the last tick came late by: the next one comes that much sooner
         while self.stats.ticks < target and not self._stop_requested and not self._budget_done():
             interval = self._next_interval()
-            await self._sleep(max(0.0, interval - late - (self._clock() - resumed)))
+            await self._wait(max(0.0, interval - late - (self._clock() - resumed)))
             if self._stop_requested:
                 break
             ran = self._clock() - resumed
@@ -194,6 +206,19 @@ class Sampler(Generic[Space, Raw]):
             if not self._stop_requested:
                 await self._start_housework()
         return RunOutcome(True, tuple(last))
+
+    async def _wait(self, seconds: float) -> None:
+        """Sleep until the next tick, or less when a stop is requested meanwhile (an interval
+        the overhead budget lengthened may be seconds long)."""
+        if self._woken is None:
+            self._woken = asyncio.Event()
+        sleeping = asyncio.ensure_future(self._sleep(seconds))
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait((sleeping, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            woken.cancel()
 
     async def _start_housework(self) -> None:
         """Start the guest OS's housekeeping, unless the last one still runs, beside the sleep
@@ -234,13 +259,19 @@ class Sampler(Generic[Space, Raw]):
 
     def _adapt(self) -> None:
         """Under a budget, the next interval is long enough that pause / (pause + interval)
-        stays within it, pauses being weighted towards the recent ones."""
+        stays within HEADROOM of it, pauses being weighted towards the recent ones (across
+        ``take``: the weighting goes on from run to run); within [the asked interval,
+        ``max_interval``], lengthened when pauses grow and shortened again when they shrink."""
         budget = self.config.max_overhead
         if budget is None:
             return
         pause = self.stats.pauses[-1]
-        self._pause_avg = pause if self.stats.ticks == 1 else 0.8 * self._pause_avg + 0.2 * pause
-        self.interval = max(self.config.interval, self._pause_avg * (1 - budget) / budget)
+        last = self._pause_avg
+        self._pause_avg = pause if last is None else 0.8 * last + 0.2 * pause
+        aim = budget * HEADROOM
+        needed = self._pause_avg * (1 - aim) / aim
+        ceiling = max(self.config.interval, self.config.max_interval)
+        self.interval = min(ceiling, max(self.config.interval, needed))
 
     def _budget_done(self) -> bool:
         # With a budget the tick count is not known in advance: the run ends by run time.

@@ -17,6 +17,7 @@ from typing import Literal
 
 from qmpprof import arch as arches
 from qmpprof import guest as guests
+from qmpprof.errors import QmpprofError
 from qmpprof.guest.base import Guest, GuestSpec, KernelFile
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.sampler import Sampler, SamplerConfig
@@ -99,7 +100,10 @@ async def connect(spec: RunSpec) -> Connection:
     if spec.transport == "gdb":
         from qmpprof.transport.gdb import GdbTransport
 
-        return Connection(await GdbTransport.connect(spec.gdb or ""), f"gdbstub at {spec.gdb}")
+        was_running = await _running_by_qmp(spec.qmp_socket)
+        gdb = await GdbTransport.connect(spec.gdb or "", was_running=was_running)
+        notes = () if gdb.state_known else (_SILENT_STUB,)
+        return Connection(gdb, f"gdbstub at {spec.gdb}", notes=notes)
     if spec.transport == "auto":
         if spec.qmp_tcp is not None:
             transport, why = await connect_fast(tcp=spec.qmp_tcp, memory=spec.memory)
@@ -114,6 +118,27 @@ async def connect(spec: RunSpec) -> Connection:
     else:
         transport = await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
     return Connection(transport, "QMP (--transport qmp)")
+
+
+_SILENT_STUB = (
+    "the gdbstub did not say whether attaching stopped the guest (QEMU 8.1 and later never"
+    " do): taken as paused; give the VM's --qmp-socket too and QMP says"
+)
+
+
+async def _running_by_qmp(socket: Path) -> bool | None:
+    """Whether the guest runs, by QMP at ``socket`` before a gdbstub attaches (which stops it);
+    None when no QMP answers there."""
+    if not socket.is_socket():
+        return None
+    try:
+        qmp = await QmpTransport.connect(socket, timeout=1.0)
+    except QmpprofError:
+        return None
+    try:
+        return await qmp.is_running()
+    finally:
+        await qmp.close()
 
 
 async def attach(guest: Guest, connection: Connection) -> Connection:

@@ -10,6 +10,7 @@ from pathlib import Path
 import linuxkernel
 import pytest
 from guestvm import Guest, build_fixtures, running_guest
+from qemus import HOST, Qemu
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
@@ -26,6 +27,18 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         del os.environ["QMPPROF_CACHE_DIR"]
     else:
         os.environ["QMPPROF_CACHE_DIR"] = saved
+
+
+@pytest.fixture(autouse=True)
+def qemu_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Qemu:
+    """The QEMU this test runs on (tests/qemus.py): the host's, or the one ``every_qemu``
+    gives, whose folder then comes first on PATH for the test (and what it starts)."""
+    qemu: Qemu = getattr(request, "param", HOST)
+    if qemu is not HOST:
+        if qemu.version is None:
+            pytest.fail(qemu.missing())
+        monkeypatch.setenv("PATH", qemu.path_env())
+    return qemu
 
 
 @pytest.fixture(scope="session")

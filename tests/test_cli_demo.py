@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from fakes import profile_of
 from guestvm import ROOT, build_fixtures, expected
+from qemus import every_qemu
 
 from qmpprof.cli import demo, main
 from qmpprof.errors import QmpprofError, UsageError
@@ -114,6 +115,7 @@ def workload_functions() -> set[str]:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_demo_writes_the_flame_graph_and_folded_stacks_here(tmp_path: Path) -> None:
     build_fixtures()
     proc = subprocess.Popen(
@@ -141,6 +143,7 @@ def test_demo_writes_the_flame_graph_and_folded_stacks_here(tmp_path: Path) -> N
 
 
 @pytest.mark.qemu
+@every_qemu
 @pytest.mark.parametrize("variant", ["i386", "i386-pae"])
 def test_demo_takes_the_i386_builds(tmp_path: Path, variant: str) -> None:
     """``--variant i386`` (and ``i386-pae``, with PAE paging): the 32-bit build in

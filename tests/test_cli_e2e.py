@@ -21,6 +21,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from guestvm import Guest, expected, free_tcp_port, running_guest
+from qemus import every_qemu
 from support.bench.methods import FloorQmp, GdbstubLoop, Paced, run_paced
 from support.bench.rawqmp import RawQmp
 
@@ -28,7 +29,7 @@ from qmpprof.cli import main
 from qmpprof.output import folded
 from qmpprof.transport.qmp import QmpTransport
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, every_qemu]
 
 
 def progress_addr(guest: Guest) -> int:
@@ -280,15 +281,35 @@ def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     port = free_tcp_port()
     out = tmp_path / "gdb.folded"
     with running_guest(tmp_path, gdb_port=port) as guest:
-        args = ["--gdb", f"127.0.0.1:{port}", "--kernel", str(guest.kernel_elf)]
+        # The QMP socket tells the run state before the stub attaches (which stops the guest).
+        args = cli_args(guest, "--gdb", f"127.0.0.1:{port}")
         rc = main([*args, "--duration", "1", "-o", str(out), "-v"])
         assert qmp(guest, "status") == "running"
     err = capsys.readouterr().err
     print(err, file=sys.stderr)
     assert rc == 0
+    assert "did not say" not in err
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 100
     assert any("kworker_main" in names for names, _ in stacks)
+
+
+def test_gdb_transport_alone_says_what_it_took_the_run_state_to_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only --gdb, the stub is the one witness: 7.2's says that attaching stopped the
+    running guest (resumed, profiled, left running), 8.1 and later stay silent (a note says the
+    guest was taken as paused, and it is left paused)."""
+    port = free_tcp_port()
+    with running_guest(tmp_path, gdb_port=port) as guest:
+        args = ["--gdb", f"127.0.0.1:{port}", "--kernel", str(guest.kernel_elf)]
+        rc = main([*args, "--qmp-socket", str(tmp_path / "none"), "--duration", "1"])
+        status = qmp(guest, "status")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    silent = "the gdbstub did not say whether attaching stopped the guest" in err
+    assert status == ("paused" if silent else "running"), err
+    assert ("took one sample without resuming it" in err) == silent, err
 
 
 def test_forced_hmp_memory_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures
+from qemus import every_qemu
 
 from qmpprof.cli import main, record
 from qmpprof.errors import UsageError
@@ -175,6 +176,7 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_record_profiles_the_boot_from_the_first_instruction(tmp_path: Path) -> None:
     out = tmp_path / "boot.folded"
     flags = ["--duration", "0.5", "--interval", "2", "--kernel", str(KERNEL), "-o", str(out)]
@@ -197,6 +199,7 @@ def test_record_profiles_the_boot_from_the_first_instruction(tmp_path: Path) -> 
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_a_guest_that_powers_off_ends_the_recording_normally(tmp_path: Path) -> None:
     if shutil.which("as") is None or shutil.which("ld") is None:
         pytest.fail("binutils (as, ld) are needed to build the power-off guest: run scripts/setup")
@@ -229,6 +232,7 @@ async def _status(socket: Path) -> str:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> None:
     out = tmp_path / "term.folded"
     user_dir = Path(tempfile.mkdtemp(prefix="qr-", dir="/tmp"))  # short: a socket path
@@ -258,6 +262,7 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_ctrl_c_reaches_qmpprof_and_qemu_and_the_output_is_written(tmp_path: Path) -> None:
     out = tmp_path / "int.folded"
     flags = ["--duration", "300", "--kernel", str(KERNEL), "--user-dir", str(USER_DIR)]
@@ -281,6 +286,7 @@ def test_ctrl_c_reaches_qmpprof_and_qemu_and_the_output_is_written(tmp_path: Pat
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_qemu_that_cannot_start_the_guest_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
     command = [QEMU, "-accel", "tcg", "-kernel", "/nonexistent", "-display", "none"]
     assert main(["record", "--", *command]) == 4
@@ -292,6 +298,7 @@ def test_qemu_that_cannot_start_the_guest_is_one_line(capfd: pytest.CaptureFixtu
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_an_unusable_kernel_elf_stops_the_qemu_it_started(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 from guestvm import free_tcp_port
+from qemus import every_qemu
 from witnessvm import Vm, vm
 
 from qmpprof.output import folded
 from qmpprof.transport.gdb import GdbTransport
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, every_qemu]
 
 FAST = "qmpprof: samples travel through a private gdbstub opened over QMP"
 
@@ -159,7 +160,7 @@ def test_an_existing_gdbstub_is_not_taken_over(tmp_path: Path, private_tmp: Path
         assert list(private_tmp.iterdir()) == []
 
         async def attach() -> None:
-            transport = await GdbTransport.connect(f"127.0.0.1:{port}")
+            transport = await GdbTransport.connect(f"127.0.0.1:{port}", was_running=True)
             await transport.close()
 
         asyncio.run(attach())

@@ -537,6 +537,11 @@ async def test_the_task_expected_is_verified_by_its_stamp_read_with_the_window(
     assert app == Process(1230, "myapp", 0, 1230, "myapp")
     assert identifier.reads_for(user) == (pointer[1], layout.stamp_range(APP_LEADER))
     # An exec: another program in another mm, the same task. Its stamp changed: read again.
+    # The kernel gives the task its new mm first, its new name after (begin_new_exec): the
+    # name is in the stamp too, so the parent's name read in between does not stay.
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", 0xFFFF_8880_0700_0000))
+    midway, reads = await sample(user)
+    assert midway == Process(1230, "myapp", 0, 1230, "myapp") and reads
     memory.task(layout, APP_LEADER, 1230, 1230, "xz", 0, APP_LEADER)
     memory.put(APP_LEADER + layout.mm, struct.pack("<Q", 0xFFFF_8880_0700_0000))
     execd, reads = await sample(user)

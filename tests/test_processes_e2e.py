@@ -9,10 +9,11 @@ from collections import Counter, defaultdict
 
 import pytest
 from guestvm import expected, running_guest
+from qemus import every_qemu
 
 from qmpprof.output.folded import parse
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, every_qemu]
 
 K = "_[k]"
 TOLERANCE = 0.05  # the issue's +-5 percentage points

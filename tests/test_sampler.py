@@ -465,6 +465,28 @@ async def test_request_stop_ends_after_the_current_tick() -> None:
     assert transport.calls[-1] == "cont"
 
 
+async def test_a_stop_requested_while_waiting_for_the_next_tick_ends_the_wait() -> None:
+    # An interval the overhead budget lengthened may be seconds long: a stop does not wait it out.
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    never = asyncio.Event()
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        KernelIdentifier(SPACE),
+        SamplerConfig(duration=3600.0, interval=600.0),
+        clock=transport.clock,
+        sleep=lambda seconds: never.wait(),
+    )
+    running = asyncio.ensure_future(sampler.run())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    sampler.request_stop()
+    outcome = await asyncio.wait_for(running, 5)
+    assert outcome.was_running and sampler.stats.ticks == 0
+    assert "stop" not in transport.calls
+
+
 async def test_a_cpu_mode_disagreeing_with_the_boundary_is_counted() -> None:
     r0, pages = kernel_cpu()
     odd = regs(0, r0.pc, rsp=r0.sp, rbp=r0.fp, cpl=3)
@@ -530,9 +552,10 @@ async def test_an_overhead_budget_lengthens_intervals_and_ends_by_run_time() -> 
     await sampler.run()
     stats = sampler.stats
     assert stats.run_time == pytest.approx(0.5, abs=0.03)
-    assert 1 - stats.running_fraction() == pytest.approx(0.2, abs=0.02)
-    assert sampler.interval == pytest.approx(0.020)  # 5 ms * (1 - 0.2) / 0.2
-    assert 20 <= stats.ticks <= 40  # not the 250 an unbudgeted run would take
+    # Aimed at 90 % of the budget: 18 %, under the 20 % asked.
+    assert 1 - stats.running_fraction() == pytest.approx(0.18, abs=0.01)
+    assert sampler.interval == pytest.approx(0.005 * (1 - 0.18) / 0.18)
+    assert 18 <= stats.ticks <= 36  # not the 250 an unbudgeted run would take
     lines = stats.summary_lines(len(sampler.profile), 0, 1)
     assert any("budget 20.0%" in line for line in lines)
     assert "500.0 Hz asked" in lines[1]
@@ -544,6 +567,24 @@ async def test_cheap_pauses_keep_the_asked_interval_under_a_budget() -> None:
     sampler = make(transport, interval=0.010, duration=0.1, max_overhead=0.2)
     await sampler.run()
     assert sampler.interval == pytest.approx(0.010) and sampler.stats.ticks == 10
+
+
+async def test_the_interval_follows_pauses_up_to_its_ceiling_and_back_across_takes() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages, costs={"stop": 0.004})
+    sampler = make(transport, interval=0.010, duration=2.0, max_overhead=0.01, max_interval=0.2)
+    await sampler.run()
+    assert sampler.interval == pytest.approx(0.2)  # 4 ms pauses would need 0.44 s at 0.9 %
+    sampler.take()
+    transport.costs["stop"] = 0.0005  # pauses shrink: the interval comes down again
+    for _ in range(3):
+        await sampler.run()
+        sampler.take()
+    assert sampler.interval == pytest.approx(0.0005 * (1 - 0.009) / 0.009, rel=0.05)
+    sampler.take()
+    transport.costs["stop"] = 0.00001
+    await sampler.run()
+    assert sampler.interval == pytest.approx(0.010)  # never below the interval asked
 
 
 def test_too_few_samples_are_warned_about() -> None:

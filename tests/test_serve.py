@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from gopprof import go_pprof
 from guestvm import Guest, expected, running_guest
+from qemus import every_qemu
 from test_output import hand_built_profile
 
 from qmpprof.cli import main
@@ -191,7 +192,7 @@ def test_metrics_are_prometheus_text_with_every_family() -> None:
 
 @contextmanager
 def board_server(*vms: Vm) -> Iterator[str]:
-    board = Board(window=60, interval_ms=10.0, naming=Naming(), vms=vms)
+    board = Board(window=60, naming=Naming(), vms=vms)
     server = listen("127.0.0.1", 0, board)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -272,8 +273,11 @@ class Served:
 
 @contextmanager
 def serving(guest: Guest, *args: str) -> Iterator[Served]:
+    # These tests count on samples coming at --interval: no overhead budget (test_serve_fleet.py
+    # has the budget's).
     argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0"]
-    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir), *args]
+    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+    argv += ["--max-overhead", "none", *args]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -310,6 +314,7 @@ def status(guest: Guest) -> str:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_go_tool_pprof_reads_the_guest_functions_from_the_endpoint(tmp_path: Path) -> None:
     with (
         running_guest(tmp_path, "cfi", 1) as guest,
@@ -331,6 +336,7 @@ def test_go_tool_pprof_reads_the_guest_functions_from_the_endpoint(tmp_path: Pat
 
 
 @pytest.mark.qemu
+@every_qemu
 @pytest.mark.browser
 def test_index_and_flamegraph_load_in_chromium(tmp_path: Path) -> None:
     from browser import chromium, expect
@@ -362,6 +368,7 @@ def test_index_and_flamegraph_load_in_chromium(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_a_killed_vm_comes_back_on_its_socket_and_the_other_never_stops(tmp_path: Path) -> None:
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-serve-", dir="/tmp"))
     again_socket = sock_dir / "qmp.sock"
@@ -394,6 +401,7 @@ def test_a_killed_vm_comes_back_on_its_socket_and_the_other_never_stops(tmp_path
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_a_paused_guest_is_shown_paused_and_left_paused(tmp_path: Path) -> None:
     with running_guest(tmp_path, "cfi", 1, paused=True) as guest:
         before = status(guest)
@@ -407,6 +415,7 @@ def test_a_paused_guest_is_shown_paused_and_left_paused(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_a_socket_dir_is_followed_and_healthz_is_ok(tmp_path: Path) -> None:
     watched = Path(tempfile.mkdtemp(prefix="qg-dir-", dir="/tmp"))
     try:

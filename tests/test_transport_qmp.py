@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from guestvm import running_guest
+from qemus import every_qemu
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
@@ -133,6 +134,7 @@ async def test_silent_server_times_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_status_stop_cont_and_registers_of_each_cpu(bios: QmpTransport) -> None:
     assert await bios.is_running()
     assert await bios.cpus() == [0, 1]
@@ -149,6 +151,7 @@ async def test_status_stop_cont_and_registers_of_each_cpu(bios: QmpTransport) ->
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_events_are_not_kept(bios: QmpTransport) -> None:
     """Every stop and cont makes QEMU send an event; a long run must not keep them all."""
     for _ in range(50):
@@ -159,6 +162,7 @@ async def test_events_are_not_kept(bios: QmpTransport) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_memsave_and_hmp_read_the_same_bytes(bios: QmpTransport) -> None:
     assert bios.memory == "memsave"
     await bios.stop()
@@ -172,6 +176,7 @@ async def test_memsave_and_hmp_read_the_same_bytes(bios: QmpTransport) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 @pytest.mark.parametrize("path", ["memsave", "hmp"])
 async def test_unmapped_memory_is_a_read_error(bios: QmpTransport, path: str) -> None:
     bios.memory = path  # type: ignore[assignment]
@@ -181,6 +186,7 @@ async def test_unmapped_memory_is_a_read_error(bios: QmpTransport, path: str) ->
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_memsave_file_is_private_and_removed(tmp_path: Path) -> None:
     with bios_qemu(tmp_path) as (sock, _):
         transport = await QmpTransport.connect(sock)
@@ -211,6 +217,7 @@ async def test_memsave_file_is_private_and_removed(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_auto_falls_back_to_hmp_when_memsave_cannot_write(tmp_path: Path) -> None:
     with bios_qemu(tmp_path) as (sock, _):
         auto = await QmpTransport.connect(sock)
@@ -235,6 +242,7 @@ def _emptied(transport: QmpTransport) -> str:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_qmp_over_tcp_reads_memory_with_hmp(tmp_path: Path) -> None:
     port = free_port()
     with bios_qemu(tmp_path, tcp_port=port):
@@ -247,6 +255,7 @@ async def test_qmp_over_tcp_reads_memory_with_hmp(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_qemu_killed_is_guest_gone(tmp_path: Path) -> None:
     with bios_qemu(tmp_path) as (sock, proc):
         transport = await QmpTransport.connect(sock)
@@ -262,6 +271,7 @@ async def test_qemu_killed_is_guest_gone(tmp_path: Path) -> None:
 
 
 @pytest.mark.qemu
+@every_qemu
 async def test_both_memory_paths_agree_on_the_bundled_guest(tmp_path: Path) -> None:
     """Kernel addresses (>= 2**63 go out as negative memsave values) and a user stack."""
     with running_guest(tmp_path) as guest:

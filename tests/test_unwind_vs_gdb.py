@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from guestvm import METADATA_ADDR, expected, free_tcp_port, running_guest
+from qemus import every_qemu
 from support.bench.gdbcli import GdbMi
 
 from qmpprof.arch.x86 import X86_64
@@ -32,7 +33,7 @@ from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import Module, Unwinder
 from qmpprof.unwind.steps import CfiStep
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, every_qemu]
 
 STOPS = 100  # x 2 vCPUs = 200 stacks per build
 REQUIRED = 0.99

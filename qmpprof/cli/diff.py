@@ -34,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Example: qmpprof diff old.qmpprof new.qmpprof -o diff.svg",
     )
     add = p.add_argument
-    add("before", metavar="BEFORE", help="the baseline profile (.qmpprof)")
-    add("after", metavar="AFTER", help="the profile compared with it (.qmpprof)")
+    add("before", metavar="BEFORE", help="the baseline profile (.qmpprof or pprof .pb.gz)")
+    add("after", metavar="AFTER", help="the profile compared with it (.qmpprof or .pb.gz)")
     add("-o", "--output", metavar="FILE", action="append", default=[],
         help="write the comparison here: FILE.svg or FILE.folded (repeatable); else print the "
              "functions that changed most")  # fmt: skip

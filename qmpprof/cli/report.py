@@ -1,5 +1,6 @@
-"""``qmpprof report PROFILE``: render a saved profile (``.qmpprof``) again, in any format, any
-naming, for some modes or vCPUs. Without ``-o`` it prints the top stacks."""
+"""``qmpprof report PROFILE``: render a saved profile (``.qmpprof``, or a pprof ``.pb.gz``)
+again, in any format, any naming, for some modes or vCPUs. Without ``-o`` it prints the top
+stacks."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from qmpprof.output import native, write_profile
 def parser() -> argparse.ArgumentParser:
     p = options.Parser(
         prog="qmpprof report",
-        description="Render a profile saved as .qmpprof again: any format, any naming.",
+        description="Render a profile saved as .qmpprof (or a pprof .pb.gz) again: any format, "
+        "any naming.",
         epilog="Example: qmpprof report run.qmpprof -o run.svg --lines",
     )
     add = p.add_argument
-    add("profile", metavar="PROFILE", help="a profile written with -o FILE.qmpprof")
+    add("profile", metavar="PROFILE", help="a profile saved as .qmpprof, or a pprof .pb.gz")
     add("-o", "--output", metavar="FILE", action="append", default=[],
         help="write it here, in the format its name implies (repeatable); else print the top "
              "stacks")  # fmt: skip

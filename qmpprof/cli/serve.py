@@ -1,7 +1,8 @@
 """``qmpprof serve``: the flags of the continuous-profiling daemon (qmpprof/serve/ does the rest).
 
 A VM that is not there yet is only "down"; a malformed --qmp-socket or --listen, a missing
---qmp-dir or a bad ELF file ends serve at start with one line and the exit code of its class.
+--qmp-dir, a bad --config file or a bad ELF file ends serve at start with one line and the exit
+code of its class. The flags are every VM's defaults; --config overrides them per VM.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from qmpprof.cli.options import (
 )
 from qmpprof.errors import UsageError
 from qmpprof.sampler import SamplerConfig
+from qmpprof.serve.config import VmSettings, parse_overhead, read_config
 from qmpprof.serve.daemon import ServeConfig, serve
 from qmpprof.session import RunSpec
 
 DEFAULT_LISTEN = "127.0.0.1:6060"
+# The longest interval the budget may ask for: pauses of up to 45 ms still fit in 1 %.
+MAX_INTERVAL = 5.0
 MAX_WINDOW = 86400
 
 
@@ -48,8 +52,17 @@ def parser() -> argparse.ArgumentParser:
     add("--listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
         help="where to serve HTTP (default %(default)s; port 0 picks a free one). The "
              "profiles show what runs inside the guests: keep it on localhost")  # fmt: skip
+    add("--config", metavar="FILE",
+        help="per-VM settings in TOML: [vm.NAME] tables of socket, kernel, kallsyms, user_dir, "
+             "os, interval, max_overhead (a VM of --qmp-dir also reads NAME.toml beside its "
+             "socket); the flags are the defaults")  # fmt: skip
     add("--interval", metavar="MS", type=float, default=50.0,
-        help="guest run time between samples (default %(default)g ms)")  # fmt: skip
+        help="guest run time between samples, the shortest under a budget (default "
+             "%(default)g ms)")  # fmt: skip
+    add("--max-overhead", metavar="PCT", default="1",
+        help="keep each guest stopped at most PCT %% of the wall time: its interval lengthens "
+             "when pauses cost more, up to 5 s (default %(default)s; 0 or none: no budget, "
+             "every --interval)")  # fmt: skip
     add("--window", metavar="SECONDS", type=int, default=300,
         help="how many seconds of profile to keep per VM (default %(default)s)")  # fmt: skip
     add_view_flags(p)
@@ -59,8 +72,6 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(args: list[str]) -> ServeConfig:
     ns = parser().parse_args(args)
-    if not ns.qmp_socket and not ns.qmp_dir:
-        raise UsageError("give --qmp-socket [NAME=]PATH (repeatable) or --qmp-dir DIR")
     if ns.interval <= 0:
         raise UsageError(f"--interval must be positive, not {ns.interval:g}")
     if not 1 <= ns.window <= MAX_WINDOW:
@@ -69,6 +80,7 @@ def parse(args: list[str]) -> ServeConfig:
     if qmp_dir is not None and not qmp_dir.is_dir():
         raise UsageError(f"--qmp-dir: not a directory: {ns.qmp_dir}")
     host, port = parse_listen(ns.listen)
+    settings = read_config(Path(ns.config)) if ns.config else {}
     spec = RunSpec(
         **guest_fields(ns),
         lines=True,  # pprof answers carry source lines and inlined frames
@@ -77,17 +89,39 @@ def parse(args: list[str]) -> ServeConfig:
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
             kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),
+            max_overhead=parse_overhead(ns.max_overhead),
+            max_interval=MAX_INTERVAL,
         ),
     )
+    sockets = with_configured(parse_sockets(ns.qmp_socket), settings)
+    if not sockets and qmp_dir is None:
+        raise UsageError(
+            "give --qmp-socket [NAME=]PATH (repeatable), --qmp-dir DIR, or sockets in --config"
+        )
     return ServeConfig(
         spec=spec,
-        sockets=parse_sockets(ns.qmp_socket),
+        sockets=sockets,
         qmp_dir=qmp_dir,
         host=host,
         port=port,
         window=ns.window,
         naming=naming_of(ns),
+        settings=settings,
     )
+
+
+def with_configured(
+    sockets: tuple[tuple[str, Path], ...], settings: dict[str, VmSettings]
+) -> tuple[tuple[str, Path], ...]:
+    """The --qmp-socket VMs, then those --config gives a socket."""
+    named = dict(sockets)
+    for name, vm in settings.items():
+        if vm.socket is None:
+            continue
+        if name in named:
+            raise UsageError(f"two sockets for the VM {name!r}: --qmp-socket and --config")
+        named[name] = vm.socket
+    return tuple(named.items())
 
 
 def parse_sockets(texts: list[str]) -> tuple[tuple[str, Path], ...]:

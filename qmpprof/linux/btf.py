@@ -29,10 +29,14 @@ _U32 = struct.Struct("<I")
 _ARRAY = struct.Struct("<III")  # element type, index type, nelems
 _MEMBER = struct.Struct("<III")  # name_off, type, offset
 _SECINFO = struct.Struct("<III")  # type, offset, size
+_ENUM, _ENUM_SIGNED, _ENUM64 = struct.Struct("<II"), struct.Struct("<Ii"), struct.Struct("<III")
+_MAX_NESTING = 64  # anonymous members within members, arrays of arrays: deeper is a cycle
 
 
 class BtfError(ValueError):
-    """A ``.BTF`` section that cannot be read."""
+    """A ``.BTF`` section that cannot be read: malformed from the start, or damage met when a
+    type is first read (a record past the section, an unknown kind, a type that contains
+    itself)."""
 
 
 class Kind(enum.IntEnum):
@@ -151,6 +155,8 @@ class Btf:
         data, unpack = self._data, _U32.unpack_from
         fixed, per_item = _EXTRA_FIXED.get, _EXTRA_PER_ITEM.get
         while pos < end:
+            if pos + 12 > end:
+                break  # said below: the last record runs past the section
             starts.append(pos)
             info = unpack(data, pos + 4)[0]
             kind = (info >> 24) & 0x1F
@@ -179,10 +185,19 @@ class Btf:
             return self._types.put(0, BtfType(0, Kind.VOID, "void", 0, False, 0))
         if not 0 < type_id < len(self._starts):
             raise KeyError(f"no BTF type {type_id}")
-        name_off, info, ref = _TYPE.unpack_from(self._data, self._starts[type_id])
-        kind = Kind((info >> 24) & 0x1F)
+        name_off, info, ref = self._unpack(_TYPE, self._starts[type_id])
+        raw_kind = (info >> 24) & 0x1F
+        if raw_kind != self.index.kinds[type_id] or raw_kind > Kind.ENUM64:
+            raise BtfError(f"type {type_id}: kind {raw_kind}, not the one indexed")
+        kind = Kind(raw_kind)
         record = BtfType(type_id, kind, self.string(name_off), info & 0xFFFF, bool(info >> 31), ref)
         return self._types.put(type_id, record)
+
+    def _unpack(self, layout: struct.Struct, pos: int) -> tuple[int, ...]:
+        """A record's fields at ``pos``; BtfError when they run past the data."""
+        if not 0 <= pos <= len(self._data) - layout.size:
+            raise BtfError(f"a record at {pos:#x} runs past the section")
+        return layout.unpack_from(self._data, pos)
 
     def _names_of(self, kind: Kind) -> dict[bytes, int]:
         """Name -> the first type id of that name, for one kind (built on first use: a kernel
@@ -190,15 +205,10 @@ class Btf:
         names = self._names.get(kind)
         if names is None:
             names = self._names[kind] = {}
-            strings, find, data, starts = (
-                self._strings,
-                self._strings.find,
-                self._data,
-                self._starts,
-            )
+            strings, find, starts = self._strings, self._strings.find, self._starts
             for found in re.finditer(re.escape(bytes([kind])), self.index.kinds):
                 type_id = found.start()
-                name_off = _U32.unpack_from(data, starts[type_id])[0]
+                name_off = self._unpack(_U32, starts[type_id])[0]
                 if name_off:
                     names.setdefault(strings[name_off : find(b"\0", name_off)], type_id)
         return names
@@ -243,10 +253,11 @@ class Btf:
         if record.kind not in _COMPOSITE:
             raise KeyError(f"type {type_id} ({record.name or 'anonymous'}) is a {record.kind.name}")
         pos = self._starts[type_id] + 12
+        raw = self._data[pos : pos + 12 * record.vlen]
+        if len(raw) != 12 * record.vlen:
+            raise BtfError(f"type {type_id}: its members run past the section")
         out = []
-        for name_off, member_type, offset in _MEMBER.iter_unpack(
-            self._data[pos : pos + 12 * record.vlen]
-        ):
+        for name_off, member_type, offset in _MEMBER.iter_unpack(raw):
             if record.kind_flag:
                 out.append(
                     Member(self.string(name_off), member_type, offset & 0xFFFFFF, offset >> 24)
@@ -263,7 +274,9 @@ class Btf:
             raise KeyError(f"no member {name} in {self.type(type_id).name or 'anonymous'}")
         return found
 
-    def _search(self, type_id: int, name: str, base_bits: int) -> Member | None:
+    def _search(self, type_id: int, name: str, base_bits: int, depth: int = 0) -> Member | None:
+        if depth > _MAX_NESTING:
+            raise BtfError(f"type {type_id}: anonymous members nested in a cycle")
         anonymous = []
         for m in self.members(type_id):
             if m.name == name:
@@ -273,7 +286,7 @@ class Btf:
         for m in anonymous:
             inner = self.resolve(m.type_id)
             if inner.kind in _COMPOSITE:
-                found = self._search(inner.id, name, base_bits + m.bit_offset)
+                found = self._search(inner.id, name, base_bits + m.bit_offset, depth + 1)
                 if found is not None:
                     return found
         return None
@@ -302,8 +315,10 @@ class Btf:
         """The byte offset of ``struct.member[.member...]``."""
         return self.field(path).offset
 
-    def size_of(self, type_id: int) -> int:
+    def size_of(self, type_id: int, depth: int = 0) -> int:
         """The size in bytes of a type (pointers are 8 bytes: x86_64 kernels)."""
+        if depth > _MAX_NESTING:
+            raise BtfError(f"type {type_id}: an array of itself")
         record = self.resolve(type_id)
         kind = record.kind
         if kind in (Kind.INT, Kind.STRUCT, Kind.UNION, Kind.ENUM, Kind.ENUM64, Kind.FLOAT):
@@ -312,7 +327,7 @@ class Btf:
             return 8
         if kind is Kind.ARRAY:
             element, count = self.array(record.id)
-            return count * self.size_of(element)
+            return count * self.size_of(element, depth + 1)
         raise KeyError(f"type {type_id} ({kind.name}) has no size")
 
     def array(self, type_id: int) -> tuple[int, int]:
@@ -320,7 +335,7 @@ class Btf:
         record = self.resolve(type_id)
         if record.kind is not Kind.ARRAY:
             raise KeyError(f"type {type_id} is a {record.kind.name}, not an array")
-        element, _index, count = _ARRAY.unpack_from(self._data, self._starts[record.id] + 12)
+        element, _index, count = self._unpack(_ARRAY, self._starts[record.id] + 12)
         return element, count
 
     def int_encoding(self, type_id: int) -> tuple[bool, int, int]:
@@ -328,7 +343,7 @@ class Btf:
         record = self.resolve(type_id)
         if record.kind is not Kind.INT:
             raise KeyError(f"type {type_id} is a {record.kind.name}, not an int")
-        word = _U32.unpack_from(self._data, self._starts[record.id] + 12)[0]
+        word = self._unpack(_U32, self._starts[record.id] + 12)[0]
         return bool(word >> 24 & 1), (word >> 16) & 0xFF, word & 0xFF
 
     def enum_values(self, type_id: int) -> dict[str, int]:
@@ -337,13 +352,13 @@ class Btf:
         pos = self._starts[record.id] + 12
         values = {}
         if record.kind is Kind.ENUM:
-            fmt = "<Ii" if record.kind_flag else "<II"
+            item = _ENUM_SIGNED if record.kind_flag else _ENUM
             for i in range(record.vlen):
-                name_off, value = struct.unpack_from(fmt, self._data, pos + 8 * i)
+                name_off, value = self._unpack(item, pos + 8 * i)
                 values[self.string(name_off)] = value
         elif record.kind is Kind.ENUM64:
             for i in range(record.vlen):
-                name_off, low, high = struct.unpack_from("<III", self._data, pos + 12 * i)
+                name_off, low, high = self._unpack(_ENUM64, pos + 12 * i)
                 value = high << 32 | low
                 if record.kind_flag and value >> 63:
                     value -= 1 << 64
@@ -362,10 +377,13 @@ class Btf:
         data, starts, strings, find = self._data, self._starts, self._strings, self._strings.find
         out = {}
         # Thousands of per-CPU variables: read straight from the records, no BtfType each.
-        for var_id, offset, _size in _SECINFO.iter_unpack(self._data[pos : pos + 12 * record.vlen]):
+        raw = data[pos : pos + 12 * record.vlen]
+        if len(raw) != 12 * record.vlen:
+            raise BtfError(f"data section {name}: its variables run past the section")
+        for var_id, offset, _size in _SECINFO.iter_unpack(raw):
             if not 0 < var_id < len(starts):
                 raise KeyError(f"no BTF type {var_id}")
-            name_off, _info, var_type = _TYPE.unpack_from(data, starts[var_id])
+            name_off, _info, var_type = self._unpack(_TYPE, starts[var_id])
             var_name = strings[name_off : find(b"\0", name_off)].decode("utf-8", "replace")
             out[var_name] = (offset, var_type)
         return out

@@ -13,16 +13,20 @@ most 8 MiB each behind a little-endian u32 length), which the lz4 frame API does
 the blocks are unpacked one by one here. Most kernel payloads end with four bytes holding the
 uncompressed size (``size_append``); they are ignored.
 
+Unpacking stops at ``MAX_VMLINUX`` bytes: a few kilobytes of damaged or hostile payload can
+claim gigabytes, and no kernel's vmlinux comes near the bound (Debian's are 40 to 80 MB).
+
 The only module that imports ``zstandard`` and ``lz4``, when a payload needs them (a load from
 the cache unpacks nothing).
 """
 
 from __future__ import annotations
 
+import bz2
 import lzma
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from qmpprof.errors import KernelImageError
 
@@ -33,6 +37,9 @@ _SETUP_SECTS, _HDR_MAGIC_AT, _VERSION_AT, _PAYLOAD_AT = 0x1F1, 0x202, 0x206, 0x2
 _MIN_VERSION = 0x208  # boot protocol 2.08 added payload_offset / payload_length
 _LZ4_LEGACY_MAGIC = 0x184C2102
 _LZ4_LEGACY_BLOCK = 8 << 20
+MAX_VMLINUX = 256 << 20  # the largest vmlinux unpacked: bigger is damage, not a kernel
+_STEP = 1 << 20  # output asked of a codec at a time
+_ZSTD_INPUT = 1024  # zstd input fed at a time: its output per step is bounded by that
 
 # Magic numbers in the order lib/decompress.c lists them; lzo is known so it can be named.
 _MAGICS: tuple[tuple[bytes, str], ...] = (
@@ -61,9 +68,11 @@ def vmlinux_bytes(data: bytes, path: str = "<kernel>") -> bytes:
     if unpack is None:
         raise KernelImageError(path, f"bzImage payload is {codec}-compressed, which is not read")
     try:
-        elf = unpack(payload)
-    except KernelImageError:
-        raise
+        elf = _bounded(unpack(payload))
+    except _TooLarge:
+        raise KernelImageError(
+            path, f"{codec} payload unpacks to more than {MAX_VMLINUX >> 20} MiB: not a kernel"
+        ) from None
     except Exception as err:  # each codec has its own error classes; all mean bad data here
         detail = " ".join(str(err).split()) or type(err).__name__
         raise KernelImageError(path, f"{codec} payload does not unpack ({detail})") from err
@@ -101,46 +110,69 @@ def payload_codec(payload: bytes) -> str | None:
     return None
 
 
-def _gzip(payload: bytes) -> bytes:
+class _TooLarge(Exception):
+    """A payload that unpacks to more than MAX_VMLINUX bytes."""
+
+
+def _bounded(pieces: Iterator[bytes]) -> bytes:
+    """The pieces joined, stopped as soon as they pass MAX_VMLINUX bytes."""
+    out = bytearray()
+    for piece in pieces:
+        out += piece
+        if len(out) > MAX_VMLINUX:
+            raise _TooLarge
+    return bytes(out)
+
+
+def _gzip(payload: bytes) -> Iterator[bytes]:
     unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    out = unpacker.decompress(payload)
+    data = payload
+    while not unpacker.eof:
+        piece = unpacker.decompress(data, _STEP)
+        data = unpacker.unconsumed_tail
+        if not piece and not data:
+            break  # nothing more comes of the input: it ended early
+        yield piece
     _check_end(unpacker.eof)
-    return out
 
 
-def _lzma_with(fmt: int) -> Callable[[bytes], bytes]:
-    def unpack(payload: bytes) -> bytes:
-        unpacker = lzma.LZMADecompressor(fmt)
-        out = unpacker.decompress(payload)
-        _check_end(unpacker.eof)
-        return out
+def _lzma_with(fmt: int) -> Callable[[bytes], Iterator[bytes]]:
+    def unpack(payload: bytes) -> Iterator[bytes]:
+        return _stepwise(lzma.LZMADecompressor(fmt), payload)
 
     return unpack
 
 
-def _bzip2(payload: bytes) -> bytes:
-    import bz2
+def _bzip2(payload: bytes) -> Iterator[bytes]:
+    return _stepwise(bz2.BZ2Decompressor(), payload)
 
-    unpacker = bz2.BZ2Decompressor()
-    out = unpacker.decompress(payload)
+
+def _stepwise(
+    unpacker: lzma.LZMADecompressor | bz2.BZ2Decompressor, payload: bytes
+) -> Iterator[bytes]:
+    """lzma's and bz2's decompressors, asked for at most _STEP bytes at a time."""
+    yield unpacker.decompress(payload, _STEP)
+    while not unpacker.eof and not unpacker.needs_input:
+        yield unpacker.decompress(b"", _STEP)
     _check_end(unpacker.eof)
-    return out
 
 
-def _zstd(payload: bytes) -> bytes:
+def _zstd(payload: bytes) -> Iterator[bytes]:
     import zstandard
 
     # A streaming object: the kernel's frame, written through a pipe, records no content size.
+    # It takes no output limit, so its input is fed in small slices.
     unpacker = zstandard.ZstdDecompressor().decompressobj()
-    out = unpacker.decompress(payload)
+    for pos in range(0, len(payload), _ZSTD_INPUT):
+        if unpacker.eof:
+            break
+        yield unpacker.decompress(payload[pos : pos + _ZSTD_INPUT])
     _check_end(unpacker.eof)
-    return out
 
 
-def _lz4_legacy(payload: bytes) -> bytes:
+def _lz4_legacy(payload: bytes) -> Iterator[bytes]:
     import lz4.block
 
-    chunks: list[bytes] = []
     pos = 4
     while len(payload) - pos > 4:
         (size,) = struct.unpack_from("<I", payload, pos)
@@ -150,9 +182,8 @@ def _lz4_legacy(payload: bytes) -> bytes:
         if pos + size > len(payload):
             raise ValueError("truncated block")
         block = payload[pos : pos + size]
-        chunks.append(lz4.block.decompress(block, uncompressed_size=_LZ4_LEGACY_BLOCK))
+        yield lz4.block.decompress(block, uncompressed_size=_LZ4_LEGACY_BLOCK)
         pos += size
-    return b"".join(chunks)
 
 
 def _check_end(eof: bool) -> None:
@@ -160,7 +191,7 @@ def _check_end(eof: bool) -> None:
         raise ValueError("the compressed stream ends early")
 
 
-_UNPACKERS: dict[str, Callable[[bytes], bytes]] = {
+_UNPACKERS: dict[str, Callable[[bytes], Iterator[bytes]]] = {
     "gzip": _gzip,
     "xz": _lzma_with(lzma.FORMAT_XZ),
     "lzma": _lzma_with(lzma.FORMAT_ALONE),

@@ -39,6 +39,12 @@ _INDEX = "index.bin"
 _KEYS = "keys"  # a file's key while it is unchanged, by the SHA-256 of its absolute path
 _HEX64 = re.compile("[0-9a-f]{64}")
 Part: TypeAlias = "array[int] | bytes"
+# What reading a damaged entry can raise (a header of the wrong shape: TypeError, AttributeError;
+# nested without end: RecursionError): every one means "no usable entry".
+_UNREADABLE = (
+    OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError, IndexError,
+    RecursionError,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +126,7 @@ def load_symbols(key: str) -> KernelSymbols | None:
         data = (entry(key) / _SYMBOLS).read_bytes()
         head_len = int.from_bytes(data[:4], "little")
         head = json.loads(data[4 : 4 + head_len])
-        if head.get("version") != VERSION:
+        if not isinstance(head, dict) or head.get("version") != VERSION:
             return None
         pos = 4 + head_len
         count = head["count"]
@@ -140,7 +146,7 @@ def load_symbols(key: str) -> KernelSymbols | None:
         if not len(addrs) == len(types) == len(names) == len(modules) == count:
             return None
         return KernelSymbols(addrs.tolist(), list(types), names, modules)
-    except (OSError, ValueError, KeyError, UnicodeDecodeError):
+    except _UNREADABLE:
         return None
 
 
@@ -175,7 +181,7 @@ def load_index(key: str) -> KernelIndex | None:
             assert isinstance(starts, array) and isinstance(kinds, bytes)
             btf = BtfIndex(starts, kinds, _btf_names(meta["btf_names"], parts))
         return KernelIndex(int(meta["vmlinux_size"]), functions, orc, btf)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+    except _UNREADABLE:
         return None
 
 
@@ -270,7 +276,10 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, Part]] | None:
     """What ``_pack`` packed; None for another version or sizes that do not add up."""
     head_len = int.from_bytes(data[:4], "little")
     head = json.loads(data[4 : 4 + head_len])
-    if head.get("version") != VERSION:
+    if not isinstance(head, dict) or head.get("version") != VERSION:
+        return None
+    meta = head.get("meta")
+    if not isinstance(meta, dict):
         return None
     pos, parts, view = 4 + head_len, dict[str, Part](), memoryview(data)
     for name, typecode, size in head["parts"]:
@@ -284,7 +293,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, Part]] | None:
             parts[name] = values
         else:
             parts[name] = bytes(blob)
-    return (head["meta"], parts) if pos == len(data) else None
+    return (meta, parts) if pos == len(data) else None
 
 
 def _itemsize(part: Part) -> int:

@@ -224,7 +224,10 @@ def _orc(image: ElfImage, index: cache.KernelIndex | None) -> OrcTable | None:
                 return OrcTable(
                     cached.base, cached.offsets, entries, OrcLayout(cached.layout), cached.end
                 )
-    return OrcTable.from_image(image)
+    try:
+        return OrcTable.from_image(image)
+    except ValueError as err:  # .orc_unwind not one entry per ip, a table of no sense
+        raise KernelImageError(image.path, f"unreadable ORC tables: {err}") from err
 
 
 def _btf(image: ElfImage, index: cache.KernelIndex | None) -> tuple[Btf | None, list[str]]:

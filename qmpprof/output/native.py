@@ -2,7 +2,8 @@
 
 Gzipped JSON holding what the Profile holds: mappings, frames (addresses, symbols, offsets,
 source lines, inlined flags), processes, distinct stacks and the per-sample timeline, the facts
-and the interval. ``qmpprof report`` reads it back and writes any format in any naming.
+and the interval. ``qmpprof report`` reads it back and writes any format in any naming;
+``load`` also takes a gzipped pprof (``pprofread``), as far as pprof carries a run.
 Addresses are hex strings: JSON numbers above 2**53 lose digits in many readers.
 """
 
@@ -17,10 +18,12 @@ from typing import Any
 from qmpprof.errors import ProfileError
 from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Naming
+from qmpprof.output import pprofread
 from qmpprof.profile import Profile
 
 KIND = "qmpprof-profile"
 VERSION = 1
+MAX_PROFILE = 4 << 30  # a profile unpacked: larger is damage (~16 bytes a sample: 250 million)
 
 
 def render(profile: Profile, naming: Naming) -> bytes:
@@ -87,14 +90,24 @@ def render(profile: Profile, naming: Naming) -> bytes:
 
 
 def load(path: Path) -> Profile:
-    """Read a ``.qmpprof`` file back; ProfileError (one line) for anything else."""
+    """Read a ``.qmpprof`` file (or a gzipped pprof) back; ProfileError (one line) for
+    anything else."""
     try:
         raw = path.read_bytes()
     except OSError as err:
         raise ProfileError(str(path), err.strerror or str(err)) from err
     try:
-        doc = json.loads(gzip.decompress(raw))
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as err:
+        data = _gunzip(raw)
+    except (OSError, EOFError, zlib.error, ValueError) as err:
+        raise ProfileError(str(path), f"not gzipped JSON or pprof ({err})") from err
+    if not data.lstrip().startswith(b"{"):
+        try:
+            return pprofread.decode(data)
+        except (pprofread.PprofError, ValueError, KeyError, IndexError) as err:
+            raise ProfileError(str(path), f"not a pprof profile either ({err})") from err
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as err:
         raise ProfileError(str(path), f"not gzipped JSON ({err})") from err
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise ProfileError(str(path), "no qmpprof profile header")
@@ -144,6 +157,17 @@ def _profile(doc: dict[str, Any]) -> Profile:
             Sample(float(time), int(cpu), mode, user, 0, Stack(stack_frames, stop), process)
         )
     return profile
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """The gzip member(s) in ``raw`` unpacked, at most MAX_PROFILE bytes."""
+    unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = unpacker.decompress(raw, MAX_PROFILE + 1)
+    if len(out) > MAX_PROFILE:
+        raise ValueError(f"unpacks to more than {MAX_PROFILE >> 20} MiB")
+    if not unpacker.eof:
+        raise EOFError("the gzip stream ends early")
+    return out
 
 
 def _hex(value: int) -> str:

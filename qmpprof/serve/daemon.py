@@ -1,17 +1,22 @@
 """The daemon: which VMs to follow, the HTTP server beside them, and an orderly end.
 
 VMs come from the sockets given (followed for good, down while nothing listens) and from a
-directory rescanned every RESCAN seconds (one socket per VM, named by its file name; a VM whose
-socket file goes away is dropped). The first SIGINT/SIGTERM stops every sampler after its tick
-in progress and closes its transport (the guest runs on, or stays paused), stops the HTTP
-server and returns 0; a second one cancels what is left.
+directory rescanned every RESCAN seconds (one socket per VM, named by its file name, its
+settings in ``NAME.toml`` beside it; a VM whose socket file goes away is dropped). Each VM's
+run is the command line's with its ``--config`` table applied (``config.py``); every distinct
+run of the VMs given loads at start, so that a bad file ends serve before any VM is touched.
+The first SIGINT/SIGTERM stops every sampler after its tick in progress and closes its
+transport (the guest runs on, or stays paused), stops the HTTP server and returns 0; a second
+one cancels what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,36 +26,45 @@ from typing import TextIO
 from qmpprof.errors import UsageError
 from qmpprof.interrupts import interrupts
 from qmpprof.naming import Naming
+from qmpprof.serve.config import VmSettings
 from qmpprof.serve.endpoints import Board, listen
-from qmpprof.serve.vm import Vm
+from qmpprof.serve.vm import Vm, in_thread
 from qmpprof.session import RunSpec, load
 
 RESCAN = 1.0  # seconds between looks at --qmp-dir
+# The most a VM's thread waits for the interpreter while another thread computes (Python's
+# default is 5 ms): a reply for a stopped VM is read within it.
+SWITCH = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    spec: RunSpec  # every VM's run, but for its socket
+    spec: RunSpec  # every VM's run, but for its socket and its settings
     sockets: tuple[tuple[str, Path], ...]  # (name, socket) followed for good
     qmp_dir: Path | None
     host: str
     port: int
     window: int  # seconds kept
     naming: Naming
+    settings: dict[str, VmSettings] = dataclasses.field(default_factory=dict)  # --config
+
+    def spec_of(self, name: str) -> RunSpec:
+        """The run of the VM ``name``, its --config table applied (its NAME.toml is not)."""
+        found = self.settings.get(name)
+        return self.spec if found is None else found.apply(self.spec)
 
 
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        interval_ms = config.spec.sampling.interval * 1e3
-        self.board = Board(config.window, interval_ms, config.naming)
-        self.tasks: dict[str, tuple[Vm, asyncio.Task[None]]] = {}
-        self.leaving: set[asyncio.Task[None]] = set()  # dropped VMs finishing their tick
+        self.board = Board(config.window, config.naming)
+        self.tasks: dict[str, tuple[Vm, asyncio.Future[None]]] = {}  # each in its thread
+        self.leaving: set[asyncio.Future[None]] = set()  # dropped VMs finishing their tick
         self.stopping = asyncio.Event()
 
-    def add(self, name: str, socket: Path) -> None:
-        vm = Vm(name, socket, self.config.spec, self.config.window)
-        self.tasks[name] = (vm, asyncio.create_task(vm.follow(), name=f"vm {name}"))
+    def add(self, name: str, socket: Path, beside: Path | None = None) -> None:
+        vm = Vm(name, socket, self.config.spec_of(name), self.config.window, beside)
+        self.tasks[name] = (vm, in_thread(vm))
         self._publish()
 
     def drop(self, name: str) -> None:
@@ -74,10 +88,11 @@ class Daemon:
             self.drop(name)
         for name, path in sorted(found.items()):
             if name not in self.tasks:
-                self.add(name, path)
+                self.add(name, path, path.with_name(f"{name}.toml"))
 
     async def run(self, announce: Callable[[str], None]) -> int:
-        load(self.config.spec)  # a bad ELF file fails now, not once per VM
+        for spec in self._given():
+            load(spec)  # a bad file fails now, not once per VM (the loads are kept: shared)
         try:
             server = listen(self.config.host, self.config.port, self.board)
         except OSError as err:
@@ -85,6 +100,8 @@ class Daemon:
             raise UsageError(f"cannot listen on {where}: {err.strerror or err}") from None
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH)
         try:
             with interrupts(lambda signum: self.stopping.set()):
                 try:
@@ -104,9 +121,18 @@ class Daemon:
                         vm.stop()
                     await asyncio.gather(*(task for _, task in self.tasks.values()), *self.leaving)
         finally:
+            sys.setswitchinterval(switch)
             await asyncio.to_thread(server.shutdown)
             server.server_close()
         return 0
+
+    def _given(self) -> list[RunSpec]:
+        """The distinct runs known at start: the VMs given, and the defaults for --qmp-dir."""
+        config = self.config
+        specs = [config.spec_of(name) for name, _ in config.sockets]
+        if config.qmp_dir is not None or not specs:
+            specs.append(config.spec)
+        return list(dict.fromkeys(specs))
 
 
 def _sockets_in(directory: Path) -> list[Path]:

@@ -44,7 +44,6 @@ class Board:
     """What the handlers read: the VMs (a tuple the daemon replaces whole) and settings."""
 
     window: int
-    interval_ms: float
     naming: Naming
     vms: tuple[Vm, ...] = ()
     closing: threading.Event = field(default_factory=threading.Event)  # serve is stopping
@@ -106,7 +105,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _flamegraph(self, query: dict[str, list[str]]) -> tuple[str, bytes]:
         vm, seconds = self.board.pick(query), self.board.seconds(query)
-        picked = vm.ring.last(seconds)
+        # By time, not by entry: under a budget one entry of the ring spans an interval (5 s at
+        # most) when that is longer than a second.
+        since = time.monotonic() - seconds
+        picked = [s for s in vm.ring.last(seconds) if s.end > since]
         return "image/svg+xml", render(self._profile(vm, picked, seconds), "svg", self.board.naming)
 
     def _pprof(self, query: dict[str, list[str]]) -> tuple[str, bytes]:
@@ -124,13 +126,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         )
 
     def _profile(self, vm: Vm, picked: Sequence[Second], seconds: int) -> Profile:
+        interval_ms = vm.interval * 1e3  # the one in force (a budget may have lengthened it)
         facts = {
             "guest": vm.name,
             "samples": str(sum(s.samples for s in picked)),
-            "interval": f"{self.board.interval_ms:g} ms",
+            "interval": f"{interval_ms:.3g} ms",
             "seconds": f"last {seconds} s",
         }
-        return merge(picked, self.board.interval_ms, facts)
+        return merge(picked, interval_ms, facts)
 
     def _send(self, status: int, kind: str, body: bytes) -> None:
         self.send_response(status)

@@ -39,6 +39,17 @@ class Second:
     def truncated(self) -> int:
         return sum(count for key, _, count in self.counts if key[2] is not StopReason.END)
 
+    @property
+    def truncated_in_kernel(self) -> int:
+        """Walks that stopped early at a kernel frame: the kernel's image or its modules did
+        not tell how to go on (a kernel file that is not the one the guest runs shows here);
+        the rest stopped in user code (a program without CFI, a file missing in --user-dir)."""
+        return sum(
+            count
+            for key, _, count in self.counts
+            if key[2] is not StopReason.END and key[3] and key[3][-1].kernel
+        )
+
 
 class Ring:
     """The last ``window`` seconds of one VM; ``push`` from the sampling loop only."""

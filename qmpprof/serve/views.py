@@ -15,7 +15,7 @@ DEFAULT_SECONDS = 30  # what the links ask for (Go's default for /debug/pprof/pr
 def index(vms: Sequence[Vm], window: int) -> str:
     rows = "\n".join(_row(vm, min(DEFAULT_SECONDS, window)) for vm in vms)
     if not vms:
-        rows = '<tr><td colspan="8">no VM yet</td></tr>'
+        rows = '<tr><td colspan="10">no VM yet</td></tr>'
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>qmpprof serve</title>
 <style>
@@ -30,8 +30,9 @@ th:first-child, td:first-child, td.links {{ text-align: left; }}
 <p>Profiles of the last {window} s are kept; live numbers cover the last {LIVE} s.
 <a href="/metrics">metrics</a></p>
 <table id="vms">
-<tr><th>VM</th><th>state</th><th>rate (Hz)</th><th>median pause (ms)</th><th>errors</th>
-<th>truncated</th><th>guest stopped</th><th>profiles</th></tr>
+<tr><th>VM</th><th>state</th><th>rate (Hz)</th><th>interval (ms)</th>
+<th>median pause (ms)</th><th>errors</th><th>truncated</th><th>guest stopped</th>
+<th>budget</th><th>profiles</th></tr>
 {rows}
 </table>
 </body></html>
@@ -47,9 +48,11 @@ def _row(vm: Vm, seconds: int) -> str:
         state = f'<span title="{html.escape(vm.problem)}">{state}</span>'
     return (
         f'<tr class="vm"><td>{name}</td><td class="{html.escape(vm.state)}">{state}</td>'
-        f"<td>{live.rate_hz:.1f}</td><td>{live.median_pause_ms:.2f}</td>"
+        f"<td>{live.rate_hz:.1f}</td><td>{vm.interval * 1e3:.0f}</td>"
+        f"<td>{live.median_pause_ms:.2f}</td>"
         f"<td>{vm.errors_total}</td><td>{vm.truncated_total}</td>"
-        f"<td>{live.stopped:.1%}</td>"
+        f'<td class="stopped">{live.stopped:.2%}</td>'
+        f"<td>{'none' if vm.budget is None else f'{vm.budget:.2%}'}</td>"
         f'<td class="links"><a href="/flamegraph.svg?{query}">flame graph ({seconds} s)</a> '
         f'<a href="/debug/pprof/profile?{query}">pprof (collects {seconds} s)</a></td></tr>'
     )
@@ -68,6 +71,11 @@ def metrics(vms: Sequence[Vm]) -> str:
         ("qmpprof_samples_total", "vCPU samples taken", "samples_total"),
         ("qmpprof_errors_total", "samples that failed (counted, not raised)", "errors_total"),
         ("qmpprof_truncated_total", "samples whose stack walk stopped early", "truncated_total"),
+        (
+            "qmpprof_truncated_in_kernel_total",
+            "samples whose stack walk stopped early at a kernel frame",
+            "truncated_in_kernel_total",
+        ),
     ):
         family(name, "counter", about)
         out += [f"qmpprof_{name[8:]}{_labels(vm)} {getattr(vm, attr)}" for vm in vms]
@@ -81,8 +89,29 @@ def metrics(vms: Sequence[Vm]) -> str:
             out.append(f"qmpprof_pause_seconds_bucket{_labels(vm, le=le)} {running}")
         out.append(f"qmpprof_pause_seconds_sum{_labels(vm)} {total:.6f}")
         out.append(f"qmpprof_pause_seconds_count{_labels(vm)} {running}")
+    family(
+        "qmpprof_sampled_seconds_total",
+        "counter",
+        "wall time the VM was sampled: pause_seconds_sum over it is its stopped share",
+    )
+    out += [f"qmpprof_sampled_seconds_total{_labels(vm)} {vm.sampled_seconds:.3f}" for vm in vms]
+    lives = [(vm, vm.live()) for vm in vms]
     family("qmpprof_stopped_ratio", "gauge", f"share of the last {LIVE} s the guest stood stopped")
-    out += [f"qmpprof_stopped_ratio{_labels(vm)} {vm.live().stopped:.6f}" for vm in vms]
+    out += [f"qmpprof_stopped_ratio{_labels(vm)} {live.stopped:.6f}" for vm, live in lives]
+    family("qmpprof_rate_hz", "gauge", f"samples (stops) per wall second over the last {LIVE} s")
+    out += [f"qmpprof_rate_hz{_labels(vm)} {live.rate_hz:.3f}" for vm, live in lives]
+    family("qmpprof_interval_seconds", "gauge", "guest run time between samples, in force")
+    out += [f"qmpprof_interval_seconds{_labels(vm)} {vm.interval:.6f}" for vm in vms]
+    family(
+        "qmpprof_overhead_budget_ratio",
+        "gauge",
+        "the most of the wall time the guest may stand stopped (absent without a budget)",
+    )
+    out += [
+        f"qmpprof_overhead_budget_ratio{_labels(vm)} {vm.budget:g}"
+        for vm in vms
+        if vm.budget is not None
+    ]
     return "\n".join(out) + "\n"
 
 

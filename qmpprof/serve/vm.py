@@ -10,6 +10,14 @@ statistics are taken out of it into the ring (``Ring.push``) and the totals, so 
 with the uptime; ``request_stop`` ends a run after the tick in progress, so the guest is never
 left stopped. A VM that is not there (no socket, nobody listening, QEMU killed) is "down" and
 tried again every RETRY seconds.
+
+Each VM has its own run: the command line's, with its ``--config`` table applied, and with the
+``NAME.toml`` beside its socket read again at each connection (a bad one leaves the VM down,
+the reason shown). Each VM follows in a thread and event loop of its own (``in_thread``): its
+pauses do not wait for the other VMs' work, and loading its kernel (a second or two) holds up
+no other VM; VMs with the same kernel share one load (the guest OSes keep what they loaded).
+Under a budget the sampler lengthens the interval when pauses cost more; the interval in force
+is kept here for the pages.
 """
 
 from __future__ import annotations
@@ -19,13 +27,16 @@ import bisect
 import contextlib
 import dataclasses
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qmpprof import session
 from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.serve.config import read_beside
 from qmpprof.serve.ring import Ring, Second
-from qmpprof.session import Run, RunSpec, start
+from qmpprof.session import Run, RunSpec
 from qmpprof.stats import SamplerStats
 
 RETRY = 1.0  # seconds between connection attempts, and between looks at a paused guest
@@ -59,11 +70,17 @@ class Live:
 class Vm:
     """One followed VM: its ring, its totals since serve started, and whether it is up."""
 
-    def __init__(self, name: str, socket: Path, spec: RunSpec, window: int) -> None:
+    def __init__(
+        self, name: str, socket: Path, spec: RunSpec, window: int, beside: Path | None = None
+    ) -> None:
+        """``spec``: this VM's run but for its socket; ``beside``: a NAME.toml that may be
+        there, read at each connection."""
         self.name = name
         self.socket = socket
-        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
-        self.spec = dataclasses.replace(spec, qmp_socket=socket, sampling=sampling)
+        self.base = spec
+        self.beside = beside
+        self.spec = self._spec(spec)
+        self.interval = self.spec.sampling.interval  # in force (seconds of guest run time)
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
@@ -71,11 +88,29 @@ class Vm:
         self.samples_total = 0
         self.errors_total = 0
         self.truncated_total = 0
+        self.truncated_in_kernel_total = 0
         self.pause_counts = [0] * (len(PAUSE_BUCKETS) + 1)  # per bucket, the last is +Inf
         self.pause_sum = 0.0
-        self._stopping = asyncio.Event()
+        self.sampled_seconds = 0.0  # wall time the ring's seconds spanned, since serve started
+        self._asked = threading.Event()  # stop() was called, from any thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # follow()'s, once it runs
+        self._stopping = asyncio.Event()  # the same, in follow()'s loop
         self._sampler: Run | None = None
         self._since = time.monotonic()  # start of the second being collected
+
+    def _spec(self, spec: RunSpec) -> RunSpec:
+        sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
+        return dataclasses.replace(spec, qmp_socket=self.socket, sampling=sampling)
+
+    def settings(self) -> RunSpec:
+        """This VM's run now: the NAME.toml beside its socket read again, if there is one."""
+        if self.beside is None or not self.beside.exists():
+            return self._spec(self.base)
+        return self._spec(read_beside(self.beside).apply(self.base))
+
+    @property
+    def budget(self) -> float | None:
+        return self.spec.sampling.max_overhead
 
     @property
     def up(self) -> bool:
@@ -86,13 +121,24 @@ class Vm:
 
     def stop(self) -> None:
         """End following: the sampler stops after its tick in progress (safe to call any
-        time from the event loop)."""
+        time, from any thread)."""
+        self._asked.set()
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # follow() ended and its loop closed
+                loop.call_soon_threadsafe(self._stop_here)
+
+    def _stop_here(self) -> None:
         self._stopping.set()
         if self._sampler is not None:
             self._sampler.request_stop()
 
     async def follow(self) -> None:
         """Sessions one after the other, until ``stop``."""
+        self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if self._asked.is_set():
+            self._stopping.set()
         while not self._stopping.is_set():
             try:
                 await self._session()
@@ -108,8 +154,12 @@ class Vm:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _session(self) -> None:
-        await _listening(self.socket)  # cheap: start() loads the ELF files first
-        sampler = await start(self.spec, on_tick=self._on_tick)
+        self.spec = spec = self.settings()
+        await _listening(self.socket)  # cheap, before the files load
+        guest = session.load(spec)  # in this VM's own thread
+        connection = await session.attach(guest, await session.connect(spec))
+        sampler = session.sampler(spec, guest, connection.transport, self._on_tick)
+        self.interval = sampler.interval
         try:
             self._sampler = sampler
             self.connects += 1
@@ -139,17 +189,43 @@ class Vm:
         if stats.errors:
             self.problem = stats.errors.most_common(1)[0][0]
         since, self._since = self._since, now
+        self.interval = sampler.interval
         if not keep or not (stats.pauses or len(profile)):
             return
         second = self.ring.push(
             profile, since, now, ticks=stats.ticks, errors=errors, pauses=stats.pauses
         )
         self.samples_total += second.samples
+        self.sampled_seconds += second.end - second.start
         self.truncated_total += second.truncated
+        self.truncated_in_kernel_total += second.truncated_in_kernel
         self.errors_total += errors
         for pause in stats.pauses:
             self.pause_counts[bisect.bisect_left(PAUSE_BUCKETS, pause)] += 1
             self.pause_sum += pause
+
+
+def in_thread(vm: Vm) -> asyncio.Future[None]:
+    """``vm.follow()`` in a thread and event loop of its own; done (in the calling loop) when
+    it ends. Why a thread per VM: in one event loop, a VM stood stopped while the loop did the
+    other VMs' work (walking and naming their stacks, their housekeeping); in threads, the
+    interpreter switches to the stopped VM's thread within ``sys.getswitchinterval()``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def run() -> None:
+        try:
+            asyncio.run(vm.follow())
+        finally:
+            with contextlib.suppress(RuntimeError):  # serve's own loop is gone
+                loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name=f"vm {vm.name}", daemon=True).start()
+    return done
 
 
 async def _listening(socket: Path) -> None:

@@ -7,6 +7,9 @@ this transport is several times cheaper. Facts about QEMU 7.2's stub this module
 - Attaching stops the guest. If the guest was running, the stub sends an unsolicited stop reply
   (``T02thread:01;``) before the answer to our first packet: that is how ``connect`` learns the
   prior state when the caller does not say, and it resumes the guest so attaching is invisible.
+  QEMU 8.1 and later send no stop reply a packet did not ask for (11.1 measured): attaching
+  stops a running guest silently, and only the caller (QMP's ``query-status`` before the attach)
+  can say how it was (``state_known``).
 - It offers ``PacketSize=1000`` (hex) but no ``QStartNoAckMode``: acks stay on. It does not wait
   for our ``+`` before accepting the next packet, so the ack rides in front of the next write.
 - It answers pipelined packets in order (``gdbchannel`` relies on that); ``m`` takes at most
@@ -94,6 +97,9 @@ class GdbTransport:
         self._running = False
         self._closed = False
         self.was_running = False
+        # Whether was_running is known (the caller said, or the stub's stop reply did) or only
+        # taken to be False: a stub that sends no unsolicited stop replies says nothing.
+        self.state_known = False
 
     @classmethod
     async def connect(
@@ -108,7 +114,8 @@ class GdbTransport:
 
         Attaching stops the guest. ``was_running`` says whether it ran before (a caller that
         holds a QMP connection can ask ``query-status``); None detects it from the stop reply
-        QEMU sends when attaching stops a running guest. A guest that was running is resumed
+        QEMU sends when attaching stops a running guest, and without one takes the guest as
+        paused (``state_known`` says whether it was told). A guest that was running is resumed
         before this returns, so ``is_running()`` is True; a paused guest stays paused.
         ``formats``: how the target prints registers, when the caller knows (QMP's
         ``query-target``); else the stub's target description says which target it is.
@@ -138,6 +145,7 @@ class GdbTransport:
             raise
         channel.on_stopped = self._stopped
         self.was_running = saw_stop if was_running is None else was_running
+        self.state_known = saw_stop or was_running is not None
         if self.was_running:
             await self.cont()
         return self

@@ -26,7 +26,7 @@ from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
 from qmpprof.guest.linux.vma import VmaLayout
 from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
-from qmpprof.linux.btf import Btf
+from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memory import reader
 from qmpprof.model import Registers
@@ -72,6 +72,9 @@ def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str
         return make(btf)
     except KeyError as err:
         notes.append(f"this kernel's BTF lacks {err}: {lacking}")
+        return None
+    except BtfError as err:
+        notes.append(f"unreadable BTF ({err}): {lacking}")
         return None
 
 

@@ -20,7 +20,7 @@ from qmpprof.guest.base import Identity
 from qmpprof.guest.linux.current import CurrentTask
 from qmpprof.guest.linux.modules import ModuleList
 from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import RECHECK, Task, TaskLayout, Tasks, read_task
+from qmpprof.guest.linux.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
 from qmpprof.memory import Reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
@@ -169,7 +169,7 @@ class LinuxIdentifier:
             return self.space
         return await self.spaces.space_of(read, task, regs.pc if regs.user else None)
 
-    def _stamp(self, task: int, cache: PageCache) -> tuple[int, int, int] | None:
+    def _stamp(self, task: int, cache: PageCache) -> Stamp | None:
         """The stamp of ``task`` when the sample read it with the window (it was expected)."""
         assert self.layout is not None
         addr, size = self.layout.stamp_range(task)

@@ -30,6 +30,7 @@ _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 _STT_FUNC = 2
 _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
+_MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +167,7 @@ async def _symbols(
     entries = [
         (name, value, size)
         for name, info, _other, _shndx, value, size in _SYM.iter_unpack(raw)
-        if info & 0xF == _STT_FUNC and low <= value < high
+        if info & 0xF == _STT_FUNC and low <= value < high and name < _MAX_STRTAB
     ]
     if not entries:
         return None

@@ -10,8 +10,10 @@ reads a task's fields the first time it meets the task, not every ``recheck``.
 A task pointer does not name one process for ever: an exec gives the task another program and
 address space (its ``mm``), and a task that exited leaves its ``task_struct`` to the next one
 (the slab reuses it at once on a guest that starts processes all the time). Its ``stamp`` (pid,
-tgid and mm, as read) tells: a pause reads the stamp of the task it expects with the stack
-window, and a stamp that changed has the task read again.
+tgid, mm and comm, as read) tells: a pause reads the stamp of the task it expects with the stack
+window, and a stamp that changed has the task read again. The comm is in it because an exec
+gives the task its new mm before its new name (``begin_new_exec``: ``exec_mmap``, then
+``__set_task_comm``): a task read in between would keep its parent's name.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ LIMIT = 4096  # tasks remembered
 # task_struct.flags: a kernel thread (include/linux/sched.h, the same from 5.10 to 7.2; BTF
 # carries no #define).
 PF_KTHREAD = 0x0020_0000
+Stamp = tuple[int, int, int, int]  # a task's pid, tgid, mm and comm (its bytes as a number)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +53,26 @@ class TaskLayout:
 
     def stamp_range(self, task: int) -> tuple[int, int]:
         """Where the task at ``task`` keeps its stamp: the bytes from the first to the last of
-        pid, tgid and mm (136 on 6.12, 5.10 and 7.2)."""
-        low = min(self.pid, self.tgid, self.mm)
-        return task + low, max(self.pid + 4, self.tgid + 4, self.mm + 8) - low
+        pid, tgid, mm and comm (688 on 6.12, 696 on 5.10, 720 on 6.1, 680 on 7.2)."""
+        low = self._stamp_low
+        high = max(self.pid + 4, self.tgid + 4, self.mm + 8, self.comm + self.comm_size)
+        return task + low, high - low
 
-    def stamp_of(self, raw: bytes) -> tuple[int, int, int]:
-        """(pid, tgid, mm) from the bytes at ``stamp_range``."""
-        low = min(self.pid, self.tgid, self.mm)
+    def stamp_of(self, raw: bytes) -> Stamp:
+        """(pid, tgid, mm, comm) from the bytes at ``stamp_range``: comm's bytes as a number."""
+        low = self._stamp_low
 
         def number(offset: int, size: int) -> int:
             return int.from_bytes(raw[offset - low : offset - low + size], "little")
 
-        return number(self.pid, 4), number(self.tgid, 4), number(self.mm, 8)
+        return (
+            number(self.pid, 4), number(self.tgid, 4), number(self.mm, 8),
+            number(self.comm, self.comm_size),
+        )  # fmt: skip
+
+    @property
+    def _stamp_low(self) -> int:
+        return min(self.pid, self.tgid, self.mm, self.comm)
 
     @classmethod
     def from_btf(cls, btf: Btf) -> TaskLayout:
@@ -90,7 +101,7 @@ class Task:
     leader_comm: str
     mm: int  # its address space (struct mm_struct *), 0 for kernel threads
     stack: int  # its kernel stack's lowest address
-    stamp: tuple[int, int, int] = (0, 0, 0)  # pid, tgid, mm as read (TaskLayout.stamp_of)
+    stamp: Stamp = (0, 0, 0, 0)  # pid, tgid, mm, comm as read (TaskLayout.stamp_of)
 
     @property
     def process(self) -> Process:
@@ -134,7 +145,7 @@ async def read_task(read: Reader, task: int, layout: TaskLayout, kernel_from: in
         leader_comm,
         0 if kernel_thread else mm,
         number(layout.stack, 8),
-        (number(layout.pid, 4), number(layout.tgid, 4), mm),
+        layout.stamp_of(raw[layout.stamp_range(task)[0] - task - low :]),
     )
 
 
@@ -174,7 +185,7 @@ class Tasks:
         self._seen: Memo[int, Seen] = Memo(LIMIT)
         self._used: Memo[int, float] = Memo(LIMIT)
 
-    def fresh(self, task: int, stamp: tuple[int, int, int] | None = None) -> Seen | None:
+    def fresh(self, task: int, stamp: Stamp | None = None) -> Seen | None:
         """What a sample may take of ``task`` without reading it (and note that one did):
         with the task's ``stamp`` as a pause read it, what was read of it if the stamp is the
         same (from now on trusted for ``recheck``); without, what was read or confirmed within

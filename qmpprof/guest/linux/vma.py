@@ -28,6 +28,7 @@ from qmpprof.memory import Reader
 # #define).
 VM_EXEC = 0x4
 MAX_VMAS = 65536
+_MAX_HEIGHT = 31  # MAPLE_HEIGHT_MAX: a deeper walk is going round a loop of nodes
 _NAME_MAX = 256
 _PAGE = 4096
 # An encoded maple node's type: bits 3-6 (lib/maple_tree.c, 6.1 to 7.2).
@@ -152,8 +153,13 @@ async def _vma_pointers(read: Reader, mm: int, layout: VmaLayout) -> list[int]:
     leaf, _, arange = layout.types
     out: list[int] = []
     level = [root]  # encoded nodes: node-aligned address | type << 3 | flags
-    while level and len(out) < MAX_VMAS:
-        nodes = [e for e in level if e > 4096 and _type(e) in layout.types]
+    seen: set[int] = set()  # a node met twice is a loop, not a tree (a pointer read mid-change)
+    for _ in range(_MAX_HEIGHT):
+        nodes = [e for e in dict.fromkeys(level) if e > 4096 and _type(e) in layout.types]
+        nodes = [e for e in nodes if e not in seen][: MAX_VMAS - len(seen)]
+        if not nodes or len(out) >= MAX_VMAS:
+            break
+        seen.update(nodes)
         spans = [layout.arange_slots if _type(e) == arange else layout.leaf_slots for e in nodes]
         node_mask = layout.node_size - 1
         ranges = [(e & ~node_mask, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]

@@ -162,7 +162,9 @@ class GdbstubLoop:
         self._transport: GdbTransport | None = None
 
     async def setup(self) -> None:
-        self._transport = await GdbTransport.connect(self._address)
+        # The benchmark's guest runs: said, as 8.1 and later stubs do not say it (attaching
+        # stops it silently there).
+        self._transport = await GdbTransport.connect(self._address, was_running=True)
 
     async def sample(self) -> float:
         transport = self._transport

@@ -33,15 +33,16 @@ class QmpprofSampler:
         transport: TransportKind = "auto",
         gdb: str = "",
     ) -> None:
-        """Over the QMP socket ``qmp`` (the default path, or ``transport``), else over the
-        gdbstub at ``gdb``."""
+        """Over the QMP socket ``qmp`` (the default path, or ``transport``), or over the
+        gdbstub at ``gdb`` (``qmp`` then says the run state before the stub attaches)."""
         self.name = name
-        if qmp:
-            self._spec = RunSpec(
-                qmp_socket=Path(qmp), transport=transport, kernel=kernel, user_dir=user_dir
-            )
-        else:
-            self._spec = RunSpec(transport="gdb", gdb=gdb, kernel=kernel, user_dir=user_dir)
+        self._spec = RunSpec(
+            qmp_socket=Path(qmp),
+            transport="gdb" if gdb else transport,
+            gdb=gdb or None,
+            kernel=kernel,
+            user_dir=user_dir,
+        )
         self._transport: GuestTransport | None = None
         self._guest: Guest | None = None
         self.path = ""  # how the samples travelled (session.Connection.path)

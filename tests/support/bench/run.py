@@ -196,7 +196,7 @@ def _methods(name: str, guest: Guest, fixture: Fixture) -> Method | QmpprofSampl
         return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path)
     if name == "qmpprof-qmp":
         return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path, transport="qmp")
-    return QmpprofSampler(name, fixture.kernel, user_dir, gdb=guest.gdb_address)
+    return QmpprofSampler(name, fixture.kernel, user_dir, qmp=guest.qmp_path, gdb=guest.gdb_address)
 
 
 async def measure(
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         nargs="?",
         const=600.0,
-        help="only qmpprof serve on two guests for SECONDS (default 600): RSS start and end",
+        help="only qmpprof serve on four Linux guests of two kernels for SECONDS (default "
+        "600): stopped share, truncated, RSS",
     )
     ns = p.parse_args(argv)
     methods = tuple(m for m in ns.methods.split(",") if m)

@@ -1,34 +1,41 @@
-"""``scripts/bench --serve-soak [SECONDS]``: ``qmpprof serve`` on two guests for a long while.
+"""``scripts/bench --serve-soak [SECONDS]``: ``qmpprof serve`` on a fleet for a long while.
 
-Two bundled guests boot (1 vCPU each); ``qmpprof serve`` follows both at its default interval
-and window (a process of its own), and a scraper plays the clients it is made for: /metrics
-every SCRAPE seconds, each VM's /flamegraph.svg for the last 30 s, and each VM's pprof endpoint
+Four Linux test guests boot (tests/linuxvm.py, 1 vCPU each), two on Debian's 6.12 and two on
+6.1; ``qmpprof serve`` follows them from one ``--config`` TOML file (each VM its socket, its
+kernel and the guest's root filesystem) at every default: the 50 ms interval, the overhead
+budget of 1 %, the window. A scraper plays the clients it is made for: /metrics every SCRAPE
+seconds, each VM's /flamegraph.svg for the last 30 s, and each VM's pprof endpoint
 (``seconds=5``) once a minute. The serve process's resident set size (VmRSS) is read at
-WARMUP seconds (start: modules imported, ELF files loaded, both VMs sampled), every minute
+WARMUP seconds (start: modules imported, kernels loaded, every VM sampled), every minute
 after, and at the end; its peak (``ru_maxrss`` from ``wait4``) after SIGTERM, which must end
-it with status 0. The samples, errors and pause histogram come from its own /metrics.
+it with status 0. Per VM, from serve's own /metrics: samples, errors, truncated (and of them,
+stopped in kernel code), mean pause, the share of the wall time stopped (its pauses over the
+time it was sampled) and the interval in force.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from qmpprof.errors import QmpprofError
-from support.bench.guest import Fixture, boot
+from qmpprof.transport.qmp import QmpTransport
 
-WARMUP = 15.0  # seconds before the first RSS reading
+WARMUP = 30.0  # seconds before the first RSS reading
 SCRAPE = 10.0  # seconds between scrapes
 PPROF_EVERY = 60.0
-NAMES = ("vm1", "vm2")
+FLEET = (("a612", "6.12"), ("b612", "6.12"), ("c61", "6.1"), ("d61", "6.1"))  # VM, kernel
+NAMES = tuple(name for name, _ in FLEET)
 
 
 def rss_mb(pid: int) -> float:
@@ -64,14 +71,27 @@ def _scrape(url: str, last_pprof: float, log: Callable[[str], None]) -> float:
 
 
 def serve_soak(root: Path, seconds: float, log: Callable[[str], None]) -> dict[str, object]:
-    fixture = Fixture.find(root, "cfi")
-    user_dir = fixture.kernel.parent / "user"
+    from linuxkernel import linux_dir
+    from linuxvm import ROOTFS, running_linux_guest
+
     with contextlib.ExitStack() as stack:
-        guests = [stack.enter_context(boot(root, fixture, "cfi")) for _ in NAMES]
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve-soak-")))
+        guests, tables = [], []
+        for name, series in FLEET:
+            kernel = linux_dir(series) / "vmlinuz"
+            guest = stack.enter_context(
+                running_linux_guest(tmp, smp=1, kernel=kernel, dump_kallsyms=False)
+            )
+            guests.append(guest)
+            tables.append(
+                f'[vm.{name}]\nsocket = "{guest.qmp_socket}"\nkernel = "{kernel}"\n'
+                f'user_dir = "{ROOTFS}"\n'
+            )
+            log(f"serve-soak: {name} booted Linux {series} in {guest.boot_seconds:.0f} s")
+        config = tmp / "fleet.toml"
+        config.write_text("\n".join(tables))
         argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0",
-                "--kernel", str(fixture.kernel), "--user-dir", str(user_dir)]  # fmt: skip
-        for name, guest in zip(NAMES, guests, strict=True):
-            argv += ["--qmp-socket", f"{name}={guest.qmp_path}"]
+                "--config", str(config)]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             out = _soak(proc, seconds, log)
@@ -79,10 +99,18 @@ def serve_soak(root: Path, seconds: float, log: Callable[[str], None]) -> dict[s
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for guest in guests:  # the witness has a QMP socket of its own
-            if not guest.witness.running():  # serve left it stopped
-                raise QmpprofError("a guest was not running after serve ended")
+        for guest in guests:
+            if asyncio.run(_status(guest.qmp_socket)) != "running":
+                raise QmpprofError(f"{guest.qmp_socket}: the guest was not running after serve")
     return out
+
+
+async def _status(socket: Path) -> str:
+    transport = await QmpTransport.connect(socket)
+    try:
+        return await transport.status()
+    finally:
+        await transport.close()
 
 
 def _soak(
@@ -126,12 +154,17 @@ def _soak(
     for vm in NAMES:
         samples = metric(text, "qmpprof_samples_total", vm)
         count = metric(text, "qmpprof_pause_seconds_count", vm)
+        stopped = metric(text, "qmpprof_pause_seconds_sum", vm)
         out[f"serve_{vm}_samples"] = int(samples)
-        out[f"serve_{vm}_rate_hz"] = round(samples / elapsed, 1)
+        out[f"serve_{vm}_rate_hz"] = round(count / elapsed, 2)
         out[f"serve_{vm}_errors"] = int(metric(text, "qmpprof_errors_total", vm))
-        out[f"serve_{vm}_mean_pause_ms"] = round(
-            metric(text, "qmpprof_pause_seconds_sum", vm) / max(count, 1) * 1e3, 2
+        out[f"serve_{vm}_truncated"] = int(metric(text, "qmpprof_truncated_total", vm))
+        out[f"serve_{vm}_truncated_in_kernel"] = int(
+            metric(text, "qmpprof_truncated_in_kernel_total", vm)
         )
-        out[f"serve_{vm}_stopped_ratio"] = metric(text, "qmpprof_stopped_ratio", vm)
+        out[f"serve_{vm}_mean_pause_ms"] = round(stopped / max(count, 1) * 1e3, 2)
+        sampled = metric(text, "qmpprof_sampled_seconds_total", vm)
+        out[f"serve_{vm}_stopped_share"] = round(stopped / sampled, 4) if sampled else None
+        out[f"serve_{vm}_interval_ms"] = round(metric(text, "qmpprof_interval_seconds", vm) * 1e3)
     log(f"serve-soak: RSS {rss_start:.1f} -> {rss_end:.1f} MB in {elapsed:.0f} s")
     return out

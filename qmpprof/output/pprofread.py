@@ -1,0 +1,300 @@
+"""pprof input: a profile.proto (gunzipped) read back into a ``Profile``, so that ``qmpprof
+report`` and ``qmpprof diff`` take what ``-o x.pb.gz`` and serve's /debug/pprof/profile write,
+and a pprof from elsewhere as far as it carries.
+
+What comes back from qmpprof's own (``pprof.py`` says what goes where): each sample's stack,
+count and labels (``cpu``, ``mode``, the process from ``pid`` and ``process``, the thread from
+``tid`` and ``thread``, ``truncated``); per location its frames (the inlined first, from its
+lines) with function name, file and line; its mapping (range, file offset, path or name,
+build-id); the period and the comments (the run's facts). Not carried by pprof, so not given
+back: a frame's offset into its function (``--offsets`` names +0x0), the per-sample times
+(samples are spread evenly over the duration), why a truncated walk stopped (``depth``), a
+mapping's bias. A frame is kernel code when its address is in the upper half (above 2^63, or
+above 0xc0000000 in a profile whose addresses all fit 32 bits). A pprof from elsewhere has
+no such labels: its samples are kernel-less user stacks of no process, counted by its first
+sample type (``samples``/``count`` when it has one).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
+from qmpprof.naming import TRUNCATED, UNKNOWN
+from qmpprof.profile import Profile
+
+_UPPER_HALF = 1 << 63
+_I386_KERNEL = 0xC000_0000
+_PID_LABEL = re.compile(r"(.*) \(pid (\d+)\)")
+_SPACE_LABEL = re.compile(r"(?:(.*) \()?(\w+)=0x([0-9a-f]+)\)?")
+# How pprof.py names a frame no symbol covers: [unknown] or its address, then the module's
+# name where it has a file (a kernel module's is the mapping's own, bracketed).
+_NO_SYMBOL = re.compile(r"(?:\[unknown\]|0x[0-9a-f]+)(?: \[(.*?)(?:\+0x[0-9a-f]+)?\])?(?:_\[i\])?")
+_MAX_SAMPLES = 50_000_000  # counts summed: more is damage, not a profile
+
+
+class PprofError(ValueError):
+    """Bytes that are not a profile.proto message."""
+
+
+def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of a message: varints as ints,
+    length-delimited fields as bytes, fixed-size ones as ints."""
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+            yield number, wire, value
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            if pos + size > end:
+                raise PprofError(f"field {number} runs past the end")
+            yield number, wire, data[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            if pos + size > end:
+                raise PprofError(f"field {number} runs past the end")
+            yield number, wire, int.from_bytes(data[pos : pos + size], "little")
+            pos += size
+        else:
+            raise PprofError(f"wire type {wire} of field {number}")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise PprofError("a varint runs past the end")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _ints(wire: int, value: int | bytes) -> list[int]:
+    """A repeated integer field's values: packed, or one unpacked value."""
+    if isinstance(value, int):
+        return [value]
+    out, pos = [], 0
+    while pos < len(value):
+        item, pos = _varint(value, pos)
+        out.append(item)
+    return out
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _message(value: int | bytes) -> bytes:
+    if not isinstance(value, bytes):
+        raise PprofError("a message field holds a number")
+    return value
+
+
+@dataclass(slots=True)
+class _Raw:
+    """The parts of a profile.proto message, by id, with string indexes unresolved."""
+
+    strings: list[str] = field(default_factory=list)
+    sample_types: list[tuple[int, int]] = field(default_factory=list)
+    samples: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = field(
+        default_factory=list
+    )
+    mappings: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)
+    locations: dict[int, tuple[int, int, list[tuple[int, int]]]] = field(default_factory=dict)
+    functions: dict[int, tuple[int, int]] = field(default_factory=dict)  # name, file
+    period_type: tuple[int, int] = (0, 0)
+    period: int = 0
+    duration: int = 0
+    comments: list[int] = field(default_factory=list)
+
+    def string(self, index: int) -> str:
+        if not 0 <= index < len(self.strings):
+            raise PprofError(f"string {index} of {len(self.strings)}")
+        return self.strings[index]
+
+
+def decode(data: bytes) -> Profile:
+    """The ``Profile`` a profile.proto message holds. Raises PprofError."""
+    raw = _parse(data)
+    kinds = [(raw.string(t), raw.string(u)) for t, u in raw.sample_types]
+    if not kinds:
+        raise PprofError("no sample types: not a profile")
+    column = kinds.index(("samples", "count")) if ("samples", "count") in kinds else 0
+    nanoseconds = raw.string(raw.period_type[1]) == "nanoseconds"
+    interval_ms = raw.period / 1e6 if nanoseconds and raw.period else 10.0
+    facts = {}
+    for index in raw.comments:
+        key, colon, value = raw.string(index).partition(": ")
+        if colon:
+            facts[key] = value
+    profile = Profile(interval_ms, facts)
+    addresses = [address for _, address, _ in raw.locations.values()]
+    boundary = _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
+    mappings = _mappings(raw, boundary, _module_names(raw))
+    stacks = [_stack(raw, mappings, boundary, ids, labels) for ids, _, labels in raw.samples]
+    counts = [values[column] if column < len(values) else 0 for _, values, _ in raw.samples]
+    if sum(counts) > _MAX_SAMPLES:
+        raise PprofError(f"{sum(counts)} samples")
+    seconds = raw.duration / 1e9
+    step = seconds / max(1, sum(counts))
+    at = 0
+    for (cpu, mode, stack, process), count in zip(stacks, counts, strict=True):
+        for _ in range(count):
+            profile.add(Sample(at * step, cpu, mode, mode is Mode.USER, 0, stack, process))
+            at += 1
+    return profile
+
+
+def _parse(data: bytes) -> _Raw:
+    raw = _Raw()
+    for number, wire, value in fields(data):
+        if number == 6:
+            raw.strings.append(_message(value).decode("utf-8", "replace"))
+        elif number == 1:
+            raw.sample_types.append(_pair(_message(value)))
+        elif number == 2:
+            raw.samples.append(_sample(_message(value)))
+        elif number == 3:
+            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
+            raw.mappings[found.get(1, 0)] = (
+                found.get(2, 0), found.get(3, 0), found.get(4, 0), found.get(5, 0), found.get(6, 0)
+            )  # fmt: skip
+        elif number == 4:
+            location_id, location = _location(_message(value))
+            raw.locations[location_id] = location
+        elif number == 5:
+            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
+            raw.functions[found.get(1, 0)] = (found.get(2, 0), found.get(4, 0))
+        elif number == 11:
+            raw.period_type = _pair(_message(value))
+        elif number == 12 and isinstance(value, int):
+            raw.period = value
+        elif number == 10 and isinstance(value, int):
+            raw.duration = value
+        elif number == 13:
+            raw.comments += _ints(wire, value)
+    return raw
+
+
+def _pair(data: bytes) -> tuple[int, int]:
+    found = {n: v for n, _, v in fields(data) if isinstance(v, int)}
+    return found.get(1, 0), found.get(2, 0)
+
+
+def _sample(data: bytes) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+    ids: list[int] = []
+    values: list[int] = []
+    labels = []
+    for number, wire, value in fields(data):
+        if number == 1:
+            ids += _ints(wire, value)
+        elif number == 2:
+            values += [_signed(v) for v in _ints(wire, value)]
+        elif number == 3:
+            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
+            labels.append((found.get(1, 0), found.get(2, 0), found.get(3, 0), found.get(4, 0)))
+    return ids, values, labels
+
+
+def _location(data: bytes) -> tuple[int, tuple[int, int, list[tuple[int, int]]]]:
+    location_id = mapping_id = address = 0
+    lines = []
+    for number, _, value in fields(data):
+        if number == 1 and isinstance(value, int):
+            location_id = value
+        elif number == 2 and isinstance(value, int):
+            mapping_id = value
+        elif number == 3 and isinstance(value, int):
+            address = value
+        elif number == 4:
+            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
+            lines.append((found.get(1, 0), _signed(found.get(2, 0))))
+    return location_id, (mapping_id, address, lines)
+
+
+def _module_names(raw: _Raw) -> dict[int, str]:
+    """The name frames give each mapping's code, where a frame no symbol covers shows it (a
+    mapping written with its file's path: ``[unknown] [libc.so.6]``)."""
+    out: dict[int, str] = {}
+    for mapping_id, _, lines in raw.locations.values():
+        for function_id, _ in lines:
+            name = raw.string(raw.functions.get(function_id, (0, 0))[0])
+            found = _NO_SYMBOL.fullmatch(name)
+            if mapping_id and found is not None and found[1] is not None:
+                out.setdefault(mapping_id, found[1])
+    return out
+
+
+def _mappings(raw: _Raw, boundary: int, names: dict[int, str]) -> dict[int, Mapping]:
+    """Mappings by id: bracketed names are names (a kernel module, code known by its range),
+    other names are paths, and their code is named by the file's name."""
+    out = {}
+    for mapping_id, (start, limit, offset, file_index, build_id) in raw.mappings.items():
+        written = raw.string(file_index) or f"[{start:#x}]"
+        path = None if written.startswith("[") else written
+        name = names.get(mapping_id, written if path is None else posixpath.basename(path))
+        out[mapping_id] = Mapping(
+            name, start, limit, start >= boundary, 0, path, raw.string(build_id) or None, offset
+        )
+    return out
+
+
+def _stack(
+    raw: _Raw,
+    mappings: dict[int, Mapping],
+    boundary: int,
+    ids: list[int],
+    labels: list[tuple[int, int, int, int]],
+) -> tuple[int, Mode, Stack, Process | None]:
+    """A sample's vCPU, mode, stack and process."""
+    text = {raw.string(key): raw.string(value) for key, value, _, _ in labels if value}
+    numbers = {raw.string(key): _signed(num) for key, value, num, _ in labels if not value}
+    frames: list[Frame] = []
+    truncated = text.get("truncated") == "true"
+    for position, location_id in enumerate(ids):
+        found = raw.locations.get(location_id)
+        if found is None:
+            raise PprofError(f"a sample names location {location_id}, which is not there")
+        mapping_id, address, lines = found
+        names = [(raw.string(raw.functions.get(f, (0, 0))[0]), f, line) for f, line in lines]
+        if not mapping_id and not address and [n for n, _, _ in names] == [TRUNCATED]:
+            truncated = True  # the root frame pprof.py adds to a truncated stack
+            continue
+        pc = address if position == 0 or not address else address + 1
+        module = mappings.get(mapping_id)
+        for index, (name, function_id, line) in enumerate(names or [(UNKNOWN, 0, 0)]):
+            file = raw.string(raw.functions.get(function_id, (0, 0))[1]) or None
+            symbol = None if _NO_SYMBOL.fullmatch(name) else name
+            inlined = index < len(names) - 1
+            frames.append(Frame(pc, pc >= boundary, symbol, 0, module, file, line or None, inlined))
+    mode = Mode.USER if text.get("mode") == "user" else Mode.KERNEL
+    if "mode" not in text:
+        mode = Mode.KERNEL if frames and frames[0].kernel else Mode.USER
+    stop = StopReason.DEPTH if truncated else StopReason.END
+    return numbers.get("cpu", 0), mode, Stack(tuple(frames), stop), _process(text, numbers)
+
+
+def _process(text: dict[str, str], numbers: dict[str, int]) -> Process | None:
+    """The process its labels name (``Process.label`` read back), None for the kernel's."""
+    label = text.get("process")
+    if label is None or label == "kernel":
+        return None
+    tid, thread = numbers.get("tid"), text.get("thread")
+    by_pid = _PID_LABEL.fullmatch(label)
+    if by_pid is not None:
+        program = None if by_pid[1] == UNKNOWN else by_pid[1]
+        return Process(int(by_pid[2]), program, 0, tid, thread)
+    by_space = _SPACE_LABEL.fullmatch(label)
+    if by_space is not None:
+        return Process(None, by_space[1], int(by_space[3], 16), tid, thread, by_space[2])
+    return Process(numbers.get("pid"), label, 0, tid, thread)
