@@ -23,7 +23,7 @@ from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
-from qmpprof.transport.privategdb import connect_fast
+from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
 from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder
 
@@ -109,7 +109,10 @@ async def connect(spec: RunSpec) -> Connection:
             transport, why = await connect_fast(tcp=spec.qmp_tcp, memory=spec.memory)
         else:
             transport, why = await connect_fast(spec.qmp_socket, memory=spec.memory)
-        return Connection(transport, f"QMP ({why})" if why else "a private gdbstub opened over QMP")
+        if isinstance(transport, PrivateGdbTransport):
+            cleared = () if transport.cleared is None else (transport.cleared,)
+            return Connection(transport, "a private gdbstub opened over QMP", notes=cleared)
+        return Connection(transport, f"QMP ({why})")
     if spec.qmp_tcp is not None:
         transport = await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
     else:
@@ -192,11 +195,13 @@ async def start(
     spec: RunSpec,
     on_tick: Callable[[SamplerStats], None] | None = None,
     on_connect: Callable[[Connection], None] | None = None,
+    guest: Guest | None = None,
 ) -> Run:
     """A sampler connected to the guest, ready to run; the caller closes its transport.
     ``on_connect`` hears how samples travel and what was learnt of the guest, once connected.
-    Files are loaded before the guest is touched: a bad one fails first."""
-    guest = load(spec)
+    Files are loaded before the guest is touched (unless ``guest`` was loaded already): a bad
+    one fails first."""
+    guest = load(spec) if guest is None else guest
     connection = await attach(guest, await connect(spec))
     if on_connect is not None:
         on_connect(connection)

@@ -252,7 +252,7 @@ def test_second_interrupt_cancels_a_hung_run_and_still_resumes_and_writes(
     assert main(["--duration", "10", "-o", str(out)]) == 130
     assert transport.calls[-1] == "cont" and transport.running
     assert sum(c for _, c in folded.parse(out.read_text())) == 2
-    assert capsys.readouterr().err.endswith("qmpprof: interrupted\n")
+    assert capsys.readouterr().err.endswith("qmpprof: interrupted by SIGINT\n")
 
 
 def test_progress_line_only_on_a_terminal(

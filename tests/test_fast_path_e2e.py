@@ -175,3 +175,44 @@ def test_transport_qmp_keeps_the_hmp_path(tmp_path: Path, private_tmp: Path) -> 
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "qmpprof: samples travel through QMP (--transport qmp)\n" in head
+
+
+def test_a_stub_left_by_a_killed_qmpprof_is_removed_by_the_next_run(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    with vm(tmp_path, smp=1) as machine:
+        proc = spawn(machine, private_tmp, "--duration", "60")
+        wait_sampling(proc)
+        proc.kill()  # SIGKILL: no clean-up at all
+        proc.communicate(timeout=30)
+        (left,) = private_tmp.iterdir()
+        assert machine.stub().startswith(f"disconnected:unix:{left}/gdb.sock")
+        if machine.witness.execute("query-status")["status"] != "running":
+            machine.witness.execute("cont")  # killed inside a pause: see README
+        out = tmp_path / "next.folded"
+        proc = spawn(machine, private_tmp, "--duration", "0.5", "-o", str(out))
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        note = f"qmpprof: note: removed the gdbstub a qmpprof killed outright had left ({left}"
+        assert note in err and FAST in err, err
+        assert_left_clean(machine, private_tmp)
+        assert sum(c for _, c in folded.parse(out.read_text())) == 50
+
+
+def test_a_stub_that_is_not_a_dead_qmpprof_s_is_left_alone(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """A user's stub in a directory named as ours but not 0700 is left alone (the other ways a
+    stub is not a leftover: tests/test_transport_stubdir.py), and the run takes QMP."""
+    with vm(tmp_path, smp=1) as machine:
+        lookalike = private_tmp / "qmpprof-gdb-user1234"
+        lookalike.mkdir(mode=0o755)
+        lookalike.chmod(0o755)
+        machine.witness.hmp(f"gdbserver unix:{lookalike}/gdb.sock,server=on,wait=off")
+        proc = spawn(machine, private_tmp, "--duration", "0.2")
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "the VM already has a gdbstub (chardev gdb): using QMP" in err
+        assert machine.stub().startswith(f"disconnected:unix:{lookalike}/gdb.sock")
+        assert (lookalike / "gdb.sock").exists()
+        machine.witness.hmp("gdbserver none")

@@ -326,6 +326,22 @@ async def test_a_qmp_server_is_not_a_gdbstub() -> None:
             await GdbTransport.connect(stub.address)
 
 
+@pytest.mark.parametrize("reset", [False, True])
+async def test_a_peer_hanging_up_while_attaching_is_a_connect_error(reset: bool) -> None:
+    """QEMU killed while qmpprof attaches to its stub: the peer closes (EOF) or resets."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if reset:  # unread bytes in the buffer at close: the kernel sends RST
+            await reader.read(1)
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        with pytest.raises(ConnectError, match="closed the connection while attaching"):
+            await GdbTransport.connect(f"127.0.0.1:{port}")
+
+
 async def test_nothing_listening_is_a_connect_error() -> None:
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

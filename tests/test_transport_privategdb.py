@@ -20,7 +20,7 @@ from qemus import every_qemu
 from witnessvm import WINDOW, Vm, symbol, vm
 
 from qmpprof.errors import GuestGoneError
-from qmpprof.transport import privategdb
+from qmpprof.transport import stubdir
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
 from qmpprof.transport.qmp import QmpTransport
@@ -96,7 +96,7 @@ async def test_a_paused_guest_stays_paused_and_reads_as_over_qmp(tmp_path: Path)
         finally:
             await transport.close()
             assert await witness.status() == "paused"
-            labels = await witness.chardev_labels()
+            labels = await witness.chardevs()
             await witness.close()
         assert "gdb" not in labels and not os.path.exists(transport.directory)
 
@@ -209,7 +209,7 @@ async def test_a_refused_gdbserver_falls_back_to_qmp(
         return made[-1]
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
-    monkeypatch.setattr(privategdb, "_SOCKET_NAME", "missing/gdb.sock")  # QEMU cannot bind it
+    monkeypatch.setattr(stubdir, "SOCKET_NAME", "missing/gdb.sock")  # QEMU cannot bind it
     with vm(tmp_path, smp=1) as machine:
         transport, reason = await connect_fast(machine.socket)
         assert isinstance(transport, QmpTransport)

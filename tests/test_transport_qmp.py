@@ -100,6 +100,23 @@ async def test_not_a_qmp_server(tmp_path: Path) -> None:
             await QmpTransport.connect(path, timeout=2)
 
 
+async def test_a_server_gone_right_after_negotiating_is_a_connect_error(tmp_path: Path) -> None:
+    """The monitor's client cut (or QEMU killed) just as qmp_capabilities was answered."""
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # The answer to qmp_capabilities comes with the greeting: the connection ends while
+        # qemu.qmp still negotiates (its own assertion fails then).
+        writer.write(b'{"QMP": {"version": {"qemu": {"major": 7}}, "capabilities": []}}\r\n')
+        writer.write(b'{"return": {}}\r\n')
+        writer.close()
+
+    path = tmp_path / "cut.sock"
+    server = await asyncio.start_unix_server(talk, path)
+    async with server:
+        with pytest.raises(ConnectError, match="closed the connection during the QMP greeting"):
+            await QmpTransport.connect(path, timeout=2)
+
+
 async def test_silent_server_times_out(tmp_path: Path) -> None:
     writers: list[asyncio.StreamWriter] = []
 

@@ -36,6 +36,12 @@ class Vm:
     def chardevs(self) -> list[str]:
         return [c["label"] for c in self.witness.execute("query-chardev")]
 
+    def stub(self) -> str:
+        """query-chardev's filename of the gdbstub (the chardev labelled ``gdb``)."""
+        (found,) = [c for c in self.witness.execute("query-chardev") if c["label"] == "gdb"]
+        filename: str = found["filename"]
+        return filename
+
     def progress(self) -> int:
         addr = symbol(self.guest.kernel_elf, PROGRESS)
         value: int = struct.unpack("<Q", self.witness.memsave(addr, 8))[0]

@@ -3,31 +3,41 @@
 ``qmpprof record|demo|report|diff|serve ...`` dispatch to their own modules; anything else is the
 profiling command (cli/sample.py). Every command runs under ``guarded``: every error ends as one
 line on stderr, ``qmpprof: error: ...``, and the exit code of its class in qmpprof.errors;
-never a traceback. Ctrl-C outside sampling (connecting, loading files) exits 130.
+never a traceback. SIGINT and SIGTERM are handled from main's first line (qmpprof.interrupts):
+one that ends a command before it could finish on its own exits 128 + its number (130, 143)
+with one line; a run that was sampling stops, writes what it has and exits 0 (cli/sample.py).
+Nothing heavy is imported before the handlers are in place.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import sys
 from collections.abc import Callable
 from typing import cast
 
-from qmpprof.errors import GuestGoneError, QmpprofError
+from qmpprof.errors import QmpprofError
+from qmpprof.interrupts import Interrupted, installed
 
 SUBCOMMANDS = ("record", "demo", "report", "diff", "serve")
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # a KeyboardInterrupt that is not one of our signals' (SIGINT's status)
 
 Command = Callable[[list[str]], int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in SUBCOMMANDS:
-        module = importlib.import_module(f"qmpprof.cli.{args[0]}")
-        return guarded(cast(Command, module.main), args[1:])
-    return guarded(_profile, args)
+    """``argv`` None: the program's own arguments, and signals stay ignored after it returns,
+    while Python exits; a caller's ``argv`` (tests) gets its handlers back."""
+    with installed(restore=argv is not None):
+        args = sys.argv[1:] if argv is None else list(argv)
+        if args and args[0] in SUBCOMMANDS:
+            return guarded(lambda rest: _command(args[0], rest), args[1:])
+        return guarded(_profile, args)
+
+
+def _command(name: str, args: list[str]) -> int:
+    module = importlib.import_module(f"qmpprof.cli.{name}")
+    return cast(Command, module.main)(args)
 
 
 def guarded(command: Command, args: list[str]) -> int:
@@ -35,9 +45,12 @@ def guarded(command: Command, args: list[str]) -> int:
         return command(args)
     except SystemExit as exit_:  # -h, --version
         return exit_.code if isinstance(exit_.code, int) else 0
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        # A first Ctrl-C during sampling is a clean stop (cli/sample.py); this is one before
-        # sampling starts, or a second one while QEMU does not answer.
+    except Interrupted as signal:
+        # A signal before the run touched QEMU (parsing, loading files), or a second one while
+        # QEMU does not answer; one during sampling is a clean stop (cli/sample.py).
+        print(f"qmpprof: interrupted by {signal}", file=sys.stderr)
+        return signal.exit_code
+    except KeyboardInterrupt:
         print("qmpprof: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except QmpprofError as err:
@@ -46,10 +59,11 @@ def guarded(command: Command, args: list[str]) -> int:
 
 
 def _profile(args: list[str]) -> int:
+    import asyncio
+
     from qmpprof.cli import options, sample
+    from qmpprof.session import load
 
     opts = options.parse(args)
-    try:
-        return asyncio.run(sample.run(opts))
-    except GuestGoneError as err:
-        raise GuestGoneError(sample.gone_message(err, opts.outputs)) from err
+    guest = load(opts.spec)  # before the loop: a signal now has nothing to undo
+    return asyncio.run(sample.run(opts, guest))

@@ -42,7 +42,7 @@ from qmpprof.errors import (
     UsageError,
 )
 from qmpprof.profile import Profile
-from qmpprof.session import Run
+from qmpprof.session import Run, load
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.qmp import QmpTransport
 
@@ -137,14 +137,12 @@ def record(
     try:
         opts = parse(flags, Path(workdir, "qmp.sock"))  # bad flags never start QEMU
         opts = replace(opts, label=label or command_label(command))
-        qemu = start(command, opts.spec.qmp_socket)
         # SIGTERM before or after sampling (which handles it itself) ends the run as Ctrl-C
-        # does, through the clean-up below, instead of leaving QEMU behind.
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        # does (qmpprof.interrupts, from main), through the clean-up below.
+        qemu = start(command, opts.spec.qmp_socket)
         try:
             return asyncio.run(_record(opts, qemu, Path(command[0]).name, out, err))
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if qemu.poll() is None:  # the asynchronous clean-up did not get to run
                 qemu.kill()
             qemu.wait()
@@ -205,7 +203,7 @@ async def _record(
 
     try:
         await _wait_socket(opts.spec.qmp_socket, qemu, name)
-        await sample.run(opts, out, err, on_start=resume)
+        await sample.run(opts, load(opts.spec), out, err, on_start=resume)
     except (ConnectError, GuestGoneError, TransportError) as error:
         # The connection failed: because QEMU ended (the guest powered off, or QEMU could not
         # start it), or for a reason of its own while QEMU still runs (then it is stopped below).

@@ -1,12 +1,14 @@
 """The profiling command (``qmpprof [options]``): connect, sample, write, report.
 
-Everything that must happen on every exit path happens here: SIGINT/SIGTERM only ask the
-sampler to stop after its current tick (so the guest is resumed by the code that stopped it),
-the output is written atomically whatever ended the run, and the transport is closed.
+Everything that must happen on every exit path happens here: SIGINT/SIGTERM while connecting
+undo what was opened; while sampling they only ask the sampler to stop after its current tick
+(so the guest is resumed by the code that stopped it); the output is written atomically
+whatever ended the sampling, and the transport is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 import time
@@ -17,7 +19,8 @@ from typing import TextIO
 from qmpprof.cli import text
 from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError
-from qmpprof.interrupts import interrupts
+from qmpprof.guest.base import Guest
+from qmpprof.interrupts import interrupts, name
 from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
@@ -50,15 +53,25 @@ class _Progress:
 
 async def run(
     opts: Options,
+    guest: Guest,
     out: TextIO | None = None,
     err: TextIO | None = None,
     *,
     on_start: Callable[[Run], Awaitable[None]] | None = None,
 ) -> int:
-    """``on_start`` runs once connected, right before sampling (``qmpprof record`` resumes its
-    QEMU there, so that sampling begins with the guest's first instruction)."""
+    """Profile ``guest`` (its files loaded) as ``opts`` say. ``on_start`` runs once connected,
+    right before sampling (``qmpprof record`` resumes its QEMU there, so that sampling begins
+    with the guest's first instruction).
+
+    Signals (qmpprof.interrupts) are the loop's from before the first byte sent to QEMU until
+    the connection is closed: the first one while connecting cancels the start, which undoes
+    what it opened in QEMU (then ``Interrupted``: exit 128 + N, nothing written); once a
+    sampler exists, it ends sampling after the tick under way, and what was collected is
+    written (exit 0); a second one cancels the clean-up (QEMU does not answer)."""
     out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests swap sys.stdout
     progress = _Progress(err, opts.spec.sampling.duration)
+    task = asyncio.current_task()
+    sampler: Run | None = None
 
     def connected(connection: Connection) -> None:
         lines = [f"note: {note}" for note in connection.notes]
@@ -66,7 +79,33 @@ async def run(
             lines += [f"samples travel through {connection.path}", *connection.detail]
         err.write("".join(f"qmpprof: {line}\n" for line in lines))
 
-    sampler = await start(opts.spec, on_tick=progress, on_connect=connected)
+    def first_signal(signum: int) -> None:
+        if sampler is not None:
+            sampler.request_stop()
+        elif task is not None:
+            task.cancel()
+
+    with interrupts(first_signal) as caught:
+        sampler = await start(opts.spec, on_tick=progress, on_connect=connected, guest=guest)
+        try:
+            written = await _sample(opts, sampler, progress, out, err, on_start)
+        finally:
+            await sampler.transport.close()
+        if caught.signum is not None:
+            err.write(f"qmpprof: stopped by {name(caught.signum)}\n")
+    return written
+
+
+async def _sample(
+    opts: Options,
+    sampler: Run,
+    progress: _Progress,
+    out: TextIO,
+    err: TextIO,
+    on_start: Callable[[Run], Awaitable[None]] | None,
+) -> int:
+    """Sample and write what was collected, whatever ends the run: 0 when it was written;
+    raises the first output's error, or GuestGoneError when QEMU went away."""
     # What was loaded lives as long as the run: moved out of the collector's sight, so that no
     # full collection walks it inside a pause (one took ~18 ms after a Linux kernel's load).
     gc.collect()
@@ -78,18 +117,21 @@ async def run(
             err.flush()
         started = time.time()
         outcome: RunOutcome | None = None
+        lost: GuestGoneError | None = None
         unwritten: list[OutputError] = []
         try:
-            with interrupts(sampler.request_stop):
-                if on_start is not None:
-                    await on_start(sampler)
-                outcome = await sampler.run(one_shot=opts.one_shot)
+            if on_start is not None:
+                await on_start(sampler)
+            outcome = await sampler.run(one_shot=opts.one_shot)
+        except GuestGoneError as gone:
+            lost = gone
         finally:
             progress.clear()
             unwritten = _finish(opts, sampler, started, outcome, out, err)
     finally:
         gc.unfreeze()
-        await sampler.transport.close()
+    if lost is not None:
+        raise GuestGoneError(gone_message(lost, opts.outputs, unwritten)) from lost
     if unwritten:
         raise unwritten[0]
     return 0
@@ -144,6 +186,9 @@ def _finish(
     return unwritten
 
 
-def gone_message(error: GuestGoneError, outputs: tuple[Path, ...]) -> str:
-    kept = f"; the samples collected so far are in {', '.join(map(str, outputs))}"
-    return f"{error}{kept if outputs else ''}"
+def gone_message(
+    error: GuestGoneError, outputs: tuple[Path, ...], unwritten: list[OutputError]
+) -> str:
+    written = [str(path) for path in outputs if path not in {Path(e.path) for e in unwritten}]
+    kept = f"; the samples collected so far are in {', '.join(written)}"
+    return f"{error}{kept if written else ''}"

@@ -103,7 +103,7 @@ class Daemon:
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH)
         try:
-            with interrupts(self.stopping.set):
+            with interrupts(lambda signum: self.stopping.set()):
                 try:
                     for name, socket in self.config.sockets:
                         self.add(name, socket)

@@ -346,6 +346,9 @@ async def _handshake(
                 writer.write(ack + encode_packet(b"QStartNoAckMode"))
                 if await read_packet(reader) == b"OK":
                     ack = b""
+    except (asyncio.IncompleteReadError, ConnectionError) as err:
+        # QEMU went away (killed) or hung up while we attached.
+        raise ConnectError(f"{address} closed the connection while attaching: {err}") from err
     except (TimeoutError, GuestGoneError, TransportError) as err:
         raise ConnectError(f"{address} is not a gdbstub: {err or 'no answer'}") from err
     try:

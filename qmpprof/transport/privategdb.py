@@ -13,7 +13,15 @@ Facts about QEMU 7.2 this relies on (measured; tests/test_transport_privategdb.p
   error text ("Failed to bind socket ...", "duplicate yank instance" when the VM has a stub).
 - The socket file is created 0755: the 0700 directory is what keeps other local users out.
 - ``gdbserver none`` removes the chardev, hangs up on a connected client and deletes the socket
-  file; the VM's run state is left as it is (a VM the stub had stopped stays paused).
+  file; the VM's run state is left as it is (a VM the stub had stopped stays paused). The first
+  ``gdbserver`` also makes a chardev for gdb's ``monitor`` command (filename ``gdb``, label
+  ``#chrN``), which QEMU keeps and reuses for the rest of its life: that one is not the stub.
+- The stub's query-chardev filename is ``unix:PATH,server=on`` while a client is connected,
+  ``disconnected:unix:PATH,server=on`` otherwise.
+
+A stub a qmpprof killed outright left behind is recognised and removed before the next run
+opens its own (transport/stubdir.py); when QMP went away but QEMU lives on, ``close`` removes
+the stub over a new QMP connection, or leaves the directory for the next run to recognise.
 - Connecting stops the VM (QMP status ``paused``); the stub's ``c`` and ``D`` resume it, ``c``
   also starts a VM still in ``prelaunch`` (``-S``).
 """
@@ -22,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
@@ -32,12 +38,11 @@ from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.qmp import MemoryPath, QmpTransport
+from qmpprof.transport.stubdir import StubDir, leftover, listening
 
 _T = TypeVar("_T")
 _STUB_LABEL = "gdb"  # the chardev QEMU names its gdbstub, however it was started
 _LISTENING = "Waiting for gdb connection"
-_SOCKET_NAME = "gdb.sock"
-_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # States a QMP cont resumes from; others (shutdown, guest-panicked, ...) it must not touch.
 _STOPPED = ("paused", "debug", "prelaunch")
 
@@ -60,10 +65,18 @@ async def connect_fast(
     if tcp is not None:
         return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
     try:
-        if await _has_stub(qmp):
-            reason = "the VM already has a gdbstub (chardev gdb): using QMP; pass --gdb ADDRESS"
-            return qmp, reason + " to use it"
-        return await PrivateGdbTransport._open(qmp, timeout), None
+        cleared = None
+        stub = (await qmp.chardevs()).get(_STUB_LABEL)
+        if stub is not None:
+            left = leftover(stub)
+            if left is None:
+                reason = "the VM already has a gdbstub (chardev gdb): using QMP; pass --gdb"
+                return qmp, reason + " ADDRESS to use it"
+            await _remove_leftover(qmp, left)
+            cleared = f"removed the gdbstub a qmpprof killed outright had left ({left.socket})"
+        transport = await PrivateGdbTransport._open(qmp, timeout)
+        transport.cleared = cleared
+        return transport, None
     except _NoFastPath as why:
         return qmp, f"{why}: using QMP"
     except BaseException:
@@ -71,8 +84,13 @@ async def connect_fast(
         raise
 
 
-async def _has_stub(qmp: QmpTransport) -> bool:
-    return _STUB_LABEL in await qmp.chardev_labels()
+async def _remove_leftover(qmp: QmpTransport, left: StubDir) -> None:
+    try:
+        await qmp.hmp("gdbserver none")
+    except BaseException:
+        left.release()  # still there for the next run to recognise
+        raise
+    left.remove()
 
 
 class _NoFastPath(Exception):
@@ -90,7 +108,7 @@ class PrivateGdbTransport:
         self,
         qmp: QmpTransport,
         gdb: GdbTransport,
-        directory: str,
+        directory: StubDir,
         was_running: bool,
         timeout: float,
     ) -> None:
@@ -100,23 +118,25 @@ class PrivateGdbTransport:
         self.was_running = was_running  # the run state to leave the guest in
         self._timeout = timeout
         self._closed = False
+        self.cleared: str | None = None  # a note: the leftover stub removed before this one
 
     @classmethod
     async def _open(cls, qmp: QmpTransport, timeout: float) -> PrivateGdbTransport:
         """Start a gdbstub in a new 0700 directory and attach to it. On failure everything made
         so far is undone and ``_NoFastPath`` says why; ``qmp`` stays open either way."""
-        directory = tempfile.mkdtemp(prefix="qmpprof-gdb-")
-        if len(os.path.join(directory, _SOCKET_NAME)) > _MAX_SOCKET_PATH:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory = tempfile.mkdtemp(prefix="qmpprof-gdb-", dir="/tmp")  # TMPDIR too deep
-        path = os.path.join(directory, _SOCKET_NAME)
+        try:
+            directory = StubDir.make()
+        except OSError as err:
+            raise _NoFastPath(f"cannot make a private directory: {err}") from err
+        path = directory.socket
         was_running: bool | None = None
-        started = False
+        asked = False  # QEMU may have opened the stub (a reply cancelled in flight counts)
         try:
             was_running = await qmp.is_running()
+            asked = True
             reply = await qmp.hmp(f"gdbserver unix:{path},server=on,wait=off")
-            started = reply.startswith(_LISTENING)
-            if not started:
+            if not reply.startswith(_LISTENING):
+                asked = False  # refused: the VM's stub, if any, is not ours to remove
                 raise _NoFastPath(f"QEMU refused a gdbstub: {_first_line(reply)}")
             try:
                 gdb = await GdbTransport.connect(
@@ -127,10 +147,7 @@ class PrivateGdbTransport:
                 # attached and then did not answer: the attach may have stopped the guest.
                 raise _NoFastPath(f"cannot attach to the gdbstub QEMU opened: {err}") from err
         except BaseException:
-            steps: list[Awaitable[object]] = [qmp.hmp("gdbserver none")] if started else []
-            if was_running is not None:
-                steps.append(_restore_run_state(qmp, was_running))
-            await _finish(steps, directory, timeout)
+            await _undo(qmp, directory, timeout, stub=asked, running=was_running)
             raise
         return cls(qmp, gdb, directory, was_running, timeout)
 
@@ -142,7 +159,7 @@ class PrivateGdbTransport:
     @property
     def directory(self) -> str:
         """The private directory holding the gdbstub's socket (gone once closed)."""
-        return self._directory
+        return self._directory.path
 
     async def is_running(self) -> bool:
         """QMP's word (query-status). A guest something else resumed is noted, so that the next
@@ -188,24 +205,81 @@ class PrivateGdbTransport:
     async def close(self, *, running: bool | None = None) -> None:
         """Detach, remove the gdbstub and its directory, close QMP, leaving the guest running if
         ``running`` (default: in the run state it was found in). Errors from a QEMU that went
-        away are dropped; a cancellation is raised at the end, after every step was tried."""
+        away are dropped; a cancellation is raised at the end, after every step was tried.
+
+        Should the QMP connection be gone while QEMU still listens on the stub's socket, a new
+        QMP connection removes the stub; failing that, the directory is left (unlocked) for the
+        next run to recognise as a leftover."""
         if self._closed:
             return
         self._closed = True
         keep_running = self.was_running if running is None else running
-        steps = [
-            self._gdb.close(running=keep_running),
-            self._qmp.hmp("gdbserver none"),
-            # QMP has the last word: a refused detach must not leave the run state changed.
-            _restore_run_state(self._qmp, keep_running),
-        ]
-        await _finish(steps, self._directory, self._timeout, qmp=self._qmp)
+        await _undo(
+            self._qmp,
+            self._directory,
+            self._timeout,
+            stub=True,
+            running=keep_running,
+            detach=self._gdb.close(running=keep_running),
+        )
 
     async def __aenter__(self) -> PrivateGdbTransport:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _undo(
+    qmp: QmpTransport,
+    directory: StubDir,
+    timeout: float,
+    *,
+    stub: bool,
+    running: bool | None,
+    detach: Awaitable[object] | None = None,
+) -> None:
+    """Undo what was opened in QEMU: ``detach`` (the gdbstub client), the stub (if ``stub``),
+    the run state (unless ``running`` is None), each step tried whatever the last did; QMP is
+    closed after them when a run closes (``detach`` given: a failed open keeps it, for the QMP
+    path).
+
+    Should the QMP connection be gone while QEMU still listens on the stub's socket, a new QMP
+    connection removes the stub; failing that, the directory is left (unlocked) for the next
+    run to recognise as a leftover (stubdir.py). Otherwise the directory is removed."""
+    removed = not stub
+
+    async def remove_stub(channel: QmpTransport) -> None:
+        nonlocal removed
+        await channel.hmp("gdbserver none")
+        removed = True
+
+    async def again() -> None:
+        channel = await qmp.reconnect(timeout=timeout)
+        try:
+            await remove_stub(channel)
+            if running is not None:
+                await _restore_run_state(channel, running)
+        finally:
+            await channel.close()
+
+    steps: list[Awaitable[object]] = [] if detach is None else [detach]
+    if stub:
+        steps.append(remove_stub(qmp))
+    if running is not None:
+        # QMP has the last word: a refused detach must not leave the run state changed.
+        steps.append(_restore_run_state(qmp, running))
+    if detach is not None:
+        steps.append(qmp.close())
+    try:
+        await _finish(steps, timeout)
+        if not removed and listening(directory.socket):
+            await _finish([again()], timeout)
+    finally:
+        if removed or not listening(directory.socket):
+            directory.remove()
+        else:
+            directory.release()
 
 
 async def _restore_run_state(qmp: QmpTransport, running: bool) -> None:
@@ -216,25 +290,19 @@ async def _restore_run_state(qmp: QmpTransport, running: bool) -> None:
         await qmp.stop()
 
 
-async def _finish(
-    steps: Sequence[Awaitable[object]],
-    directory: str,
-    timeout: float,
-    qmp: QmpTransport | None = None,
-) -> None:
-    """Run every cleanup step in order, then close ``qmp``, each bounded in time; then remove
-    ``directory``. A step failing (QEMU gone, a refusal, no answer) does not stop the next, and
-    its error is dropped: the caller is closing, or already raising a better one. A
-    cancellation does not stop the next step either, but is raised once all were tried."""
+async def _finish(steps: Sequence[Awaitable[object]], timeout: float) -> None:
+    """Run every cleanup step in order, each bounded in time. A step failing (QEMU gone, a
+    refusal, no answer) does not stop the next, and its error is dropped: the caller is
+    closing, or already raising a better one. A cancellation does not stop the next step
+    either, but is raised once all were tried."""
     cancelled: asyncio.CancelledError | None = None
-    for step in [*steps, qmp.close()] if qmp is not None else steps:
+    for step in steps:
         try:
             await _bounded(step, timeout)
         except asyncio.CancelledError as err:
             cancelled = cancelled or err
-        except (QmpprofError, TimeoutError):
+        except (QmpprofError, TimeoutError, OSError):
             pass
-    shutil.rmtree(directory, ignore_errors=True)
     if cancelled is not None:
         raise cancelled
 

@@ -43,8 +43,10 @@ class QmpTransport:
         memory: Literal["memsave", "hmp"],
         auto: bool,
         formats: RegisterFormats,
+        address: str | tuple[str, int],
     ) -> None:
         self._client = client
+        self.address = address  # where QEMU was reached: a socket path, or (host, port)
         self.formats = formats
         self.memory: Literal["memsave", "hmp"] = memory
         self._auto = auto
@@ -83,6 +85,11 @@ class QmpTransport:
             ) from err
         except QmpConnectError as err:
             raise ConnectError(f"{where}: {_connect_reason(err)}") from err
+        except AssertionError as err:
+            # qemu.qmp asserts it is running once negotiated; the peer may have closed the
+            # connection just before (QEMU killed, the monitor's client cut).
+            await _quiet_disconnect(client)
+            raise ConnectError(f"{where}: closed the connection during the QMP greeting") from err
         chosen: Literal["memsave", "hmp"] = "hmp" if tcp is not None else "memsave"
         if memory != "auto":
             chosen = memory
@@ -91,7 +98,14 @@ class QmpTransport:
         except BaseException:
             await _quiet_disconnect(client)
             raise
-        return cls(client, chosen, auto=memory == "auto", formats=formats)
+        return cls(client, chosen, auto=memory == "auto", formats=formats, address=address)
+
+    async def reconnect(self, *, timeout: float = 5.0) -> QmpTransport:
+        """A new connection to the same QEMU (this one's memory path): another QMP session."""
+        memory: MemoryPath = "auto" if self._auto else self.memory
+        if isinstance(self.address, tuple):
+            return await QmpTransport.connect(tcp=self.address, memory=memory, timeout=timeout)
+        return await QmpTransport.connect(self.address, memory=memory, timeout=timeout)
 
     async def _execute(self, cmd: str, args: dict[str, object] | None = None) -> object:
         try:
@@ -123,12 +137,16 @@ class QmpTransport:
     async def is_running(self) -> bool:
         return await self.status() == "running"
 
-    async def chardev_labels(self) -> list[str]:
-        """The labels of QEMU's character devices (``gdb`` when the VM has a gdbstub)."""
+    async def chardevs(self) -> dict[str, str]:
+        """QEMU's character devices, label -> filename (``gdb`` when the VM has a gdbstub)."""
         reply = await self._execute("query-chardev")
         if not isinstance(reply, list):
             raise TransportError(f"unexpected query-chardev reply: {reply!r}")
-        return [str(c["label"]) for c in reply if isinstance(c, dict) and "label" in c]
+        return {
+            str(c["label"]): str(c.get("filename", ""))
+            for c in reply
+            if isinstance(c, dict) and "label" in c
+        }
 
     async def stop(self) -> None:
         await self._execute("stop")
