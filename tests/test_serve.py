@@ -275,10 +275,19 @@ class Served:
 def serving(guest: Guest, *args: str) -> Iterator[Served]:
     # These tests count on samples coming at --interval: no overhead budget (test_serve_fleet.py
     # has the budget's).
-    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0"]
-    argv += ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
-    argv += ["--max-overhead", "none", *args]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+    with serve_command(*files, "--max-overhead", "none", *args) as served:
+        yield served
+
+
+@contextmanager
+def serve_command(*args: str, cwd: Path | None = None) -> Iterator[Served]:
+    """``qmpprof serve --listen 127.0.0.1:0 ARGS`` running, once it says where it listens;
+    stopped by SIGTERM after."""
+    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0", *args]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()

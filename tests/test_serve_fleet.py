@@ -12,14 +12,14 @@ import subprocess
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
 from guestvm import running_guest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS, running_linux_guest
-from test_serve import Served, filled_vm, get, parse_prometheus, wait_until
+from test_serve import Served, filled_vm, get, parse_prometheus, serve_command, wait_until
 
 from qmpprof.cli import main
 from qmpprof.cli.serve import parse
@@ -164,30 +164,8 @@ def test_walks_stopped_in_kernel_code_are_told_from_those_stopped_in_user_code()
 # ---- against real QEMUs ---------------------------------------------------------------------
 
 
-@contextmanager
-def serving(*args: str) -> Iterator[Served]:
-    import re
-    import signal
-    import sys
-
-    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0", *args]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT
-    )
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
-        assert found, line + proc.communicate(timeout=30)[1]
-        yield Served(proc, found[0])
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+def serving(*args: str) -> AbstractContextManager[Served]:
+    return serve_command(*args, cwd=ROOT)
 
 
 @pytest.mark.qemu
