@@ -7,6 +7,7 @@ oracle the unwinders are judged against (Debian's gdb through QEMU's gdbstub);
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import ctypes
@@ -233,6 +234,21 @@ def running_guest(
 
 # spawn_user's console line (kernel/mm.c): one per process, with its CR3.
 _PROCESS_LINE = re.compile(r"process (\d+) '(\w+)' cr3=([0-9a-f]+) ")
+
+
+def run_state(qmp_socket: Path) -> str:
+    """The VM's run state as QMP query-status says it ("running", "paused", ...), asked over a
+    connection of its own."""
+    from qmpprof.transport.qmp import QmpTransport
+
+    async def ask() -> str:
+        transport = await QmpTransport.connect(qmp_socket)
+        try:
+            return await transport.status()
+        finally:
+            await transport.close()
+
+    return asyncio.run(ask())
 
 
 def process_cr3s(guest: Guest) -> dict[int, tuple[str, int]]:

@@ -8,7 +8,6 @@ QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an ord
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -21,13 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures
+from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures, run_state
 from qemus import every_qemu
 
 from qmpprof.cli import main, record
 from qmpprof.errors import UsageError
 from qmpprof.output import folded
-from qmpprof.transport.qmp import QmpTransport
 
 QEMU = "qemu-system-x86_64"
 KERNEL = BUILD_ROOT / "cfi" / "kernel.elf"
@@ -223,14 +221,6 @@ def test_a_guest_that_powers_off_ends_the_recording_normally(tmp_path: Path) -> 
     assert "Traceback" not in err
 
 
-async def _status(socket: Path) -> str:
-    transport = await QmpTransport.connect(socket)
-    try:
-        return await transport.status()
-    finally:
-        await transport.close()
-
-
 @pytest.mark.qemu
 @every_qemu
 def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> None:
@@ -244,7 +234,7 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
                        guest_command(tmp_path, 1, *user_qmp)) as proc:  # fmt: skip
             wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
             # It answers; "paused" when the question lands inside one of qmpprof's samples.
-            assert asyncio.run(_status(user_dir / "user.sock")) in ("running", "paused")
+            assert run_state(user_dir / "user.sock") in ("running", "paused")
             pid = qemu_pid(tmp_path)
             time.sleep(1.0)  # let samples of the workload accumulate
             proc.send_signal(signal.SIGTERM)  # qmpprof only, not its QEMU

@@ -4,7 +4,6 @@ Chromium, a VM killed and started again on the same socket, SIGTERM."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from gopprof import go_pprof
-from guestvm import Guest, expected, running_guest
+from guestvm import Guest, expected, run_state, running_guest
 from qemus import every_qemu
 from test_output import hand_built_profile
 
@@ -35,7 +34,6 @@ from qmpprof.serve.endpoints import Board, listen
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
 from qmpprof.session import RunSpec
-from qmpprof.transport.qmp import QmpTransport
 
 # ---- the ring -------------------------------------------------------------------------------
 
@@ -312,14 +310,7 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> N
 
 
 def status(guest: Guest) -> str:
-    async def ask() -> str:
-        transport = await QmpTransport.connect(guest.qmp_socket)
-        try:
-            return await transport.status()
-        finally:
-            await transport.close()
-
-    return asyncio.run(ask())
+    return run_state(guest.qmp_socket)
 
 
 @pytest.mark.qemu

@@ -15,7 +15,6 @@ time it was sampled) and the interval in force.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
@@ -29,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qmpprof.errors import QmpprofError
-from qmpprof.transport.qmp import QmpTransport
 
 WARMUP = 30.0  # seconds before the first RSS reading
 SCRAPE = 10.0  # seconds between scrapes
@@ -71,6 +69,7 @@ def _scrape(url: str, last_pprof: float, log: Callable[[str], None]) -> float:
 
 
 def serve_soak(root: Path, seconds: float, log: Callable[[str], None]) -> dict[str, object]:
+    from guestvm import run_state
     from linuxkernel import linux_dir
     from linuxvm import ROOTFS, running_linux_guest
 
@@ -100,17 +99,9 @@ def serve_soak(root: Path, seconds: float, log: Callable[[str], None]) -> dict[s
                 proc.kill()
                 proc.wait()
         for guest in guests:
-            if asyncio.run(_status(guest.qmp_socket)) != "running":
+            if run_state(guest.qmp_socket) != "running":
                 raise QmpprofError(f"{guest.qmp_socket}: the guest was not running after serve")
     return out
-
-
-async def _status(socket: Path) -> str:
-    transport = await QmpTransport.connect(socket)
-    try:
-        return await transport.status()
-    finally:
-        await transport.close()
 
 
 def _soak(
