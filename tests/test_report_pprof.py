@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from guestvm import running_guest
+from test_report import profile_bundled_guest
 
 from qmpprof.cli import main
 from qmpprof.cli.text import top_stacks
@@ -116,16 +116,7 @@ def test_damaged_pprof_is_one_line(
 
 @pytest.mark.qemu
 def test_a_runs_pprof_reports_and_diffs_as_its_qmpprof(tmp_path: Path) -> None:
-    with running_guest(tmp_path) as guest:
-        base = ["--qmp-socket", str(guest.qmp_socket), "--kernel", str(guest.kernel_elf),
-                "--user-dir", str(guest.user_dir), "--interval", "5",
-                "--duration", "2"]  # fmt: skip
-        run = subprocess.run(
-            [sys.executable, "-m", "qmpprof", *base, "--lines",
-             "-o", str(tmp_path / "run.qmpprof"), "-o", str(tmp_path / "run.pb.gz")],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    profile_bundled_guest(tmp_path, tmp_path / "run.qmpprof", tmp_path / "run.pb.gz")
 
     def cli(*args: str) -> str:
         done = subprocess.run(
