@@ -1,0 +1,103 @@
+"""``--one-shot --off-cpu`` on the Linux test guest against the guest's own view of its tasks.
+
+With ``qmpprof.offcpu`` on its command line the guest starts tasks blocked for an hour in known
+places (a sleep, the reader of an empty FIFO, a futex waiter, a read of /proc/qmpprof_sleep in
+uninterruptible sleep) and prints, as root, each one's /proc/PID/status State and
+/proc/PID/stack (fixtures/linux-guest/init). Our off-CPU kernel stacks must equal those
+function for function, on every kernel the tests boot, with one allowance: /proc/PID/stack
+leaves out the scheduler's own frames (``stack_trace_save_tsk`` skips the functions of
+``.sched.text`` and ``.spinlock.text``, ``in_sched_functions``), so ours are compared without
+the frames in those ranges (the kernel's ``__sched_text_start``/``__sched_text_end`` and
+``__lock_text_start``/``__lock_text_end``), and how many were left out is counted. One boot per
+kernel serves every check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from guestvm import run_state
+from linuxkernel import BOOTED, linux_dir
+from linuxvm import ROOTFS, running_linux_guest
+
+from qmpprof.linux.kernel import LinuxKernel
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE = re.compile(
+    r"^qmpprof-linux: offcpu task (\d+) begin\r?\nState:\s+(\S) \(([^)]*)\)\r?\n(.*?)"
+    r"^qmpprof-linux: offcpu task end",
+    re.M | re.S,
+)
+TASKS = 4  # the blocked tasks init starts: sleep, FIFO reader, futex waiter, /proc/qmpprof_sleep
+SHARE = 0.95  # of those whose stacks must equal /proc's
+
+
+def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
+    """pid -> (state letter, the functions of its /proc/PID/stack, leaf first)."""
+    found = {}
+    for pid, letter, _, stack in ORACLE.findall(console):
+        names = re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", stack, re.M)
+        found[int(pid)] = (letter, names)
+    return found
+
+
+def scheduler_ranges(kernel: LinuxKernel) -> list[tuple[int, int]]:
+    """The text /proc/PID/stack leaves out (the guest boots without KASLR: link addresses)."""
+    ranges = []
+    for section in ("sched", "lock"):
+        start = kernel.symbols.address_of(f"__{section}_text_start")
+        end = kernel.symbols.address_of(f"__{section}_text_end")
+        assert start is not None and end is not None, section
+        ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.parametrize("series", BOOTED)
+def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Path) -> None:
+    vmlinuz = linux_dir(series) / "vmlinuz"
+    with running_linux_guest(
+        tmp_path, kernel=vmlinuz, dump_kallsyms=False, append="qmpprof.offcpu"
+    ) as guest:
+        expected = oracle(guest.console_text())
+        result = subprocess.run(
+            [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
+             "--kernel", str(vmlinuz), "--user-dir", str(ROOTFS), "--one-shot", "--off-cpu",
+             "--json"],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert run_state(guest.qmp_socket) == "running"
+    assert len(expected) == TASKS, guest.console_text()
+    skipped = scheduler_ranges(LinuxKernel.load(vmlinuz))
+    tasks = {t["process"]["tid"]: t for t in json.loads(result.stdout)["tasks"]}
+    equal, left_out = 0, 0
+    for pid, (letter, proc_stack) in expected.items():
+        task = tasks[pid]
+        assert task["state"] == letter, (pid, task["state"], letter)
+        assert task["cpu"] is None and task["frames"], task
+        kernel = [f for f in task["frames"] if int(f["address"], 16) >= 1 << 63]
+        ours = [
+            f["symbol"]
+            for f in kernel
+            if not any(lo <= int(f["address"], 16) < hi for lo, hi in skipped)
+        ]
+        left_out += len(kernel) - len(ours)
+        equal += ours == proc_stack
+        print(f"{series} pid {pid} {letter}: ours {ours}, /proc {proc_stack}")
+    assert equal >= SHARE * len(expected), f"{equal} of {len(expected)} stacks equal"
+    # __schedule and schedule (or schedule_timeout, do_nanosleep...) at least, in every stack.
+    assert left_out >= 2 * len(expected), left_out
+    # The user stack beneath, from the pt_regs atop the kernel stack: the futex waiter's
+    # program, walked down to its main.
+    (waiter,) = (
+        tasks[pid] for pid in expected if tasks[pid]["process"]["program"] == "qmpprof-work"
+    )
+    user = [f["symbol"] for f in waiter["frames"] if int(f["address"], 16) < 1 << 63]
+    assert user[user.index("futex_loop") :][:2] == ["futex_loop", "main"], user
+    # The rest of the guest's tasks were listed too: its kernel threads, init.
+    assert len(tasks) > 20 and tasks[1]["process"]["program"] == "init", sorted(tasks)
