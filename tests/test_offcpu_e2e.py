@@ -57,6 +57,8 @@ def scheduler_ranges(kernel: LinuxKernel) -> list[tuple[int, int]]:
     return ranges
 
 
+@pytest.mark.qemu
+@pytest.mark.linux
 @pytest.mark.parametrize("series", BOOTED)
 def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Path) -> None:
     vmlinuz = linux_dir(series) / "vmlinuz"
