@@ -4,12 +4,12 @@ With ``qmpprof.offcpu`` on its command line the guest starts tasks blocked for a
 places (a sleep, the reader of an empty FIFO, a futex waiter, a read of /proc/qmpprof_sleep in
 uninterruptible sleep) and prints, as root, each one's /proc/PID/status State and
 /proc/PID/stack (fixtures/linux-guest/init). Our off-CPU kernel stacks must equal those
-function for function, on every kernel the tests boot, with one allowance: /proc/PID/stack
-leaves out the scheduler's own frames (``stack_trace_save_tsk`` skips the functions of
-``.sched.text`` and ``.spinlock.text``, ``in_sched_functions``), so ours are compared without
-the frames in those ranges (the kernel's ``__sched_text_start``/``__sched_text_end`` and
-``__lock_text_start``/``__lock_text_end``), and how many were left out is counted. One boot per
-kernel serves every check.
+function for function, on every kernel the tests boot (with KASLR), with one allowance:
+/proc/PID/stack leaves out the scheduler's own frames (``stack_trace_save_tsk`` skips the
+functions of ``.sched.text`` and ``.spinlock.text``, ``in_sched_functions``), so ours are
+compared without the frames in those ranges (the kernel's ``__sched_text_start``/``_end`` and
+``__lock_text_start``/``_end``), and how many were left out is counted. One boot per kernel
+serves every check.
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
     return found
 
 
-def scheduler_ranges(kernel: LinuxKernel) -> list[tuple[int, int]]:
-    """The text /proc/PID/stack leaves out (the guest boots without KASLR: link addresses)."""
+def scheduler_ranges(kernel: LinuxKernel, text: int) -> list[tuple[int, int]]:
+    """The text /proc/PID/stack leaves out, in the running kernel whose ``_text`` is at
+    ``text`` (KASLR moved it)."""
+    slide = text - (kernel.symbols.address_of("_text") or 0)
     ranges = []
     for section in ("sched", "lock"):
-        start = kernel.symbols.address_of(f"__{section}_text_start")
-        end = kernel.symbols.address_of(f"__{section}_text_end")
+        start = kernel.address(f"__{section}_text_start", slide)
+        end = kernel.address(f"__{section}_text_end", slide)
         assert start is not None and end is not None, section
         ranges.append((start, end))
     return ranges
@@ -63,7 +65,7 @@ def scheduler_ranges(kernel: LinuxKernel) -> list[tuple[int, int]]:
 def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Path) -> None:
     vmlinuz = linux_dir(series) / "vmlinuz"
     with running_linux_guest(
-        tmp_path, kernel=vmlinuz, dump_kallsyms=False, append="qmpprof.offcpu"
+        tmp_path, kaslr=True, kernel=vmlinuz, dump_kallsyms=False, append="qmpprof.offcpu"
     ) as guest:
         expected = oracle(guest.console_text())
         result = subprocess.run(
@@ -75,7 +77,7 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
         assert result.returncode == 0, result.stderr
         assert run_state(guest.qmp_socket) == "running"
     assert len(expected) == TASKS, guest.console_text()
-    skipped = scheduler_ranges(LinuxKernel.load(vmlinuz))
+    skipped = scheduler_ranges(LinuxKernel.load(vmlinuz), guest.text_address)
     tasks = {t["process"]["tid"]: t for t in json.loads(result.stdout)["tasks"]}
     equal, left_out = 0, 0
     for pid, (letter, proc_stack) in expected.items():
