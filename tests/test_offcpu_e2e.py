@@ -33,12 +33,14 @@ ORACLE = re.compile(
     r"^qmpprof-linux: offcpu task end",
     re.M | re.S,
 )
-TASKS = 4  # the blocked tasks init starts: sleep, FIFO reader, futex waiter, /proc/qmpprof_sleep
+# The blocked tasks init starts: sleep, FIFO reader, the futex waiter's two threads,
+# /proc/qmpprof_sleep.
+TASKS = 5
 SHARE = 0.95  # of those whose stacks must equal /proc's
 
 
 def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
-    """pid -> (state letter, the functions of its /proc/PID/stack, leaf first)."""
+    """tid -> (state letter, the functions of its /proc/PID/task/TID/stack, leaf first)."""
     found = {}
     for pid, letter, _, stack in ORACLE.findall(console):
         names = re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", stack, re.M)
@@ -80,9 +82,9 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
     skipped = scheduler_ranges(LinuxKernel.load(vmlinuz), guest.text_address)
     tasks = {t["process"]["tid"]: t for t in json.loads(result.stdout)["tasks"]}
     equal, left_out = 0, 0
-    for pid, (letter, proc_stack) in expected.items():
-        task = tasks[pid]
-        assert task["state"] == letter, (pid, task["state"], letter)
+    for tid, (letter, proc_stack) in expected.items():
+        task = tasks[tid]
+        assert task["state"] == letter, (tid, task["state"], letter)
         assert task["cpu"] is None and task["frames"], task
         kernel = [f for f in task["frames"] if int(f["address"], 16) >= 1 << 63]
         ours = [
@@ -92,16 +94,22 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
         ]
         left_out += len(kernel) - len(ours)
         equal += ours == proc_stack
-        print(f"{series} pid {pid} {letter}: ours {ours}, /proc {proc_stack}")
+        print(f"{series} tid {tid} {letter}: ours {ours}, /proc {proc_stack}")
     assert equal >= SHARE * len(expected), f"{equal} of {len(expected)} stacks equal"
     # __schedule and schedule (or schedule_timeout, do_nanosleep...) at least, in every stack.
     assert left_out >= 2 * len(expected), left_out
-    # The user stack beneath, from the pt_regs atop the kernel stack: the futex waiter's
-    # program, walked down to its main.
-    (waiter,) = (
-        tasks[pid] for pid in expected if tasks[pid]["process"]["program"] == "qmpprof-work"
+    # The user stacks beneath, from the pt_regs atop the kernel stacks: the futex waiter's two
+    # threads (one process), walked down to the program's start (main tail-calls futex_threads:
+    # no frame of its own) and to the thread's.
+    waiter = [tasks[tid] for tid in expected if tasks[tid]["process"]["program"] == "qmpprof-work"]
+    assert len(waiter) == 2 and len({t["process"]["pid"] for t in waiter}) == 1, waiter
+    users = sorted(
+        [f["symbol"] for f in thread["frames"] if int(f["address"], 16) < 1 << 63]
+        for thread in waiter
     )
-    user = [f["symbol"] for f in waiter["frames"] if int(f["address"], 16) < 1 << 63]
-    assert user[user.index("futex_loop") :][:2] == ["futex_loop", "main"], user
+    assert all("futex_loop" in user for user in users), users
+    assert ["futex_thread" in user for user in users] == [True, False], users
+    assert users[1][users[1].index("futex_loop") + 1] == "futex_threads", users
+    assert users[1][-2:] == ["__libc_start_main", "_start"], users
     # The rest of the guest's tasks were listed too: its kernel threads, init.
     assert len(tasks) > 20 and tasks[1]["process"]["program"] == "init", sorted(tasks)
