@@ -14,6 +14,7 @@ serves every check.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -26,6 +27,7 @@ from linuxkernel import BOOTED, linux_dir
 from linuxvm import ROOTFS, running_linux_guest
 
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.transport.qmp import QmpTransport
 
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = re.compile(
@@ -46,6 +48,14 @@ def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
         names = re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", stack, re.M)
         found[int(pid)] = (letter, names)
     return found
+
+
+async def pause(qmp_socket: Path) -> None:
+    transport = await QmpTransport.connect(qmp_socket)
+    try:
+        await transport.stop()
+    finally:
+        await transport.close()
 
 
 def scheduler_ranges(kernel: LinuxKernel, text: int) -> list[tuple[int, int]]:
@@ -78,6 +88,16 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert run_state(guest.qmp_socket) == "running"
+        if series == BOOTED[0]:  # a paused guest is read as it stands, and stays paused
+            asyncio.run(pause(guest.qmp_socket))
+            paused = subprocess.run(
+                [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
+                 "--kernel", str(vmlinuz), "--one-shot", "--off-cpu"],
+                capture_output=True, text=True, timeout=120, cwd=ROOT,
+            )  # fmt: skip
+            assert paused.returncode == 0, paused.stderr
+            assert run_state(guest.qmp_socket) == "paused"
+            assert "Tasks: " in paused.stdout and ": D (disk sleep)" in paused.stdout
     assert len(expected) == TASKS, guest.console_text()
     skipped = scheduler_ranges(LinuxKernel.load(vmlinuz), guest.text_address)
     tasks = {t["process"]["tid"]: t for t in json.loads(result.stdout)["tasks"]}
