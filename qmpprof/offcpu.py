@@ -54,6 +54,8 @@ async def every_task(
 
 async def _walk(task: FoundTask, unwinder: StackUnwinder[AddressSpace, RawStack]) -> _Walked:
     cache = PageCache()
+    if task.window is not None:
+        cache.put_window(*task.window)
     budget = [MAX_PAGES]
 
     async def walk(regs: Registers | None) -> RawStack | None:

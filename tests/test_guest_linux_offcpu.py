@@ -8,7 +8,13 @@ import struct
 from collections.abc import Sequence
 
 from qmpprof.arch.x86 import X86_64
-from qmpprof.guest.linux.offcpu import OffCpuLayout, States, read_states, user_registers
+from qmpprof.guest.linux.offcpu import (
+    OffCpuLayout,
+    States,
+    kernel_registers,
+    read_states,
+    user_registers,
+)
 
 # fs/proc/array.c's task_state_array, 4.14 to 7.2
 NAMES = (
@@ -79,20 +85,25 @@ def pt_regs(pc: int, sp: int, bp: int) -> bytes:
     return struct.pack("<21Q", *values)
 
 
-async def test_user_registers_are_the_pt_regs_atop_the_kernel_stack() -> None:
-    stack, size = 0xFFFF_C900_0010_0000, 16384
+def test_user_registers_are_the_pt_regs_atop_the_kernel_stack() -> None:
+    below = bytes(200)  # the kernel stack under pt_regs
+    regs = pt_regs(0x401000, 0x7FFF_0000, 0x7FFF_0040)
     for padding in (0, 16):  # CONFIG_X86_FRED kernels leave 16 bytes above pt_regs
-        top = stack + size - padding - 168
-        memory = {stack: bytes(size)}
-        raw = bytearray(memory[stack])
-        raw[top - stack : top - stack + 168] = pt_regs(0x401000, 0x7FFF_0000, 0x7FFF_0040)
-        memory[stack] = bytes(raw)
-        regs = await user_registers(Memory(memory).read, stack, size, layout(), X86_64)
-        assert regs is not None and regs.user
-        assert (regs.pc, regs.sp, regs.fp) == (0x401000, 0x7FFF_0000, 0x7FFF_0040), padding
+        found = user_registers(below + regs + bytes(padding), layout(), X86_64)
+        assert found is not None and found.user
+        assert (found.pc, found.sp, found.fp) == (0x401000, 0x7FFF_0000, 0x7FFF_0040), padding
+        assert found.gprs[X86_64.names.index("rbx")] == 0, padding
 
 
-async def test_a_kernel_stack_without_user_registers_gives_none() -> None:
-    stack, size = 0xFFFF_C900_0010_0000, 16384
-    memory = Memory({stack: bytes(size)})
-    assert await user_registers(memory.read, stack, size, layout(), X86_64) is None
+def test_a_kernel_stack_without_user_registers_gives_none() -> None:
+    assert user_registers(bytes(400), layout(), X86_64) is None
+    assert user_registers(bytes(100), layout(), X86_64) is None  # shorter than pt_regs
+
+
+def test_kernel_registers_are_the_context_switchs_frame() -> None:
+    sp, ret, bp = 0xFFFF_C900_0010_3E00, 0xFFFF_FFFF_81CE_CA50, 0xFFFF_C900_0010_3E68
+    frame = bytes(40) + struct.pack("<QQ", bp, ret)
+    found = kernel_registers(frame, sp, layout(), X86_64)
+    assert found is not None and not found.user
+    assert (found.pc, found.sp, found.fp) == (ret, sp + 56, bp)
+    assert kernel_registers(bytes(56), sp, layout(), X86_64) is None  # no kernel return address

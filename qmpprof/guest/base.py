@@ -159,7 +159,8 @@ class FoundTask:
     name, as the guest's kernel reports it), the vCPU it runs on (None: off CPU); off CPU,
     where its kernel stack resumes (``kernel``) and the user registers it entered the kernel
     with (``user``, None for a kernel thread), the space to walk them in and how to read its
-    memory (``read``: kernel and user addresses, the latter through its own page tables)."""
+    memory (``read``: kernel and user addresses, the latter through its own page tables), and
+    the stack bytes read already (``window``: address, bytes)."""
 
     process: Process | None
     state: str
@@ -169,6 +170,7 @@ class FoundTask:
     kernel: Registers | None = None
     user: Registers | None = None
     read: Reader | None = None
+    window: tuple[int, bytes] | None = None
 
 
 @runtime_checkable

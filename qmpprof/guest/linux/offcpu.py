@@ -30,7 +30,14 @@ from qmpprof.guest.base import FoundTask
 from qmpprof.guest.linux.current import CurrentTask
 from qmpprof.guest.linux.pagetables import PageTables
 from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import Task, TaskLayout, read_task, task_list
+from qmpprof.guest.linux.tasks import (
+    Task,
+    TaskLayout,
+    parse_task,
+    task_list,
+    task_range,
+    with_leader,
+)
 from qmpprof.linux.btf import Btf
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Registers
@@ -146,83 +153,59 @@ async def read_states(read: Reader, array: int, arch: InstructionSet) -> States 
     return States(tuple(names))
 
 
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """What a task left behind: its state values, and where its kernel stack resumes."""
-
-    state: int
-    exit_state: int
-    sp: int  # thread.sp: its inactive_task_frame
-
-
 async def threads(read: Reader, leaders: Sequence[int], layout: OffCpuLayout) -> list[int]:
-    """Every thread of the processes whose leaders are ``leaders``, each leader first."""
-    out: list[int] = []
+    """Every thread of the processes whose leaders are ``leaders``, each leader first: their
+    thread lists walked side by side, one read a step."""
     signals = await read_ints(read, [(task + layout.signal, 8) for task in leaders])
-    for leader, signal in zip(leaders, signals, strict=True):
-        out.append(leader)
-        if not signal:
-            continue
-        head = signal + layout.thread_head
-        (node,) = await read_ints(read, [(head, 8)])
-        seen = {head}
-        while node is not None and node not in seen and len(seen) <= _MAX_THREADS:
-            seen.add(node)
-            task = node - layout.thread_node
-            if task != leader:
-                out.append(task)
-            (node,) = await read_ints(read, [(node, 8)])
-    return out
+    members: dict[int, list[int]] = {leader: [] for leader in leaders}
+    at = {
+        leader: signal + layout.thread_head
+        for leader, signal in zip(leaders, signals, strict=True)
+        if signal
+    }
+    seen = {leader: {node} for leader, node in at.items()}
+    while at:
+        found = await read_ints(read, [(node, 8) for node in at.values()])
+        step = {}
+        for leader, node in zip(at, found, strict=True):
+            if node is None or node in seen[leader] or len(seen[leader]) > _MAX_THREADS:
+                continue
+            seen[leader].add(node)
+            if node - layout.thread_node != leader:
+                members[leader].append(node - layout.thread_node)
+            step[leader] = node
+        at = step
+    return [task for leader in leaders for task in (leader, *members[leader])]
 
 
-async def waiting(read: Reader, task: int, layout: OffCpuLayout) -> Waiting | None:
-    found = await read_ints(
-        read,
-        [
-            (task + layout.state, layout.state_size),
-            (task + layout.exit_state, 4),
-            (task + layout.thread_sp, 8),
-        ],
-    )
-    state, exit_state, sp = found
-    if state is None or exit_state is None or sp is None:
-        return None
-    return Waiting(state, exit_state, sp)
-
-
-async def kernel_registers(
-    read: Reader, sp: int, layout: OffCpuLayout, arch: InstructionSet
+def kernel_registers(
+    frame: bytes, sp: int, layout: OffCpuLayout, arch: InstructionSet
 ) -> Registers | None:
-    """Where a task off CPU resumes in the kernel: the return address its context switch
-    pushed, the frame pointer it saved, its stack above that frame (as the kernel's own ORC
-    unwinder starts on a blocked task, ``__unwind_start``)."""
-    raw = await read_one(read, sp, layout.frame_size)
-    if raw is None:
+    """Where a task off CPU resumes in the kernel, from the ``inactive_task_frame`` at its
+    ``thread.sp``: the return address its context switch pushed, the frame pointer it saved,
+    its stack above that frame (as the kernel's own ORC unwinder starts on a blocked task,
+    ``__unwind_start``)."""
+    if len(frame) < layout.frame_size:
         return None
-    ret = int.from_bytes(raw[layout.frame_ret : layout.frame_ret + 8], "little")
-    bp = int.from_bytes(raw[layout.frame_bp : layout.frame_bp + 8], "little")
+    ret = int.from_bytes(frame[layout.frame_ret : layout.frame_ret + 8], "little")
+    bp = int.from_bytes(frame[layout.frame_bp : layout.frame_bp + 8], "little")
     if ret < arch.shared_from:
         return None
     return Registers(0, arch.name, ret, sp + layout.frame_size, bp, False, 0)
 
 
-async def user_registers(
-    read: Reader, stack: int, thread_size: int, layout: OffCpuLayout, arch: InstructionSet
-) -> Registers | None:
+def user_registers(top: bytes, layout: OffCpuLayout, arch: InstructionSet) -> Registers | None:
     """The user registers a task entered the kernel with: the ``pt_regs`` at the top of its
-    kernel stack (``stack``: the stack's lowest address)."""
-    padding = max(STACK_PADDINGS)
-    at = stack + thread_size - padding - layout.regs_size
-    raw = await read_one(read, at, layout.regs_size + padding)
-    if raw is None:
-        return None
+    kernel stack (``top``: the stack's last bytes, up to its end)."""
     offsets = dict(layout.regs)
     for pad in STACK_PADDINGS:
-        base = padding - pad
+        base = len(top) - pad - layout.regs_size
+        if base < 0:
+            continue
 
         def value(name: str, base: int = base) -> int:
             offset = base + offsets[name]
-            return int.from_bytes(raw[offset : offset + 8], "little")
+            return int.from_bytes(top[offset : offset + 8], "little")
 
         if value("cs") & 3 == 3 and value("ss") & 3 == 3:
             gprs = {n: value(name) for n, name in enumerate(arch.names) if name in offsets}
@@ -246,38 +229,90 @@ class Census:
 
     async def every_task(self, read: Reader) -> list[FoundTask]:
         """Every task but the idle ones, read through ``read`` (kernel memory, the guest
-        stopped), by pid."""
+        stopped), by pid: the lists walked, then two reads for them all (each task's fields;
+        then its leader's name, its kernel stack from its saved context up, its page tables'
+        root)."""
         leaders = await task_list(read, self.init_task, self.tasks)
+        every = await threads(read, leaders, self.layout)
         running = {} if self.current is None else await self.current.running(read)
+        layout = self.layout
+        ranges = []
+        for at in every:
+            ranges += [
+                task_range(at, self.tasks),
+                (at + layout.state, layout.state_size),
+                (at + layout.exit_state, 4),
+                (at + layout.thread_sp, 8),
+            ]
+        raw = await read(ranges)
+        read_first = [self._first(at, raw[4 * i : 4 * i + 4]) for i, at in enumerate(every)]
+        first = [(at, found) for at, found in zip(every, read_first, strict=True) if found]
+        second = await read([r for at, found in first for r in self._second(found, at in running)])
         tables = self.spaces.tables
         walk = None if tables is None else PageTables(read, tables.direct_map, tables.levels)
         out = []
-        for at in await threads(read, leaders, self.layout):
-            task = await read_task(read, at, self.tasks, self.arch.shared_from)
-            left = await waiting(read, at, self.layout)
-            if task is None or left is None:
-                continue
-            letter, name = self.states.decode(left.state, left.exit_state)
+        for i, (at, (task, leader, state, exit_state, sp)) in enumerate(first):
+            more = second[3 * i : 3 * i + 3]
+            task = task if leader is None else with_leader(task, more[0])
+            letter, name = self.states.decode(state, exit_state)
             space = await self.spaces.preload(read, task) or self.spaces.kernel
             found = FoundTask(task.process, letter, name, running.get(at), space)
-            if found.cpu is None and not left.exit_state:  # an exited task's stack is freed
-                found = await self._stacks(read, found, task, left, walk)
+            if more[1] is not None:
+                found = self._stacks(found, task, sp, more[1], more[2], read, walk)
             out.append(found)
         return sorted(out, key=lambda t: (t.process.tid or 0) if t.process else 0)
 
-    async def _stacks(
-        self, read: Reader, found: FoundTask, task: Task, left: Waiting, walk: PageTables | None
+    def _first(
+        self, at: int, raw: list[bytes | None]
+    ) -> tuple[Task, int | None, int, int, int] | None:
+        """The task, the leader whose name it needs, its state values and ``thread.sp``."""
+        if any(part is None for part in raw):
+            return None
+        fields, state, exit_state, sp = (part or b"" for part in raw)
+        task, leader = parse_task(fields, at, self.tasks, self.arch.shared_from)
+        number = int.from_bytes
+        return (
+            task,
+            leader,
+            number(state, "little"),
+            number(exit_state, "little"),
+            number(sp, "little"),
+        )
+
+    def _second(
+        self, found: tuple[Task, int | None, int, int, int], on_cpu: bool
+    ) -> list[tuple[int, int]]:
+        """Its leader's name; off CPU, its kernel stack from ``thread.sp`` to the stack's end
+        (an exited task's stack is freed); its page tables' root (size 0: not wanted)."""
+        task, leader, _, exit_state, sp = found
+        name = (0, 0) if leader is None else (leader + self.tasks.comm, self.tasks.comm_size)
+        size, vmas = self.thread_size, self.spaces.vmas
+        end = task.stack + (size or 0)
+        stack = (0, 0)
+        if not on_cpu and not exit_state and size and task.stack <= sp < end:
+            stack = (sp, end - sp)
+        pgd = (0, 0) if not task.mm or vmas is None else (task.mm + vmas.pgd, 8)
+        return [name, stack, pgd]
+
+    def _stacks(
+        self,
+        found: FoundTask,
+        task: Task,
+        sp: int,
+        stack: bytes,
+        pgd: bytes | None,
+        read: Reader,
+        walk: PageTables | None,
     ) -> FoundTask:
-        kernel = await kernel_registers(read, left.sp, self.layout, self.arch)
-        if not task.mm or self.thread_size is None or not task.stack:
-            return dataclasses.replace(found, kernel=kernel, read=read)
-        user = await user_registers(read, task.stack, self.thread_size, self.layout, self.arch)
-        read_user = None
-        if walk is not None and self.spaces.vmas is not None:
-            (pgd,) = await read_ints(read, [(task.mm + self.spaces.vmas.pgd, 8)])
-            read_user = None if pgd is None else walk.reader(pgd)
+        kernel = kernel_registers(stack[: self.layout.frame_size], sp, self.layout, self.arch)
+        window = (sp, stack)
+        if not task.mm:
+            return dataclasses.replace(found, kernel=kernel, read=read, window=window)
+        user = user_registers(stack, self.layout, self.arch)
+        root = None if pgd is None else int.from_bytes(pgd, "little")
+        read_user = None if walk is None or root is None else walk.reader(root)
         both = _split(read, read_user, self.arch.shared_from)
-        return dataclasses.replace(found, kernel=kernel, user=user, read=both)
+        return dataclasses.replace(found, kernel=kernel, user=user, read=both, window=window)
 
 
 def _split(kernel: Reader, user: Reader | None, shared_from: int) -> Reader:
