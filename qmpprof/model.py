@@ -131,3 +131,17 @@ class Sample:
     space: int  # the page-table root in use
     stack: Stack
     process: Process | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskView:
+    """One task of the guest as one pause found it: its process and thread, its state as the
+    guest's kernel reports it (``state``: the letter, "S"; ``state_name``: "sleeping"), the
+    vCPU it runs on (None: off CPU), and, off CPU, its stacks (kernel frames then user
+    frames, leaf first; None when they could not be read, or on a CPU: the vCPU's sample)."""
+
+    process: Process | None
+    state: str
+    state_name: str
+    cpu: int | None
+    stack: Stack | None
