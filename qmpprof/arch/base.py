@@ -32,6 +32,18 @@ class PrologueRule:
     fp_offset: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ReturnRule:
+    """Where a function's return address is, found by following its code to its ``ret``: at
+    ``ra_offset`` from the stack pointer the frame had at the scan's start (``from_fp``: from its
+    frame pointer, after a ``leave``). The caller's frame pointer is saved at ``fp_offset`` from
+    the same base when that is set (popped on the way), else it is the frame's own."""
+
+    from_fp: bool
+    ra_offset: int
+    fp_offset: int | None = None
+
+
 class InstructionSet(Protocol):
     """One instruction set, as the walker, the sampler and the guest OSes need it."""
 
@@ -106,6 +118,16 @@ class InstructionSet(Protocol):
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` in ``code`` (at ``code_addr``) by
         analysing the function's instructions; None: no answer (frame pointers then)."""
+        ...
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        """Where the return address is for a frame at link address ``pc`` in ``code`` with no
+        CFI and no symbol, found by following the instructions from ``pc`` to a return; None:
+        code it cannot model (see ``x86code.ReturnScanner``)."""
+        ...
+
+    def is_call_before(self, code: bytes, ra: int) -> bool:
+        """Whether ``code`` (the bytes right before ``ra``) ends in a call instruction."""
         ...
 
     def prepare(self) -> None:

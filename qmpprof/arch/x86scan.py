@@ -1,0 +1,196 @@
+"""x86 code followed forward to its return: where a frame's return address is when its code has
+neither CFI nor a symbol nor a frame pointer (stripped, static programs built without either).
+
+From the frame's pc the scanner follows the instruction stream the way the function would run
+to its end: it falls through conditional jumps (the other way is kept and tried when the first
+dead-ends), follows direct unconditional jumps (a tail jump lands in a function that returns to
+the same caller), steps over calls, and tracks the stack pointer (push, pop, add/sub/lea rsp,
+``leave`` and ``mov rsp, rbp`` through the frame pointer) until a ``ret``: the return address is
+then at the tracked stack pointer. It gives up (None) on what it cannot model: the stack pointer
+set any other way (realignment), a jump through a register or memory, code it cannot decode, a
+budget of instructions spent. A path dead-ends at a trap instruction, at padding or an
+``endbr`` right after a call (the call did not return: the code beyond is another function) or
+at code seen before (a loop). A wrong answer is still possible: the walker accepts a return
+address only where a call instruction ends (``is_call_before``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from qmpprof.arch.base import ReturnRule
+from qmpprof.memo import Memo
+
+_BUDGET = 400  # instructions decoded per scan, over all paths
+_CHUNK = 64  # bytes decoded at a time along a path
+_CACHE_LIMIT = 1 << 14
+_TRAPS = frozenset(["int3", "hlt", "ud2", "ud1", "ud0"])
+_AFTER_CALL_DEAD = frozenset(["nop", "int3", "endbr64", "endbr32", "hlt", "ud2"])
+_CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",
+               "s", "ns", "cxz", "ecxz", "rcxz")  # fmt: skip
+_JCC = frozenset([*(f"j{c}" for c in _CONDITIONS), "loop", "loope", "loopne"])
+_NOT_WRITES = frozenset(["cmp", "test", "push", "bt"])
+_DEAD_END = "dead end"
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    """The stack pointer as base + ``sp_off`` (base: the frame's stack pointer at the scan's
+    start, or with ``sp_fp`` its frame pointer); the frame pointer as a register (base +
+    ``fp_off``), as the word saved at base + ``fp_off`` ("mem"), or unknown."""
+
+    sp_fp: bool = False
+    sp_off: int = 0
+    fp_kind: str = "reg"  # "reg", "mem" or "unknown"
+    fp_fp: bool = True  # the frame pointer's base: its own start value
+    fp_off: int = 0
+
+
+_Path = tuple[int, bool, _State]  # where a path goes on, whether right after a call, the stack
+
+
+class ReturnScanner:
+    """One answer per (code, pc), cached: the scan reads only the code, never registers."""
+
+    def __init__(self, cs: object, word: int) -> None:
+        self._cs = cs
+        self._word = word
+        sp, fp = ("rsp", "rbp") if word == 8 else ("esp", "ebp")
+        self._sp, self._fp = sp, fp
+        self._lea = re.compile(rf"{sp}, \[({sp}|{fp})(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")
+        self._cache: Memo[tuple[bytes, int, int], ReturnRule | None] = Memo(_CACHE_LIMIT)
+
+    def scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        key = (code, code_addr, pc)
+        try:
+            return self._cache[key]
+        except KeyError:
+            return self._cache.put(key, self._scan(code, code_addr, pc))
+
+    def _scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        end = code_addr + len(code)
+        pending: list[tuple[int, _State]] = [(pc, _State())]
+        seen: set[int] = set()
+        budget = _BUDGET
+        while pending and budget > 0:
+            addr, state = pending.pop()
+            after_call = False
+            while code_addr <= addr < end and addr not in seen and budget > 0:
+                off = addr - code_addr
+                insns = list(self._cs.disasm_lite(code[off : off + _CHUNK], addr))  # type: ignore[attr-defined]
+                if not insns:
+                    return None
+                budget -= len(insns)
+                outcome = self._run(insns, state, after_call, seen, pending)
+                if isinstance(outcome, str):  # _DEAD_END
+                    break
+                if not isinstance(outcome, tuple):
+                    return outcome
+                addr, after_call, state = outcome
+        return None
+
+    def _run(
+        self,
+        insns: list[tuple[int, int, str, str]],
+        state: _State,
+        after_call: bool,
+        seen: set[int],
+        pending: list[tuple[int, _State]],
+    ) -> ReturnRule | _Path | str | None:
+        """Follow one decoded chunk: a rule at ``ret``, None to give up, ``_DEAD_END``, or the
+        path to go on with (the taken side of a conditional jump is left in ``pending``)."""
+        for addr, _size, mnemonic, ops in insns:
+            if addr in seen or (after_call and mnemonic in _AFTER_CALL_DEAD):
+                return _DEAD_END
+            seen.add(addr)
+            after_call = mnemonic == "call"  # stepped over: it returns with the stack as it was
+            if mnemonic.startswith("ret"):
+                return self._rule(state)
+            if mnemonic in _TRAPS:
+                return _DEAD_END
+            if mnemonic == "jmp" or mnemonic in _JCC:
+                try:
+                    target = int(ops, 16)
+                except ValueError:
+                    return None  # through a register or memory: a switch, or a tail call
+                if mnemonic == "jmp":
+                    return target, False, state
+                pending.append((target, state))
+            elif not after_call:
+                moved = self._track(state, mnemonic, ops)
+                if moved is None:
+                    return None
+                state = moved
+        last = insns[-1]
+        return last[0] + last[1], after_call, state
+
+    def _track(self, state: _State, mnemonic: str, ops: str) -> _State | None:
+        """One instruction's effect on the stack and frame pointers; None: not modelled."""
+        word, sp, fp = self._word, self._sp, self._fp
+        if mnemonic in ("push", "pushfq", "pushfd"):
+            return replace(state, sp_off=state.sp_off - word)
+        if mnemonic in ("pop", "popfq", "popfd"):
+            if ops == sp:
+                return None
+            popped = replace(state, sp_off=state.sp_off + word)
+            if ops == fp:
+                return replace(popped, fp_kind="mem", fp_fp=state.sp_fp, fp_off=state.sp_off)
+            return popped
+        if mnemonic == "leave":
+            moved = self._sp_from_fp(state, 0)
+            if moved is None:
+                return None
+            return replace(
+                moved, sp_off=moved.sp_off + word, fp_kind="mem", fp_fp=moved.sp_fp,
+                fp_off=moved.sp_off,
+            )  # fmt: skip
+        if ops.startswith(f"{sp}, ") and mnemonic not in _NOT_WRITES:
+            return self._set_sp(state, mnemonic, ops)
+        if ops.startswith(f"{fp}, ") and mnemonic not in _NOT_WRITES:
+            if mnemonic == "mov" and ops == f"{fp}, {sp}":
+                return replace(state, fp_kind="reg", fp_fp=state.sp_fp, fp_off=state.sp_off)
+            return replace(state, fp_kind="unknown")
+        return state
+
+    def _set_sp(self, state: _State, mnemonic: str, ops: str) -> _State | None:
+        if mnemonic in ("add", "sub"):
+            try:
+                amount = int(ops.split(", ", 1)[1], 0)
+            except ValueError:
+                return None
+            return replace(state, sp_off=state.sp_off + (amount if mnemonic == "add" else -amount))
+        if mnemonic == "mov" and ops == f"{self._sp}, {self._fp}":
+            return self._sp_from_fp(state, 0)
+        if mnemonic == "lea" and (m := self._lea.fullmatch(ops)):
+            delta = 0 if m[2] is None else int(m[3], 0) * (1 if m[2] == "+" else -1)
+            if m[1] == self._sp:
+                return replace(state, sp_off=state.sp_off + delta)
+            return self._sp_from_fp(state, delta)
+        return None  # `and rsp, -16`, `mov rsp, rax`: not modelled
+
+    def _sp_from_fp(self, state: _State, delta: int) -> _State | None:
+        """The stack pointer set from the frame pointer (+ ``delta``), when that is known."""
+        if state.fp_kind != "reg":
+            return None
+        return replace(state, sp_fp=state.fp_fp, sp_off=state.fp_off + delta)
+
+    def _rule(self, state: _State) -> ReturnRule | None:
+        saved = state.fp_off if state.fp_kind == "mem" and state.fp_fp == state.sp_fp else None
+        if state.fp_kind == "mem" and saved is None:
+            return None
+        return ReturnRule(state.sp_fp, state.sp_off, saved)
+
+
+def is_call_before(cs: object, code: bytes, ra: int) -> bool:
+    """Whether the bytes before ``ra`` (``code`` ends there) decode as one call instruction:
+    direct (e8 rel32) or through a register or memory (ff /2, 2 to 7 bytes with prefixes)."""
+    for size in (5, 2, 3, 6, 7, 4):
+        if len(code) < size:
+            continue
+        for _addr, insn_size, mnemonic, _ops in cs.disasm_lite(  # type: ignore[attr-defined]
+            code[-size:], ra - size, 1
+        ):
+            if mnemonic == "call" and insn_size == size:
+                return True
+    return False
