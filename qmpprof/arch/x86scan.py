@@ -9,9 +9,12 @@ the same caller), steps over calls, and tracks the stack pointer (push, pop, add
 then at the tracked stack pointer. It gives up (None) on what it cannot model: the stack pointer
 set any other way (realignment), a jump through a register or memory, code it cannot decode, a
 budget of instructions spent. A path dead-ends at a trap instruction, at padding or an
-``endbr`` right after a call (the call did not return: the code beyond is another function) or
-at code seen before (a loop). A wrong answer is still possible: the walker accepts a return
-address only where a call instruction ends (``is_call_before``).
+``endbr`` or a ``push`` right after a call (the call did not return: the code beyond is another
+function's), or at code seen before (a loop); a return whose address or saved frame pointer lies
+below the frame's stack pointer is not believed (the path ran into another function). A wrong
+answer is still possible: the walker accepts a return address only where a call instruction ends
+(``is_call_before``). A function that never returns (a main loop ending in ``exit``, a die
+helper) has no return to find: its callers stay unknown.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from dataclasses import dataclass, replace
 from qmpprof.arch.base import ReturnRule
 from qmpprof.memo import Memo
 
-_BUDGET = 400  # instructions decoded per scan, over all paths
+_BUDGET = 1000  # instructions decoded per scan, over all paths
 _CHUNK = 64  # bytes decoded at a time along a path
 _CACHE_LIMIT = 1 << 14
 _TRAPS = frozenset(["int3", "hlt", "ud2", "ud1", "ud0"])
-_AFTER_CALL_DEAD = frozenset(["nop", "int3", "endbr64", "endbr32", "hlt", "ud2"])
+# After a call that did not return comes the next function: padding, or its prologue.
+_AFTER_CALL_DEAD = frozenset(["nop", "int3", "endbr64", "endbr32", "hlt", "ud2", "push"])
 _CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",
                "s", "ns", "cxz", "ecxz", "rcxz")  # fmt: skip
 _JCC = frozenset([*(f"j{c}" for c in _CONDITIONS), "loop", "loope", "loopne"])
@@ -106,7 +110,7 @@ class ReturnScanner:
             seen.add(addr)
             after_call = mnemonic == "call"  # stepped over: it returns with the stack as it was
             if mnemonic.startswith("ret"):
-                return self._rule(state)
+                return self._rule(state) or _DEAD_END
             if mnemonic in _TRAPS:
                 return _DEAD_END
             if mnemonic == "jmp" or mnemonic in _JCC:
@@ -179,6 +183,8 @@ class ReturnScanner:
         saved = state.fp_off if state.fp_kind == "mem" and state.fp_fp == state.sp_fp else None
         if state.fp_kind == "mem" and saved is None:
             return None
+        if not state.sp_fp and (state.sp_off < 0 or (saved is not None and saved < 0)):
+            return None  # a word saved below the frame's stack: the path ran into another function
         return ReturnRule(state.sp_fp, state.sp_off, saved)
 
 
