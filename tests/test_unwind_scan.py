@@ -73,7 +73,7 @@ def test_a_return_address_not_after_a_call_stops_the_walk(nocfi: tuple[Path, Pat
     ra_slot = sp + 0x28  # leaf: push rbx, sub rsp 0x20 (tests/data/nocfi.c's build)
     assert len(unwinder.unwind(regs(pc, sp, fp), cache, space).pcs) == 4
     page = bytearray(cache.pages[page_of(ra_slot)] or b"")
-    struct.pack_into("<Q", page, ra_slot - page_of(ra_slot), image.text_addr)  # no call before
+    struct.pack_into("<Q", page, ra_slot - page_of(ra_slot), pc)  # no call right before it
     cache.pages[page_of(ra_slot)] = bytes(page)
     raw = unwinder.unwind(regs(pc, sp, fp), cache, space)
     assert raw.pcs == (pc,)

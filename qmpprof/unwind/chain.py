@@ -64,6 +64,9 @@ class Unwinder:
         self.max_depth = max_depth
         self.lines = lines  # resolve's default: add file:line and inlined frames
         self.arch = arch
+        # Frames of resolved stacks found by following code to its return (a heuristic that
+        # a run's summary counts apart): Via.SCAN.
+        self.scanned = 0
 
     def unwind(self, regs: Registers, memory: PageCache, space: AddressSpace) -> RawStack:
         """Walk the stack ``regs`` describe. Raises ``PageMissing`` for a page the cache has
@@ -177,6 +180,7 @@ class Unwinder:
         become frames of their own."""
         if lines is None:
             lines = self.lines
+        self.scanned += raw.via.count(Via.SCAN)
         cache = space.frames
         boundary = self.kernel_boundary
         pcs, exacts = raw.pcs, raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)

@@ -3,10 +3,11 @@ analyse its prologue by and no frame pointer (a stripped static program built wi
 
 The instruction set follows the code from the frame's pc to a return, tracking the stack
 pointer (``InstructionSet.return_scan``); the return address is then read where the stack
-pointer points. The scan is a heuristic, so its answer is checked before it is believed: the
-return address must lie in this module's code, right after a call instruction. A failed check
-ends the walk (``StopReason.NO_CFI``) rather than invent frames; code the scan cannot model
-leaves the frame to the next step (frame pointers).
+pointer points. The scan is a heuristic, so its answer is checked before it is believed: a
+return address in this module's code must lie right after a call instruction, or the walk ends
+there (``StopReason.NO_CFI``) rather than invent frames. Code the scan cannot model, and a
+return address outside this module's code (which it cannot check), leave the frame to the next
+step (frame pointers).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class ReturnScanStep:
         ra = read(ra_slot)
         if ra is None:
             return StopReason.READ_FAILED
-        if not self._after_call(ra):
+        after_call = self._after_call(ra)
+        if after_call is None:
+            return None  # another module's code: not ours to check, frame pointers then
+        if not after_call:
             return StopReason.NO_CFI  # a wrong guess: stop here, truncated
         new = dict(cur)
         new[arch.pc], new[arch.sp] = ra, (ra_slot + arch.address_size) & mask
@@ -57,10 +61,11 @@ class ReturnScanStep:
             new[arch.fp] = fp
         return new, False
 
-    def _after_call(self, ra: int) -> bool:
-        """Whether ``ra`` lies in this module's code right after a call instruction."""
+    def _after_call(self, ra: int) -> bool | None:
+        """Whether ``ra`` lies right after a call instruction; None: not in this module's code
+        (another module's, or none: the scan cannot tell)."""
         link = ra - self.bias
         off = link - self.code_addr
         if not _CALL_MAX <= off <= len(self.code):
-            return False
+            return None
         return self.arch.is_call_before(self.code[off - _CALL_MAX : off], link)
