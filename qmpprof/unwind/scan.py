@@ -13,24 +13,27 @@ step (frame pointers).
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.memo import Memo
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
 from qmpprof.unwind.steps import Outcome, Regs, Via, word_reader
 
 _CALL_MAX = 7  # bytes of the longest call instruction is_call_before looks for
+_CACHE_LIMIT = 1 << 14
 
 
 class ReturnScanStep:
     """Follows the frame's code to its ``ret`` (``Via.SCAN``)."""
 
     via = Via.SCAN
-    __slots__ = ("arch", "bias", "code", "code_addr")
+    __slots__ = ("_checked", "arch", "bias", "code", "code_addr")
 
     def __init__(self, code: bytes, code_addr: int, bias: int, arch: InstructionSet) -> None:
         self.code = code
         self.code_addr = code_addr  # link address of code[0]
         self.bias = bias
         self.arch = arch
+        self._checked: Memo[int, bool] = Memo(_CACHE_LIMIT)  # link ra -> after a call
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         arch = self.arch
@@ -68,4 +71,8 @@ class ReturnScanStep:
         off = link - self.code_addr
         if not _CALL_MAX <= off <= len(self.code):
             return None
-        return self.arch.is_call_before(self.code[off - _CALL_MAX : off], link)
+        try:
+            return self._checked[link]
+        except KeyError:
+            code = self.code[off - _CALL_MAX : off]
+            return self._checked.put(link, self.arch.is_call_before(code, link))
