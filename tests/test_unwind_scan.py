@@ -57,11 +57,12 @@ def test_stripped_code_with_no_cfi_walks_to_main(nocfi: tuple[Path, Path]) -> No
     pc, sp, fp, cache = dumped_stack(stripped)
     space = AddressSpace([Module.from_image(image, kernel=False)])
     raw = Unwinder(X86_64).unwind(regs(pc, sp, fp), cache, space)
-    found = [names.lookup(p if i == 0 else p - 1) for i, p in enumerate(raw.pcs)]
-    assert [hit[0] for hit in found if hit is not None] == ["leaf", "mid", "outer", "main"]
-    assert raw.via == (Via.REGS, Via.SCAN, Via.SCAN, Via.SCAN)
-    # main returns into libc, which this space does not hold: not a call site of this code
-    assert raw.stop is StopReason.NO_CFI
+    found = [names.lookup(p if i == 0 else p - 1) for i, p in enumerate(raw.pcs[:4])]
+    assert [hit and hit[0] for hit in found] == ["leaf", "mid", "outer", "main"]
+    assert raw.via[:4] == (Via.REGS, Via.SCAN, Via.SCAN, Via.SCAN)
+    # main returns into libc, which this space does not hold: the scan cannot check that
+    # return address and leaves the frame to frame pointers (what they find depends on the
+    # libc's registers, the address layout: not asserted)
 
 
 def test_a_return_address_not_after_a_call_stops_the_walk(nocfi: tuple[Path, Path]) -> None:
@@ -71,7 +72,7 @@ def test_a_return_address_not_after_a_call_stops_the_walk(nocfi: tuple[Path, Pat
     space = AddressSpace([Module.from_image(image, kernel=False)])
     unwinder = Unwinder(X86_64)
     ra_slot = sp + 0x28  # leaf: push rbx, sub rsp 0x20 (tests/data/nocfi.c's build)
-    assert len(unwinder.unwind(regs(pc, sp, fp), cache, space).pcs) == 4
+    assert len(unwinder.unwind(regs(pc, sp, fp), cache, space).pcs) >= 4
     page = bytearray(cache.pages[page_of(ra_slot)] or b"")
     struct.pack_into("<Q", page, ra_slot - page_of(ra_slot), pc)  # no call right before it
     cache.pages[page_of(ra_slot)] = bytes(page)
