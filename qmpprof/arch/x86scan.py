@@ -62,6 +62,10 @@ class ReturnScanner:
         self._word = word
         sp, fp = ("rsp", "rbp") if word == 8 else ("esp", "ebp")
         self._sp, self._fp = sp, fp
+        # Writes to a part of a register (ebp, bp, bpl in 64-bit code) change it all.
+        parts = ("esp", "sp", "spl", "ebp", "bp", "bpl")
+        self._sp_parts = tuple(f"{r}, " for r in parts[:3] if r != sp)
+        self._fp_parts = tuple(f"{r}, " for r in parts[3:] if r != fp)
         self._lea = re.compile(rf"{sp}, \[({sp}|{fp})(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")
         self._cache: Memo[tuple[bytes, int, int], ReturnRule | None] = Memo(_CACHE_LIMIT)
 
@@ -149,9 +153,13 @@ class ReturnScanner:
                 moved, sp_off=moved.sp_off + word, fp_kind="mem", fp_fp=moved.sp_fp,
                 fp_off=moved.sp_off,
             )  # fmt: skip
-        if ops.startswith(f"{sp}, ") and mnemonic not in _NOT_WRITES:
+        if mnemonic in _NOT_WRITES:
+            return state
+        if ops.startswith(f"{sp}, "):
             return self._set_sp(state, mnemonic, ops)
-        if ops.startswith(f"{fp}, ") and mnemonic not in _NOT_WRITES:
+        if ops.startswith(self._sp_parts):
+            return None
+        if ops.startswith(f"{fp}, ") or ops.startswith(self._fp_parts):
             if mnemonic == "mov" and ops == f"{fp}, {sp}":
                 return replace(state, fp_kind="reg", fp_fp=state.sp_fp, fp_off=state.sp_off)
             return replace(state, fp_kind="unknown")

@@ -1,7 +1,7 @@
 /* A program built with neither CFI nor frame pointers (test_unwind_scan.py): leaf <- mid <-
    outer <- main, each with its own stack use (callee-saved pushes, a local array, alloca's
    frame pointer and `leave`, a branch to a call that never returns). leaf writes its pc, its
-   stack pointer and frame pointer and the 4 KiB of stack above them to stdout. */
+   stack pointer and frame pointer and the 1 KiB of stack above them (all four frames) to stdout. */
 #include <alloca.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,7 +13,7 @@ __attribute__((noinline)) static long leaf(long n) {
     __asm__ volatile("lea 0(%%rip), %0\n\tmov %%rsp, %1\n\tmov %%rbp, %2"
                      : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]));
     if (write(1, regs, sizeof regs) != sizeof regs ||
-        write(1, (void *)regs[1], 4096) != 4096)
+        write(1, (void *)regs[1], 1024) != 1024)
         abort();
     return n + 1;
 }
