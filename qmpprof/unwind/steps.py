@@ -14,7 +14,7 @@ DWARF numbers, stack words its address size, and addresses wrap at its width.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from qmpprof.arch.base import InstructionSet
@@ -172,6 +172,7 @@ def steps_for(
     code_addr: int = 0,
     symbols: SymbolTable | None = None,
     orc: OrcCode | None = None,
+    starts: Callable[[], Sequence[int]] | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
     tables alone (they cover all of its code), else CFI, prologue analysis, the code followed
@@ -188,7 +189,7 @@ def steps_for(
         steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
         from qmpprof.unwind.scan import ReturnScanStep
 
-        steps.append(ReturnScanStep(code, code_addr, bias, arch))
+        steps.append(ReturnScanStep(code, code_addr, bias, arch, starts))
     steps.extend(frame_pointer_only(arch))
     return tuple(steps)
 

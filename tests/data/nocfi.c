@@ -1,7 +1,8 @@
 /* A program built with neither CFI nor frame pointers (test_unwind_scan.py): leaf <- mid <-
-   outer <- main, each with its own stack use (callee-saved pushes, a local array, alloca's
-   frame pointer and `leave`, a branch to a call that never returns). leaf writes its pc, its
-   stack pointer and frame pointer and the 1 KiB of stack above them (all four frames) to stdout. */
+   never_returns <- outer <- main, each with its own stack use (callee-saved pushes, a local
+   array, alloca's frame pointer and `leave`, a branch to a call that never returns, a function
+   that ends in exit and is called through a pointer). leaf writes its pc, its stack pointer and
+   frame pointer and the 1 KiB of stack above them (all five frames) to stdout. */
 #include <alloca.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,11 +30,19 @@ __attribute__((noinline)) static long mid(long n) {
     return r;
 }
 
+/* No path returns: its caller is found from its start (a code pointer in .data). */
+__attribute__((noinline)) static void never_returns(long n) {
+    long r = mid(n + 1);
+    exit((int)(r & 1));
+}
+
+static void (*volatile call_it)(long) = never_returns;
+
 __attribute__((noinline)) static long outer(long n) {
     char *p = alloca((size_t)n + 16);  /* a frame pointer, torn down by `leave` */
     memset(p, 1, (size_t)n + 16);
-    long r = mid(n + p[n]);
-    return r * 3 + p[1];
+    call_it(n + p[n]);
+    return p[1];
 }
 
 int main(int argc, char **argv) {
