@@ -20,7 +20,7 @@ from linuxkernel import BOOTED, linux_dir
 from linuxvm import CHURN, ROOTFS, running_linux_guest, wait_churn
 
 from qmpprof.cli import main
-from qmpprof.model import Mode
+from qmpprof.model import Mode, StopReason
 from qmpprof.output import native
 
 pytestmark = pytest.mark.qemu
@@ -107,4 +107,12 @@ def test_new_processes_are_named_and_placed_as_they_come(
     assert not xz_elsewhere, xz_elsewhere
     print("busybox stacks whole", dict(busybox))
     assert busybox[True] >= BUSYBOX_WHOLE * sum(busybox.values()), busybox
+    # Processes that exit all the time: a stack told whole for its user space gone is one in
+    # the exit system call (do_exit), after the process released its memory.
+    gone = Counter[bool]()
+    for record, count in zip(profile.stacks, profile.counts, strict=True):
+        if record.stop is StopReason.USER_GONE:
+            gone["do_exit" in {f.symbol for f in profile.frames_of(record)}] += count
+    print("user space gone: in do_exit or not", dict(gone))
+    assert gone[True] > 0 and not gone[False], gone
     assert re.search(r"Frames found by following code with no CFI to its return: \d+", err), err

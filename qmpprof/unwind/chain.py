@@ -109,6 +109,8 @@ class Unwinder:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
             crossed = pc >= boundary > new[pc_reg]
+            if crossed and space.user_gone:
+                return RawStack(tuple(pcs), StopReason.USER_GONE, tuple(exacts), tuple(vias))
             if crossed and via is Via.PROLOGUE and not signal:
                 user_sp = self._trap_frame(new[sp_reg], memory)
                 if user_sp is None:

@@ -95,10 +95,13 @@ class Module:
 
 
 class AddressSpace:
-    """The modules of one address space, searchable by runtime pc (results cached per pc)."""
+    """The modules of one address space, searchable by runtime pc (results cached per pc).
+    ``user_gone``: a process's space whose user half was released (it is exiting): a walk
+    that reaches user code from the kernel ends there, whole (``StopReason.USER_GONE``)."""
 
-    def __init__(self, modules: Sequence[Module]) -> None:
+    def __init__(self, modules: Sequence[Module], *, user_gone: bool = False) -> None:
         self.modules = tuple(sorted(modules, key=lambda m: m.start))
+        self.user_gone = user_gone
         images = [m.calls for m in self.modules if m.calls is not None]
         # The search of the modules that give their code: one per set of them, so that every
         # process's space (the kernel's modules and its own) shares its caches.
