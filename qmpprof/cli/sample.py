@@ -27,6 +27,7 @@ from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
+from qmpprof.unwind.chain import Unwinder
 
 _PROGRESS_EVERY = 0.2  # seconds between progress line updates
 
@@ -186,6 +187,9 @@ def _finish(
         out.write(text.top_stacks(profile, opts.naming))
     unique = len(profile.named_counts(opts.naming))
     lines = stats.summary_lines(len(profile), profile.truncated, unique)
+    scanned = sampler.unwinder.scanned if isinstance(sampler.unwinder, Unwinder) else 0
+    if scanned:
+        lines.append(f"Frames found by following code with no CFI to its return: {scanned}")
     if opts.verbose:
         lines += stats.detail_lines()
     unwritten = []
