@@ -60,6 +60,7 @@ _NOT_HERE = {
     "gdb": "--gdb",
     "one_shot": "--one-shot",
     "json": "--json",
+    "off_cpu": "--off-cpu",
 }
 
 
