@@ -110,13 +110,17 @@ async def connect(spec: RunSpec) -> Connection:
         else:
             transport, why = await connect_fast(spec.qmp_socket, memory=spec.memory)
         if isinstance(transport, PrivateGdbTransport):
+            transport.control.guard_pauses()
             cleared = () if transport.cleared is None else (transport.cleared,)
             return Connection(transport, "a private gdbstub opened over QMP", notes=cleared)
+        if isinstance(transport, QmpTransport):
+            transport.guard_pauses()
         return Connection(transport, f"QMP ({why})")
     if spec.qmp_tcp is not None:
         transport = await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
     else:
         transport = await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
+    transport.guard_pauses()
     return Connection(transport, "QMP (--transport qmp)")
 
 

@@ -64,6 +64,7 @@ async def connect_fast(
     qmp = await QmpTransport.connect(socket_path, tcp, memory=memory, timeout=timeout)
     if tcp is not None:
         return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
+    qmp.guard_pauses()  # from here: attaching the stub stops the guest
     try:
         cleared = None
         stub = (await qmp.chardevs()).get(_STUB_LABEL)
@@ -133,6 +134,8 @@ class PrivateGdbTransport:
         asked = False  # QEMU may have opened the stub (a reply cancelled in flight counts)
         try:
             was_running = await qmp.is_running()
+            if was_running:
+                qmp.pausing()  # the attach stops it until the stub's connect resumes it
             asked = True
             reply = await qmp.hmp(f"gdbserver unix:{path},server=on,wait=off")
             if not reply.startswith(_LISTENING):
@@ -148,7 +151,10 @@ class PrivateGdbTransport:
                 raise _NoFastPath(f"cannot attach to the gdbstub QEMU opened: {err}") from err
         except BaseException:
             await _undo(qmp, directory, timeout, stub=asked, running=was_running)
+            qmp.settled()  # as it was found, or as well as QMP could put it back
             raise
+        if was_running:
+            qmp.settled()
         return cls(qmp, gdb, directory, was_running, timeout)
 
     @property
@@ -170,10 +176,12 @@ class PrivateGdbTransport:
         return running
 
     async def stop(self) -> None:
+        self._qmp.pausing()
         await self._gdb.stop()
 
     async def cont(self) -> None:
         await self._gdb.cont()
+        self._qmp.settled()
 
     async def cpus(self) -> list[int]:
         return await self._gdb.cpus()
@@ -183,6 +191,7 @@ class PrivateGdbTransport:
 
     async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
         """Stop and read the registers of ``cpus`` in one round trip (see GdbTransport)."""
+        self._qmp.pausing()
         return await self._gdb.stop_and_registers(cpus)
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
@@ -288,6 +297,7 @@ async def _restore_run_state(qmp: QmpTransport, running: bool) -> None:
         await qmp.cont()
     elif not running and status == "running":
         await qmp.stop()
+        qmp.settled()  # stopped as the user had it: nothing owed
 
 
 async def _finish(steps: Sequence[Awaitable[object]], timeout: float) -> None:

@@ -27,6 +27,7 @@ from qmpprof.arch.base import RegisterFormats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.model import Registers
 from qmpprof.transport import hmp
+from qmpprof.transport.guard import PauseGuard
 
 MemoryPath = Literal["auto", "memsave", "hmp"]
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
@@ -47,6 +48,7 @@ class QmpTransport:
     ) -> None:
         self._client = client
         self.address = address  # where QEMU was reached: a socket path, or (host, port)
+        self.guard: PauseGuard | None = None  # resumes the guest should qmpprof die in a pause
         self.formats = formats
         self.memory: Literal["memsave", "hmp"] = memory
         self._auto = auto
@@ -148,11 +150,29 @@ class QmpTransport:
             if isinstance(c, dict) and "label" in c
         }
 
+    def guard_pauses(self) -> None:
+        """Start a guard (guard.py) that resumes the guest should this process die inside a
+        pause: for a run that stops the guest, on a local socket (not over TCP)."""
+        if self.guard is None and isinstance(self.address, str):
+            self.guard = PauseGuard(self.address)
+
+    def pausing(self) -> None:
+        """A stop is on its way, by this connection or the gdbstub's: tell the guard."""
+        if self.guard is not None:
+            self.guard.pausing()
+
+    def settled(self) -> None:
+        """The guest is in the run state to leave it in: tell the guard."""
+        if self.guard is not None:
+            self.guard.settled()
+
     async def stop(self) -> None:
+        self.pausing()
         await self._execute("stop")
 
     async def cont(self) -> None:
         await self._execute("cont")
+        self.settled()
 
     async def cpus(self) -> list[int]:
         reply = await self._execute("query-cpus-fast")
@@ -247,6 +267,8 @@ class QmpTransport:
     async def close(self) -> None:
         self._discard_dumps()
         await _quiet_disconnect(self._client)
+        if self.guard is not None:
+            self.guard.close()
 
 
 class _QuietClient(QMPClient):
