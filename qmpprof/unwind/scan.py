@@ -24,7 +24,7 @@ from qmpprof.arch.base import InstructionSet, ReturnRule
 from qmpprof.memo import Memo
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
-from qmpprof.unwind.steps import Outcome, Regs, Via, word_reader
+from qmpprof.unwind.steps import Outcome, Regs, Via, caller, word_reader
 
 _CALL_MAX = 7  # bytes of the longest call instruction is_call_before looks for
 _CACHE_LIMIT = 1 << 14
@@ -77,14 +77,8 @@ class ReturnScanStep:
             return None  # another module's code: not ours to check, frame pointers then
         if not after_call or not self._calls_entry(ra, rule):
             return StopReason.NO_CFI  # a wrong guess: stop here, truncated
-        new = dict(cur)
-        new[arch.pc], new[arch.sp] = ra, (ra_slot + arch.address_size) & mask
-        if rule.fp_offset is not None:
-            fp = read((base + rule.fp_offset) & mask)
-            if fp is None:
-                return StopReason.READ_FAILED
-            new[arch.fp] = fp
-        return new, False
+        fp_slot = None if rule.fp_offset is None else base + rule.fp_offset
+        return caller(cur, arch, ra, (ra_slot + arch.address_size) & mask, fp_slot, read)
 
     def _rules(self, start: int, interrupted: bool) -> Iterator[ReturnRule]:
         """Where the return address may be: by the code to a return, then from the function's

@@ -114,14 +114,8 @@ class PrologueStep:
         ra = read((cfa - arch.address_size) & mask)
         if ra is None:
             return StopReason.READ_FAILED
-        new = dict(cur)
-        new[arch.pc], new[arch.sp] = ra, cfa
-        if rule.fp_offset is not None:
-            fp = read((cfa + rule.fp_offset) & mask)
-            if fp is None:
-                return StopReason.READ_FAILED
-            new[arch.fp] = fp
-        return new, False
+        fp_slot = None if rule.fp_offset is None else cfa + rule.fp_offset
+        return caller(cur, arch, ra, cfa, fp_slot, read)
 
 
 class FramePointerStep:
@@ -192,6 +186,26 @@ def steps_for(
         steps.append(ReturnScanStep(code, code_addr, bias, arch, starts))
     steps.extend(frame_pointer_only(arch))
     return tuple(steps)
+
+
+def caller(
+    cur: Regs,
+    arch: InstructionSet,
+    ra: int,
+    sp: int,
+    fp_slot: int | None,
+    read: Callable[[int], int | None],
+) -> Outcome:
+    """The caller's registers: its pc ``ra``, its stack pointer ``sp``, its frame pointer read
+    at ``fp_slot`` (None: the frame's own, untouched)."""
+    new = dict(cur)
+    new[arch.pc], new[arch.sp] = ra, sp
+    if fp_slot is not None:
+        fp = read(fp_slot & arch.mask)
+        if fp is None:
+            return StopReason.READ_FAILED
+        new[arch.fp] = fp
+    return new, False
 
 
 def word_reader(memory: PageCache, arch: InstructionSet) -> Callable[[int], int | None]:
