@@ -90,7 +90,10 @@ class Module:
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
             mapping, image.arch, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
-            symbols=image.symbols, lines=image.lines, starts=lambda: image.function_starts,
+            symbols=image.symbols, lines=image.lines,
+            # Kernel code does not end in calls that never return often enough to pay for a
+            # guess over all of a kernel's text (over a second for a vmlinux) in a pause.
+            starts=None if kernel else lambda: image.function_starts,
         )  # fmt: skip
 
 
