@@ -103,18 +103,19 @@ def test_translation_sizes_from_tcr_el1() -> None:
 
 
 def test_pac_stripped_by_the_translation_settings() -> None:
-    a48 = AARCH64.translated(TCR_48)
+    a48 = AARCH64.translated({"TCR_EL1": TCR_48})
     assert a48.return_address(0xAFE5_A735_938D_5AC4) == 0xFFFF_A735_938D_5AC4
     assert a48.return_address(0x3CC9_A735_9397_44B4) == 0xFFFF_A735_9397_44B4
     assert a48.return_address(0xFFFF_A735_938D_5AC4) == 0xFFFF_A735_938D_5AC4
     assert a48.return_address(0x002A_0000_0040_1000) == 0x40_1000  # a user one (bit 55 clear)
     # 52-bit halves (T1SZ 12): bits 51..48 are address, not code.
-    a52 = AARCH64.translated(12 | 12 << 16)
+    a52 = AARCH64.translated({"TCR_EL1": 12 | 12 << 16})
     assert a52.return_address(0x8AF5_A735_938D_5AC4) == 0xFFF5_A735_938D_5AC4
     assert a52.return_address(0x0A05_0000_0040_1000) == 0x5_0000_0040_1000
 
 
 def test_without_translation_settings_only_plain_addresses_pass() -> None:
+    assert AARCH64.translated({}) is AARCH64
     assert AARCH64.return_address(0xFFFF_A735_938D_5AC4) == 0xFFFF_A735_938D_5AC4
     assert AARCH64.return_address(0x40_1000) == 0x40_1000
     assert AARCH64.return_address(0xAFE5_A735_938D_5AC4) is None
@@ -175,7 +176,7 @@ def test_frame_records_walked_with_codes_stripped() -> None:
     # Three records up the stack, each [caller's x29, signed return address] (the code keeps
     # bit 55, the half it signs for); the outermost's
     # x29 is 0 (Linux's final record of a task).
-    a48 = AARCH64.translated(TCR_48)
+    a48 = AARCH64.translated({"TCR_EL1": TCR_48})
     fp1, fp2, fp3 = KSTACK + 0x20, KSTACK + 0x60, KSTACK + 0xA0
     mem = memory(
         {

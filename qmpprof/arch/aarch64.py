@@ -24,6 +24,7 @@ the interrupted pc: the frame-record walk crosses it as any other).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qmpprof.arch.base import PrologueRule, ReadWord
@@ -61,9 +62,16 @@ class AArch64:
     space_register: str = "ttbr0"
     mask: int = _MASK
 
-    def translated(self, tcr_el1: int) -> AArch64:
-        """This instruction set under the translation settings ``tcr_el1`` (TCR_EL1, as QEMU's
-        gdbstub reports it): return addresses are stripped of pointer-authentication codes."""
+    @property
+    def translation_registers(self) -> tuple[str, ...]:
+        return ("TCR_EL1",)
+
+    def translated(self, values: Mapping[str, int]) -> AArch64:
+        """Under TCR_EL1's sizes (as QEMU's gdbstub reports it) return addresses are stripped
+        of pointer-authentication codes; without it, this one."""
+        tcr_el1 = values.get("TCR_EL1")
+        if tcr_el1 is None:
+            return self
         t0sz, t1sz = tnsz(tcr_el1)
         return dataclasses.replace(self, t0sz=t0sz, t1sz=t1sz)
 
