@@ -57,9 +57,12 @@ def image(series: str) -> Path:
 
 
 @contextlib.contextmanager
-def running_aarch64_guest(tmp_path: Path, series: str = "6.1") -> Iterator[Aarch64Guest]:
+def running_aarch64_guest(
+    tmp_path: Path, series: str = "6.1", *, dump_kallsyms: bool = True
+) -> Iterator[Aarch64Guest]:
     """Boot the guest on bookworm's arm64 ``series`` kernel and yield it once the workload
-    runs and the guest's kallsyms are decoded."""
+    runs and the guest's kallsyms are decoded (``dump_kallsyms=False``: 8 s sooner, no
+    ``symbols``)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="a64-", dir="/tmp"))  # short Unix socket paths
     guest = Aarch64Guest(
         qmp_socket=sock_dir / "qmp.sock",
@@ -73,6 +76,8 @@ def running_aarch64_guest(tmp_path: Path, series: str = "6.1") -> Iterator[Aarch
         "--console", str(guest.console),
         "--kernel", str(guest.kernel),
     ]  # fmt: skip
+    if not dump_kallsyms:
+        cmd += ["--append", "qmpprof.nokallsyms"]
     start = time.monotonic()
     guest.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     try:
@@ -84,7 +89,8 @@ def running_aarch64_guest(tmp_path: Path, series: str = "6.1") -> Iterator[Aarch
                 raise TimeoutError(f"console never showed the workload:\n{guest.console_text()}")
             time.sleep(0.05)
         guest.boot_seconds = time.monotonic() - start
-        guest.symbols = _kallsyms(guest)
+        if dump_kallsyms:
+            guest.symbols = _kallsyms(guest)
         yield guest
     finally:
         guest.process.kill()  # run-aarch64-guest execs QEMU: this is QEMU's pid
