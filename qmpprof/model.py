@@ -38,6 +38,14 @@ class StopReason(enum.Enum):
     LOOP = "loop"  # a frame repeated or the stack pointer did not grow
     DEPTH = "depth"  # the depth cap was reached
     BAD_RETURN = "bad-return"  # a return address outside any plausible code
+    # The walk reached the kernel's entry from user space, and the process's user address
+    # space is gone (released on exit): nothing beneath to walk, the stack is whole.
+    USER_GONE = "user-gone"
+
+    @property
+    def whole(self) -> bool:
+        """Whether the walk reached the outermost frame there is."""
+        return self is StopReason.END or self is StopReason.USER_GONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +97,7 @@ class Stack:
 
     @property
     def truncated(self) -> bool:
-        return self.stop is not StopReason.END
+        return not self.stop.whole
 
 
 class Mode(enum.Enum):
@@ -131,3 +139,17 @@ class Sample:
     space: int  # the page-table root in use
     stack: Stack
     process: Process | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskView:
+    """One task of the guest as one pause found it: its process and thread, its state as the
+    guest's kernel reports it (``state``: the letter, "S"; ``state_name``: "sleeping"), the
+    vCPU it runs on (None: off CPU), and, off CPU, its stacks (kernel frames then user
+    frames, leaf first; None when they could not be read, or on a CPU: the vCPU's sample)."""
+
+    process: Process | None
+    state: str
+    state_name: str
+    cpu: int | None
+    stack: Stack | None

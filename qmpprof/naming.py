@@ -18,6 +18,7 @@ KERNEL_ROOT = "kernel"
 KERNEL_SUFFIX = "_[k]"
 INLINED_SUFFIX = "_[i]"
 TRUNCATED = "[truncated]"
+USER_GONE = "[user space gone]"  # a process whose user address space was released (exiting)
 UNKNOWN = "[unknown]"
 
 
@@ -93,18 +94,27 @@ def visible(frames: Sequence[Frame], naming: Naming) -> list[Frame]:
     return [f for f in frames if not f.inlined]
 
 
+def stop_marker(stop: StopReason) -> str | None:
+    """The frame put under the root of a stack whose walk ended this way, if any."""
+    if stop is StopReason.USER_GONE:
+        return USER_GONE
+    return None if stop.whole else TRUNCATED
+
+
 def stack_names(
     process: Process | None, frames: Sequence[Frame], stop: StopReason, naming: Naming
 ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
     """Names of a stack's frames root first, the context (process or ``kernel``) as the root
-    and ``[truncated]`` under it when the walk did not reach the outermost frame; and for each
-    name whether it is kernel code (writers colour by it)."""
+    and ``[truncated]`` under it when the walk did not reach the outermost frame (``[user
+    space gone]`` when the process's user space was released); and for each name whether it
+    is kernel code (writers colour by it)."""
     mark = naming.mark_kernel and process is not None
     shown = visible(frames, naming)[::-1]
     names = [context_name(process)]
     kernel = [False]
-    if stop is not StopReason.END:
-        names.append(TRUNCATED)
+    root = stop_marker(stop)
+    if root is not None:
+        names.append(root)
         kernel.append(False)
     names += (frame_name(f, naming, mark) for f in shown)
     kernel += (f.kernel for f in shown)

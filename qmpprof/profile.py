@@ -29,7 +29,7 @@ class StackRecord:
 
     @property
     def truncated(self) -> bool:
-        return self.stop is not StopReason.END
+        return not self.stop.whole
 
 
 @dataclass(frozen=True, slots=True)

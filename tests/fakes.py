@@ -321,7 +321,10 @@ def make_module(
     cfi: CfiTable | None = None,
     code: bytes | None = None,
     code_addr: int = 0,
+    starts: Callable[[], Sequence[int]] | None = None,
 ) -> Module:
     """A Module from its parts, with the unwinding steps they allow."""
     mapping = Mapping(name, start, end, kernel, bias)
-    return Module.build(mapping, X86_64, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols)
+    return Module.build(
+        mapping, X86_64, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, starts=starts
+    )

@@ -138,6 +138,10 @@ def test_call_before_a_return_address() -> None:
     assert AARCH64.call_before(insn(0x97FF_FFFF), ra) == ra - 8  # bl -4
     assert AARCH64.call_before(insn(0xD63F_0020), ra) is None  # blr x1: no target known
     assert AARCH64.call_before(b"\x00\x00", ra) is None
+    assert AARCH64.is_call_before(insn(0x9400_0010), ra)
+    assert AARCH64.is_call_before(insn(0xD63F_0020), ra)  # blr x1: a call, target unknown
+    assert not AARCH64.is_call_before(insn(0xD61F_0200), ra)  # br x16: a jump
+    assert not AARCH64.is_call_before(b"\x00\x00", ra)
 
 
 def test_jumps_decoded_calls_and_returns_not() -> None:

@@ -19,9 +19,9 @@ from test_output import hand_built_profile
 from test_output_native import KERNEL, detailed_profile, threaded_profile
 from test_report import strip_detail
 
-from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack
+from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import INLINED_SUFFIX, KERNEL_SUFFIX, Detail, Naming
-from qmpprof.output import folded, native, protowire, render
+from qmpprof.output import folded, native, pprofread, protowire, render
 from qmpprof.profile import Profile
 
 
@@ -262,3 +262,25 @@ def test_go_pprof_agrees_with_the_folded_output_of_the_same_run(tmp_path: Path) 
     assert f"/0x1000 {elves / 'kernel.elf'} " in raw  # the kernel's first PT_LOAD offset
     traces = go_pprof(tmp_path, "-traces", pprof)
     assert "process:" in traces and "mode:  kernel" in traces
+
+
+def test_a_stack_whose_user_space_is_gone_ends_in_its_frame_and_reads_back() -> None:
+    """An exiting process's stack: whole (no truncated label) under a ``[user space gone]``
+    root, in folded and pprof, and read back from pprof as such."""
+    entry = Frame(KERNEL.start + 0x205, True, "syscall_entry", 0x5, KERNEL)
+    exiting = Process(7, "head", 0xB000, 7, "head")
+    profile = Profile(2.0, {"guest": "test"})
+    stack = Stack((entry,), StopReason.USER_GONE)
+    profile.add(Sample(0.002, 0, Mode.KERNEL, 0, 0xB000, stack, exiting))
+    assert profile.truncated == 0
+    assert (
+        folded.render(profile, Naming()) == "head (pid 7);[user space gone];syscall_entry_[k] 1\n"
+    )
+    data = render(profile, "pprof")
+    got = decode(data)
+    locations, _, labels = got.samples[0]
+    assert "truncated" not in labels
+    assert got.locations[locations[-1]] == (0, 0, [("[user space gone]", "", 0)])
+    again = pprofread.decode(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    assert again.named_counts(Naming()) == profile.named_counts(Naming())
+    assert again.truncated == 0

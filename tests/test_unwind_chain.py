@@ -422,3 +422,16 @@ def test_an_i386_trap_frame_is_told_from_a_plain_return_address() -> None:
     kernel_cs = struct.pack("<3I", 0x40_1068, 0x08, 0x202)
     cache.pages[page] = kernel_cs + bytes(PAGE - len(kernel_cs))
     assert I386.trap_frame_sp(page + 4, cache.read_u32) is None  # ring 0: no user ESP pushed
+
+
+def test_a_process_whose_user_space_is_gone_ends_at_the_kernel_entry_whole() -> None:
+    """An exiting process (its mm released): the walk reaches the trap frame and stops there,
+    the stack whole; the interrupted user pc belongs to no space any more."""
+    trap = KSTACK + 16
+    words = {KSTACK + 8: KBASE + 0x50, trap: 0x401010, trap + 24: USTACK}
+    space = AddressSpace([kernel_module(False)], user_gone=True)
+    raw = Unwinder(X86_64).unwind(regs(KBASE + 0x110, KSTACK, cpl=0), memory(words), space)
+    assert raw.pcs == (KBASE + 0x110, KBASE + 0x50)
+    assert raw.stop is StopReason.USER_GONE and raw.stop.whole
+    stack = Unwinder(X86_64).resolve(raw, space)
+    assert not stack.truncated

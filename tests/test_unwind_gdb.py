@@ -101,7 +101,7 @@ def test_cfi_unwind_matches_gdb(
     [
         ("*uw_leaf", Via.PROLOGUE),  # first instruction, before push rbp
         ("*uw_leaf+1", Via.PROLOGUE),  # between push rbp and mov rbp, rsp
-        ("uw_leaf", Via.FRAME_POINTER),  # after the prologue
+        ("uw_leaf", Via.SCAN),  # after the prologue: the code followed to its return
     ],
 )
 def test_frame_pointer_and_prologue_unwind_match_gdb(
@@ -115,7 +115,10 @@ def test_frame_pointer_and_prologue_unwind_match_gdb(
     names, via = unwind_snapshot(binary, snap)
     assert names[: len(expected)] == expected
     assert via[1] is first_step
-    assert set(via[2 : len(expected)]) == {Via.FRAME_POINTER}
+    # With no CFI, the code followed to its return comes before frame pointers (its answer is
+    # checked against a call site; a frame pointer's is not); frame pointers take what it
+    # cannot model. Either way, the frames are gdb's.
+    assert set(via[2 : len(expected)]) <= {Via.SCAN, Via.FRAME_POINTER}
 
 
 def test_outermost_frame_of_a_static_binary_ends_cleanly(tmp_path: Path) -> None:

@@ -24,10 +24,10 @@ the interrupted pc: the frame-record walk crosses it as any other).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.base import PrologueRule, ReadWord
+from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
@@ -96,6 +96,24 @@ class AArch64:
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         return None  # no prologue analysis yet: frame records only
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        return None  # no code following yet: frame records only
+
+    def return_from_entry(
+        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
+    ) -> ReturnRule | None:
+        return None
+
+    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
+        return []
+
+    def is_call_before(self, code: bytes, ra: int) -> bool:
+        # BL and BLR: the two ways to call, each one 4-byte instruction.
+        if len(code) < 4:
+            return False
+        insn = int.from_bytes(code[-4:], "little")
+        return insn >> 26 == 0b100101 or insn & 0xFFFF_FC1F == 0xD63F_0000
 
     def prepare(self) -> None:
         return None  # nothing to build: no disassembler

@@ -13,7 +13,7 @@ outside this package names one (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +30,21 @@ class PrologueRule:
 
     cfa_offset: int
     fp_offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnRule:
+    """Where a function's return address is, found by following its code to its ``ret``: at
+    ``ra_offset`` from the stack pointer the frame had at the scan's start (``from_fp``: from its
+    frame pointer, after a ``leave``). The caller's frame pointer is saved at ``fp_offset`` from
+    the same base when that is set (popped on the way), else it is the frame's own. ``entry``:
+    found from this function start (``return_from_entry``), which a direct call returning there
+    must call."""
+
+    from_fp: bool
+    ra_offset: int
+    fp_offset: int | None = None
+    entry: int | None = None
 
 
 class InstructionSet(Protocol):
@@ -117,6 +132,29 @@ class InstructionSet(Protocol):
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` in ``code`` (at ``code_addr``) by
         analysing the function's instructions; None: no answer (frame pointers then)."""
+        ...
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        """Where the return address is for a frame at link address ``pc`` in ``code`` with no
+        CFI and no symbol, found by following the instructions from ``pc`` to a return; None:
+        code it cannot model (see ``x86code.ReturnScanner``)."""
+        ...
+
+    def return_from_entry(
+        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
+    ) -> ReturnRule | None:
+        """Where the return address is for a frame at ``pc`` in a function that may never
+        return: found from one of ``starts`` (``function_starts``) by a path reaching ``pc``
+        (``caller``: ``pc`` is a return address, never its own function's start)."""
+        ...
+
+    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
+        """Where functions of ``code`` may start (sorted), guessed from the code and the file's
+        data sections ``data``."""
+        ...
+
+    def is_call_before(self, code: bytes, ra: int) -> bool:
+        """Whether ``code`` (the bytes right before ``ra``) ends in a call instruction."""
         ...
 
     def prepare(self) -> None:

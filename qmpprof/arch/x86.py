@@ -12,11 +12,12 @@ convention), at 0xc0000000 (the 3 GiB / 1 GiB split of higher-half kernels) on i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.base import PrologueRule, ReadWord
-from qmpprof.arch.x86code import analyzer, branches
+from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.x86code import analyzer, branches, scanner
+from qmpprof.arch.x86scan import function_starts, is_call_before
 from qmpprof.model import Registers
 
 _UPPER_HALF = 0xFFFF_8000_0000_0000
@@ -72,6 +73,20 @@ class X86:
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         return analyzer(self.address_size).analyze(code, code_addr, pc, func_start)
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        return scanner(self.address_size).scan(code, code_addr, pc)
+
+    def return_from_entry(
+        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
+    ) -> ReturnRule | None:
+        return scanner(self.address_size).from_entry(code, code_addr, pc, starts, caller=caller)
+
+    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
+        return function_starts(code, code_addr, data, self.address_size)
+
+    def is_call_before(self, code: bytes, ra: int) -> bool:
+        return is_call_before(analyzer(self.address_size).cs, code, ra)
 
     def prepare(self) -> None:
         analyzer(self.address_size)  # built now, not inside the first pause that needs it

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from qmpprof.arch.base import PrologueRule
+from qmpprof.arch.x86scan import ReturnScanner
 from qmpprof.memo import Memo
 
 # Functions longer than this are not scanned: the linear scan is a heuristic, and a sample
@@ -93,6 +94,11 @@ class PrologueAnalyzer:
             return self._cache[key]
         except KeyError:
             return self._cache.put(key, self._analyze(code, code_addr, pc, func_start))
+
+    @property
+    def cs(self) -> object:
+        """The capstone handle (for ``x86scan``, which follows code to its return)."""
+        return self._cs
 
     def disasm(self, code: bytes, addr: int) -> Iterator[tuple[int, int, str, str]]:
         """(address, size, mnemonic, operands) of each instruction of ``code`` at ``addr``."""
@@ -191,6 +197,12 @@ class PrologueAnalyzer:
 def analyzer(word: int) -> PrologueAnalyzer:
     """One analyzer (one capstone handle, one cache) per instruction set serves every module."""
     return PrologueAnalyzer(word)
+
+
+@cache
+def scanner(word: int) -> ReturnScanner:
+    """One return scanner (and cache) per instruction set, on the analyzer's capstone handle."""
+    return ReturnScanner(analyzer(word).cs, word)
 
 
 _CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",

@@ -31,6 +31,7 @@ class Options:
     json: bool
     naming: Naming
     verbose: bool
+    off_cpu: bool = False  # with one_shot: every task, its state and stacks
     label: str | None = None  # what titles call the guest (record, demo); else where it is
 
     @property
@@ -185,6 +186,11 @@ def parser() -> argparse.ArgumentParser:
     add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
     add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
     add("--json", action="store_true", help="with --one-shot: print the stacks as JSON")
+    add(
+        "--off-cpu",
+        action="store_true",
+        help="with --one-shot: every task of a Linux guest too, its state and, off CPU, its stacks",
+    )
     add_view_flags(p)
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
     add_guest_flags(p)
@@ -206,6 +212,8 @@ def parse(argv: list[str]) -> Options:
         )
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
+    if ns.off_cpu and not ns.one_shot:
+        raise UsageError("--off-cpu needs --one-shot")
     transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "auto")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
@@ -241,6 +249,7 @@ def parse(argv: list[str]) -> Options:
         json=ns.json,
         naming=naming_of(ns),
         verbose=ns.verbose,
+        off_cpu=ns.off_cpu,
     )
 
 

@@ -18,13 +18,16 @@ from typing import TextIO
 
 from qmpprof.cli import text
 from qmpprof.cli.options import Options
-from qmpprof.errors import GuestGoneError, OutputError
-from qmpprof.guest.base import Guest
+from qmpprof.errors import GuestGoneError, OutputError, UsageError
+from qmpprof.guest.base import Guest, TaskLister
 from qmpprof.interrupts import interrupts, name
+from qmpprof.model import TaskView
+from qmpprof.offcpu import every_task
 from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
+from qmpprof.unwind.chain import Unwinder
 
 _PROGRESS_EVERY = 0.2  # seconds between progress line updates
 
@@ -85,10 +88,13 @@ async def run(
         elif task is not None:
             task.cancel()
 
+    lister = guest if isinstance(guest, TaskLister) else None
+    if opts.off_cpu and lister is None:
+        raise UsageError("--off-cpu needs a guest OS that tells its tasks (--os linux)")
     with interrupts(first_signal) as caught:
         sampler = await start(opts.spec, on_tick=progress, on_connect=connected, guest=guest)
         try:
-            written = await _sample(opts, sampler, progress, out, err, on_start)
+            written = await _sample(opts, sampler, progress, out, err, on_start, lister)
         finally:
             await sampler.transport.close()
         if caught.signum is not None:
@@ -103,9 +109,11 @@ async def _sample(
     out: TextIO,
     err: TextIO,
     on_start: Callable[[Run], Awaitable[None]] | None,
+    lister: TaskLister | None,
 ) -> int:
     """Sample and write what was collected, whatever ends the run: 0 when it was written;
-    raises the first output's error, or GuestGoneError when QEMU went away."""
+    raises the first output's error, or GuestGoneError when QEMU went away. With
+    ``--off-cpu``, every task of the guest in a pause after the sample's (``lister``)."""
     # What was loaded lives as long as the run: moved out of the collector's sight, so that no
     # full collection walks it inside a pause (one took ~18 ms after a Linux kernel's load).
     gc.collect()
@@ -117,17 +125,22 @@ async def _sample(
             err.flush()
         started = time.time()
         outcome: RunOutcome | None = None
+        tasks: list[TaskView] | None = None
         lost: GuestGoneError | None = None
         unwritten: list[OutputError] = []
         try:
             if on_start is not None:
                 await on_start(sampler)
             outcome = await sampler.run(one_shot=opts.one_shot)
+            if opts.off_cpu and lister is not None:
+                tasks = await every_task(
+                    sampler.transport, lister, sampler.unwinder, sampler.boundary
+                )
         except GuestGoneError as gone:
             lost = gone
         finally:
             progress.clear()
-            unwritten = _finish(opts, sampler, started, outcome, out, err)
+            unwritten = _finish(opts, sampler, started, outcome, tasks, out, err)
     finally:
         gc.unfreeze()
     if lost is not None:
@@ -142,6 +155,7 @@ def _finish(
     sampler: Run,
     started: float,
     outcome: RunOutcome | None,
+    tasks: list[TaskView] | None,
     out: TextIO,
     err: TextIO,
 ) -> list[OutputError]:
@@ -164,13 +178,18 @@ def _finish(
         err.write("qmpprof: the guest is paused: took one sample without resuming it\n")
     if outcome is not None and (opts.one_shot or not outcome.was_running):
         if opts.json:
-            out.write(text.one_shot_json(outcome.last))
+            out.write(text.one_shot_json(outcome.last, tasks))
         else:
             out.write(text.one_shot_text(outcome.last, opts.naming.show_addresses))
+            if tasks is not None:
+                out.write(text.tasks_text(tasks, opts.naming.show_addresses))
     elif not opts.outputs:
         out.write(text.top_stacks(profile, opts.naming))
     unique = len(profile.named_counts(opts.naming))
     lines = stats.summary_lines(len(profile), profile.truncated, unique)
+    scanned = sampler.unwinder.scanned if isinstance(sampler.unwinder, Unwinder) else 0
+    if scanned:
+        lines.append(f"Frames found by following code with no CFI to its return: {scanned}")
     if opts.verbose:
         lines += stats.detail_lines()
     unwritten = []

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qmpprof.cli.options import Options
-from qmpprof.model import Frame, Process, Sample
+from qmpprof.model import Frame, Process, Sample, TaskView
 from qmpprof.naming import Detail, Naming, frame_name
 from qmpprof.output import viewer_hint
 from qmpprof.profile import Profile
@@ -46,38 +46,79 @@ def _thread(process: Process) -> str:
     return f" thread {process.thread or '?'} (tid {process.tid})"
 
 
-def one_shot_json(samples: Sequence[Sample]) -> str:
+def tasks_text(tasks: Sequence[TaskView], show_addresses: bool) -> str:
+    """Every task: who, its state, where it runs or its stacks (``--off-cpu``)."""
+    on_cpu = sum(t.cpu is not None for t in tasks)
+    lines = [f"Tasks: {len(tasks)} ({on_cpu} on a CPU, {len(tasks) - on_cpu} off)"]
+    for t in tasks:
+        where = "" if t.cpu is None else f", on vCPU {t.cpu}"
+        lines.append(f"{_who(t.process)}: {t.state} ({t.state_name}){where}")
+        if t.stack is None:
+            if t.cpu is None:
+                lines.append("  [no stack]")
+            continue
+        for i, frame in enumerate(t.stack.frames):
+            lines.append(f"  #{i:<2} {frame_text(frame, show_addresses)}")
+        if t.stack.truncated:
+            lines.append(f"  [truncated: {t.stack.stop.value}]")
+    return "\n".join(lines) + "\n"
+
+
+def _who(process: Process | None) -> str:
+    if process is None:
+        return "?"
+    return f"{process.label}{_thread(process) or f' tid {process.tid}'}"
+
+
+def one_shot_json(samples: Sequence[Sample], tasks: Sequence[TaskView] | None = None) -> str:
     """Addresses and page-table roots as hex strings: JSON numbers above 2**53 lose digits in
-    JavaScript and in many other readers, and every kernel address is above it."""
+    JavaScript and in many other readers, and every kernel address is above it. With
+    ``tasks`` (``--off-cpu``): an object, the samples as ``vcpus``, the tasks as ``tasks``."""
     doc = [
         {
             "cpu": s.cpu,
             "mode": s.mode.value,
             "user": s.user,
             "space": f"{s.space:#x}",
-            "process": None
-            if s.process is None
-            else {
-                "pid": s.process.pid,
-                "program": s.process.program,
-                "label": s.process.label,
-                "tid": s.process.tid,
-                "thread": s.process.thread,
-            },
+            "process": _process_json(s.process),
             "stop": s.stack.stop.value,
-            "frames": [
-                {
-                    "address": f"{f.pc:#x}",
-                    "symbol": f.symbol,
-                    "offset": f.offset,
-                    "module": f.module_name,
-                }
-                for f in s.stack.frames
-            ],
+            "frames": _frames_json(s.stack.frames),
         }
         for s in samples
     ]
-    return json.dumps(doc, indent=2) + "\n"
+    if tasks is None:
+        return json.dumps(doc, indent=2) + "\n"
+    listed = [
+        {
+            "process": _process_json(t.process),
+            "state": t.state,
+            "state_name": t.state_name,
+            "cpu": t.cpu,
+            "stop": None if t.stack is None else t.stack.stop.value,
+            "frames": None if t.stack is None else _frames_json(t.stack.frames),
+        }
+        for t in tasks
+    ]
+    return json.dumps({"vcpus": doc, "tasks": listed}, indent=2) + "\n"
+
+
+def _process_json(process: Process | None) -> dict[str, object] | None:
+    if process is None:
+        return None
+    return {
+        "pid": process.pid,
+        "program": process.program,
+        "label": process.label,
+        "tid": process.tid,
+        "thread": process.thread,
+    }
+
+
+def _frames_json(frames: Sequence[Frame]) -> list[dict[str, object]]:
+    return [
+        {"address": f"{f.pc:#x}", "symbol": f.symbol, "offset": f.offset, "module": f.module_name}
+        for f in frames
+    ]
 
 
 def top_stacks(profile: Profile, naming: Naming, n: int = 10) -> str:

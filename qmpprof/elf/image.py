@@ -40,7 +40,7 @@ _SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
 _PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
 _PHDR_FIELDS = {64: (0, 2, 3, 6), 32: (0, 1, 2, 5)}
 _PT_LOAD, _SHT_NOBITS = 1, 8
-_SHF_EXECINSTR = 0x4
+_SHF_ALLOC, _SHF_EXECINSTR = 0x2, 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
 _STB_RANK = {1: 0, 2: 1, 0: 2}  # GLOBAL, WEAK, LOCAL: which alias names a shared address
 _SHN_UNDEF, _SHN_LORESERVE, _SHN_ABS, _SHN_XINDEX = 0, 0xFF00, 0xFFF1, 0xFFFF
@@ -178,6 +178,17 @@ class ElfImage:
     def text_bytes(self) -> bytes:
         # One bytes object per image: every Module built from it shares it (and its hash).
         return self.section(".text") or b""
+
+    @cached_property
+    def function_starts(self) -> list[int]:
+        """Where functions of ``.text`` may start, for code with no symbols and no CFI: the
+        instruction set's guess from the code and the allocated, non-executable sections."""
+        data = [
+            self._data[h.offset : h.offset + h.size]
+            for h in self._section_list
+            if h.flags & _SHF_ALLOC and not h.flags & _SHF_EXECINSTR and not h.nobits
+        ]
+        return self.arch.function_starts(self.text_bytes, self.text_addr, data)
 
     @cached_property
     def text_sha256(self) -> str:

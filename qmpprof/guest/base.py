@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError, KernelImageError
+from qmpprof.memory import Reader
 from qmpprof.model import Process, Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -149,6 +150,36 @@ class Guest(GuestIdentifier[AddressSpace], Protocol):
         """Between ticks, while the guest runs: keep up with slow changes (its own schedule).
         It runs beside the sampler's wait for the next tick and may still be waiting on the
         control channel when a pause begins: what it changes must be whole at each await."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class FoundTask:
+    """A task as a stopped guest holds it (``TaskLister``): who it is, its state (letter and
+    name, as the guest's kernel reports it), the vCPU it runs on (None: off CPU); off CPU,
+    where its kernel stack resumes (``kernel``) and the user registers it entered the kernel
+    with (``user``, None for a kernel thread), the space to walk them in and how to read its
+    memory (``read``: kernel and user addresses, the latter through its own page tables), and
+    the stack bytes read already (``window``: address, bytes)."""
+
+    process: Process | None
+    state: str
+    state_name: str
+    cpu: int | None
+    space: AddressSpace
+    kernel: Registers | None = None
+    user: Registers | None = None
+    read: Reader | None = None
+    window: tuple[int, bytes] | None = None
+
+
+@runtime_checkable
+class TaskLister(Protocol):
+    """A guest OS that can tell every task of the stopped guest, on a CPU or waiting."""
+
+    async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
+        """While the guest is stopped (and after ``attach``): every task, read through
+        ``transport``. Raises UsageError when this guest cannot tell its tasks."""
         ...
 
 

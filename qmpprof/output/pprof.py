@@ -20,7 +20,8 @@ What goes where:
   ``spin (pid 1)`` or ``kernel``), ``tid`` and ``thread`` (the thread's id and name, where the
   guest tells threads apart: Linux), ``mode`` (kernel/user), and ``truncated`` = ``true`` when the
   walk stopped early; such a stack also ends in a ``[truncated]`` root frame, as in folded
-  output, so the graph does not show a partial stack as a complete one;
+  output, so the graph does not show a partial stack as a complete one (one whose process's
+  user space is gone ends in ``[user space gone]``);
 - the run's facts as comments (``go tool pprof -comments``).
 """
 
@@ -31,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from qmpprof.model import Frame, Mapping
-from qmpprof.naming import TRUNCATED, Naming, context_name, frame_name
+from qmpprof.naming import Naming, context_name, frame_name, stop_marker
 from qmpprof.output.protowire import Message
 from qmpprof.profile import Profile, StackRecord
 
@@ -105,7 +106,7 @@ class _Builder:
         self.location_messages: list[Message] = []
         self._function_ids: dict[tuple[str, str], int] = {}
         self.function_messages: list[Message] = []
-        self._truncated: int | None = None
+        self._markers: dict[str, int] = {}  # location ids of [truncated], [user space gone]
 
     def string(self, text: str) -> int:
         sid = self._string_ids.get(text)
@@ -150,8 +151,9 @@ class _Builder:
                 group = []
         if group:  # inlined frames with no real function after them
             ids.append(self._location(tuple(group), leaf=not ids))
-        if record.truncated:
-            ids.append(self._truncated_location())
+        marker = stop_marker(record.stop)
+        if marker is not None:
+            ids.append(self._marker_location(marker))
         return ids
 
     def _location(self, group: tuple[Frame, ...], leaf: bool) -> int:
@@ -191,9 +193,11 @@ class _Builder:
             self.function_messages.append(msg.u64(4, self.string(file)))
         return fid
 
-    def _truncated_location(self) -> int:
-        if self._truncated is None:
-            self._truncated = len(self.location_messages) + 1
-            line = Message().u64(1, self._function_id(TRUNCATED, ""))
-            self.location_messages.append(Message().u64(1, self._truncated).message(4, line))
-        return self._truncated
+    def _marker_location(self, name: str) -> int:
+        """The root location of every stack whose walk ended as ``name`` says."""
+        lid = self._markers.get(name)
+        if lid is None:
+            lid = self._markers[name] = len(self.location_messages) + 1
+            line = Message().u64(1, self._function_id(name, ""))
+            self.location_messages.append(Message().u64(1, lid).message(4, line))
+        return lid

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
-from qmpprof.naming import TRUNCATED, UNKNOWN
+from qmpprof.naming import TRUNCATED, UNKNOWN, USER_GONE
 from qmpprof.profile import Profile
 
 _UPPER_HALF = 1 << 63
@@ -261,14 +261,17 @@ def _stack(
     numbers = {raw.string(key): _signed(num) for key, value, num, _ in labels if not value}
     frames: list[Frame] = []
     truncated = text.get("truncated") == "true"
+    gone = False
     for position, location_id in enumerate(ids):
         found = raw.locations.get(location_id)
         if found is None:
             raise PprofError(f"a sample names location {location_id}, which is not there")
         mapping_id, address, lines = found
         names = [(raw.string(raw.functions.get(f, (0, 0))[0]), f, line) for f, line in lines]
-        if not mapping_id and not address and [n for n, _, _ in names] == [TRUNCATED]:
-            truncated = True  # the root frame pprof.py adds to a truncated stack
+        marker = [n for n, _, _ in names] if not mapping_id and not address else []
+        if marker in ([TRUNCATED], [USER_GONE]):
+            # the root frame pprof.py adds to a truncated stack, or to one whose user space is gone
+            truncated, gone = truncated or marker[0] == TRUNCATED, marker[0] == USER_GONE
             continue
         pc = address if position == 0 or not address else address + 1
         module = mappings.get(mapping_id)
@@ -280,7 +283,7 @@ def _stack(
     mode = Mode.USER if text.get("mode") == "user" else Mode.KERNEL
     if "mode" not in text:
         mode = Mode.KERNEL if frames and frames[0].kernel else Mode.USER
-    stop = StopReason.DEPTH if truncated else StopReason.END
+    stop = StopReason.DEPTH if truncated else StopReason.USER_GONE if gone else StopReason.END
     return numbers.get("cpu", 0), mode, Stack(tuple(frames), stop), _process(text, numbers)
 
 

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, Naming
+from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, USER_GONE, Naming
 from qmpprof.output.facts import summary, title
 from qmpprof.output.flamegraph_js import SCRIPT, STYLE
 from qmpprof.profile import NamedStack, Profile
@@ -114,7 +114,7 @@ def _place(root: Node, min_samples: float) -> Iterator[Placed]:
 
 
 def _family(placed: Placed) -> str:
-    if placed.depth <= 1 or placed.node.name == TRUNCATED:
+    if placed.depth <= 1 or placed.node.name in (TRUNCATED, USER_GONE):
         return "root"
     return "kernel" if placed.node.kernel else "user"
 

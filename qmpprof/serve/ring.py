@@ -37,7 +37,7 @@ class Second:
 
     @property
     def truncated(self) -> int:
-        return sum(count for key, _, count in self.counts if key[2] is not StopReason.END)
+        return sum(count for key, _, count in self.counts if not key[2].whole)
 
     @property
     def truncated_in_kernel(self) -> int:
@@ -47,7 +47,7 @@ class Second:
         return sum(
             count
             for key, _, count in self.counts
-            if key[2] is not StopReason.END and key[3] and key[3][-1].kernel
+            if not key[2].whole and key[3] and key[3][-1].kernel
         )
 
 

@@ -64,6 +64,9 @@ class Unwinder:
         self.max_depth = max_depth
         self.lines = lines  # resolve's default: add file:line and inlined frames
         self.arch = arch
+        # Frames of resolved stacks found by following code to its return (a heuristic that
+        # a run's summary counts apart): Via.SCAN.
+        self.scanned = 0
 
     def unwind(self, regs: Registers, memory: PageCache, space: AddressSpace) -> RawStack:
         """Walk the stack ``regs`` describe. Raises ``PageMissing`` for a page the cache has
@@ -106,6 +109,8 @@ class Unwinder:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
             crossed = pc >= boundary > new[pc_reg]
+            if crossed and space.user_gone:
+                return RawStack(tuple(pcs), StopReason.USER_GONE, tuple(exacts), tuple(vias))
             if crossed and via is Via.PROLOGUE and not signal:
                 user_sp = self._trap_frame(new[sp_reg], memory)
                 if user_sp is None:
@@ -177,6 +182,7 @@ class Unwinder:
         become frames of their own."""
         if lines is None:
             lines = self.lines
+        self.scanned += raw.via.count(Via.SCAN)
         cache = space.frames
         boundary = self.kernel_boundary
         pcs, exacts = raw.pcs, raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)

@@ -10,7 +10,7 @@ resolution: a sampler keeps one AddressSpace per process and the caches stay war
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,12 +72,15 @@ class Module:
         lines: LineTable | None = None,
         orc: OrcCode | None = None,
         calls: CodeImage | None = None,
+        starts: Callable[[], Sequence[int]] | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
-        address ``code_addr``), for the instruction set ``arch``."""
+        address ``code_addr``; ``starts`` guesses where its functions start, asked the first
+        time a frame needs it), for the instruction set ``arch``."""
         steps = steps_for(
-            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc
-        )
+            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc,
+            starts=starts,
+        )  # fmt: skip
         return cls(mapping, steps, symbols, lines, calls)
 
     @classmethod
@@ -87,15 +90,18 @@ class Module:
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
             mapping, image.arch, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
-            symbols=image.symbols, lines=image.lines,
+            symbols=image.symbols, lines=image.lines, starts=lambda: image.function_starts,
         )  # fmt: skip
 
 
 class AddressSpace:
-    """The modules of one address space, searchable by runtime pc (results cached per pc)."""
+    """The modules of one address space, searchable by runtime pc (results cached per pc).
+    ``user_gone``: a process's space whose user half was released (it is exiting): a walk
+    that reaches user code from the kernel ends there, whole (``StopReason.USER_GONE``)."""
 
-    def __init__(self, modules: Sequence[Module]) -> None:
+    def __init__(self, modules: Sequence[Module], *, user_gone: bool = False) -> None:
         self.modules = tuple(sorted(modules, key=lambda m: m.start))
+        self.user_gone = user_gone
         images = [m.calls for m in self.modules if m.calls is not None]
         # The search of the modules that give their code: one per set of them, so that every
         # process's space (the kernel's modules and its own) shares its caches.

@@ -14,7 +14,7 @@ DWARF numbers, stack words its address size, and addresses wrap at its width.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from qmpprof.arch.base import InstructionSet
@@ -44,6 +44,7 @@ class Via(enum.Enum):
     PROLOGUE = "prologue"
     FRAME_POINTER = "frame-pointer"
     ORC = "orc"  # a Linux kernel's .orc_unwind tables
+    SCAN = "scan"  # code with no CFI followed to its return (scan.py)
 
 
 class UnwindStep(Protocol):
@@ -175,9 +176,11 @@ def steps_for(
     code_addr: int = 0,
     symbols: SymbolTable | None = None,
     orc: OrcCode | None = None,
+    starts: Callable[[], Sequence[int]] | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
-    tables alone (they cover all of its code), else CFI, prologue analysis, frame pointers."""
+    tables alone (they cover all of its code), else CFI, prologue analysis, the code followed
+    to its return (``scan.py``), frame pointers."""
     if orc is not None:
         from qmpprof.unwind.orc import OrcStep
 
@@ -188,6 +191,9 @@ def steps_for(
     if code:
         arch.prepare()  # now: not inside the first pause that needs it
         steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
+        from qmpprof.unwind.scan import ReturnScanStep
+
+        steps.append(ReturnScanStep(code, code_addr, bias, arch, starts))
     steps.extend(frame_pointer_only(arch))
     return tuple(steps)
 

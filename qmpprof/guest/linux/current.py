@@ -101,6 +101,14 @@ class CurrentTask:
         found = await read_ints(read, [(self.per_cpu_offset + 8 * cpu, 8) for cpu in cpus])
         self.bases.update({cpu: base for cpu, base in zip(cpus, found, strict=True) if base})
 
+    async def running(self, read: Reader) -> dict[int, int]:
+        """Each vCPU's current task (of the vCPUs whose per-CPU base is known): task -> vCPU."""
+        cpus = sorted(self.bases)
+        found = await read_ints(
+            read, [((self.bases[cpu] + self.offset) & self.arch.mask, 8) for cpu in cpus]
+        )
+        return {task: cpu for cpu, task in zip(cpus, found, strict=True) if task}
+
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self.bases.get(regs.cpu)
         if base is None:

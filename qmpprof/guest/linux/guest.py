@@ -14,11 +14,12 @@ from typing import TypeVar
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
-from qmpprof.guest.base import Attached, Identity
+from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
+from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
 from qmpprof.guest.linux.pagetables import page_tables
 from qmpprof.guest.linux.slide import find_slide
 from qmpprof.guest.linux.spaces import Spaces
@@ -28,7 +29,7 @@ from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.memory import reader
+from qmpprof.memory import Reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -47,6 +48,8 @@ class Layouts:
     modules: ModuleLayout | None
     vmas: VmaLayout | None
     notes: tuple[str, ...]
+    # What a task off CPU leaves behind, or why it cannot be read (told with --off-cpu only).
+    offcpu: OffCpuLayout | str = "no BTF"
 
     @classmethod
     def of(cls, kernel: LinuxKernel) -> Layouts:
@@ -64,7 +67,11 @@ class Layouts:
             notes.append("no init_stack's end in kallsyms: a task's stack size is not known")
         modules = _from_btf(btf, ModuleLayout.from_btf, "module frames unnamed", notes)
         vmas = _from_btf(btf, VmaLayout.from_btf, "user code is not placed", notes)
-        return cls(tasks, current, modules, vmas, tuple(notes))
+        try:
+            offcpu: OffCpuLayout | str = OffCpuLayout.from_btf(btf, kernel.image.arch)
+        except (KeyError, BtfError) as err:
+            offcpu = f"its BTF lacks {err}"
+        return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
 
 
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
@@ -98,6 +105,7 @@ class LinuxGuest:
         self.clock = clock
         self.layouts = Layouts.of(kernel)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
+        self.census: Census | str = "not attached"  # every task, or why not
 
     async def attach(self, transport: GuestTransport) -> Attached:
         """The slide, the modules, every vCPU's per-CPU base, every task and each process's
@@ -154,6 +162,7 @@ class LinuxGuest:
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
+        self.census = await self._census(read, slide, init_task, current, spaces)
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -167,6 +176,41 @@ class LinuxGuest:
             detail.append(f"vmcoreinfo: Linux {release}, {checks.confirmed} symbols confirmed")
             notes += checks.notes
         return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
+
+    async def _census(
+        self,
+        read: Reader,
+        slide: int,
+        init_task: int | None,
+        current: CurrentTask | None,
+        spaces: Spaces,
+    ) -> Census | str:
+        """What reading every task takes, or why this kernel does not allow it."""
+        layouts, kernel = self.layouts, self.kernel
+        if isinstance(layouts.offcpu, str):
+            return layouts.offcpu
+        if layouts.tasks is None or init_task is None:
+            return "no task layout or init_task"
+        array = kernel.address("task_state_array", slide)
+        states = None if array is None else await read_states(read, array, self.arch)
+        if states is None:
+            return "no task_state_array in its symbols, or not as /proc shows it"
+        return Census(
+            init_task,
+            layouts.tasks,
+            layouts.offcpu,
+            states,
+            self.arch,
+            kernel.thread_size,
+            current,
+            spaces,
+        )
+
+    async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
+        if isinstance(self.census, str):
+            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
+        cpus = await transport.cpus()
+        return await self.census.every_task(reader(transport, cpus[0]))
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

@@ -139,9 +139,14 @@ class LinuxIdentifier:
             return self.kernel
         stamp = self._stamp(task, cache)
         seen = self.tasks.fresh(task, stamp)
-        # Trusted by its age alone, a task whose space lacks the user pc has exec'd since.
-        if seen and stamp is None and regs.user and seen.identity.space.find(regs.pc) is None:
-            seen = None
+        # Trusted by its age alone, a task whose space lacks the user pc has exec'd since; one
+        # whose user space was gone (exiting) may be gone too, its task_struct another's now:
+        # either is read again, in this pause (a stack is told whole for its user space gone
+        # only on what this pause read).
+        if seen and stamp is None:
+            space = seen.identity.space
+            if space.user_gone or (regs.user and space.find(regs.pc) is None):
+                seen = None
         self._last[regs.cpu] = task
         read = reader(transport, regs.cpu)
         if seen is None:
@@ -162,6 +167,10 @@ class LinuxIdentifier:
         )
         if seen.identity is not self.kernel and on_own_stack:
             current.own(regs, task)
+        if seen.identity.space.user_gone and not on_own_stack:
+            # Not on the exiting task's own stack (an interrupt's, or the next task's in the
+            # middle of a context switch): the walk may not be its, so its end is not told.
+            return Identity(seen.identity.process, self.space)
         return seen.identity
 
     async def _space(self, read: Reader, task: Task, regs: Registers) -> AddressSpace:

@@ -61,6 +61,7 @@ class Spaces:
         """``tables``: the page tables, walked in kernel memory (None: not walked; then user
         space is taken to end where four levels of tables put it)."""
         self.kernel = kernel
+        self.gone = AddressSpace(kernel.modules, user_gone=True)
         self.vmas = vmas
         self.files = files
         self.tables = tables
@@ -73,13 +74,18 @@ class Spaces:
     def start_over(self, kernel: AddressSpace) -> None:
         """The kernel's modules changed: every process's space is built again."""
         self.kernel = kernel
+        self.gone = AddressSpace(kernel.modules, user_gone=True)
         self._placed = Memo(LIMIT)
         self._used = Memo(LIMIT)
 
     async def space_of(self, read: Reader, task: Task, pc: int | None = None) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
         task's own vCPU sees it) when they were not read within RECHECK seconds, or when none
-        of them holds the user-mode ``pc`` the task runs at (a library mapped since)."""
+        of them holds the user-mode ``pc`` the task runs at (a library mapped since). A
+        process's task with no ``mm`` has released its user space (``exit_mm``): its space
+        says so."""
+        if self.vmas is not None and not task.mm and not task.kernel_thread and task.pid:
+            return self.gone
         if self.vmas is None or not task.mm:
             return self.kernel
         key = (task.mm, task.tgid)

@@ -117,36 +117,62 @@ async def read_task(read: Reader, task: int, layout: TaskLayout, kernel_from: in
     """The task at ``task`` (its fields in one read, its leader's comm in a second when it is
     not its own leader); None when it does not read. ``kernel_from``: the lowest kernel
     address (a leader pointer below it is not one)."""
-    fields = (
+    raw = await read_one(read, *task_range(task, layout))
+    if raw is None:
+        return None
+    found, leader = parse_task(raw, task, layout, kernel_from)
+    if leader is None:
+        return found
+    return with_leader(found, await read_one(read, leader + layout.comm, layout.comm_size))
+
+
+def _fields(layout: TaskLayout) -> tuple[tuple[int, int], ...]:
+    return (
         (layout.pid, 4), (layout.tgid, 4), (layout.comm, layout.comm_size), (layout.flags, 4),
         (layout.group_leader, 8), (layout.mm, 8), (layout.stack, 8),
     )  # fmt: skip
+
+
+def task_range(task: int, layout: TaskLayout) -> tuple[int, int]:
+    """Where the fields ``parse_task`` reads lie: (address, size)."""
+    fields = _fields(layout)
     low = min(offset for offset, _ in fields)
     high = max(offset + size for offset, size in fields)
-    raw = await read_one(read, task + low, high - low)
-    if raw is None:
-        return None
+    return task + low, high - low
+
+
+def parse_task(
+    raw: bytes, task: int, layout: TaskLayout, kernel_from: int
+) -> tuple[Task, int | None]:
+    """The task from the bytes at ``task_range``, its leader's comm taken as its own, and the
+    leader whose comm it has to be read from (None: its own leader, or none)."""
+    low = min(offset for offset, _ in _fields(layout))
 
     def number(offset: int, size: int) -> int:
         return int.from_bytes(raw[offset - low : offset - low + size], "little")
 
     comm = _text(raw[layout.comm - low : layout.comm - low + layout.comm_size])
     leader, mm = number(layout.group_leader, 8), number(layout.mm, 8)
-    leader_comm = comm
-    if leader and leader != task and leader >= kernel_from:
-        found = await read_one(read, leader + layout.comm, layout.comm_size)
-        leader_comm = comm if found is None else _text(found) or comm
     kernel_thread = bool(number(layout.flags, 4) & PF_KTHREAD)
-    return Task(
+    found = Task(
         number(layout.pid, 4),
         number(layout.tgid, 4),
         comm,
         kernel_thread,
-        leader_comm,
+        comm,
         0 if kernel_thread else mm,
         number(layout.stack, 8),
         layout.stamp_of(raw[layout.stamp_range(task)[0] - task - low :]),
     )
+    other = leader and leader != task and leader >= kernel_from
+    return found, leader if other else None
+
+
+def with_leader(task: Task, leader_comm: bytes | None) -> Task:
+    """The task with its leader's comm as read (None: unread, its own kept)."""
+    if leader_comm is None:
+        return task
+    return dataclasses.replace(task, leader_comm=_text(leader_comm) or task.comm)
 
 
 async def task_list(read: Reader, init_task: int, layout: TaskLayout) -> list[int]:

@@ -1,0 +1,329 @@
+"""Every task of a stopped Linux guest: who it is, its state as the kernel reports it, the vCPU
+it runs on if any, and, for a task off CPU, where its stacks resume.
+
+The tasks: the list of every process from ``init_task`` (``tasks``), and each process's
+threads (``signal->thread_head``, linked through ``thread_node``), at BTF's offsets. The idle
+tasks (pid 0) are on neither list and are left out.
+
+The state: ``__state`` (``state`` before 5.14), or'ed with ``exit_state``, decoded as
+fs/proc/array.c does, with the letters and names of its ``task_state_array`` read from the
+running kernel ("R (running)", "S (sleeping)", ...): entry 0 is a running task, entry i the
+state bit 1 << (i - 1), the last one ("I (idle)") an uninterruptible sleep that does not count
+towards the load (TASK_NOLOAD, the one bit no description carries).
+
+A task off CPU resumes where its context switch left it: ``thread.sp`` points at the
+``inactive_task_frame`` it pushed (its frame pointer and the return address into the
+scheduler), and its kernel stack goes on above that frame. A task with a process beneath it
+entered the kernel from user mode: its user registers are the ``pt_regs`` at the top of its
+kernel stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.guest.base import FoundTask
+from qmpprof.guest.linux.current import CurrentTask
+from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.spaces import Spaces
+from qmpprof.guest.linux.tasks import (
+    Task,
+    TaskLayout,
+    parse_task,
+    task_list,
+    task_range,
+    with_leader,
+)
+from qmpprof.linux.btf import Btf
+from qmpprof.memory import Reader, read_ints, read_one
+from qmpprof.model import Registers
+
+# TASK_NOLOAD (include/linux/sched.h: 0x400 in 5.10, 6.1, 6.12 and 7.2): with
+# TASK_UNINTERRUPTIBLE it makes TASK_IDLE, which /proc reports as the array's last entry.
+TASK_NOLOAD = 0x400
+# What lies above pt_regs at the top of a kernel stack (TOP_OF_KERNEL_STACK_PADDING, x86_64):
+# nothing, or 16 bytes on kernels built with CONFIG_X86_FRED (6.9 and later); the pt_regs whose
+# code and stack segments are user ones (privilege level 3) is taken.
+STACK_PADDINGS = (0, 16)
+_STATE_TEXT = re.compile(rb"(\S) \(([^)]+)\)\0")
+_MAX_STATES = 16
+_MAX_THREADS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class OffCpuLayout:
+    """Byte offsets of what a task off CPU leaves behind, and the sizes around them."""
+
+    state: int
+    state_size: int  # 8 for 5.10's long state, 4 for __state
+    exit_state: int
+    thread_sp: int  # task_struct.thread.sp
+    signal: int
+    thread_node: int
+    thread_head: int  # signal_struct.thread_head
+    frame_size: int  # struct inactive_task_frame
+    frame_bp: int
+    frame_ret: int
+    regs_size: int  # struct pt_regs
+    regs: tuple[tuple[str, int], ...]  # registers in pt_regs: the instruction set's name, offset
+
+    @classmethod
+    def from_btf(cls, btf: Btf, arch: InstructionSet) -> OffCpuLayout:
+        """Raises KeyError naming what this kernel's BTF lacks. ``pt_regs`` names x86_64's
+        registers without their "r" ("ip", "bx"; but "r8"), its segments "cs" and "ss"."""
+        try:
+            state = btf.field("task_struct.__state")
+        except KeyError:
+            state = btf.field("task_struct.state")
+        frame = btf.find("inactive_task_frame")
+        regs = btf.find("pt_regs")
+        if frame is None or regs is None:
+            raise KeyError("inactive_task_frame or pt_regs")
+        return cls(
+            state=state.offset,
+            state_size=btf.size_of(state.type_id),
+            exit_state=btf.offset_of("task_struct.exit_state"),
+            thread_sp=btf.offset_of("task_struct.thread") + btf.offset_of("thread_struct.sp"),
+            signal=btf.offset_of("task_struct.signal"),
+            thread_node=btf.offset_of("task_struct.thread_node"),
+            thread_head=btf.offset_of("signal_struct.thread_head"),
+            frame_size=btf.size_of(frame),
+            frame_bp=btf.offset_of("inactive_task_frame.bp"),
+            frame_ret=btf.offset_of("inactive_task_frame.ret_addr"),
+            regs_size=btf.size_of(regs),
+            regs=tuple(_pt_regs(btf, (*arch.names, "cs", "ss"))),
+        )
+
+
+def _pt_regs(btf: Btf, names: Sequence[str]) -> list[tuple[str, int]]:
+    out = []
+    for name in names:
+        for member in (name, name[1:]):
+            try:
+                out.append((name, btf.offset_of(f"pt_regs.{member}")))
+                break
+            except KeyError:
+                continue
+    found = {name for name, _ in out}
+    if not {"cs", "ss"} <= found:
+        raise KeyError("pt_regs.cs, pt_regs.ss")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class States:
+    """The kernel's task states, in ``task_state_array``'s order: (letter, name)."""
+
+    names: tuple[tuple[str, str], ...]
+
+    def decode(self, state: int, exit_state: int) -> tuple[str, str]:
+        """The state /proc/PID/status shows for these values (``__task_state_index``)."""
+        count = len(self.names)
+        uninterruptible = 1 << (self.index("D") - 1)
+        idle = uninterruptible | TASK_NOLOAD
+        if state & idle == idle:
+            return self.names[count - 1]
+        reported = (state | exit_state) & ((1 << (count - 2)) - 1)
+        return self.names[reported.bit_length()]
+
+    def index(self, letter: str) -> int:
+        return next(i for i, (found, _) in enumerate(self.names) if found == letter)
+
+
+async def read_states(read: Reader, array: int, arch: InstructionSet) -> States | None:
+    """``task_state_array`` at ``array``: its pointers, then each string, up to the first that
+    is no state's; None when the first ones do not read as "R (running)", "S (...)", "D"."""
+    raw = await read_one(read, array, 8 * _MAX_STATES)
+    if raw is None:
+        return None
+    pointers = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+    found = await read([(p, 32) if p >= arch.shared_from else (p, 0) for p in pointers])
+    names: list[tuple[str, str]] = []
+    for text in found:
+        match = None if text is None else _STATE_TEXT.match(text)
+        if match is None:
+            break
+        names.append((match.group(1).decode(), match.group(2).decode()))
+    if [letter for letter, _ in names[:3]] != ["R", "S", "D"]:
+        return None
+    return States(tuple(names))
+
+
+async def threads(read: Reader, leaders: Sequence[int], layout: OffCpuLayout) -> list[int]:
+    """Every thread of the processes whose leaders are ``leaders``, each leader first: their
+    thread lists walked side by side, one read a step."""
+    signals = await read_ints(read, [(task + layout.signal, 8) for task in leaders])
+    members: dict[int, list[int]] = {leader: [] for leader in leaders}
+    at = {
+        leader: signal + layout.thread_head
+        for leader, signal in zip(leaders, signals, strict=True)
+        if signal
+    }
+    seen = {leader: {node} for leader, node in at.items()}
+    while at:
+        found = await read_ints(read, [(node, 8) for node in at.values()])
+        step = {}
+        for leader, node in zip(at, found, strict=True):
+            if node is None or node in seen[leader] or len(seen[leader]) > _MAX_THREADS:
+                continue
+            seen[leader].add(node)
+            if node - layout.thread_node != leader:
+                members[leader].append(node - layout.thread_node)
+            step[leader] = node
+        at = step
+    return [task for leader in leaders for task in (leader, *members[leader])]
+
+
+def kernel_registers(
+    frame: bytes, sp: int, layout: OffCpuLayout, arch: InstructionSet
+) -> Registers | None:
+    """Where a task off CPU resumes in the kernel, from the ``inactive_task_frame`` at its
+    ``thread.sp``: the return address its context switch pushed, the frame pointer it saved,
+    its stack above that frame (as the kernel's own ORC unwinder starts on a blocked task,
+    ``__unwind_start``)."""
+    if len(frame) < layout.frame_size:
+        return None
+    ret = int.from_bytes(frame[layout.frame_ret : layout.frame_ret + 8], "little")
+    bp = int.from_bytes(frame[layout.frame_bp : layout.frame_bp + 8], "little")
+    if ret < arch.shared_from:
+        return None
+    return Registers(0, arch.name, ret, sp + layout.frame_size, bp, False, 0)
+
+
+def user_registers(top: bytes, layout: OffCpuLayout, arch: InstructionSet) -> Registers | None:
+    """The user registers a task entered the kernel with: the ``pt_regs`` at the top of its
+    kernel stack (``top``: the stack's last bytes, up to its end)."""
+    offsets = dict(layout.regs)
+    for pad in STACK_PADDINGS:
+        base = len(top) - pad - layout.regs_size
+        if base < 0:
+            continue
+
+        def value(name: str, base: int = base) -> int:
+            offset = base + offsets[name]
+            return int.from_bytes(top[offset : offset + 8], "little")
+
+        if value("cs") & 3 == 3 and value("ss") & 3 == 3:
+            gprs = {n: value(name) for n, name in enumerate(arch.names) if name in offsets}
+            pc, sp, fp = gprs.get(arch.pc, 0), gprs.get(arch.sp, 0), gprs.get(arch.fp, 0)
+            return Registers(0, arch.name, pc, sp, fp, True, 0, gprs=gprs)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """What reading every task of a stopped guest takes, put together when attached."""
+
+    init_task: int
+    tasks: TaskLayout
+    layout: OffCpuLayout
+    states: States
+    arch: InstructionSet
+    thread_size: int | None
+    current: CurrentTask | None
+    spaces: Spaces  # each process's, the kernel's (``kernel``: a kernel thread's)
+
+    async def every_task(self, read: Reader) -> list[FoundTask]:
+        """Every task but the idle ones, read through ``read`` (kernel memory, the guest
+        stopped), by pid: the lists walked, then two reads for them all (each task's fields;
+        then its leader's name, its kernel stack from its saved context up, its page tables'
+        root)."""
+        leaders = await task_list(read, self.init_task, self.tasks)
+        every = await threads(read, leaders, self.layout)
+        running = {} if self.current is None else await self.current.running(read)
+        layout = self.layout
+        ranges = []
+        for at in every:
+            ranges += [
+                task_range(at, self.tasks),
+                (at + layout.state, layout.state_size),
+                (at + layout.exit_state, 4),
+                (at + layout.thread_sp, 8),
+            ]
+        raw = await read(ranges)
+        read_first = [self._first(at, raw[4 * i : 4 * i + 4]) for i, at in enumerate(every)]
+        first = [(at, found) for at, found in zip(every, read_first, strict=True) if found]
+        second = await read([r for at, found in first for r in self._second(found, at in running)])
+        tables = self.spaces.tables
+        walk = None if tables is None else PageTables(read, tables.direct_map, tables.levels)
+        out = []
+        for i, (at, (task, leader, state, exit_state, sp)) in enumerate(first):
+            more = second[3 * i : 3 * i + 3]
+            task = task if leader is None else with_leader(task, more[0])
+            letter, name = self.states.decode(state, exit_state)
+            space = await self.spaces.preload(read, task) or self.spaces.kernel
+            found = FoundTask(task.process, letter, name, running.get(at), space)
+            if more[1] is not None:
+                found = self._stacks(found, task, sp, more[1], more[2], read, walk)
+            out.append(found)
+        return sorted(out, key=lambda t: (t.process.tid or 0) if t.process else 0)
+
+    def _first(
+        self, at: int, raw: list[bytes | None]
+    ) -> tuple[Task, int | None, int, int, int] | None:
+        """The task, the leader whose name it needs, its state values and ``thread.sp``."""
+        if any(part is None for part in raw):
+            return None
+        fields, state, exit_state, sp = (part or b"" for part in raw)
+        task, leader = parse_task(fields, at, self.tasks, self.arch.shared_from)
+        number = int.from_bytes
+        return (
+            task,
+            leader,
+            number(state, "little"),
+            number(exit_state, "little"),
+            number(sp, "little"),
+        )
+
+    def _second(
+        self, found: tuple[Task, int | None, int, int, int], on_cpu: bool
+    ) -> list[tuple[int, int]]:
+        """Its leader's name; off CPU, its kernel stack from ``thread.sp`` to the stack's end
+        (an exited task's stack is freed); its page tables' root (size 0: not wanted)."""
+        task, leader, _, exit_state, sp = found
+        name = (0, 0) if leader is None else (leader + self.tasks.comm, self.tasks.comm_size)
+        size, vmas = self.thread_size, self.spaces.vmas
+        end = task.stack + (size or 0)
+        stack = (0, 0)
+        if not on_cpu and not exit_state and size and task.stack <= sp < end:
+            stack = (sp, end - sp)
+        pgd = (0, 0) if not task.mm or vmas is None else (task.mm + vmas.pgd, 8)
+        return [name, stack, pgd]
+
+    def _stacks(
+        self,
+        found: FoundTask,
+        task: Task,
+        sp: int,
+        stack: bytes,
+        pgd: bytes | None,
+        read: Reader,
+        walk: PageTables | None,
+    ) -> FoundTask:
+        kernel = kernel_registers(stack[: self.layout.frame_size], sp, self.layout, self.arch)
+        window = (sp, stack)
+        if not task.mm:
+            return dataclasses.replace(found, kernel=kernel, read=read, window=window)
+        user = user_registers(stack, self.layout, self.arch)
+        root = None if pgd is None else int.from_bytes(pgd, "little")
+        read_user = None if walk is None or root is None else walk.reader(root)
+        both = _split(read, read_user, self.arch.shared_from)
+        return dataclasses.replace(found, kernel=kernel, user=user, read=both, window=window)
+
+
+def _split(kernel: Reader, user: Reader | None, shared_from: int) -> Reader:
+    """Reads of a task's memory: the kernel's half through ``kernel``, the rest through
+    ``user`` (its page tables; None: unreadable)."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        high = [r for r in ranges if r[0] >= shared_from]
+        low = [r for r in ranges if r[0] < shared_from]
+        found_high = iter(await kernel(high) if high else [])
+        found_low = iter(await user(low) if low and user is not None else [None] * len(low))
+        return [next(found_high) if r[0] >= shared_from else next(found_low) for r in ranges]
+
+    return read

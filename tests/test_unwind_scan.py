@@ -1,0 +1,171 @@
+"""Code with neither CFI nor frame pointers, followed to its return or from its function's
+start (unwind/scan.py, arch/x86scan.py): a real gcc build (tests/data/nocfi.c,
+-fno-asynchronous-unwind-tables -fomit-frame-pointer -O2, stripped) walked from the stack it
+dumps of itself, checked against the call chain it has by construction (named from the
+unstripped build); and hand-assembled code for what the scan must refuse."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from fakes import make_module
+from test_unwind_chain import memory, regs
+
+from qmpprof.arch.x86 import X86_64
+from qmpprof.elf.image import ElfImage
+from qmpprof.model import StopReason
+from qmpprof.pagecache import PAGE, PageCache, page_of
+from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
+
+DATA = Path(__file__).parent / "data"
+FLAGS = ["-O2", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables", "-fomit-frame-pointer"]
+
+
+@pytest.fixture(scope="module")
+def nocfi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The program with its symbols, and the same bytes stripped."""
+    out = tmp_path_factory.mktemp("nocfi")
+    full, stripped = out / "nocfi", out / "nocfi.stripped"
+    subprocess.run(["gcc", *FLAGS, "-no-pie", "-o", str(full), str(DATA / "nocfi.c")], check=True)
+    subprocess.run(["strip", "-o", str(stripped), str(full)], check=True)
+    return full, stripped
+
+
+def dumped_stack(program: Path) -> tuple[int, int, int, PageCache]:
+    """pc, rsp, rbp of the program's leaf and a page cache of the 1 KiB of stack it wrote."""
+    out = subprocess.run([str(program)], capture_output=True, check=False).stdout
+    pc, sp, fp = struct.unpack_from("<3Q", out)
+    stack = out[24:]
+    assert len(stack) == 1024
+    cache = PageCache()
+    for base in range(page_of(sp), sp + len(stack), PAGE):
+        page = bytearray(PAGE)
+        lo, hi = max(base, sp), min(base + PAGE, sp + len(stack))
+        page[lo - base : hi - base] = stack[lo - sp : hi - sp]
+        cache.pages[base] = bytes(page)
+    return pc, sp, fp, cache
+
+
+def test_stripped_code_with_no_cfi_walks_to_main(nocfi: tuple[Path, Path]) -> None:
+    full, stripped = nocfi
+    image = ElfImage.load(stripped)
+    assert not len(image.symbols)  # nothing but the code to go by
+    names = ElfImage.load(full).symbols
+    pc, sp, fp, cache = dumped_stack(stripped)
+    space = AddressSpace([Module.from_image(image, kernel=False)])
+    raw = Unwinder(X86_64).unwind(regs(pc, sp, fp), cache, space)
+    found = [names.lookup(p if i == 0 else p - 1) for i, p in enumerate(raw.pcs[:5])]
+    assert [hit and hit[0] for hit in found] == ["leaf", "mid", "never_returns", "outer", "main"]
+    assert raw.via[:5] == (Via.REGS, Via.SCAN, Via.SCAN, Via.SCAN, Via.SCAN)
+    # main returns into libc, which this space does not hold: the scan cannot check that
+    # return address and leaves the frame to frame pointers (what they find depends on the
+    # libc's registers, the address layout: not asserted)
+
+
+def test_a_return_address_not_after_a_call_stops_the_walk(nocfi: tuple[Path, Path]) -> None:
+    _, stripped = nocfi
+    image = ElfImage.load(stripped)
+    pc, sp, fp, cache = dumped_stack(stripped)
+    space = AddressSpace([Module.from_image(image, kernel=False)])
+    unwinder = Unwinder(X86_64)
+    ra_slot = sp + 0x28  # leaf: push rbx, sub rsp 0x20 (tests/data/nocfi.c's build)
+    assert len(unwinder.unwind(regs(pc, sp, fp), cache, space).pcs) >= 4
+    page = bytearray(cache.pages[page_of(ra_slot)] or b"")
+    struct.pack_into("<Q", page, ra_slot - page_of(ra_slot), pc)  # no call right before it
+    cache.pages[page_of(ra_slot)] = bytes(page)
+    raw = unwinder.unwind(regs(pc, sp, fp), cache, space)
+    assert raw.pcs == (pc,)
+    assert raw.stop is StopReason.NO_CFI
+
+
+CODE_ADDR = 0x1000
+STACK = 0x7000_0000
+
+
+def scan_module(code: bytes) -> AddressSpace:
+    def starts() -> list[int]:
+        return X86_64.function_starts(code, CODE_ADDR, [])
+
+    return AddressSpace(
+        [make_module("prog", CODE_ADDR, CODE_ADDR + 0x1000, kernel=False, code=code,
+                     code_addr=CODE_ADDR, starts=starts)]
+    )  # fmt: skip
+
+
+CALLER = bytes.fromhex("e8 00 00 00 00")  # at 0x1800: call; its return address is 0x1805
+
+
+@pytest.mark.parametrize(
+    ("body", "ra_slot", "via"),
+    [
+        # push rbx; sub rsp, 0x10; add rsp, 0x10; pop rbx; ret: the pc is after the sub
+        (bytes.fromhex("53 48 83 ec 10 48 83 c4 10 5b c3"), STACK + 0x18, Via.SCAN),
+        # jne over a block that calls abort (e8, then int3 padding), the fall-through returns
+        (bytes.fromhex("53 48 83 ec 10 75 06 e8 00 00 00 00 cc 48 83 c4 10 5b c3"),
+         STACK + 0x18, Via.SCAN),
+        # and rsp, -16 (stack realignment): not modelled, frame pointers then (rbp 0: the end)
+        (bytes.fromhex("53 48 83 ec 10 48 83 e4 f0 5b c3"), None, Via.REGS),
+        # mov ebp, eax (all of rbp written) then leave: the frame pointer is not known
+        (bytes.fromhex("53 48 83 ec 10 89 c5 c9 c3"), None, Via.REGS),
+        # jmp rax (a switch): not modelled either
+        (bytes.fromhex("53 48 83 ec 10 ff e0"), None, Via.REGS),
+    ],
+)  # fmt: skip
+def test_scan_cases(body: bytes, ra_slot: int | None, via: Via) -> None:
+    code = bytearray(b"\xcc" * 0x1000)
+    code[: len(body)] = body
+    code[0x800 : 0x800 + len(CALLER)] = CALLER
+    pc = CODE_ADDR + 5  # after push rbx; sub rsp, 0x10
+    words = {} if ra_slot is None else {ra_slot: 0x1805}
+    raw = Unwinder(X86_64).unwind(regs(pc, STACK), memory(words), scan_module(bytes(code)))
+    if ra_slot is None:
+        assert raw.pcs == (pc,)
+    else:
+        assert raw.pcs[:2] == (pc, 0x1805)
+    assert raw.via[-1] is via
+
+
+def call(at: int, target: int) -> bytes:
+    """A direct call at ``at`` to ``target``."""
+    return b"\xe8" + struct.pack("<i", target - (at + 5))
+
+
+@pytest.mark.parametrize(("called", "found"), [(0x1000, True), (0x1100, False)])
+def test_a_function_that_never_returns_is_walked_from_its_start(called: int, found: bool) -> None:
+    """push rbx; sub rsp, 0x10; call a function that does not return (int3 after it): no path
+    reaches a return, so the scan goes from the start that a direct call at 0x1900 names. The
+    return address on the stack must come back from a call of that start: one of another start
+    (0x1100) is a wrong guess, and the walk stops there."""
+    code = bytearray(b"\xcc" * 0x1000)
+    body = bytes.fromhex("53 48 83 ec 10") + call(0x1005, 0x1F00)
+    code[: len(body)] = body
+    code[0x800:0x805] = call(0x1800, called)  # the caller on the stack
+    code[0x900:0x905] = call(0x1900, 0x1000)  # another caller of the function: its start
+    pc = CODE_ADDR + 5
+    words = {STACK + 0x18: 0x1805}
+    raw = Unwinder(X86_64).unwind(regs(pc, STACK), memory(words), scan_module(bytes(code)))
+    if found:
+        assert raw.pcs[:2] == (pc, 0x1805)
+        assert raw.via[1] is Via.SCAN
+    else:
+        assert raw.pcs == (pc,)
+        assert raw.stop is StopReason.NO_CFI
+
+
+def test_a_caller_of_a_function_that_does_not_return_is_walked_from_its_start() -> None:
+    """F (0x1000: push rbx; sub rsp, 0x10; call 0x1f00) ends in a call that does not return,
+    so its return address 0x100a is where G starts (sub rsp, 0x28; add rsp, 0x28; ret): the
+    code there is G's, not F's; F's caller is found from F's start."""
+    code = bytearray(b"\xcc" * 0x1000)
+    body = bytes.fromhex("53 48 83 ec 10") + call(0x1005, 0x1F00)
+    code[: len(body)] = body
+    code[0xA : 0xA + 9] = bytes.fromhex("48 83 ec 28 48 83 c4 28 c3")  # G
+    code[0xF00] = 0xC3  # the leaf: ret
+    code[0x800:0x805] = call(0x1800, 0x1000)  # F's caller, on the stack
+    code[0xA00:0xA05] = call(0x1A00, 0x100A)  # G's caller: G's start
+    words = {STACK: 0x100A, STACK + 8 + 0x18: 0x1805}
+    raw = Unwinder(X86_64).unwind(regs(0x1F00, STACK), memory(words), scan_module(bytes(code)))
+    assert raw.pcs[:3] == (0x1F00, 0x100A, 0x1805)
