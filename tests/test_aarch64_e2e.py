@@ -1,4 +1,4 @@
-"""End to end on qemu-system-aarch64: bookworm's arm64 6.1 booted with KASLR on, 2 vCPUs,
+"""End to end on qemu-system-aarch64: bookworm's arm64 6.1 and 6.12 booted with KASLR on, 2 vCPUs,
 ``-cpu max`` (pointer authentication signs the kernel's return addresses), and qmpprof
 ``--one-shot`` on it through the private gdbstub with ``--kernel`` the arm64 Image as shipped.
 Every kernel frame must be named as the guest's own /proc/kallsyms names its address, the slide
@@ -11,7 +11,7 @@ import json
 import re
 import subprocess
 import sys
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 
 import pytest
@@ -23,15 +23,17 @@ from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
-SHOTS = 8  # one-shots of both vCPUs
+SHOTS = 6  # one-shots of both vCPUs
 # Where a kernel stack begins: an exception taken from user code (el0t_64_sync, el0t_64_irq,
 # ...), a kernel thread (ret_from_fork), the idle loop of the boot CPU and of the others.
 ROOTS = ("ret_from_fork", "__primary_switched", "__secondary_switched")
 
 
-@pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aarch64Guest]:
-    with running_aarch64_guest(tmp_path_factory.mktemp("aarch64"), "6.1") as running:
+@pytest.fixture(scope="module", params=["6.1", "6.12"])
+def guest(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Aarch64Guest]:
+    with running_aarch64_guest(tmp_path_factory.mktemp("aarch64"), request.param) as running:
         yield running
 
 
@@ -44,12 +46,19 @@ def one_shot(guest: Aarch64Guest, *extra: str) -> subprocess.CompletedProcess[st
     )  # fmt: skip
 
 
-def names_at(symbols: KernelSymbols, addr: int) -> set[str]:
-    """The names /proc/kallsyms gives the text symbol (and its aliases) holding ``addr``."""
-    text = [i for i, kind in enumerate(symbols.types) if kind in TEXT_TYPES]
-    starts = [symbols.addrs[i] for i in text]
-    at = bisect_right(starts, addr) - 1
-    return {symbols.names[i] for i in text if symbols.addrs[i] == starts[at]}
+class TextSymbols:
+    """The text symbols of a /proc/kallsyms, by address."""
+
+    def __init__(self, symbols: KernelSymbols) -> None:
+        text = [i for i, kind in enumerate(symbols.types) if kind in TEXT_TYPES]
+        self.starts = [symbols.addrs[i] for i in text]
+        self.names = [symbols.names[i] for i in text]
+
+    def names_at(self, addr: int) -> set[str]:
+        """The names of the symbol (and its aliases) holding ``addr``."""
+        at = bisect_right(self.starts, addr) - 1
+        first = bisect_left(self.starts, self.starts[at])
+        return set(self.names[first : at + 1])
 
 
 def test_slide_is_the_guests(guest: Aarch64Guest) -> None:
@@ -75,12 +84,13 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
     kernel = [s for s in stacks if s["mode"] == "kernel"]
     # 2 vCPUs, one of the guest's three loops in user mode: about 60 % of samples in the kernel.
     assert len(kernel) >= SHOTS // 2, [s["mode"] for s in stacks]
+    text = TextSymbols(guest.symbols)
     for stack in kernel:
         for frame in stack["frames"]:
             addr = int(frame["address"], 16)
             # A caller's frame is named at its call: the return address - 1.
             at = addr if frame is stack["frames"][0] else addr - 1
-            assert frame.get("symbol") in names_at(guest.symbols, at), (frame, stack)
+            assert frame.get("symbol") in text.names_at(at), (frame, stack)
     # No walk ends at a return address it could not read: pointer-authentication codes are
     # stripped by the guest's TCR_EL1.
     assert not [s for s in kernel if s["stop"] == "bad-return"]

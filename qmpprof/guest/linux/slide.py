@@ -41,7 +41,7 @@ async def find_slide(
 
 
 async def _slide_by_banner(
-    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet, passes: int = 3
+    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet, passes: int = 5
 ) -> int:
     """The slide at which the guest holds the image's banner, from the candidates the pc of a
     vCPU in the kernel allows. Kernel memory reads through a vCPU only while it runs in the
