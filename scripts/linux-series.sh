@@ -7,6 +7,14 @@
 #   5.10    fixtures/build/linux-5.10   linux-image-5.10.0-N-amd64           bullseye
 #   7       fixtures/build/linux-7      linux-image-7.M.N+debNN-amd64        unstable
 #
+# and the arm64 kernels the aarch64 tests boot (AARCH64_SERIES; scripts/build-aarch64-guest):
+#
+#   arm64-6.1   fixtures/build/linux-arm64-6.1  linux-image-6.1.0-N-arm64          bookworm (arm64)
+#   arm64-6.12  fixtures/build/linux-arm64      linux-image-6.12.N+deb12-arm64     bookworm (arm64)
+#
+# Only the generic flavour (not -cloud-amd64, -rt-amd64, -rt-arm64, -16k-arm64). An arm64 series is read through a
+# private apt state of bookworm with apt's architecture set to arm64 (series_arch).
+#
 # Only the generic amd64 flavour (not -cloud-amd64, -rt-amd64). A suite other than the host's is
 # read through a private apt state in <folder>/.apt: a sources list, package lists and a cache of
 # its own (apt checks the suite's signatures with the host's debian-archive-keyring as for any
@@ -14,11 +22,13 @@
 # suite is installed on the host: packages are only downloaded and unpacked into fixtures/build.
 
 LINUX_SERIES="6.12 6.1 5.10 7"
+AARCH64_SERIES="arm64-6.1 arm64-6.12"
 
 # series_use SERIES: sets series_dir, series_pattern (an ERE for the image package's name),
-# series_suite (empty: the host's own sources) and apt_opts (options for apt-get and apt-cache).
+# series_suite (empty: the host's own sources), series_arch (the Debian architecture) and apt_opts
+# (options for apt-get and apt-cache).
 series_use() {
-    series_suite=
+    series_suite= series_arch=amd64
     case "$1" in
     6.12) series_dir=fixtures/build/linux series_pattern='^linux-image-6\.12\.[0-9]+\+deb12-amd64$' ;;
     6.1) series_dir=fixtures/build/linux-6.1 series_pattern='^linux-image-6\.1\.0-[0-9]+-amd64$' ;;
@@ -31,9 +41,17 @@ series_use() {
         series_pattern='^linux-image-7\.[0-9]+\.[0-9]+(\+deb[0-9]+|-[0-9]+)-amd64$'
         series_suite=unstable
         ;;
+    arm64-6.1)
+        series_dir=fixtures/build/linux-arm64-6.1 series_pattern='^linux-image-6\.1\.0-[0-9]+-arm64$'
+        series_suite=bookworm series_arch=arm64
+        ;;
+    arm64-6.12)
+        series_dir=fixtures/build/linux-arm64 series_pattern='^linux-image-6\.12\.[0-9]+\+deb12-arm64$'
+        series_suite=bookworm series_arch=arm64
+        ;;
     *) return 1 ;;
     esac
-    apt_private "${series_suite:+$PWD/$series_dir/.apt}"
+    apt_private "${series_suite:+$PWD/$series_dir/.apt}" "$series_arch"
 }
 
 # series_update: fetch the package lists apt_opts read. A private suite's into its own state
@@ -48,9 +66,9 @@ series_update() {
     fi
 }
 
-# apt_private [STATE]: sets apt_opts (options for apt-get and apt-cache) to read the private apt
-# state folder STATE (an absolute path: its sources list, lists and cache); without STATE, the
-# host's own sources.
+# apt_private [STATE [ARCH]]: sets apt_opts (options for apt-get and apt-cache) to read the private
+# apt state folder STATE (an absolute path: its sources list, lists and cache), for the Debian
+# architecture ARCH when given (its lists only); without STATE, the host's own sources.
 apt_private() {
     # As root apt drops to _apt for downloads, which cannot write into a private folder.
     apt_opts=()
@@ -58,6 +76,7 @@ apt_private() {
     if [ -n "${1:-}" ]; then
         apt_opts+=(-o "Dir::Etc::SourceList=$1/sources.list" -o Dir::Etc::SourceParts=/nonexistent
             -o "Dir::State::Lists=$1/lists" -o "Dir::Cache=$1/cache")
+        [ "${2:-amd64}" = amd64 ] || apt_opts+=(-o "APT::Architecture=$2" -o "APT::Architectures=$2")
     fi
     return 0
 }

@@ -12,7 +12,9 @@ from qmpprof.transport.gdbpackets import (
     checksum,
     decode_body,
     encode_packet,
+    includes,
     parse_thread_ids,
+    register_numbers,
 )
 
 # --- framing -----------------------------------------------------------------------------------
@@ -85,3 +87,34 @@ def test_architecture_of_a_target_description() -> None:
     xml = '<?xml version="1.0"?><target><architecture>i386:x86-64</architecture></target>'
     assert architecture(xml) == "i386:x86-64"
     assert architecture("<target></target>") is None
+
+
+# Pieces of what qemu-system-aarch64 7.2 sent (-cpu max): target.xml and system-registers.xml.
+AARCH64_TARGET = (
+    '<?xml version="1.0"?><!DOCTYPE target SYSTEM "gdb-target.dtd"><target><architecture>'
+    'aarch64</architecture><xi:include href="aarch64-core.xml"/><xi:include href="sve-regi'
+    'sters.xml"/><xi:include href="system-registers.xml"/></target>'
+)
+AARCH64_SYSREGS = (
+    '<?xml version="1.0"?><!DOCTYPE target SYSTEM "gdb-target.dtd"><feature name="org.qemu.'
+    'gdb.arm.sys.regs"><reg name="ID_MMFR5" bitsize="64" regnum="86" group="cp_regs"/><reg '
+    'name="SP_EL0" bitsize="64" regnum="138" group="cp_regs"/><reg name="TCR_EL1" bitsize="64"'
+    ' regnum="174" group="cp_regs"/><reg name="TTBR1_EL1" bitsize="64" regnum="175" group="cp'
+    '_regs"/></feature>'
+)
+
+
+def test_included_annexes_of_a_target_description() -> None:
+    assert includes(AARCH64_TARGET) == [
+        "aarch64-core.xml",
+        "sve-registers.xml",
+        "system-registers.xml",
+    ]
+    assert includes("<target></target>") == []
+
+
+def test_registers_numbered_by_their_description() -> None:
+    numbers = register_numbers(AARCH64_SYSREGS)
+    assert numbers == {"ID_MMFR5": 86, "SP_EL0": 138, "TCR_EL1": 174, "TTBR1_EL1": 175}
+    # The core registers are numbered by their order, not by regnum: none is taken.
+    assert register_numbers('<reg name="x0" bitsize="64"/><reg name="pc" bitsize="64"/>') == {}

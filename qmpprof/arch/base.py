@@ -13,7 +13,7 @@ outside this package names one (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,6 +100,17 @@ class InstructionSet(Protocol):
     def space_register(self) -> str:
         """What the instruction set calls the page-table root (``cr3``): the name a process
         known only by its address space goes by."""
+        ...
+
+    @property
+    def translation_registers(self) -> tuple[str, ...]:
+        """The system registers (as QEMU's gdbstub names them) whose values ``translated``
+        needs; empty when none."""
+        ...
+
+    def translated(self, values: Mapping[str, int]) -> InstructionSet:
+        """This instruction set under the guest's translation settings (``values`` of
+        ``translation_registers`` read from it); itself when they change nothing."""
         ...
 
     def return_address(self, value: int) -> int | None:

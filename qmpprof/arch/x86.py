@@ -12,7 +12,7 @@ convention), at 0xc0000000 (the 3 GiB / 1 GiB split of higher-half kernels) on i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
@@ -41,6 +41,13 @@ class X86:
     @property
     def mask(self) -> int:
         return (1 << (8 * self.address_size)) - 1
+
+    @property
+    def translation_registers(self) -> tuple[str, ...]:
+        return ()  # the split is fixed: nothing in a return address depends on the guest
+
+    def translated(self, values: Mapping[str, int]) -> X86:
+        return self
 
     def return_address(self, value: int) -> int | None:
         if self.address_size == 8 and _UPPER_HALF > value >= 1 << 47:

@@ -94,13 +94,17 @@ def _disagreement(
 ) -> str | None:
     """What in ``symbols`` the image contradicts, in a few words; None when all agree."""
     text = symbols.address_of("_text")
+    code = image.code_ranges()
+    # arm64's 6.1 lists no _text (its kallsyms begin at _stext, past the Image's head): then
+    # _stext must be code, as the functions below.
+    if text is None and _in_code(symbols.address_of("_stext"), code):
+        text = image.text_addr
     if text != image.text_addr:
         found = "missing" if text is None else f"at {text:#x}"
         return f"_text is {found}, not at the start of .text ({image.text_addr:#x})"
-    code = image.code_ranges()
     for name in _KNOWN_TEXT:
         addr = symbols.address_of(name)
-        if addr is None or not any(lo <= addr < hi for lo, hi in code):
+        if not _in_code(addr, code):
             return f"{name} is not in code"
     wrong = [name for name, addr in exports or () if not symbols.has(name, addr)]
     if exports and wrong:
@@ -109,3 +113,7 @@ def _disagreement(
             f"them (first: {wrong[0]})"
         )
     return None
+
+
+def _in_code(addr: int | None, code: list[tuple[int, int]]) -> bool:
+    return addr is not None and any(lo <= addr < hi for lo, hi in code)

@@ -30,6 +30,12 @@ class GuestTransport(Protocol):
 
     async def registers(self, cpu: int) -> Registers: ...
 
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        """Those of ``cpu``'s system registers ``names`` (as QEMU's gdbstub names them:
+        ``TCR_EL1``) the transport can read, by name; the guest is left in the run state it
+        had. QMP's monitor prints none of them."""
+        ...
+
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         """Read guest-virtual memory as seen by ``cpu`` (its current page tables).
 

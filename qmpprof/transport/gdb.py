@@ -31,6 +31,7 @@ this transport is several times cheaper. Facts about QEMU 7.2's stub this module
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import Sequence
 
@@ -42,8 +43,10 @@ from qmpprof.transport.gdbchannel import Channel, read_packet
 from qmpprof.transport.gdbpackets import (
     architecture,
     encode_packet,
+    includes,
     is_stop_reply,
     parse_thread_ids,
+    register_numbers,
 )
 
 _MAX_READ = 0x800  # QEMU 7.2 refuses larger `m` requests (MAX_PACKET_LENGTH / 2)
@@ -92,6 +95,7 @@ class GdbTransport:
         # The process id, when the stub spells ids pPID.TID (it then wants D;PID).
         self._pid = int(first[1:].partition(b".")[0], 16) if first.startswith(b"p") else None
         self._chunk = chunk
+        self._numbers: dict[str, int] | None = None  # system registers' numbers, once read
         # The thread the stub will have selected once it has read what we wrote (None: unknown).
         self._selected: int | None = None
         self._running = False
@@ -234,6 +238,37 @@ class GdbTransport:
         reading = [asyncio.ensure_future(self.registers(cpu)) for cpu in cpus]
         await asyncio.gather(stopping, *reading)
         return [task.result() for task in reading]
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        """Read with ``p`` (``read_system_registers``); the stub answers only while the guest
+        is stopped: a running guest is stopped for it, and resumed."""
+        running = self._running
+        await self.stop()
+        try:
+            return await self.read_system_registers(cpu, names)
+        finally:
+            if running:
+                await self.cont()
+
+    async def read_system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        """``system_registers`` of a stopped guest: read with ``p`` at the numbers the target
+        description gives them."""
+        if self._numbers is None:
+            xml = await self.target_xml()
+            self._numbers = {}
+            for annex in includes(xml):
+                with contextlib.suppress(TransportError):
+                    self._numbers.update(register_numbers(await self.target_xml(annex)))
+        wanted = [(name, self._numbers[name]) for name in names if name in self._numbers]
+        if not wanted:
+            return {}
+        replies = await self._on_cpu(cpu, [b"p%x" % number for _, number in wanted])
+        out: dict[str, int] = {}
+        for (name, _), reply in zip(wanted, replies, strict=True):
+            raw = None if reply.startswith(b"E") else _unhex(reply)
+            if raw:
+                out[name] = int.from_bytes(raw, "little")
+        return out
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         """Guest-virtual memory as ``cpu`` sees it, in pipelined ``m`` requests."""

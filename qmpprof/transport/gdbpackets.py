@@ -96,3 +96,18 @@ def architecture(target_xml: str) -> str | None:
     """The ``<architecture>`` a target description names (``i386:x86-64``), None if none."""
     found = _ARCHITECTURE.search(target_xml)
     return None if found is None else found[1]
+
+
+_INCLUDE = re.compile(r'<xi:include\s+href="([^"]+)"')
+_NUMBERED_REG = re.compile(r'<reg\s[^>]*?name="([^"]+)"[^>]*?regnum="(\d+)"')
+
+
+def includes(target_xml: str) -> list[str]:
+    """The annexes a target description includes (``system-registers.xml``), in order."""
+    return _INCLUDE.findall(target_xml)
+
+
+def register_numbers(feature_xml: str) -> dict[str, int]:
+    """The registers a feature's description numbers itself (``regnum``: QEMU's system
+    registers, ``TCR_EL1`` among them), by name: the numbers ``p`` packets take."""
+    return {name: int(number) for name, number in _NUMBERED_REG.findall(feature_xml)}

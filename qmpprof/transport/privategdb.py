@@ -194,6 +194,18 @@ class PrivateGdbTransport:
         self._qmp.pausing()
         return await self._gdb.stop_and_registers(cpus)
 
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        """Stopped through the stub, resumed through QMP: QMP's ``cont`` returns once the guest
+        runs, so the next query-status says so (the stub's ``c`` goes unanswered)."""
+        running = await self.is_running()
+        await self._gdb.stop()
+        try:
+            return await self._gdb.read_system_registers(cpu, names)
+        finally:
+            if running:
+                await self._qmp.cont()
+                self._gdb.note_resumed()
+
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         return await self._gdb.read(cpu, addr, size)
 

@@ -190,6 +190,9 @@ class QmpTransport:
             raise TransportError(f"expected one CPU in 'info registers' output, found {len(found)}")
         return found[0]
 
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        return {}  # `info registers` prints no system register a walk needs (TCR_EL1)
+
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         if self.memory == "memsave":
             try:

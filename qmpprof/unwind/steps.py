@@ -120,7 +120,8 @@ class PrologueStep:
 
 class FramePointerStep:
     """[fp] is the caller's frame pointer, [fp + word] the return address (the psABI's frame
-    chain: [rbp] and [rbp+8] on x86_64, [ebp] and [ebp+4] on i386)."""
+    chain: [rbp] and [rbp+8] on x86_64, [ebp] and [ebp+4] on i386, a frame record [x29] and
+    [x29+8] on aarch64, whose return address may carry a pointer-authentication code)."""
 
     via = Via.FRAME_POINTER
     __slots__ = ("arch",)
@@ -141,19 +142,22 @@ class FramePointerStep:
         ra = read((fp + word) & mask)
         if saved_fp is None or ra is None:
             return StopReason.READ_FAILED
+        plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         new = dict(cur)
-        new[arch.pc], new[arch.fp], new[arch.sp] = ra, saved_fp, (fp + 2 * word) & mask
+        new[arch.pc] = ra if plain is None else plain
+        new[arch.fp], new[arch.sp] = saved_fp, (fp + 2 * word) & mask
         return new, False
 
 
-_FRAME_POINTER_ONLY: dict[str, tuple[UnwindStep, ...]] = {}
+# By the instruction set itself: one of several translation settings (aarch64) has its own.
+_FRAME_POINTER_ONLY: dict[InstructionSet, tuple[UnwindStep, ...]] = {}
 
 
 def frame_pointer_only(arch: InstructionSet) -> tuple[UnwindStep, ...]:
     """The steps of code known only by its range (no module): frame pointers."""
-    found = _FRAME_POINTER_ONLY.get(arch.name)
+    found = _FRAME_POINTER_ONLY.get(arch)
     if found is None:
-        found = _FRAME_POINTER_ONLY[arch.name] = (FramePointerStep(arch),)
+        found = _FRAME_POINTER_ONLY[arch] = (FramePointerStep(arch),)
     return found
 
 

@@ -113,8 +113,20 @@ class LinuxGuest:
         control = transport.control
         if control is None:
             raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
-        kernel, layouts, arch = self.kernel, self.layouts, self.arch
-        slide = await find_slide(control, kernel.symbols, arch)
+        kernel, layouts = self.kernel, self.layouts
+        translation: list[str] = []
+        if self.arch.translation_registers:
+            # Read once per attach (the sampler's walker takes the instruction set from here).
+            wanted = self.arch.translation_registers
+            values = await transport.system_registers(0, wanted)
+            self.arch = self.arch.translated(values)
+            if not values:
+                translation.append(
+                    f"{', '.join(wanted)} not readable over this transport: return addresses"
+                    " signed by pointer authentication end kernel stacks (use the gdbstub)"
+                )
+        arch = self.arch
+        slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
         read = reader(control, 0)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
@@ -156,7 +168,7 @@ class LinuxGuest:
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
             f" ({names})",
         ]
-        notes = list(layouts.notes)
+        notes = list(layouts.notes) + translation
         if own is None or checks is None:
             notes.append("no vmcoreinfo in the guest: the slide and symbols are not checked")
         else:

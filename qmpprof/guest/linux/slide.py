@@ -1,12 +1,14 @@
-"""Where the running Linux kernel was loaded (its KASLR slide), found from the IDT the CPU
-holds (``qmpprof.linux.kaslr`` votes): the IDT register from the control channel's registers,
-its gates from kernel memory, both while the guest runs."""
+"""Where the running Linux kernel was loaded (its KASLR slide), read while the guest runs: from
+the IDT the CPU holds (``qmpprof.linux.kaslr`` votes) when the vCPU's registers show one (x86),
+else from where the image's banner reads in kernel memory (``qmpprof.linux.bannerslide``)."""
 
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
+from qmpprof.linux import bannerslide
 from qmpprof.linux.kaslr import ALIGN, GATE, decode_idt, slide_from_gates
+from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
@@ -18,11 +20,16 @@ async def find_slide(
     arch: InstructionSet,
     cpu: int = 0,
     align: int = ALIGN,
+    *,
+    kernel: LinuxKernel | None = None,
 ) -> int:
     """The running kernel's KASLR slide (0 under ``nokaslr``) against the image's ``symbols``:
-    runtime address = image address + slide, for every symbol of the image."""
+    runtime address = image address + slide, for every symbol of the image. Without an IDT,
+    by the banner of ``kernel``'s image."""
     regs = await control.registers(cpu)
     base, limit = regs.special.get("idt_base"), regs.special.get("idt_limit")
+    if (base is None or limit is None) and kernel is not None:
+        return await _slide_by_banner(control, kernel, arch)
     if base is None or limit is None:
         raise KernelMismatchError("the vCPU's registers show no IDT: no KASLR slide")
     if base < arch.shared_from:
@@ -31,3 +38,35 @@ async def find_slide(
     if data is None:
         raise KernelMismatchError(f"the IDT at {base:#x} does not read")
     return slide_from_gates(decode_idt(data), symbols, arch.shared_from, align)
+
+
+async def _slide_by_banner(
+    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet, passes: int = 5
+) -> int:
+    """The slide at which the guest holds the image's banner, from the candidates the pc of a
+    vCPU in the kernel allows. Kernel memory reads through a vCPU only while it runs in the
+    kernel (arm64 unmaps the kernel at EL0 where the CPU needs it), and the guest runs on: a
+    pass in which the vCPU left for user code may find nothing, and is tried again."""
+    found = bannerslide.banner(kernel.image)
+    if found is None:
+        raise KernelMismatchError("the vCPU's registers show no IDT and the image no banner")
+    link, text = found
+    problem = "no vCPU runs in the kernel: no KASLR slide (kernel not booted?)"
+    for _ in range(passes):
+        for cpu in await control.cpus():
+            regs = await control.registers(cpu)
+            if regs.user or regs.pc < arch.shared_from:
+                continue
+            slides = bannerslide.candidates(regs.pc, kernel.span)
+            reads = [((link + slide) & arch.mask, len(text)) for slide in slides]
+            seen = await reader(control, cpu)(reads)
+            matches = [slide for slide, data in zip(slides, seen, strict=True) if data == text]
+            if len(matches) == 1:
+                return matches[0]
+            problem = (
+                f"the image's banner reads in the guest at {len(matches)} of the {len(slides)}"
+                f" slides vCPU {cpu}'s pc {regs.pc:#x} allows: not this guest's kernel?"
+            )
+            if matches:
+                break
+    raise KernelMismatchError(problem)

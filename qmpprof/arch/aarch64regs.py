@@ -1,0 +1,97 @@
+"""How qemu-system-aarch64 prints an aarch64 vCPU's registers, read into the model's
+``Registers``: the monitor's ``info registers`` text and the gdbstub's ``g`` packet.
+
+``info registers`` (QEMU 7.2, ``-cpu max``) prints per vCPU a ``CPU#n`` line, then ``PC=``,
+``X00=``..``X30=``, ``SP=`` and ``PSTATE=`` followed by the flags and the exception level with
+its stack pointer choice (``EL1h``, ``EL0t``), then the FP/SVE registers, which the walk does not
+need. Lines end in ``\\r\\n``. The page-table roots (TTBR0/1_EL1) and TCR_EL1 are not printed.
+
+The ``g`` packet is the gdbstub's aarch64-core.xml layout: x0..x30, sp, pc as u64 and cpsr as
+u32, 268 bytes. The system registers (TCR_EL1 among them) come one by one (``p``), at the numbers
+the stub's system-registers.xml gives them.
+
+A vCPU at EL0 runs user code; EL1 (or EL2 under VHE) the kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.errors import TransportError
+from qmpprof.model import Registers
+
+_FIELD = re.compile(r"\b(PC|SP|X\d\d|PSTATE)=([0-9a-f]+)\b")
+_EL = re.compile(r"\bEL([0-3])[th]\b")
+_CPU = re.compile(r"^CPU#(\d+)", re.MULTILINE)
+_CORE = struct.Struct("<33QI")  # x0..x30, sp, pc; cpsr
+REGISTER_NAMES: tuple[str, ...] = (*AARCH64.names, "cpsr")
+
+
+def aarch64_registers(cpu: int, gprs: dict[int, int], pstate: int) -> Registers:
+    """The model's registers of an aarch64 vCPU from its registers by DWARF number and its
+    PSTATE (CPSR), whose bits 3..2 are the exception level."""
+    missing = [AARCH64.names[n] for n in (AARCH64.pc, AARCH64.sp, AARCH64.fp) if n not in gprs]
+    if missing:
+        raise TransportError(f"register {missing[0]} missing")
+    el = (pstate >> 2) & 3
+    return Registers(
+        cpu=cpu,
+        isa=AARCH64.name,
+        pc=gprs[AARCH64.pc],
+        sp=gprs[AARCH64.sp],
+        fp=gprs[AARCH64.fp],
+        user=el == 0,
+        space=0,
+        halted=False,
+        gprs=gprs,
+        special={"el": el, "pstate": pstate},
+    )
+
+
+class AArch64Formats:
+    """The ``RegisterFormats`` of qemu-system-aarch64."""
+
+    def from_monitor(self, text: str) -> list[Registers]:
+        starts = list(_CPU.finditer(text))
+        if not starts:
+            raise TransportError(f"not 'info registers' output: {text.strip()[:60]!r}")
+        blocks = []
+        for i, match in enumerate(starts):
+            end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+            blocks.append(_monitor_block(int(match.group(1)), text[match.end() : end]))
+        return blocks
+
+    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+        try:
+            raw = bytes.fromhex(payload.decode("ascii"))
+        except ValueError as err:
+            raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
+        if len(raw) < _CORE.size:
+            raise TransportError(
+                f"register packet of {len(raw)} bytes, expected at least {_CORE.size} (aarch64)"
+            )
+        *words, cpsr = _CORE.unpack_from(raw)
+        return aarch64_registers(cpu, dict(enumerate(words)), cpsr)
+
+
+def _monitor_block(cpu: int, text: str) -> Registers:
+    fields: dict[str, int] = {}
+    for name, value in _FIELD.findall(text):
+        fields.setdefault(name, int(value, 16))
+    gprs = {int(name[1:]): value for name, value in fields.items() if name[0] == "X"}
+    for number, name in ((AARCH64.sp, "SP"), (AARCH64.pc, "PC")):
+        if name in fields:
+            gprs[number] = fields[name]
+    pstate = fields.get("PSTATE")
+    try:
+        if pstate is None:
+            raise TransportError("register PSTATE missing")
+        regs = aarch64_registers(cpu, gprs, pstate)
+    except TransportError as err:
+        raise TransportError(f"CPU#{cpu}: {err} in monitor text") from err
+    el = _EL.search(text)
+    if el is not None and int(el[1]) != regs.special["el"]:
+        raise TransportError(f"CPU#{cpu}: PSTATE and EL{el[1]} disagree in monitor text")
+    return regs

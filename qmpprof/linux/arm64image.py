@@ -1,0 +1,171 @@
+"""An arm64 kernel ``Image`` (what Debian ships as /boot/vmlinuz-*-arm64) -> an ELF of it at its
+link address, which the rest of ``qmpprof.linux`` reads as it reads an x86 vmlinux.
+
+The Image is the kernel's memory image from ``_text`` on, not an ELF: a 64-byte header
+(Documentation/arch/arm64/booting.rst: ``text_offset`` and ``image_size`` as u64 at 8 and 16,
+the magic ``ARM\\x64`` at 0x38, the PE header's offset at 0x3c), then the code. What it does
+not say is read from its own contents:
+
+- the EFI stub's PE section table names two sections by offset from ``_text``: ``.text``
+  (``_stext`` up to the init data: code, read-only data and init code) and ``.data``; the ELF
+  written here has ``.text`` from ``_text`` to the init data, ``.rodata`` from ``_stext`` (the
+  kallsyms tables are found there), ``.data`` and ``.BTF``;
+- the link address comes from the relocations a relocatable kernel (every arm64 distribution
+  kernel: KASLR) carries for itself: a run of ``Elf64_Rela`` entries of type
+  R_AARCH64_RELATIVE, each a link address to patch and the link address to put there. No
+  pointer of the image points below ``_text`` (``kimage_vaddr`` holds ``_text`` itself), so the
+  smallest upper-half addend is ``_text``'s link address; every patched place must then lie in
+  the image (``image_size``), or the run is not the image's relocations.
+- The image is linked with ``--no-apply-dynamic-relocs``: the patched words read 0 in the file
+  (``kallsyms_relative_base`` among them). They are patched here, as the kernel patches itself
+  at boot before the KASLR slide, so the bytes are the image's at its link address.
+- ``.BTF`` is found by its header (magic 0xeb9f, version 1, a 24-byte header whose lengths give
+  the section's).
+
+Compressed Images (Image.gz, EFI zboot) are not read yet.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from qmpprof.errors import KernelImageError
+
+_MAGIC_AT, _MAGIC = 0x38, b"ARM\x64"
+_HEADER = struct.Struct("<IIQQQ")  # code0, code1, text_offset, image_size, flags
+_RELA = struct.Struct("<QQQ")  # r_offset, r_info, r_addend
+_RELATIVE_INFO = struct.pack("<Q", 1027)  # R_AARCH64_RELATIVE, symbol 0
+_MIN_RELOCS = 1000  # a run shorter than this is a coincidence of bytes, not the table
+_UPPER_HALF = 1 << 55  # bit 55 set: an address in the kernel's half
+_BTF_HEADER = struct.Struct(
+    "<HBBIIIII"
+)  # magic, version, flags, hdr_len, type_off/len, str_off/len
+_BTF_MAGIC = b"\x9f\xeb\x01\x00\x18\x00\x00\x00"  # magic, version 1, flags 0, hdr_len 24
+_EM_AARCH64 = 183
+_PAGE = 0x1000  # where the image starts in the ELF written here
+
+
+def is_arm64_image(head: bytes) -> bool:
+    return head[_MAGIC_AT : _MAGIC_AT + 4] == _MAGIC
+
+
+def elf_of_image(data: bytes, path: str = "<kernel>") -> bytes:
+    """An ELF (one PT_LOAD at the link address, the sections of the module's docstring)
+    holding the Image ``data`` with its relocations applied."""
+    if len(data) < 0x40 or not is_arm64_image(data):
+        raise KernelImageError(path, "not an arm64 Image (no ARM\\x64 magic at 0x38)")
+    _code0, _code1, _text_offset, image_size, _flags = _HEADER.unpack_from(data)
+    sections = _pe_sections(data, path)
+    if ".text" not in sections:
+        raise KernelImageError(path, "the Image's PE header names no .text section")
+    image = bytearray(data)
+    link = _relocate(image, image_size, path)
+    # .text from _text, as a vmlinux's: the head (the header, the EFI stub's entry) is code too.
+    text_start, text_size = sections[".text"]
+    named = [(".text", 0x6, 0, text_start + text_size), (".rodata", 0x2, text_start, text_size)]
+    if ".data" in sections:
+        named.append((".data", 0x3, *sections[".data"]))
+    btf = _btf_range(image)
+    if btf is not None:
+        named.append((".BTF", 0x2, *btf))
+    return _elf(bytes(image), link, image_size, named)
+
+
+def _pe_sections(data: bytes, path: str) -> dict[str, tuple[int, int]]:
+    """The PE section table's (offset from ``_text``, size in the file) by name."""
+    (pe,) = struct.unpack_from("<I", data, 0x3C)
+    if data[pe : pe + 4] != b"PE\0\0":
+        raise KernelImageError(path, "the Image has no PE header (an EFI stub) to read")
+    count, optional = (
+        struct.unpack_from("<H", data, pe + 6)[0],
+        struct.unpack_from("<H", data, pe + 20)[0],
+    )
+    table = pe + 24 + optional
+    out: dict[str, tuple[int, int]] = {}
+    for i in range(count):
+        name, size, vaddr, raw_size = struct.unpack_from("<8sIII", data, table + 40 * i)
+        size = min(size, raw_size, len(data) - vaddr)  # .data's .bss is not in the file
+        out.setdefault(name.rstrip(b"\0").decode("ascii", "replace"), (vaddr, size))
+    return out
+
+
+def _relocate(image: bytearray, image_size: int, path: str) -> int:
+    """Apply the image's R_AARCH64_RELATIVE relocations at its link address; return that."""
+    start, count = _rela_run(image)
+    if count < _MIN_RELOCS:
+        raise KernelImageError(path, "no relocation table in the Image: its link address unknown")
+    entries = [_RELA.unpack_from(image, start + i * _RELA.size) for i in range(count)]
+    upper = [addend for _, _, addend in entries if addend & _UPPER_HALF]
+    if not upper:
+        raise KernelImageError(path, "the Image's relocations point nowhere in the kernel's half")
+    link = int(min(upper))
+    places = [offset - link for offset, _, _ in entries]
+    if min(places) < 0 or max(places) + 8 > image_size:
+        raise KernelImageError(path, f"relocations outside the Image linked at {link:#x}")
+    for place, (_, _, addend) in zip(places, entries, strict=True):
+        if place + 8 <= len(image):  # the rest is in .bss, beyond the file
+            struct.pack_into("<Q", image, place, addend)
+    return link
+
+
+def _rela_run(image: bytearray) -> tuple[int, int]:
+    """(file offset, entries) of the longest run of 8-aligned R_AARCH64_RELATIVE entries."""
+    best = (0, 0)
+    run_start, run_len, last = 0, 0, -1
+    pos = image.find(_RELATIVE_INFO)
+    while pos != -1:
+        if pos % 8 == 0 and pos >= 8:
+            entry = pos - 8
+            if entry == last + _RELA.size:
+                run_len += 1
+            else:
+                run_start, run_len = entry, 1
+            last = entry
+            if run_len > best[1]:
+                best = (run_start, run_len)
+            pos = image.find(_RELATIVE_INFO, pos + _RELA.size - 8)
+        else:
+            pos = image.find(_RELATIVE_INFO, pos + 1)
+    return best
+
+
+def _btf_range(image: bytearray) -> tuple[int, int] | None:
+    """(offset, size) of the BTF blob: the first header whose lengths fit in the image."""
+    pos = image.find(_BTF_MAGIC)
+    while pos != -1:
+        fields = _BTF_HEADER.unpack_from(image, pos)
+        hdr_len, type_off, type_len, str_off, str_len = fields[3:]
+        size = hdr_len + max(type_off + type_len, str_off + str_len)
+        if type_len and str_len and pos + size <= len(image):
+            return pos, size
+        pos = image.find(_BTF_MAGIC, pos + 1)
+    return None
+
+
+def _elf(image: bytes, link: int, mem_size: int, named: list[tuple[str, int, int, int]]) -> bytes:
+    """An ELF64 of ``image`` loaded at ``link`` (``mem_size`` bytes in memory) with sections
+    ``named`` (name, flags, offset in the image, size)."""
+    names = b"\0" + b"".join(name.encode() + b"\0" for name, *_ in named) + b".shstrtab\0"
+    body = _PAGE + len(image)
+    strtab_at = body
+    shoff = (strtab_at + len(names) + 7) & ~7
+    shdrs = [bytes(64)]
+    name_at = 1
+    for name, flags, offset, size in named:
+        shdrs.append(
+            struct.pack(
+                "<IIQQQQIIQQ", name_at, 1, flags, link + offset, _PAGE + offset, size, 0, 0, 8, 0
+            )
+        )
+        name_at += len(name) + 1
+    shdrs.append(struct.pack("<IIQQQQIIQQ", name_at, 3, 0, 0, strtab_at, len(names), 0, 0, 1, 0))
+    ident = b"\x7fELF\x02\x01\x01" + bytes(9)
+    header = ident + struct.pack(
+        "<HHIQQQIHHHHHH", 2, _EM_AARCH64, 1, link, 64, shoff, 0, 64, 56, 1, 64, len(shdrs),
+        len(shdrs) - 1,
+    )  # fmt: skip
+    phdr = struct.pack("<IIQQQQQQ", 1, 7, _PAGE, link, link, len(image), mem_size, 0x10000)
+    out = bytearray(header + phdr)
+    out += bytes(_PAGE - len(out)) + image + names
+    out += bytes(shoff - len(out)) + b"".join(shdrs)
+    return bytes(out)
