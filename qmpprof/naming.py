@@ -21,6 +21,11 @@ TRUNCATED = "[truncated]"
 UNKNOWN = "[unknown]"
 
 
+def off_cpu_name(state: str) -> str:
+    """The frame that tells a task off CPU in state ``state`` (its letter) from one on it."""
+    return f"[off-cpu: {state}]"
+
+
 class Detail(enum.Enum):
     FUNCTION = "function"
     OFFSET = "offset"
@@ -94,15 +99,23 @@ def visible(frames: Sequence[Frame], naming: Naming) -> list[Frame]:
 
 
 def stack_names(
-    process: Process | None, frames: Sequence[Frame], stop: StopReason, naming: Naming
+    process: Process | None,
+    frames: Sequence[Frame],
+    stop: StopReason,
+    naming: Naming,
+    state: str | None = None,
 ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
-    """Names of a stack's frames root first, the context (process or ``kernel``) as the root
-    and ``[truncated]`` under it when the walk did not reach the outermost frame; and for each
-    name whether it is kernel code (writers colour by it)."""
+    """Names of a stack's frames root first, the context (process or ``kernel``) as the root,
+    ``[off-cpu: S]`` under it for a task off CPU in state S, and ``[truncated]`` next when the
+    walk did not reach the outermost frame; and for each name whether it is kernel code
+    (writers colour by it)."""
     mark = naming.mark_kernel and process is not None
     shown = visible(frames, naming)[::-1]
     names = [context_name(process)]
     kernel = [False]
+    if state is not None:
+        names.append(off_cpu_name(state))
+        kernel.append(False)
     if stop is not StopReason.END:
         names.append(TRUNCATED)
         kernel.append(False)

@@ -8,14 +8,23 @@ tables); frames
 are named after the guest runs again. A task's stack is its kernel frames (the walk from its
 saved context, cut where it crosses into user mode) then its user frames (the walk from its
 saved user registers).
+
+In a sampling run (``Waiting``) the tasks are read while the guest runs, through the control
+channel, between ticks: a task's walk is kept only when its version (state and context-switch
+counts) is the same before and after it and the task is on no CPU then (it stood still
+meanwhile, and its stacks with it); a task whose version has not moved since the last look
+keeps the stacks it had without a walk. Each tick adds the tasks of the latest look that are
+not on a CPU at that tick, one sample each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable, Sequence
 
 from qmpprof.guest.base import FoundTask, TaskLister
-from qmpprof.model import Registers, Stack, StopReason, TaskView
+from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.sampler import StackUnwinder
 from qmpprof.transport.base import GuestTransport
@@ -23,6 +32,7 @@ from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace
 
 MAX_PAGES = 64  # pages fetched for one task's walks, at most
+LOOK_EVERY = 0.2  # seconds between the end of one look at every task and the next
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,3 +109,72 @@ def _kernel_part(raw: RawStack, boundary: int) -> RawStack:
     if n == len(raw.pcs):
         return raw
     return RawStack(raw.pcs[:n], StopReason.END, raw.exact[:n], raw.via[:n])
+
+
+class Waiting:
+    """The guest's tasks off CPU, as the latest look found them (``look``, while the guest
+    runs, through ``control``), for the ticks of a sampling run (``samples``)."""
+
+    def __init__(
+        self,
+        control: GuestTransport,
+        lister: TaskLister,
+        unwinder: StackUnwinder[AddressSpace, RawStack],
+        boundary: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        every: float = LOOK_EVERY,
+    ) -> None:
+        self.control = control
+        self.lister = lister
+        self.unwinder = unwinder
+        self.boundary = boundary
+        self.clock = clock
+        self.every = every
+        self.tasks: tuple[TaskView, ...] = ()  # off CPU and verified, with their stacks
+        self.looks = 0
+        self.walks = 0  # tasks walked (their version had moved, or they were new)
+        self.rejected = 0  # walks dropped: the task ran meanwhile
+        self._kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}  # at -> version, view
+        self._last: float | None = None
+
+    async def look(self) -> None:
+        """Every task read again, unless the last look ended less than ``every`` ago; those
+        whose version moved walked and verified. Whole at each await: ``tasks`` changes at
+        the end only."""
+        if self._last is not None and self.clock() - self._last < self.every:
+            return
+        found = [
+            task
+            for task in await self.lister.every_task(self.control)
+            if task.cpu is None and task.kernel is not None
+        ]
+        kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}
+        walked: list[_Walked] = []
+        for task in found:
+            before = self._kept.get(task.at)
+            if before is not None and before[0] == task.version:
+                kept[task.at] = before
+            else:
+                walked.append(await _walk(task, self.unwinder))
+        after = await self.lister.versions(self.control, [w.found for w in walked])
+        for walk, version in zip(walked, after, strict=True):
+            if version != walk.found.version:
+                self.rejected += 1
+                continue
+            kept[walk.found.at] = (version, _view(walk, self.unwinder, self.boundary))
+        self.walks += len(walked)
+        self.looks += 1
+        self._kept = kept
+        self.tasks = tuple(view for _, view in kept.values())
+        self._last = self.clock()
+
+    def samples(self, on_cpu: Sequence[Sample], at: float) -> list[Sample]:
+        """A tick's off-CPU samples at time ``at``: every task of the latest look but those
+        the tick found on a vCPU (``on_cpu``, its samples)."""
+        running = {s.process.tid for s in on_cpu if s.process is not None}
+        return [
+            Sample(at, NO_CPU, Mode.KERNEL, False, 0, view.stack, view.process, view.state)
+            for view in self.tasks
+            if view.stack is not None and (view.process is None or view.process.tid not in running)
+        ]
