@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from qmpprof.guest.base import FoundTask, TaskLister
 from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
@@ -32,7 +32,11 @@ from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace
 
 MAX_PAGES = 64  # pages fetched for one task's walks, at most
-LOOK_EVERY = 0.2  # seconds between the end of one look at every task and the next
+LOOK_EVERY = 0.5  # seconds between the end of one look at every task and the next
+
+
+async def _now() -> None:
+    """Outside a sampling run nothing holds the guest stopped."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,12 +142,14 @@ class Waiting:
         self._kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}  # at -> version, view
         self._last: float | None = None
 
-    async def look(self) -> None:
+    async def look(self, running: Callable[[], Awaitable[object]] = _now) -> None:
         """Every task read again, unless the last look ended less than ``every`` ago; those
-        whose version moved walked and verified. Whole at each await: ``tasks`` changes at
-        the end only."""
+        whose version moved walked and verified. ``running`` waits while the sampler holds
+        the guest stopped: awaited before each piece of work, none of it runs in a pause.
+        Whole at each await: ``tasks`` changes at the end only."""
         if self._last is not None and self.clock() - self._last < self.every:
             return
+        await running()
         found = [
             task
             for task in await self.lister.every_task(self.control)
@@ -156,12 +162,15 @@ class Waiting:
             if before is not None and before[0] == task.version:
                 kept[task.at] = before
             else:
+                await running()
                 walked.append(await _walk(task, self.unwinder))
+        await running()
         after = await self.lister.versions(self.control, [w.found for w in walked])
         for walk, version in zip(walked, after, strict=True):
             if version != walk.found.version:
                 self.rejected += 1
                 continue
+            await running()
             kept[walk.found.at] = (version, _view(walk, self.unwinder, self.boundary))
         self.walks += len(walked)
         self.looks += 1

@@ -129,8 +129,14 @@ class Profile:
             leaves[names[-1]] += count
         return sorted(leaves.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
-    def select(self, keep: Mode | None = None, cpus: Sequence[int] | None = None) -> Profile:
-        """The samples of one mode (kernel mode: only their kernel frames) and of some vCPUs."""
+    def select(
+        self,
+        keep: Mode | None = None,
+        cpus: Sequence[int] | None = None,
+        on_cpu: bool | None = None,
+    ) -> Profile:
+        """The samples of one mode (kernel mode: only their kernel frames), of some vCPUs, and
+        on a CPU only (``on_cpu`` True) or off (False)."""
         out = Profile(self.interval_ms, dict(self.facts))
         wanted = None if cpus is None else set(cpus)
         for time, cpu, sid in self.timeline():
@@ -139,11 +145,12 @@ class Profile:
                 continue
             if wanted is not None and cpu not in wanted:
                 continue
+            if on_cpu is not None and on_cpu != (record.state is None):
+                continue
             frames = self.frames_of(record)
             if keep is Mode.KERNEL:
                 frames = [f for f in frames if f.kernel]
             stack = Stack(tuple(frames), record.stop)
-            out.add(
-                Sample(time, cpu, record.mode, record.mode is Mode.USER, 0, stack, record.process)
-            )
+            user = record.mode is Mode.USER
+            out.add(Sample(time, cpu, record.mode, user, 0, stack, record.process, record.state))
         return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -64,7 +65,10 @@ class OffCpu(Protocol):
     """The tasks off CPU: ``look`` while the guest runs (its own schedule), ``samples`` after
     each tick: those of the tasks not on a vCPU at that tick (its samples ``on_cpu``)."""
 
-    async def look(self) -> None: ...
+    async def look(self, running: Callable[[], Awaitable[object]]) -> None:
+        """``running``: waits while the guest is stopped (awaited before each piece of work,
+        so that none of it runs inside a pause)."""
+        ...
 
     def samples(self, on_cpu: Sequence[Sample], at: float) -> Sequence[Sample]: ...
 
@@ -154,6 +158,8 @@ class Sampler(Generic[Space, Raw]):
         self._on_tick = on_tick
         self._housekeeping = housekeeping
         self._off_cpu = off_cpu
+        self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
+        self._running.set()
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
         self._woken: asyncio.Event | None = None  # set by request_stop: the wait ends at once
@@ -191,7 +197,7 @@ class Sampler(Generic[Space, Raw]):
         if one_shot:
             return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
         if self._off_cpu is not None:
-            await self._off_cpu.look()
+            await self._off_cpu.look(self._running.wait)
             self._start = self._clock()
         try:
             return await self._ticks(cpus)
@@ -241,7 +247,9 @@ class Sampler(Generic[Space, Raw]):
         to the next tick: it runs up to its first wait now, the rest while the sampler waits,
         so that a long job (a process's mappings read over QMP) never holds the next tick
         back. Its reads may meet a pause (then one of them delays it a little)."""
-        jobs = [job for job in (self._housekeeping, self._off_cpu and self._off_cpu.look) if job]
+        jobs = [self._housekeeping] if self._housekeeping is not None else []
+        if self._off_cpu is not None:
+            jobs.append(functools.partial(self._off_cpu.look, self._running.wait))
         if not jobs or not (self._housework is None or self._housework.done()):
             return
         self._housework = asyncio.ensure_future(self._housekeep(jobs))
@@ -299,15 +307,11 @@ class Sampler(Generic[Space, Raw]):
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
         if stop:
+            self._running.clear()
             try:
-                captured = await self._capture_all(cpus, stop=True)
-            except BaseException:
-                await self._resume_quietly()
-                raise
-            mark = self._clock()
-            await self.transport.cont()
-            self._resumed = self._clock()
-            self._phase("cont", mark)
+                captured = await self._stopped(cpus)
+            finally:
+                self._running.set()
         else:
             captured = await self._capture_all(cpus, stop=False)
         self.stats.pauses.append(self._clock() - began)
@@ -329,6 +333,19 @@ class Sampler(Generic[Space, Raw]):
                 return
             sample = dataclasses.replace(sample, stack=Stack(frames, sample.stack.stop))
         self.profile.add(sample)
+
+    async def _stopped(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+        """Stop, capture, cont."""
+        try:
+            captured = await self._capture_all(cpus, stop=True)
+        except BaseException:
+            await self._resume_quietly()
+            raise
+        mark = self._clock()
+        await self.transport.cont()
+        self._resumed = self._clock()
+        self._phase("cont", mark)
+        return captured
 
     async def _resume_quietly(self) -> None:
         # Already failing (or cancelled): resume if QEMU still listens, keep the first error.
