@@ -23,6 +23,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask, TaskLister
 from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
@@ -149,10 +150,11 @@ class Waiting:
         Whole at each await: ``tasks`` changes at the end only."""
         if self._last is not None and self.clock() - self._last < self.every:
             return
+        control = _Between(self.control, running)
         await running()
         found = [
             task
-            for task in await self.lister.every_task(self.control)
+            for task in await self.lister.every_task(control)
             if task.cpu is None and task.kernel is not None
         ]
         kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}
@@ -165,7 +167,7 @@ class Waiting:
                 await running()
                 walked.append(await _walk(task, self.unwinder))
         await running()
-        after = await self.lister.versions(self.control, [w.found for w in walked])
+        after = await self.lister.versions(control, [w.found for w in walked])
         for walk, version in zip(walked, after, strict=True):
             if version != walk.found.version:
                 self.rejected += 1
@@ -187,3 +189,45 @@ class Waiting:
             for view in self.tasks
             if view.stack is not None and (view.process is None or view.process.tid not in running)
         ]
+
+
+class _Between:
+    """A control channel whose reads wait while the sampler holds the guest stopped: a look's
+    read never goes out in a pause (one under way when a pause begins still delays it)."""
+
+    def __init__(self, control: GuestTransport, running: Callable[[], Awaitable[object]]) -> None:
+        self._control = control
+        self._running = running
+
+    async def is_running(self) -> bool:
+        return await self._control.is_running()
+
+    async def stop(self) -> None:
+        await self._control.stop()
+
+    async def cont(self) -> None:
+        await self._control.cont()
+
+    async def cpus(self) -> list[int]:
+        return await self._control.cpus()
+
+    async def registers(self, cpu: int) -> Registers:
+        await self._running()
+        return await self._control.registers(cpu)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        await self._running()
+        return await self._control.read(cpu, addr, size)
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        await self._running()
+        return await self._control.read_many(cpu, ranges)
+
+    @property
+    def control(self) -> GuestTransport | None:
+        return self
+
+    async def close(self) -> None:
+        await self._control.close()

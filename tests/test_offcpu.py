@@ -4,8 +4,10 @@ task the latest look kept but those on a vCPU at that tick."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
+from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Registers, Sample, Stack, StopReason
 from qmpprof.offcpu import Waiting
@@ -110,3 +112,46 @@ async def test_a_tick_leaves_out_the_tasks_it_found_on_a_vcpu() -> None:
     assert [(s.process.tid if s.process else None, s.cpu, s.time, s.mode) for s in found] == [
         (10, NO_CPU, 4.0, Mode.KERNEL)
     ]
+
+
+class Control:
+    """A control channel that records its reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        self.reads += 1
+        return [bytes(size) for _, size in ranges]
+
+
+class ReadingLister(Lister):
+    """Reads through the transport it is given, as a guest OS does; a pause begins right
+    before its read (``running`` cleared)."""
+
+    def __init__(self, running: asyncio.Event) -> None:
+        super().__init__()
+        self.running = running
+
+    async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
+        self.running.clear()
+        await transport.read_many(0, [(0x1000, 8)])
+        return await super().every_task(transport)
+
+
+async def test_a_look_reads_nothing_while_the_guest_is_held_stopped() -> None:
+    running = asyncio.Event()
+    running.set()
+    control, lister = Control(), ReadingLister(running)
+    lister.tasks = {10: ("S", 1, 5, 5)}
+    transport: GuestTransport = control  # type: ignore[assignment]  # reads are all it needs
+    off = Waiting(transport, lister, Unwinder(), 1 << 63)
+    look = asyncio.ensure_future(off.look(running.wait))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert control.reads == 0 and not look.done()
+    running.set()
+    await look
+    assert control.reads == 1 and [t.state for t in off.tasks] == ["S"]
