@@ -23,6 +23,7 @@ from qmpprof.session import RunSpec
 from support.bench import report
 from support.bench.guest import Fixture, Guest, boot
 from support.bench.linuxchurn import linux_churn
+from support.bench.linuxoffcpu import linux_offcpu
 from support.bench.linuxrun import linux_run
 from support.bench.methods import (
     EmeraldHmp,
@@ -291,6 +292,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     linux = await linux_run(ROOT, 2 * cfg.duration, log) if cfg.linux else {}
     if cfg.linux:
         linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
+        linux.update(await linux_offcpu(ROOT, cfg.duration, log))
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {
