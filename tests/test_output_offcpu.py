@@ -5,6 +5,7 @@ them, and ``report --on-cpu``/``--off-cpu`` draws either alone."""
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,9 @@ def test_report_draws_on_or_off_cpu_alone(tmp_path: Path, flag: str, kept: tuple
     saved.write_bytes(render(mixed_profile(), "qmpprof"))
     assert report.main([str(saved), flag, "-o", str(out)]) == 0
     assert out.read_text() == f"{';'.join(kept)} 2\n"
+
+
+def test_speedscope_puts_the_tasks_off_cpu_in_a_lane_of_their_own() -> None:
+    document = json.loads(render(mixed_profile(), "speedscope", Naming()))
+    lanes = {lane["name"]: len(lane["samples"]) for lane in document["profiles"]}
+    assert lanes == {"vcpu 0": 2, "off cpu": 2}
