@@ -130,7 +130,8 @@ class Process:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One vCPU's state at one tick, unwound."""
+    """One vCPU's state at one tick, unwound; or, with ``state`` (its letter, "S"), a task off
+    CPU at one tick (``cpu`` is then ``NO_CPU``)."""
 
     time: float  # seconds since the start of the run (wall clock)
     cpu: int
@@ -139,6 +140,10 @@ class Sample:
     space: int  # the page-table root in use
     stack: Stack
     process: Process | None = None
+    state: str | None = None
+
+
+NO_CPU = 0xFFFF  # the vCPU of an off-CPU sample: none
 
 
 @dataclass(frozen=True, slots=True)

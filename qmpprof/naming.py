@@ -22,6 +22,11 @@ USER_GONE = "[user space gone]"  # a process whose user address space was releas
 UNKNOWN = "[unknown]"
 
 
+def off_cpu_name(state: str) -> str:
+    """The frame that tells a task off CPU in state ``state`` (its letter) from one on it."""
+    return f"[off-cpu: {state}]"
+
+
 class Detail(enum.Enum):
     FUNCTION = "function"
     OFFSET = "offset"
@@ -102,16 +107,23 @@ def stop_marker(stop: StopReason) -> str | None:
 
 
 def stack_names(
-    process: Process | None, frames: Sequence[Frame], stop: StopReason, naming: Naming
+    process: Process | None,
+    frames: Sequence[Frame],
+    stop: StopReason,
+    naming: Naming,
+    state: str | None = None,
 ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
-    """Names of a stack's frames root first, the context (process or ``kernel``) as the root
-    and ``[truncated]`` under it when the walk did not reach the outermost frame (``[user
-    space gone]`` when the process's user space was released); and for each name whether it
-    is kernel code (writers colour by it)."""
+    """Names of a stack's frames root first, the context (process or ``kernel``) as the root,
+    ``[off-cpu: S]`` under it for a task off CPU in state S, and ``[truncated]`` next when the
+    walk did not reach the outermost frame (``[user space gone]`` when the process's user space
+    was released); and for each name whether it is kernel code (writers colour by it)."""
     mark = naming.mark_kernel and process is not None
     shown = visible(frames, naming)[::-1]
     names = [context_name(process)]
     kernel = [False]
+    if state is not None:
+        names.append(off_cpu_name(state))
+        kernel.append(False)
     root = stop_marker(stop)
     if root is not None:
         names.append(root)

@@ -8,14 +8,24 @@ tables); frames
 are named after the guest runs again. A task's stack is its kernel frames (the walk from its
 saved context, cut where it crosses into user mode) then its user frames (the walk from its
 saved user registers).
+
+In a sampling run (``Waiting``) the tasks are read while the guest runs, through the control
+channel, between ticks: a task's walk is kept only when its version (state and context-switch
+counts) is the same before and after it and the task is on no CPU then (it stood still
+meanwhile, and its stacks with it); a task whose version has not moved since the last look
+keeps the stacks it had without a walk. Each tick adds the tasks of the latest look that are
+not on a CPU at that tick, one sample each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
+from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask, TaskLister
-from qmpprof.model import Registers, Stack, StopReason, TaskView
+from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.sampler import StackUnwinder
 from qmpprof.transport.base import GuestTransport
@@ -23,6 +33,11 @@ from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace
 
 MAX_PAGES = 64  # pages fetched for one task's walks, at most
+LOOK_EVERY = 0.5  # seconds between the end of one look at every task and the next
+
+
+async def _now() -> None:
+    """Outside a sampling run nothing holds the guest stopped."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,3 +114,124 @@ def _kernel_part(raw: RawStack, boundary: int) -> RawStack:
     if n == len(raw.pcs):
         return raw
     return RawStack(raw.pcs[:n], StopReason.END, raw.exact[:n], raw.via[:n])
+
+
+class Waiting:
+    """The guest's tasks off CPU, as the latest look found them (``look``, while the guest
+    runs, through ``control``), for the ticks of a sampling run (``samples``)."""
+
+    def __init__(
+        self,
+        control: GuestTransport,
+        lister: TaskLister,
+        unwinder: StackUnwinder[AddressSpace, RawStack],
+        boundary: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        every: float = LOOK_EVERY,
+    ) -> None:
+        self.control = control
+        self.lister = lister
+        self.unwinder = unwinder
+        self.boundary = boundary
+        self.clock = clock
+        self.every = every
+        self.tasks: tuple[TaskView, ...] = ()  # off CPU and verified, with their stacks
+        self.looks = 0
+        self.walks = 0  # tasks walked (their version had moved, or they were new)
+        self.rejected = 0  # walks dropped: the task ran meanwhile
+        self._kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}  # at -> version, view
+        self._last: float | None = None
+
+    async def look(self, running: Callable[[], Awaitable[object]] = _now) -> None:
+        """Every task read again, unless the last look ended less than ``every`` ago; those
+        whose version moved walked and verified. ``running`` waits while the sampler holds
+        the guest stopped: awaited before each piece of work, none of it runs in a pause.
+        Whole at each await: ``tasks`` changes at the end only."""
+        if self._last is not None and self.clock() - self._last < self.every:
+            return
+        control = _Between(self.control, running)
+        await running()
+        found = [
+            task
+            for task in await self.lister.every_task(control)
+            if task.cpu is None and task.kernel is not None
+        ]
+        kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}
+        walked: list[_Walked] = []
+        for task in found:
+            before = self._kept.get(task.at)
+            if before is not None and before[0] == task.version:
+                kept[task.at] = before
+            else:
+                await running()
+                walked.append(await _walk(task, self.unwinder))
+        await running()
+        after = await self.lister.versions(control, [w.found for w in walked])
+        for walk, version in zip(walked, after, strict=True):
+            if version != walk.found.version:
+                self.rejected += 1
+                continue
+            await running()
+            kept[walk.found.at] = (version, _view(walk, self.unwinder, self.boundary))
+        self.walks += len(walked)
+        self.looks += 1
+        self._kept = kept
+        self.tasks = tuple(view for _, view in kept.values())
+        self._last = self.clock()
+
+    def samples(self, on_cpu: Sequence[Sample], at: float) -> list[Sample]:
+        """A tick's off-CPU samples at time ``at``: every task of the latest look but those
+        the tick found on a vCPU (``on_cpu``, its samples)."""
+        running = {s.process.tid for s in on_cpu if s.process is not None}
+        return [
+            Sample(at, NO_CPU, Mode.KERNEL, False, 0, view.stack, view.process, view.state)
+            for view in self.tasks
+            if view.stack is not None and (view.process is None or view.process.tid not in running)
+        ]
+
+
+class _Between:
+    """A control channel whose reads wait while the sampler holds the guest stopped: a look's
+    read never goes out in a pause (one under way when a pause begins still delays it)."""
+
+    def __init__(self, control: GuestTransport, running: Callable[[], Awaitable[object]]) -> None:
+        self._control = control
+        self._running = running
+
+    async def is_running(self) -> bool:
+        return await self._control.is_running()
+
+    async def stop(self) -> None:
+        await self._control.stop()
+
+    async def cont(self) -> None:
+        await self._control.cont()
+
+    async def cpus(self) -> list[int]:
+        return await self._control.cpus()
+
+    async def registers(self, cpu: int) -> Registers:
+        await self._running()
+        return await self._control.registers(cpu)
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        await self._running()
+        return await self._control.system_registers(cpu, names)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        await self._running()
+        return await self._control.read(cpu, addr, size)
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        await self._running()
+        return await self._control.read_many(cpu, ranges)
+
+    @property
+    def control(self) -> GuestTransport | None:
+        return self
+
+    async def close(self) -> None:
+        await self._control.close()

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from qmpprof.model import Frame, Mode, Process, Sample, Stack, StopReason
+from qmpprof.model import NO_CPU, Frame, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Naming, stack_names
 
 
@@ -26,6 +26,7 @@ class StackRecord:
     mode: Mode
     stop: StopReason
     frames: tuple[int, ...]
+    state: str | None = None  # off CPU: the task's state letter
 
     @property
     def truncated(self) -> bool:
@@ -57,10 +58,10 @@ class Profile:
 
     def add(self, sample: Sample) -> None:
         stack = sample.stack
-        key = (sample.process, sample.mode, stack.stop, stack.frames)
+        key = (sample.process, sample.mode, stack.stop, stack.frames, sample.state)
         sid = self._stack_ids.get(key)
         if sid is None:
-            sid = self._intern(sample.process, sample.mode, stack.stop, stack.frames)
+            sid = self._intern(sample.process, sample.mode, stack.stop, stack.frames, sample.state)
             self._stack_ids[key] = sid
         self.counts[sid] += 1
         self.times.append(sample.time)
@@ -68,7 +69,12 @@ class Profile:
         self.stack_of.append(sid)
 
     def _intern(
-        self, process: Process | None, mode: Mode, stop: StopReason, frames: tuple[Frame, ...]
+        self,
+        process: Process | None,
+        mode: Mode,
+        stop: StopReason,
+        frames: tuple[Frame, ...],
+        state: str | None,
     ) -> int:
         ids = []
         for frame in frames:
@@ -77,7 +83,7 @@ class Profile:
                 fid = self._frame_ids[frame] = len(self.frames)
                 self.frames.append(frame)
             ids.append(fid)
-        self.stacks.append(StackRecord(process, mode, stop, tuple(ids)))
+        self.stacks.append(StackRecord(process, mode, stop, tuple(ids), state))
         self.counts.append(0)
         return len(self.stacks) - 1
 
@@ -91,7 +97,7 @@ class Profile:
 
     @property
     def cpus(self) -> list[int]:
-        return sorted(set(self.cpus_of))
+        return sorted(set(self.cpus_of) - {NO_CPU})
 
     def frames_of(self, record: StackRecord) -> list[Frame]:
         return [self.frames[i] for i in record.frames]
@@ -99,7 +105,7 @@ class Profile:
     def named(self, naming: Naming) -> list[NamedStack]:
         """Per stack id, its names root first."""
         return [
-            NamedStack(*stack_names(s.process, self.frames_of(s), s.stop, naming))
+            NamedStack(*stack_names(s.process, self.frames_of(s), s.stop, naming, s.state))
             for s in self.stacks
         ]
 
@@ -123,8 +129,14 @@ class Profile:
             leaves[names[-1]] += count
         return sorted(leaves.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
-    def select(self, keep: Mode | None = None, cpus: Sequence[int] | None = None) -> Profile:
-        """The samples of one mode (kernel mode: only their kernel frames) and of some vCPUs."""
+    def select(
+        self,
+        keep: Mode | None = None,
+        cpus: Sequence[int] | None = None,
+        on_cpu: bool | None = None,
+    ) -> Profile:
+        """The samples of one mode (kernel mode: only their kernel frames), of some vCPUs, and
+        on a CPU only (``on_cpu`` True) or off (False)."""
         out = Profile(self.interval_ms, dict(self.facts))
         wanted = None if cpus is None else set(cpus)
         for time, cpu, sid in self.timeline():
@@ -133,11 +145,12 @@ class Profile:
                 continue
             if wanted is not None and cpu not in wanted:
                 continue
+            if on_cpu is not None and on_cpu != (record.state is None):
+                continue
             frames = self.frames_of(record)
             if keep is Mode.KERNEL:
                 frames = [f for f in frames if f.kernel]
             stack = Stack(tuple(frames), record.stop)
-            out.add(
-                Sample(time, cpu, record.mode, record.mode is Mode.USER, 0, stack, record.process)
-            )
+            user = record.mode is Mode.USER
+            out.add(Sample(time, cpu, record.mode, user, 0, stack, record.process, record.state))
         return out

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -57,6 +59,18 @@ class StackUnwinder(Protocol[Space_contra, Raw]):
     def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
 
     def resolve(self, raw: Raw, space: Space_contra) -> Stack: ...
+
+
+class OffCpu(Protocol):
+    """The tasks off CPU: ``look`` while the guest runs (its own schedule), ``samples`` after
+    each tick: those of the tasks not on a vCPU at that tick (its samples ``on_cpu``)."""
+
+    async def look(self, running: Callable[[], Awaitable[object]]) -> None:
+        """``running``: waits while the guest is stopped (awaited before each piece of work,
+        so that none of it runs inside a pause)."""
+        ...
+
+    def samples(self, on_cpu: Sequence[Sample], at: float) -> Sequence[Sample]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +135,13 @@ class Sampler(Generic[Space, Raw]):
         rng: Callable[[], float] = random.random,
         on_tick: Callable[[SamplerStats], None] | None = None,
         housekeeping: Callable[[], Awaitable[None]] | None = None,
+        off_cpu: OffCpu | None = None,
     ) -> None:
         """``housekeeping``: started after every tick unless the last one still runs, while
         the guest runs (the guest OS's slow changes, e.g. modules loaded; it keeps its own
         schedule), beside the wait for the next tick; its errors are dropped (a guest gone
-        shows at the next stop)."""
+        shows at the next stop). ``off_cpu``: the tasks off CPU, looked at before the first
+        tick and after the housekeeping; each tick adds their samples."""
         self.transport = transport
         self.unwinder = unwinder
         self.identifier = identifier
@@ -141,6 +157,9 @@ class Sampler(Generic[Space, Raw]):
         self._rng = rng
         self._on_tick = on_tick
         self._housekeeping = housekeeping
+        self._off_cpu = off_cpu
+        self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
+        self._running.set()
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
         self._woken: asyncio.Event | None = None  # set by request_stop: the wait ends at once
@@ -177,6 +196,9 @@ class Sampler(Generic[Space, Raw]):
             return RunOutcome(False, tuple(await self._tick(cpus, stop=False)))
         if one_shot:
             return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
+        if self._off_cpu is not None:
+            await self._off_cpu.look(self._running.wait)
+            self._start = self._clock()
         try:
             return await self._ticks(cpus)
         finally:
@@ -225,15 +247,19 @@ class Sampler(Generic[Space, Raw]):
         to the next tick: it runs up to its first wait now, the rest while the sampler waits,
         so that a long job (a process's mappings read over QMP) never holds the next tick
         back. Its reads may meet a pause (then one of them delays it a little)."""
-        if self._housekeeping is None or not (self._housework is None or self._housework.done()):
+        jobs = [self._housekeeping] if self._housekeeping is not None else []
+        if self._off_cpu is not None:
+            jobs.append(functools.partial(self._off_cpu.look, self._running.wait))
+        if not jobs or not (self._housework is None or self._housework.done()):
             return
-        self._housework = asyncio.ensure_future(self._housekeep(self._housekeeping))
+        self._housework = asyncio.ensure_future(self._housekeep(jobs))
         await asyncio.sleep(0)
 
     @staticmethod
-    async def _housekeep(job: Callable[[], Awaitable[None]]) -> None:
-        with contextlib.suppress(QmpprofError):
-            await job()
+    async def _housekeep(jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
+        for job in jobs:
+            with contextlib.suppress(QmpprofError):
+                await job()
 
     async def _housework_done(self) -> None:
         """The run ends with no housekeeping left running: what runs is let finish, a
@@ -281,21 +307,45 @@ class Sampler(Generic[Space, Raw]):
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
         if stop:
+            self._running.clear()
             try:
-                captured = await self._capture_all(cpus, stop=True)
-            except BaseException:
-                await self._resume_quietly()
-                raise
-            mark = self._clock()
-            await self.transport.cont()
-            self._resumed = self._clock()
-            self._phase("cont", mark)
+                captured = await self._stopped(cpus)
+            finally:
+                self._running.set()
         else:
             captured = await self._capture_all(cpus, stop=False)
         self.stats.pauses.append(self._clock() - began)
         self.stats.wall_time = self._clock() - self._start
         self.stats.ticks += 1
-        return [s for s in map(self._finish, captured) if s is not None]
+        samples = [s for s in map(self._finish, captured) if s is not None]
+        if self._off_cpu is not None:
+            for waiting in self._off_cpu.samples(samples, began - self._start):
+                self._add_off_cpu(waiting)
+        return samples
+
+    def _add_off_cpu(self, sample: Sample) -> None:
+        """A task off CPU: under --kernel-only or --user-only, the frames of that mode."""
+        keep = self.config.keep
+        if keep is not None:
+            frames = tuple(f for f in sample.stack.frames if f.kernel == (keep is Mode.KERNEL))
+            if not frames:
+                self.stats.filtered += 1
+                return
+            sample = dataclasses.replace(sample, stack=Stack(frames, sample.stack.stop))
+        self.profile.add(sample)
+
+    async def _stopped(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+        """Stop, capture, cont."""
+        try:
+            captured = await self._capture_all(cpus, stop=True)
+        except BaseException:
+            await self._resume_quietly()
+            raise
+        mark = self._clock()
+        await self.transport.cont()
+        self._resumed = self._clock()
+        self._phase("cont", mark)
+        return captured
 
     async def _resume_quietly(self) -> None:
         # Already failing (or cancelled): resume if QEMU still listens, keep the first error.

@@ -17,9 +17,10 @@ from typing import Literal
 
 from qmpprof import arch as arches
 from qmpprof import guest as guests
-from qmpprof.errors import QmpprofError
-from qmpprof.guest.base import Guest, GuestSpec, KernelFile
+from qmpprof.errors import QmpprofError, UsageError
+from qmpprof.guest.base import Guest, GuestSpec, KernelFile, TaskLister
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
+from qmpprof.offcpu import Waiting
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
@@ -54,6 +55,8 @@ class RunSpec:
     # Resolve source lines and inlined frames where DWARF has them (for --lines, and for saved
     # profiles, which any naming may render later); off, frames carry no lines (cheaper).
     lines: bool = False
+    # Every task off CPU at each tick too (a guest OS that tells its tasks).
+    off_cpu: bool = False
     sampling: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
     @property
@@ -184,14 +187,27 @@ def sampler(
     transport: GuestTransport,
     on_tick: Callable[[SamplerStats], None] | None = None,
 ) -> Run:
-    """A sampler of ``guest`` over ``transport`` (attached), ready to run."""
+    """A sampler of ``guest`` over ``transport`` (attached), ready to run; with
+    ``spec.off_cpu``, the tasks off CPU at each tick too (``Waiting``: looked at between
+    ticks, as housekeeping)."""
+    walker = unwinder(spec, guest)
+    config = sampler_config(spec, transport)
+    waiting = None
+    if spec.off_cpu:
+        if not isinstance(guest, TaskLister) or transport.control is None:
+            raise UsageError("--off-cpu needs a guest OS that tells its tasks (--os linux)")
+        boundary = (
+            walker.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
+        )
+        waiting = Waiting(transport.control, guest, walker, boundary)
     return Sampler(
         transport,
-        unwinder(spec, guest),
+        walker,
         guest,
-        sampler_config(spec, transport),
+        config,
         on_tick=on_tick,
         housekeeping=guest.housekeep,
+        off_cpu=waiting,
     )
 
 

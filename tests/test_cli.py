@@ -166,7 +166,7 @@ def test_qemu_gone_mid_run_keeps_the_samples(
         (["--kernel-boundary", "zz"], "--kernel-boundary: not an address"),
         (["--qmp", "host"], "not HOST:PORT"),
         (["--json"], "--json needs --one-shot"),
-        (["--off-cpu"], "--off-cpu needs --one-shot"),
+        (["--off-cpu"], "--off-cpu needs a guest OS that tells its tasks"),
         (["--one-shot", "--off-cpu"], "--off-cpu needs a guest OS that tells its tasks"),
         (["-k", "-u"], "not allowed with argument"),
         (["--jitter", "2"], "--jitter must be a fraction"),

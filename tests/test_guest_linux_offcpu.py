@@ -73,8 +73,9 @@ def layout() -> OffCpuLayout:
     names = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx",
              "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "flags", "rsp", "ss")  # fmt: skip
     return OffCpuLayout(
-        state=24, state_size=4, exit_state=2000, thread_sp=5400, signal=3000, thread_node=2600,
-        thread_head=16, frame_size=56, frame_bp=40, frame_ret=48, regs_size=168,
+        state=24, state_size=4, exit_state=2000, nvcsw=2100, nivcsw=2108, thread_sp=5400,
+        signal=3000, thread_node=2600, thread_head=16, frame_size=56, frame_bp=40, frame_ret=48,
+        regs_size=168,
         regs=tuple((name, 8 * i) for i, name in enumerate(names) if name != "orig_rax"),
     )  # fmt: skip
 

@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,11 @@ ORACLE = re.compile(
 # /proc/qmpprof_sleep.
 TASKS = 5
 SHARE = 0.95  # of those whose stacks must equal /proc's
+DURATION = 5  # seconds of guest run time of each sampling run
+FLAGS = ((), ("--off-cpu",))  # a sampling run without, then with --off-cpu
+WEIGHT = 0.10  # how far a blocked task's samples may be from the ticks, at most
+SHARE_NOISE = 0.10  # how far an on-CPU process's share may move with --off-cpu, at most
+MAJOR = 0.10  # the on-CPU shares compared: of the processes with this much in either run
 
 
 def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
@@ -54,6 +60,14 @@ async def pause(qmp_socket: Path) -> None:
     transport = await QmpTransport.connect(qmp_socket)
     try:
         await transport.stop()
+    finally:
+        await transport.close()
+
+
+async def resume(qmp_socket: Path) -> None:
+    transport = await QmpTransport.connect(qmp_socket)
+    try:
+        await transport.cont()
     finally:
         await transport.close()
 
@@ -98,6 +112,9 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
             assert paused.returncode == 0, paused.stderr
             assert run_state(guest.qmp_socket) == "paused"
             assert "Tasks: " in paused.stdout and ": D (disk sleep)" in paused.stdout
+            asyncio.run(resume(guest.qmp_socket))
+        runs = {flag: sampling_run(guest.qmp_socket, vmlinuz, tmp_path, flag) for flag in FLAGS}
+        assert run_state(guest.qmp_socket) == "running"
     assert len(expected) == TASKS, guest.console_text()
     skipped = scheduler_ranges(LinuxKernel.load(vmlinuz), guest.text_address)
     tasks = {t["process"]["tid"]: t for t in json.loads(result.stdout)["tasks"]}
@@ -136,3 +153,63 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
     assert len(on_cpu) <= 2 and all(t["frames"] is None for t in on_cpu), on_cpu
     # The rest of the guest's tasks were listed too: its kernel threads, init.
     assert len(tasks) > 20 and tasks[1]["process"]["program"] == "init", sorted(tasks)
+    blocked = {tid: (tasks[tid]["process"]["pid"], letter) for tid, (letter, _) in expected.items()}
+    check_sampling(runs, blocked)
+
+
+def sampling_run(
+    qmp_socket: Path, vmlinuz: Path, tmp_path: Path, flags: tuple[str, ...]
+) -> tuple[Counter[tuple[str, ...]], int, str]:
+    """A 5 s run: its folded stacks (root first), its ticks, its summary."""
+    out = tmp_path / f"run{len(flags)}.folded"
+    result = subprocess.run(
+        [sys.executable, "-m", "qmpprof", "--qmp-socket", str(qmp_socket), "--kernel",
+         str(vmlinuz), "--user-dir", str(ROOTFS), "--duration", str(DURATION), *flags,
+         "-o", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ticks = re.search(r"(\d+) ticks", result.stderr)
+    assert ticks is not None, result.stderr
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for line in out.read_text().splitlines():
+        names, count = line.rsplit(" ", 1)
+        stacks[tuple(names.split(";"))] += int(count)
+    return stacks, int(ticks.group(1)), result.stderr
+
+
+def check_sampling(
+    runs: dict[tuple[str, ...], tuple[Counter[tuple[str, ...]], int, str]],
+    blocked: dict[int, tuple[int | None, str]],
+) -> None:
+    """With --off-cpu, each blocked task weighs one sample a tick (within WEIGHT), under the
+    ``[off-cpu: S]`` of its state; the on-CPU stacks' shares by process are those of a run
+    without the flag (within SHARE_NOISE)."""
+    (plain, _, plain_err), (mixed, ticks, mixed_err) = runs[()], runs[("--off-cpu",)]
+    print(f"without --off-cpu:\n{plain_err}with --off-cpu:\n{mixed_err}")
+    assert not any(names[1].startswith("[off-cpu: ") for names in plain if len(names) > 1)
+    per_pid = Counter(pid for pid, _ in blocked.values())
+    for tid, (pid, letter) in blocked.items():
+        weight = sum(
+            count
+            for names, count in mixed.items()
+            if names[0].endswith(f"(pid {pid})") and names[1:2] == (f"[off-cpu: {letter}]",)
+        )
+        assert abs(weight / per_pid[pid] - ticks) <= WEIGHT * ticks, (tid, weight, ticks)
+    on_cpu = Counter({n: c for n, c in mixed.items() if not n[1:2] or "[off-cpu: " not in n[1]})
+    assert sum(on_cpu.values()) > ticks / 2, on_cpu.most_common(5)
+    with_flag, without = shares(on_cpu), shares(plain)
+    major = {root for run in (with_flag, without) for root, share in run.items() if share >= MAJOR}
+    for root in sorted(major):
+        share_with, share_without = with_flag.get(root, 0.0), without.get(root, 0.0)
+        print(f"on-CPU share of {root}: {share_with:.3f} with --off-cpu, {share_without:.3f}")
+        assert abs(share_with - share_without) <= SHARE_NOISE, (root, share_with, share_without)
+
+
+def shares(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
+    """The share of each root (process, by name)."""
+    roots: Counter[str] = Counter()
+    for names, count in stacks.items():
+        roots[re.sub(r" \(pid \d+\)", "", names[0])] += count
+    total = sum(roots.values())
+    return {root: count / total for root, count in roots.items()}

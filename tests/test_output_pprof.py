@@ -122,7 +122,9 @@ def test_inlined_frames_are_lines_of_one_location_innermost_first() -> None:
         [("syscall_entry", "entry.S", 3)],
     )
     assert got.locations[locations[2]] == (0, 0x401233, [("main", "", 0)])
-    assert labels == {"cpu": 0, "pid": 3, "process": "shell (pid 3)", "mode": "kernel"}
+    assert labels == {
+        "cpu": 0, "cpu_state": "oncpu", "pid": 3, "process": "shell (pid 3)", "mode": "kernel"
+    }  # fmt: skip
 
 
 def test_threads_are_labelled_with_tid_and_name() -> None:
@@ -138,7 +140,9 @@ def test_threads_are_labelled_with_tid_and_name() -> None:
 def test_a_truncated_stack_ends_in_a_truncated_frame_and_is_labelled() -> None:
     got = decode(render(detailed_profile(), "pprof"))
     locations, _, labels = got.samples[2]
-    assert labels == {"cpu": 0, "process": "kernel", "mode": "kernel", "truncated": "true"}
+    assert labels == {
+        "cpu": 0, "cpu_state": "oncpu", "process": "kernel", "mode": "kernel", "truncated": "true"
+    }  # fmt: skip
     assert got.locations[locations[-1]] == (0, 0, [("[truncated]", "", 0)])
     assert got.locations[locations[0]][2][0][0] == "syscall_entry"
 

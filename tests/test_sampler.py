@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 from fakes import (
@@ -21,7 +21,7 @@ from fakes import (
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import GuestGoneError, TransportError, UsageError
 from qmpprof.memory import ALIGN, PIECE, SLACK
-from qmpprof.model import Mode, Registers, StopReason
+from qmpprof.model import NO_CPU, Frame, Mode, Process, Registers, Sample, Stack, StopReason
 from qmpprof.naming import Naming
 from qmpprof.pagecache import PageCache, PageMissing
 from qmpprof.sampler import Sampler, SamplerConfig
@@ -616,3 +616,49 @@ async def test_what_was_collected_is_taken_and_the_next_run_starts_afresh() -> N
     assert sampler.stats.requested_hz == stats.requested_hz
     await sampler.run()  # a whole run again: its tick count starts from zero
     assert (len(sampler.profile), sampler.stats.ticks) == (2, 2) and len(profile) == 2
+
+
+class ScriptedWaiting:
+    """Off CPU: one task asleep in schedule, called from user_main; ``look`` records whether the
+    guest ran when it worked (``running`` awaited first)."""
+
+    def __init__(self, transport: FakeTransport) -> None:
+        self.transport = transport
+        self.looks: list[bool] = []
+
+    async def look(self, running: Callable[[], Awaitable[object]]) -> None:
+        await running()
+        self.looks.append(self.transport.calls.count("stop") == self.transport.calls.count("cont"))
+
+    def samples(self, on_cpu: Sequence[Sample], at: float) -> list[Sample]:
+        frames = (Frame(K + 0x2010, True, "schedule"), Frame(0x40_1010, False, "user_main"))
+        sleeper = Process(5, "sleeper", 0, 5)
+        return [Sample(at, NO_CPU, Mode.KERNEL, False, 0, Stack(frames), sleeper, "S")]
+
+
+@pytest.mark.parametrize(
+    ("keep", "names"),
+    [
+        (None, ("sleeper (pid 5)", "[off-cpu: S]", "user_main", "schedule_[k]")),
+        (Mode.KERNEL, ("sleeper (pid 5)", "[off-cpu: S]", "schedule_[k]")),
+        (Mode.USER, ("sleeper (pid 5)", "[off-cpu: S]", "user_main")),
+    ],
+)
+async def test_each_tick_adds_the_tasks_off_cpu_looked_at_while_the_guest_runs(
+    keep: Mode | None, names: tuple[str, ...]
+) -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    waiting = ScriptedWaiting(transport)
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        KernelIdentifier(SPACE),
+        SamplerConfig(duration=0.03, interval=0.01, keep=keep),
+        clock=transport.clock,
+        sleep=transport.clock.sleep,
+        off_cpu=waiting,
+    )
+    await sampler.run()
+    assert sampler.profile.named_counts(Naming())[names] == 3
+    assert waiting.looks and all(waiting.looks)  # before the first tick, then between ticks

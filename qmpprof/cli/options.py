@@ -31,7 +31,7 @@ class Options:
     json: bool
     naming: Naming
     verbose: bool
-    off_cpu: bool = False  # with one_shot: every task, its state and stacks
+    off_cpu: bool = False  # every task off CPU (one_shot: every task, its state and stacks)
     label: str | None = None  # what titles call the guest (record, demo); else where it is
 
     @property
@@ -189,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--off-cpu",
         action="store_true",
-        help="with --one-shot: every task of a Linux guest too, its state and, off CPU, its stacks",
+        help="every task of a Linux guest off CPU too, at each tick, under [off-cpu: STATE]; "
+        "with --one-shot: every task, its state and, off CPU, its stacks",
     )
     add_view_flags(p)
     add("-v", "--verbose", action="store_true", help="more detail in the summary")
@@ -212,8 +213,6 @@ def parse(argv: list[str]) -> Options:
         )
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
-    if ns.off_cpu and not ns.one_shot:
-        raise UsageError("--off-cpu needs --one-shot")
     transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "auto")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
@@ -231,6 +230,7 @@ def parse(argv: list[str]) -> Options:
         memory=ns.memory,
         **guest_fields(ns),
         lines=ns.lines or with_lines,
+        off_cpu=ns.off_cpu and not ns.one_shot,
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,
             duration=ns.duration,

@@ -26,6 +26,11 @@ def parser() -> argparse.ArgumentParser:
              "stacks")  # fmt: skip
     add("--format", metavar="FMT", help="output format (default: from the file name)")
     options.add_view_flags(p)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--on-cpu", action="store_true", help="only the samples on a CPU")
+    where.add_argument(
+        "--off-cpu", action="store_true", help="only the samples of tasks off CPU (--off-cpu runs)"
+    )
     return p
 
 
@@ -34,8 +39,10 @@ def main(args: list[str]) -> int:
     outputs = options.outputs_of(ns)
     keep = options.mode_of(ns)
     profile = native.load(Path(ns.profile))
-    if keep is not None or ns.cpus:
-        profile = profile.select(keep, options.parse_cpus(ns.cpus) if ns.cpus else None)
+    on_cpu = True if ns.on_cpu else False if ns.off_cpu else None
+    if keep is not None or ns.cpus or on_cpu is not None:
+        cpus = options.parse_cpus(ns.cpus) if ns.cpus else None
+        profile = profile.select(keep, cpus, on_cpu)
     naming = options.naming_of(ns)
     if not outputs:
         sys.stdout.write(text.top_stacks(profile, naming))

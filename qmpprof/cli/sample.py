@@ -132,7 +132,7 @@ async def _sample(
             if on_start is not None:
                 await on_start(sampler)
             outcome = await sampler.run(one_shot=opts.one_shot)
-            if opts.off_cpu and lister is not None:
+            if opts.one_shot and opts.off_cpu and lister is not None:
                 tasks = await every_task(
                     sampler.transport, lister, sampler.unwinder, sampler.boundary
                 )

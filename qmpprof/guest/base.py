@@ -160,7 +160,9 @@ class FoundTask:
     where its kernel stack resumes (``kernel``) and the user registers it entered the kernel
     with (``user``, None for a kernel thread), the space to walk them in and how to read its
     memory (``read``: kernel and user addresses, the latter through its own page tables), and
-    the stack bytes read already (``window``: address, bytes)."""
+    the stack bytes read already (``window``: address, bytes). ``at`` tells the task apart
+    from the others (its address); ``version`` changes whenever it runs (its state and
+    context-switch counts): equal before and after a walk, the task stood still meanwhile."""
 
     process: Process | None
     state: str
@@ -171,15 +173,24 @@ class FoundTask:
     user: Registers | None = None
     read: Reader | None = None
     window: tuple[int, bytes] | None = None
+    at: int = 0
+    version: tuple[int, ...] = ()
 
 
 @runtime_checkable
 class TaskLister(Protocol):
-    """A guest OS that can tell every task of the stopped guest, on a CPU or waiting."""
+    """A guest OS that can tell every task of the guest, on a CPU or waiting."""
 
     async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
-        """While the guest is stopped (and after ``attach``): every task, read through
-        ``transport``. Raises UsageError when this guest cannot tell its tasks."""
+        """After ``attach``: every task, read through ``transport`` (the guest stopped; or
+        running, then each task is checked by ``versions``). Raises UsageError when this
+        guest cannot tell its tasks."""
+        ...
+
+    async def versions(
+        self, transport: GuestTransport, tasks: Sequence[FoundTask]
+    ) -> list[tuple[int, ...] | None]:
+        """Each task's ``version`` as it stands now, None for one on a CPU now."""
         ...
 
 

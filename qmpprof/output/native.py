@@ -70,12 +70,14 @@ def render(profile: Profile, naming: Naming) -> bytes:
             ]
             for f in profile.frames
         ],
+        # An off-CPU stack's state follows its frames (absent on a CPU).
         "stacks": [
             [
                 -1 if s.process is None else processes[s.process],
                 s.mode.value,
                 s.stop.value,
                 list(s.frames),
+                *([] if s.state is None else [s.state]),
             ]
             for s in profile.stacks
         ],
@@ -142,8 +144,8 @@ def _profile(doc: dict[str, Any]) -> Profile:
     ]  # fmt: skip
     stacks = [
         (None if p < 0 else processes[p], Mode(mode), StopReason(stop),
-         tuple(frames[i] for i in ids))
-        for p, mode, stop, ids in doc["stacks"]
+         tuple(frames[i] for i in ids), str(state[0]) if state else None)
+        for p, mode, stop, ids, *state in doc["stacks"]
     ]  # fmt: skip
     facts = doc["facts"]
     if not isinstance(facts, dict):
@@ -151,11 +153,10 @@ def _profile(doc: dict[str, Any]) -> Profile:
     profile = Profile(float(doc["interval_ms"]), {str(k): str(v) for k, v in facts.items()})
     samples = doc["samples"]
     for time, cpu, sid in zip(samples["time"], samples["cpu"], samples["stack"], strict=True):
-        process, mode, stop, stack_frames = stacks[sid]
+        process, mode, stop, stack_frames, state = stacks[sid]
         user = mode is Mode.USER
-        profile.add(
-            Sample(float(time), int(cpu), mode, user, 0, Stack(stack_frames, stop), process)
-        )
+        stack = Stack(stack_frames, stop)
+        profile.add(Sample(float(time), int(cpu), mode, user, 0, stack, process, state))
     return profile
 
 

@@ -31,7 +31,7 @@ import gzip
 from collections import Counter
 from dataclasses import dataclass
 
-from qmpprof.model import Frame, Mapping
+from qmpprof.model import NO_CPU, Frame, Mapping
 from qmpprof.naming import Naming, context_name, frame_name, stop_marker
 from qmpprof.output.protowire import Message
 from qmpprof.profile import Profile, StackRecord
@@ -120,7 +120,10 @@ class _Builder:
 
     def labels(self, record: StackRecord, cpu: int) -> list[Message]:
         process = record.process
-        out = [self._label("cpu", num=cpu, unit="vcpu")]
+        out = [] if cpu == NO_CPU else [self._label("cpu", num=cpu, unit="vcpu")]
+        out.append(self._label("cpu_state", "oncpu" if record.state is None else "offcpu"))
+        if record.state is not None:
+            out.append(self._label("state", record.state))
         if process is not None and process.pid is not None:
             out.append(self._label("pid", num=process.pid, unit="pid"))
         out.append(self._label("process", context_name(process)))

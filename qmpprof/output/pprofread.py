@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
+from qmpprof.model import NO_CPU, Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import TRUNCATED, UNKNOWN, USER_GONE
 from qmpprof.profile import Profile
 
@@ -148,9 +148,10 @@ def decode(data: bytes) -> Profile:
     seconds = raw.duration / 1e9
     step = seconds / max(1, sum(counts))
     at = 0
-    for (cpu, mode, stack, process), count in zip(stacks, counts, strict=True):
+    for (cpu, mode, stack, process, state), count in zip(stacks, counts, strict=True):
         for _ in range(count):
-            profile.add(Sample(at * step, cpu, mode, mode is Mode.USER, 0, stack, process))
+            user = mode is Mode.USER
+            profile.add(Sample(at * step, cpu, mode, user, 0, stack, process, state))
             at += 1
     return profile
 
@@ -255,8 +256,9 @@ def _stack(
     boundary: int,
     ids: list[int],
     labels: list[tuple[int, int, int, int]],
-) -> tuple[int, Mode, Stack, Process | None]:
-    """A sample's vCPU, mode, stack and process."""
+) -> tuple[int, Mode, Stack, Process | None, str | None]:
+    """A sample's vCPU, mode, stack, process and, off CPU, state (qmpprof's ``cpu_state``
+    and ``state`` labels)."""
     text = {raw.string(key): raw.string(value) for key, value, _, _ in labels if value}
     numbers = {raw.string(key): _signed(num) for key, value, num, _ in labels if not value}
     frames: list[Frame] = []
@@ -284,7 +286,9 @@ def _stack(
     if "mode" not in text:
         mode = Mode.KERNEL if frames and frames[0].kernel else Mode.USER
     stop = StopReason.DEPTH if truncated else StopReason.USER_GONE if gone else StopReason.END
-    return numbers.get("cpu", 0), mode, Stack(tuple(frames), stop), _process(text, numbers)
+    state = text.get("state") if text.get("cpu_state") == "offcpu" else None
+    cpu = numbers.get("cpu", 0 if state is None else NO_CPU)
+    return cpu, mode, Stack(tuple(frames), stop), _process(text, numbers), state
 
 
 def _process(text: dict[str, str], numbers: dict[str, int]) -> Process | None:

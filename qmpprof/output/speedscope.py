@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from qmpprof import __version__
+from qmpprof.model import NO_CPU
 from qmpprof.naming import Naming
 from qmpprof.output.facts import title
 from qmpprof.profile import Profile
@@ -29,7 +30,7 @@ def _cpu_profile(
     samples = [frames[sid] for _time, _cpu, sid in timeline]
     return {
         "type": "sampled",
-        "name": f"vcpu {cpu}",
+        "name": "off cpu" if cpu == NO_CPU else f"vcpu {cpu}",
         "unit": UNIT,
         "startValue": _ms(timeline[0][0]),
         "endValue": round(_ms(timeline[-1][0]) + interval_ms, 3),
@@ -49,7 +50,7 @@ def render(profile: Profile, naming: Naming) -> str:
             frames[sid] = [frame_index.setdefault(n, len(frame_index)) for n in named[sid].names]
     profiles = [
         _cpu_profile(cpu, [e for e in ordered if e[1] == cpu], frames, profile.interval_ms)
-        for cpu in profile.cpus
+        for cpu in sorted(set(profile.cpus_of))  # the tasks off CPU (NO_CPU) last, one lane
     ]
     document = {
         "$schema": SCHEMA,

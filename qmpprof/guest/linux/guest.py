@@ -212,6 +212,14 @@ class LinuxGuest:
         cpus = await transport.cpus()
         return await self.census.every_task(reader(transport, cpus[0]))
 
+    async def versions(
+        self, transport: GuestTransport, tasks: Sequence[FoundTask]
+    ) -> list[tuple[int, ...] | None]:
+        if isinstance(self.census, str):
+            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
+        cpus = await transport.cpus()
+        return await self.census.versions(reader(transport, cpus[0]), [t.at for t in tasks])
+
     async def housekeep(self) -> None:
         await self.identifier.housekeep()
 

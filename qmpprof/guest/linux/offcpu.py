@@ -61,6 +61,8 @@ class OffCpuLayout:
     state: int
     state_size: int  # 8 for 5.10's long state, 4 for __state
     exit_state: int
+    nvcsw: int  # task_struct's context-switch counts (unsigned long): voluntary
+    nivcsw: int  # and involuntary
     thread_sp: int  # task_struct.thread.sp
     signal: int
     thread_node: int
@@ -87,6 +89,8 @@ class OffCpuLayout:
             state=state.offset,
             state_size=btf.size_of(state.type_id),
             exit_state=btf.offset_of("task_struct.exit_state"),
+            nvcsw=btf.offset_of("task_struct.nvcsw"),
+            nivcsw=btf.offset_of("task_struct.nivcsw"),
             thread_sp=btf.offset_of("task_struct.thread") + btf.offset_of("thread_struct.sp"),
             signal=btf.offset_of("task_struct.signal"),
             thread_node=btf.offset_of("task_struct.thread_node"),
@@ -235,56 +239,76 @@ class Census:
         leaders = await task_list(read, self.init_task, self.tasks)
         every = await threads(read, leaders, self.layout)
         running = {} if self.current is None else await self.current.running(read)
-        layout = self.layout
         ranges = []
         for at in every:
             ranges += [
                 task_range(at, self.tasks),
-                (at + layout.state, layout.state_size),
-                (at + layout.exit_state, 4),
-                (at + layout.thread_sp, 8),
+                (at + self.layout.thread_sp, 8),
+                *self._switches(at),
             ]
         raw = await read(ranges)
-        read_first = [self._first(at, raw[4 * i : 4 * i + 4]) for i, at in enumerate(every)]
+        read_first = [self._first(at, raw[6 * i : 6 * i + 6]) for i, at in enumerate(every)]
         first = [(at, found) for at, found in zip(every, read_first, strict=True) if found]
         second = await read([r for at, found in first for r in self._second(found, at in running)])
         tables = self.spaces.tables
         walk = None if tables is None else PageTables(read, tables.direct_map, tables.levels)
         out = []
-        for i, (at, (task, leader, state, exit_state, sp)) in enumerate(first):
+        for i, (at, (task, leader, version, sp)) in enumerate(first):
             more = second[3 * i : 3 * i + 3]
             task = task if leader is None else with_leader(task, more[0])
-            letter, name = self.states.decode(state, exit_state)
+            letter, name = self.states.decode(*version[:2])
             space = await self.spaces.preload(read, task) or self.spaces.kernel
-            found = FoundTask(task.process, letter, name, running.get(at), space)
+            found = FoundTask(
+                task.process, letter, name, running.get(at), space, at=at, version=version
+            )
             if more[1] is not None:
                 found = self._stacks(found, task, sp, more[1], more[2], read, walk)
             out.append(found)
         return sorted(out, key=lambda t: (t.process.tid or 0) if t.process else 0)
 
+    async def versions(self, read: Reader, tasks: Sequence[int]) -> list[tuple[int, ...] | None]:
+        """What ``every_task`` read as each task's version (state, exit state, context-switch
+        counts), read again; None for a task on a CPU now."""
+        running = {} if self.current is None else await self.current.running(read)
+        raw = await read([r for at in tasks for r in self._switches(at)])
+        out: list[tuple[int, ...] | None] = []
+        for i, at in enumerate(tasks):
+            parts = raw[4 * i : 4 * i + 4]
+            if at in running or any(part is None for part in parts):
+                out.append(None)
+            else:
+                out.append(tuple(int.from_bytes(part or b"", "little") for part in parts))
+        return out
+
+    def _switches(self, at: int) -> list[tuple[int, int]]:
+        """Where a task's version lies: its state, exit state and context-switch counts."""
+        layout = self.layout
+        return [
+            (at + layout.state, layout.state_size),
+            (at + layout.exit_state, 4),
+            (at + layout.nvcsw, 8),
+            (at + layout.nivcsw, 8),
+        ]
+
     def _first(
         self, at: int, raw: list[bytes | None]
-    ) -> tuple[Task, int | None, int, int, int] | None:
-        """The task, the leader whose name it needs, its state values and ``thread.sp``."""
+    ) -> tuple[Task, int | None, tuple[int, ...], int] | None:
+        """The task, the leader whose name it needs, its version (``versions``) and
+        ``thread.sp``."""
         if any(part is None for part in raw):
             return None
-        fields, state, exit_state, sp = (part or b"" for part in raw)
+        fields, sp, *version = (part or b"" for part in raw)
         task, leader = parse_task(fields, at, self.tasks, self.arch.shared_from)
-        number = int.from_bytes
-        return (
-            task,
-            leader,
-            number(state, "little"),
-            number(exit_state, "little"),
-            number(sp, "little"),
-        )
+        numbers = tuple(int.from_bytes(part, "little") for part in version)
+        return task, leader, numbers, int.from_bytes(sp, "little")
 
     def _second(
-        self, found: tuple[Task, int | None, int, int, int], on_cpu: bool
+        self, found: tuple[Task, int | None, tuple[int, ...], int], on_cpu: bool
     ) -> list[tuple[int, int]]:
         """Its leader's name; off CPU, its kernel stack from ``thread.sp`` to the stack's end
         (an exited task's stack is freed); its page tables' root (size 0: not wanted)."""
-        task, leader, _, exit_state, sp = found
+        task, leader, version, sp = found
+        exit_state = version[1]
         name = (0, 0) if leader is None else (leader + self.tasks.comm, self.tasks.comm_size)
         size, vmas = self.thread_size, self.spaces.vmas
         end = task.stack + (size or 0)

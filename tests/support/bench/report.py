@@ -46,6 +46,8 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
 BOUNDS: tuple[tuple[str, str, float | None, float | None], ...] = (
     ("Linux churn: rate in run time vs asked", "linux_churn_rate_share", 0.95, None),
     ("Linux churn: wall vs run time asked + pauses", "linux_churn_wall_ratio", None, 1.2),
+    # Issue 21's (linuxoffcpu.py): a pause with --off-cpu vs without, 200+ tasks.
+    ("Linux pause with --off-cpu vs without", "offcpu_pause_ratio", None, 1.5),
 )
 
 

@@ -24,6 +24,7 @@ from support.bench import report
 from support.bench.aarch64run import aarch64_run
 from support.bench.guest import Fixture, Guest, boot
 from support.bench.linuxchurn import linux_churn
+from support.bench.linuxoffcpu import linux_offcpu
 from support.bench.linuxrun import linux_run
 from support.bench.methods import (
     EmeraldHmp,
@@ -293,6 +294,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     if cfg.linux:
         linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
         linux.update(await aarch64_run(2 * cfg.duration, log))
+        linux.update(await linux_offcpu(ROOT, cfg.duration, log))
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {

@@ -1,0 +1,79 @@
+"""Off-CPU samples in every output: folded and SVG put ``[off-cpu: S]`` right above the process
+root, pprof labels them ``cpu_state``/``state``, a ``.qmpprof`` and a pprof read back keep
+them, and ``report --on-cpu``/``--off-cpu`` draws either alone."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from test_output_native import KERNEL
+from test_output_pprof import decode
+
+from qmpprof.cli import report
+from qmpprof.model import NO_CPU, Frame, Mode, Process, Sample, Stack
+from qmpprof.naming import Naming
+from qmpprof.output import native, render
+from qmpprof.output.pprofread import decode as read_pprof
+from qmpprof.profile import Profile
+
+SLEEPER = Process(7, "sleep", 0xB000, 7, "sleep")
+WORKER = Process(9, "work", 0xC000, 9, "work")
+SCHEDULE = Frame(KERNEL.start + 0x300, True, "schedule", 0, KERNEL)
+NANOSLEEP = Frame(KERNEL.start + 0x400, True, "do_nanosleep", 0, KERNEL)
+MAIN = Frame(0x401000, False, "main", 0)
+ON_CPU = ("work (pid 9)", "main")
+OFF_CPU = ("sleep (pid 7)", "[off-cpu: S]", "main", "do_nanosleep_[k]", "schedule_[k]")
+
+
+def mixed_profile() -> Profile:
+    """Two ticks: the worker on vCPU 0 at each, the sleeper off CPU at each."""
+    profile = Profile(10.0, {"guest": "test"})
+    for tick in (0.01, 0.02):
+        profile.add(Sample(tick, 0, Mode.USER, True, 0, Stack((MAIN,)), WORKER))
+        stack = Stack((SCHEDULE, NANOSLEEP, MAIN))
+        profile.add(Sample(tick, NO_CPU, Mode.KERNEL, False, 0, stack, SLEEPER, "S"))
+    return profile
+
+
+def test_folded_and_svg_show_the_state_above_the_process() -> None:
+    profile = mixed_profile()
+    assert profile.named_counts(Naming()) == {ON_CPU: 2, OFF_CPU: 2}
+    assert profile.cpus == [0]
+    assert b"[off-cpu: S]" in render(profile, "svg", Naming())
+    lines = render(profile, "folded", Naming()).decode().splitlines()
+    assert f"{';'.join(OFF_CPU)} 2" in lines
+
+
+def test_pprof_labels_say_on_or_off_cpu_and_the_state() -> None:
+    data = render(mixed_profile(), "pprof", Naming())
+    labels = sorted((s[2] for s in decode(data).samples), key=lambda ls: ls["process"])
+    assert labels[0]["cpu_state"] == "offcpu" and labels[0]["state"] == "S"
+    assert "cpu" not in labels[0]  # off CPU: no vCPU
+    assert labels[1]["cpu_state"] == "oncpu" and "state" not in labels[1]
+    again = read_pprof(gzip.decompress(data))
+    assert again.named_counts(Naming()) == {ON_CPU: 2, OFF_CPU: 2}
+
+
+def test_a_saved_profile_keeps_the_states(tmp_path: Path) -> None:
+    path = tmp_path / "run.qmpprof"
+    path.write_bytes(render(mixed_profile(), "qmpprof"))
+    again = native.load(path)
+    assert again.named_counts(Naming()) == {ON_CPU: 2, OFF_CPU: 2}
+    assert list(again.cpus_of) == [0, NO_CPU, 0, NO_CPU]
+
+
+@pytest.mark.parametrize(("flag", "kept"), [("--on-cpu", ON_CPU), ("--off-cpu", OFF_CPU)])
+def test_report_draws_on_or_off_cpu_alone(tmp_path: Path, flag: str, kept: tuple[str]) -> None:
+    saved, out = tmp_path / "run.qmpprof", tmp_path / "out.folded"
+    saved.write_bytes(render(mixed_profile(), "qmpprof"))
+    assert report.main([str(saved), flag, "-o", str(out)]) == 0
+    assert out.read_text() == f"{';'.join(kept)} 2\n"
+
+
+def test_speedscope_puts_the_tasks_off_cpu_in_a_lane_of_their_own() -> None:
+    document = json.loads(render(mixed_profile(), "speedscope", Naming()))
+    lanes = {lane["name"]: len(lane["samples"]) for lane in document["profiles"]}
+    assert lanes == {"vcpu 0": 2, "off cpu": 2}
