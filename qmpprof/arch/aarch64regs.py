@@ -19,12 +19,12 @@ import re
 import struct
 
 from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.arch.base import per_cpu
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
 
 _FIELD = re.compile(r"\b(PC|SP|X\d\d|PSTATE)=([0-9a-f]+)\b")
 _EL = re.compile(r"\bEL([0-3])[th]\b")
-_CPU = re.compile(r"^CPU#(\d+)", re.MULTILINE)
 _CORE = struct.Struct("<33QI")  # x0..x30, sp, pc; cpsr
 REGISTER_NAMES: tuple[str, ...] = (*AARCH64.names, "cpsr")
 
@@ -54,14 +54,7 @@ class AArch64Formats:
     """The ``RegisterFormats`` of qemu-system-aarch64."""
 
     def from_monitor(self, text: str) -> list[Registers]:
-        starts = list(_CPU.finditer(text))
-        if not starts:
-            raise TransportError(f"not 'info registers' output: {text.strip()[:60]!r}")
-        blocks = []
-        for i, match in enumerate(starts):
-            end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
-            blocks.append(_monitor_block(int(match.group(1)), text[match.end() : end]))
-        return blocks
+        return per_cpu(text, _monitor_block)
 
     def from_gdb(self, cpu: int, payload: bytes) -> Registers:
         try:

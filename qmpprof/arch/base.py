@@ -13,11 +13,15 @@ outside this package names one (docs/architecture.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from qmpprof.errors import TransportError
 from qmpprof.model import Registers
+
+_CPU = re.compile(r"^CPU#(\d+)", re.MULTILINE)  # a vCPU's part of `info registers`
 
 ReadWord = Callable[[int], int | None]  # a stack word at an address, None: not readable
 
@@ -182,3 +186,16 @@ class RegisterFormats(Protocol):
     def from_gdb(self, cpu: int, payload: bytes) -> Registers:
         """One vCPU's registers from a gdbstub ``g`` reply (hex text)."""
         ...
+
+
+def per_cpu(text: str, block: Callable[[int, str], Registers]) -> list[Registers]:
+    """QEMU's ``info registers`` text for every vCPU cut at each ``CPU#N`` header, each part
+    read by ``block(N, part)``, whatever the target."""
+    starts = list(_CPU.finditer(text))
+    if not starts:
+        raise TransportError(f"not 'info registers' output: {text.strip()[:60]!r}")
+    blocks = []
+    for i, match in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        blocks.append(block(int(match.group(1)), text[match.end() : end]))
+    return blocks

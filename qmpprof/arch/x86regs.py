@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import struct
 
+from qmpprof.arch.base import per_cpu
 from qmpprof.arch.x86 import I386, X86, X86_64
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
@@ -27,7 +28,6 @@ from qmpprof.model import Registers
 _FIELD = re.compile(r"\b([A-Z][A-Z0-9]*) ?=([0-9a-f]+)\b")
 # A segment line: selector, base, limit, flags. FS/GS bases are the per-CPU/TLS pointers.
 _SEGMENT = re.compile(r"^(FS|GS) =[0-9a-f]+ ([0-9a-f]+) ", re.MULTILINE)
-_CPU = re.compile(r"^CPU#(\d+)", re.MULTILINE)
 # The interrupt descriptor table's base and limit.
 _IDT = re.compile(r"^IDT=\s*([0-9a-f]+)\s+([0-9a-f]+)", re.MULTILINE)
 
@@ -102,14 +102,7 @@ class X86Formats:
     """The ``RegisterFormats`` of QEMU's x86 targets (qemu-system-x86_64 and -i386)."""
 
     def from_monitor(self, text: str) -> list[Registers]:
-        starts = list(_CPU.finditer(text))
-        if not starts:
-            raise TransportError(f"not 'info registers' output: {text.strip()[:60]!r}")
-        blocks = []
-        for i, match in enumerate(starts):
-            end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
-            blocks.append(_monitor_block(int(match.group(1)), text[match.end() : end]))
-        return blocks
+        return per_cpu(text, _monitor_block)
 
     def from_gdb(self, cpu: int, payload: bytes) -> Registers:
         named = self.gdb_named(payload)
