@@ -34,7 +34,7 @@ class ReturnScanStep:
     """Follows the frame's code to its ``ret`` (``Via.SCAN``)."""
 
     via = Via.SCAN
-    __slots__ = ("_checked", "_starts", "arch", "bias", "code", "code_addr", "starts")
+    __slots__ = ("_checked", "arch", "bias", "code", "code_addr", "starts")
 
     def __init__(
         self,
@@ -48,8 +48,7 @@ class ReturnScanStep:
         self.code_addr = code_addr  # link address of code[0]
         self.bias = bias
         self.arch = arch
-        self.starts = starts  # where functions may start (asked once, when needed)
-        self._starts: Sequence[int] | None = None
+        self.starts = starts  # where functions may start (the file keeps its answer)
         self._checked: Memo[int, bool] = Memo(_CACHE_LIMIT)  # link ra -> after a call
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
@@ -85,7 +84,7 @@ class ReturnScanStep:
         entry. A caller whose return address is where a function starts called one that does
         not return: the code there is the next function's, not its own to follow."""
         arch, code, code_addr = self.arch, self.code, self.code_addr
-        starts = self._function_starts()
+        starts = None if self.starts is None else self.starts()
         after_noreturn = not interrupted and starts is not None and _holds(starts, start)
         if not after_noreturn and (rule := arch.return_scan(code, code_addr, start)) is not None:
             yield rule
@@ -93,11 +92,6 @@ class ReturnScanStep:
             rule = arch.return_from_entry(code, code_addr, start, starts, caller=not interrupted)
             if rule is not None:
                 yield rule
-
-    def _function_starts(self) -> Sequence[int] | None:
-        if self._starts is None and self.starts is not None:
-            self._starts = self.starts()
-        return self._starts
 
     def _calls_entry(self, ra: int, rule: ReturnRule) -> bool:
         """Whether a rule found from a function's start agrees with the call returning to

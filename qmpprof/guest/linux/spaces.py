@@ -60,23 +60,21 @@ class Spaces:
     ) -> None:
         """``tables``: the page tables, walked in kernel memory (None: not walked; then user
         space is taken to end where four levels of tables put it)."""
-        self.kernel = kernel
-        self.gone = AddressSpace(kernel.modules, user_gone=True)
         self.vmas = vmas
         self.files = files
         self.tables = tables
         self.user_end = user_end(4) if tables is None else tables.user_end
         self.clock = clock
         self._confirmed = clock()
-        self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
-        self._used: Memo[tuple[int, int], float] = Memo(LIMIT)  # when a sample last did
+        self.start_over(kernel)
 
     def start_over(self, kernel: AddressSpace) -> None:
-        """The kernel's modules changed: every process's space is built again."""
+        """The kernel's modules changed (or none were known): every process's space is built
+        again."""
         self.kernel = kernel
         self.gone = AddressSpace(kernel.modules, user_gone=True)
-        self._placed = Memo(LIMIT)
-        self._used = Memo(LIMIT)
+        self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
+        self._used: Memo[tuple[int, int], float] = Memo(LIMIT)  # when a sample last did
 
     async def space_of(self, read: Reader, task: Task, pc: int | None = None) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
