@@ -14,7 +14,7 @@ import pytest
 from fakes import make_module
 from test_unwind_chain import memory, regs
 
-from qmpprof.arch.x86 import X86_64
+from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.model import StopReason
@@ -214,3 +214,19 @@ def test_an_interrupt_entry_hands_over_to_the_interrupted_code(caught: str) -> N
     at = expected.index(0x1104)
     assert raw.exact[at] and not raw.exact[at + 1]
     assert raw.via[at] is Via.SCAN
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"),
+    [
+        ((0xC010_034A, 0x08, 0x202), (0xC010_034A, 0x1000 + 12)),  # ring 0: no SS:ESP pushed
+        ((0x0804_8000, 0x1B, 0x202, 0xBFFF_F000), (0x0804_8000, 0xBFFF_F000)),  # from ring 3
+        ((0xC010_034A, 0x08, 0x200), None),  # FLAGS bit 1 clear: not a trap frame
+        ((0xC010_034A, 0x1_0008, 0x202), None),  # CS wider than a selector
+    ],
+)
+def test_i386_trap_frames_as_iret_pops_them(
+    words: tuple[int, ...], expected: tuple[int, int] | None
+) -> None:
+    stack = {0x1000 + 4 * i: word for i, word in enumerate(words)}
+    assert I386.trap_return(0x1000, stack.get) == expected
