@@ -18,8 +18,8 @@ from collections import defaultdict
 from typing import Any
 
 from qmpprof import __version__
-from qmpprof.model import NO_CPU, Process
-from qmpprof.naming import Naming
+from qmpprof.model import NO_CPU
+from qmpprof.naming import Naming, thread_name
 from qmpprof.output.facts import title
 from qmpprof.profile import Profile
 
@@ -45,12 +45,6 @@ def _lane(name: str, timeline: Timeline, frames: list[list[int]], interval_ms: f
         "samples": samples,
         "weights": [interval_ms] * len(samples),
     }
-
-
-def thread_name(process: Process) -> str:
-    """A thread's lane: its name (the program's when the guest names no thread), pid and tid."""
-    name = process.thread or process.program or "[unknown]"
-    return f"{name} ({process.pid}/{process.tid})"
 
 
 def _threads(profile: Profile, ordered: Timeline) -> dict[tuple[int, int], tuple[str, Timeline]]:
