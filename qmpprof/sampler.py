@@ -169,6 +169,7 @@ class Sampler(Generic[Space, Raw]):
         self._off_cpu = off_cpu
         self._off_cpu_ids: Memo[int, tuple[Sample, int | None]] = Memo()  # id(sample) ->
         self._off_cpu_profile = self.profile  # the profile those ids are of
+        self._held = 0.0  # run time the last tick waited for a look's read before its stop
         self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
         self._running.set()
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
@@ -232,6 +233,7 @@ class Sampler(Generic[Space, Raw]):
             # long stall): the rate in guest run time is the one asked.
             late = min(max(0.0, late + ran - interval), interval)
             last = await self._tick(cpus, stop=True)
+            late = min(late + self._held, interval)  # the guest ran on while the tick held
             resumed = self._resumed
             self._adapt()
             if self._on_tick is not None:
@@ -322,7 +324,8 @@ class Sampler(Generic[Space, Raw]):
             try:
                 if self._off_cpu is not None:
                     await self._off_cpu.quiet()  # one under way ends first, the guest running
-                    self.stats.run_time += self._clock() - began
+                    self._held = self._clock() - began
+                    self.stats.run_time += self._held
                     began = self._clock()
                 captured = await self._stopped(cpus)
             finally:
