@@ -259,10 +259,17 @@ class StackReader:
             beyond = []
         self._beyond.put(key, tuple(beyond[:MAX_BEYOND]))
 
-    async def complete(self, cpu: int, cache: PageCache, attempt: Callable[[], T]) -> T:
+    async def complete(
+        self,
+        cpu: int,
+        cache: PageCache,
+        attempt: Callable[[], T],
+        through: Reader | None = None,
+    ) -> T:
         """``attempt()`` (a pure walk over ``cache``) run until it needs no page it lacks: each
         ``PageMissing`` fetches that page and runs it again. Past ``max_refetch`` pages a missing
-        page counts as unmapped, so the walk stops there, truncated."""
+        page counts as unmapped, so the walk stops there, truncated. Pages are read through
+        ``through`` when given (not as the vCPU sees memory)."""
         fetched = 0
         while True:
             try:
@@ -273,7 +280,10 @@ class StackReader:
                     raise TransportError(f"the unwinder asked again for page {page:#x}") from miss
                 if fetched < self.max_refetch:
                     fetched += 1
-                    await fetch(self.transport, cache, cpu, page, PAGE)
+                    if through is not None:
+                        (cache.pages[page],) = await through([(page, PAGE)])
+                    else:
+                        await fetch(self.transport, cache, cpu, page, PAGE)
                 else:
                     cache.pages[page] = None
 

@@ -33,7 +33,7 @@ from typing import Generic, Protocol, TypeVar
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
 from qmpprof.guest.base import GuestIdentifier
 from qmpprof.memo import Memo
-from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader
+from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
 from qmpprof.model import NO_CPU, Mode, Process, Registers, Sample, Stack
 from qmpprof.pagecache import PageCache
 from qmpprof.profile import Profile
@@ -426,8 +426,12 @@ class Sampler(Generic[Space, Raw]):
             await self.stacks.prefetch(regs, cache, self.identifier.reads_for(regs), seen)
             identity = await self.identifier.identify(self.transport, regs, seen)
             captured.process, captured.space = identity.process, identity.space
-            captured.raw = await self._unwind(regs, cache, identity.space)
-            self.stacks.learn(regs, cache)
+            memory = identity.memory
+            if memory is not None:  # the vCPU's page tables are another process's: read again
+                cache = PageCache()
+            captured.raw = await self._unwind(regs, cache, identity.space, memory)
+            if memory is None:
+                self.stacks.learn(regs, cache)
         except GuestGoneError:
             raise
         except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
@@ -435,7 +439,9 @@ class Sampler(Generic[Space, Raw]):
         self._phase("memory", mark)
         return captured
 
-    async def _unwind(self, regs: Registers, cache: PageCache, space: Space) -> Raw:
+    async def _unwind(
+        self, regs: Registers, cache: PageCache, space: Space, memory: Reader | None
+    ) -> Raw:
         unwinds = 0.0  # time in unwind() proper: the rest of the memory phase is reading
 
         def attempt() -> Raw:
@@ -447,7 +453,7 @@ class Sampler(Generic[Space, Raw]):
                 unwinds += self._clock() - mark
 
         try:
-            return await self.stacks.complete(regs.cpu, cache, attempt)
+            return await self.stacks.complete(regs.cpu, cache, attempt, memory)
         finally:
             self.stats.phase_time["unwind"] += unwinds
             self.stats.phase_time["memory"] -= unwinds  # counted once, as unwinding

@@ -20,6 +20,7 @@ from qmpprof.arch.x86regs import x86_registers
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import MemoryReadError
+from qmpprof.memory import Reader
 from qmpprof.model import (
     Frame,
     Mapping,
@@ -252,6 +253,7 @@ class KernelIdentity(Generic[Space]):
 
     process: Process | None
     space: Space
+    memory: Reader | None = None  # as the vCPU sees it
 
 
 class KernelIdentifier(Generic[Space]):

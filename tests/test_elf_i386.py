@@ -143,7 +143,7 @@ def test_entry_stub_rows_describe_the_trap_frame(
 def test_modules_get_i386_steps(kernel: ElfImage) -> None:
     module = Module.from_image(kernel, kernel=True)
     assert [type(step).__name__ for step in module.steps] == [
-        "CfiStep", "PrologueStep", "ReturnScanStep", "FramePointerStep",
+        "CfiStep", "ReturnScanStep", "PrologueStep", "ReturnScanStep", "FramePointerStep",
     ]  # fmt: skip
     assert all(getattr(step, "arch", None) is I386 for step in module.steps)
 

@@ -346,7 +346,7 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     monkeypatch.setattr(control, "read", _counting(control))
     now = [0.0]
     identifier = make(
-        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, object()), control=control,
+        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, SimpleNamespace(pgd=0x48)), control=control,
         recheck=0.1, clock=lambda: now[0],
     )  # fmt: skip
 
@@ -415,6 +415,7 @@ class _Tables:
     """PageTables' reader, recording which page tables it was asked to read through."""
 
     user_end = 1 << 47
+    direct_map, levels = 0xFFFF_8880_0000_0000, 4
 
     def __init__(self) -> None:
         self.pgds: list[int] = []
@@ -478,6 +479,88 @@ async def test_preload_places_every_process_before_the_first_stop(
         assert found.process is not None and found.process.pid == (1230, 55)[cpu]
         if cpu == 0:
             assert found.space.find(0x40_0010) is not None  # [myapp], placed
+
+
+@pytest.mark.parametrize(
+    ("cr3", "where", "foreign"),
+    [
+        (0x600_0000 | 5, "own stack", False),  # its own tables (PCID 5)
+        (0x600_1000 | 5 | 1 << 63, "own stack", False),  # PTI's user copy, no-flush bit set
+        (0x700_0000 | 5, "own stack", True),  # another's: a context switch caught midway
+        (0x700_0000 | 5, "next's stack", False),  # past the stacks' switch: the next's walk
+        (0x700_0000 | 5, "user", False),  # user code runs on its own: the register says more
+    ],
+)
+async def test_a_task_on_another_process_tables_is_read_through_its_own(
+    layout: TaskLayout,
+    linux_vmlinux: ElfImage,
+    monkeypatch: pytest.MonkeyPatch,
+    cr3: int,
+    where: str,
+    foreign: bool,
+) -> None:
+    """Between switch_mm loading the next process's page tables and the stacks' switch, the
+    current task is still the one whose stack is walked: its user memory must be read through
+    its own tables (mm->pgd), not the vCPU's."""
+    user, stack = where == "user", 0xFFFF_C900_0001_0000
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    vmas = VmaLayout.from_btf(btf)
+    mm, pgd = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000
+    memory = guest(layout, (APP_LEADER, KWORKER))
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", mm))
+    memory.put(mm + vmas.pgd, struct.pack("<Q", pgd))
+    memory.put(APP_LEADER + layout.stack, struct.pack("<Q", stack))
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        return [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, 0, "myapp")]
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    transport = FakeTransport({}, memory.frozen())
+    tables = _Tables()
+    identifier = make(layout, PER_CPU_OFFSET, vmas=vmas, tables=cast(PageTables, tables))
+    rip = 0x40_0010 if user else KERNEL.start + 16
+    sp = stack + (0x3F00 if where == "own stack" else 0x9000)
+    found = await identifier.identify(
+        transport, x86(0, rip, sp, cpl=3 if user else 0, cr3=cr3), PageCache()
+    )
+    assert found.process is not None and found.process.pid == 1230
+    assert (found.memory is not None) == foreign
+    if found.memory is not None:
+        tables.pgds.clear()
+        (page,) = await found.memory([(0x7FFF_0000_0000, 8)])
+        assert page is None and tables.pgds == []  # read through a walk of its own tables
+    if user:  # the process's root is not trusted until read again
+        found = await identifier.identify(
+            transport, x86(0, KERNEL.start, stack + 0x3F00, cr3=cr3), PageCache()
+        )
+        assert found.memory is None
+
+
+async def test_a_sample_past_the_switch_of_stacks_is_the_next_tasks(
+    layout: TaskLayout, linux_vmlinux: ElfImage
+) -> None:
+    """In a context switch, the stack pointer moves to the next task's stack a little before
+    ``current`` changes: a sample there is the next task's (read before: on vCPU 1), not the
+    current one's; one on a stack no task read owns (an interrupt's) stays the current's."""
+    app_stack, kworker_stack = 0xFFFF_C900_0001_0000, 0xFFFF_C900_0002_0000
+    memory = guest(layout, (APP_LEADER, KWORKER))
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    memory.put(APP_LEADER + layout.stack, struct.pack("<Q", app_stack))
+    memory.put(KWORKER + layout.stack, struct.pack("<Q", kworker_stack))
+    transport = FakeTransport({}, memory.frozen())
+    identifier = make(layout, PER_CPU_OFFSET)
+
+    async def pid(cpu: int, sp: int) -> int | None:
+        found = await identifier.identify(transport, regs(cpu, KERNEL.start, sp), PageCache())
+        return None if found.process is None else found.process.pid
+
+    assert await pid(1, kworker_stack + 0x3000) == 55
+    assert await pid(0, app_stack + 0x3000) == 1230
+    assert await pid(0, kworker_stack + 0x3E00) == 55  # current is still myapp
+    assert await pid(0, 0xFFFF_FE00_0000_8000) == 1230  # an interrupt stack
 
 
 def _counting(transport: FakeTransport) -> Callable[[int, int, int], Awaitable[bytes]]:

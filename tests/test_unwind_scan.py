@@ -16,6 +16,7 @@ from test_unwind_chain import memory, regs
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
+from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
@@ -169,3 +170,47 @@ def test_a_caller_of_a_function_that_does_not_return_is_walked_from_its_start() 
     words = {STACK: 0x100A, STACK + 8 + 0x18: 0x1805}
     raw = Unwinder(X86_64).unwind(regs(0x1F00, STACK), memory(words), scan_module(bytes(code)))
     assert raw.pcs[:3] == (0x1F00, 0x100A, 0x1805)
+
+
+def interrupt_code() -> bytes:
+    """An interrupt entry with no CFI, as a small kernel has it: the stub at 0x1000 (push 0;
+    push 0x20; jmp 0x1010), the common path at 0x1010 (push rax; mov rdi, rsp; call the handler
+    at 0x1f00; pop rax; add rsp, 0x10; iretq), a function at 0x1100 with no frame (sub rsp, 8;
+    add rsp, 8; ret) called from 0x1800, and a decoy call at 0x1900."""
+    code = bytearray(b"\xcc" * 0x1000)
+    code[0:6] = bytes.fromhex("6a 00 6a 20 eb 0a")
+    common = bytes.fromhex("50 48 89 e7") + call(0x1014, 0x1F00)
+    common += bytes.fromhex("58 48 83 c4 10 48 cf")
+    code[0x10 : 0x10 + len(common)] = common
+    code[0x100:0x109] = bytes.fromhex("48 83 ec 08 48 83 c4 08 c3")
+    code[0x800:0x805] = call(0x1800, 0x1100)
+    code[0x900:0x905] = call(0x1900, 0x1100)
+    code[0xF00] = 0xC3
+    return bytes(code)
+
+
+@pytest.mark.parametrize("caught", ["stub entry", "handler"])
+def test_an_interrupt_entry_hands_over_to_the_interrupted_code(caught: str) -> None:
+    """The common path followed to its ``iretq``: the frame the CPU pushed gives the interrupted
+    pc (exact) and stack pointer, so the interrupted frameless function finds its caller at
+    0x1805, not the frame pointer's decoy 0x1905. Caught at the stub's first instruction,
+    prologue analysis alone would take the stub for a function called from the interrupted pc."""
+    sp2, fp = STACK + 0x800, STACK + 0x900  # the interrupted stack; a frame pointer's decoy
+    frame = STACK + (0 if caught == "stub entry" else 8 + 8 + 0x10)
+    words = {frame: 0x1104, frame + 8: 0x10, frame + 16: 0x202, frame + 24: sp2, frame + 32: 0x18}
+    words |= {sp2 + 8: 0x1805, fp: 0, fp + 8: 0x1905}
+    expected: tuple[int, ...] = (0x1000, 0x1104, 0x1805)
+    if caught == "handler":  # the handler's ret; its caller the common path
+        expected, words[STACK] = (0x1F00, 0x1019, 0x1104, 0x1805), 0x1019
+    named = SymbolTable([Symbol(0x1000, 6, "isr_32"), Symbol(0x1010, 0x20, "isr_common")])
+    module = make_module(
+        "kernel", CODE_ADDR, CODE_ADDR + 0x1000, kernel=False, code=interrupt_code(),
+        code_addr=CODE_ADDR, symbols=named,
+    )  # fmt: skip
+    raw = Unwinder(X86_64).unwind(
+        regs(expected[0], STACK, fp), memory(words), AddressSpace([module])
+    )
+    assert raw.pcs[: len(expected)] == expected, raw
+    at = expected.index(0x1104)
+    assert raw.exact[at] and not raw.exact[at + 1]
+    assert raw.via[at] is Via.SCAN

@@ -89,6 +89,9 @@ class AArch64:
     def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
         return None  # the CPU pushes no frame (the module's docstring)
 
+    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
+        return None  # an exception returns through ELR and SPSR, not a frame in memory
+
     def per_cpu_base(self, regs: Registers) -> int | None:
         return None  # TPIDR_EL1 holds it, which QEMU's monitor does not print
 

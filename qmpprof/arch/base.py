@@ -43,12 +43,14 @@ class ReturnRule:
     frame pointer, after a ``leave``). The caller's frame pointer is saved at ``fp_offset`` from
     the same base when that is set (popped on the way), else it is the frame's own. ``entry``:
     found from this function start (``return_from_entry``), which a direct call returning there
-    must call."""
+    must call. ``trap``: the code ends in a return from a trap (x86's ``iret``): at
+    ``ra_offset`` lies the frame the CPU pushed (``trap_return``), the pc interrupted code's."""
 
     from_fp: bool
     ra_offset: int
     fp_offset: int | None = None
     entry: int | None = None
+    trap: bool = False
 
 
 class InstructionSet(Protocol):
@@ -125,6 +127,12 @@ class InstructionSet(Protocol):
     def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
         """The interrupted user stack pointer of the frame the CPU pushed on a trap from user
         mode, whose pc slot ends at ``after_pc``; None when what follows is not such a frame."""
+        ...
+
+    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
+        """The interrupted pc and stack pointer of the frame the CPU pushed on a trap, its pc
+        at ``slot``, as a return from the trap takes them; None when that is not such a frame
+        (a read that fails included)."""
         ...
 
     def per_cpu_base(self, regs: Registers) -> int | None:

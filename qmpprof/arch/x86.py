@@ -64,6 +64,21 @@ class X86:
             return None
         return read((after_pc + 2 * word) & mask)
 
+    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
+        # IP, CS, FLAGS, then SP and SS: always on x86_64, on i386 only from another privilege
+        # level (the interrupted stack pointer is otherwise where the frame ends).
+        word, mask = self.address_size, self.mask
+        pc, cs, flags = (read((slot + i * word) & mask) for i in range(3))
+        if pc is None or cs is None or flags is None or cs > 0xFFFF or not flags & 2:
+            return None
+        if flags >> 32:
+            return None
+        after = (slot + 3 * word) & mask
+        if word == 4 and cs & 3 == 0:
+            return pc, after
+        sp = read(after)
+        return None if sp is None else (pc, sp)
+
     def per_cpu_base(self, regs: Registers) -> int | None:
         # In kernel mode (after swapgs) GS holds the per-CPU base; in user mode the user's.
         base = regs.special.get("gs_base", 0)

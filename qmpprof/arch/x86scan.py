@@ -6,9 +6,11 @@ to its end: it falls through conditional jumps (the other way is kept and tried 
 dead-ends), follows direct unconditional jumps (a tail jump lands in a function that returns to
 the same caller), steps over calls, and tracks the stack pointer (push, pop, add/sub/lea rsp,
 ``leave`` and ``mov rsp, rbp`` through the frame pointer) until a ``ret``: the return address is
-then at the tracked stack pointer. It gives up (None) on what it cannot model: the stack pointer
-set any other way (realignment), a jump through a register or memory, code it cannot decode, a
-budget of instructions spent. A path dead-ends at a trap instruction, at padding or an
+then at the tracked stack pointer; at an ``iret`` the frame the CPU pushed on a trap is there
+(an interrupt entry's code: the caller is the interrupted code, its pc exact). It gives up
+(None) on what it cannot model: the stack pointer set any other way (realignment), a jump
+through a register or memory, code it cannot decode, a budget of instructions spent. A path
+dead-ends at a trap instruction, a ``sysret`` or ``sysexit``, at padding or an
 ``endbr`` or a ``push`` right after a call (the call did not return: the code beyond is another
 function's), or at code seen before (a loop); a return whose address or saved frame pointer lies
 below the frame's stack pointer is not believed (the path ran into another function). A wrong
@@ -39,7 +41,9 @@ _ENTRY_TRIES = 3  # function starts tried below a pc, the nearest first
 _ENTRY_REACH = 1 << 16  # bytes from a start to the pc at most
 _CHUNK = 64  # bytes decoded at a time along a path
 _CACHE_LIMIT = 1 << 14
-_TRAPS = frozenset(["int3", "hlt", "ud2", "ud1", "ud0"])
+# The path ends: a trap, or a return to user code whose pc is in a register, not on the stack.
+_TRAPS = frozenset(["int3", "hlt", "ud2", "ud1", "ud0", "sysret", "sysretq", "sysexit", "sysexitq"])
+_IRET = frozenset(["iret", "iretd", "iretq"])
 # After a call that did not return comes the next function: padding, or its prologue.
 _AFTER_CALL_DEAD = frozenset(["nop", "int3", "endbr64", "endbr32", "hlt", "ud2", "push"])
 _CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",
@@ -171,6 +175,9 @@ class ReturnScanner:
             after_call = mnemonic == "call"  # stepped over: it returns with the stack as it was
             if mnemonic.startswith("ret"):
                 return (self._rule(state) if goal is None else None) or _DEAD_END
+            if mnemonic in _IRET:
+                rule = self._rule(state) if goal is None else None
+                return _DEAD_END if rule is None else replace(rule, trap=True)
             if mnemonic in _TRAPS:
                 return _DEAD_END
             if mnemonic == "jmp" or mnemonic in _JCC:

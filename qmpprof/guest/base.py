@@ -110,6 +110,13 @@ class Identified(Protocol[Space_co]):
     @property
     def space(self) -> Space_co: ...
 
+    @property
+    def memory(self) -> Reader | None:
+        """Reads of the sample's memory when the vCPU's page tables are not the process's (a
+        context switch caught between loading the next process's tables and switching
+        stacks): its user half through the process's own; None: as the vCPU sees it."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -117,6 +124,7 @@ class Identity:
 
     process: Process | None
     space: AddressSpace
+    memory: Reader | None = None
 
 
 class GuestIdentifier(Protocol[Space_co]):

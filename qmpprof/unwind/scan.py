@@ -24,17 +24,19 @@ from qmpprof.arch.base import InstructionSet, ReturnRule
 from qmpprof.memo import Memo
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
-from qmpprof.unwind.steps import Outcome, Regs, Via, caller, word_reader
+from qmpprof.unwind.steps import EXACT, Outcome, Regs, Via, caller, word_reader
 
 _CALL_MAX = 7  # bytes of the longest call instruction is_call_before looks for
 _CACHE_LIMIT = 1 << 14
 
 
 class ReturnScanStep:
-    """Follows the frame's code to its ``ret`` (``Via.SCAN``)."""
+    """Follows the frame's code to its ``ret`` (``Via.SCAN``). ``traps_only``: answers only for
+    interrupted code that returns from a trap (an interrupt entry caught at its first
+    instructions, which prologue analysis would take for a function called there)."""
 
     via = Via.SCAN
-    __slots__ = ("_checked", "arch", "bias", "code", "code_addr", "starts")
+    __slots__ = ("_checked", "arch", "bias", "code", "code_addr", "starts", "traps_only")
 
     def __init__(
         self,
@@ -43,17 +45,28 @@ class ReturnScanStep:
         bias: int,
         arch: InstructionSet,
         starts: Callable[[], Sequence[int]] | None = None,
+        *,
+        traps_only: bool = False,
     ) -> None:
         self.code = code
         self.code_addr = code_addr  # link address of code[0]
         self.bias = bias
         self.arch = arch
         self.starts = starts  # where functions may start (the file keeps its answer)
+        self.traps_only = traps_only
         self._checked: Memo[int, bool] = Memo(_CACHE_LIMIT)  # link ra -> after a call
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         # A caller's pc is its return address - 1: the code to follow starts at the return.
         start = pc - self.bias + (0 if interrupted else 1)
+        if self.traps_only:
+            if not interrupted:
+                return None
+            rule = self.arch.return_scan(self.code, self.code_addr, start)
+            if rule is None or not rule.trap:
+                return None
+            found = self._follow(rule, cur, memory)
+            return found if isinstance(found, tuple) else None  # not a trap: the next steps
         outcome: Outcome = None
         for rule in self._rules(start, interrupted):
             outcome = self._follow(rule, cur, memory)
@@ -68,6 +81,8 @@ class ReturnScanStep:
             return None
         mask, read = arch.mask, word_reader(memory, arch)
         ra_slot = (base + rule.ra_offset) & mask
+        if rule.trap:
+            return self._trap(rule, base, ra_slot, cur, memory)
         ra = read(ra_slot)
         if ra is None:
             return StopReason.READ_FAILED
@@ -78,6 +93,22 @@ class ReturnScanStep:
             return StopReason.NO_CFI  # a wrong guess: stop here, truncated
         fp_slot = None if rule.fp_offset is None else base + rule.fp_offset
         return caller(cur, arch, ra, (ra_slot + arch.address_size) & mask, fp_slot, read)
+
+    def _trap(
+        self, rule: ReturnRule, base: int, slot: int, cur: Regs, memory: PageCache
+    ) -> Outcome:
+        """The interrupted code's registers from the frame the CPU pushed at ``slot``."""
+        arch = self.arch
+        read = word_reader(memory, arch)
+        if read(slot) is None:
+            return StopReason.READ_FAILED
+        frame = arch.trap_return(slot, read)
+        if frame is None:
+            return StopReason.NO_CFI  # no trap frame there: a wrong guess
+        pc, sp = frame
+        fp_slot = None if rule.fp_offset is None else base + rule.fp_offset
+        found = caller(cur, arch, pc, sp, fp_slot, read)
+        return found if not isinstance(found, tuple) else (found[0], EXACT)
 
     def _rules(self, start: int, interrupted: bool) -> Iterator[ReturnRule]:
         """Where the return address may be: by the code to a return, then from the function's

@@ -174,7 +174,7 @@ def steps_for(
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
     tables alone (they cover all of its code), else CFI, prologue analysis, the code followed
-    to its return (``scan.py``), frame pointers."""
+    to its return (``scan.py``; first, for an interrupted interrupt entry), frame pointers."""
     if orc is not None:
         from qmpprof.unwind.orc import OrcStep
 
@@ -184,9 +184,12 @@ def steps_for(
         steps.append(CfiStep(cfi, bias, arch))
     if code:
         arch.prepare()  # now: not inside the first pause that needs it
-        steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
         from qmpprof.unwind.scan import ReturnScanStep
 
+        # An interrupt entry caught at its start looks to prologue analysis like any function
+        # entry: the scan to its ``iret`` tells it first.
+        steps.append(ReturnScanStep(code, code_addr, bias, arch, traps_only=True))
+        steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
         steps.append(ReturnScanStep(code, code_addr, bias, arch, starts))
     steps.extend(frame_pointer_only(arch))
     return tuple(steps)

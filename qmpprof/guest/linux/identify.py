@@ -12,6 +12,7 @@ changed (an exec, a task_struct reused) has the task read again in the pause.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,6 +20,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
 from qmpprof.guest.linux.current import CurrentTask
 from qmpprof.guest.linux.modules import ModuleList
+from qmpprof.guest.linux.pagetables import PageTables, holds, split
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
 from qmpprof.memory import Reader, reader
@@ -149,16 +151,22 @@ class LinuxIdentifier:
                 seen = None
         self._last[regs.cpu] = task
         read = reader(transport, regs.cpu)
+        memory = None
         if seen is None:
             found = await read_task(read, task, layout, self.arch.shared_from)
             identity = self.kernel
             if found is not None:
-                identity = Identity(found.process, await self._space(read, found, regs))
+                memory = self._foreign(read, found, regs)
+                space = await self._space(self._through(read, memory), found, regs)
+                identity = Identity(found.process, space)
+                memory = memory or self._foreign(read, found, regs)  # placed: its tables known
             seen = self.tasks.put(task, found, identity)
         elif seen.task is not None and seen.identity is not self.kernel:
             # The process's space as its mappings stand (they are placed again when they
             # change), not as they stood when the task was read.
-            space = await self._space(read, seen.task, regs)
+            memory = self._foreign(read, seen.task, regs)
+            space = await self._space(self._through(read, memory), seen.task, regs)
+            memory = memory or self._foreign(read, seen.task, regs)
             if space is not seen.identity.space:
                 seen = self.tasks.update(task, Identity(seen.task.process, space))
         stack, size = seen.stack, self.thread_size
@@ -167,11 +175,62 @@ class LinuxIdentifier:
         )
         if seen.identity is not self.kernel and on_own_stack:
             current.own(regs, task)
+        elif size is not None and not on_own_stack:
+            owner = await self._stack_owner(read, regs, task, size)
+            if owner is not None:
+                return owner
         if seen.identity.space.user_gone and not on_own_stack:
             # Not on the exiting task's own stack (an interrupt's, or the next task's in the
             # middle of a context switch): the walk may not be its, so its end is not told.
             return Identity(seen.identity.process, self.space)
+        if memory is not None:
+            return dataclasses.replace(seen.identity, memory=self._through(read, memory))
         return seen.identity
+
+    async def _stack_owner(
+        self, read: Reader, regs: Registers, current: int, size: int
+    ) -> Identity | None:
+        """The identity of the task whose kernel stack the vCPU is on when that is not the
+        current task's: past the switch of stacks in a context switch (``current`` changes a
+        little later), the walk is the next task's, on the page tables the vCPU holds. Only a
+        task read before can be told (read again here, to be sure it still owns that stack);
+        an interrupt's own stack belongs to no task (None)."""
+        assert self.layout is not None
+        other = self.tasks.on_stack(regs.sp, size)
+        if other is None or other == current:
+            return None
+        found = await read_task(read, other, self.layout, self.arch.shared_from)
+        if found is None or not found.stack <= regs.sp < found.stack + size:
+            return None
+        return Identity(found.process, await self._space(read, found, regs))
+
+    def _foreign(self, read: Reader, task: Task, regs: Registers) -> Reader | None:
+        """Reads of ``task``'s user memory through its own page tables when the vCPU has
+        another's loaded: a context switch caught between loading the next process's tables and
+        switching stacks (the task is still ``current``; through the vCPU its user stack reads
+        as the next process's memory, or not at all). None: its own are loaded, or not known."""
+        spaces = self.spaces
+        tables = None if spaces is None else spaces.tables
+        if spaces is None or tables is None:
+            return None
+        size = self.thread_size
+        if not regs.user and (size is None or not task.stack <= regs.sp < task.stack + size):
+            # Past the switch of stacks (still before ``current`` changes) the walk is the
+            # next task's, on the tables the vCPU holds.
+            return None
+        pgd = spaces.pgd_of(task)
+        if pgd is None or holds(regs.space, pgd, tables.direct_map):
+            return None
+        if regs.user:
+            # User code runs on its own tables: the root read is not the process's now (its
+            # mm's address reused by a later exec) or the register holds more than the table's
+            # address (a memory-encryption bit, say). Not trusted until read again.
+            spaces.forget_pgd(task)
+            return None
+        return PageTables(read, tables.direct_map, tables.levels).reader(pgd)
+
+    def _through(self, read: Reader, memory: Reader | None) -> Reader:
+        return read if memory is None else split(read, memory, self.arch.shared_from)
 
     async def _space(self, read: Reader, task: Task, regs: Registers) -> AddressSpace:
         if self.spaces is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import FoundTask
 from qmpprof.guest.linux.current import CurrentTask
-from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.pagetables import PageTables, split
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import (
     Task,
@@ -335,19 +335,5 @@ class Census:
         user = user_registers(stack, self.layout, self.arch)
         root = None if pgd is None else int.from_bytes(pgd, "little")
         read_user = None if walk is None or root is None else walk.reader(root)
-        both = _split(read, read_user, self.arch.shared_from)
+        both = split(read, read_user, self.arch.shared_from)
         return dataclasses.replace(found, kernel=kernel, user=user, read=both, window=window)
-
-
-def _split(kernel: Reader, user: Reader | None, shared_from: int) -> Reader:
-    """Reads of a task's memory: the kernel's half through ``kernel``, the rest through
-    ``user`` (its page tables; None: unreadable)."""
-
-    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        high = [r for r in ranges if r[0] >= shared_from]
-        low = [r for r in ranges if r[0] < shared_from]
-        found_high = iter(await kernel(high) if high else [])
-        found_low = iter(await user(low) if low and user is not None else [None] * len(low))
-        return [next(found_high) if r[0] >= shared_from else next(found_low) for r in ranges]
-
-    return read

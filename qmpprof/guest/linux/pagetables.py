@@ -82,6 +82,15 @@ class PageTables:
         return read
 
 
+def holds(root: int, pgd: int, direct_map: int) -> bool:
+    """Whether the page-table root register value ``root`` (CR3) loads the tables at kernel
+    address ``pgd``: its address bits (the PCID and the no-flush bit aside) are the table's
+    physical address, or with page-table isolation the page after it (the user's copy of the
+    top level, PTI_USER_PGTABLE_BIT: bit 12; checked on 5.10, 6.1, 6.12 and 7.2)."""
+    table, physical = root & _ADDRESS, pgd - direct_map
+    return table in (physical, physical + _PAGE)
+
+
 def user_end(levels: int) -> int:
     """Where x86_64 user space ends with ``levels`` levels of page tables."""
     return 1 << (12 + 9 * levels - 1)
@@ -102,3 +111,17 @@ async def page_tables(
         (raw,) = await read([(page_offset_base, 8)])
         base = base if raw is None else int.from_bytes(raw, "little")
     return PageTables(read, base, levels)
+
+
+def split(kernel: Reader, user: Reader | None, shared_from: int) -> Reader:
+    """Reads of a task's memory: the kernel's half through ``kernel``, the rest through
+    ``user`` (its page tables; None: unreadable)."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        high = [r for r in ranges if r[0] >= shared_from]
+        low = [r for r in ranges if r[0] < shared_from]
+        found_high = iter(await kernel(high) if high else [])
+        found_low = iter(await user(low) if low and user is not None else [None] * len(low))
+        return [next(found_high) if r[0] >= shared_from else next(found_low) for r in ranges]
+
+    return read

@@ -44,6 +44,7 @@ class Placed:
     vmas: tuple[Vma, ...]
     waiting: bool = False  # placed without files that were not read yet
     lacking: frozenset[int] = frozenset()  # pages of user pcs the mappings lacked when read
+    pgd: int | None = None  # mm_struct.pgd: its top-level page table (None: not read)
 
 
 class Spaces:
@@ -93,7 +94,11 @@ class Spaces:
         if seen is not None and now - seen.checked <= RECHECK and _holds(seen, pc):
             return seen.space
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
-        space = await self._place(key, vmas, read, load=False)
+        # The same mappings: the same mm (a changed set may be a later exec's, at its address).
+        pgd = seen.pgd if seen is not None and seen.vmas == vmas else None
+        if pgd is None:
+            pgd = await self._pgd(read, task.mm)
+        space = await self._place(key, vmas, read, load=False, pgd=pgd)
         if pc is not None and space.find(pc) is None:  # not mapped as code: not read again
             known = seen.lacking if seen is not None and seen.vmas == vmas else frozenset()
             placed = self._placed[key]
@@ -122,18 +127,42 @@ class Spaces:
         """Place a process between samples: its code through its own page tables."""
         if self.tables is None or self.vmas is None:
             return None
-        (pgd,) = await read_ints(read, [(key[0] + self.vmas.pgd, 8)])
+        pgd = await self._pgd(read, key[0])
         if pgd is None:
             return None
-        return await self._place(key, vmas, self.tables.reader(pgd))
+        return await self._place(key, vmas, self.tables.reader(pgd), pgd=pgd)
+
+    async def _pgd(self, read: Reader, mm: int) -> int | None:
+        assert self.vmas is not None
+        (pgd,) = await read_ints(read, [(mm + self.vmas.pgd, 8)])
+        return pgd
+
+    def pgd_of(self, task: Task) -> int | None:
+        """The top-level page table of ``task``'s process as its space was placed with (None:
+        not known)."""
+        placed = self._placed.get((task.mm, task.tgid)) if task.mm else None
+        return None if placed is None else placed.pgd
+
+    def forget_pgd(self, task: Task) -> None:
+        """The page table root of ``task``'s process as placed is not the one it runs on."""
+        key = (task.mm, task.tgid)
+        placed = self._placed.get(key)
+        if placed is not None:
+            self._placed[key] = dataclasses.replace(placed, pgd=None)
 
     async def _place(
-        self, key: tuple[int, int], vmas: tuple[Vma, ...], code: Reader, *, load: bool = True
+        self,
+        key: tuple[int, int],
+        vmas: tuple[Vma, ...],
+        code: Reader,
+        *,
+        load: bool = True,
+        pgd: int | None = None,
     ) -> AddressSpace:
         user = await user_modules(code, vmas, self.files, load=load)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
-        self._placed.put(key, Placed(space, self.clock(), vmas, waiting))
+        self._placed.put(key, Placed(space, self.clock(), vmas, waiting, pgd=pgd))
         return space
 
     async def settle(self, read: Reader) -> bool:

@@ -239,6 +239,13 @@ class Tasks:
     def forget(self) -> None:
         self._seen = Memo(LIMIT)
 
+    def on_stack(self, sp: int, size: int) -> int | None:
+        """A task read before (at any age) whose kernel stack of ``size`` bytes holds ``sp``."""
+        for task, seen in self._seen.items():
+            if seen.task is not None and 0 < seen.task.stack <= sp < seen.task.stack + size:
+                return task
+        return None
+
     async def confirm(self, read: Reader, layout: TaskLayout, kernel_from: int) -> None:
         """Read again the fields of the tasks samples used lately whose identity is 3/4 of
         ``recheck`` old: unchanged, it is trusted for another ``recheck`` seconds, so no pause
