@@ -170,6 +170,7 @@ class Sampler(Generic[Space, Raw]):
         self._off_cpu_ids: Memo[int, tuple[Sample, int | None]] = Memo()  # id(sample) ->
         self._off_cpu_profile = self.profile  # the profile those ids are of
         self._held = 0.0  # run time the last tick waited for a look's read before its stop
+        self._looked = False  # a look at every task before a run's first tick
         self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
         self._running.set()
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
@@ -208,8 +209,11 @@ class Sampler(Generic[Space, Raw]):
             return RunOutcome(False, tuple(await self._tick(cpus, stop=False)))
         if one_shot:
             return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
-        if self._off_cpu is not None:
+        if self._off_cpu is not None and not self._looked:
+            # The first run's ticks need a look; a later run's (serve's, each second) have
+            # the last one, and the next comes between ticks.
             await self._off_cpu.look(self._running.wait)
+            self._looked = True
             self._start = self._clock()
         try:
             return await self._ticks(cpus)

@@ -206,7 +206,7 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
             wait_until("new's tasks off CPU", lambda: served.per_vm(
                 "qmpprof_offcpu_samples_total").get("new", 0) > 0, timeout=30)  # fmt: skip
             flame = get(served.url + "flamegraph.svg?vm=new&seconds=60")[2].decode()
-            profile = get(served.url + "debug/pprof/profile?vm=new&seconds=1")[2]
+            profile = get(served.url + "debug/pprof/profile?vm=new&seconds=3")[2]
             metrics = served.metrics()
             code, err = served.stop()
         assert code == 0, err
