@@ -88,6 +88,13 @@ def clean(name: str) -> str:
     return name.replace(";", ":").replace("\n", " ")
 
 
+def thread_name(process: Process) -> str:
+    """A thread of a guest that tells threads apart: its name (the program's when the guest
+    names no thread), pid and tid."""
+    name = process.thread or process.program or UNKNOWN
+    return clean(f"{name} ({process.pid}/{process.tid})")
+
+
 def context_name(process: Process | None) -> str:
     return KERNEL_ROOT if process is None else clean(process.label)
 

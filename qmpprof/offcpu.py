@@ -14,14 +14,19 @@ channel, between ticks: a task's walk is kept only when its version (state and c
 counts) is the same before and after it and the task is on no CPU then (it stood still
 meanwhile, and its stacks with it); a task whose version has not moved since the last look
 keeps the stacks it had without a walk. Each tick adds the tasks of the latest look that are
-not on a CPU at that tick, one sample each.
+not on a CPU at that tick, one sample each: a look makes each task's sample once (a task kept
+keeps the very object), and the sampler files it at every tick's time by its stack's id, so a
+tick costs no new objects per task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask, TaskLister
@@ -32,8 +37,13 @@ from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace
 
+T = TypeVar("T")
+
 MAX_PAGES = 64  # pages fetched for one task's walks, at most
 LOOK_EVERY = 0.5  # seconds between the end of one look at every task and the next
+# Ranges of a look's read sent together, at most: a tick waits for those under way before it
+# stops the guest, so a long batch (a field of every task) goes out in short ones.
+READS_AT_ONCE = 8
 
 
 async def _now() -> None:
@@ -140,8 +150,17 @@ class Waiting:
         self.looks = 0
         self.walks = 0  # tasks walked (their version had moved, or they were new)
         self.rejected = 0  # walks dropped: the task ran meanwhile
-        self._kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}  # at -> version, view
+        self.prepared: tuple[Sample, ...] = ()  # per task of ``tasks`` with a stack, at time 0
+        self._kept: dict[int, tuple[tuple[int, ...], TaskView, Sample | None]] = {}  # at ->
         self._last: float | None = None
+        self._reads = _InFlight()
+
+    async def quiet(self) -> None:
+        """Return when none of a look's reads is under way (called once the sampler holds
+        the looks back: none starts then): QEMU answers one monitor command at a time, so a
+        stop sent behind a read would wait for it, the guest running meanwhile, and the pause
+        would count that wait."""
+        await self._reads.none()
 
     async def look(self, running: Callable[[], Awaitable[object]] = _now) -> None:
         """Every task read again, unless the last look ended less than ``every`` ago; those
@@ -150,14 +169,14 @@ class Waiting:
         Whole at each await: ``tasks`` changes at the end only."""
         if self._last is not None and self.clock() - self._last < self.every:
             return
-        control = _Between(self.control, running)
+        control = _Between(self.control, running, self._reads)
         await running()
         found = [
             task
             for task in await self.lister.every_task(control)
             if task.cpu is None and task.kernel is not None
         ]
-        kept: dict[int, tuple[tuple[int, ...], TaskView]] = {}
+        kept: dict[int, tuple[tuple[int, ...], TaskView, Sample | None]] = {}
         walked: list[_Walked] = []
         for task in found:
             before = self._kept.get(task.at)
@@ -173,31 +192,72 @@ class Waiting:
                 self.rejected += 1
                 continue
             await running()
-            kept[walk.found.at] = (version, _view(walk, self.unwinder, self.boundary))
+            view = _view(walk, self.unwinder, self.boundary)
+            kept[walk.found.at] = (version, view, _prepared(view))
         self.walks += len(walked)
         self.looks += 1
         self._kept = kept
-        self.tasks = tuple(view for _, view in kept.values())
+        self.tasks = tuple(view for _, view, _ in kept.values())
+        self.prepared = tuple(sample for _, _, sample in kept.values() if sample is not None)
         self._last = self.clock()
 
-    def samples(self, on_cpu: Sequence[Sample], at: float) -> list[Sample]:
-        """A tick's off-CPU samples at time ``at``: every task of the latest look but those
-        the tick found on a vCPU (``on_cpu``, its samples)."""
+    def samples(self, on_cpu: Sequence[Sample]) -> list[Sample]:
+        """A tick's off-CPU samples: every task of the latest look but those the tick found on
+        a vCPU (``on_cpu``, its samples); the same objects at every tick, their time 0 (the
+        sampler files them at the tick's)."""
         running = {s.process.tid for s in on_cpu if s.process is not None}
-        return [
-            Sample(at, NO_CPU, Mode.KERNEL, False, 0, view.stack, view.process, view.state)
-            for view in self.tasks
-            if view.stack is not None and (view.process is None or view.process.tid not in running)
-        ]
+        if not running:
+            return list(self.prepared)
+        return [s for s in self.prepared if s.process is None or s.process.tid not in running]
+
+
+def _prepared(view: TaskView) -> Sample | None:
+    if view.stack is None:
+        return None
+    return Sample(0.0, NO_CPU, Mode.KERNEL, False, 0, view.stack, view.process, view.state)
+
+
+class _InFlight:
+    """How many reads are under way, and a wait for none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    def begin(self) -> None:
+        self.count += 1
+        self._none.clear()
+
+    def end(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._none.set()
+
+    async def none(self) -> None:
+        while self.count:  # another read may have begun before this waiter woke
+            await self._none.wait()
 
 
 class _Between:
     """A control channel whose reads wait while the sampler holds the guest stopped: a look's
-    read never goes out in a pause (one under way when a pause begins still delays it)."""
+    read never goes out in a pause, and the sampler waits for one under way (``reads``) before
+    it stops the guest."""
 
-    def __init__(self, control: GuestTransport, running: Callable[[], Awaitable[object]]) -> None:
+    def __init__(
+        self, control: GuestTransport, running: Callable[[], Awaitable[object]], reads: _InFlight
+    ) -> None:
         self._control = control
         self._running = running
+        self._reads = reads
+
+    async def _read(self, work: Callable[[], Awaitable[T]]) -> T:
+        await self._running()
+        self._reads.begin()
+        try:
+            return await work()
+        finally:
+            self._reads.end()
 
     async def is_running(self) -> bool:
         return await self._control.is_running()
@@ -212,22 +272,23 @@ class _Between:
         return await self._control.cpus()
 
     async def registers(self, cpu: int) -> Registers:
-        await self._running()
-        return await self._control.registers(cpu)
+        return await self._read(lambda: self._control.registers(cpu))
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
-        await self._running()
-        return await self._control.system_registers(cpu, names)
+        return await self._read(lambda: self._control.system_registers(cpu, names))
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
-        await self._running()
-        return await self._control.read(cpu, addr, size)
+        return await self._read(lambda: self._control.read(cpu, addr, size))
 
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
-        await self._running()
-        return await self._control.read_many(cpu, ranges)
+        out: list[bytes | MemoryReadError] = []
+        for i in range(0, len(ranges), READS_AT_ONCE):
+            out += await self._read(
+                functools.partial(self._control.read_many, cpu, ranges[i : i + READS_AT_ONCE])
+            )
+        return out
 
     @property
     def control(self) -> GuestTransport | None:

@@ -57,15 +57,24 @@ class Profile:
     )
 
     def add(self, sample: Sample) -> None:
+        self.add_at(sample.time, sample.cpu, self.stack_id(sample))
+
+    def stack_id(self, sample: Sample) -> int:
+        """The id of the sample's stack (who, mode, frames, how the walk ended, state), stored
+        once; no sample is counted."""
         stack = sample.stack
         key = (sample.process, sample.mode, stack.stop, stack.frames, sample.state)
         sid = self._stack_ids.get(key)
         if sid is None:
             sid = self._intern(sample.process, sample.mode, stack.stop, stack.frames, sample.state)
             self._stack_ids[key] = sid
+        return sid
+
+    def add_at(self, time: float, cpu: int, sid: int) -> None:
+        """A sample of the stack ``sid`` (from ``stack_id``) at ``time`` on ``cpu``."""
         self.counts[sid] += 1
-        self.times.append(sample.time)
-        self.cpus_of.append(sample.cpu)
+        self.times.append(time)
+        self.cpus_of.append(cpu)
         self.stack_of.append(sid)
 
     def _intern(

@@ -32,8 +32,9 @@ from typing import Generic, Protocol, TypeVar
 
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
 from qmpprof.guest.base import GuestIdentifier
+from qmpprof.memo import Memo
 from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
-from qmpprof.model import Mode, Process, Registers, Sample, Stack
+from qmpprof.model import NO_CPU, Mode, Process, Registers, Sample, Stack
 from qmpprof.pagecache import PageCache
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
@@ -70,7 +71,15 @@ class OffCpu(Protocol):
         so that none of it runs inside a pause)."""
         ...
 
-    def samples(self, on_cpu: Sequence[Sample], at: float) -> Sequence[Sample]: ...
+    async def quiet(self) -> None:
+        """Return when none of the look's reads is under way: the sampler stops the guest
+        only then (``running`` is cleared first: no read starts meanwhile)."""
+        ...
+
+    def samples(self, on_cpu: Sequence[Sample]) -> Sequence[Sample]:
+        """The tick's: the same objects from tick to tick while a task stands still (the
+        sampler knows their stacks by identity), their time the tick's, not theirs."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +167,10 @@ class Sampler(Generic[Space, Raw]):
         self._on_tick = on_tick
         self._housekeeping = housekeeping
         self._off_cpu = off_cpu
+        self._off_cpu_ids: Memo[int, tuple[Sample, int | None]] = Memo()  # id(sample) ->
+        self._off_cpu_profile = self.profile  # the profile those ids are of
+        self._held = 0.0  # run time the last tick waited for a look's read before its stop
+        self._looked = False  # a look at every task before a run's first tick
         self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
         self._running.set()
         self._housework: asyncio.Future[None] | None = None  # housekeeping under way
@@ -196,8 +209,11 @@ class Sampler(Generic[Space, Raw]):
             return RunOutcome(False, tuple(await self._tick(cpus, stop=False)))
         if one_shot:
             return RunOutcome(True, tuple(await self._tick(cpus, stop=True)))
-        if self._off_cpu is not None:
+        if self._off_cpu is not None and not self._looked:
+            # The first run's ticks need a look; a later run's (serve's, each second) have
+            # the last one, and the next comes between ticks.
             await self._off_cpu.look(self._running.wait)
+            self._looked = True
             self._start = self._clock()
         try:
             return await self._ticks(cpus)
@@ -221,6 +237,7 @@ class Sampler(Generic[Space, Raw]):
             # long stall): the rate in guest run time is the one asked.
             late = min(max(0.0, late + ran - interval), interval)
             last = await self._tick(cpus, stop=True)
+            late = min(late + self._held, interval)  # the guest ran on while the tick held
             resumed = self._resumed
             self._adapt()
             if self._on_tick is not None:
@@ -307,8 +324,13 @@ class Sampler(Generic[Space, Raw]):
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
         if stop:
-            self._running.clear()
+            self._running.clear()  # from now no look's read starts
             try:
+                if self._off_cpu is not None:
+                    await self._off_cpu.quiet()  # one under way ends first, the guest running
+                    self._held = self._clock() - began
+                    self.stats.run_time += self._held
+                    began = self._clock()
                 captured = await self._stopped(cpus)
             finally:
                 self._running.set()
@@ -319,20 +341,36 @@ class Sampler(Generic[Space, Raw]):
         self.stats.ticks += 1
         samples = [s for s in map(self._finish, captured) if s is not None]
         if self._off_cpu is not None:
-            for waiting in self._off_cpu.samples(samples, began - self._start):
-                self._add_off_cpu(waiting)
+            self._add_off_cpu(self._off_cpu.samples(samples), began - self._start)
         return samples
 
-    def _add_off_cpu(self, sample: Sample) -> None:
-        """A task off CPU: under --kernel-only or --user-only, the frames of that mode."""
+    def _add_off_cpu(self, samples: Sequence[Sample], at: float) -> None:
+        """The tasks off CPU at ``at``, each by its stack's id, found once per sample object
+        and profile (hashing a task's frames at every tick was most of a tick's cost)."""
+        if self._off_cpu_profile is not self.profile:
+            self._off_cpu_profile = self.profile
+            self._off_cpu_ids.clear()
+        ids = self._off_cpu_ids
+        for sample in samples:
+            known = ids.get(id(sample))
+            # The entry holds the sample, so no other object can take its id meanwhile.
+            if known is None or known[0] is not sample:
+                known = ids.put(id(sample), (sample, self._off_cpu_id(sample)))
+            if known[1] is None:
+                self.stats.filtered += 1
+            else:
+                self.profile.add_at(at, NO_CPU, known[1])
+
+    def _off_cpu_id(self, sample: Sample) -> int | None:
+        """A task off CPU's stack id: under --kernel-only or --user-only, of the frames of that
+        mode (None: none)."""
         keep = self.config.keep
         if keep is not None:
             frames = tuple(f for f in sample.stack.frames if f.kernel == (keep is Mode.KERNEL))
             if not frames:
-                self.stats.filtered += 1
-                return
+                return None
             sample = dataclasses.replace(sample, stack=Stack(frames, sample.stack.stop))
-        self.profile.add(sample)
+        return self.profile.stack_id(sample)
 
     async def _stopped(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
         """Stop, capture, cont."""

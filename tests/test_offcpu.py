@@ -81,7 +81,7 @@ async def test_a_walk_is_kept_only_when_the_task_stood_still() -> None:
     lister.on_cpu = {12}
     off = waiting(lister, unwinder, clock)
     await off.look()
-    assert leaves(off.samples([], 1.0)) == {10: ("S", "f1")}  # 11 ran meanwhile; 12 is on a CPU
+    assert leaves(off.samples([])) == {10: ("S", "f1")}  # 11 ran meanwhile; 12 is on a CPU
     assert (off.walks, off.rejected) == (2, 1)
     # Too soon: no look. Then 10 has not moved (no walk), 11 has stood still this time.
     lister.tasks[11] = ("D", 4, 8, 8)
@@ -92,12 +92,12 @@ async def test_a_walk_is_kept_only_when_the_task_stood_still() -> None:
     unwinder.walked.clear()
     await off.look()
     assert unwinder.walked == [K + 4]
-    assert leaves(off.samples([], 2.0)) == {10: ("S", "f1"), 11: ("D", "f4")}
+    assert leaves(off.samples([])) == {10: ("S", "f1"), 11: ("D", "f4")}
     # 10 woke up and slept again elsewhere: walked again, its new stack kept.
     lister.tasks[10] = ("S", 9, 6, 6)
     clock[0] = 1.0
     await off.look()
-    assert leaves(off.samples([], 3.0))[10] == ("S", "f9")
+    assert leaves(off.samples([]))[10] == ("S", "f9")
 
 
 async def test_a_tick_leaves_out_the_tasks_it_found_on_a_vcpu() -> None:
@@ -108,10 +108,24 @@ async def test_a_tick_leaves_out_the_tasks_it_found_on_a_vcpu() -> None:
     on_vcpu = Sample(
         4.0, 1, Mode.USER, True, 0, Stack((), StopReason.END), Process(11, "p11", 0, 11)
     )
-    found = off.samples([on_vcpu], 4.0)
-    assert [(s.process.tid if s.process else None, s.cpu, s.time, s.mode) for s in found] == [
-        (10, NO_CPU, 4.0, Mode.KERNEL)
+    found = off.samples([on_vcpu])
+    assert [(s.process.tid if s.process else None, s.cpu, s.mode) for s in found] == [
+        (10, NO_CPU, Mode.KERNEL)
     ]
+
+
+async def test_a_task_that_stood_still_keeps_its_very_sample_from_look_to_look() -> None:
+    lister, clock = Lister(), [0.0]
+    lister.tasks = {10: ("S", 1, 5, 5), 11: ("S", 2, 7, 7)}
+    off = waiting(lister, Unwinder(), clock)
+    await off.look()
+    first = {s.process.tid if s.process else None: s for s in off.samples([])}
+    lister.tasks[11] = ("S", 3, 8, 8)  # 11 ran and slept again: a new walk, a new sample
+    clock[0] = 1.0
+    await off.look()
+    again = {s.process.tid if s.process else None: s for s in off.samples([])}
+    assert again[10] is first[10] and again[11] is not first[11]
+    assert again[11].stack.frames[0].symbol == "f3"
 
 
 class Control:
@@ -155,3 +169,43 @@ async def test_a_look_reads_nothing_while_the_guest_is_held_stopped() -> None:
     running.set()
     await look
     assert control.reads == 1 and [t.state for t in off.tasks] == ["S"]
+
+
+class SlowControl(Control):
+    """A read that QEMU answers only when ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        await self.answer.wait()
+        return await super().read_many(cpu, ranges)
+
+
+class FirstReadingLister(Lister):
+    """Reads through the transport it is given before it lists, as a guest OS does."""
+
+    async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
+        await transport.read_many(0, [(0x1000, 8)])
+        return await super().every_task(transport)
+
+
+async def test_the_sampler_can_wait_for_a_look_s_read_under_way_before_it_stops() -> None:
+    control, lister = SlowControl(), FirstReadingLister()
+    lister.tasks = {10: ("S", 1, 5, 5)}
+    transport: GuestTransport = control  # type: ignore[assignment]  # reads are all it needs
+    off = Waiting(transport, lister, Unwinder(), 1 << 63)
+    await off.quiet()  # nothing under way: at once
+    look = asyncio.ensure_future(off.look())
+    quiet = asyncio.ensure_future(off.quiet())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not quiet.done() and control.reads == 0  # the read is under way in QEMU
+    control.answer.set()
+    await quiet
+    assert control.reads == 1
+    await look
+    assert [t.state for t in off.tasks] == ["S"]

@@ -155,6 +155,7 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
     assert len(tasks) > 20 and tasks[1]["process"]["program"] == "init", sorted(tasks)
     blocked = {tid: (tasks[tid]["process"]["pid"], letter) for tid, (letter, _) in expected.items()}
     check_sampling(runs, blocked)
+    check_thread_lanes(tmp_path / "run1.speedscope.json", runs[("--off-cpu",)][1], expected)
 
 
 def sampling_run(
@@ -165,7 +166,7 @@ def sampling_run(
     result = subprocess.run(
         [sys.executable, "-m", "qmpprof", "--qmp-socket", str(qmp_socket), "--kernel",
          str(vmlinuz), "--user-dir", str(ROOTFS), "--duration", str(DURATION), *flags,
-         "-o", str(out)],
+         "-o", str(out), "-o", str(out.with_suffix(".speedscope.json"))],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -204,6 +205,22 @@ def check_sampling(
         share_with, share_without = with_flag.get(root, 0.0), without.get(root, 0.0)
         print(f"on-CPU share of {root}: {share_with:.3f} with --off-cpu, {share_without:.3f}")
         assert abs(share_with - share_without) <= SHARE_NOISE, (root, share_with, share_without)
+
+
+def check_thread_lanes(path: Path, ticks: int, expected: dict[int, tuple[str, list[str]]]) -> None:
+    """speedscope's lane of each blocked thread, "comm (pid/tid)", spans the run's wall time:
+    a sample a tick (within WEIGHT), every one under its state's ``[off-cpu: S]``."""
+    document = json.loads(path.read_text())
+    names = [frame["name"] for frame in document["shared"]["frames"]]
+    lanes = {
+        int(found[1]): lane
+        for lane in document["profiles"]
+        if (found := re.fullmatch(r".* \(\d+/(\d+)\)", lane["name"]))
+    }
+    for tid, (letter, _) in expected.items():
+        samples = lanes[tid]["samples"]
+        assert abs(len(samples) - ticks) <= WEIGHT * ticks, (tid, len(samples), ticks)
+        assert {names[s[1]] for s in samples} == {f"[off-cpu: {letter}]"}, tid
 
 
 def shares(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:

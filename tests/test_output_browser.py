@@ -154,3 +154,62 @@ def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Pat
         expect(tab.get_by_text("idle_loop", exact=True)).to_have_count(0)
     tab.close()
     assert errors == []
+
+
+def test_speedscope_opens_a_thread_lane_of_an_off_cpu_run(
+    context: BrowserContext, tmp_path: Path
+) -> None:
+    from jsonschema import Draft7Validator
+    from test_output_offcpu import mixed_profile
+
+    document = json.loads(speedscope.render(mixed_profile(), Naming()))
+    assert [e.message for e in Draft7Validator(speedscope_schema()).iter_errors(document)] == []
+    (tmp_path / "viewer").symlink_to(speedscope_release())
+    (tmp_path / "run.speedscope.json").write_text(json.dumps(document), encoding="utf-8")
+    errors: list[str] = []
+    tab = context.new_page()
+    tab.on("pageerror", lambda err: errors.append(str(err)))
+    with serve(tmp_path) as base:
+        profile_url = urllib.parse.quote(f"{base}/run.speedscope.json", safe="")
+        tab.goto(f"{base}/viewer/index.html#profileURL={profile_url}")
+        tab.wait_for_function("document.title.endsWith(' - speedscope')")
+        tab.keyboard.press("n")  # from the vCPU's lane to the first thread's
+        expect(tab.get_by_text("sleep (7/7) (2/3)")).to_be_visible()
+        tab.get_by_text("Sandwich").click()
+        for name in ("sleep (pid 7)", "[off-cpu: S]", "do_nanosleep_[k]"):
+            expect(tab.get_by_text(name, exact=True)).to_be_visible()
+        expect(tab.get_by_text("work (pid 9)", exact=True)).to_have_count(0)
+    tab.close()
+    assert errors == []
+
+
+def test_svg_switches_between_wall_on_cpu_and_off_cpu(
+    context: BrowserContext, tmp_path: Path
+) -> None:
+    from test_output_offcpu import mixed_profile
+
+    path = tmp_path / "wall.svg"
+    path.write_text(svg.render(mixed_profile(), Naming()), encoding="utf-8")
+    errors: list[str] = []
+    tab = context.new_page()
+    tab.on("pageerror", lambda err: errors.append(str(err)))
+    tab.goto(path.as_uri())
+    sleeper = frame(tab, "sleep (7/7) (2 samples, 50.00%)")
+    assert sleeper.is_visible() and width(sleeper) == pytest.approx(FULL_WIDTH / 2)
+    expect(tab.locator('text.view[data-view="wall"]')).to_have_class("button view active")
+    tab.locator('text.view[data-view="cpu"]').click()
+    assert sleeper.is_hidden() and "v=cpu" in tab.url
+    worker = frame(tab, "work (9/9) (2 samples, 100.00%)")
+    assert worker.is_visible() and width(worker) == pytest.approx(FULL_WIDTH)
+    tab.once("dialog", lambda dialog: dialog.accept("^main$"))
+    tab.locator("#search").click()
+    expect(tab.locator("#matched")).to_have_text("Matched: 100.0%")  # of the view's samples
+    tab.locator('text.view[data-view="off"]').click()
+    expect(tab.locator("#matched")).to_have_text("Matched: 100.0%")
+    assert worker.is_hidden()
+    shown = tab.locator('g.view[data-view="off"]')
+    assert fill(shown.locator("g.f.match")) == MAGENTA and shown.is_visible()
+    tab.reload()  # the fragment keeps the view and the search
+    expect(frame(tab, "[off-cpu: S] (2 samples, 100.00%)")).to_be_visible()
+    tab.close()
+    assert errors == []

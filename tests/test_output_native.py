@@ -156,3 +156,25 @@ def test_threads_are_kept_and_files_without_them_still_load(tmp_path: Path) -> N
     old = native.load(write_gz(tmp_path / "old.qmpprof", doc))
     # Files from before processes had threads (and their space a name) came from x86 guests.
     assert {s.process for s in old.stacks} == {Process(40, "app", 0, space_name="cr3")}
+
+
+def test_a_version_1_file_written_by_hand_still_loads(tmp_path: Path) -> None:
+    doc = {
+        "kind": "qmpprof-profile",
+        "version": 1,  # before stacks could hold a task's state
+        "interval_ms": 10.0,
+        "facts": {"guest": "old"},
+        "mappings": [],
+        # pid, program, space, tid, thread, space name
+        "processes": [[40, "app", "0x0", 40, "app", "cr3"]],
+        # pc, kernel, symbol, offset, mapping (-1: none), file, line, inlined
+        "frames": [["0x401234", False, "main", 0x34, -1, None, None, False]],
+        # process, mode, how the walk ended, frame ids leaf first: four fields
+        "stacks": [[0, "user", "end", [0]]],
+        "samples": {"time": [0.01, 0.02], "cpu": [0, 1], "stack": [0, 0]},
+    }
+    again = native.load(write_gz(tmp_path / "v1.qmpprof", doc))
+    assert again.named_counts(Naming()) == {("app (pid 40)", "main"): 2}
+    assert [s.state for s in again.stacks] == [None] and list(again.cpus_of) == [0, 1]
+    written = json.loads(gzip.decompress(render(again, "qmpprof")))
+    assert written["version"] == native.VERSION == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from test_output_native import KERNEL
@@ -15,7 +16,7 @@ from test_output_pprof import decode
 from qmpprof.cli import report
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Sample, Stack
 from qmpprof.naming import Naming
-from qmpprof.output import native, render
+from qmpprof.output import native, render, svg
 from qmpprof.output.pprofread import decode as read_pprof
 from qmpprof.profile import Profile
 
@@ -25,6 +26,7 @@ SCHEDULE = Frame(KERNEL.start + 0x300, True, "schedule", 0, KERNEL)
 NANOSLEEP = Frame(KERNEL.start + 0x400, True, "do_nanosleep", 0, KERNEL)
 MAIN = Frame(0x401000, False, "main", 0)
 ON_CPU = ("work (pid 9)", "main")
+SVG = "{http://www.w3.org/2000/svg}"
 OFF_CPU = ("sleep (pid 7)", "[off-cpu: S]", "main", "do_nanosleep_[k]", "schedule_[k]")
 
 
@@ -73,7 +75,47 @@ def test_report_draws_on_or_off_cpu_alone(tmp_path: Path, flag: str, kept: tuple
     assert out.read_text() == f"{';'.join(kept)} 2\n"
 
 
-def test_speedscope_puts_the_tasks_off_cpu_in_a_lane_of_their_own() -> None:
+def test_speedscope_gives_each_thread_a_lane_of_its_wall_time() -> None:
     document = json.loads(render(mixed_profile(), "speedscope", Naming()))
-    lanes = {lane["name"]: len(lane["samples"]) for lane in document["profiles"]}
-    assert lanes == {"vcpu 0": 2, "off cpu": 2}
+    lanes = {lane["name"]: lane for lane in document["profiles"]}
+    assert list(lanes) == ["vcpu 0", "sleep (7/7)", "work (9/9)"]
+    names = [frame["name"] for frame in document["shared"]["frames"]]
+    on_cpu, off_cpu = ([tuple(names[i] for i in s) for s in lanes[t]["samples"]] for t in
+                       ("work (9/9)", "sleep (7/7)"))  # fmt: skip
+    assert on_cpu == [ON_CPU, ON_CPU] and off_cpu == [OFF_CPU, OFF_CPU]
+    assert lanes["sleep (7/7)"]["endValue"] == 30.0  # the last tick at 20 ms plus its interval
+
+
+def test_speedscope_draws_threads_only_when_tasks_off_cpu_are_in() -> None:
+    on_cpu = mixed_profile().select(on_cpu=True)
+    document = json.loads(render(on_cpu, "speedscope", Naming()))
+    assert [lane["name"] for lane in document["profiles"]] == ["vcpu 0"]
+
+
+def test_svg_draws_wall_on_cpu_and_off_cpu_views_with_a_frame_per_thread() -> None:
+    drawn = ElementTree.fromstring(render(mixed_profile(), "svg", Naming()))
+    views = {g.get("data-view"): g for g in drawn.iter(f"{SVG}g") if g.get("data-view")}
+    assert {v: g.get("data-total") for v, g in views.items()} == {
+        "wall": "4",
+        "cpu": "2",
+        "off": "2",
+    }
+    assert [v for v, g in views.items() if "hidden" in (g.get("class") or "")] == ["cpu", "off"]
+
+    def tips(view: str) -> set[str]:
+        return {str(t.text) for t in views[view].iter(f"{SVG}title")}
+
+    assert {"sleep (7/7) (2 samples, 50.00%)", "[off-cpu: S] (2 samples, 50.00%)"} <= tips("wall")
+    assert "work (9/9) (2 samples, 50.00%)" in tips("wall")
+    assert "work (9/9) (2 samples, 100.00%)" in tips("cpu")
+    assert not any("sleep" in tip or "off-cpu" in tip for tip in tips("cpu"))
+    assert not any("work" in tip for tip in tips("off"))
+    fills = {str(g.findtext(f"{SVG}title")).split(" (2 ")[0]: g.find(f"{SVG}rect") for g in
+             views["off"].iter(f"{SVG}g")}  # fmt: skip
+    for name in ("sleep (7/7)", "[off-cpu: S]"):  # the writer's frames: the context's colours
+        assert fills[name] is not None and fills[name].get("fill") == svg.colour(name, "root")
+
+
+def test_svg_without_tasks_off_cpu_is_one_graph_without_a_switch() -> None:
+    text = render(mixed_profile().select(on_cpu=True), "svg", Naming()).decode()
+    assert 'class="view' not in text and "(9/9)" not in text

@@ -625,15 +625,23 @@ class ScriptedWaiting:
     def __init__(self, transport: FakeTransport) -> None:
         self.transport = transport
         self.looks: list[bool] = []
+        self.quiets = 0  # ticks that waited for the looks' reads first
 
     async def look(self, running: Callable[[], Awaitable[object]]) -> None:
         await running()
         self.looks.append(self.transport.calls.count("stop") == self.transport.calls.count("cont"))
 
-    def samples(self, on_cpu: Sequence[Sample], at: float) -> list[Sample]:
-        frames = (Frame(K + 0x2010, True, "schedule"), Frame(0x40_1010, False, "user_main"))
-        sleeper = Process(5, "sleeper", 0, 5)
-        return [Sample(at, NO_CPU, Mode.KERNEL, False, 0, Stack(frames), sleeper, "S")]
+    async def quiet(self) -> None:
+        self.quiets += 1
+
+    def samples(self, on_cpu: Sequence[Sample]) -> list[Sample]:
+        return [SLEEPER]
+
+
+# The same object at every tick, as Waiting gives a task that stands still.
+SLEEPER = Sample(0.0, NO_CPU, Mode.KERNEL, False, 0,
+                 Stack((Frame(K + 0x2010, True, "schedule"), Frame(0x40_1010, False, "user_main"))),
+                 Process(5, "sleeper", 0, 5), "S")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -662,3 +670,10 @@ async def test_each_tick_adds_the_tasks_off_cpu_looked_at_while_the_guest_runs(
     await sampler.run()
     assert sampler.profile.named_counts(Naming())[names] == 3
     assert waiting.looks and all(waiting.looks)  # before the first tick, then between ticks
+    assert waiting.quiets == 3
+    times = [t for t, cpu, _ in sampler.profile.timeline() if cpu == NO_CPU]
+    assert len(times) == 3 and times == sorted(set(times)) and times[0] > 0  # each tick's time
+    taken, _ = sampler.take()  # a fresh profile: the sleeper's stack is stored in it again
+    await sampler.run()
+    assert sampler.profile.named_counts(Naming())[names] == 3
+    assert sampler.profile.frames and taken.named_counts(Naming())[names] == 3

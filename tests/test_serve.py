@@ -56,6 +56,18 @@ def test_a_stack_seen_in_several_seconds_is_stored_once_and_counted_in_each() ->
     assert merge(ring.last(1), 10.0, {}).named_counts(Naming()) == one.named_counts(Naming())
 
 
+def test_tasks_off_cpu_keep_their_state_in_the_ring_and_are_counted_apart() -> None:
+    from test_output_offcpu import OFF_CPU, ON_CPU, mixed_profile
+
+    ring = Ring(window=2)
+    push(ring, mixed_profile(), 0.0)
+    (second,) = ring.last(1)
+    assert (second.samples, second.off_cpu) == (2, 2)
+    merged = merge(ring.last(1), 10.0, {})
+    assert merged.named_counts(Naming()) == {ON_CPU: 2, OFF_CPU: 2}
+    assert {s.state for s in merged.stacks} == {None, "S"}
+
+
 def test_seconds_leave_the_ring_and_take_their_stacks_with_them() -> None:
     ring = Ring(window=2)
     push(ring, hand_built_profile(), 0.0)
@@ -184,6 +196,7 @@ def test_metrics_are_prometheus_text_with_every_family() -> None:
     assert parsed["qmpprof_pause_seconds_count"][(("vm", "a"),)] == 5
     assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.002"))] == 0
     assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.005"))] == 5
+    assert parsed["qmpprof_offcpu_samples_total"][(("vm", "a"),)] == 0
     for family in ("errors_total", "truncated_total", "stopped_ratio", "pause_seconds_sum"):
         assert len(parsed[f"qmpprof_{family}"]) == 2
 

@@ -19,6 +19,7 @@ import pytest
 from guestvm import running_guest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS, running_linux_guest
+from test_output_pprof import decode
 from test_serve import Served, filled_vm, get, parse_prometheus, serve_command, wait_until
 
 from qmpprof.cli import main
@@ -42,6 +43,7 @@ kernel = "/boot/vmlinuz-6.12"
 user_dir = "rootfs"
 interval = 20
 max_overhead = "none"
+off_cpu = true
 
 [vm.db]
 kernel = "kernels/vmlinuz-6.1"
@@ -56,6 +58,11 @@ max_overhead = 2.5
     web1, db, other = (served.spec_of(name) for name in ("web1", "db", "other"))
     assert (web1.kernel, web1.user_dir) == (Path("/boot/vmlinuz-6.12"), tmp_path / "rootfs")
     assert (web1.sampling.interval, web1.sampling.max_overhead) == (0.020, None)
+    assert (web1.off_cpu, db.off_cpu, parse(["--off-cpu", "--qmp-socket", "a"]).spec.off_cpu) == (
+        True,
+        False,
+        True,
+    )
     assert (db.kernel, db.kallsyms) == (
         tmp_path / "kernels/vmlinuz-6.1",
         tmp_path / "kernels/System.map-6.1",
@@ -87,6 +94,7 @@ def test_name_toml_beside_a_socket_overrides_the_config(tmp_path: Path) -> None:
         ("[vm.a]\ninterval = true\n", "fleet.toml: vm.a.interval: a positive number"),
         ("[vm.a]\nmax_overhead = 100\n", "fleet.toml: vm.a.max_overhead: a percentage"),
         ("[vm.a]\nos = 'plan9'\n", "fleet.toml: vm.a.os: one of auto, linux"),
+        ("[vm.a]\noff_cpu = 1\n", "fleet.toml: vm.a.off_cpu: true or false"),
         ("[vm]\na = 1\n", "fleet.toml: vm.a: not a table"),
         ("kernel = 'x'\n", "fleet.toml: kernel: not a key qmpprof knows (VMs go in [vm.NAME])"),
         ("[vm.a\n", "fleet.toml: not TOML: "),
@@ -172,7 +180,8 @@ def serving(*args: str) -> AbstractContextManager[Served]:
 @pytest.mark.linux
 def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_path: Path) -> None:
     """Linux 6.12 and 6.1 each boot the test guest; serve follows both from one TOML file:
-    "new" at 20 ms without a budget, "old" at the default budget of 1 %. Each VM's stacks are
+    "new" at 20 ms without a budget and with the tasks off CPU, "old" at the default budget of
+    1 %. New's served flame graph and profile hold its blocked tasks. Each VM's stacks are
     whole in its kernel (its own kernel loaded; the guest's busybox has no .eh_frame, so 1-3 %
     of its stacks stop in user code whatever the kernel); the budget lengthens old's interval
     and holds its share."""
@@ -185,7 +194,7 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
         config = tmp_path / "fleet.toml"
         config.write_text(
             f'[vm.new]\nsocket = "{new.qmp_socket}"\nkernel = "{linux_dir("6.12")}/vmlinuz"\n'
-            f'interval = 20\nmax_overhead = "none"\nuser_dir = "{ROOTFS}"\n\n'
+            f'interval = 20\nmax_overhead = "none"\nuser_dir = "{ROOTFS}"\noff_cpu = true\n\n'
             f'[vm.old]\nsocket = "{old.qmp_socket}"\nkernel = "{linux_dir("6.1")}/vmlinuz"\n'
             f'user_dir = "{ROOTFS}"\n'
         )
@@ -194,6 +203,10 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
             wait_until("200 samples of new, 20 of old",
                        lambda: samples().get("new", 0) >= 200 and samples().get("old", 0) >= 20,
                        timeout=150)  # fmt: skip
+            wait_until("new's tasks off CPU", lambda: served.per_vm(
+                "qmpprof_offcpu_samples_total").get("new", 0) > 0, timeout=30)  # fmt: skip
+            flame = get(served.url + "flamegraph.svg?vm=new&seconds=60")[2].decode()
+            profile = get(served.url + "debug/pprof/profile?vm=new&seconds=3")[2]
             metrics = served.metrics()
             code, err = served.stop()
         assert code == 0, err
@@ -205,6 +218,11 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
         assert whole >= 0.99 * one("qmpprof_samples_total", vm), vm
         assert one("qmpprof_truncated_total", vm) <= 0.05 * one("qmpprof_samples_total", vm), vm
     assert one("qmpprof_interval_seconds", "new") == 0.02
+    assert one("qmpprof_offcpu_samples_total", "old") == 0
+    # The test guest's sleeper (its own `sleep`) waits in do_nanosleep the whole run.
+    assert 'data-view="wall"' in flame and "[off-cpu: S]" in flame and "do_nanosleep" in flame
+    labels = [s[2] for s in decode(profile).samples]
+    assert {"oncpu", "offcpu"} <= {label["cpu_state"] for label in labels}
     assert ("vm", "new") not in {k[0] for k in metrics["qmpprof_overhead_budget_ratio"]}
     assert one("qmpprof_overhead_budget_ratio", "old") == 0.01
     # Old's pauses cost more than 1 % at 20 ms: its interval in force grew, and its share of

@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
              "profiles show what runs inside the guests: keep it on localhost")  # fmt: skip
     add("--config", metavar="FILE",
         help="per-VM settings in TOML: [vm.NAME] tables of socket, kernel, kallsyms, user_dir, "
-             "os, interval, max_overhead (a VM of --qmp-dir also reads NAME.toml beside its "
-             "socket); the flags are the defaults")  # fmt: skip
+             "os, interval, max_overhead, off_cpu (a VM of --qmp-dir also reads NAME.toml "
+             "beside its socket); the flags are the defaults")  # fmt: skip
     add("--interval", metavar="MS", type=float, default=50.0,
         help="guest run time between samples, the shortest under a budget (default "
              "%(default)g ms)")  # fmt: skip
@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
         help="keep each guest stopped at most PCT %% of the wall time: its interval lengthens "
              "when pauses cost more, up to 5 s (default %(default)s; 0 or none: no budget, "
              "every --interval)")  # fmt: skip
+    add("--off-cpu", action="store_true",
+        help="every task of a Linux guest off CPU too, at each tick, under [off-cpu: STATE] "
+             "(profiles, flame graphs; /metrics counts them apart)")  # fmt: skip
     add("--window", metavar="SECONDS", type=int, default=300,
         help="how many seconds of profile to keep per VM (default %(default)s)")  # fmt: skip
     add_view_flags(p)
@@ -84,6 +87,7 @@ def parse(args: list[str]) -> ServeConfig:
     spec = RunSpec(
         **guest_fields(ns),
         lines=True,  # pprof answers carry source lines and inlined frames
+        off_cpu=ns.off_cpu,
         sampling=SamplerConfig(
             interval=ns.interval / 1e3,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,

@@ -1,8 +1,9 @@
 """The style and script embedded in every SVG flame graph (kept apart from the layout code).
 
 The script makes the static drawing interactive: hover details, click to zoom, Reset Zoom, regex
-search (button or Ctrl-F, Escape clears) with "Matched: P%", a case toggle, and the zoom and
-search state kept in the URL fragment so a view can be shared. It reads geometry from data-*
+search (button or Ctrl-F, Escape clears) with "Matched: P%", a case toggle, the choice between
+the graphs of a file that holds several (``g.view``: wall, on CPU, off CPU), and the view, zoom
+and search state kept in the URL fragment so a view can be shared. It reads geometry from data-*
 attributes the writer puts on the <svg> and on every frame group, so the script text never changes.
 """
 
@@ -13,6 +14,7 @@ text { font-family: Verdana, sans-serif; font-size: 12px; fill: #000; }
 .button { cursor: pointer; fill: #1a4d99; }
 .button:hover { text-decoration: underline; }
 .hidden { display: none; }
+.view.button.active { font-weight: bold; cursor: default; text-decoration: none; }
 g.f { cursor: pointer; }
 g.f text { pointer-events: none; }
 g.f:hover > rect { stroke: #000; stroke-width: 0.5; }
@@ -24,14 +26,18 @@ SCRIPT = """
 "use strict";
 (() => {
   const svg = document.documentElement;
-  const total = Number(svg.dataset.total) || 1;
+  let total = Number(svg.dataset.total) || 1;
   const width = Number(svg.getAttribute("width"));
   const pad = Number(svg.dataset.pad);
   const charWidth = Number(svg.dataset.charWidth);
-  const frames = Array.from(document.querySelectorAll("g.f"));
+  let frames = Array.from(document.querySelectorAll("g.f"));
   const $ = (id) => document.getElementById(id);
   const details = $("details"), matched = $("matched"), reset = $("reset"), caseButton = $("case");
   const view = { x: 0, w: total, d: 0 };
+  // A file with several graphs (wall, on CPU, off CPU): one shown, its own frames and total.
+  const graphs = Array.from(document.querySelectorAll("g.view"));
+  const switches = Array.from(document.querySelectorAll("text.view"));
+  let shown = graphs.length ? graphs[0].dataset.view : "";
   let term = "";
   let ignoreCase = false;
 
@@ -73,6 +79,7 @@ SCRIPT = """
       params.set("x", view.x);
       params.set("d", view.d);
     }
+    if (graphs.length && shown !== graphs[0].dataset.view) params.set("v", shown);
     if (term) params.set("s", term);
     if (ignoreCase) params.set("i", "1");
     const hash = params.toString();
@@ -83,6 +90,17 @@ SCRIPT = """
     Object.assign(view, { x, w, d });
     layout();
     save();
+  }
+
+  function choose(name) {
+    const graph = graphs.find((g) => g.dataset.view === name) || graphs[0];
+    if (!graph) return;
+    shown = graph.dataset.view;
+    for (const g of graphs) g.classList.toggle("hidden", g !== graph);
+    for (const t of switches) t.classList.toggle("active", t.dataset.view === shown);
+    frames = Array.from(graph.querySelectorAll("g.f"));
+    total = Number(graph.dataset.total) || 1;
+    Object.assign(view, { x: 0, w: total, d: 0 });
   }
 
   function compile(text) {
@@ -141,6 +159,13 @@ SCRIPT = """
     details.textContent = " ";
   });
   reset.addEventListener("click", () => zoom(0, total, 0));
+  for (const t of switches) {
+    t.addEventListener("click", () => {
+      choose(t.dataset.view);
+      layout();
+      search(term);
+    });
+  }
   $("search").addEventListener("click", askSearch);
   caseButton.addEventListener("click", () => {
     setCase(!ignoreCase);
@@ -157,6 +182,7 @@ SCRIPT = """
 
   const params = new URLSearchParams(location.hash.slice(1));
   setCase(params.get("i") === "1");
+  choose(params.get("v") || shown);
   const start = frames.find(
     (g) => g.dataset.x === params.get("x") && g.dataset.d === params.get("d"),
   );

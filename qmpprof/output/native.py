@@ -22,7 +22,10 @@ from qmpprof.output import pprofread
 from qmpprof.profile import Profile
 
 KIND = "qmpprof-profile"
-VERSION = 1
+# 2: a stack may hold a fifth field, the state of a task off CPU. Version 1 files read as they
+# are (their stacks hold four fields; a version-2 reader takes both).
+VERSION = 2
+READS = (1, 2)
 MAX_PROFILE = 4 << 30  # a profile unpacked: larger is damage (~16 bytes a sample: 250 million)
 
 
@@ -113,8 +116,9 @@ def load(path: Path) -> Profile:
         raise ProfileError(str(path), f"not gzipped JSON ({err})") from err
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise ProfileError(str(path), "no qmpprof profile header")
-    if doc.get("version") != VERSION:
-        raise ProfileError(str(path), f"version {doc.get('version')!r}, this qmpprof reads 1")
+    if doc.get("version") not in READS:
+        reads = " and ".join(map(str, READS))
+        raise ProfileError(str(path), f"version {doc.get('version')!r}, this qmpprof reads {reads}")
     try:
         return _profile(doc)
     except (KeyError, IndexError, TypeError, ValueError) as err:

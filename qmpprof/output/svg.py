@@ -7,6 +7,11 @@ Frames narrower than ``min_width`` pixels are not drawn (their samples still cou
 ancestor). Colours come from a hash of the name, in three families: kernel code (orange, as
 FlameGraph's ``_[k]``), user code (red) and the synthetic roots and contexts (aqua).
 
+A profile holding tasks off CPU is drawn three times in the one file, each graph a view the
+buttons switch between (``#v=cpu`` in the URL): ``wall`` (every sample: where each thread spends
+wall time), ``on CPU`` and ``off CPU``; in these each process's threads stand apart, a frame
+``comm (pid/tid)`` above the process's.
+
 ``draw`` lays out any tree of ``Node`` and takes a ``Paint`` (fill and tooltip per frame) and a
 legend: the differential graph (output/diff.py) colours by change through it.
 """
@@ -20,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, USER_GONE, Naming
+from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, USER_GONE, Naming, thread_name
 from qmpprof.output.facts import summary, title
 from qmpprof.output.flamegraph_js import SCRIPT, STYLE
 from qmpprof.profile import NamedStack, Profile
@@ -43,6 +48,8 @@ PALETTES: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
 }
 
 LEGEND = (("kernel", "kernel"), ("user", "user"), ("root", "context"))
+# (view, its button's text): the graphs of a profile with tasks off CPU, the first shown first.
+VIEWS = (("wall", "wall"), ("cpu", "on CPU"), ("off", "off CPU"))
 
 # Characters XML 1.0 forbids even when escaped (symbol names are bytes from the guest).
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -59,6 +66,7 @@ class Node:
     children: dict[str, Node] = field(default_factory=dict)
     before: int = 0
     after: int = 0
+    context: bool = False  # a frame the writer adds (thread, state): coloured as the root
 
     def add(self, names: Sequence[str], count: int, kernel: Sequence[bool] = ()) -> list[Node]:
         """Add ``count`` to this node and the path ``names`` under it; the path's nodes."""
@@ -87,15 +95,28 @@ class Placed:
 Paint = Callable[[Placed, int], tuple[str, str]]
 
 
-def _tree(profile: Profile, naming: Naming) -> Node:
+def _tree(
+    profile: Profile,
+    named: list[NamedStack],
+    on_cpu: bool | None = None,
+    threads: bool = False,
+) -> Node:
+    """The graph of the samples on a CPU (``on_cpu`` True), off it (False) or all, with a
+    frame per thread under its process's when ``threads``."""
     root = Node(ROOT)
     # Real runs repeat the same few stacks thousands of times: walk each distinct one once.
-    unique: Counter[NamedStack] = Counter()
-    for named, count in zip(profile.named(naming), profile.counts, strict=True):
-        if count:
-            unique[named] += count
-    for named, count in unique.items():
-        root.add(named.names, count, named.kernel)
+    unique: Counter[tuple[NamedStack, int]] = Counter()
+    for record, stack, count in zip(profile.stacks, named, profile.counts, strict=True):
+        if not count or (on_cpu is not None and on_cpu != (record.state is None)):
+            continue
+        process, added = record.process, 0
+        if threads and process is not None and process.tid is not None:
+            names = (stack.names[0], thread_name(process), *stack.names[1:])
+            stack, added = NamedStack(names, (False, *stack.kernel)), 1
+        unique[stack, added + (record.state is not None)] += count
+    for (stack, added), count in unique.items():
+        for node in root.add(stack.names, count, stack.kernel)[1 : 1 + added]:
+            node.context = True
     return root
 
 
@@ -114,7 +135,7 @@ def _place(root: Node, min_samples: float) -> Iterator[Placed]:
 
 
 def _family(placed: Placed) -> str:
-    if placed.depth <= 1 or placed.node.name in (TRUNCATED, USER_GONE):
+    if placed.depth <= 1 or placed.node.context or placed.node.name in (TRUNCATED, USER_GONE):
         return "root"
     return "kernel" if placed.node.kernel else "user"
 
@@ -174,8 +195,24 @@ def _legend(swatches: Iterable[tuple[str, str]]) -> list[str]:
     return items
 
 
+def _switch(views: Sequence[str]) -> list[str]:
+    """The buttons that choose a view, at the right end of the legend's line."""
+    if len(views) < 2:
+        return []
+    x = WIDTH - PAD - 200
+    items = [f'<text x="{x}" y="58">View:</text>']
+    for (view, text), offset in zip(VIEWS, (45, 85, 145), strict=True):
+        items.append(f'<text class="button view" data-view="{view}" x="{x + offset}" y="58">'
+                     f"{text}</text>")  # fmt: skip
+    return items
+
+
 def _chrome(
-    heading: str, subtitle: str, swatches: Iterable[tuple[str, str]], height: int
+    heading: str,
+    subtitle: str,
+    swatches: Iterable[tuple[str, str]],
+    height: int,
+    views: Sequence[str] = (),
 ) -> list[str]:
     """Title, subtitle, legend, the controls and the two status lines the script fills in."""
     return [
@@ -190,13 +227,20 @@ def _chrome(
         f'<text id="details" x="{PAD}" y="{height - 12}"> </text>',
         f'<text id="matched" x="{WIDTH - PAD}" y="{height - 12}" text-anchor="end"></text>',
         *_legend(swatches),
+        *_switch(views),
     ]
 
 
 def render(profile: Profile, naming: Naming, min_width: float = MIN_WIDTH) -> str:
     swatches = [(colour(text, family), text) for family, text in LEGEND]
-    root = _tree(profile, naming)
-    return draw(root, title(profile), summary(profile), paint_by_family, swatches, min_width)
+    named = profile.named(naming)
+    if all(record.state is None for record in profile.stacks):
+        views = [("", _tree(profile, named))]
+    else:
+        views = [(view, _tree(profile, named, on_cpu, threads=True))
+                 for (view, _), on_cpu in zip(VIEWS, (None, True, False), strict=True)]  # fmt: skip
+    heading, subtitle = title(profile), summary(profile)
+    return draw_views(views, heading, subtitle, paint_by_family, swatches, min_width)
 
 
 def draw(
@@ -208,21 +252,45 @@ def draw(
     min_width: float = MIN_WIDTH,
 ) -> str:
     """The SVG of a tree whose base is ``root``: frames as wide as their count."""
+    return draw_views([("", root)], heading, subtitle, paint, swatches, min_width)
+
+
+def _placed(root: Node, min_width: float) -> list[Placed]:
     total = root.count
     # Below min_width pixels a frame is invisible anyway; leaving it out keeps big graphs fast.
     min_samples = max(min_width * total / (WIDTH - 2 * PAD), 1)
-    placed = sorted(_place(root, min_samples), key=lambda p: (p.depth, p.x)) if total else []
-    depth = max((p.depth for p in placed), default=0)
+    return sorted(_place(root, min_samples), key=lambda p: (p.depth, p.x)) if total else []
+
+
+def draw_views(
+    views: Sequence[tuple[str, Node]],
+    heading: str,
+    subtitle: str,
+    paint: Paint,
+    swatches: Iterable[tuple[str, str]],
+    min_width: float = MIN_WIDTH,
+) -> str:
+    """The SVG of one graph per (view, root), the first shown (one alone: no view switch)."""
+    placed = [_placed(root, min_width) for _view, root in views]
+    depth = max((p.depth for graph in placed for p in graph), default=0)
     height = TOP + (depth + 1) * FRAME_HEIGHT + BOTTOM
+    total = views[0][1].count
+    frames: list[str] = []
+    for i, ((view, root), graph) in enumerate(zip(views, placed, strict=True)):
+        if len(views) > 1:
+            hidden = " hidden" if i else ""
+            frames.append(f'<g class="view{hidden}" data-view="{view}" data-total="{root.count}">')
+        frames += (_frame(p, root.count, height, paint) for p in graph)
+        frames += ["</g>"] if len(views) > 1 else []
     lines = [
         '<?xml version="1.0" encoding="UTF-8" standalone="no"?>',
         f'<svg version="1.1" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
         f'xmlns="http://www.w3.org/2000/svg" data-total="{total}" data-pad="{PAD}" '
         f'data-char-width="{CHAR_WIDTH}">',
         f"<style>{STYLE}</style>",
-        *_chrome(heading, subtitle, swatches, height),
+        *_chrome(heading, subtitle, swatches, height, [view for view, _root in views]),
         '<g id="frames">',
-        *(_frame(p, total, height, paint) for p in placed),
+        *frames,
         "</g>",
     ]
     if not total:

@@ -13,6 +13,7 @@ both. Relative paths are taken from the file's folder::
     os = "linux"
     interval = 50                     # ms, the shortest interval
     max_overhead = 1                  # percent of the wall time stopped; 0 or "none": no budget
+    off_cpu = true                    # the tasks off CPU too (a Linux guest), as --off-cpu
 
 A file that cannot be read, is not TOML, or holds a key or value qmpprof does not take is a
 UsageError naming the file and the key.
@@ -66,6 +67,12 @@ def _os(value: object) -> str:
     return value
 
 
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad("true or false")
+    return value
+
+
 def _interval(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise _Bad("a positive number of milliseconds")
@@ -97,6 +104,7 @@ def _keys(folder: Path) -> dict[str, tuple[str, str, Callable[[object], object]]
         "kallsyms": ("run", "kallsyms", path),
         "user_dir": ("run", "user_dir", path),
         "os": ("run", "os", _os),
+        "off_cpu": ("run", "off_cpu", _bool),
         "interval": ("sampling", "interval", _interval),
         "max_overhead": ("sampling", "max_overhead", _overhead),
     }

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from qmpprof.model import Frame, Mode, Process, Sample, Stack, StopReason
 from qmpprof.profile import Profile
 
-StackKey = tuple[Process | None, Mode, StopReason, tuple[Frame, ...]]
+# who, mode, how the walk ended, frames, and off CPU the task's state (None on a CPU)
+StackKey = tuple[Process | None, Mode, StopReason, tuple[Frame, ...], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +34,18 @@ class Second:
 
     @property
     def samples(self) -> int:
-        return sum(count for _, _, count in self.counts)
+        """vCPU samples (tasks off CPU are counted apart, in ``off_cpu``)."""
+        return sum(count for key, _, count in self.counts if key[4] is None)
+
+    @property
+    def off_cpu(self) -> int:
+        """Samples of tasks off CPU (--off-cpu)."""
+        return sum(count for key, _, count in self.counts if key[4] is not None)
 
     @property
     def truncated(self) -> int:
-        return sum(count for key, _, count in self.counts if not key[2].whole)
+        """vCPU samples whose walk stopped early."""
+        return sum(count for key, _, count in self.counts if key[4] is None and not key[2].whole)
 
     @property
     def truncated_in_kernel(self) -> int:
@@ -47,7 +55,7 @@ class Second:
         return sum(
             count
             for key, _, count in self.counts
-            if not key[2].whole and key[3] and key[3][-1].kernel
+            if key[4] is None and not key[2].whole and key[3] and key[3][-1].kernel
         )
 
 
@@ -78,7 +86,8 @@ class Ring:
         counts = []
         for (sid, cpu), count in per_cpu.items():
             record = profile.stacks[sid]
-            key = (record.process, record.mode, record.stop, tuple(profile.frames_of(record)))
+            frames = tuple(profile.frames_of(record))
+            key = (record.process, record.mode, record.stop, frames, record.state)
             key = self._stacks.setdefault(key, key)
             self._refs[key] += 1
             counts.append((key, cpu, count))
@@ -114,8 +123,9 @@ def merge(seconds: Sequence[Second], interval_ms: float, facts: dict[str, str]) 
     origin = seconds[0].start
     for second in seconds:
         at = second.start - origin
-        for (process, mode, stop, frames), cpu, count in second.counts:
-            sample = Sample(at, cpu, mode, mode is Mode.USER, 0, Stack(frames, stop), process)
+        for (process, mode, stop, frames, state), cpu, count in second.counts:
+            stack = Stack(frames, stop)
+            sample = Sample(at, cpu, mode, mode is Mode.USER, 0, stack, process, state)
             for _ in range(count):
                 out.add(sample)
     return out

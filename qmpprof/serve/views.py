@@ -69,6 +69,11 @@ def metrics(vms: Sequence[Vm]) -> str:
     out += [f"qmpprof_vm_up{_labels(vm)} {int(vm.up)}" for vm in vms]
     for name, about, attr in (
         ("qmpprof_samples_total", "vCPU samples taken", "samples_total"),
+        (
+            "qmpprof_offcpu_samples_total",
+            "samples of tasks off CPU (--off-cpu: one per task a tick)",
+            "off_cpu_total",
+        ),
         ("qmpprof_errors_total", "samples that failed (counted, not raised)", "errors_total"),
         ("qmpprof_truncated_total", "samples whose stack walk stopped early", "truncated_total"),
         (

@@ -86,6 +86,7 @@ class Vm:
         self.problem = ""  # why it is down, or the most frequent sample error of late
         self.connects = 0
         self.samples_total = 0
+        self.off_cpu_total = 0  # samples of tasks off CPU (--off-cpu)
         self.errors_total = 0
         self.truncated_total = 0
         self.truncated_in_kernel_total = 0
@@ -196,6 +197,7 @@ class Vm:
             profile, since, now, ticks=stats.ticks, errors=errors, pauses=stats.pauses
         )
         self.samples_total += second.samples
+        self.off_cpu_total += second.off_cpu
         self.sampled_seconds += second.end - second.start
         self.truncated_total += second.truncated
         self.truncated_in_kernel_total += second.truncated_in_kernel
