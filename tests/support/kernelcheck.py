@@ -58,6 +58,7 @@ RUN_SYMBOLS = (
     "page_offset_base",
     "__pgtable_l5_enabled",
     "vmcoreinfo_note",
+    "task_state_array",  # --off-cpu: the state letters (guest/linux/offcpu.py)
 )
 
 Row = dict[str, Any]
@@ -252,7 +253,20 @@ def btf_facts(kernel: LinuxKernel, layouts: Layouts) -> Row:
         "comm_len": None if layouts.tasks is None else layouts.tasks.comm_size,
         "module": modules,
         "vma": None if vmas is None else "maple" if vmas.maple else "list",
+        "offcpu": _offcpu(layouts),
     }
+
+
+def _offcpu(layouts: Layouts) -> str:
+    """What --off-cpu reads of a task off CPU (the state's width, the switch frame's and
+    pt_regs' sizes), or why it cannot."""
+    found = layouts.offcpu
+    if isinstance(found, str):
+        return found
+    return (
+        f"state {found.state_size} B, inactive_task_frame {found.frame_size} B, "
+        f"pt_regs {found.regs_size} B"
+    )
 
 
 def run_one(path: Path, cache: str, load_only: bool) -> Row:

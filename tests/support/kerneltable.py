@@ -22,6 +22,7 @@ COLUMNS = (
     "BTF types (per-CPU vars)",
     "module text",
     "VMAs",
+    "off CPU (--off-cpu)",
     "notes",
 )
 
@@ -93,15 +94,16 @@ def _orc(facts: Row) -> str:
 
 def _btf(facts: Row) -> list[str]:
     if "error" in facts:
-        return [_escape(facts["error"]), "", ""]
+        return [_escape(facts["error"]), "", "", ""]
     if not facts["types"]:
-        return ["none", "", ""]
+        return ["none", "", "", ""]
     types = f"{facts['types']:,}".replace(",", " ")
     task = "" if facts["task"] else ", no task layout"
     return [
         f"{types} ({facts['percpu_variables']}){task}",
         facts["module"] or "-",
         facts["vma"] or "-",
+        _escape(facts.get("offcpu", "-")),
     ]
 
 
