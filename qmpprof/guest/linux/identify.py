@@ -156,17 +156,13 @@ class LinuxIdentifier:
             found = await read_task(read, task, layout, self.arch.shared_from)
             identity = self.kernel
             if found is not None:
-                memory = self._foreign(read, found, regs)
-                space = await self._space(self._through(read, memory), found, regs)
+                space, memory = await self._placed(read, found, regs)
                 identity = Identity(found.process, space)
-                memory = memory or self._foreign(read, found, regs)  # placed: its tables known
             seen = self.tasks.put(task, found, identity)
         elif seen.task is not None and seen.identity is not self.kernel:
             # The process's space as its mappings stand (they are placed again when they
             # change), not as they stood when the task was read.
-            memory = self._foreign(read, seen.task, regs)
-            space = await self._space(self._through(read, memory), seen.task, regs)
-            memory = memory or self._foreign(read, seen.task, regs)
+            space, memory = await self._placed(read, seen.task, regs)
             if space is not seen.identity.space:
                 seen = self.tasks.update(task, Identity(seen.task.process, space))
         stack, size = seen.stack, self.thread_size
@@ -203,6 +199,20 @@ class LinuxIdentifier:
         if found is None or not found.stack <= regs.sp < found.stack + size:
             return None
         return Identity(found.process, await self._space(read, found, regs))
+
+    async def _placed(
+        self, read: Reader, task: Task, regs: Registers
+    ) -> tuple[AddressSpace, Reader | None]:
+        """``task``'s space, and reads of its user memory through its own page tables when the
+        vCPU holds another's (``_foreign``): asked before the space is placed, so that placing
+        reads its code through them too, and again after when placing read its tables' root."""
+        spaces = self.spaces
+        root = None if spaces is None else spaces.pgd_of(task)
+        memory = self._foreign(read, task, regs)
+        space = await self._space(self._through(read, memory), task, regs)
+        if memory is None and spaces is not None and spaces.pgd_of(task) != root:
+            memory = self._foreign(read, task, regs)
+        return space, memory
 
     def _foreign(self, read: Reader, task: Task, regs: Registers) -> Reader | None:
         """Reads of ``task``'s user memory through its own page tables when the vCPU has
