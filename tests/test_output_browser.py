@@ -6,6 +6,7 @@ Needs what scripts/setup-browser installs; without it these tests fail and say s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.parse
 from collections.abc import Iterator
@@ -122,19 +123,19 @@ def test_the_url_fragment_restores_zoom_and_search(page: Page) -> None:
     assert page.locator("#case").text_content() == "Case: ignore"
 
 
-def test_speedscope_file_follows_the_published_schema() -> None:
+def schema_errors(document: object) -> list[str]:
+    """What speedscope's published schema finds wrong with ``document``."""
     from jsonschema import Draft7Validator
 
-    document = json.loads(speedscope.render(hand_built_profile(), Naming()))
-    errors = [e.message for e in Draft7Validator(speedscope_schema()).iter_errors(document)]
-    assert errors == []
+    return [e.message for e in Draft7Validator(speedscope_schema()).iter_errors(document)]
 
 
-def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def speedscope_tab(context: BrowserContext, tmp_path: Path, text: str) -> Iterator[Page]:
+    """speedscope's own viewer opened on the file ``text``, served from ``tmp_path``; no page
+    error by the time the tab closes."""
     (tmp_path / "viewer").symlink_to(speedscope_release())
-    (tmp_path / "run.speedscope.json").write_text(
-        speedscope.render(hand_built_profile(), Naming()), encoding="utf-8"
-    )
+    (tmp_path / "run.speedscope.json").write_text(text, encoding="utf-8")
     errors: list[str] = []
     tab = context.new_page()
     tab.on("pageerror", lambda err: errors.append(str(err)))
@@ -142,6 +143,19 @@ def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Pat
         profile_url = urllib.parse.quote(f"{base}/run.speedscope.json", safe="")
         tab.goto(f"{base}/viewer/index.html#profileURL={profile_url}")
         tab.wait_for_function("document.title.endsWith(' - speedscope')")
+        yield tab
+    tab.close()
+    assert errors == []
+
+
+def test_speedscope_file_follows_the_published_schema() -> None:
+    document = json.loads(speedscope.render(hand_built_profile(), Naming()))
+    assert schema_errors(document) == []
+
+
+def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Path) -> None:
+    text = speedscope.render(hand_built_profile(), Naming())
+    with speedscope_tab(context, tmp_path, text) as tab:
         assert tab.title() == "qmpprof: fixtures/guest/emerald.elf - speedscope"
         expect(tab.get_by_text("vcpu 0 (1/2)")).to_be_visible()
         # The sandwich view lists every frame of the profile as text (the others are canvases).
@@ -152,35 +166,22 @@ def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Pat
         expect(tab.get_by_text("vcpu 1 (2/2)")).to_be_visible()
         expect(tab.get_by_text("page_fault", exact=True)).to_be_visible()
         expect(tab.get_by_text("idle_loop", exact=True)).to_have_count(0)
-    tab.close()
-    assert errors == []
 
 
 def test_speedscope_opens_a_thread_lane_of_an_off_cpu_run(
     context: BrowserContext, tmp_path: Path
 ) -> None:
-    from jsonschema import Draft7Validator
     from test_output_offcpu import mixed_profile
 
-    document = json.loads(speedscope.render(mixed_profile(), Naming()))
-    assert [e.message for e in Draft7Validator(speedscope_schema()).iter_errors(document)] == []
-    (tmp_path / "viewer").symlink_to(speedscope_release())
-    (tmp_path / "run.speedscope.json").write_text(json.dumps(document), encoding="utf-8")
-    errors: list[str] = []
-    tab = context.new_page()
-    tab.on("pageerror", lambda err: errors.append(str(err)))
-    with serve(tmp_path) as base:
-        profile_url = urllib.parse.quote(f"{base}/run.speedscope.json", safe="")
-        tab.goto(f"{base}/viewer/index.html#profileURL={profile_url}")
-        tab.wait_for_function("document.title.endsWith(' - speedscope')")
+    text = speedscope.render(mixed_profile(), Naming())
+    assert schema_errors(json.loads(text)) == []
+    with speedscope_tab(context, tmp_path, text) as tab:
         tab.keyboard.press("n")  # from the vCPU's lane to the first thread's
         expect(tab.get_by_text("sleep (7/7) (2/3)")).to_be_visible()
         tab.get_by_text("Sandwich").click()
         for name in ("sleep (pid 7)", "[off-cpu: S]", "do_nanosleep_[k]"):
             expect(tab.get_by_text(name, exact=True)).to_be_visible()
         expect(tab.get_by_text("work (pid 9)", exact=True)).to_have_count(0)
-    tab.close()
-    assert errors == []
 
 
 def test_svg_switches_between_wall_on_cpu_and_off_cpu(
