@@ -66,6 +66,11 @@ class AArch64:
     def translation_registers(self) -> tuple[str, ...]:
         return ("TCR_EL1",)
 
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        # Linux's this-CPU offset, at EL1 (a kernel at EL2 under VHE keeps it in TPIDR_EL2).
+        return ("TPIDR_EL1",)
+
     def translated(self, values: Mapping[str, int]) -> AArch64:
         """Under TCR_EL1's sizes (as QEMU's gdbstub reports it) return addresses are stripped
         of pointer-authentication codes; without it, this one."""
@@ -93,7 +98,7 @@ class AArch64:
         return None  # an exception returns through ELR and SPSR, not a frame in memory
 
     def per_cpu_base(self, regs: Registers) -> int | None:
-        return None  # TPIDR_EL1 holds it, which QEMU's monitor does not print
+        return None  # TPIDR_EL1 holds it (per_cpu_registers), not among the sampled ones
 
     def prologue(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None

@@ -114,6 +114,13 @@ class InstructionSet(Protocol):
         needs; empty when none."""
         ...
 
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU
+        base in user mode as in kernel mode, read on every vCPU when memory does not say it;
+        empty when none (``per_cpu_base`` reads it from the sampled registers)."""
+        ...
+
     def translated(self, values: Mapping[str, int]) -> InstructionSet:
         """This instruction set under the guest's translation settings (``values`` of
         ``translation_registers`` read from it); itself when they change nothing."""

@@ -46,6 +46,10 @@ class X86:
     def translation_registers(self) -> tuple[str, ...]:
         return ()  # the split is fixed: nothing in a return address depends on the guest
 
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
+
     def translated(self, values: Mapping[str, int]) -> X86:
         return self
 

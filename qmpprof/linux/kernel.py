@@ -23,6 +23,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_image
+from qmpprof.linux.arm64percpu import per_cpu_area
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
@@ -105,11 +106,15 @@ class LinuxKernel:
     def per_cpu_start(self) -> int | None:
         """Where the image links its per-CPU area: 0 when per-CPU symbols are offsets into a
         zero-based area (x86_64 up to 6.x), else an ordinary address of the image, which
-        KASLR moves (7.x); None when the image has no per-CPU area."""
+        KASLR moves (7.x, arm64: found in its code when kallsyms has no ``__per_cpu_start``);
+        None when the image has no per-CPU area."""
         section = self.image.section_header(PER_CPU_SECTION)
         if section is not None:
             return section.addr
-        return self.symbols.address_of("__per_cpu_start")
+        found = self.symbols.address_of("__per_cpu_start")
+        if found is None and self.image.arch.name == "aarch64" and self.btf is not None:
+            return per_cpu_area(self.image, self.symbols, self.btf)
+        return found
 
     @property
     def thread_size(self) -> int | None:

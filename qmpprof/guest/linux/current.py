@@ -27,9 +27,10 @@ from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 
 _OWNERS_LIMIT = 4096
-# The per-CPU variables that hold the current task, by the kernels' names: pcpu_hot (its field
-# current_task) from 6.2 to 6.14, current_task before and after.
-_HOLDERS = ("pcpu_hot", "current_task")
+# The per-CPU variables that hold the current task, by the kernels' names: on x86_64 pcpu_hot
+# (its field current_task) from 6.2 to 6.14, current_task before and after; on arm64
+# __entry_task (the kernel's SP_EL0 holds it too; this one is there in user mode as well).
+_HOLDERS = ("pcpu_hot", "current_task", "__entry_task")
 
 
 @dataclass(frozen=True, slots=True)

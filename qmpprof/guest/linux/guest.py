@@ -74,6 +74,27 @@ class Layouts:
         return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
 
 
+async def _per_cpu_bases(
+    transport: GuestTransport, arch: InstructionSet, cpus: Sequence[int], notes: list[str]
+) -> dict[int, int]:
+    """Each vCPU's per-CPU base from the system register that holds it, for a kernel whose
+    symbols do not place ``__per_cpu_offset`` (arm64's 6.1: kallsyms without data symbols)."""
+    wanted = arch.per_cpu_registers
+    if not wanted:
+        return {}
+    bases = {}
+    for cpu in cpus:
+        values = await transport.system_registers(cpu, wanted)
+        if values.get(wanted[0]):
+            bases[cpu] = values[wanted[0]]
+    if len(bases) < len(cpus):
+        notes.append(
+            f"no __per_cpu_offset in kallsyms and {wanted[0]} not readable over this transport:"
+            " stacks without process names (use the gdbstub)"
+        )
+    return bases
+
+
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
     try:
         return make(btf)
@@ -115,10 +136,14 @@ class LinuxGuest:
             raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
         kernel, layouts = self.kernel, self.layouts
         translation: list[str] = []
+        cpus = await control.cpus()
+        bases: dict[int, int] = {}
+        if layouts.current is not None and kernel.address("__per_cpu_offset") is None:
+            bases = await _per_cpu_bases(transport, self.arch, cpus, translation)
         if self.arch.translation_registers:
             # Read once per attach (the sampler's walker takes the instruction set from here).
             wanted = self.arch.translation_registers
-            values = await transport.system_registers(0, wanted)
+            values = await transport.system_registers(cpus[0], wanted)
             self.arch = self.arch.translated(values)
             if not values:
                 translation.append(
@@ -146,7 +171,8 @@ class LinuxGuest:
             per_cpu_offset = kernel.address("__per_cpu_offset", slide)
             place = layouts.current.at(slide)
             current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
-            await current.preload(read, await control.cpus())
+            current.bases.update(bases)
+            await current.preload(read, cpus)
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock)
         self.identifier = LinuxIdentifier(
             modules,
