@@ -96,6 +96,26 @@ def reader(transport: GuestTransport, cpu: int) -> Reader:
     return read
 
 
+def kernel_reader(transport: GuestTransport, cpus: Sequence[int]) -> Reader:
+    """Reads of kernel memory through the first of ``cpus``, and what it could not read
+    through the next ones in turn: a vCPU in user mode may not see the kernel (arm64 Linux
+    unmaps it at EL0 under KPTI)."""
+    reads = [reader(transport, cpu) for cpu in cpus]
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        found = await reads[0](ranges)
+        for other in reads[1:]:
+            missing = [i for i, data in enumerate(found) if data is None and ranges[i][1] > 0]
+            if not missing:
+                break
+            again = await other([ranges[i] for i in missing])
+            for i, data in zip(missing, again, strict=True):
+                found[i] = data
+        return found
+
+    return read
+
+
 async def read_ints(read: Reader, fields: Sequence[tuple[int, int]]) -> list[int | None]:
     """Little-endian unsigned integers at (address, size) pairs, read together; None where
     unmapped."""

@@ -290,6 +290,14 @@ class _Between:
             )
         return out
 
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        return await self._read(functools.partial(self._control.read_physical, ranges))
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        return await self._read(lambda: self._control.translate(cpu, addr))
+
     @property
     def control(self) -> GuestTransport | None:
         return self

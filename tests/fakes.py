@@ -77,6 +77,8 @@ class FakeTransport:
         self.calls: list[str] = []
         self.stops = 0
         self.closed = False
+        self.physical: dict[int, bytes] = {}  # guest-physical pages
+        self.linear_offset: int | None = None  # translate(): virtual - physical, when set
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -124,6 +126,28 @@ class FakeTransport:
         self, cpu: int, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
         return await read_each(self.read, cpu, ranges)
+
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        self._call("read_physical")
+        out: list[bytes | MemoryReadError] = []
+        for addr, size in ranges:
+            page = self.physical.get(page_of(addr))
+            start = addr - page_of(addr)
+            if page is None or start + size > PAGE:
+                out.append(MemoryReadError(addr, size, "not in RAM"))
+            else:
+                out.append(page[start : start + size])
+        return out
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        self._call(f"translate:{cpu}")
+        offset = self.linear_offset
+        return None if offset is None or self._regs_of(cpu).user else addr - offset
+
+    def _regs_of(self, cpu: int) -> Registers:
+        return self._regs[cpu] if isinstance(self._regs, dict) else self._regs(cpu, self.stops)
 
     @property
     def control(self) -> FakeTransport:

@@ -51,6 +51,18 @@ class GuestTransport(Protocol):
         (with the bytes before the first unmapped page, ``readable``). Other errors raise."""
         ...
 
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """Several ranges of guest-physical memory (no vCPU's translation), as ``read_many``
+        returns them."""
+        ...
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        """The guest-physical address ``cpu``'s translation gives ``addr`` now (None: not
+        mapped there). TransportError when the transport cannot ask (a gdbstub alone)."""
+        ...
+
     @property
     def control(self) -> GuestTransport | None:
         """A channel that reads memory and registers while the guest runs, without stopping it

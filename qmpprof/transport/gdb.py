@@ -310,6 +310,30 @@ class GdbTransport:
             at += len(plan)
         return out
 
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """``m`` requests between QEMU's ``Qqemu.PhyMemMode:1`` and ``:0``, one request."""
+        step = self._chunk
+        bodies = [b"Qqemu.PhyMemMode:1"]
+        plans: list[list[int]] = []
+        for addr, size in ranges:
+            lengths = [min(step, addr + size - pos) for pos in range(addr, addr + size, step)]
+            bodies += [b"m%x,%x" % (addr + i * step, n) for i, n in enumerate(lengths)]
+            plans.append(lengths)
+        on, *replies, off = await self._channel.request([*bodies, b"Qqemu.PhyMemMode:0"])
+        if on != b"OK" or off != b"OK":
+            raise TransportError(f"the gdbstub has no physical memory mode: {on!r}")
+        out: list[bytes | MemoryReadError] = []
+        at = 0
+        for (addr, size), plan in zip(ranges, plans, strict=True):
+            out.append(_data(addr, size, plan, replies[at : at + len(plan)]))
+            at += len(plan)
+        return out
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        raise TransportError("a gdbstub does not translate addresses: give --qmp-socket")
+
     async def query(self, body: str) -> str:
         """Send one raw packet and return the reply (for diagnostics and qXfer reads; not for
         packets the stub answers with a stop reply)."""

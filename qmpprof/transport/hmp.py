@@ -6,6 +6,7 @@ No I/O here: the QMP transport sends ``human-monitor-command`` and hands the rep
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from qmpprof.errors import MemoryReadError, TransportError
@@ -39,3 +40,15 @@ def parse_x(text: str, addr: int, size: int) -> bytes:
     if len(out) < size:
         raise MemoryReadError(addr, size, f"monitor returned {len(out)} bytes")
     return bytes(out[:size])
+
+
+def parse_gva2gpa(text: str) -> int | None:
+    """The physical address of a ``gva2gpa`` reply, None for "Unmapped"; TransportError for
+    anything else."""
+    reply = text.strip()
+    if reply.startswith("gpa: "):
+        with contextlib.suppress(ValueError):
+            return int(reply[5:], 16)
+    if reply == "Unmapped":
+        return None
+    raise TransportError(f"unexpected monitor 'gva2gpa' output: {reply[:80]!r}")

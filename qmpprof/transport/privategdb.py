@@ -215,6 +215,14 @@ class PrivateGdbTransport:
         """Several reads in one gdbstub request (see GdbTransport)."""
         return await self._gdb.read_many(cpu, ranges)
 
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        return await self._gdb.read_physical(ranges)
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        return await self._qmp.translate(cpu, addr)
+
     async def hmp(self, command: str, cpu: int | None = None) -> str:
         """A human monitor command over the QMP control channel."""
         return await self._qmp.hmp(command, cpu)

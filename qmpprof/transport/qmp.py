@@ -216,6 +216,23 @@ class QmpTransport:
                 raise result
         return [r for r in found if isinstance(r, bytes | MemoryReadError)]
 
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        """Through the monitor's ``xp`` (physical reads are rare: no private file for them)."""
+        found = await asyncio.gather(*(self._xp(a, n) for a, n in ranges), return_exceptions=True)
+        for result in found:
+            if isinstance(result, BaseException) and not isinstance(result, MemoryReadError):
+                raise result
+        return [r for r in found if isinstance(r, bytes | MemoryReadError)]
+
+    async def _xp(self, addr: int, size: int) -> bytes:
+        return hmp.parse_x(await self.hmp("xp" + hmp.x_command(addr, size)[1:]), addr, size)
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        """The monitor's ``gva2gpa`` on ``cpu``: "gpa: 0x..." or "Unmapped"."""
+        return hmp.parse_gva2gpa(await self.hmp(f"gva2gpa {addr:#x}", cpu))
+
     @property
     def control(self) -> QmpTransport:
         """QMP itself: memsave and the monitor need no stop."""

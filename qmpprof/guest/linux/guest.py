@@ -18,6 +18,7 @@ from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.linearmap import find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
 from qmpprof.guest.linux.pagetables import page_tables
@@ -29,7 +30,7 @@ from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.memory import Reader, reader
+from qmpprof.memory import Reader, kernel_reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -74,25 +75,25 @@ class Layouts:
         return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
 
 
-async def _per_cpu_bases(
-    transport: GuestTransport, arch: InstructionSet, cpus: Sequence[int], notes: list[str]
-) -> dict[int, int]:
-    """Each vCPU's per-CPU base from the system register that holds it, for a kernel whose
-    symbols do not place ``__per_cpu_offset`` (arm64's 6.1: kallsyms without data symbols)."""
-    wanted = arch.per_cpu_registers
-    if not wanted:
-        return {}
-    bases = {}
+async def _system_registers(
+    transport: GuestTransport, arch: InstructionSet, cpus: Sequence[int]
+) -> tuple[dict[str, int], dict[int, int]]:
+    """The first vCPU's translation registers, and each vCPU's per-CPU base from the system
+    register that holds it (``per_cpu_registers``: arm64's TPIDR_EL1, exact in every mode, where
+    6.1's kallsyms place no ``__per_cpu_offset``), one stop a vCPU; empty where unreadable."""
+    translation, per_cpu = arch.translation_registers, arch.per_cpu_registers
+    values: dict[str, int] = {}
+    bases: dict[int, int] = {}
     for cpu in cpus:
-        values = await transport.system_registers(cpu, wanted)
-        if values.get(wanted[0]):
-            bases[cpu] = values[wanted[0]]
-    if len(bases) < len(cpus):
-        notes.append(
-            f"no __per_cpu_offset in kallsyms and {wanted[0]} not readable over this transport:"
-            " stacks without process names (use the gdbstub)"
-        )
-    return bases
+        wanted = (*per_cpu, *translation) if cpu == cpus[0] else per_cpu
+        if not wanted:
+            break
+        found = await transport.system_registers(cpu, wanted)
+        if cpu == cpus[0]:
+            values = {name: found[name] for name in translation if name in found}
+        if per_cpu and found.get(per_cpu[0]):
+            bases[cpu] = found[per_cpu[0]]
+    return values, bases
 
 
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
@@ -137,22 +138,25 @@ class LinuxGuest:
         kernel, layouts = self.kernel, self.layouts
         translation: list[str] = []
         cpus = await control.cpus()
-        bases: dict[int, int] = {}
-        if layouts.current is not None and kernel.address("__per_cpu_offset") is None:
-            bases = await _per_cpu_bases(transport, self.arch, cpus, translation)
+        # Read once per attach (the sampler's walker takes the instruction set from here).
+        values, bases = await _system_registers(transport, self.arch, cpus)
         if self.arch.translation_registers:
-            # Read once per attach (the sampler's walker takes the instruction set from here).
-            wanted = self.arch.translation_registers
-            values = await transport.system_registers(cpus[0], wanted)
             self.arch = self.arch.translated(values)
             if not values:
                 translation.append(
-                    f"{', '.join(wanted)} not readable over this transport: return addresses"
-                    " signed by pointer authentication end kernel stacks (use the gdbstub)"
+                    f"{', '.join(self.arch.translation_registers)} not readable over this"
+                    " transport: return addresses signed by pointer authentication end kernel"
+                    " stacks (use the gdbstub)"
                 )
+        unplaced = len(bases) < len(cpus) and kernel.address("__per_cpu_offset") is None
+        if layouts.current is not None and unplaced and self.arch.per_cpu_registers:
+            translation.append(
+                f"no __per_cpu_offset in kallsyms and {self.arch.per_cpu_registers[0]} not"
+                " readable over this transport: stacks without process names (use the gdbstub)"
+            )
         arch = self.arch
         slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
-        read = reader(control, 0)
+        read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
         modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
@@ -173,6 +177,16 @@ class LinuxGuest:
             current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
             current.bases.update(bases)
             await current.preload(read, cpus)
+        linear = None
+        if current is not None:
+            slots = [(base + current.offset) & arch.mask for base in current.bases.values()]
+            end = kernel.span[0] + slide
+            linear = await find_linear_map(control, slots, arch.shared_from, end)
+            if linear is None:
+                translation.append(
+                    "the kernel's linear map not measured (no vCPU in kernel mode, or no"
+                    " gva2gpa): user-mode samples of a kernel unmapped there lack their process"
+                )
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock)
         self.identifier = LinuxIdentifier(
             modules,
@@ -183,6 +197,8 @@ class LinuxGuest:
             module_list=module_list,
             control=control,
             thread_size=kernel.thread_size,
+            linear=linear,
+            cpus=cpus,
             clock=self.clock,
         )
         init_task = kernel.address("init_task", slide)
@@ -236,7 +252,7 @@ class LinuxGuest:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
         cpus = await transport.cpus()
-        return await self.census.every_task(reader(transport, cpus[0]))
+        return await self.census.every_task(kernel_reader(transport, cpus))
 
     async def versions(
         self, transport: GuestTransport, tasks: Sequence[FoundTask]
@@ -244,7 +260,7 @@ class LinuxGuest:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
         cpus = await transport.cpus()
-        return await self.census.versions(reader(transport, cpus[0]), [t.at for t in tasks])
+        return await self.census.versions(kernel_reader(transport, cpus), [t.at for t in tasks])
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
 from qmpprof.guest.linux.current import CurrentTask
+from qmpprof.guest.linux.linearmap import LinearMap, LinearView
 from qmpprof.guest.linux.modules import ModuleList
 from qmpprof.guest.linux.pagetables import PageTables, holds, split
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
-from qmpprof.memory import Reader, reader
+from qmpprof.memory import Reader, kernel_reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -50,13 +51,17 @@ class LinuxIdentifier:
         module_list: ModuleList | None = None,
         control: GuestTransport | None = None,
         thread_size: int | None = None,
+        linear: LinearMap | None = None,
+        cpus: Sequence[int] = (0,),
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``control``: a transport that reads kernel memory while the guest runs, for
         ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
-        user stacks are learnt as a task's)."""
+        user stacks are learnt as a task's). ``linear``: the kernel's linear map, read
+        physically for a user-mode sample when the vCPU's own translation hides the kernel.
+        ``cpus``: the vCPUs ``control`` reads kernel memory through, in turn."""
         self.arch = arch
         self.layout = layout
         self.current = current
@@ -64,6 +69,10 @@ class LinuxIdentifier:
         self.module_list = module_list
         self.control = control
         self.thread_size = thread_size
+        self.linear = linear
+        self.cpus = cpus
+        # Whether user-mode vCPUs were seen unable to read the kernel (then read physically)
+        self.hidden = False
         self.clock = clock
         self.tasks = Tasks(clock, recheck)
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
@@ -112,7 +121,7 @@ class LinuxIdentifier:
             return
         if self.control is None:
             return
-        read = reader(self.control, 0)
+        read = kernel_reader(self.control, self.cpus)
         if self.spaces is not None and (
             await self.spaces.settle(read) or await self.spaces.confirm(read)
         ):
@@ -122,8 +131,8 @@ class LinuxIdentifier:
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        if self.current is None:
-            return ()
+        if self.current is None or (regs.user and self.hidden):
+            return ()  # not through the vCPU (identify reads them physically)
         pointer = self.current.reads_for(regs)
         expected = self.current.owner(regs) or self._last.get(regs.cpu)
         if not pointer or expected is None or self.layout is None:
@@ -136,7 +145,19 @@ class LinuxIdentifier:
         current, layout = self.current, self.layout
         if current is None or layout is None:
             return self.kernel
+        linear = self.linear
+        viewed = regs.user and self.hidden and linear is not None
+        if viewed and linear is not None:
+            transport, cache = LinearView(transport, linear), PageCache()
         task = await current.pointer(transport, regs, cache)
+        if task is None and not viewed and linear is not None:
+            # The kernel unmapped in user mode (arm64's KPTI; in kernel mode too for the few
+            # instructions of an exception's entry): through the linear map.
+            view, fresh = LinearView(transport, linear), PageCache()
+            task = await current.pointer(view, regs, fresh)
+            if task is not None:
+                self.hidden = self.hidden or regs.user
+                transport, cache = view, fresh
         if task is None:
             return self.kernel
         stamp = self._stamp(task, cache)

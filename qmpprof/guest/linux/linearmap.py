@@ -1,0 +1,138 @@
+"""Kernel memory that a vCPU in user mode cannot see, read physically through the kernel's
+linear map.
+
+A kernel that unmaps itself from user mode (arm64's CONFIG_UNMAP_KERNEL_AT_EL0, on in bookworm's
+6.1 and 6.12 under ``-cpu max``; x86's PTI) leaves a user-mode vCPU with page tables in which
+a task's task_struct, its mm and its VMAs are not there: QEMU reads memory through the vCPU's
+current translation, so a user-mode sample's task reads as unmapped. Those structures are the
+kernel's slab and per-CPU memory, which lives in the linear map (all of RAM at one offset from
+its physical address: arm64's PAGE_OFFSET region, x86_64's direct map), below the kernel image's
+own addresses. The offset is measured at attach, as QEMU translates (``GuestTransport.translate``)
+each vCPU's current-task slot (per-CPU memory) through a vCPU in kernel mode: the slots must
+agree on one offset. In a user-mode sample whose task reads as unmapped, ``LinearView`` reads
+addresses of that region physically, user addresses still through the vCPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qmpprof.errors import MemoryReadError, TransportError
+from qmpprof.model import Registers
+from qmpprof.transport.base import GuestTransport
+
+_TRIES = 20  # passes over the vCPUs until one in kernel mode translates the slots
+_PAUSE = 0.05  # seconds between two passes
+
+
+@dataclass(frozen=True, slots=True)
+class LinearMap:
+    """Kernel addresses in [start, end) are ``offset`` above their physical address."""
+
+    start: int
+    end: int
+    offset: int
+
+    def holds(self, addr: int, size: int) -> bool:
+        return self.start <= addr and addr + size <= self.end
+
+
+async def find_linear_map(
+    control: GuestTransport, slots: Sequence[int], start: int, end: int
+) -> LinearMap | None:
+    """The linear map's offset, from ``slots`` (linear addresses: the vCPUs' current-task
+    slots) translated through a vCPU in kernel mode; None when no vCPU was in kernel mode in
+    ``_TRIES`` passes, the transport cannot translate, or the slots disagree."""
+    wanted = [slot for slot in slots if start <= slot < end]
+    if not wanted:
+        return None
+    cpus = await control.cpus()
+    offsets: dict[int, int] = {}
+    try:
+        for _ in range(_TRIES):
+            for cpu in cpus:
+                regs = await control.registers(cpu)
+                if regs.user:
+                    continue
+                for slot in wanted:
+                    if slot not in offsets:
+                        found = await control.translate(cpu, slot)
+                        if found is not None:
+                            offsets[slot] = slot - found
+            if len(offsets) == len(wanted):
+                break
+            await asyncio.sleep(_PAUSE)
+    except TransportError:
+        return None
+    if len(set(offsets.values())) != 1 or len(offsets) != len(wanted):
+        return None
+    return LinearMap(start, end, offsets[wanted[0]])
+
+
+class LinearView:
+    """``inner`` as a user-mode vCPU would need it: reads inside ``linear`` go to physical
+    memory, the others through the vCPU; everything else is ``inner``'s."""
+
+    def __init__(self, inner: GuestTransport, linear: LinearMap) -> None:
+        self.inner = inner
+        self.linear = linear
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        (found,) = await self.read_many(cpu, [(addr, size)])
+        if isinstance(found, MemoryReadError):
+            raise found
+        return found
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        linear, offset = self.linear, self.linear.offset
+        physical = [i for i, (addr, size) in enumerate(ranges) if linear.holds(addr, size)]
+        virtual = [i for i in range(len(ranges)) if not linear.holds(*ranges[i])]
+        out: list[bytes | MemoryReadError | None] = [None] * len(ranges)
+        if physical:
+            found = await self.inner.read_physical(
+                [(ranges[i][0] - offset, ranges[i][1]) for i in physical]
+            )
+            for i, data in zip(physical, found, strict=True):
+                out[i] = data
+        if virtual:
+            found = await self.inner.read_many(cpu, [ranges[i] for i in virtual])
+            for i, data in zip(virtual, found, strict=True):
+                out[i] = data
+        return [MemoryReadError(0, 0, "not read") if d is None else d for d in out]
+
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        return await self.inner.read_physical(ranges)
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        return await self.inner.translate(cpu, addr)
+
+    async def is_running(self) -> bool:
+        return await self.inner.is_running()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    async def cont(self) -> None:
+        await self.inner.cont()
+
+    async def cpus(self) -> list[int]:
+        return await self.inner.cpus()
+
+    async def registers(self, cpu: int) -> Registers:
+        return await self.inner.registers(cpu)
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        return await self.inner.system_registers(cpu, names)
+
+    @property
+    def control(self) -> GuestTransport | None:
+        return self.inner.control
+
+    async def close(self) -> None:
+        await self.inner.close()

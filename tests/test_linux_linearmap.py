@@ -1,0 +1,68 @@
+"""Kernel memory read physically through the linear map when a vCPU's translation hides it:
+the offset measured as QEMU translates the vCPUs' slots through a vCPU in kernel mode, and
+the view that sends linear addresses to physical memory and the rest through the vCPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import FakeTransport, regs
+
+from qmpprof.errors import MemoryReadError, TransportError
+from qmpprof.guest.linux.linearmap import LinearMap, LinearView, find_linear_map
+from qmpprof.transport.hmp import parse_gva2gpa
+
+START, END = 0xFFFF_0000_0000_0000, 0xFFFF_8000_0000_0000
+OFFSET = 0xFFFE_FFFF_C000_0000  # the linear address of physical 0x4000_0000 is START
+KERNEL_PC, USER_PC = 0xFFFF_FFFF_8100_0000, 0x40_1000
+
+
+def transport(*, user: tuple[bool, ...] = (False, True)) -> FakeTransport:
+    fake = FakeTransport(
+        {cpu: regs(cpu, USER_PC if u else KERNEL_PC) for cpu, u in enumerate(user)}
+    )
+    fake.linear_offset = OFFSET
+    return fake
+
+
+def test_the_offset_comes_from_a_kernel_mode_vcpu() -> None:
+    fake = transport()
+    slots = [START + 0x1000, START + 0x9000]
+    found = asyncio.run(find_linear_map(fake, slots, START, END))
+    assert found == LinearMap(START, END, OFFSET)
+    assert "translate:1" not in fake.calls  # the user-mode vCPU is not asked
+
+
+def test_no_vcpu_in_kernel_mode_means_no_offset() -> None:
+    fake = transport(user=(True, True))
+    assert asyncio.run(find_linear_map(fake, [START + 0x1000], START, END)) is None
+
+
+def test_slots_outside_the_region_are_not_measured() -> None:
+    assert asyncio.run(find_linear_map(transport(), [END + 0x1000], START, END)) is None
+
+
+def test_the_view_reads_linear_addresses_physically() -> None:
+    fake = transport()
+    fake.physical[0x4000_2000] = bytes(range(256)) * 16
+    fake.pages[0x40_1000] = b"\x11" * 4096
+    view = LinearView(fake, LinearMap(START, END, OFFSET))
+    found = asyncio.run(
+        view.read_many(1, [(START + 0x2010, 4), (0x40_1000, 2), (START + 0x5000, 8)])
+    )
+    assert found[0] == bytes([16, 17, 18, 19])
+    assert found[1] == b"\x11\x11"  # a user address: through the vCPU
+    assert isinstance(found[2], MemoryReadError)  # not in RAM
+
+
+@pytest.mark.parametrize(
+    ("reply", "address"), [("gpa: 0x40210a80\r\n", 0x4021_0A80), ("Unmapped\r\n", None)]
+)
+def test_gva2gpa_replies(reply: str, address: int | None) -> None:
+    assert parse_gva2gpa(reply) == address
+
+
+def test_an_odd_gva2gpa_reply_is_an_error() -> None:
+    with pytest.raises(TransportError, match="gva2gpa"):
+        parse_gva2gpa("unknown command: 'gva2gpa'")
