@@ -33,6 +33,7 @@ from qmpprof.model import Registers
 _MASK = (1 << 64) - 1
 _UPPER_HALF = 0xFF80_0000_0000_0000  # bits 63..55 set: the TTBR1 half for any T1SZ
 _BIT55 = 1 << 55
+_AARCH32 = 1 << 4  # PSTATE.nRW: the exception came from AArch32 code
 # The lower half's plain-form bound when TCR_EL1 is unknown: 48-bit addresses, the smallest
 # user virtual-address size of Linux on arm64 (4K pages, 4 levels; Debian's 6.1 and 6.12).
 _PLAIN_LOW = 1 << 48
@@ -50,6 +51,7 @@ class AArch64:
 
     t0sz: int | None = None
     t1sz: int | None = None
+    pt_regs_record: int | None = None  # where Linux's pt_regs holds its frame record
     name: str = "aarch64"
     address_size: int = 8
     pc: int = 32
@@ -67,6 +69,11 @@ class AArch64:
         return ("TCR_EL1",)
 
     @property
+    def user_space_end(self) -> int | None:
+        # TTBR0's half: 64 - T0SZ bits (48 with 4 levels of 4 KiB pages, as without TCR_EL1).
+        return _PLAIN_LOW if self.t0sz is None else 1 << (64 - self.t0sz)
+
+    @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         # Linux's this-CPU offset, at EL1 (a kernel at EL2 under VHE keeps it in TPIDR_EL2).
         return ("TPIDR_EL1",)
@@ -79,6 +86,26 @@ class AArch64:
             return self
         t0sz, t1sz = tnsz(tcr_el1)
         return dataclasses.replace(self, t0sz=t0sz, t1sz=t1sz)
+
+    def with_pt_regs(self, frame_record: int | None) -> AArch64:
+        return dataclasses.replace(self, pt_regs_record=frame_record)
+
+    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
+        """An exception from EL0 saves the user's registers in a pt_regs whose frame record is
+        zeroed (the kernel stack's end): they begin with the user ABI's user_pt_regs, x0..x30,
+        sp, pc, pstate (8 bytes each)."""
+        if self.pt_regs_record is None:
+            return None
+        base = record - self.pt_regs_record
+        words = [read((base + 8 * n) & _MASK) for n in range(34)]
+        if any(word is None for word in words):
+            return None
+        values = [word or 0 for word in words]
+        pstate, pc = values[33], values[32]
+        user_end = self.user_space_end or _PLAIN_LOW
+        if (pstate >> 2) & 3 or not 0 < pc < user_end or pstate & _AARCH32:
+            return None  # not an exception from 64-bit user mode
+        return dict(enumerate(values[:33]))
 
     def return_address(self, value: int) -> int | None:
         if value > _MASK or value < 0:

@@ -115,6 +115,12 @@ class InstructionSet(Protocol):
         ...
 
     @property
+    def user_space_end(self) -> int | None:
+        """Where user space ends as the translation settings put it; None where the page
+        tables' levels decide (x86_64: walked by ``guest.linux.pagetables``)."""
+        ...
+
+    @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU
         base in user mode as in kernel mode, read on every vCPU when memory does not say it;
@@ -124,6 +130,17 @@ class InstructionSet(Protocol):
     def translated(self, values: Mapping[str, int]) -> InstructionSet:
         """This instruction set under the guest's translation settings (``values`` of
         ``translation_registers`` read from it); itself when they change nothing."""
+        ...
+
+    def with_pt_regs(self, frame_record: int | None) -> InstructionSet:
+        """This instruction set where a kernel's saved registers end its stack's frame-record
+        chain: the final record lies ``frame_record`` bytes into them (arm64 Linux's
+        ``pt_regs.stackframe``, from BTF); itself where that changes nothing."""
+        ...
+
+    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
+        """The registers of the user code a final (zeroed) frame record at ``record`` hands
+        over to, by DWARF number (None: the stack ends there)."""
         ...
 
     def return_address(self, value: int) -> int | None:

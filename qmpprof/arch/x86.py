@@ -47,11 +47,21 @@ class X86:
         return ()  # the split is fixed: nothing in a return address depends on the guest
 
     @property
+    def user_space_end(self) -> int | None:
+        return None  # four or five levels of page tables: 2^47 or 2^56
+
+    @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
 
     def translated(self, values: Mapping[str, int]) -> X86:
         return self
+
+    def with_pt_regs(self, frame_record: int | None) -> X86:
+        return self  # ORC reads the kernel's pt_regs
+
+    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
+        return None  # a zero frame pointer ends the stack
 
     def return_address(self, value: int) -> int | None:
         if self.address_size == 8 and _UPPER_HALF > value >= 1 << 47:

@@ -120,7 +120,7 @@ class Unwinder:
                     return RawStack(tuple(pcs), StopReason.NO_CFI, tuple(exacts), tuple(vias))
                 new[sp_reg] = user_sp
             exact = signal or crossed
-            sp_guessed = crossed and via is Via.FRAME_POINTER
+            sp_guessed = crossed and via is Via.FRAME_POINTER and not signal
             if sp_guessed:
                 # A kernel's fake frame [rbp, interrupted rip] gives no user RSP; the trap frame
                 # the CPU pushed lies a few words above it, holding that same rip.

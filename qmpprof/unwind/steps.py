@@ -142,6 +142,11 @@ class FramePointerStep:
         ra = read((fp + word) & mask)
         if saved_fp is None or ra is None:
             return StopReason.READ_FAILED
+        if not saved_fp and not ra:
+            handed = arch.record_end(fp, read)
+            if handed is None:
+                return StopReason.END
+            return {**cur, **handed}, EXACT | NEW_STACK
         plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         new = dict(cur)
         new[arch.pc] = ra if plain is None else plain

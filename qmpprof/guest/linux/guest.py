@@ -18,10 +18,10 @@ from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.linearmap import find_linear_map
+from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
-from qmpprof.guest.linux.pagetables import page_tables
+from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
 from qmpprof.guest.linux.slide import find_slide
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
@@ -51,6 +51,8 @@ class Layouts:
     notes: tuple[str, ...]
     # What a task off CPU leaves behind, or why it cannot be read (told with --off-cpu only).
     offcpu: OffCpuLayout | str = "no BTF"
+    # Where pt_regs holds the frame record that ends a kernel stack (arm64's stackframe)
+    pt_regs_record: int | None = None
 
     @classmethod
     def of(cls, kernel: LinuxKernel) -> Layouts:
@@ -72,7 +74,11 @@ class Layouts:
             offcpu: OffCpuLayout | str = OffCpuLayout.from_btf(btf, kernel.image.arch)
         except (KeyError, BtfError) as err:
             offcpu = f"its BTF lacks {err}"
-        return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
+        try:
+            record: int | None = btf.offset_of("pt_regs.stackframe")
+        except (KeyError, BtfError):
+            record = None  # x86's pt_regs has none: ORC reads it
+        return cls(tasks, current, modules, vmas, tuple(notes), offcpu, record)
 
 
 async def _system_registers(
@@ -94,6 +100,13 @@ async def _system_registers(
         if per_cpu and found.get(per_cpu[0]):
             bases[cpu] = found[per_cpu[0]]
     return values, bases
+
+
+def _arm64_tables(read: Reader, linear: LinearMap, end: int) -> PageTables:
+    """arm64 page tables of 4 KiB pages under a user space of ``end`` bytes: 9 bits of
+    address a level above the page's 12 (four levels for 48 bits)."""
+    bits = end.bit_length() - 1
+    return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
 
 
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
@@ -154,6 +167,7 @@ class LinuxGuest:
                 f"no __per_cpu_offset in kallsyms and {self.arch.per_cpu_registers[0]} not"
                 " readable over this transport: stacks without process names (use the gdbstub)"
             )
+        self.arch = self.arch.with_pt_regs(layouts.pt_regs_record)
         arch = self.arch
         slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
         read = kernel_reader(control, cpus)
@@ -165,11 +179,6 @@ class LinuxGuest:
         if layouts.modules is not None and head is not None:
             module_list = ModuleList(read, head, layouts.modules, kernel.orc, arch)
             modules += await module_list.refresh() or []
-        tables = await page_tables(
-            read,
-            kernel.address("page_offset_base", slide),
-            kernel.address("__pgtable_l5_enabled", slide),
-        )
         current = None
         if layouts.current is not None:
             per_cpu_offset = kernel.address("__per_cpu_offset", slide)
@@ -180,14 +189,24 @@ class LinuxGuest:
         linear = None
         if current is not None:
             slots = [(base + current.offset) & arch.mask for base in current.bases.values()]
-            end = kernel.span[0] + slide
-            linear = await find_linear_map(control, slots, arch.shared_from, end)
+            image = kernel.span[0] + slide
+            linear = await find_linear_map(control, slots, arch.shared_from, image)
             if linear is None:
                 translation.append(
                     "the kernel's linear map not measured (no vCPU in kernel mode, or no"
                     " gva2gpa): user-mode samples of a kernel unmapped there lack their process"
                 )
-        spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock)
+        end = arch.user_space_end
+        if end is None:  # x86_64: its paging levels say where user space ends
+            tables: PageTables | None = await page_tables(
+                read,
+                kernel.address("page_offset_base", slide),
+                kernel.address("__pgtable_l5_enabled", slide),
+            )
+        else:  # arm64: its tables, walked in the linear map (the vCPU reads no user memory
+            # in kernel mode: PAN)
+            tables = None if linear is None else _arm64_tables(read, linear, end)
+        spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
         self.identifier = LinuxIdentifier(
             modules,
             arch,

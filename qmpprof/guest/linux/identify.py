@@ -239,18 +239,25 @@ class LinuxIdentifier:
         """Reads of ``task``'s user memory through its own page tables when the vCPU has
         another's loaded: a context switch caught between loading the next process's tables and
         switching stacks (the task is still ``current``; through the vCPU its user stack reads
-        as the next process's memory, or not at all). None: its own are loaded, or not known."""
+        as the next process's memory, or not at all). None: its own are loaded, or not known.
+        Where the sampled registers hold no page-table root (``regs.space`` 0: arm64, whose
+        vCPU in kernel mode reads no user memory, PAN), every kernel-mode sample on the task's
+        own stack (or on any, its size not known) reads through them."""
         spaces = self.spaces
         tables = None if spaces is None else spaces.tables
         if spaces is None or tables is None:
             return None
         size = self.thread_size
-        if not regs.user and (size is None or not task.stack <= regs.sp < task.stack + size):
+        rootless = regs.space == 0
+        off_stack = size is not None and not task.stack <= regs.sp < task.stack + size
+        if not regs.user and (off_stack or (size is None and not rootless)):
             # Past the switch of stacks (still before ``current`` changes) the walk is the
             # next task's, on the tables the vCPU holds.
             return None
         pgd = spaces.pgd_of(task)
-        if pgd is None or holds(regs.space, pgd, tables.direct_map):
+        if pgd is None or (regs.user and rootless):
+            return None
+        if not rootless and holds(regs.space, pgd, tables.direct_map):
             return None
         if regs.user:
             # User code runs on its own tables: the root read is not the process's now (its
@@ -258,7 +265,9 @@ class LinuxIdentifier:
             # address (a memory-encryption bit, say). Not trusted until read again.
             spaces.forget_pgd(task)
             return None
-        return PageTables(read, tables.direct_map, tables.levels).reader(pgd)
+        return PageTables(
+            read, tables.direct_map, tables.levels, tables.entries, tables.user_end
+        ).reader(pgd)
 
     def _through(self, read: Reader, memory: Reader | None) -> Reader:
         return read if memory is None else split(read, memory, self.arch.shared_from)

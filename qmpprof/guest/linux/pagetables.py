@@ -7,20 +7,40 @@ every page-table page is reachable there: so a reader of kernel memory that need
 memsave) can read a process's code while the guest runs, before the first sample, when the
 vCPUs run other processes. Four levels, or five when ``__pgtable_l5_enabled`` says so (LA57);
 1 GiB and 2 MiB pages end the walk early.
+
+arm64's tables (4 KiB granule) are walked the same way through the kernel's linear map
+(``linearmap``), with their own entries (``AARCH64_ENTRIES``): a block ends the walk where the
+entry's bit 1 is clear, and the output address is bits 12..47 (bits 50 and up are attributes:
+BTI's guarded page, the contiguous hint). 52-bit physical addresses (LPA2) are not read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from qmpprof.memory import Reader
 
 DIRECT_MAP_4 = 0xFFFF_8880_0000_0000  # the direct map's base without KASLR, 4-level paging
 DIRECT_MAP_5 = 0xFF11_0000_0000_0000  # and with 5-level paging
 _PRESENT = 1
-_HUGE = 1 << 7  # PS: in a PUD or PMD entry, the entry maps the page itself
 _ADDRESS = 0x000F_FFFF_FFFF_F000  # bits 12..51 of an entry: a physical address
 _PAGE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class EntryFormat:
+    """What a page-table entry says: its output address bits, and the bit that in a level-2
+    or level-3 entry tells a block (a page of 1 GiB or 2 MiB) from a table, when ``block`` is
+    its value there."""
+
+    address: int
+    block_bit: int
+    block: bool
+
+
+X86_64_ENTRIES = EntryFormat(_ADDRESS, 1 << 7, True)  # PS set: the entry maps the page itself
+AARCH64_ENTRIES = EntryFormat(0x0000_FFFF_FFFF_F000, 1 << 1, False)  # bit 1 clear: a block
 
 
 class PageTables:
@@ -28,17 +48,22 @@ class PageTables:
     are read whole, once each (a read costs about the same for 8 bytes or 4 KiB, and the
     processes' code and libraries share the upper levels)."""
 
-    def __init__(self, read: Reader, direct_map: int, levels: int = 4) -> None:
+    def __init__(
+        self,
+        read: Reader,
+        direct_map: int,
+        levels: int = 4,
+        entries: EntryFormat = X86_64_ENTRIES,
+        end: int | None = None,
+    ) -> None:
+        """``end``: where user space ends (None: half of what the levels translate, as on
+        x86_64: 2^47 with four levels, 2^56 with five)."""
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
+        self.entries = entries
+        self.user_end = user_end(levels) if end is None else end
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
-
-    @property
-    def user_end(self) -> int:
-        """Where user space ends: half of what the paging levels translate (2^47 with four
-        levels, 2^56 with five)."""
-        return user_end(self.levels)
 
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""
@@ -54,13 +79,14 @@ class PageTables:
         """The physical address of user address ``va`` in the address space whose top-level
         table is at kernel address ``pgd``; None when it is not mapped (or not readable)."""
         table = pgd & ~(_PAGE - 1)
+        entries = self.entries
         for level in range(self.levels, 0, -1):
             shift = 12 + 9 * (level - 1)
             entry = await self._entry(table, (va >> shift) & 511)
             if entry is None or not entry & _PRESENT:
                 return None
-            base = entry & _ADDRESS
-            if level in (2, 3) and entry & _HUGE:
+            base = entry & entries.address
+            if level in (2, 3) and bool(entry & entries.block_bit) == entries.block:
                 return (base & ~((1 << shift) - 1)) + (va & ((1 << shift) - 1))
             if level == 1:
                 return base + (va & (_PAGE - 1))

@@ -4,6 +4,9 @@ else from where the image's banner reads in kernel memory (``qmpprof.linux.banne
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux import bannerslide
@@ -12,6 +15,9 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
+
+WAIT = 10.0  # seconds to wait for a vCPU in the kernel (a guest busy in user code)
+_IDLE = 0.02  # seconds between two looks at the vCPUs then
 
 
 async def find_slide(
@@ -41,22 +47,31 @@ async def find_slide(
 
 
 async def _slide_by_banner(
-    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet, passes: int = 5
+    control: GuestTransport,
+    kernel: LinuxKernel,
+    arch: InstructionSet,
+    passes: int = 5,
+    wait: float = WAIT,
 ) -> int:
     """The slide at which the guest holds the image's banner, from the candidates the pc of a
     vCPU in the kernel allows. Kernel memory reads through a vCPU only while it runs in the
     kernel (arm64 unmaps the kernel at EL0 where the CPU needs it), and the guest runs on: a
-    pass in which the vCPU left for user code may find nothing, and is tried again."""
+    pass in which the vCPU left for user code may find nothing, and is tried again, up to
+    ``passes`` times; while every vCPU runs user code, for up to ``wait`` seconds."""
     found = bannerslide.banner(kernel.image)
     if found is None:
         raise KernelMismatchError("the vCPU's registers show no IDT and the image no banner")
     link, text = found
     problem = "no vCPU runs in the kernel: no KASLR slide (kernel not booted?)"
-    for _ in range(passes):
+    deadline = time.monotonic() + wait
+    tried = 0
+    while tried < passes:
+        in_kernel = False
         for cpu in await control.cpus():
             regs = await control.registers(cpu)
             if regs.user or regs.pc < arch.shared_from:
                 continue
+            in_kernel = True
             slides = bannerslide.candidates(regs.pc, kernel.span)
             reads = [((link + slide) & arch.mask, len(text)) for slide in slides]
             seen = await reader(control, cpu)(reads)
@@ -69,4 +84,10 @@ async def _slide_by_banner(
             )
             if matches:
                 break
+        if in_kernel:
+            tried += 1
+        elif time.monotonic() > deadline:
+            break
+        else:
+            await asyncio.sleep(_IDLE)
     raise KernelMismatchError(problem)

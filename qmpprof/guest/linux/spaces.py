@@ -58,13 +58,17 @@ class Spaces:
         files: UserFiles,
         tables: PageTables | None,
         clock: Callable[[], float],
+        end: int | None = None,
     ) -> None:
         """``tables``: the page tables, walked in kernel memory (None: not walked; then user
-        space is taken to end where four levels of tables put it)."""
+        space ends at ``end``, or where four levels of x86_64 tables put it)."""
         self.vmas = vmas
         self.files = files
         self.tables = tables
-        self.user_end = user_end(4) if tables is None else tables.user_end
+        if tables is not None:
+            self.user_end = tables.user_end
+        else:
+            self.user_end = user_end(4) if end is None else end
         self.clock = clock
         self._confirmed = clock()
         self.start_over(kernel)
