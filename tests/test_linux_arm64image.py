@@ -21,6 +21,7 @@ from test_linux_bzimage import COMPRESSORS, size_append
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
+from qmpprof.guest.linux.guest import Layouts
 from qmpprof.linux import arm64image, bannerslide
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
@@ -242,3 +243,12 @@ def test_bookworm_61_packed_loads_as_shipped_and_from_the_cache(
 
 def not_again(data: bytes, path: str) -> bytes:
     raise AssertionError(f"{path} was unpacked again")
+
+
+@pytest.mark.parametrize("series", sorted(LINKED))
+def test_module_layout_from_arm64_btf_has_no_orc(series: str) -> None:
+    """An arm64 module keeps no ORC tables (its mod_arch_specific has none): the layout reads
+    without them, where it failed on their absence."""
+    layout = Layouts.of(LinuxKernel.load(image(series))).modules
+    assert layout is not None and layout.orc is None
+    assert layout.text_size > layout.text_base > 0
