@@ -339,7 +339,8 @@ def check(path: Path, repeat: int = REPEAT) -> Row:
     for name in ("version", "package", "suite"):
         found = folder / name
         row[name] = found.read_text().strip() if found.exists() else None
-    row["booted_by_tests"] = folder.resolve() in {(BUILD / d).resolve() for d in TESTED}
+    booted = {(BUILD / d).resolve() for folders in TESTED.values() for d in folders}
+    row["booted_by_tests"] = folder.resolve() in booted
     release = row["version"] or ""
     arch = "arm64" if "-arm64" in release else "amd64"
     row["flavour"] = next((f for f in FLAVOURS[arch] if release.endswith("-" + f)), arch)
