@@ -22,7 +22,7 @@ import linuxkernel
 import pytest
 from fuzzing import GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
-from test_linux_arm64image import PACK, ZBOOT_NAMES, small_image, zboot
+from test_linux_arm64image import PACK, ZBOOT_NAMES, relr_image, small_image, zboot
 from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
 from test_report_pprof import run_like_profile
 
@@ -98,15 +98,19 @@ def test_damaged_bzimages_of_every_codec() -> None:
 
 
 def test_damaged_arm64_images_zboot_and_compressed() -> None:
-    """A small Image as an EFI zboot image and compressed whole, of every codec zboot uses,
-    damaged anywhere (the header's offsets and codec name too)."""
+    """A small Image with RELA and one with RELR relocations, and the first as an EFI zboot
+    image and compressed whole, of every codec zboot uses, damaged anywhere (the header's
+    offsets and codec name too)."""
     cases = Cases("arm64image")
     plain = small_image()
+    for image in (plain, relr_image()):
+        for _ in range(60):
+            cases.run(partial(elf_of_image, cases.mutator.mutate(image, edits=3), "Image"))
     for codec in ZBOOT_NAMES:
         for packed in (zboot(plain, codec), PACK[codec](plain)):
             for _ in range(60):
                 cases.run(partial(elf_of_image, cases.mutator.mutate(packed, edits=3), codec))
-    cases.verdict(600)
+    cases.verdict(720)
 
 
 def section_span(image: ElfImage, name: str) -> tuple[int, int]:
@@ -386,4 +390,4 @@ def test_damaged_pprof_profiles(tmp_path: Path) -> None:
             damaged = cases.mutator.mutate(damaged, edits=2)
         path.write_bytes(damaged)
         cases.run(lambda: native.load(path).named_counts(Naming()))
-    cases.verdict(600)
+    cases.verdict(720)

@@ -22,7 +22,7 @@ from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
 from qmpprof.guest.linux.guest import Layouts
-from qmpprof.linux import arm64image, bannerslide
+from qmpprof.linux import arm64image, arm64relr, bannerslide
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 
@@ -252,3 +252,42 @@ def test_module_layout_from_arm64_btf_has_no_orc(series: str) -> None:
     layout = Layouts.of(LinuxKernel.load(image(series))).modules
     assert layout is not None and layout.orc is None
     assert layout.text_size > layout.text_base > 0
+
+
+def relr_image(link: int = 0xFFFF_8000_0800_0000) -> bytes:
+    """tiny_image with no RELA entries but a RELR run at 0x4000 (the gABI's SHT_RELR: a place,
+    then bitmaps of the 63 words after it): 1 + 16 * 63 places from 0x8000, each holding its
+    value already (RELR has no addend), one of them 0, and a 17th bitmap of no place."""
+    data = bytearray(tiny_image([]))
+    words = [link + 0x8000] + [(1 << 64) - 1] * 16 + [1]
+    struct.pack_into(f"<{len(words)}Q", data, 0x4000, *words)
+    for i in range(1 + 16 * 63):
+        struct.pack_into("<Q", data, 0x8000 + 8 * i, link + 0x1000 + i if i != 5 else 0)
+    return bytes(data)
+
+
+def test_an_image_with_relr_relocations_is_placed_by_them() -> None:
+    places = arm64relr.relr_places(relr_image())
+    assert len(places) == 1 + 16 * 63
+    assert places[:2] == [0xFFFF_8000_0800_8000, 0xFFFF_8000_0800_8008]
+    assert arm64image.relocations(relr_image()) == ("RELR", 1 + 16 * 63)
+    elf = ElfImage.from_bytes("relr", elf_of_image(relr_image(), "relr"))
+    assert elf.load_range == (0xFFFF_8000_0800_0000, 0xFFFF_8000_0801_0000)
+    rodata = elf.section(".rodata")
+    assert rodata is not None  # the values are the file's: nothing was patched
+    assert struct.unpack_from("<Q", rodata, 0x8008 - 0x1000)[0] == 0xFFFF_8000_0800_1001
+
+
+def test_relr_places_that_fit_no_link_address_are_one_clear_error() -> None:
+    data = bytearray(relr_image())
+    struct.pack_into("<Q", data, 0x8010, 0x1234)  # a place holding no address in the image
+    with pytest.raises(KernelImageError, match="RELR relocations fit 0 link addresses"):
+        elf_of_image(bytes(data), "bad")
+
+
+def test_a_huge_image_size_does_not_make_the_relr_search_long() -> None:
+    data = bytearray(relr_image())
+    struct.pack_into("<Q", data, 16, 1 << 63)  # image_size
+    struct.pack_into("<Q", data, 0x8010, 0x1234)
+    with pytest.raises(KernelImageError, match="fit 0 link addresses"):
+        elf_of_image(bytes(data), "bad")

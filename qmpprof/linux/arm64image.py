@@ -33,6 +33,9 @@ not say is read from its own contents:
 - The image is linked with ``--no-apply-dynamic-relocs``: the patched words read 0 in the file
   (``kallsyms_relative_base`` among them). They are patched here, as the kernel patches itself
   at boot before the KASLR slide, so the bytes are the image's at its link address.
+- Kernels linked with packed relative relocations (CONFIG_RELR: Debian's from trixie's 6.12
+  on) have no such run but a RELR one, whose places hold their values already; the link
+  address is the one at which those fit (``arm64relr``).
 - ``.BTF`` is found by its header (magic 0xeb9f, version 1, a 24-byte header whose lengths give
   the section's).
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 import struct
 
 from qmpprof.errors import KernelImageError
+from qmpprof.linux.arm64relr import relr_link, relr_places
 from qmpprof.linux.bzimage import payload_codec, unpacked
 
 _MAGIC_AT, _MAGIC = 0x38, b"ARM\x64"
@@ -135,6 +139,13 @@ def elf_of_image(data: bytes, path: str = "<kernel>") -> bytes:
     holding the Image in the file ``data`` (any of the three forms) with its relocations
     applied."""
     data = plain_image(data, path)
+    try:
+        return _elf_of_plain(data, path)
+    except (struct.error, ValueError, OverflowError) as err:  # fields pointing past the data
+        raise KernelImageError(path, f"damaged Image ({err})") from err
+
+
+def _elf_of_plain(data: bytes, path: str) -> bytes:
     _code0, _code1, _text_offset, image_size, _flags = _HEADER.unpack_from(data)
     sections = _pe_sections(data, path)
     if ".text" not in sections:
@@ -171,10 +182,11 @@ def _pe_sections(data: bytes, path: str) -> dict[str, tuple[int, int]]:
 
 
 def _relocate(image: bytearray, image_size: int, path: str) -> int:
-    """Apply the image's R_AARCH64_RELATIVE relocations at its link address; return that."""
+    """Apply the image's R_AARCH64_RELATIVE relocations at its link address; return that.
+    An image whose relocations are RELR (``arm64relr``) holds their values already."""
     start, count = relocation_run(image)
     if count < _MIN_RELOCS:
-        raise KernelImageError(path, "no relocation table in the Image: its link address unknown")
+        return _relr_link(image, image_size, path)
     entries = [_RELA.unpack_from(image, start + i * _RELA.size) for i in range(count)]
     upper = [addend for _, _, addend in entries if addend & _UPPER_HALF]
     if not upper:
@@ -187,6 +199,29 @@ def _relocate(image: bytearray, image_size: int, path: str) -> int:
         if place + 8 <= len(image):  # the rest is in .bss, beyond the file
             struct.pack_into("<Q", image, place, addend)
     return link
+
+
+def relocations(image: bytes | bytearray) -> tuple[str, int]:
+    """The kind of the image's relocations ("RELA", "RELR"; "none") and how many places."""
+    count = relocation_run(image)[1]
+    if count >= _MIN_RELOCS:
+        return "RELA", count
+    places = len(relr_places(image))
+    return ("RELR", places) if places >= _MIN_RELOCS else ("none", 0)
+
+
+def _relr_link(image: bytearray, image_size: int, path: str) -> int:
+    places = relr_places(image)
+    if len(places) < _MIN_RELOCS:
+        raise KernelImageError(
+            path, "no relocation table (RELA or RELR) in the Image: its link address unknown"
+        )
+    links = relr_link(image, places, image_size)
+    if len(links) != 1:
+        raise KernelImageError(
+            path, f"the Image's RELR relocations fit {len(links)} link addresses, not one"
+        )
+    return links[0]
 
 
 def relocation_run(image: bytes | bytearray) -> tuple[int, int]:

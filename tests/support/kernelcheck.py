@@ -154,7 +154,7 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
         "page_size": arm64image.page_size(image),
         "link": hex(kernel.image.load_range[0]),
         "image_size": kernel.image.load_range[1] - kernel.image.load_range[0],
-        "relocations": arm64image.relocation_run(image)[1],
+        "relocations": arm64image.relocations(image),
         "parts_aligned": all(a is not None and a % bannerslide.ALIGN == 0 for a in starts),
         "banner": None if version is None else f"{version[0]}.{version[1]}",
         "data_symbols": sum(kind not in text for kind in symbols.types),

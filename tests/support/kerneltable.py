@@ -91,7 +91,7 @@ def _arm64_cells(row: Row) -> list[str]:
         "-" if page == "-" else page + " KiB",
         load,
         f"`{image['link']}`",
-        _spaced(image["relocations"]),
+        f"{image['relocations'][0]} {_spaced(image['relocations'][1])}",
         symbols,
         _num(image["thread_size"], "#x"),
         _escape(btf["error"]) if "error" in btf else _spaced(btf["types"]),
