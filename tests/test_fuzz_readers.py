@@ -390,4 +390,4 @@ def test_damaged_pprof_profiles(tmp_path: Path) -> None:
             damaged = cases.mutator.mutate(damaged, edits=2)
         path.write_bytes(damaged)
         cases.run(lambda: native.load(path).named_counts(Naming()))
-    cases.verdict(720)
+    cases.verdict(600)
