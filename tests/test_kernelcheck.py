@@ -39,3 +39,4 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
     assert [len(c) for c in cells] == [len(ARM64_COLUMNS)] * 2
     assert cells[1][2].startswith("zboot (zstd22) (") and cells[1][3] == "4 KiB"
     assert cells[0][6] == "RELA 187 633"
+    assert cells[0][9].startswith("`_einittext+")  # __entry_task: 6.1's kallsyms name no data

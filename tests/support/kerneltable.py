@@ -37,6 +37,7 @@ ARM64_COLUMNS = (
     "relocations",
     "kallsyms symbols (not code)",
     "THREAD_SIZE",
+    "current task pointer",
     "BTF types",
     "task (TASK_COMM_LEN)",
     "module text",
@@ -70,7 +71,7 @@ def _arm64_cells(row: Row) -> list[str]:
         load += " / " + _num(row["load_cached_s"], ".2f")
     suite = row.get("suite") or "tests"
     if "image" not in row:
-        return [kernel, suite, "", "", load, *[""] * 8, _escape(row.get("error", "-"))]
+        return [kernel, suite, "", "", load, *[""] * 9, _escape(row.get("error", "-"))]
     image, kallsyms, btf = row["image"], row["kallsyms"], row["btf"]
     symbols = (
         _escape(kallsyms["error"])
@@ -94,6 +95,7 @@ def _arm64_cells(row: Row) -> list[str]:
         f"{image['relocations'][0]} {_spaced(image['relocations'][1])}",
         symbols,
         _num(image["thread_size"], "#x"),
+        _per_cpu(row["per_cpu"])[1],
         _escape(btf["error"]) if "error" in btf else _spaced(btf["types"]),
         "-" if not btf.get("task") else f"yes ({btf['comm_len']})",
         btf.get("module") or "-",
