@@ -20,6 +20,7 @@ from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.vma import VmaLayout, read_exec_vmas
 from qmpprof.linux import bzimage as bzimage_module
 from qmpprof.linux import cache
+from qmpprof.linux.arm64image import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import MAX_VMLINUX, vmlinux_bytes
 from qmpprof.linux.kernel import LinuxKernel
@@ -139,6 +140,16 @@ def test_a_zstd_bomb_stops_at_the_bound() -> None:
     assert len(payload) < 64 << 10  # a few kilobytes that claim more than the bound
     with pytest.raises(KernelImageError, match="unpacks to more than 256 MiB: not a kernel"):
         vmlinux_bytes(bzimage(payload), "bomb")
+
+
+def test_a_zstd_bomb_in_an_arm64_zboot_image_or_compressed_whole_stops_at_the_bound() -> None:
+    payload = zeros_zstd(MAX_VMLINUX + (8 << 20))
+    header = bytearray(0x1000)
+    struct.pack_into("<4s4sII", header, 0, b"MZ\0\0", b"zimg", len(header), len(payload))
+    header[24:32] = b"zstd22\0\0"
+    for data in (bytes(header) + payload + bytes(4), payload):
+        with pytest.raises(KernelImageError, match="unpacks to more than 256 MiB: not a kernel"):
+            elf_of_image(data, "bomb")
 
 
 @pytest.mark.parametrize("codec", sorted(COMPRESSORS))

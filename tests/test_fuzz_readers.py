@@ -22,6 +22,7 @@ import linuxkernel
 import pytest
 from fuzzing import GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
+from test_linux_arm64image import PACK, ZBOOT_NAMES, relr_image, small_image, zboot
 from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
 from test_report_pprof import run_like_profile
 
@@ -35,6 +36,7 @@ from qmpprof.guest.linux.tasks import read_task, task_list
 from qmpprof.guest.linux.vma import read_exec_vmas
 from qmpprof.guest.linux.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux import cache
+from qmpprof.linux.arm64image import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
@@ -93,6 +95,22 @@ def test_damaged_bzimages_of_every_codec() -> None:
         for _ in range(150):
             cases.run(partial(vmlinux_bytes, cases.mutator.mutate(image, edits=3), codec))
     cases.verdict(900)
+
+
+def test_damaged_arm64_images_zboot_and_compressed() -> None:
+    """A small Image with RELA and one with RELR relocations, and the first as an EFI zboot
+    image and compressed whole, of every codec zboot uses, damaged anywhere (the header's
+    offsets and codec name too)."""
+    cases = Cases("arm64image")
+    plain = small_image()
+    for image in (plain, relr_image()):
+        for _ in range(60):
+            cases.run(partial(elf_of_image, cases.mutator.mutate(image, edits=3), "Image"))
+    for codec in ZBOOT_NAMES:
+        for packed in (zboot(plain, codec), PACK[codec](plain)):
+            for _ in range(60):
+                cases.run(partial(elf_of_image, cases.mutator.mutate(packed, edits=3), codec))
+    cases.verdict(720)
 
 
 def section_span(image: ElfImage, name: str) -> tuple[int, int]:

@@ -70,8 +70,8 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     serve's."""
     add = p.add_argument
     add("--kernel", metavar="FILE",
-        help="the guest kernel: its ELF file (symbols, CFI), or for Linux the vmlinuz or vmlinux "
-             "it booted")  # fmt: skip
+        help="the guest kernel: its ELF file (symbols, CFI), or for Linux the vmlinuz (bzImage; "
+             "arm64 Image, Image.gz or EFI zboot) or vmlinux it booted")  # fmt: skip
     add("--user-dir", metavar="DIR",
         help="the guest's user program ELF files (for Linux: a copy of its root filesystem, or "
              "a folder with its programs and libraries)")  # fmt: skip

@@ -58,17 +58,23 @@ def vmlinux_bytes(data: bytes, path: str = "<kernel>") -> bytes:
     """The vmlinux ELF: ``data`` itself when it is one, else the bzImage's unpacked payload."""
     if data.startswith(ELF_MAGIC):
         return data
-    payload = bzimage_payload(data, path)
+    elf, codec = unpacked(bzimage_payload(data, path), path, "bzImage payload")
+    if not elf.startswith(ELF_MAGIC):
+        raise KernelImageError(path, f"{codec} payload unpacks to something other than an ELF")
+    return elf
+
+
+def unpacked(payload: bytes, path: str, what: str) -> tuple[bytes, str]:
+    """``payload`` unpacked by the codec its magic names, and that codec's name; ``what`` names
+    the payload in the errors (KernelImageError: unknown or unread codec, damage, too large)."""
     codec = payload_codec(payload)
     if codec is None:
-        raise KernelImageError(
-            path, f"bzImage payload of unknown kind (starts {payload[:6].hex()})"
-        )
+        raise KernelImageError(path, f"{what} of unknown kind (starts {payload[:6].hex()})")
     unpack = _UNPACKERS.get(codec)
     if unpack is None:
-        raise KernelImageError(path, f"bzImage payload is {codec}-compressed, which is not read")
+        raise KernelImageError(path, f"{what} is {codec}-compressed, which is not read")
     try:
-        elf = _bounded(unpack(payload))
+        return _bounded(unpack(payload)), codec
     except _TooLarge:
         raise KernelImageError(
             path, f"{codec} payload unpacks to more than {MAX_VMLINUX >> 20} MiB: not a kernel"
@@ -76,9 +82,6 @@ def vmlinux_bytes(data: bytes, path: str = "<kernel>") -> bytes:
     except Exception as err:  # each codec has its own error classes; all mean bad data here
         detail = " ".join(str(err).split()) or type(err).__name__
         raise KernelImageError(path, f"{codec} payload does not unpack ({detail})") from err
-    if not elf.startswith(ELF_MAGIC):
-        raise KernelImageError(path, f"{codec} payload unpacks to something other than an ELF")
-    return elf
 
 
 def is_bzimage(data: bytes) -> bool:

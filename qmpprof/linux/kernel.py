@@ -1,6 +1,6 @@
-"""A Linux kernel as a run uses it: the image from /boot (a bzImage, an arm64 Image, or a
-vmlinux ELF with or without symbols and DWARF), its symbols, its ORC tables and its BTF, loaded
-and indexed before the guest is touched.
+"""A Linux kernel as a run uses it: the image from /boot (a bzImage, an arm64 Image: plain,
+compressed or EFI zboot; or a vmlinux ELF with or without symbols and DWARF), its symbols, its ORC
+tables and its BTF, loaded and indexed before the guest is touched.
 
 Symbols come, best first, from ``--kallsyms FILE`` (System.map or /proc/kallsyms text), the
 image's ``.symtab`` (a debug vmlinux) or the kallsyms tables built into the image itself.
@@ -22,7 +22,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
-from qmpprof.linux.arm64image import elf_of_image, is_arm64_image
+from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
 from qmpprof.linux.arm64percpu import per_cpu_area
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
@@ -59,9 +59,9 @@ class LinuxKernel:
 
     @classmethod
     def load(cls, path: str | Path, kallsyms: str | Path | None = None) -> LinuxKernel:
-        """Read ``path`` (bzImage or vmlinux) and index it, from the cache where it holds this
-        image's indexes. Raises ElfError (KernelImageError, SymbolMapError) with one line,
-        never anything else."""
+        """Read ``path`` (bzImage, arm64 Image or vmlinux) and index it, from the cache where it
+        holds this image's indexes. Raises ElfError (KernelImageError, SymbolMapError) with one
+        line, never anything else."""
         name = str(path)
         key, data = _key(path, name)
         index = cache.load_index(key)
@@ -148,9 +148,9 @@ def is_linux(image: ElfImage) -> bool:
 
 def looks_like_linux(head: bytes, elf: ElfImage | None) -> bool:
     """Whether a file whose first bytes are ``head`` (and which is ``elf`` when an ELF) is a
-    Linux kernel image: a bzImage, an arm64 Image, or an ELF with the sections only Linux
-    kernels have."""
-    return is_bzimage(head) or is_arm64_image(head) or (elf is not None and is_linux(elf))
+    Linux kernel image: a bzImage, an arm64 Image (plain, compressed or EFI zboot), or an ELF
+    with the sections only Linux kernels have."""
+    return is_bzimage(head) or is_arm64_kernel(head) or (elf is not None and is_linux(elf))
 
 
 def _key(path: str | Path, name: str) -> tuple[str, bytes | None]:
@@ -184,10 +184,10 @@ def _image(
 ) -> tuple[ElfImage, bytes | None]:
     """The vmlinux (the file itself, mapped unless it was read already; the cached one mapped
     when the index vouches for its size; or unpacked from the bzImage, or made of the arm64
-    Image) and, when it was unpacked here, its bytes. ``data``: the file's bytes if they were
-    read already."""
+    Image, unpacked first when compressed) and, when it was unpacked here, its bytes. ``data``:
+    the file's bytes if they were read already."""
     head = data if data is not None else _read(path, name, 0x300)
-    arm64 = is_arm64_image(head)
+    arm64 = not is_bzimage(head) and is_arm64_kernel(head)
     if not arm64 and not is_bzimage(head):
         if data is None:
             return ElfImage.load(name, mapped=True), None

@@ -5,12 +5,17 @@ pointer, the stack size, the ORC tables and their register numbering, BTF and th
 from it, and the notes a run would print. Nothing here knows a kernel version: every value is
 what a reader returned (or the error it raised: a kernel that fails is a row, not a crash).
 
-    python -m support.kernelcheck [--json FILE] [--repeat N] [VMLINUZ ...]
+    python -m support.kernelcheck [--arch amd64|arm64] [--json FILE] [--repeat N] [VMLINUZ ...]
     python -m support.kernelcheck --one VMLINUZ [--load-only]
 
-Without paths: the kernels the tests boot (``fixtures/build/linux``, ``linux-6.1``,
-``linux-5.10``, ``linux-7``) and every one ``scripts/check-kernels`` fetched
-(``fixtures/build/kernels/<release>/``). A kernel's folder says its release, package version
+Without paths: the kernels of the architecture (amd64 unless told) the tests boot
+(``fixtures/build/linux``, ``linux-6.1``, ``linux-5.10``, ``linux-7``; arm64:
+``linux-arm64-6.1``, ``linux-arm64``) and every one of it ``scripts/check-kernels`` fetched
+(``fixtures/build/kernels/<release>/``, arm64's releases ending in ``-arm64`` or
+``-arm64-16k``). An arm64 row
+says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
+header names, the link address, relocations, data symbols) and its own table
+(``kerneltable.markdown_arm64``). A kernel's folder says its release, package version
 and suite (files ``version``, ``package``, ``suite``). ``--one`` prints one kernel's row as JSON
 (what each process runs); ``--load-only`` only its load time. The table goes to stdout.
 """
@@ -31,21 +36,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from qmpprof import arch
+from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.guest.linux.current import locate_current
 from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.image import kernel_module, target_kind
-from qmpprof.linux import orc
+from qmpprof.linux import arm64image, bannerslide, orc
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
 from qmpprof.linux.kaslr import entry_text_symbols
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.symbols import KernelSymbols
-from support.kerneltable import markdown
+from support.kerneltable import markdown, markdown_arm64
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "fixtures" / "build"
-TESTED = ("linux-5.10", "linux-6.1", "linux", "linux-7")  # the folders of the booted ones
+# The folders of the booted ones, and the flavours of each architecture's releases.
+TESTED = {
+    "amd64": ("linux-5.10", "linux-6.1", "linux", "linux-7"),
+    "arm64": ("linux-arm64-6.1", "linux-arm64"),
+}
+FLAVOURS = {"amd64": ("cloud-amd64", "rt-amd64"), "arm64": ("cloud-arm64", "rt-arm64", "arm64-16k")}
 FETCHED = BUILD / "kernels"
 TIMEOUT = 600.0  # seconds one kernel's process may take
 REPEAT = 3  # loads timed cold, and cached: the best of each is reported
@@ -69,7 +79,7 @@ def load(path: Path) -> tuple[LinuxKernel, Layouts, float]:
     seconds that took (``support.bench.linuxload.phases``: load, module, layouts)."""
     start = time.perf_counter()
     kernel = LinuxKernel.load(path).prepare()
-    kernel_module(kernel, 0, arch.by_name("x86_64"))
+    kernel_module(kernel, 0, kernel.image.arch)
     layouts = Layouts.of(kernel)
     return kernel, layouts, time.perf_counter() - start
 
@@ -93,7 +103,8 @@ def one(path: Path, load_only: bool) -> Row:
 
 def describe(path: Path, kernel: LinuxKernel, layouts: Layouts) -> Row:
     """What qmpprof's readers found in ``kernel``, one entry each (an error where one raised)."""
-    row: Row = {"image": image_facts(path, kernel)}
+    arm64 = kernel.image.arch is AARCH64
+    row: Row = {"image": (arm64_image_facts if arm64 else image_facts)(path, kernel)}
     readers: tuple[tuple[str, Callable[[], Row]], ...] = (
         ("kallsyms", lambda: kallsyms_facts(kernel)),
         ("per_cpu", lambda: per_cpu_facts(kernel)),
@@ -122,6 +133,33 @@ def image_facts(path: Path, kernel: LinuxKernel) -> Row:
         "missing_symbols": [n for n in RUN_SYMBOLS if kernel.symbols.address_of(n) is None],
         "thunks": kernel.thunks is not None,
         "thunk_names": thunk_names(kernel),
+    }
+
+
+def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
+    """What the arm64 Image reader found: the form the file holds its Image in, the page size
+    its header names, the link address, the relocations applied, the parts' alignment (a slide
+    keeps it: ``bannerslide.ALIGN``), the symbols that are not code."""
+    data = path.read_bytes()
+    image = arm64image.plain_image(data, str(path))
+    symbols = kernel.symbols
+    text = {"t", "T", "w", "W"}
+    sections = [".text", ".rodata", ".data", ".BTF"]
+    starts = [kernel.image.section_addr(name) for name in sections[:3]]
+    version = orc.kernel_version(kernel.image.section(".rodata") or b"")
+    return {
+        "form": arm64image.form(data[:0x300]),
+        "file_bytes": len(data),
+        "image_bytes": len(image),
+        "page_size": arm64image.page_size(image),
+        "link": hex(kernel.image.load_range[0]),
+        "image_size": kernel.image.load_range[1] - kernel.image.load_range[0],
+        "relocations": arm64image.relocations(image),
+        "parts_aligned": all(a is not None and a % bannerslide.ALIGN == 0 for a in starts),
+        "banner": None if version is None else f"{version[0]}.{version[1]}",
+        "data_symbols": sum(kind not in text for kind in symbols.types),
+        "thread_size": kernel.thread_size,
+        "missing_symbols": [n for n in RUN_SYMBOLS[:2] if symbols.address_of(n) is None],
     }
 
 
@@ -301,11 +339,11 @@ def check(path: Path, repeat: int = REPEAT) -> Row:
     for name in ("version", "package", "suite"):
         found = folder / name
         row[name] = found.read_text().strip() if found.exists() else None
-    row["booted_by_tests"] = folder.resolve() in {(BUILD / d).resolve() for d in TESTED}
+    booted = {(BUILD / d).resolve() for folders in TESTED.values() for d in folders}
+    row["booted_by_tests"] = folder.resolve() in booted
     release = row["version"] or ""
-    row["flavour"] = next(
-        (f for f in ("cloud-amd64", "rt-amd64") if release.endswith("-" + f)), "amd64"
-    )
+    arch = "arm64" if "-arm64" in release else "amd64"
+    row["flavour"] = next((f for f in FLAVOURS[arch] if release.endswith("-" + f)), arch)
     with tempfile.TemporaryDirectory(prefix="kernelcheck-") as cache:
         row |= run_one(path, cache, load_only=False)
         cold = [row.pop("load_s", None)]
@@ -324,11 +362,12 @@ def _best(seconds: list[float | None]) -> float | None:
     return min(found) if found else None
 
 
-def kernels() -> list[Path]:
-    """The tests' kernels, then the fetched ones by release."""
-    tested = [BUILD / d / "vmlinuz" for d in TESTED]
+def kernels(arch: str = "amd64") -> list[Path]:
+    """The tests' kernels of ``arch``, then the fetched ones by release."""
+    tested = [BUILD / d / "vmlinuz" for d in TESTED[arch]]
     fetched = sorted(FETCHED.glob("*/vmlinuz"), key=lambda p: _release_key(p.parent.name))
-    return [p for p in tested if p.exists()] + fetched
+    ours = [p for p in fetched if ("-arm64" in p.parent.name) == (arch == "arm64")]
+    return [p for p in tested if p.exists()] + ours
 
 
 def _release_key(release: str) -> tuple[tuple[int, str], ...]:
@@ -338,7 +377,8 @@ def _release_key(release: str) -> tuple[tuple[int, str], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="check-kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="*", type=Path, help="bzImage or vmlinux files")
+    parser.add_argument("paths", nargs="*", type=Path, help="bzImage, Image or vmlinux files")
+    parser.add_argument("--arch", choices=sorted(TESTED), default="amd64", help="kernels of")
     parser.add_argument("--json", type=Path, help="write every row (all fields) here")
     parser.add_argument("--repeat", type=int, default=REPEAT, help="loads timed (best taken)")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
@@ -347,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(one(args.one, args.load_only)))
         return 0
-    paths = [p.resolve() for p in args.paths] or kernels()
+    paths = [p.resolve() for p in args.paths] or kernels(args.arch)
     if not paths:
         print("check-kernels: no kernels (scripts/fetch-linux, check-kernels)", file=sys.stderr)
         return 1
@@ -361,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "rows": rows,
     }
-    print(markdown(rows))
+    print((markdown_arm64 if args.arch == "arm64" else markdown)(rows))
     if args.json is not None:
         args.json.write_text(json.dumps(measured, indent=1) + "\n")
     return 0

@@ -1,5 +1,5 @@
-"""The markdown table of ``support.kernelcheck``'s rows: one line a kernel, the columns the
-facts docs/linux-guest.md compares across kernels."""
+"""The markdown tables of ``support.kernelcheck``'s rows: one line a kernel, the columns the
+facts docs/linux-guest.md (amd64) and docs/aarch64.md (arm64) compare across kernels."""
 
 from __future__ import annotations
 
@@ -27,10 +27,85 @@ COLUMNS = (
 )
 
 
+ARM64_COLUMNS = (
+    "kernel",
+    "suite",
+    "form (MB)",
+    "page size",
+    "load s (cold / cached)",
+    "link address",
+    "relocations",
+    "kallsyms symbols (not code)",
+    "THREAD_SIZE",
+    "current task pointer",
+    "BTF types",
+    "task (TASK_COMM_LEN)",
+    "module text",
+    "VMAs",
+    "notes",
+)
+
+
 def markdown(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return _table(COLUMNS, [_cells(row) for row in rows])
+
+
+def markdown_arm64(rows: list[Row]) -> str:
+    return _table(ARM64_COLUMNS, [_arm64_cells(row) for row in rows])
+
+
+def _table(columns: tuple[str, ...], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines)
+
+
+def _arm64_cells(row: Row) -> list[str]:
+    """An arm64 row: what the Image reader found, then what the run reads from kallsyms and
+    BTF; a kernel that did not load is its error."""
+    kernel = row.get("version") or row["path"]
+    if row.get("booted_by_tests"):
+        kernel = f"**{kernel}** (booted)"
+    load = _num(row.get("load_cold_s"), ".2f")
+    if row.get("load_cached_s") is not None:
+        load += " / " + _num(row["load_cached_s"], ".2f")
+    suite = row.get("suite") or "tests"
+    if "image" not in row:
+        return [kernel, suite, "", "", load, *[""] * 9, _escape(row.get("error", "-"))]
+    image, kallsyms, btf = row["image"], row["kallsyms"], row["btf"]
+    symbols = (
+        _escape(kallsyms["error"])
+        if "error" in kallsyms
+        else f"{_spaced(kallsyms['symbols'])} ({_spaced(image['data_symbols'])})"
+    )
+    page = _num(image["page_size"] and image["page_size"] >> 10, "d")
+    said = list(row.get("notes", []))
+    if image["missing_symbols"]:
+        said.append("no " + ", ".join(image["missing_symbols"]) + " in kallsyms")
+    if not image["parts_aligned"]:
+        said.append("sections not 64 KiB-aligned")
+    said += row.get("warnings", [])
+    return [
+        kernel,
+        suite,
+        f"{image['form']} ({image['file_bytes'] / 1e6:.1f})",
+        "-" if page == "-" else page + " KiB",
+        load,
+        f"`{image['link']}`",
+        f"{image['relocations'][0]} {_spaced(image['relocations'][1])}",
+        symbols,
+        _num(image["thread_size"], "#x"),
+        _per_cpu(row["per_cpu"])[1],
+        _escape(btf["error"]) if "error" in btf else _spaced(btf["types"]),
+        "-" if not btf.get("task") else f"yes ({btf['comm_len']})",
+        btf.get("module") or "-",
+        btf.get("vma") or "-",
+        _escape("; ".join(said)) or "-",
+    ]
+
+
+def _spaced(count: int) -> str:
+    return f"{count:,}".replace(",", " ")
 
 
 def _cells(row: Row) -> list[str]:

@@ -4,8 +4,9 @@ The ``modules`` list links every ``struct module`` (through its ``list`` member)
 name, where its text is (``mem[MOD_TEXT]`` from 6.4, ``core_layout`` before), its symbols as the
 kernel keeps them for kallsyms (``kallsyms->symtab``/``strtab``: Elf64_Sym at runtime
 addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted when the module was
-loaded). Offsets come from the kernel's BTF. Each module becomes a ``Module`` named
-``[name]``, unwound by its ORC; frames in it are named ``function [name]``.
+loaded; x86 only: an arm64 ``mod_arch_specific`` has none). Offsets come from the kernel's
+BTF. Each module becomes a ``Module`` named ``[name]``, unwound by its ORC; frames in it are
+named ``function [name]``.
 
 Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
 the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
@@ -13,6 +14,7 @@ the guest runs (``ModuleList``: the list's links, then only the modules not seen
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass
 
@@ -46,9 +48,7 @@ class ModuleLayout:
     symtab: int
     num_symtab: int
     strtab: int
-    num_orcs: int
-    orc_ip: int
-    orc: int
+    orc: tuple[int, int, int] | None  # arch.num_orcs, .orc_unwind_ip, .orc_unwind; None: none
 
     @classmethod
     def from_btf(cls, btf: Btf) -> ModuleLayout:
@@ -64,6 +64,14 @@ class ModuleLayout:
         except KeyError:
             text_base = field("module.core_layout.base")
             text_size = field("module.core_layout.text_size")
+        orc: tuple[int, int, int] | None = None  # none in a module of this kernel (arm64)
+        with contextlib.suppress(KeyError):
+            arch = "module.arch."
+            orc = (
+                field(arch + "num_orcs"),
+                field(arch + "orc_unwind_ip"),
+                field(arch + "orc_unwind"),
+            )
         return cls(
             list=field("module.list"),
             name=name.offset,
@@ -74,9 +82,7 @@ class ModuleLayout:
             symtab=field("mod_kallsyms.symtab"),
             num_symtab=field("mod_kallsyms.num_symtab"),
             strtab=field("mod_kallsyms.strtab"),
-            num_orcs=field("module.arch.num_orcs"),
-            orc_ip=field("module.arch.orc_unwind_ip"),
-            orc=field("module.arch.orc_unwind"),
+            orc=orc,
         )
 
 
@@ -184,8 +190,11 @@ async def _symbols(
 async def _orc(
     read: Reader, at: int, layout: ModuleLayout, kernel_orc: OrcTable | None
 ) -> OrcTable | None:
+    if layout.orc is None:
+        return None
+    num_orcs, orc_ip, orc = layout.orc
     count, ips, entries = await read_ints(
-        read, [(at + layout.num_orcs, 4), (at + layout.orc_ip, 8), (at + layout.orc, 8)]
+        read, [(at + num_orcs, 4), (at + orc_ip, 8), (at + orc, 8)]
     )
     if not count or not ips or not entries or count > _MAX_ORCS:
         return None
