@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from qmpprof.arch.aarch64code import PROLOGUES
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
@@ -98,7 +99,7 @@ class AArch64:
     def prologue(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
-        return None  # no prologue analysis yet: frame records only
+        return PROLOGUES.analyze(code, code_addr, pc, func_start)
 
     def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
         return None  # no code following yet: frame records only
@@ -119,7 +120,7 @@ class AArch64:
         return insn >> 26 == 0b100101 or insn & 0xFFFF_FC1F == 0xD63F_0000
 
     def prepare(self) -> None:
-        return None  # nothing to build: no disassembler
+        return None  # nothing to build: the few instructions that matter are decoded by hand
 
     def call_before(self, code: bytes, ra: int) -> int | None:
         # BL: 0b100101 and a signed 26-bit word offset from the instruction itself.

@@ -28,12 +28,16 @@ ReadWord = Callable[[int], int | None]  # a stack word at an address, None: not 
 
 @dataclass(frozen=True, slots=True)
 class PrologueRule:
-    """At a pc with no CFI, the CFA is ``sp + cfa_offset`` (the return address one word below
-    it); the caller's frame pointer is saved at ``CFA + fp_offset`` when that is set, else the
-    frame pointer is unchanged."""
+    """At a pc with no CFI, the CFA (the caller's stack pointer) is ``sp + cfa_offset``; the
+    return address is saved at ``CFA + ra_offset`` (None: one word below the CFA, where a call
+    pushed it), or is still in register ``ra_register`` when that is set (a link register,
+    before the function saves it or after it loads it back); the caller's frame pointer is saved
+    at ``CFA + fp_offset`` when that is set, else the frame pointer is unchanged."""
 
     cfa_offset: int
     fp_offset: int | None = None
+    ra_offset: int | None = None
+    ra_register: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

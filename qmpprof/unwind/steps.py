@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 Regs = dict[int, int]  # DWARF register number -> value
 # The caller's registers, and flags: EXACT (True) when its pc is exact (a trap or signal frame
 # was crossed), NEW_STACK when its stack pointer was loaded from memory (a switch back off an
-# interrupt stack), so that it may lie below the frame's, on another stack.
-EXACT, NEW_STACK = 1, 2
+# interrupt stack), so that it may lie below the frame's, on another stack; LINK when its pc
+# came from a link register (aarch64's x30): its stack pointer may equal the frame's.
+EXACT, NEW_STACK, LINK = 1, 2, 4
 Found = tuple[Regs, int]
 Outcome = Found | StopReason | None
 
@@ -78,7 +79,8 @@ class CfiStep:
 
 
 class PrologueStep:
-    """Prologue/epilogue analysis of the interrupted frame's code (no CFI at its pc)."""
+    """Prologue/epilogue analysis of the interrupted frame's code (no CFI at its pc): the
+    return address where the rule says, on the stack or still in a link register."""
 
     via = Via.PROLOGUE
     __slots__ = ("arch", "bias", "code", "code_addr", "symbols")
@@ -111,11 +113,21 @@ class PrologueStep:
             return None
         mask, read = arch.mask, word_reader(memory, arch)
         cfa = (cur[arch.sp] + rule.cfa_offset) & mask
-        ra = read((cfa - arch.address_size) & mask)
-        if ra is None:
-            return StopReason.READ_FAILED
+        if rule.ra_register is not None:
+            ra = cur.get(rule.ra_register)
+            if ra is None:
+                return None  # the register was not read: frame pointers then
+        else:
+            offset = -arch.address_size if rule.ra_offset is None else rule.ra_offset
+            ra = read((cfa + offset) & mask)
+            if ra is None:
+                return StopReason.READ_FAILED
+        plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         fp_slot = None if rule.fp_offset is None else cfa + rule.fp_offset
-        return caller(cur, arch, ra, cfa, fp_slot, read)
+        found = caller(cur, arch, ra if plain is None else plain, cfa, fp_slot, read)
+        if rule.ra_register is None or not isinstance(found, tuple):
+            return found
+        return found[0], LINK
 
 
 class FramePointerStep:
