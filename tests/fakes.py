@@ -254,6 +254,7 @@ class KernelIdentity(Generic[Space]):
     process: Process | None
     space: Space
     memory: Reader | None = None  # as the vCPU sees it
+    registers: Registers | None = None  # as sampled
 
 
 class KernelIdentifier(Generic[Space]):

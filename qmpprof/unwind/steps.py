@@ -25,6 +25,7 @@ from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
 
 if TYPE_CHECKING:
+    from qmpprof.unwind.entry import EntryCode
     from qmpprof.unwind.orc import OrcCode
 
 Regs = dict[int, int]  # DWARF register number -> value
@@ -46,6 +47,7 @@ class Via(enum.Enum):
     FRAME_POINTER = "frame-pointer"
     ORC = "orc"  # a Linux kernel's .orc_unwind tables
     SCAN = "scan"  # code with no CFI followed to its return (scan.py)
+    ENTRY = "entry"  # a kernel's exception entry or exit code (entry.py)
 
 
 class UnwindStep(Protocol):
@@ -183,15 +185,21 @@ def steps_for(
     symbols: SymbolTable | None = None,
     orc: OrcCode | None = None,
     starts: Callable[[], Sequence[int]] | None = None,
+    entry: EntryCode | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
-    tables alone (they cover all of its code), else CFI, prologue analysis, the code followed
-    to its return (``scan.py``; first, for an interrupted interrupt entry), frame pointers."""
+    tables alone (they cover all of its code), else its exception entry code (``entry.py``),
+    CFI, prologue analysis, the code followed to its return (``scan.py``; first, for an
+    interrupted interrupt entry), frame pointers."""
     if orc is not None:
         from qmpprof.unwind.orc import OrcStep
 
         return (OrcStep(orc, bias, arch),)
     steps: list[UnwindStep] = []
+    if entry is not None:
+        from qmpprof.unwind.entry import EntryStep
+
+        steps.append(EntryStep(entry, bias, arch))
     if cfi is not None:
         steps.append(CfiStep(cfi, bias, arch))
     if code:

@@ -16,6 +16,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
+from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
@@ -130,7 +131,8 @@ class LinuxGuest:
         read = reader(control, 0)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
-        modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
+        entry = None if kernel.orc is not None else entry_code(kernel)
+        modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines)]
         head = kernel.address("modules", slide)
         module_list = None
         if layouts.modules is not None and head is not None:
@@ -158,6 +160,7 @@ class LinuxGuest:
             control=control,
             thread_size=kernel.thread_size,
             clock=self.clock,
+            entry=entry,
         )
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
