@@ -2,9 +2,13 @@
 sample entered from user mode is one whole frame, one at a kernel-mode vector entry continues
 at the exception link register, a handler's frame record leads into the saved registers (the
 interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's description
-read from bookworm's 6.1 and 6.12 Images (``guest/linux/entry.py``)."""
+read from bookworm's 6.1 and 6.12 Images (``guest/linux/entry.py``), and the Linux guest reading
+the exception link register for the samples that need it, only those."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
 
 import pytest
 from aarch64vm import image
@@ -16,8 +20,11 @@ from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.aarch64code import LR
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.guest.linux.entry import ELR, entry_code
+from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Mapping, StopReason
+from qmpprof.pagecache import PageCache
+from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder, Via
 from qmpprof.unwind.entry import EntryCode, SavedFrame
 from qmpprof.unwind.space import Module
@@ -41,15 +48,15 @@ OUTER = KSTACK + 0x800  # the outermost record: [0, 0]
 ARCH = AARCH64.translated({"TCR_EL1": TCR_48})
 
 
-def space() -> AddressSpace:
+def space(slide: int = 0) -> AddressSpace:
     text = F + bytes(0x2000 - len(F))
     symbols = SymbolTable(
         [Symbol(BASE, len(F), "f"), Symbol(HANDLER, 0x68, "el1h_64_irq"),
          Symbol(BASE + 0x1800, 0x100, "caller")]
     )  # fmt: skip
     module = Module.build(
-        Mapping("vmlinux", BASE, BASE + 0x2000, True), ARCH, code=text, code_addr=BASE,
-        symbols=symbols, entry=ENTRY,
+        Mapping("vmlinux", BASE + slide, BASE + slide + 0x2000, True, slide), ARCH, code=text,
+        code_addr=BASE, symbols=symbols, entry=ENTRY,
     )  # fmt: skip
     return AddressSpace([module])
 
@@ -141,3 +148,33 @@ def test_arm64_linux_describes_its_exception_code(series: str) -> None:
         start = kernel.symbols.address_of(name)
         assert start is not None and any(s == start for s, _ in entry.user), name
     assert len(entry.saving) == 4 and len(entry.restoring) == 1
+
+
+class SystemRegisters:
+    """A transport that answers system registers only, and keeps what it was asked."""
+
+    def __init__(self, elr: int) -> None:
+        self.elr = elr
+        self.asked: list[tuple[int, tuple[str, ...]]] = []
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        self.asked.append((cpu, tuple(names)))
+        return {"ELR_EL1": self.elr}
+
+
+async def test_the_linux_guest_reads_elr_for_a_sample_at_a_kernel_mode_entry_only() -> None:
+    slide = 0x3A3A_C120_0000
+    identifier = LinuxIdentifier(space(slide).modules, ARCH, entry=ENTRY)
+    stub = SystemRegisters(BASE + slide)
+    transport = cast(GuestTransport, stub)
+    for pc in (VECTORS + 0x280, HANDLER):
+        identity = await identifier.identify(
+            transport, kregs(pc + slide, KSTACK, OUTER), PageCache()
+        )
+        assert identity.registers is not None and identity.registers.gprs[ELR] == BASE + slide
+    assert stub.asked == [(0, ("ELR_EL1",))] * 2
+    # From user mode, in a function, and a kernel-mode vector's link address (not slid).
+    for pc in (VECTORS + 0x480 + slide, BASE + slide, VECTORS + 0x280):
+        identity = await identifier.identify(transport, kregs(pc, KSTACK, OUTER), PageCache())
+        assert identity.registers is None
+    assert len(stub.asked) == 2
