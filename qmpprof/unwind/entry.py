@@ -114,11 +114,13 @@ class EntryStep:
             return None
         arch, frame = self.arch, code.frame
         fp = cur.get(arch.fp, 0)
-        if not interrupted or fp == (cur[arch.sp] + frame.record) & arch.mask:
+        if fp and (not interrupted or fp == (cur[arch.sp] + frame.record) & arch.mask):
             return self._saved((fp - frame.record) & arch.mask, fp, memory)
-        if in_saving:  # the record is not set yet: x29, x30 still the interrupted code's
+        if in_saving and interrupted:  # no record yet: x29, x30 still the interrupted code's
             return self._in_registers(cur, (cur[arch.sp] + frame.size) & arch.mask)
-        return StopReason.NO_CFI  # on the way back, the record loaded again: not modelled
+        if interrupted:
+            return StopReason.NO_CFI  # on the way back, the record loaded again: not modelled
+        return None
 
     def _in_registers(self, cur: Regs, sp: int) -> Outcome:
         """The interrupted code's registers, its pc in the exception link register."""
