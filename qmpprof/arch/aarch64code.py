@@ -52,9 +52,9 @@ def _is_add(insn: int, rd: int, rn: int) -> bool:
     return insn & 0xFF80_0000 == 0x9100_0000 and insn & 0x3FF == rn << 5 | rd
 
 
-def _fields(insn: int) -> tuple[int, int, int]:
-    """(Rd or Rt, Rn, Rt2) of an instruction."""
-    return insn & 0x1F, (insn >> 5) & 0x1F, (insn >> 10) & 0x1F
+def _fields(insn: int) -> tuple[int, int]:
+    """(Rd or Rt, Rn) of an instruction."""
+    return insn & 0x1F, (insn >> 5) & 0x1F
 
 
 def is_hint(insn: int) -> bool:
@@ -154,7 +154,7 @@ def _epilogue(code: bytes, off: int) -> int | object | None:
             elif kind != "ldp":
                 return None  # a store, or sp moved down: not an epilogue
             continue
-        rd, rn, _ = _fields(insn)
+        rd, rn = _fields(insn)
         if insn & 0xFF80_0000 == 0x9100_0000 and rd == SP:  # ADD (immediate) to sp
             if rn != SP:
                 return None  # sp from another register (mov sp, x29): unknown
@@ -188,7 +188,7 @@ def _prologue(code: bytes, start: int, off: int) -> PrologueRule | None:
                 frame -= imm
                 record = None if record is None else record - imm
             continue
-        rd, rn, _ = _fields(insn)
+        rd, rn = _fields(insn)
         if insn & 0xFF80_0000 == 0xD100_0000 and rd == SP and rn == SP:  # sub sp, sp, #N
             imm = _add_imm(insn)
             frame += imm
