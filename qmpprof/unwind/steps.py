@@ -204,7 +204,6 @@ def steps_for(
         steps.append(CfiStep(cfi, bias, arch))
     if code:
         arch.prepare()  # now: not inside the first pause that needs it
-        hash(code)  # the prologue answers' cache key: bytes keep it (6 ms for a 23 MB .text)
         from qmpprof.unwind.scan import ReturnScanStep
 
         # An interrupt entry caught at its start looks to prologue analysis like any function
