@@ -433,7 +433,8 @@ class Sampler(Generic[Space, Raw]):
             memory = identity.memory
             if memory is not None:  # the vCPU's page tables are another process's: read again
                 cache = PageCache()
-            captured.raw = await self._unwind(regs, cache, identity.space, memory)
+            walked = regs if identity.registers is None else identity.registers
+            captured.raw = await self._unwind(walked, cache, identity.space, memory)
             if memory is None:
                 self.stacks.learn(regs, cache)
         except GuestGoneError:

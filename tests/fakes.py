@@ -278,6 +278,7 @@ class KernelIdentity(Generic[Space]):
     process: Process | None
     space: Space
     memory: Reader | None = None  # as the vCPU sees it
+    registers: Registers | None = None  # as sampled
 
 
 class KernelIdentifier(Generic[Space]):

@@ -3,7 +3,8 @@
 ``--one-shot`` on it through the private gdbstub with ``--kernel`` the arm64 Image as shipped.
 Every kernel frame must be named as the guest's own /proc/kallsyms names its address, the slide
 must be the guest's, the walks must reach an exception entry, a new task's or the idle loop's
-root, and the guest must run on afterwards."""
+root (or be the one frame of a kernel entered from user mode), an exception taken in the
+kernel must lead into the code it interrupted, and the guest must run on afterwards."""
 
 from __future__ import annotations
 
@@ -91,18 +92,42 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
     assert not nameless, nameless
     text = TextSymbols(guest.symbols)
     for stack in kernel:
-        for frame in stack["frames"]:
+        frames = stack["frames"]
+        for i, frame in enumerate(frames):
             addr = int(frame["address"], 16)
-            # A caller's frame is named at its call: the return address - 1.
-            at = addr if frame is stack["frames"][0] else addr - 1
+            # A caller's frame is named at its call: the return address - 1; the interrupted
+            # code's under an exception taken in the kernel at its pc.
+            at = addr if i == 0 or from_kernel_entry(frames[i - 1]) else addr - 1
             assert frame.get("symbol") in text.names_at(at), (frame, stack)
     # No walk ends at a return address it could not read: pointer-authentication codes are
     # stripped by the guest's TCR_EL1.
     assert not [s for s in kernel if s["stop"] == "bad-return"]
     ended = [s for s in kernel if s["stop"] == "end"]
     for stack in ended:
-        root = stack["frames"][-1]["symbol"]
-        assert root.startswith("el0t_64_") or root in ROOTS, stack
-    # Up to a third of one-shot stops land on an exception vector (one frame, no record yet).
+        root = stack["frames"][-1]
+        # One frame: caught where the kernel was entered from user mode or leaves for it.
+        alone = len(stack["frames"]) == 1 and from_user_entry(root)
+        assert root["symbol"].startswith("el0t_64_") or root["symbol"] in ROOTS or alone, stack
+    # An exception caught at its vector (a third of one-shot stops) is whole: entered from
+    # user mode, one frame; from the kernel, the interrupted code's frames follow (ELR_EL1).
+    entered = [s for s in kernel if from_user_entry(s["frames"][0])]
+    assert all(s["stop"] == "end" for s in entered), entered
+    assert not [s for s in kernel if from_kernel_entry(s["frames"][-1])]
     deep = [s for s in ended if len(s["frames"]) >= 5]
     assert len(deep) >= 2, [(s["stop"], len(s["frames"])) for s in kernel]
+
+
+def from_kernel_entry(frame: dict[str, object]) -> bool:
+    """A frame in a kernel-mode vector entry or handler (the exception came from the kernel)."""
+    symbol, offset = frame.get("symbol"), frame.get("offset")
+    if symbol == "vectors":
+        return isinstance(offset, int) and 0x200 <= offset < 0x400
+    return isinstance(symbol, str) and symbol.startswith("el1h_64_")
+
+
+def from_user_entry(frame: dict[str, object]) -> bool:
+    """A frame in a user-mode vector entry or handler, or on the way back to user mode."""
+    symbol, offset = frame.get("symbol"), frame.get("offset")
+    if symbol == "vectors":
+        return isinstance(offset, int) and offset >= 0x400
+    return isinstance(symbol, str) and (symbol.startswith("el0t_") or symbol == "ret_to_user")

@@ -27,13 +27,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from qmpprof.arch.aarch64code import PROLOGUES
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
 _UPPER_HALF = 0xFF80_0000_0000_0000  # bits 63..55 set: the TTBR1 half for any T1SZ
 _BIT55 = 1 << 55
-_AARCH32 = 1 << 4  # PSTATE.nRW: the exception came from AArch32 code
 # The lower half's plain-form bound when TCR_EL1 is unknown: 48-bit addresses, the smallest
 # user virtual-address size of Linux on arm64 (4K pages, 4 levels; Debian's 6.1 and 6.12).
 _PLAIN_LOW = 1 << 48
@@ -51,7 +51,6 @@ class AArch64:
 
     t0sz: int | None = None
     t1sz: int | None = None
-    pt_regs_record: int | None = None  # where Linux's pt_regs holds its frame record
     name: str = "aarch64"
     address_size: int = 8
     pc: int = 32
@@ -87,26 +86,6 @@ class AArch64:
         t0sz, t1sz = tnsz(tcr_el1)
         return dataclasses.replace(self, t0sz=t0sz, t1sz=t1sz)
 
-    def with_pt_regs(self, frame_record: int | None) -> AArch64:
-        return dataclasses.replace(self, pt_regs_record=frame_record)
-
-    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
-        """An exception from EL0 saves the user's registers in a pt_regs whose frame record is
-        zeroed (the kernel stack's end): they begin with the user ABI's user_pt_regs, x0..x30,
-        sp, pc, pstate (8 bytes each)."""
-        if self.pt_regs_record is None:
-            return None
-        base = record - self.pt_regs_record
-        words = [read((base + 8 * n) & _MASK) for n in range(34)]
-        if any(word is None for word in words):
-            return None
-        values = [word or 0 for word in words]
-        pstate, pc = values[33], values[32]
-        user_end = self.user_space_end or _PLAIN_LOW
-        if (pstate >> 2) & 3 or not 0 < pc < user_end or pstate & _AARCH32:
-            return None  # not an exception from 64-bit user mode
-        return dict(enumerate(values[:33]))
-
     def return_address(self, value: int) -> int | None:
         if value > _MASK or value < 0:
             return None
@@ -130,7 +109,7 @@ class AArch64:
     def prologue(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
-        return None  # no prologue analysis yet: frame records only
+        return PROLOGUES.analyze(code, code_addr, pc, func_start)
 
     def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
         return None  # no code following yet: frame records only
@@ -151,7 +130,7 @@ class AArch64:
         return insn >> 26 == 0b100101 or insn & 0xFFFF_FC1F == 0xD63F_0000
 
     def prepare(self) -> None:
-        return None  # nothing to build: no disassembler
+        return None  # nothing to build: the few instructions that matter are decoded by hand
 
     def call_before(self, code: bytes, ra: int) -> int | None:
         # BL: 0b100101 and a signed 26-bit word offset from the instruction itself.

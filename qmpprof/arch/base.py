@@ -28,12 +28,16 @@ ReadWord = Callable[[int], int | None]  # a stack word at an address, None: not 
 
 @dataclass(frozen=True, slots=True)
 class PrologueRule:
-    """At a pc with no CFI, the CFA is ``sp + cfa_offset`` (the return address one word below
-    it); the caller's frame pointer is saved at ``CFA + fp_offset`` when that is set, else the
-    frame pointer is unchanged."""
+    """At a pc with no CFI, the CFA (the caller's stack pointer) is ``sp + cfa_offset``; the
+    return address is saved at ``CFA + ra_offset`` (None: one word below the CFA, where a call
+    pushed it), or is still in register ``ra_register`` when that is set (a link register,
+    before the function saves it or after it loads it back); the caller's frame pointer is saved
+    at ``CFA + fp_offset`` when that is set, else the frame pointer is unchanged."""
 
     cfa_offset: int
     fp_offset: int | None = None
+    ra_offset: int | None = None
+    ra_register: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +134,6 @@ class InstructionSet(Protocol):
     def translated(self, values: Mapping[str, int]) -> InstructionSet:
         """This instruction set under the guest's translation settings (``values`` of
         ``translation_registers`` read from it); itself when they change nothing."""
-        ...
-
-    def with_pt_regs(self, frame_record: int | None) -> InstructionSet:
-        """This instruction set where a kernel's saved registers end its stack's frame-record
-        chain: the final record lies ``frame_record`` bytes into them (arm64 Linux's
-        ``pt_regs.stackframe``, from BTF); itself where that changes nothing."""
-        ...
-
-    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
-        """The registers of the user code a final (zeroed) frame record at ``record`` hands
-        over to, by DWARF number (None: the stack ends there)."""
         ...
 
     def return_address(self, value: int) -> int | None:

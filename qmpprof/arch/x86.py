@@ -57,12 +57,6 @@ class X86:
     def translated(self, values: Mapping[str, int]) -> X86:
         return self
 
-    def with_pt_regs(self, frame_record: int | None) -> X86:
-        return self  # ORC reads the kernel's pt_regs
-
-    def record_end(self, record: int, read: ReadWord) -> dict[int, int] | None:
-        return None  # a zero frame pointer ends the stack
-
     def return_address(self, value: int) -> int | None:
         if self.address_size == 8 and _UPPER_HALF > value >= 1 << 47:
             return None  # not canonical: no code can be there

@@ -117,14 +117,22 @@ class Identified(Protocol[Space_co]):
         stacks): its user half through the process's own; None: as the vCPU sees it."""
         ...
 
+    @property
+    def registers(self) -> Registers | None:
+        """The registers to walk with, when the guest OS read more than the sample's."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """What the guest OSes of this package answer."""
+    """What the guest OSes of this package answer. ``registers``: the vCPU's registers with
+    what the guest OS read beside them for the walk (arm64 Linux: the exception link register
+    of a sample taken at an exception's entry); None: the walk takes them as sampled."""
 
     process: Process | None
     space: AddressSpace
     memory: Reader | None = None
+    registers: Registers | None = None
 
 
 class GuestIdentifier(Protocol[Space_co]):

@@ -166,6 +166,11 @@ class GdbTransport:
         (A packet reaching the stub of a running guest is lost: its ``$`` is what stops it.)"""
         self._running = True
 
+    @property
+    def stopped(self) -> bool:
+        """Whether this transport's own stop holds the guest (no ``cont`` since)."""
+        return not self._running
+
     async def stop(self) -> None:
         """Interrupt the guest (``\\x03``); returns once it is stopped. No-op when paused.
 

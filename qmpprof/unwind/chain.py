@@ -23,6 +23,7 @@ from qmpprof.unwind.resolve import frames_at
 from qmpprof.unwind.space import AddressSpace, Module
 from qmpprof.unwind.steps import (
     EXACT,
+    LINK,
     NEW_STACK,
     Found,
     Regs,
@@ -104,7 +105,7 @@ class Unwinder:
                 )
             new, flags = outcome
             signal = flags & EXACT != 0
-            stop = self._check(cur, new, pc, flags & (EXACT | NEW_STACK) != 0, seen)
+            stop = self._check(cur, new, pc, flags & (EXACT | NEW_STACK | LINK) != 0, seen)
             if stop is not None:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
@@ -156,7 +157,8 @@ class Unwinder:
     ) -> StopReason | None:
         """Sanity rules between a frame and its caller. ``jumped``: the caller's stack pointer
         came from a trap frame or a saved stack pointer, not from the frame's by arithmetic:
-        it may lie below (another stack), only an exact repeat is a loop."""
+        it may lie below (another stack), or its pc from a link register (a frame that pushed
+        nothing): only an exact repeat is a loop."""
         arch = self.arch
         new_pc, new_sp = new.get(arch.pc), new[arch.sp]
         if not new_pc:

@@ -25,6 +25,7 @@ from qmpprof.unwind.steps import UnwindStep, steps_for
 from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
+    from qmpprof.unwind.entry import EntryCode
     from qmpprof.unwind.orc import OrcCode
 
 
@@ -73,13 +74,15 @@ class Module:
         orc: OrcCode | None = None,
         calls: CodeImage | None = None,
         starts: Callable[[], Sequence[int]] | None = None,
+        entry: EntryCode | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``; ``starts`` guesses where its functions start, asked the first
-        time a frame needs it), for the instruction set ``arch``."""
+        time a frame needs it; ``entry``: a kernel's exception code), for the instruction set
+        ``arch``."""
         steps = steps_for(
             mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc,
-            starts=starts,
+            starts=starts, entry=entry,
         )  # fmt: skip
         return cls(mapping, steps, symbols, lines, calls)
 

@@ -25,13 +25,15 @@ from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
 
 if TYPE_CHECKING:
+    from qmpprof.unwind.entry import EntryCode
     from qmpprof.unwind.orc import OrcCode
 
 Regs = dict[int, int]  # DWARF register number -> value
 # The caller's registers, and flags: EXACT (True) when its pc is exact (a trap or signal frame
 # was crossed), NEW_STACK when its stack pointer was loaded from memory (a switch back off an
-# interrupt stack), so that it may lie below the frame's, on another stack.
-EXACT, NEW_STACK = 1, 2
+# interrupt stack), so that it may lie below the frame's, on another stack; LINK when its pc
+# came from a link register (aarch64's x30): its stack pointer may equal the frame's.
+EXACT, NEW_STACK, LINK = 1, 2, 4
 Found = tuple[Regs, int]
 Outcome = Found | StopReason | None
 
@@ -45,6 +47,7 @@ class Via(enum.Enum):
     FRAME_POINTER = "frame-pointer"
     ORC = "orc"  # a Linux kernel's .orc_unwind tables
     SCAN = "scan"  # code with no CFI followed to its return (scan.py)
+    ENTRY = "entry"  # a kernel's exception entry or exit code (entry.py)
 
 
 class UnwindStep(Protocol):
@@ -78,7 +81,8 @@ class CfiStep:
 
 
 class PrologueStep:
-    """Prologue/epilogue analysis of the interrupted frame's code (no CFI at its pc)."""
+    """Prologue/epilogue analysis of the interrupted frame's code (no CFI at its pc): the
+    return address where the rule says, on the stack or still in a link register."""
 
     via = Via.PROLOGUE
     __slots__ = ("arch", "bias", "code", "code_addr", "symbols")
@@ -111,11 +115,21 @@ class PrologueStep:
             return None
         mask, read = arch.mask, word_reader(memory, arch)
         cfa = (cur[arch.sp] + rule.cfa_offset) & mask
-        ra = read((cfa - arch.address_size) & mask)
-        if ra is None:
-            return StopReason.READ_FAILED
+        if rule.ra_register is not None:
+            ra = cur.get(rule.ra_register)
+            if ra is None:
+                return None  # the register was not read: frame pointers then
+        else:
+            offset = -arch.address_size if rule.ra_offset is None else rule.ra_offset
+            ra = read((cfa + offset) & mask)
+            if ra is None:
+                return StopReason.READ_FAILED
+        plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         fp_slot = None if rule.fp_offset is None else cfa + rule.fp_offset
-        return caller(cur, arch, ra, cfa, fp_slot, read)
+        found = caller(cur, arch, ra if plain is None else plain, cfa, fp_slot, read)
+        if rule.ra_register is None or not isinstance(found, tuple):
+            return found
+        return found[0], LINK
 
 
 class FramePointerStep:
@@ -142,11 +156,6 @@ class FramePointerStep:
         ra = read((fp + word) & mask)
         if saved_fp is None or ra is None:
             return StopReason.READ_FAILED
-        if not saved_fp and not ra:
-            handed = arch.record_end(fp, read)
-            if handed is None:
-                return StopReason.END
-            return {**cur, **handed}, EXACT | NEW_STACK
         plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         new = dict(cur)
         new[arch.pc] = ra if plain is None else plain
@@ -176,15 +185,21 @@ def steps_for(
     symbols: SymbolTable | None = None,
     orc: OrcCode | None = None,
     starts: Callable[[], Sequence[int]] | None = None,
+    entry: EntryCode | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
-    tables alone (they cover all of its code), else CFI, prologue analysis, the code followed
-    to its return (``scan.py``; first, for an interrupted interrupt entry), frame pointers."""
+    tables alone (they cover all of its code), else its exception entry code (``entry.py``),
+    CFI, prologue analysis, the code followed to its return (``scan.py``; first, for an
+    interrupted interrupt entry), frame pointers."""
     if orc is not None:
         from qmpprof.unwind.orc import OrcStep
 
         return (OrcStep(orc, bias, arch),)
     steps: list[UnwindStep] = []
+    if entry is not None:
+        from qmpprof.unwind.entry import EntryStep
+
+        steps.append(EntryStep(entry, bias, arch))
     if cfi is not None:
         steps.append(CfiStep(cfi, bias, arch))
     if code:

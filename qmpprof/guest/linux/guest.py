@@ -16,6 +16,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
+from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
 from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
@@ -51,8 +52,6 @@ class Layouts:
     notes: tuple[str, ...]
     # What a task off CPU leaves behind, or why it cannot be read (told with --off-cpu only).
     offcpu: OffCpuLayout | str = "no BTF"
-    # Where pt_regs holds the frame record that ends a kernel stack (arm64's stackframe)
-    pt_regs_record: int | None = None
 
     @classmethod
     def of(cls, kernel: LinuxKernel) -> Layouts:
@@ -74,11 +73,7 @@ class Layouts:
             offcpu: OffCpuLayout | str = OffCpuLayout.from_btf(btf, kernel.image.arch)
         except (KeyError, BtfError) as err:
             offcpu = f"its BTF lacks {err}"
-        try:
-            record: int | None = btf.offset_of("pt_regs.stackframe")
-        except (KeyError, BtfError):
-            record = None  # x86's pt_regs has none: ORC reads it
-        return cls(tasks, current, modules, vmas, tuple(notes), offcpu, record)
+        return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
 
 
 async def _system_registers(
@@ -167,13 +162,13 @@ class LinuxGuest:
                 f"no __per_cpu_offset in kallsyms and {self.arch.per_cpu_registers[0]} not"
                 " readable over this transport: stacks without process names (use the gdbstub)"
             )
-        self.arch = self.arch.with_pt_regs(layouts.pt_regs_record)
         arch = self.arch
         slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
         read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
-        modules = [kernel_module(kernel, slide, arch, lines=self.lines)]
+        entry = None if kernel.orc is not None else entry_code(kernel)
+        modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines)]
         head = kernel.address("modules", slide)
         module_list = None
         if layouts.modules is not None and head is not None:
@@ -219,6 +214,7 @@ class LinuxGuest:
             linear=linear,
             cpus=cpus,
             clock=self.clock,
+            entry=entry,
         )
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:

@@ -28,8 +28,10 @@ from qmpprof.memory import Reader, kernel_reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.space import AddressSpace, Module
 
+LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
@@ -55,14 +57,18 @@ class LinuxIdentifier:
         cpus: Sequence[int] = (0,),
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
+        entry: EntryCode | None = None,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``control``: a transport that reads kernel memory while the guest runs, for
         ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
         user stacks are learnt as a task's). ``linear``: the kernel's linear map, read
         physically for a user-mode sample when the vCPU's own translation hides the kernel.
-        ``cpus``: the vCPUs ``control`` reads kernel memory through, in turn."""
+        ``cpus``: the vCPUs ``control`` reads kernel memory through, in turn. ``entry``: the
+        image's exception code, whose samples at an exception's entry need the exception link
+        register."""
         self.arch = arch
+        self.entry = entry
         self.layout = layout
         self.current = current
         self.spaces = spaces
@@ -140,6 +146,24 @@ class LinuxIdentifier:
         return (*pointer, self.layout.stamp_range(expected))
 
     async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        identity = await self._identify(transport, regs, cache)
+        linked = await self._exception_link(transport, regs)
+        return identity if linked is None else dataclasses.replace(identity, registers=linked)
+
+    async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
+        """``regs`` with the exception link register, read in this pause for a sample taken
+        where the interrupted pc is only there (``EntryCode.holds_link``); None otherwise."""
+        entry = self.entry
+        if entry is None or regs.user or not entry.holds_link(regs.pc - self.space.modules[0].bias):
+            return None
+        values = await transport.system_registers(regs.cpu, (LINK_REGISTER,))
+        if LINK_REGISTER not in values:
+            return None
+        return dataclasses.replace(regs, gprs={**regs.gprs, entry.link: values[LINK_REGISTER]})
+
+    async def _identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
         current, layout = self.current, self.layout

@@ -1,7 +1,8 @@
 """The Linux kernel image as a ``Module`` of the running guest: its code at the KASLR slide,
-unwound by its ORC tables (its CFI, prologues and frame pointers without), named by its
-functions, and searched for tail-call frames in the image's code (``.text``: the running
-kernel's own differs where boot-time patching changed it, not in its direct calls and jumps).
+unwound by its ORC tables (without: its exception code as ``entry.py`` describes it, CFI,
+prologues and frame pointers), named by its functions, and searched for tail-call frames in the
+image's code (``.text``: the running kernel's own differs where boot-time patching changed it,
+not in its direct calls and jumps).
 
 Which of its symbols are thunks and trampolines is a fact of the x86_64 kernel's naming, the
 same from 5.10 to 7.3 once a 6.16+ startup-code alias's ``__pi_`` prefix is left out
@@ -15,15 +16,22 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
+from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 from qmpprof.unwind.tailcall import CodeImage, TargetKind
 
 
 def kernel_module(
-    kernel: LinuxKernel, slide: int, arch: InstructionSet, *, lines: bool = False
+    kernel: LinuxKernel,
+    slide: int,
+    arch: InstructionSet,
+    entry: EntryCode | None = None,
+    *,
+    lines: bool = False,
 ) -> Module:
-    """The kernel image as loaded at ``slide`` (runtime - link address)."""
+    """The kernel image as loaded at ``slide`` (runtime - link address); ``entry``: its
+    exception code where the walk needs it described (arm64's, ``entry.entry_code``)."""
     low, high = kernel.span
     image = kernel.image
     mapping = Mapping(
@@ -31,6 +39,10 @@ def kernel_module(
     )
     orc = None if kernel.orc is None else OrcCode(kernel.orc, kernel.functions, kernel.thunks)
     text = image.text_bytes
+    if orc is None:
+        # Prologue answers are cached by the code: its hash now (bytes keep it), not in the
+        # first pause that needs one (6 ms for arm64 6.1's 23 MB .text).
+        hash(text)
     calls = CodeImage(image.text_addr, text, kernel.functions, target_kind, arch, slide)
     return Module.build(
         mapping,
@@ -42,6 +54,7 @@ def kernel_module(
         lines=image.lines if lines else None,
         orc=orc,
         calls=calls if text else None,
+        entry=entry,
     )
 
 

@@ -1,0 +1,203 @@
+"""aarch64 machine code read by hand: prologue and epilogue analysis of the frame the CPU was
+interrupted in, where the frame-record walk (x29, x30) is wrong.
+
+A function compiled with frame pointers saves its frame record (x29, x30) in its prologue and
+points x29 at it; until then, and again once its epilogue has loaded the record back, the return
+address is still in x30 (the link register) and x29 is the caller's: walking [x29 + 8] there
+skips the caller. A leaf function (Linux builds arm64 without leaf frame records) never saves
+one. The few instructions that matter are decoded by their encodings (Arm ARM, C4.1), no
+disassembler needed:
+
+- the prologue, followed from the function's start (kallsyms) to the pc: ``stp x29, x30,
+  [sp, #-N]!``, or ``sub sp, sp, #N`` then ``stp x29, x30, [sp, #M]``, then ``mov x29, sp`` /
+  ``add x29, sp, #M``; hints (``paciasp``, ``bti``, ftrace's patchable ``nop``s) change nothing;
+- the epilogue, followed forward from the pc to its ``ret`` (``autiasp``, ``retaa`` too) along
+  straight code: a ``ldp x29, x30`` on the way means the record is still live at the pc; none
+  means it was loaded back (or never saved), and the ``add sp, sp, #K`` (or post-indexed loads
+  from sp) still ahead say where the caller's stack pointer is.
+
+A branch, a call or any other write to sp on the way forward leaves the epilogue unknown, and the
+prologue's state decides. Answers are cached per (code, pc).
+"""
+
+from __future__ import annotations
+
+from qmpprof.arch.base import PrologueRule
+from qmpprof.memo import Memo
+
+FP, LR, SP = 29, 30, 31
+_MAX_SCAN = 4096  # bytes from the function's start: a longer one is left to frame records
+_MAX_EPILOGUE = 32  # instructions followed forward to a return
+_CACHE_LIMIT = 1 << 14
+_RESTORES = object()  # the epilogue ahead loads the record back: it is live at the pc
+
+
+def _imm7(insn: int) -> int:
+    value = (insn >> 15) & 0x7F
+    return (value - 0x80 if value & 0x40 else value) * 8
+
+
+def _imm9(insn: int) -> int:
+    value = (insn >> 12) & 0x1FF
+    return value - 0x200 if value & 0x100 else value
+
+
+def _add_imm(insn: int) -> int:
+    """The immediate of ADD/SUB (immediate), shifted by 12 when ``sh`` is set."""
+    return ((insn >> 10) & 0xFFF) << (12 if insn & (1 << 22) else 0)
+
+
+def _is_add(insn: int, rd: int, rn: int) -> bool:
+    """ADD (immediate), 64-bit, ``rd`` from ``rn`` (``mov x29, sp`` is ``add x29, sp, #0``)."""
+    return insn & 0xFF80_0000 == 0x9100_0000 and insn & 0x3FF == rn << 5 | rd
+
+
+def _fields(insn: int) -> tuple[int, int]:
+    """(Rd or Rt, Rn) of an instruction."""
+    return insn & 0x1F, (insn >> 5) & 0x1F
+
+
+def is_hint(insn: int) -> bool:
+    """NOP, PACIASP, AUTIASP, BTI and the other hints: nothing the walk needs changes."""
+    return insn & 0xFFFF_F01F == 0xD503_201F
+
+
+def is_return(insn: int) -> bool:
+    """RET Xn, RETAA, RETAB."""
+    return insn & 0xFFFF_FC1F == 0xD65F_0000 or insn in (0xD65F_0BFF, 0xD65F_0FFF)
+
+
+def _is_branch(insn: int) -> bool:
+    """Any other change of flow: B, BL, B.cond, CBZ/CBNZ, TBZ/TBNZ, BR, BLR, ERET and kin."""
+    return (
+        insn >> 26 & 0x1F == 0b00101  # B, BL
+        or insn >> 25 & 0x3F in (0b011010, 0b011011)  # CBZ/CBNZ, TBZ/TBNZ
+        or insn >> 24 == 0b0101_0100  # B.cond
+        or insn >> 25 == 0b110_1011  # BR, BLR, RET, ERET, and their authenticated forms
+    )
+
+
+def _pair(insn: int) -> tuple[str, int] | None:
+    """A 64-bit STP/LDP with sp as base: (kind, imm) where kind is 'stp', 'stp!' (pre-index),
+    'stp+' (post-index), 'ldp', 'ldp!', 'ldp+'; None for any other instruction."""
+    top = insn & 0xFFC0_0000
+    kind = {
+        0xA900_0000: "stp", 0xA980_0000: "stp!", 0xA880_0000: "stp+",
+        0xA940_0000: "ldp", 0xA9C0_0000: "ldp!", 0xA8C0_0000: "ldp+",
+    }.get(top)  # fmt: skip
+    if kind is None or (insn >> 5) & 0x1F != SP:
+        return None
+    return kind, _imm7(insn)
+
+
+def _is_record(insn: int) -> bool:
+    return insn & 0x1F == FP and (insn >> 10) & 0x1F == LR
+
+
+def _sp_writeback(insn: int) -> int | None:
+    """How much a load or store with writeback to sp moves it (LDR/STR of a register, pre- or
+    post-indexed); None for any other instruction."""
+    if insn & 0x3F20_0400 == 0x3800_0400 and (insn >> 5) & 0x1F == SP:
+        return _imm9(insn)
+    return None
+
+
+class Prologues:
+    """The analysis, one answer per (code, pc, function start) cached."""
+
+    def __init__(self) -> None:
+        self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
+            _CACHE_LIMIT
+        )
+
+    def analyze(
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+    ) -> PrologueRule | None:
+        """How to find the caller at link address ``pc`` inside ``code`` (which starts at
+        ``code_addr``); ``func_start`` comes from the symbol table. None: frame records."""
+        key = (code, code_addr, pc, func_start)
+        try:
+            return self._cache[key]
+        except KeyError:
+            return self._cache.put(key, _analyze(code, code_addr, pc, func_start))
+
+
+def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> PrologueRule | None:
+    off = pc - code_addr
+    if off < 0 or off + 4 > len(code) or off & 3:
+        return None
+    ahead = _epilogue(code, off)
+    if isinstance(ahead, int):
+        # The record was loaded back (or never saved): x29 is the caller's, x30 the return.
+        return PrologueRule(ahead, ra_register=LR)
+    if func_start is None or not 0 <= pc - func_start <= _MAX_SCAN or func_start < code_addr:
+        return None
+    return _prologue(code, func_start - code_addr, off)
+
+
+def _epilogue(code: bytes, off: int) -> int | object | None:
+    """Forward from ``off`` to a return along straight code: the bytes sp still moves up on the
+    way when the record is not loaded back on it, ``_RESTORES`` when it is, None: unknown."""
+    moved = 0
+    end = min(len(code), off + 4 * _MAX_EPILOGUE)
+    for at in range(off, end - 3, 4):
+        insn = int.from_bytes(code[at : at + 4], "little")
+        if is_return(insn):
+            return moved
+        pair = _pair(insn)
+        if pair is not None:
+            kind, imm = pair
+            if kind.startswith("ldp") and _is_record(insn):
+                return _RESTORES
+            if kind == "ldp+":
+                moved += imm
+            elif kind != "ldp":
+                return None  # a store, or sp moved down: not an epilogue
+            continue
+        rd, rn = _fields(insn)
+        if insn & 0xFF80_0000 == 0x9100_0000 and rd == SP:  # ADD (immediate) to sp
+            if rn != SP:
+                return None  # sp from another register (mov sp, x29): unknown
+            moved += _add_imm(insn)
+        elif insn & 0xFF80_0000 == 0xD100_0000 and rd == SP:  # SUB (immediate) to sp
+            return None
+        elif (writeback := _sp_writeback(insn)) is not None:
+            if insn & 0x0040_0000 == 0:  # a store
+                return None
+            moved += writeback
+        elif _is_branch(insn):
+            return None
+    return None
+
+
+def _prologue(code: bytes, start: int, off: int) -> PrologueRule | None:
+    """The state at ``off`` after the prologue instructions from ``start``: the frame's size
+    below the caller's sp, where the record was stored (from sp), whether x29 points at it."""
+    frame = 0
+    record: int | None = None
+    for at in range(start, off, 4):
+        insn = int.from_bytes(code[at : at + 4], "little")
+        pair = _pair(insn)
+        if pair is not None:
+            kind, imm = pair
+            if kind == "stp!" and _is_record(insn):
+                frame, record = frame - imm, 0
+            elif kind == "stp" and _is_record(insn):
+                record = imm
+            elif kind == "stp!":
+                frame -= imm
+                record = None if record is None else record - imm
+            continue
+        rd, rn = _fields(insn)
+        if insn & 0xFF80_0000 == 0xD100_0000 and rd == SP and rn == SP:  # sub sp, sp, #N
+            imm = _add_imm(insn)
+            frame += imm
+            record = None if record is None else record + imm
+        elif _is_add(insn, FP, SP) and record == _add_imm(insn):  # add x29, sp, #M
+            return None  # x29 points at the record: frame records are right from here
+    if record is None:
+        return PrologueRule(frame, ra_register=LR)
+    return PrologueRule(frame, fp_offset=record - frame, ra_offset=record + 8 - frame)
+
+
+PROLOGUES = Prologues()
