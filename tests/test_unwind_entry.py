@@ -132,6 +132,25 @@ def test_a_saved_frame_from_user_mode_ends_the_walk() -> None:
     assert raw.pcs == (HANDLER + 0x58,) and raw.stop is StopReason.END
 
 
+def test_a_user_mode_handler_s_saved_frame_hands_over_to_the_user_code() -> None:
+    # el0t_64_sync (a user-mode span) called a handler; its record in pt_regs is zeroed (the
+    # kernel stack's end) and pt_regs holds the user's registers: the walk goes on at the
+    # user's pc, exact, on the user's stack.
+    frame = KSTACK + 0x40
+    words = pt_regs(frame, 0x40_1000, 0x7FFF_F000, 0x7FFF_F010, 0x40_2000, status=0)
+    record = frame + PT_REGS.record
+    words |= {record: 0, record + 8: 0}
+    words |= {KSTACK + 0x10: record, KSTACK + 0x18: BASE + 0x1310}
+    words |= {0x7FFF_F010: 0, 0x7FFF_F018: 0}  # the user's outermost record
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, x30=BASE + 0x1000)
+    assert raw.pcs == (BASE + 0x1000, BASE + 0x1310, 0x40_1000)
+    assert raw.exact[:3] == (True, False, True) and raw.via[1:3] == (Via.FRAME_POINTER, Via.ENTRY)
+    # Entered from 32-bit code (PSTATE.nRW) or with a record that is not zeroed: the end.
+    for changed in ({frame + PT_REGS.status: 0x10}, {record: 0x7FFF_F010}):
+        raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words | changed, x30=BASE + 0x1000)
+        assert raw.pcs == (BASE + 0x1000, BASE + 0x1310) and raw.stop is StopReason.END
+
+
 @pytest.mark.parametrize("series", ["6.1", "6.12"])
 def test_arm64_linux_describes_its_exception_code(series: str) -> None:
     kernel = LinuxKernel.load(image(series))
