@@ -16,8 +16,8 @@ The current task of a vCPU (``qg_task_arm64``), by its exception level (PSTATE's
 
 Pointer authentication: gdb 13.1 cannot strip a kernel return address's code. QEMU 7.2's stub
 offers no ``org.gnu.gdb.aarch64.pauth`` registers; given them (a relay adding the feature,
-tried here), gdb 13.1 strips with the low half's mask only (``addr & ~pauth_cmask``: a signed
-0xff..b59af2090a20 became 0x2f00b59af2090a20) and stops there. The oracle's guest therefore
+tried here), gdb 13.1 strips with the low half's mask only (``addr & ~pauth_cmask``: a return
+address to 0xffffb59af2090a20, signed, became 0x2f00b59af2090a20) and stops there. The guest
 boots with ``arm64.nopauth`` (``NOPAUTH``): the kernel signs nothing, gdb and qmpprof read
 plain return addresses. qmpprof's stripping is tested on signed stacks by
 tests/test_aarch64_e2e.py.
