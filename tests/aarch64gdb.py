@@ -58,20 +58,16 @@ def _physical(addr):
     page_offset, memstart, voffset, start, end, _ = QG_LAYOUT
     return addr - voffset if start <= addr < end else addr - page_offset + memstart
 
-def _at(addr):
-    return gdb.parse_and_eval("*(struct task_struct *)%#x" % _physical(addr))
-
 def qg_task_arm64(cpu):
     sp_el0 = _kernel_sp_el0() if _el() == 1 else None
     if sp_el0 is not None:
-        _print_task(gdb.parse_and_eval("*(struct task_struct *)%#x" % sp_el0), "SP_EL0")
+        _print_task(_task(sp_el0), "SP_EL0")
         return
     gdb.execute("maint packet Qqemu.PhyMemMode:1", to_string=True)
     try:
         entry_task = _physical(QG_LAYOUT[5][cpu])
-        pointer = gdb.parse_and_eval("*(unsigned long *)%#x" % entry_task)
-        task = _at(int(pointer) % 2**64)
-        _print_task(task, "__entry_task", _at(int(task["group_leader"]) % 2**64))
+        task = _task(_physical(_pointer_at(entry_task)))
+        _print_task(task, "__entry_task", _task(_physical(int(task["group_leader"]) % 2**64)))
     finally:
         gdb.execute("maint packet Qqemu.PhyMemMode:0", to_string=True)
 """

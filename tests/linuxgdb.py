@@ -106,10 +106,20 @@ def _per_cpu(cpu, variable):
         symbol -= QG_SLIDE  # an offset in the per-CPU area: KASLR leaves it, -o moved it
     return (base + symbol) % 2**64
 
+QG_TASK = None  # struct task_struct *, looked up once: a lookup by name costs ~0.5 s each time
+
+def _task(addr):
+    global QG_TASK
+    if QG_TASK is None:
+        QG_TASK = gdb.lookup_type("struct task_struct").pointer()
+    return gdb.Value(addr).cast(QG_TASK).dereference()
+
+def _pointer_at(addr):
+    return int.from_bytes(gdb.selected_inferior().read_memory(addr, 8), "little")
+
 def qg_task(cpu):
     variable = _current_task_variable()
-    _print_task(gdb.parse_and_eval("*(struct task_struct **)%#x" % _per_cpu(cpu, variable)),
-                variable)
+    _print_task(_task(_pointer_at(_per_cpu(cpu, variable))), variable)
 
 def _print_task(task, variable, leader=None):
     leader = task["group_leader"].dereference() if leader is None else leader
