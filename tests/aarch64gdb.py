@@ -36,8 +36,10 @@ def _el():
     return (int(gdb.parse_and_eval("$cpsr")) >> 2) & 3
 
 def _kernel_sp_el0():
+    # Bit 55 selects the kernel's half, whatever its size (6.12's linear map is at
+    # 0xfff0000000000000: 52-bit addresses).
     value = int(gdb.parse_and_eval("$SP_EL0")) % 2**64
-    return value if value >= 0xffff000000000000 else None
+    return value if value >> 55 & 1 else None
 
 def qg_arm64_layout():
     global QG_LAYOUT
