@@ -5,6 +5,8 @@ counted: the kernel stack frame for frame (``stackverdict.judge``) and the curre
 from __future__ import annotations
 
 import bisect
+import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,6 +15,8 @@ from stackverdict import judge
 
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
 from qmpprof.model import Mode, Sample, StopReason
+from qmpprof.sampler import Sampler
+from qmpprof.session import Run
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,18 @@ def observed(sample: Sample) -> Observed:
     frames = [(f.pc, f.symbol or "??") for f in sample.stack.frames if f.kernel]
     ended = sample.stack.stop is StopReason.END or len(frames) < len(sample.stack.frames)
     return Observed(sample.cpu, sample.mode is Mode.KERNEL, process, frames, ended)
+
+
+async def stopped_moment(oracle: KernelOracle, run: Run, rng: random.Random) -> list[Observed]:
+    """gdb stops the 2-vCPU guest a random few ms on; qmpprof samples it as it is (a paused
+    guest is sampled without stop/cont). The caller compares, then resumes it."""
+    time.sleep(rng.uniform(0.005, 0.05))
+    oracle.stop_guest()
+    sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
+    outcome = await sampler.run(one_shot=True)
+    assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
+    assert len(outcome.last) == 2, outcome.last
+    return [observed(sample) for sample in outcome.last]
 
 
 class FunctionStarts:

@@ -29,12 +29,11 @@ from pathlib import Path
 import pytest
 from aarch64gdb import NOPAUTH, Aarch64KernelOracle
 from aarch64vm import SERIES, TextSymbols, running_aarch64_guest
-from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, observed, summary
+from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, stopped_moment, summary
 from guestvm import free_tcp_port
 
 from qmpprof import session
 from qmpprof.elf.image import ElfImage
-from qmpprof.sampler import Sampler
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -101,13 +100,7 @@ async def compare(tmp_path: Path, series: str) -> tuple[Tally, Names]:
             run = await session.start(spec)
             try:
                 for moment in range(MOMENTS):
-                    time.sleep(rng.uniform(0.005, 0.05))
-                    oracle.stop_guest()
-                    sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
-                    outcome = await sampler.run(one_shot=True)
-                    assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
-                    assert len(outcome.last) == 2, outcome.last
-                    seen = [observed(sample) for sample in outcome.last]
+                    seen = await stopped_moment(oracle, run, rng)
                     compare_moment(oracle, seen, f"moment {moment}", starts, tally)
                     names.count(text, seen, f"moment {moment}")
                     oracle.resume()

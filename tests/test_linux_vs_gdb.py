@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, observed, summary
+from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, stopped_moment, summary
 from guestvm import free_tcp_port
 from linuxgdb import KernelFiles, KernelOracle, kernel_files, module_text
 from linuxkernel import BOOTED
@@ -43,7 +43,6 @@ from linuxvm import running_linux_guest
 from qmpprof import session
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import StopReason
-from qmpprof.sampler import Sampler
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -122,13 +121,7 @@ async def compare(tmp_path: Path, files: KernelFiles, kaslr: bool) -> Tally:
             run = await session.start(spec)
             try:
                 for moment in range(CLI_MOMENTS, MOMENTS):
-                    time.sleep(rng.uniform(0.005, 0.05))
-                    oracle.stop_guest()
-                    sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
-                    outcome = await sampler.run(one_shot=True)
-                    assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
-                    assert len(outcome.last) == 2, outcome.last
-                    seen = [observed(sample) for sample in outcome.last]
+                    seen = await stopped_moment(oracle, run, rng)
                     compare_moment(oracle, seen, f"moment {moment}", starts, tally)
                     oracle.resume()
             finally:
