@@ -18,13 +18,14 @@ import subprocess
 import tempfile
 import time
 import zlib
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from guestvm import _check_alive, _die_with_parent, _wait_qmp
 
-from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
+from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols, parse_symbol_map
 
 ROOT = Path(__file__).resolve().parent.parent
 SERIES = {
@@ -58,11 +59,16 @@ def image(series: str) -> Path:
 
 @contextlib.contextmanager
 def running_aarch64_guest(
-    tmp_path: Path, series: str = "6.1", *, dump_kallsyms: bool = True
+    tmp_path: Path,
+    series: str = "6.1",
+    *,
+    dump_kallsyms: bool = True,
+    append: str = "",
+    gdb_port: int | None = None,
 ) -> Iterator[Aarch64Guest]:
     """Boot the guest on bookworm's arm64 ``series`` kernel and yield it once the workload
     runs and the guest's kallsyms are decoded (``dump_kallsyms=False``: 8 s sooner, no
-    ``symbols``)."""
+    ``symbols``); ``append``: more kernel parameters; ``gdb_port``: QEMU's gdbstub there."""
     sock_dir = Path(tempfile.mkdtemp(prefix="a64-", dir="/tmp"))  # short Unix socket paths
     guest = Aarch64Guest(
         qmp_socket=sock_dir / "qmp.sock",
@@ -76,8 +82,11 @@ def running_aarch64_guest(
         "--console", str(guest.console),
         "--kernel", str(guest.kernel),
     ]  # fmt: skip
-    if not dump_kallsyms:
-        cmd += ["--append", "qmpprof.nokallsyms"]
+    extra = append if dump_kallsyms else f"{append} qmpprof.nokallsyms"
+    if extra.strip():
+        cmd += ["--append", extra.strip()]
+    if gdb_port is not None:
+        cmd += ["--gdb", str(gdb_port)]
     start = time.monotonic()
     guest.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     try:
@@ -107,3 +116,18 @@ def _kallsyms(guest: Aarch64Guest) -> KernelSymbols:
     except (binascii.Error, OSError, EOFError, zlib.error) as err:
         raise RuntimeError(f"{guest.console}: the kallsyms dump does not decode: {err}") from err
     return parse_symbol_map(text.decode(), str(guest.console))
+
+
+class TextSymbols:
+    """The text symbols of a /proc/kallsyms, by address."""
+
+    def __init__(self, symbols: KernelSymbols) -> None:
+        text = [i for i, kind in enumerate(symbols.types) if kind in TEXT_TYPES]
+        self.starts = [symbols.addrs[i] for i in text]
+        self.names = [symbols.names[i] for i in text]
+
+    def names_at(self, addr: int) -> set[str]:
+        """The names of the symbol (and its aliases) holding ``addr``."""
+        at = bisect_right(self.starts, addr) - 1
+        first = bisect_left(self.starts, self.starts[at])
+        return set(self.names[first : at + 1])

@@ -19,7 +19,8 @@ of a stopped guest it gives:
   ``.data..percpu``: linked at 0 (up to 6.12), a per-CPU symbol is an offset, which KASLR
   leaves alone but ``symbol-file -o`` moved (the slide is taken back); linked elsewhere (7.x),
   it is an ordinary kernel address, moved by KASLR as by ``-o``. Either way the pointer is at
-  ``__per_cpu_offset[cpu]`` + the symbol's runtime address, mod 2**64.
+  ``__per_cpu_offset[cpu]`` + the symbol's runtime address, mod 2**64. (arm64's:
+  tests/aarch64gdb.py.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from qmpprof.elf.image import ElfImage
 PF_KTHREAD = 0x0020_0000
 
 # Run inside gdb. Output lines: "QGSTACK " / "QGTASK " / "QGBYTES " + hex (MI escapes quotes).
-_SCRIPT = r"""
+SCRIPT = r"""
 import gdb, json
 
 QG_SLIDE = 0
@@ -97,15 +98,31 @@ def _current_task_variable():
 def _comm(array):
     return bytes(int(array[i]) & 0xff for i in range(16)).split(b"\0")[0].hex() or "-"
 
-def qg_task(cpu):
+def _per_cpu(cpu, variable):
+    # The address of the per-CPU variable's copy for the CPU.
     base = int(gdb.parse_and_eval("__per_cpu_offset[%d]" % cpu))
-    variable = _current_task_variable()
     symbol = int(gdb.parse_and_eval("&" + variable))
     if QG_PERCPU_AT_ZERO:
         symbol -= QG_SLIDE  # an offset in the per-CPU area: KASLR leaves it, -o moved it
-    pointer = "*(struct task_struct **)%#x" % ((base + symbol) % 2**64)
-    task = gdb.parse_and_eval(pointer)
-    leader = task["group_leader"]
+    return (base + symbol) % 2**64
+
+QG_TASK = None  # struct task_struct *, looked up once: a lookup by name costs ~0.5 s each time
+
+def _task(addr):
+    global QG_TASK
+    if QG_TASK is None:
+        QG_TASK = gdb.lookup_type("struct task_struct").pointer()
+    return gdb.Value(addr).cast(QG_TASK).dereference()
+
+def _pointer_at(addr):
+    return int.from_bytes(gdb.selected_inferior().read_memory(addr, 8), "little")
+
+def qg_task(cpu):
+    variable = _current_task_variable()
+    _print_task(_task(_pointer_at(_per_cpu(cpu, variable))), variable)
+
+def _print_task(task, variable, leader=None):
+    leader = task["group_leader"].dereference() if leader is None else leader
     print("QGTASK " + json.dumps({"variable": variable, "pid": int(task["pid"]),
         "tgid": int(task["tgid"]), "flags": int(task["flags"]) % 2**32,
         "comm": _comm(task["comm"]), "leader": _comm(leader["comm"])}).encode().hex())
@@ -198,20 +215,23 @@ def percpu_at_zero(vmlinux_dbg: Path) -> bool:
 
 
 class KernelOracle(GdbMi):
-    """One gdb session on a kernel's -dbg vmlinux, attached to the guest's gdbstub."""
+    """One gdb session on a kernel's -dbg vmlinux, attached to the guest's gdbstub, running
+    ``script`` (gdb Python); ``task_function``: its function that reads a vCPU's current task."""
 
     # Reading the vmlinux takes 15-20 s on an idle machine; the first lookups in a
     # compilation unit expand its DWARF, seconds more.
     timeout = 240.0
+    script = SCRIPT
+    task_function = "qg_task"
 
-    def __init__(self, port: int, files: KernelFiles, script: Path, slide: int) -> None:
+    def __init__(self, port: int, vmlinux_dbg: Path, script: Path, slide: int) -> None:
         """``slide``: the running kernel's KASLR slide, by which gdb moves the symbols."""
         super().__init__(None)
         self.log: list[str] = []  # gdb's explanations since the guest last stopped
-        self.command(f'-interpreter-exec console "symbol-file -o {slide:#x} {files.vmlinux_dbg}"')
-        script.write_text(_SCRIPT)
+        self.command(f'-interpreter-exec console "symbol-file -o {slide:#x} {vmlinux_dbg}"')
+        script.write_text(self.script)
         self.command(f'-interpreter-exec console "source {script}"')
-        zero = percpu_at_zero(files.vmlinux_dbg)
+        zero = percpu_at_zero(vmlinux_dbg)
         self.command(f'-interpreter-exec console "python QG_SLIDE = {slide:#x}"')
         self.command(f'-interpreter-exec console "python QG_PERCPU_AT_ZERO = {zero}"')
         self.command('-interpreter-exec console "set debug entry-values 1"')
@@ -257,7 +277,9 @@ class KernelOracle(GdbMi):
         return GdbStack(frames, found["stop"], tuple(dict.fromkeys(self.log)))
 
     def task(self, cpu: int) -> GdbTask:
-        found = json.loads(bytes.fromhex(self._python(f"qg_task({cpu})", "QGTASK")))
+        self.log += _explanations(self.command(f"-thread-select {cpu + 1}"))
+        call = f"{self.task_function}({cpu})"
+        found = json.loads(bytes.fromhex(self._python(call, "QGTASK")))
         name = {key: _name(found[key]) for key in ("comm", "leader")}
         return GdbTask(
             found["variable"], found["pid"], found["tgid"], found["flags"], name["comm"],

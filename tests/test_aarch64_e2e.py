@@ -12,15 +12,13 @@ import json
 import re
 import subprocess
 import sys
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 
 import pytest
-from aarch64vm import ROOT, Aarch64Guest, running_aarch64_guest
+from aarch64vm import ROOT, Aarch64Guest, TextSymbols, running_aarch64_guest
 from guestvm import run_state
 
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -45,21 +43,6 @@ def one_shot(guest: Aarch64Guest, *extra: str) -> subprocess.CompletedProcess[st
          "--kernel", str(guest.kernel), "--one-shot", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-
-
-class TextSymbols:
-    """The text symbols of a /proc/kallsyms, by address."""
-
-    def __init__(self, symbols: KernelSymbols) -> None:
-        text = [i for i, kind in enumerate(symbols.types) if kind in TEXT_TYPES]
-        self.starts = [symbols.addrs[i] for i in text]
-        self.names = [symbols.names[i] for i in text]
-
-    def names_at(self, addr: int) -> set[str]:
-        """The names of the symbol (and its aliases) holding ``addr``."""
-        at = bisect_right(self.starts, addr) - 1
-        first = bisect_left(self.starts, self.starts[at])
-        return set(self.names[first : at + 1])
 
 
 def test_slide_is_the_guests(guest: Aarch64Guest) -> None:

@@ -25,29 +25,24 @@ in-process as session.start builds a run. Issue 19 asks for >= 97 % on each, ove
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import random
 import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, stopped_moment, summary
 from guestvm import free_tcp_port
 from linuxgdb import KernelFiles, KernelOracle, kernel_files, module_text
 from linuxkernel import BOOTED
-from linuxvm import LinuxGuest, running_linux_guest
-from stackverdict import judge
+from linuxvm import running_linux_guest
 
 from qmpprof import session
 from qmpprof.elf.image import ElfImage
-from qmpprof.linux.symbols import TEXT_TYPES
-from qmpprof.model import Mode, Sample, StopReason
-from qmpprof.sampler import Sampler
+from qmpprof.model import StopReason
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -58,25 +53,6 @@ REQUIRED = 0.97
 # On a loaded host TCG can fail the kernel's IO-APIC timer check (a panic at boot: "IO-APIC +
 # timer doesn't work"): skip the check.
 NO_TIMER_CHECK = "no_timer_check"
-
-
-@dataclass(frozen=True, slots=True)
-class Observed:
-    """What qmpprof says of one vCPU at one moment, from a Sample or from --json."""
-
-    cpu: int
-    kernel_mode: bool
-    process: tuple[int | None, str | None, int | None, str | None] | None
-    kernel_frames: list[tuple[int, str]]  # (address, symbol), leaf first
-    ended: bool  # the walk reached the outermost frame or went on into user frames
-
-
-def observed(sample: Sample) -> Observed:
-    p = sample.process
-    process = None if p is None else (p.pid, p.program, p.tid, p.thread)
-    frames = [(f.pc, f.symbol or "??") for f in sample.stack.frames if f.kernel]
-    ended = sample.stack.stop is StopReason.END or len(frames) < len(sample.stack.frames)
-    return Observed(sample.cpu, sample.mode is Mode.KERNEL, process, frames, ended)
 
 
 def observed_json(text: str) -> list[Observed]:
@@ -93,85 +69,6 @@ def observed_json(text: str) -> list[Observed]:
         ended = cpu["stop"] == StopReason.END.value or len(kernel) < len(frames)
         found.append(Observed(cpu["cpu"], cpu["mode"] == "kernel", process, kernel, ended))
     return found
-
-
-class FunctionStarts:
-    """The guest's text symbols (its /proc/kallsyms): where the function holding an address
-    starts."""
-
-    def __init__(self, guest: LinuxGuest) -> None:
-        symbols = guest.symbols
-        self.starts = sorted(
-            {a for a, t in zip(symbols.addrs, symbols.types, strict=True) if t in TEXT_TYPES}
-        )
-
-    def __call__(self, addr: int) -> int | None:
-        i = bisect.bisect_right(self.starts, addr) - 1
-        return self.starts[i] if i >= 0 else None
-
-
-@dataclass
-class Tally:
-    stacks: int = 0
-    equal: int = 0
-    allowed: Counter[str] = field(default_factory=Counter)  # stacks, by allowance
-    frames: int = 0  # gdb's frames compared, all stacks
-    tailcalls: int = 0  # of them, gdb's tail-call frames
-    processes: int = 0
-    processes_equal: int = 0
-    variables: set[str] = field(default_factory=set)  # where gdb read the current task
-    functions: set[str] = field(default_factory=set)
-    names: set[str] = field(default_factory=set)  # processes gdb saw
-    differences: list[str] = field(default_factory=list)  # stacks that differ, in full
-    wrong_processes: list[str] = field(default_factory=list)
-
-    @property
-    def agreeing(self) -> int:
-        return self.stacks - len(self.differences)
-
-
-def describe(frames: list[tuple[int, str]]) -> str:
-    return " ".join(f"{name}@{pc:#x}" for pc, name in frames)
-
-
-def compare_moment(
-    oracle: KernelOracle,
-    seen: list[Observed],
-    where: str,
-    starts: FunctionStarts,
-    tally: Tally,
-) -> None:
-    for ours in seen:
-        task = oracle.task(ours.cpu)
-        want = task.expected()
-        tally.processes += 1
-        tally.variables.add(task.variable)
-        tally.names.add(want[1])
-        if ours.process == want:
-            tally.processes_equal += 1
-        else:
-            tally.wrong_processes.append(
-                f"{where} cpu {ours.cpu}: gdb {want} qmpprof {ours.process}"
-            )
-        if not ours.kernel_mode:
-            continue
-        theirs = oracle.stack(ours.cpu)
-        tally.stacks += 1
-        tally.frames += len(theirs.frames)
-        tally.tailcalls += sum(f.kind == "tailcall" for f in theirs.frames)
-        tally.functions.update(f.symbol for f in theirs.frames)
-        verdict = judge(theirs, [pc for pc, _ in ours.kernel_frames], ours.ended, starts)
-        if verdict.equal:
-            tally.equal += 1
-        tally.allowed.update(verdict.allowances)
-        if not verdict.agrees:
-            gdb = " ".join(f"{f.symbol}@{f.pc:#x}{'(tc)' * (f.kind == 'tailcall')}"
-                           for f in theirs.frames)  # fmt: skip
-            tally.differences.append(
-                f"{where} cpu {ours.cpu} ({want[1]}): {verdict.difference}\n"
-                f"  gdb     {gdb} [{theirs.stop}]\n  qmpprof {describe(ours.kernel_frames)}\n"
-                + "".join(f"  gdb says: {line}\n" for line in theirs.log)
-            )
 
 
 def one_shot_json(qmp_socket: Path, vmlinuz: Path) -> str:
@@ -204,8 +101,8 @@ async def compare(tmp_path: Path, files: KernelFiles, kaslr: bool) -> Tally:
         assert image_text is not None
         slide = guest.text_address - image_text
         assert (slide != 0) is kaslr, f"slide {slide:#x}"
-        starts = FunctionStarts(guest)
-        oracle = KernelOracle(port, files, tmp_path / "qg.py", slide)
+        starts = FunctionStarts(guest.symbols)
+        oracle = KernelOracle(port, files.vmlinux_dbg, tmp_path / "qg.py", slide)
         try:
             assert oracle.value("&_text") == guest.text_address
             oracle.add_module(files.module_ko, module_text(guest, files.module_ko))
@@ -224,13 +121,7 @@ async def compare(tmp_path: Path, files: KernelFiles, kaslr: bool) -> Tally:
             run = await session.start(spec)
             try:
                 for moment in range(CLI_MOMENTS, MOMENTS):
-                    time.sleep(rng.uniform(0.005, 0.05))
-                    oracle.stop_guest()
-                    sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
-                    outcome = await sampler.run(one_shot=True)
-                    assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
-                    assert len(outcome.last) == 2, outcome.last
-                    seen = [observed(sample) for sample in outcome.last]
+                    seen = await stopped_moment(oracle, run, rng)
                     compare_moment(oracle, seen, f"moment {moment}", starts, tally)
                     oracle.resume()
             finally:
@@ -257,17 +148,8 @@ def test_kernel_stacks_and_processes_agree_with_gdb(
     processes = tally.processes_equal / max(tally.processes, 1)
     print(
         f"\n{files.release} (KASLR {'on' if kaslr else 'off'}), {MOMENTS} moments in"
-        f" {time.monotonic() - started:.0f} s"
-        f"\nkernel stacks: equal to gdb's {tally.equal}/{tally.stacks}, agreeing with the"
-        f" allowances {tally.agreeing}/{tally.stacks} ({agreeing:.1%})"
-        f"\ngdb's frames compared: {tally.frames} ({tally.frames / max(tally.stacks, 1):.1f} a"
-        f" stack), of them tail-call frames: {tally.tailcalls}"
-        f"\nallowances (stacks): {dict(tally.allowed.most_common()) or 'none'}"
-        f"\nprocesses {tally.processes_equal}/{tally.processes} ({processes:.1%}), current task"
-        f" read from {sorted(tally.variables)}; seen: {sorted(tally.names)}"
+        f" {time.monotonic() - started:.0f} s\n{summary(tally)}"
     )
-    print("gdb's functions:", " ".join(sorted(tally.functions)))
-    print(*tally.differences, *tally.wrong_processes, sep="\n")
     # The moments must reach the workload's kernel paths: the module's system call and thread.
     assert {"qb_burn_leaf", "qb_kwork_leaf"} <= tally.functions, sorted(tally.functions)
     assert {"qmpprof-work", "[qmpprof_kwork]"} <= tally.names, tally.names

@@ -19,12 +19,14 @@ _TIMEOUT = 20.0
 
 class GdbMi:
     """A gdb process under ``--interpreter=mi2`` with the guest's ELF loaded for symbols.
-    ``timeout``: how long one answer may take (a subclass with a huge ELF may raise it)."""
+    ``timeout``: how long one answer may take (a subclass with a huge ELF may raise it);
+    ``program``: the gdb to run (``gdb-multiarch`` for another architecture than the host's)."""
 
     timeout = _TIMEOUT
+    program = "gdb"
 
     def __init__(self, elf: str | None) -> None:
-        cmd = ["gdb", "-nx", "-q", "--interpreter=mi2"] + ([elf] if elf else [])
+        cmd = [self.program, "-nx", "-q", "--interpreter=mi2"] + ([elf] if elf else [])
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )

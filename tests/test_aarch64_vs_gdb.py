@@ -1,0 +1,136 @@
+"""qmpprof's kernel stacks, frame names and processes against gdb-multiarch's, at random moments
+of the aarch64 test guest on bookworm's arm64 6.1 and 6.12 (2 vCPUs, KASLR on, ``-cpu max``,
+booted with ``arm64.nopauth``: gdb 13.1 cannot strip a kernel return address's
+pointer-authentication code, aarch64gdb.py says why).
+
+gdb (``aarch64gdb.Aarch64KernelOracle``: one session on the kernel's -dbg vmlinux moved by the
+slide) interrupts the guest at each moment; qmpprof then samples the stopped guest over QMP (a
+paused guest is sampled without stop/cont), and for every vCPU, as tests/test_linux_vs_gdb.py
+does on x86_64:
+
+- in kernel mode, gdb's whole stack against qmpprof's, frame for frame (``stackverdict.judge``),
+  with only what gdb itself cannot name or reach allowed, each allowance named and counted;
+- the process: gdb's current task (SP_EL0 in the kernel, ``__entry_task`` in user mode);
+- every kernel frame's name against the guest's own /proc/kallsyms.
+
+Issue 22 asks for >= 97 % on the stacks and the processes, >= 99 % on the names, over at least
+100 moments on each kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aarch64gdb import NOPAUTH, Aarch64KernelOracle
+from aarch64vm import SERIES, TextSymbols, running_aarch64_guest
+from gdbmoments import FunctionStarts, Observed, Tally, compare_moment, stopped_moment, summary
+from guestvm import free_tcp_port
+
+from qmpprof import session
+from qmpprof.elf.image import ElfImage
+
+pytestmark = [pytest.mark.qemu, pytest.mark.linux]
+
+MOMENTS = 100
+REQUIRED = 0.97
+NAMES_REQUIRED = 0.99
+
+
+@dataclass
+class Names:
+    """qmpprof's kernel frames named as the guest's kallsyms name them, of all."""
+
+    frames: int = 0
+    right: int = 0
+    wrong: list[str] | None = None
+
+    def count(self, text: TextSymbols, seen: list[Observed], where: str) -> None:
+        self.wrong = self.wrong or []
+        for ours in seen:
+            for k, (pc, name) in enumerate(ours.kernel_frames):
+                self.frames += 1
+                # A caller's frame is named at its call: the return address - 1.
+                if name in text.names_at(pc if k == 0 else pc - 1):
+                    self.right += 1
+                else:
+                    self.wrong.append(f"{where} cpu {ours.cpu}: {name}@{pc:#x}")
+
+
+def check_prerequisites(vmlinuz: Path, vmlinux_dbg: Path) -> None:
+    """Fail, never skip, when the oracle cannot run (scripts/setup fetches the -dbg vmlinux)."""
+    if shutil.which("gdb-multiarch") is None:
+        pytest.fail("no gdb-multiarch on PATH (scripts/setup installs it)")
+    for path in (vmlinuz, vmlinux_dbg):
+        if not path.is_file():
+            pytest.fail(f"{path} is missing: run scripts/setup")
+
+
+async def compare(tmp_path: Path, series: str) -> tuple[Tally, Names]:
+    vmlinux_dbg = SERIES[series] / "vmlinux-dbg"
+    rng = random.Random(f"qmpprof-aarch64-vs-gdb-{series}")
+    tally, names = Tally(), Names()
+    image_text = ElfImage.load(vmlinux_dbg, mapped=True).section_addr(".text")
+    assert image_text is not None
+    port = free_tcp_port()
+    with running_aarch64_guest(tmp_path, series, append=NOPAUTH, gdb_port=port) as guest:
+        stext = guest.symbols.address_of("_stext")
+        assert stext is not None
+        slide = stext - image_text
+        assert slide != 0, "KASLR is on"
+        starts = FunctionStarts(guest.symbols)
+        text = TextSymbols(guest.symbols)
+        oracle = Aarch64KernelOracle(port, vmlinux_dbg, tmp_path / "qg.py", slide)
+        try:
+            assert oracle.value("&_stext") == stext
+            while True:  # user-mode moments need what only the kernel maps
+                oracle.stop_guest()
+                ready = oracle.layout()
+                oracle.resume()
+                if ready:
+                    break
+            spec = session.RunSpec(
+                qmp_socket=guest.qmp_socket, transport="qmp", kernel=guest.kernel, os="linux"
+            )
+            run = await session.start(spec)
+            try:
+                for moment in range(MOMENTS):
+                    seen = await stopped_moment(oracle, run, rng)
+                    compare_moment(oracle, seen, f"moment {moment}", starts, tally)
+                    names.count(text, seen, f"moment {moment}")
+                    oracle.resume()
+            finally:
+                await run.transport.close()
+        finally:
+            oracle.close()
+    return tally, names
+
+
+@pytest.mark.parametrize("series", ["6.1", "6.12"])
+def test_kernel_stacks_names_and_processes_agree_with_gdb(tmp_path: Path, series: str) -> None:
+    check_prerequisites(SERIES[series] / "vmlinuz", SERIES[series] / "vmlinux-dbg")
+    started = time.monotonic()
+    tally, names = asyncio.run(compare(tmp_path, series))
+    agreeing = tally.agreeing / max(tally.stacks, 1)
+    processes = tally.processes_equal / max(tally.processes, 1)
+    named = names.right / max(names.frames, 1)
+    print(
+        f"\narm64 {series} (KASLR on), {MOMENTS} moments in {time.monotonic() - started:.0f} s"
+        f"\nkernel frames named as kallsyms: {names.right}/{names.frames} ({named:.1%})"
+        f"\n{summary(tally)}"
+    )
+    print(*(names.wrong or []), sep="\n")
+    # The moments reach the workload (its pipe's programs) and both ways to the current task.
+    assert {"head", "sha256sum"} <= tally.names, tally.names
+    assert {"SP_EL0", "__entry_task"} <= tally.variables, tally.variables
+    assert tally.stacks >= MOMENTS // 2
+    # Not a vacuous prefix: gdb walks well past the leaf (5.7-6.4 frames a stack measured).
+    assert tally.frames >= 4 * tally.stacks, tally.frames
+    assert agreeing >= REQUIRED, "\n".join(tally.differences)
+    assert named >= NAMES_REQUIRED, names.wrong
+    assert processes >= REQUIRED, "\n".join(tally.wrong_processes)
