@@ -11,7 +11,7 @@ import pytest
 from aarch64vm import image
 
 from qmpprof.guest.linux.current import locate_current
-from qmpprof.linux.arm64percpu import entry_task
+from qmpprof.linux.arm64percpu import entry_task, indexed_array, per_cpu_offsets
 from qmpprof.linux.kernel import LinuxKernel
 
 pytestmark = pytest.mark.linux
@@ -61,3 +61,25 @@ def test_bookworm_kernels_place_the_current_task(series: str) -> None:
         assert kernel.symbols.address_of("__per_cpu_start") == start
     else:
         assert from_symbols is None
+
+
+@pytest.mark.parametrize("series", ["6.1", "6.12"])
+def test_the_scheduler_s_code_places_the_per_cpu_offsets(series: str) -> None:
+    kernel = LinuxKernel.load(image(series))
+    assert kernel.btf is not None and kernel.per_cpu_start is not None
+    found = per_cpu_offsets(kernel.image, kernel.symbols, kernel.btf, kernel.per_cpu_start)
+    assert found is not None and found % 8 == 0
+    assert kernel.per_cpu_offsets == (kernel.symbols.address_of("__per_cpu_offset") or found)
+    if series == "6.12":  # kallsyms with data symbols: the code must agree with them
+        assert found == kernel.symbols.address_of("__per_cpu_offset")
+
+
+def test_an_array_not_added_to_the_variable_is_not_taken() -> None:
+    # idle_cpu as 6.12.117 has it: adrp/add the array, adrp/add runqueues, ldr [x2, w0, sxtw
+    # #3], add x1, x1, x0.
+    at = 0xFFFF_8000_8011_BF48
+    code = words(0x90012B42, 0x9107E042, 0xD000F261, 0x91170021, 0xF860D840, 0x8B000021)
+    array, runqueues = 0xFFFF_8000_8268_31F8, 0xFFFF_8000_81F6_95C0
+    assert indexed_array(code, at, runqueues) == array
+    assert indexed_array(code, at, runqueues + 8) is None  # another variable's address
+    assert indexed_array(code[:-4], at, runqueues) is None  # the value is never added

@@ -15,6 +15,17 @@ so the address ``adrp``/``add`` make in the handler (``el0t_64_sync``, ``el0_syn
 5.12) is the variable's, and minus its offset in BTF's ``.data..percpu`` it is the area's
 start. The same sequence read on 6.1.0-56 (0xffff800009804308, the area at ...804000) and on
 6.12.117, where kallsyms' own ``__entry_task`` and ``__per_cpu_start`` agree.
+
+Each CPU's offset into that area is ``__per_cpu_offset[cpu]`` (what TPIDR_EL1 holds), which a
+transport without system registers (QMP) must read in memory. The scheduler's ``idle_cpu(cpu)``
+(also ``available_idle_cpu``, ``nr_iowait_cpu``: ``cpu_rq(cpu)``) says where that array is:
+
+    adrp xA, __per_cpu_offset ; add xA, ...   adrp xR, runqueues ; add xR, ...
+    ldr  xO, [xA, w0, sxtw #3]                add  xR, xR, xO
+
+the array a CPU number indexes whose element is added to ``runqueues``' address (checked
+against BTF's offset of that per-CPU variable). Read the same way on 6.1.0-56 and 6.12.117,
+where it is kallsyms' ``__per_cpu_offset``.
 """
 
 from __future__ import annotations
@@ -63,6 +74,62 @@ def entry_task(code: bytes, handler: int) -> int | None:
     return None
 
 
+_INDEXERS = ("idle_cpu", "available_idle_cpu", "nr_iowait_cpu")  # cpu_rq(cpu) users
+_INDEXER_SCAN = 0x40
+
+
+def per_cpu_offsets(image: ElfImage, symbols: KernelSymbols, btf: Btf, area: int) -> int | None:
+    """The link address of ``__per_cpu_offset``, read from the scheduler's code (the module's
+    docstring); None if no such function reads it as expected."""
+    try:
+        runqueues = (area + btf.percpu("runqueues")[0]) & _MASK
+    except KeyError:
+        return None
+    for name in _INDEXERS:
+        start = symbols.address_of(name)
+        at = None if start is None else start - image.text_addr
+        if start is None or at is None or at < 0:
+            continue
+        found = indexed_array(image.text_bytes[at : at + _INDEXER_SCAN], start, runqueues)
+        if found is not None:
+            return found
+    return None
+
+
+def indexed_array(code: bytes, addr: int, variable: int) -> int | None:
+    """In ``code`` at ``addr``: the address of an array of 8-byte offsets loaded at an index
+    (``ldr xO, [xA, wI, sxtw #3]`` or ``[xA, xI, lsl #3]``) and added to ``variable``'s
+    address, both made by ``adrp``/``add``; None if there is no such sequence."""
+    made: dict[int, int] = {}  # register -> the address adrp/add made in it
+    loaded: dict[int, int] = {}  # register -> the array its value was loaded from
+    for i in range(0, len(code) - 3, 4):
+        insn = int.from_bytes(code[i : i + 4], "little")
+        here = addr + i
+        rd, rn = insn & 0x1F, (insn >> 5) & 0x1F
+        if insn & 0x9F00_0000 == 0x9000_0000:  # ADRP
+            made[rd] = _adrp(insn, here)
+        elif insn & 0xFF80_0000 == 0x9100_0000 and rn in made:  # ADD (immediate), 64-bit
+            shift = 12 if insn >> 22 & 1 else 0
+            made[rd] = (made[rn] + (((insn >> 10) & 0xFFF) << shift)) & _MASK
+        elif insn & 0xFFE0_0C00 == 0xF860_0800 and rn in made:  # LDR (register), 64-bit
+            option, scaled = (insn >> 13) & 7, insn >> 12 & 1
+            if scaled and option in (0b011, 0b110):  # LSL #3 or SXTW #3
+                loaded[rd] = made[rn]
+        elif insn & 0xFFE0_FC00 == 0x8B00_0000:  # ADD (shifted register), 64-bit, LSL #0
+            rm = (insn >> 16) & 0x1F
+            for base, offset in ((rn, rm), (rm, rn)):
+                if made.get(base) == variable and offset in loaded:
+                    return loaded[offset]
+    return None
+
+
+def _adrp(insn: int, at: int) -> int:
+    page = ((insn >> 29) & 3 | ((insn >> 5) & 0x7_FFFF) << 2) << 12
+    if page >> 32:
+        page -= 1 << 33  # a signed 33-bit offset
+    return ((at & ~0xFFF) + page) & _MASK
+
+
 def _per_cpu_load(words: list[int], at: int) -> int | None:
     """``adrp; add; mrs tpidr; ldr [xA, xT]`` at ``at``: the address ``adrp``/``add`` make."""
     adrp, add, mrs, ldr = words
@@ -79,11 +146,8 @@ def _per_cpu_load(words: list[int], at: int) -> int | None:
         return None
     if (ldr >> 16) & 0x1F != read[1]:
         return None
-    page = ((adrp >> 29) & 3 | ((adrp >> 5) & 0x7_FFFF) << 2) << 12
-    if page >> 32:
-        page -= 1 << 33  # a signed 33-bit offset
     shift = 12 if add >> 22 & 1 else 0
-    return ((at & ~0xFFF) + page + (((add >> 10) & 0xFFF) << shift)) & _MASK
+    return (_adrp(adrp, at) + (((add >> 10) & 0xFFF) << shift)) & _MASK
 
 
 def _mrs(insn: int) -> tuple[tuple[int, ...], int] | None:

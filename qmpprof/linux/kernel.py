@@ -23,7 +23,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
-from qmpprof.linux.arm64percpu import per_cpu_area
+from qmpprof.linux.arm64percpu import per_cpu_area, per_cpu_offsets
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
@@ -114,6 +114,16 @@ class LinuxKernel:
         found = self.symbols.address_of("__per_cpu_start")
         if found is None and self.image.arch.name == "aarch64" and self.btf is not None:
             return per_cpu_area(self.image, self.symbols, self.btf)
+        return found
+
+    @property
+    def per_cpu_offsets(self) -> int | None:
+        """The link address of ``__per_cpu_offset`` (each CPU's offset into the per-CPU area):
+        kallsyms', else on arm64 where the scheduler's code reads it; None when not known."""
+        found = self.symbols.address_of("__per_cpu_offset")
+        area = self.per_cpu_start
+        if found is None and self.image.arch.name == "aarch64" and self.btf and area:
+            return per_cpu_offsets(self.image, self.symbols, self.btf, area)
         return found
 
     @property

@@ -156,11 +156,12 @@ class LinuxGuest:
                     " transport: return addresses signed by pointer authentication end kernel"
                     " stacks (use the gdbstub)"
                 )
-        unplaced = len(bases) < len(cpus) and kernel.address("__per_cpu_offset") is None
+        offsets = kernel.per_cpu_offsets
+        unplaced = len(bases) < len(cpus) and offsets is None
         if layouts.current is not None and unplaced and self.arch.per_cpu_registers:
             translation.append(
-                f"no __per_cpu_offset in kallsyms and {self.arch.per_cpu_registers[0]} not"
-                " readable over this transport: stacks without process names (use the gdbstub)"
+                f"no __per_cpu_offset found and {self.arch.per_cpu_registers[0]} not readable"
+                " over this transport: stacks without process names (use the gdbstub)"
             )
         arch = self.arch
         slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
@@ -176,7 +177,7 @@ class LinuxGuest:
             modules += await module_list.refresh() or []
         current = None
         if layouts.current is not None:
-            per_cpu_offset = kernel.address("__per_cpu_offset", slide)
+            per_cpu_offset = None if offsets is None else offsets + slide
             place = layouts.current.at(slide)
             current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
             current.bases.update(bases)
