@@ -63,12 +63,7 @@ def _table(columns: tuple[str, ...], cells: list[list[str]]) -> str:
 def _arm64_cells(row: Row) -> list[str]:
     """An arm64 row: what the Image reader found, then what the run reads from kallsyms and
     BTF; a kernel that did not load is its error."""
-    kernel = row.get("version") or row["path"]
-    if row.get("booted_by_tests"):
-        kernel = f"**{kernel}** (booted)"
-    load = _num(row.get("load_cold_s"), ".2f")
-    if row.get("load_cached_s") is not None:
-        load += " / " + _num(row["load_cached_s"], ".2f")
+    kernel, load = _kernel_and_load(row)
     suite = row.get("suite") or "tests"
     if "image" not in row:
         return [kernel, suite, "", "", load, *[""] * 9, _escape(row.get("error", "-"))]
@@ -108,13 +103,19 @@ def _spaced(count: int) -> str:
     return f"{count:,}".replace(",", " ")
 
 
-def _cells(row: Row) -> list[str]:
+def _kernel_and_load(row: Row) -> tuple[str, str]:
+    """A row's kernel cell (in bold when the tests boot it) and its load times' cell."""
     kernel = row.get("version") or row["path"]
     if row.get("booted_by_tests"):
         kernel = f"**{kernel}** (booted)"
     load = _num(row.get("load_cold_s"), ".2f")
     if row.get("load_cached_s") is not None:
         load += " / " + _num(row["load_cached_s"], ".2f")
+    return kernel, load
+
+
+def _cells(row: Row) -> list[str]:
+    kernel, load = _kernel_and_load(row)
     if "error" in row and "image" not in row:
         return [kernel, row.get("suite") or "", "", load, *[""] * 10, _escape(row["error"])]
     return [

@@ -265,16 +265,17 @@ class LinuxIdentifier:
         switching stacks (the task is still ``current``; through the vCPU its user stack reads
         as the next process's memory, or not at all). None: its own are loaded, or not known.
         Where the sampled registers hold no page-table root (``regs.space`` 0: arm64, whose
-        vCPU in kernel mode reads no user memory, PAN), every kernel-mode sample on the task's
-        own stack (or on any, its size not known) reads through them."""
+        vCPU in kernel mode reads no user memory, PAN), every kernel-mode sample of the task
+        reads through them: on an interrupt's stack too, whose walk goes on into the task's
+        (a stack another task owns is told apart before, ``_stack_owner``)."""
         spaces = self.spaces
         tables = None if spaces is None else spaces.tables
         if spaces is None or tables is None:
             return None
         size = self.thread_size
         rootless = regs.space == 0
-        off_stack = size is not None and not task.stack <= regs.sp < task.stack + size
-        if not regs.user and (off_stack or (size is None and not rootless)):
+        off_stack = size is None or not task.stack <= regs.sp < task.stack + size
+        if not regs.user and off_stack and not rootless:
             # Past the switch of stacks (still before ``current`` changes) the walk is the
             # next task's, on the tables the vCPU holds.
             return None
