@@ -52,6 +52,16 @@ class PageCache:
         self.lo = self.hi = self.top = 0  # the window is [lo, hi)
         self.data = b""
 
+    def above(self, boundary: int) -> PageCache:
+        """A cache of what this one holds at or above ``boundary`` (the kernel's memory, the
+        same in every address space), for a walk whose user memory must be read otherwise."""
+        kept = PageCache()
+        if self.lo >= boundary:
+            kept.put_window(self.lo, self.data)
+        kept.pages = {page: data for page, data in self.pages.items() if page >= boundary}
+        kept.pieces = {at: piece for at, piece in self.pieces.items() if at >= boundary}
+        return kept
+
     def put_window(self, addr: int, data: bytes) -> None:
         """The stack window: ``data`` read at ``addr``."""
         self.lo, self.hi, self.data, self.top = addr, addr + len(data), data, addr

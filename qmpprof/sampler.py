@@ -431,8 +431,8 @@ class Sampler(Generic[Space, Raw]):
             identity = await self.identifier.identify(self.transport, regs, seen)
             captured.process, captured.space = identity.process, identity.space
             memory = identity.memory
-            if memory is not None:  # the vCPU's page tables are another process's: read again
-                cache = PageCache()
+            if memory is not None:  # user memory the vCPU does not show: read its part again
+                cache = cache.above(self.boundary)
             walked = regs if identity.registers is None else identity.registers
             captured.raw = await self._unwind(walked, cache, identity.space, memory)
             if memory is None:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from qmpprof.guest.linux.pagetables import DIRECT_MAP_4, DIRECT_MAP_5, PageTables, page_tables
+from qmpprof.guest.linux.pagetables import (
+    AARCH64_ENTRIES,
+    DIRECT_MAP_4,
+    DIRECT_MAP_5,
+    PageTables,
+    page_tables,
+)
 
 BASE = 0xFFFF_9A00_0000_0000  # a KASLR'd page_offset_base
 PRESENT, WRITE, USER, HUGE, NX = 1, 2, 4, 1 << 7, 1 << 63
@@ -103,3 +109,32 @@ async def test_five_levels_and_the_layout_from_the_kernel_s_variables() -> None:
     four = await page_tables(kernel, pob, l5)
     assert (four.levels, four.direct_map) == (4, BASE)
     assert (await page_tables(kernel, None, None)).direct_map == DIRECT_MAP_4
+
+
+async def test_arm64_five_levels_from_a_top_table_inside_a_page() -> None:
+    """52-bit virtual addresses (LPA2, 6.12 under -cpu max): a 16-entry top level allocated
+    from a cache (mm->pgd 0x...f80 seen), tables by bit 1, a 2 MiB block by bit 1 clear, and the
+    attribute bits above 47 (BTI's guarded page, bit 50) not taken for the address."""
+    memory = Physical()
+    valid, table, page, gp = 1, 2, 3, 1 << 50
+    top = 0x10_0F80  # not page-aligned: the 128-byte level -1 table
+    l0, l1, l2, l3 = 0x11_0000, 0x12_0000, 0x13_0000, 0x14_0000
+    stack = 0xFFFF_DDA1_8010  # a 48-bit user address: entry 0 of the top level
+    i5, i4, i3, i2, i1 = indexes(stack, 5)
+    assert i5 == 0
+    memory.entry(top, i5, l0 | valid | table)
+    memory.entry(l0, i4, l1 | valid | table)
+    memory.entry(l1, i3, l2 | valid | table)
+    memory.entry(l2, i2, l3 | valid | table)
+    memory.entry(l3, i1, 0x7_7000 | valid | page | gp)
+    memory.entry(top - 8, 0, 0xDEAD_0000 | valid | table)  # the table before it in that page
+    code = 0xAAAA_E260_0000  # a 2 MiB boundary, under the same top entry
+    j5, j4, j3, j2, _ = indexes(code, 5)
+    assert j5 == i5
+    memory.entry(l0, j4, 0x15_0000 | valid | table)
+    memory.entry(0x15_0000, j3, 0x16_0000 | valid | table)
+    memory.entry(0x16_0000, j2, 0x4020_0000 | valid | gp)  # a block: bit 1 clear
+    tables = PageTables(memory.read, BASE, 5, AARCH64_ENTRIES, 1 << 52)
+    assert await tables.physical(BASE + top, stack) == 0x7_7010
+    assert await tables.physical(BASE + top, code + 0x1_2345) == 0x4021_2345
+    assert tables.user_end == 1 << 52

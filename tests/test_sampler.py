@@ -400,6 +400,23 @@ def test_a_piece_is_read_where_pages_are_not_and_unmapped_pieces_read_as_none() 
     assert cache.used == {0x1000: [0xFFC, 0x1000], 0x2000: [0, 4]}  # per page, what was read
 
 
+def test_above_a_boundary_a_cache_keeps_only_what_it_held_there() -> None:
+    # A kernel stack's window and page are kept, a user page and piece are not.
+    cache = PageCache()
+    cache.put_window(0xFFFF_8000_0800_0FC0, bytes(range(0x40)))
+    cache.pages |= {0xFFFF_8000_0800_1000: bytes(0x1000), 0x7FFF_F000: b"\x01" * 0x1000}
+    cache.pieces |= {0xFFFF_0000_0000_0010: (8, None), 0x40_1000: (8, bytes(8))}
+    kept = cache.above(0xFF80_0000_0000_0000)
+    assert kept.read_u64(0xFFFF_8000_0800_0FC8) == int.from_bytes(bytes(range(8, 16)), "little")
+    assert set(kept.pages) == {0xFFFF_8000_0800_1000}
+    assert set(kept.pieces) == {0xFFFF_0000_0000_0010}
+    with pytest.raises(PageMissing):
+        kept.read_u64(0x7FFF_F000)
+    user = PageCache()
+    user.put_window(0x7FFF_EFC0, bytes(0x40))  # a user window is not kept
+    assert not user.above(0xFF80_0000_0000_0000).has(0x7FFF_EFC0, 8)
+
+
 def test_the_window_serves_reads_at_any_address_and_keeps_the_highest_byte_read() -> None:
     cache = PageCache()
     cache.put_window(0x1FC0, bytes(range(0x80)))

@@ -11,7 +11,9 @@ vCPUs run other processes. Four levels, or five when ``__pgtable_l5_enabled`` sa
 arm64's tables (4 KiB granule) are walked the same way through the kernel's linear map
 (``linearmap``), with their own entries (``AARCH64_ENTRIES``): a block ends the walk where the
 entry's bit 1 is clear, and the output address is bits 12..47 (bits 50 and up are attributes:
-BTI's guarded page, the contiguous hint). 52-bit physical addresses (LPA2) are not read.
+BTI's guarded page, the contiguous hint). 52-bit physical addresses (LPA2) are not read. With
+52-bit virtual addresses (6.12's, under LPA2) the top level has 16 entries, a 128-byte table
+that need not start a page (``mm->pgd`` 0x...3c33f80 seen).
 """
 
 from __future__ import annotations
@@ -70,15 +72,18 @@ class PageTables:
         self._tables.clear()
 
     async def _entry(self, table: int, index: int) -> int | None:
-        if table not in self._tables:
-            (self._tables[table],) = await self.read([(table, _PAGE)])
-        page = self._tables[table]
-        return None if page is None else int.from_bytes(page[8 * index : 8 * index + 8], "little")
+        at = table + 8 * index
+        base = at & ~(_PAGE - 1)
+        if base not in self._tables:
+            (self._tables[base],) = await self.read([(base, _PAGE)])
+        page = self._tables[base]
+        offset = at - base
+        return None if page is None else int.from_bytes(page[offset : offset + 8], "little")
 
     async def physical(self, pgd: int, va: int) -> int | None:
         """The physical address of user address ``va`` in the address space whose top-level
         table is at kernel address ``pgd``; None when it is not mapped (or not readable)."""
-        table = pgd & ~(_PAGE - 1)
+        table = pgd  # page-aligned on x86_64; arm64's smallest top levels share a page
         entries = self.entries
         for level in range(self.levels, 0, -1):
             shift = 12 + 9 * (level - 1)
