@@ -24,7 +24,7 @@ from qmpprof.guest.linux import spaces as spaces_module
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.guest.linux.identify import MODULES_RECHECK, LinuxIdentifier
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
-from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.pagetables import X86_64_ENTRIES, PageTables
 from qmpprof.guest.linux.spaces import Spaces
 from qmpprof.guest.linux.tasks import PF_KTHREAD, RECHECK, Task, TaskLayout, task_list
 from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
@@ -416,6 +416,7 @@ class _Tables:
 
     user_end = 1 << 47
     direct_map, levels = 0xFFFF_8880_0000_0000, 4
+    entries = X86_64_ENTRIES
 
     def __init__(self) -> None:
         self.pgds: list[int] = []

@@ -138,3 +138,31 @@ async def test_arm64_five_levels_from_a_top_table_inside_a_page() -> None:
     assert await tables.physical(BASE + top, stack) == 0x7_7010
     assert await tables.physical(BASE + top, code + 0x1_2345) == 0x4021_2345
     assert tables.user_end == 1 << 52
+
+
+async def test_upper_levels_kept_across_walkers_the_last_read_each_time() -> None:
+    memory = Physical()
+    pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
+    va = 0x5555_5555_4000
+    i4, i3, i2, i1 = indexes(va, 4)
+    memory.entry(pgd, i4, pud | PRESENT)
+    memory.entry(pud, i3, pmd | PRESENT)
+    memory.entry(pmd, i2, pte | PRESENT)
+    memory.entry(pte, i1, 0x7_7000 | PRESENT)
+    upper: dict[int, bytes | None] = {}
+    assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x7_7000
+    assert set(upper) == {BASE + pgd, BASE + pud, BASE + pmd}  # not the last level's page
+    before = memory.reads
+    memory.entry(pte, i1, 0x8_8000 | PRESENT)  # the page moved: the last level is read again
+    assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x8_8000
+    assert memory.reads == before + 1
+    # A region mapped since: its entry was not present in the kept page, which is read again.
+    other = 0x7F00_0000_0000
+    j4, j3, j2, j1 = indexes(other, 4)
+    memory.entry(pgd, j4, 0x14_0000 | PRESENT)
+    memory.entry(0x14_0000, j3, 0x15_0000 | PRESENT)
+    memory.entry(0x15_0000, j2, 0x16_0000 | PRESENT)
+    memory.entry(0x16_0000, j1, 0x9_9000 | PRESENT)
+    walker = PageTables(memory.read, BASE, upper=upper)
+    assert await walker.physical(BASE + pgd, other) == 0x9_9000
+    assert await walker.physical(BASE + pgd, other + 0x1000) is None  # read once, still absent

@@ -66,3 +66,14 @@ def test_gva2gpa_replies(reply: str, address: int | None) -> None:
 def test_an_odd_gva2gpa_reply_is_an_error() -> None:
     with pytest.raises(TransportError, match="gva2gpa"):
         parse_gva2gpa("unknown command: 'gva2gpa'")
+
+
+def test_the_image_is_measured_at_its_start_and_read_at_its_own_offset() -> None:
+    fake = transport()
+    image = (0xFFFF_8000_0800_0000, 0xFFFF_8000_0A01_0000, 0xFFFF_8000_0801_0000)
+    found = asyncio.run(find_linear_map(fake, [START + 0x1000], START, image[0], image))
+    assert found is not None and found.image == (*image[:2], OFFSET)  # the fake's one offset
+    assert found.physical(image[0] + 0x10, 8) == image[0] + 0x10 - OFFSET
+    assert found.physical(image[1] - 4, 8) is None  # past the image's end
+    assert "translate:0" in fake.calls
+    assert found.physical(START + 0x20, 8) == START + 0x20 - OFFSET

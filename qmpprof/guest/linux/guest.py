@@ -97,6 +97,11 @@ async def _system_registers(
     return values, bases
 
 
+def _slots(current: CurrentTask) -> list[int]:
+    """The current-task slots of the vCPUs whose per-CPU base is known (linear addresses)."""
+    return [(base + current.offset) & current.arch.mask for base in current.bases.values()]
+
+
 def _arm64_tables(read: Reader, linear: LinearMap, end: int) -> PageTables:
     """arm64 page tables of 4 KiB pages under a user space of ``end`` bytes: 9 bits of
     address a level above the page's 12 (four levels for 48 bits)."""
@@ -183,15 +188,13 @@ class LinuxGuest:
             current.bases.update(bases)
             await current.preload(read, cpus)
         linear = None
+        low, high = kernel.image.load_range  # the whole image, its data too
+        mapped = kernel.address("_stext", slide) or low + slide
+        image = (low + slide, high + slide, mapped)
         if current is not None:
-            slots = [(base + current.offset) & arch.mask for base in current.bases.values()]
-            image = kernel.span[0] + slide
-            linear = await find_linear_map(control, slots, arch.shared_from, image)
-            if linear is None:
-                translation.append(
-                    "the kernel's linear map not measured (no vCPU in kernel mode, or no"
-                    " gva2gpa): user-mode samples of a kernel unmapped there lack their process"
-                )
+            linear = await find_linear_map(
+                control, _slots(current), arch.shared_from, image[0], image
+            )
         end = arch.user_space_end
         if end is None:  # x86_64: its paging levels say where user space ends
             tables: PageTables | None = await page_tables(
@@ -203,6 +206,18 @@ class LinuxGuest:
             # in kernel mode: PAN)
             tables = None if linear is None else _arm64_tables(read, linear, end)
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
+        late = None
+        if current is not None and linear is None:  # no vCPU in the kernel yet (a paused guest)
+
+            async def late() -> LinearMap | None:
+                assert current is not None
+                found = await find_linear_map(
+                    control, _slots(current), arch.shared_from, image[0], image, tries=1
+                )
+                if found is not None and end is not None and spaces.tables is None:
+                    spaces.tables = _arm64_tables(read, found, end)
+                return found
+
         self.identifier = LinuxIdentifier(
             modules,
             arch,
@@ -213,6 +228,7 @@ class LinuxGuest:
             control=control,
             thread_size=kernel.thread_size,
             linear=linear,
+            find_linear=late,
             cpus=cpus,
             clock=self.clock,
             entry=entry,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
@@ -36,6 +36,11 @@ MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
 TASKS_CONFIRM_EVERY = 0.2
+# Seconds the upper levels of the page tables a kernel-mode sample's user memory is read
+# through (arm64: every such sample) are kept: a table freed and reused meanwhile would be
+# read stale for at most this long.
+UPPER_KEPT = 0.5
+LINEAR_TRIES = 8  # samples lacking their task that may measure the linear map attach could not
 
 
 class LinuxIdentifier:
@@ -54,6 +59,7 @@ class LinuxIdentifier:
         control: GuestTransport | None = None,
         thread_size: int | None = None,
         linear: LinearMap | None = None,
+        find_linear: Callable[[], Awaitable[LinearMap | None]] | None = None,
         cpus: Sequence[int] = (0,),
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
@@ -64,7 +70,9 @@ class LinuxIdentifier:
         ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
         user stacks are learnt as a task's). ``linear``: the kernel's linear map, read
         physically for a user-mode sample when the vCPU's own translation hides the kernel.
-        ``cpus``: the vCPUs ``control`` reads kernel memory through, in turn. ``entry``: the
+        ``find_linear``: measures the linear map in a pause, when attach could not (no vCPU
+        was in kernel mode then). ``cpus``: the vCPUs ``control`` reads kernel memory through,
+        in turn. ``entry``: the
         image's exception code, whose samples at an exception's entry need the exception link
         register."""
         self.arch = arch
@@ -76,7 +84,11 @@ class LinuxIdentifier:
         self.control = control
         self.thread_size = thread_size
         self.linear = linear
+        self.find_linear = find_linear
+        self._linear_tries = 0
         self.cpus = cpus
+        self._upper: dict[int, bytes | None] = {}  # page-table pages above the last level
+        self._upper_read = clock()
         # Whether user-mode vCPUs were seen unable to read the kernel (then read physically)
         self.hidden = False
         self.clock = clock
@@ -174,6 +186,11 @@ class LinuxIdentifier:
         if viewed and linear is not None:
             transport, cache = LinearView(transport, linear), PageCache()
         task = await current.pointer(transport, regs, cache)
+        if task is None and linear is None and self.find_linear is not None:
+            linear = self.linear = await self.find_linear()  # attach could not: now, maybe
+            self._linear_tries += 1
+            if linear is not None or self._linear_tries >= LINEAR_TRIES:
+                self.find_linear = None
         if task is None and not viewed and linear is not None:
             # The kernel unmapped in user mode (arm64's KPTI; in kernel mode too for the few
             # instructions of an exception's entry): through the linear map.
@@ -290,8 +307,15 @@ class LinuxIdentifier:
             # address (a memory-encryption bit, say). Not trusted until read again.
             spaces.forget_pgd(task)
             return None
+        upper = None
+        if rootless:  # every kernel-mode sample walks: the upper levels kept a while
+            now = self.clock()
+            if now - self._upper_read > UPPER_KEPT:
+                self._upper.clear()
+                self._upper_read = now
+            upper = self._upper
         return PageTables(
-            read, tables.direct_map, tables.levels, tables.entries, tables.user_end
+            read, tables.direct_map, tables.levels, tables.entries, tables.user_end, upper
         ).reader(pgd)
 
     def _through(self, read: Reader, memory: Reader | None) -> Reader:

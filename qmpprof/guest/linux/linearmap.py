@@ -29,46 +29,64 @@ _PAUSE = 0.05  # seconds between two passes
 
 @dataclass(frozen=True, slots=True)
 class LinearMap:
-    """Kernel addresses in [start, end) are ``offset`` above their physical address."""
+    """Kernel addresses in [start, end) are ``offset`` above their physical address; those of
+    the kernel image, in ``image`` [start, end), its ``offset`` above theirs (an image is
+    loaded in one piece of physical memory: arm64's, read at the image's start)."""
 
     start: int
     end: int
     offset: int
+    image: tuple[int, int, int] | None = None
 
-    def holds(self, addr: int, size: int) -> bool:
-        return self.start <= addr and addr + size <= self.end
+    def physical(self, addr: int, size: int) -> int | None:
+        """Where [addr, addr + size) is in physical memory, None if not in either region."""
+        if self.start <= addr and addr + size <= self.end:
+            return addr - self.offset
+        if self.image is not None and self.image[0] <= addr and addr + size <= self.image[1]:
+            return addr - self.image[2]
+        return None
 
 
 async def find_linear_map(
-    control: GuestTransport, slots: Sequence[int], start: int, end: int
+    control: GuestTransport,
+    slots: Sequence[int],
+    start: int,
+    end: int,
+    image: tuple[int, int, int] | None = None,
+    tries: int = _TRIES,
 ) -> LinearMap | None:
     """The linear map's offset, from ``slots`` (linear addresses: the vCPUs' current-task
-    slots) translated through a vCPU in kernel mode; None when no vCPU was in kernel mode in
-    ``_TRIES`` passes, the transport cannot translate, or the slots disagree."""
+    slots) translated through a vCPU in kernel mode, and the ``image``'s (its runtime span and
+    an address of it surely mapped: 6.1 does not map its head, before ``_stext``) from that
+    address; None when no vCPU was in kernel mode in ``tries`` passes, the transport cannot
+    translate, or the slots disagree."""
     wanted = [slot for slot in slots if start <= slot < end]
     if not wanted:
         return None
+    probes = wanted if image is None else [*wanted, image[2]]
     cpus = await control.cpus()
     offsets: dict[int, int] = {}
     try:
-        for _ in range(_TRIES):
+        for _ in range(tries):
             for cpu in cpus:
                 regs = await control.registers(cpu)
                 if regs.user:
                     continue
-                for slot in wanted:
+                for slot in probes:
                     if slot not in offsets:
                         found = await control.translate(cpu, slot)
                         if found is not None:
                             offsets[slot] = slot - found
-            if len(offsets) == len(wanted):
+            if len(offsets) == len(probes) or tries == 1:
                 break
             await asyncio.sleep(_PAUSE)
     except TransportError:
         return None
-    if len(set(offsets.values())) != 1 or len(offsets) != len(wanted):
+    linear = {offsets[slot] for slot in wanted if slot in offsets}
+    if len(linear) != 1 or len(offsets) != len(probes):
         return None
-    return LinearMap(start, end, offsets[wanted[0]])
+    placed = None if image is None else (image[0], image[1], offsets[image[2]])
+    return LinearMap(start, end, linear.pop(), placed)
 
 
 class LinearView:
@@ -88,13 +106,13 @@ class LinearView:
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
-        linear, offset = self.linear, self.linear.offset
-        physical = [i for i, (addr, size) in enumerate(ranges) if linear.holds(addr, size)]
-        virtual = [i for i in range(len(ranges)) if not linear.holds(*ranges[i])]
+        places = [self.linear.physical(addr, size) for addr, size in ranges]
+        physical = [i for i, at in enumerate(places) if at is not None]
+        virtual = [i for i, at in enumerate(places) if at is None]
         out: list[bytes | MemoryReadError | None] = [None] * len(ranges)
         if physical:
             found = await self.inner.read_physical(
-                [(ranges[i][0] - offset, ranges[i][1]) for i in physical]
+                [(places[i] or 0, ranges[i][1]) for i in physical]
             )
             for i, data in zip(physical, found, strict=True):
                 out[i] = data

@@ -57,28 +57,37 @@ class PageTables:
         levels: int = 4,
         entries: EntryFormat = X86_64_ENTRIES,
         end: int | None = None,
+        upper: dict[int, bytes | None] | None = None,
     ) -> None:
         """``end``: where user space ends (None: half of what the levels translate, as on
-        x86_64: 2^47 with four levels, 2^56 with five)."""
+        x86_64: 2^47 with four levels, 2^56 with five). ``upper``: table pages above the
+        last level, kept by the caller across walkers (they change only when a region's
+        tables are allocated or freed; an entry not present there is read again once)."""
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
         self.entries = entries
         self.user_end = user_end(levels) if end is None else end
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
+        self._upper = upper
 
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""
         self._tables.clear()
 
-    async def _entry(self, table: int, index: int) -> int | None:
+    async def _entry(self, table: int, index: int, level: int = 1) -> int | None:
         at = table + 8 * index
         base = at & ~(_PAGE - 1)
-        if base not in self._tables:
-            (self._tables[base],) = await self.read([(base, _PAGE)])
-        page = self._tables[base]
+        kept = self._tables if level == 1 or self._upper is None else self._upper
+        if base not in kept:
+            (kept[base],) = await self.read([(base, _PAGE)])
+        page = kept[base]
         offset = at - base
-        return None if page is None else int.from_bytes(page[offset : offset + 8], "little")
+        entry = None if page is None else int.from_bytes(page[offset : offset + 8], "little")
+        if kept is self._upper and not (entry or 0) & _PRESENT and base not in self._tables:
+            self._tables[base] = kept[base] = (await self.read([(base, _PAGE)]))[0]
+            return await self._entry(table, index, level)
+        return entry
 
     async def physical(self, pgd: int, va: int) -> int | None:
         """The physical address of user address ``va`` in the address space whose top-level
@@ -87,7 +96,7 @@ class PageTables:
         entries = self.entries
         for level in range(self.levels, 0, -1):
             shift = 12 + 9 * (level - 1)
-            entry = await self._entry(table, (va >> shift) & 511)
+            entry = await self._entry(table, (va >> shift) & 511, level)
             if entry is None or not entry & _PRESENT:
                 return None
             base = entry & entries.address

@@ -46,6 +46,32 @@ async def find_slide(
     return slide_from_gates(decode_idt(data), symbols, arch.shared_from, align)
 
 
+_CODE = 64  # bytes of code around a vCPU's pc compared with the image's
+
+
+async def _running_code(
+    control: GuestTransport, cpu: int, pc: int, kernel: LinuxKernel, arch: InstructionSet
+) -> list[int]:
+    """The slides the pc allows whose image code around it is the guest's, most of its words
+    (one read: a busy guest's vCPU does not stay in the kernel through a read of every
+    candidate's banner; the kernel patches a few instructions at boot), or all of them when
+    that code does not read or no slide's matches."""
+    slides = bannerslide.candidates(pc, kernel.span)
+    at = pc & ~(_CODE - 1)
+    (running,) = await reader(control, cpu)([(at, _CODE)])
+    image, start = kernel.image.text_bytes, kernel.image.text_addr
+    if running is None:
+        return slides
+    same = []
+    for slide in slides:
+        offset = ((at - slide) & arch.mask) - start
+        code = image[offset : offset + _CODE] if offset >= 0 else b""
+        words = sum(code[i : i + 4] == running[i : i + 4] for i in range(0, _CODE, 4))
+        if len(code) == _CODE and 4 * words >= 3 * _CODE // 4:
+            same.append(slide)
+    return same or slides
+
+
 async def _slide_by_banner(
     control: GuestTransport,
     kernel: LinuxKernel,
@@ -72,7 +98,7 @@ async def _slide_by_banner(
             if regs.user or regs.pc < arch.shared_from:
                 continue
             in_kernel = True
-            slides = bannerslide.candidates(regs.pc, kernel.span)
+            slides = await _running_code(control, cpu, regs.pc, kernel, arch)
             reads = [((link + slide) & arch.mask, len(text)) for slide in slides]
             seen = await reader(control, cpu)(reads)
             matches = [slide for slide, data in zip(slides, seen, strict=True) if data == text]
