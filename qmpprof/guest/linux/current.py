@@ -56,7 +56,7 @@ def locate_current(kernel: LinuxKernel) -> tuple[PerCpuVariable, str | None]:
     if area is None or btf is None:
         raise KeyError("a per-CPU area (.data..percpu) and BTF")
     for name in _HOLDERS:
-        from_symbols = kernel.symbols.address_of(name)
+        from_symbols = kernel.data_symbol(name)
         try:
             link: int | None = area + btf.percpu(name)[0]
         except KeyError:
