@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(one(args.one, args.load_only)))
         return 0
-    paths = [p.resolve() for p in args.paths] or kernels(args.arch)
+    paths = [p.absolute() for p in args.paths] or kernels(args.arch)
     if not paths:
         print("check-kernels: no kernels (scripts/fetch-linux, check-kernels)", file=sys.stderr)
         return 1
