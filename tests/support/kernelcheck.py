@@ -14,7 +14,9 @@ Without paths: the kernels of the architecture (amd64 unless told) the tests boo
 (``fixtures/build/kernels/<release>/``, arm64's releases ending in ``-arm64`` or
 ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
-header names, the link address, relocations, data symbols) and its own table
+header names, the link address, relocations, data symbols), the per-CPU area,
+``__per_cpu_offset`` and ``__entry_task`` read in its code beside the kernel's own symbols
+(``per_cpu_oracle``: its System.map, else its debug vmlinux) and its own table
 (``kerneltable.markdown_arm64``). A kernel's folder says its release, package version
 and suite (files ``version``, ``package``, ``suite``). ``--one`` prints one kernel's row as JSON
 (what each process runs); ``--load-only`` only its load time. The table goes to stdout.
