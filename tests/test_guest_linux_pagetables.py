@@ -53,6 +53,15 @@ def indexes(va: int, levels: int) -> list[int]:
     return [(va >> (12 + 9 * (level - 1))) & 511 for level in range(levels, 0, -1)]
 
 
+def four_levels(memory: Physical, va: int, page: int) -> tuple[int, int, int, int]:
+    """Tables at fixed places mapping ``va`` to physical ``page``: their addresses, top first."""
+    tables = (0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000)
+    targets = (*tables[1:], page)
+    for table, index, target in zip(tables, indexes(va, 4), targets, strict=True):
+        memory.entry(table, index, target | PRESENT)
+    return tables
+
+
 async def test_four_levels_huge_pages_and_holes() -> None:
     memory = Physical()
     pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
@@ -145,13 +154,9 @@ async def test_arm64_five_levels_from_a_top_table_inside_a_page() -> None:
 
 async def test_upper_levels_kept_across_walkers_the_last_read_each_time() -> None:
     memory = Physical()
-    pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
     va = 0x5555_5555_4000
-    i4, i3, i2, i1 = indexes(va, 4)
-    memory.entry(pgd, i4, pud | PRESENT)
-    memory.entry(pud, i3, pmd | PRESENT)
-    memory.entry(pmd, i2, pte | PRESENT)
-    memory.entry(pte, i1, 0x7_7000 | PRESENT)
+    pgd, pud, pmd, pte = four_levels(memory, va, 0x7_7000)
+    i1 = indexes(va, 4)[3]
     upper: dict[int, bytes | None] = {}
     assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x7_7000
     assert set(upper) == {BASE + pgd, BASE + pud, BASE + pmd}  # not the last level's page
@@ -177,13 +182,9 @@ async def test_a_user_read_is_one_request_its_last_level_guessed_and_checked_in_
     changed entry (a page moved by copy-on-write) has the moved page read again, never the
     stale one returned."""
     memory = Physical()
-    pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
     stack = 0x7FFF_F000_0000
-    i4, i3, i2, i1 = indexes(stack, 4)
-    memory.entry(pgd, i4, pud | PRESENT)
-    memory.entry(pud, i3, pmd | PRESENT)
-    memory.entry(pmd, i2, pte | PRESENT)
-    memory.entry(pte, i1, 0x7_7000 | PRESENT)
+    pgd, _, _, pte = four_levels(memory, stack, 0x7_7000)
+    i1 = indexes(stack, 4)[3]
     memory.entry(pte, i1 + 1, 0x7_9000 | PRESENT)
     memory.put(0x7_7000, b"old stack")
     memory.put(0x7_9000, b"its caller")
