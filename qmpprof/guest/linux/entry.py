@@ -63,8 +63,9 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
     from_kernel, from_user = handlers[: len(KERNEL_HALF)], handlers[len(KERNEL_HALF) :]
     user = code.reach([handler.span[0] for handler in from_user])
     back = code.reach([to for handler in from_kernel for to in code.branches_out(*handler.span)])
-    if user is None or back is None:
-        return None
+    kernel = {handler.span for handler in from_kernel}
+    if user is None or back is None or user & (kernel | back):
+        return None  # a way out of the code, or the same code from the kernel and from user mode
     user.add((vectors + USER_HALF.start, vectors + USER_HALF.stop))
     saving, restoring = set(), back
     for handler in from_kernel:
