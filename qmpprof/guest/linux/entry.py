@@ -38,8 +38,8 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.unwind.entry import EntryCode, SavedFrame, Span
 
 ELR = 33  # ELR_mode in the DWARF for the Arm 64-bit Architecture
-KERNEL_HALF = range(0x200, 0x400, 0x80)  # of the vector table, its entries: from the kernel, SP_ELx
-USER_HALF = range(0x400, 0x800, 0x80)  # 64-bit user code's four entries, then 32-bit's
+_KERNEL_HALF = range(0x200, 0x400, 0x80)  # the vector table's entries from the kernel, SP_ELx
+_USER_HALF = range(0x400, 0x800, 0x80)  # 64-bit user code's four entries, then 32-bit's
 _REACH = 32  # functions followed from the handlers: more is not the code this module knows
 
 
@@ -56,17 +56,17 @@ def entry_code(kernel: LinuxKernel) -> EntryCode | None:
 def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | None:
     """The exception code ``code`` holds, its vector table at ``vectors``, ``frame`` its
     ``pt_regs``; None when its code is not the one this module knows."""
-    found = [code.handler(vectors + off, frame) for off in (*KERNEL_HALF, *USER_HALF)]
+    found = [code.handler(vectors + off, frame) for off in (*_KERNEL_HALF, *_USER_HALF)]
     if None in found:
         return None  # not the entry code this module knows
     handlers = [handler for handler in found if handler is not None]
-    from_kernel, from_user = handlers[: len(KERNEL_HALF)], handlers[len(KERNEL_HALF) :]
+    from_kernel, from_user = handlers[: len(_KERNEL_HALF)], handlers[len(_KERNEL_HALF) :]
     user = code.reach([handler.span[0] for handler in from_user])
     back = code.reach([to for handler in from_kernel for to in code.branches_out(*handler.span)])
     kernel = {handler.span for handler in from_kernel}
     if user is None or back is None or user & (kernel | back):
         return None  # a way out of the code, or the same code from the kernel and from user mode
-    user.add((vectors + USER_HALF.start, vectors + USER_HALF.stop))
+    user.add((vectors + _USER_HALF.start, vectors + _USER_HALF.stop))
     saving, restoring = set(), back
     for handler in from_kernel:
         start, end = handler.span
@@ -75,11 +75,11 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
             restoring.add((handler.record, end))
         else:  # from 5.12: the way back is another function
             saving.add(handler.span)
-    low, high = vectors + KERNEL_HALF.start, vectors + KERNEL_HALF.stop
+    low, high = vectors + _KERNEL_HALF.start, vectors + _KERNEL_HALF.stop
     return EntryCode(
         user=tuple(sorted(user)),
         vectors=(low, high),
-        entries=tuple(range(low, high, KERNEL_HALF.step)),
+        entries=tuple(range(low, high, _KERNEL_HALF.step)),
         saving=tuple(sorted(saving)),
         restoring=tuple(sorted(restoring)),
         frame=frame,
@@ -139,7 +139,7 @@ class Code:
     def handler(self, entry: int, frame: SavedFrame) -> _Handler | None:
         """The handler the vector entry at ``entry`` branches to (its first ``b`` out of the
         entry), read; None: no branch, no function there, or no record at BTF's offset."""
-        target = next(iter(self.branches_out(entry, entry + KERNEL_HALF.step)), None)
+        target = next(iter(self.branches_out(entry, entry + _KERNEL_HALF.step)), None)
         at = None if target is None else self.function(target)
         if target is None or at is None:
             return None
