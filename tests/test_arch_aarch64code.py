@@ -14,7 +14,7 @@ from test_arch_aarch64 import TCR_48, kregs
 from test_unwind_chain import memory
 
 from qmpprof.arch.aarch64 import AARCH64
-from qmpprof.arch.aarch64code import LR, PROLOGUES
+from qmpprof.arch.aarch64code import LR, PROLOGUES, branch_target, is_eret, is_jump, sets_fp
 from qmpprof.arch.base import PrologueRule
 from qmpprof.dwarf.cfi import Kind
 from qmpprof.elf.image import ElfImage
@@ -199,3 +199,17 @@ def test_answers_agree_with_the_compiler_s_cfi(kernel: tuple[str, LinuxKernel]) 
                 checked += 1
                 wrong += (found.cfa_offset, found.ra_offset) != (row.cfa_offset, lr.value)
     assert checked > 2000 and wrong <= checked // 100, (checked, wrong)
+
+
+def test_exception_code_s_instructions_are_decoded() -> None:
+    at = 0xFFFF_8000_1001_0A18
+    assert branch_target(0x1400042A, at) == at + 0x10A8  # b el1_sync (5.10's vectors + 0x218)
+    assert branch_target(0x17FFFFFF, at) == at - 4  # b . - 4: imm26 is signed
+    assert branch_target(0x9400042A, at) is None  # bl: a call, not a branch to a handler
+    assert sets_fp(0x9104C3FD) == 0x130  # add x29, sp, #0x130
+    assert sets_fp(0x9104C3FC) is None  # add x28, sp, #0x130
+    assert is_eret(0xD69F03E0) and not is_eret(0xD65F03C0)  # eret, ret
+    jumps = (0x1400042A, 0xD61F03C0, 0xD65F03C0, 0xD69F03E0, 0xD4210000)  # b, br, ret, eret, brk
+    assert all(map(is_jump, jumps))
+    # bl, blr x1, cbnz x2, nop: what follows is reached
+    assert not any(map(is_jump, (0x9400042A, 0xD63F0020, 0xB5000B62, 0xD503201F)))

@@ -27,6 +27,7 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
         assert facts["link"] == "0xffff800008000000"
         assert facts["relocations"] == ("RELA", 187_633)
         assert facts["parts_aligned"]
+        assert facts["exception_code"]  # the walk's model of its exception code
         assert facts["banner"] == "6.1"
         assert row["kallsyms"]["symbols"] == 50_336
         assert row["btf"]["task"] and row["btf"]["module"] == "core_layout"
@@ -39,6 +40,9 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
     assert [len(c) for c in cells] == [len(ARM64_COLUMNS)] * 2
     assert cells[1][2].startswith("zboot (zstd22) (") and cells[1][3] == "4 KiB"
     assert cells[0][6] == "RELA 187 633"
+    assert "exception" not in cells[0][-1]
+    unread = markdown_arm64([{"path": "x", **rows[0], "image": facts | {"exception_code": False}}])
+    assert "no exception model" in unread
     assert cells[0][9].startswith("`_einittext+")  # __entry_task: 6.1's kallsyms name no data
     # The per-CPU symbols read in the code, and those the run takes, are the kernel's own (its
     # debug vmlinux's, scripts/fetch-linux-dbg; the zboot image's folder has none).

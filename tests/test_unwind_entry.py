@@ -2,8 +2,10 @@
 sample entered from user mode is one whole frame, one at a kernel-mode vector entry continues
 at the exception link register, a handler's frame record leads into the saved registers (the
 interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's description
-read from bookworm's 6.1 and 6.12 Images (``guest/linux/entry.py``), and the Linux guest reading
-the exception link register for the samples that need it, only those."""
+read from its code (``guest/linux/entry.py``): bookworm's 6.1 and 6.12 Images (what their
+handlers' names say), bullseye's 5.10 from its real words (handlers that ``eret`` themselves),
+changed code giving none; and the Linux guest reading the exception link register for the
+samples that need it, only those."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from test_unwind_chain import memory
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.aarch64code import LR
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.guest.linux.entry import ELR, entry_code
+from qmpprof.guest.linux.entry import ELR, Code, entry_code, exception_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Mapping, StopReason
@@ -152,21 +154,170 @@ def test_a_user_mode_handler_s_saved_frame_hands_over_to_the_user_code() -> None
 
 
 @pytest.mark.parametrize("series", ["6.1", "6.12"])
-def test_arm64_linux_describes_its_exception_code(series: str) -> None:
+def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None:
+    # From 5.12 the handlers' names say what their code says: the model read from the code
+    # is the one those names give (el1h_64_*, el0t_*, ret_to_user, ret_to_kernel).
     kernel = LinuxKernel.load(image(series))
     entry = entry_code(kernel)
     assert entry is not None
     assert entry.frame == PT_REGS  # pt_regs from BTF: the same in 6.1 and 6.12
     vectors = kernel.symbols.address_of("vectors")
-    irq = kernel.symbols.address_of("el1h_64_irq")
-    assert vectors is not None and irq is not None
+    assert vectors is not None
+    named = {name: (start, end) for start, end, name in kernel.functions.items()}
+    kinds = ("sync", "irq", "fiq", "error")
+    user = [f"el0t_{bits}_{kind}" for bits in (64, 32) for kind in kinds] + ["ret_to_user"]
+    assert set(entry.user) == {named[n] for n in user} | {(vectors + 0x400, vectors + 0x800)}
+    assert set(entry.saving) == {named[f"el1h_64_{kind}"] for kind in kinds}
+    assert entry.restoring == (named["ret_to_kernel"],)
     assert entry.entries == tuple(vectors + off for off in (0x200, 0x280, 0x300, 0x380))
-    assert entry.holds_link(vectors + 0x280) and entry.holds_link(irq)
+    assert entry.holds_link(vectors + 0x280) and entry.holds_link(named["el1h_64_irq"][0])
     assert not entry.holds_link(vectors + 0x480)
-    for name in ("el0t_64_sync", "el0t_32_irq", "ret_to_user"):
-        start = kernel.symbols.address_of(name)
-        assert start is not None and any(s == start for s, _ in entry.user), name
-    assert len(entry.saving) == 4 and len(entry.restoring) == 1
+
+
+# Bullseye's 5.10.0-30-arm64 (not fetched in CI), at offsets from its ``vectors``
+# (0xffff800010010800): its functions (kallsyms) from el0_fiq_invalid to finish_ret_to_user,
+# and the words of its code the model reads, as its Image has them (every other word a nop
+# here): each entry's branches up to its first out of it, the handlers' ``add x29, sp,
+# #0x130`` (pt_regs.stackframe), their branches, ``eret``s and ``brk``s.
+FUNCTIONS_510 = [
+    (0xBB8, 0xD44, "el0_fiq_invalid"),
+    (0xD44, 0xED0, "el0_error_invalid"),
+    (0xED0, 0x1060, "el0_fiq_invalid_compat"),
+    (0x1060, 0x10F4, "el1_sync_invalid"),
+    (0x10F4, 0x1188, "el1_irq_invalid"),
+    (0x1188, 0x121C, "el1_fiq_invalid"),
+    (0x121C, 0x12C0, "el1_error_invalid"),
+    (0x12C0, 0x1400, "el1_sync"),
+    (0x1400, 0x1580, "el1_irq"),
+    (0x1580, 0x1740, "el0_sync"),
+    (0x1740, 0x1900, "el0_sync_compat"),
+    (0x1900, 0x1A80, "el0_irq_compat"),
+    (0x1A80, 0x1C00, "el0_error_compat"),
+    (0x1C00, 0x1D78, "el0_irq"),
+    (0x1D78, 0x1DCC, "el0_irq_naked"),
+    (0x1DCC, 0x1EDC, "el1_error"),
+    (0x1EDC, 0x2054, "el0_error"),
+    (0x2054, 0x2070, "el0_error_naked"),
+    (0x2070, 0x2080, "ret_to_user"),
+    (0x2080, 0x21E8, "finish_ret_to_user"),
+]
+WORDS_510 = {
+    0x218: 0x1400042A,  # b el1_sync
+    0x298: 0x1400045A,  # b el1_irq
+    0x318: 0x1400039C,  # b el1_fiq_invalid
+    0x398: 0x1400068D,  # b el1_error
+    0x400: 0x14000003,  # b 0x40c
+    0x424: 0x14000457,  # b el0_sync
+    0x480: 0x14000003,  # b 0x48c
+    0x4A4: 0x140005D7,  # b el0_irq
+    0x500: 0x14000003,  # b 0x50c
+    0x524: 0x140001A5,  # b el0_fiq_invalid
+    0x580: 0x14000003,  # b 0x58c
+    0x5A4: 0x1400064E,  # b el0_error
+    0x600: 0x14000002,  # b 0x608
+    0x620: 0x14000448,  # b el0_sync_compat
+    0x680: 0x14000002,  # b 0x688
+    0x6A0: 0x14000498,  # b el0_irq_compat
+    0x700: 0x14000002,  # b 0x708
+    0x720: 0x140001EC,  # b el0_fiq_invalid_compat
+    0x780: 0x14000002,  # b 0x788
+    0x7A0: 0x140004B8,  # b el0_error_compat
+    0xC9C: 0x14000007,  # el0_fiq_invalid: b +0x100
+    0xCB8: 0x1400000B,  # el0_fiq_invalid: b +0x12c
+    0xD0C: 0x9104C3FD,  # el0_fiq_invalid: add x29, sp, #0x130
+    0xD40: 0xD4210000,  # el0_fiq_invalid: brk #0x800
+    0xFB8: 0x14000007,  # el0_fiq_invalid_compat: b +0x104
+    0xFD4: 0x1400000B,  # el0_fiq_invalid_compat: b +0x130
+    0x1028: 0x9104C3FD,  # el0_fiq_invalid_compat: add x29, sp, #0x130
+    0x105C: 0xD4210000,  # el0_fiq_invalid_compat: brk #0x800
+    0x11EC: 0x9104C3FD,  # el1_fiq_invalid: add x29, sp, #0x130
+    0x1218: 0xD4210000,  # el1_fiq_invalid: brk #0x800
+    0x1324: 0x9104C3FD,  # el1_sync: add x29, sp, #0x130
+    0x13BC: 0xD69F03E0,  # el1_sync: eret
+    0x1464: 0x9104C3FD,  # el1_irq: add x29, sp, #0x130
+    0x154C: 0xD69F03E0,  # el1_irq: eret
+    0x1664: 0x14000007,  # el0_sync: b +0x100
+    0x1680: 0x1400000B,  # el0_sync: b +0x12c
+    0x16D4: 0x9104C3FD,  # el0_sync: add x29, sp, #0x130
+    0x1700: 0x1400025C,  # el0_sync: b ret_to_user
+    0x1828: 0x14000007,  # el0_sync_compat: b +0x104
+    0x1844: 0x1400000B,  # el0_sync_compat: b +0x130
+    0x1898: 0x9104C3FD,  # el0_sync_compat: add x29, sp, #0x130
+    0x18C4: 0x140001EB,  # el0_sync_compat: b ret_to_user
+    0x19E8: 0x14000007,  # el0_irq_compat: b +0x104
+    0x1A04: 0x1400000B,  # el0_irq_compat: b +0x130
+    0x1A58: 0x9104C3FD,  # el0_irq_compat: add x29, sp, #0x130
+    0x1A7C: 0x140000BF,  # el0_irq_compat: b el0_irq_naked
+    0x1B68: 0x14000007,  # el0_error_compat: b +0x104
+    0x1B84: 0x1400000B,  # el0_error_compat: b +0x130
+    0x1BD8: 0x9104C3FD,  # el0_error_compat: add x29, sp, #0x130
+    0x1BFC: 0x14000116,  # el0_error_compat: b el0_error_naked
+    0x1CE4: 0x14000007,  # el0_irq: b +0x100
+    0x1D00: 0x1400000B,  # el0_irq: b +0x12c
+    0x1D54: 0x9104C3FD,  # el0_irq: add x29, sp, #0x130
+    0x1DC8: 0x140000AA,  # el0_irq_naked: b ret_to_user
+    0x1E30: 0x9104C3FD,  # el1_error: add x29, sp, #0x130
+    0x1ED0: 0xD69F03E0,  # el1_error: eret
+    0x1FC0: 0x14000007,  # el0_error: b +0x100
+    0x1FDC: 0x1400000B,  # el0_error: b +0x12c
+    0x2030: 0x9104C3FD,  # el0_error: add x29, sp, #0x130
+    0x206C: 0x14000001,  # el0_error_naked: b ret_to_user
+    0x207C: 0xB5000B62,  # ret_to_user: cbnz x2, work_pending (it goes on into the next)
+    0x20CC: 0x1400000D,  # finish_ret_to_user: b +0x80
+    0x210C: 0x1400000B,  # finish_ret_to_user: b +0xb8
+    0x2184: 0xD69F03E0,  # finish_ret_to_user: eret
+    0x21B4: 0xD61F03C0,  # finish_ret_to_user: br x30
+    0x21DC: 0xD61F03C0,  # finish_ret_to_user: br x30
+}
+V510 = 0xFFFF_8000_1001_0800
+NOP_WORD = 0xD503201F
+
+
+def code_510(words: dict[int, int]) -> Code:
+    text = bytearray(NOP_WORD.to_bytes(4, "little") * (FUNCTIONS_510[-1][1] // 4))
+    for off, word in words.items():
+        text[off : off + 4] = word.to_bytes(4, "little")
+    symbols = SymbolTable(Symbol(V510 + start, end - start, n) for start, end, n in FUNCTIONS_510)
+    return Code(bytes(text), V510, symbols)
+
+
+def spans_510(*names: str) -> set[tuple[int, int]]:
+    return {(V510 + s, V510 + e) for s, e, name in FUNCTIONS_510 if name in names}
+
+
+def test_bullseye_510_s_exception_code_is_read_from_its_code() -> None:
+    entry = exception_code(code_510(WORDS_510), V510, PT_REGS)
+    assert entry is not None
+    # Kernel-mode handlers that eret themselves: saving up to their record, the way back after.
+    ends = {"el1_sync": 0x1400, "el1_irq": 0x1580, "el1_error": 0x1EDC}
+    records = {"el1_sync": 0x1328, "el1_irq": 0x1468, "el1_error": 0x1E34}  # after add x29
+    starts = {"el1_sync": 0x12C0, "el1_irq": 0x1400, "el1_error": 0x1DCC}
+    assert set(entry.saving) == {
+        (V510 + starts[n], V510 + records[n]) for n in starts
+    } | spans_510("el1_fiq_invalid")  # fmt: skip
+    assert set(entry.restoring) == {(V510 + records[n], V510 + ends[n]) for n in starts}
+    # From user mode: the handlers, what they branch or fall through to (el0_irq into
+    # el0_irq_naked), up to finish_ret_to_user's eret; not el1_error between them.
+    user = spans_510(
+        "el0_sync", "el0_irq", "el0_fiq_invalid", "el0_error", "el0_sync_compat",
+        "el0_irq_compat", "el0_fiq_invalid_compat", "el0_error_compat", "el0_irq_naked",
+        "el0_error_naked", "ret_to_user", "finish_ret_to_user",
+    )  # fmt: skip
+    assert set(entry.user) == user | {(V510 + 0x400, V510 + 0x800)}
+    assert entry.entries == tuple(V510 + off for off in (0x200, 0x280, 0x300, 0x380))
+
+
+@pytest.mark.parametrize(
+    ("off", "word"),
+    [
+        (0x218, NOP_WORD),  # el1_sync's entry without its branch
+        (0x424, 0x14000458),  # el0_sync's entry branching to no function's start
+        (0x1464, 0x910483FD),  # el1_irq: add x29, sp, #0x120, not pt_regs' record
+        (0x1DC8, 0x910003E0),  # el0_irq_naked: mov x0, sp, going on into el1_error
+    ],
+)
+def test_bullseye_510_s_code_changed_gives_no_model(off: int, word: int) -> None:
+    assert exception_code(code_510(WORDS_510 | {off: word}), V510, PT_REGS) is None
 
 
 class SystemRegisters:

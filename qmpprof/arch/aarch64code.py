@@ -64,6 +64,35 @@ def adrp_page(insn: int, at: int) -> int:
     return ((at & ~0xFFF) + signed(page, 33)) & _MASK64
 
 
+def branch_target(insn: int, at: int) -> int | None:
+    """Where B (not BL) at ``at`` goes: ``at`` plus a signed 26-bit count of words (imm26);
+    None for any other instruction."""
+    if insn >> 26 != 0b000101:
+        return None
+    return (at + signed(insn & 0x3FF_FFFF, 26) * 4) & _MASK64
+
+
+def is_eret(insn: int) -> bool:
+    """ERET, ERETAA, ERETAB: the return from an exception."""
+    return insn in (0xD69F_03E0, 0xD69F_0BFF, 0xD69F_0FFF)
+
+
+def is_jump(insn: int) -> bool:
+    """B, BR, RET, ERET (and their authenticated forms), BRK: what follows is not reached
+    from it."""
+    return (
+        insn >> 26 == 0b000101  # B
+        or (insn >> 25 == 0b110_1011 and (insn >> 21) & 0xF in (0b0000, 0b0010, 0b0100, 0b1000))
+        or insn & 0xFFE0_001F == 0xD420_0000  # BRK
+    )
+
+
+def sets_fp(insn: int) -> int | None:
+    """The offset of ``add x29, sp, #offset`` (a frame record's address made in x29); None for
+    any other instruction."""
+    return add_imm(insn) if _is_add(insn, FP, SP) else None
+
+
 def _is_add(insn: int, rd: int, rn: int) -> bool:
     """ADD (immediate), 64-bit, ``rd`` from ``rn`` (``mov x29, sp`` is ``add x29, sp, #0``)."""
     return insn & 0xFF80_0000 == 0x9100_0000 and insn & 0x3FF == rn << 5 | rd

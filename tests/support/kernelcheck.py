@@ -14,7 +14,8 @@ Without paths: the kernels of the architecture (amd64 unless told) the tests boo
 (``fixtures/build/kernels/<release>/``, arm64's releases ending in ``-arm64`` or
 ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
-header names, the link address, relocations, data symbols), the per-CPU area,
+header names, the link address, relocations, data symbols, whether the walk gets an exception
+model: a note where not), the per-CPU area,
 ``__per_cpu_offset`` and ``__entry_task`` read in its code beside the kernel's own symbols
 (``per_cpu_oracle``: its System.map, else its debug vmlinux) and its own table
 (``kerneltable.markdown_arm64``). A kernel's folder says its release, package version
@@ -41,6 +42,7 @@ from typing import Any
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.guest.linux.current import locate_current
+from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux import arm64image, bannerslide, orc
@@ -147,7 +149,8 @@ def image_facts(path: Path, kernel: LinuxKernel) -> Row:
 def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
     """What the arm64 Image reader found: the form the file holds its Image in, the page size
     its header names, the link address, the relocations applied, the parts' alignment (a slide
-    keeps it: ``bannerslide.ALIGN``), the symbols that are not code."""
+    keeps it: ``bannerslide.ALIGN``), the symbols that are not code, whether its exception code
+    is the one the walk reads (``guest.linux.entry``)."""
     data = path.read_bytes()
     image = arm64image.plain_image(data, str(path))
     symbols = kernel.symbols
@@ -168,6 +171,7 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
         "data_symbols": sum(kind not in text for kind in symbols.types),
         "thread_size": kernel.thread_size,
         "missing_symbols": [n for n in RUN_SYMBOLS[:2] if symbols.address_of(n) is None],
+        "exception_code": entry_code(kernel) is not None,
     }
 
 

@@ -80,6 +80,8 @@ def _arm64_cells(row: Row) -> list[str]:
         said.append("no " + ", ".join(image["missing_symbols"]) + " in kallsyms")
     if not image["parts_aligned"]:
         said.append("sections not 64 KiB-aligned")
+    if image.get("exception_code") is False:  # rows from before it was read have none
+        said.append("no exception model (exception frames not crossed)")
     said += row.get("warnings", [])
     return [
         kernel,

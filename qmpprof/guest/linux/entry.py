@@ -1,41 +1,109 @@
 """arm64 Linux's exception entry and exit code as the walk needs it (``unwind.entry.EntryCode``),
-from the kernel's own description: its symbols (kallsyms) and the layout of ``pt_regs`` (BTF).
+read from the kernel itself: the code of its vector table and handlers, its function table
+(kallsyms) and the layout of ``pt_regs`` (BTF). No handler is known by its name.
 
-``arch/arm64/kernel/entry.S`` (the same from 5.12 to 6.12 at least): ``vectors`` is the 2 KiB
-table of 16 entries of 0x80 bytes, by where the exception came from: the kernel with SP_EL0
-(unused by Linux), the kernel with SP_ELx (+0x200: sync, irq, fiq, error), 64-bit user code
-(+0x400), 32-bit user code (+0x600). An entry lowers sp by ``sizeof(pt_regs)`` and branches to
-its handler, ``el1h_64_irq`` and kin for the kernel, ``el0t_64_sync`` and kin for user code;
-``kernel_entry`` saves x0..x30, sp, ELR (the pc) and SPSR into ``pt_regs``, then stores the
-frame record ``pt_regs.stackframe`` = {x29, ELR} (zeroed from user mode: the final record) and
-points x29 at it. ``ret_to_kernel`` and ``ret_to_user`` load it all back and ``eret``. A kernel
-without these symbols (x86_64's, unwound by ORC) has none.
+``arch/arm64/kernel/entry.S`` (5.10 to 6.12 at least): ``vectors`` is the 2 KiB table of 16
+entries of 0x80 bytes, by where the exception came from: the kernel with SP_EL0 (unused by
+Linux), the kernel with SP_ELx (+0x200: sync, irq, fiq, error), 64-bit user code (+0x400),
+32-bit user code (+0x600). An entry lowers sp by ``sizeof(pt_regs)``, checks it for an overflow
+and branches to its handler: the entry's first ``b`` out of it (a user entry's first
+instruction branches inside it, past the trampoline's cleanup). The handler's ``kernel_entry``
+saves x0..x30, sp, ELR (the pc) and SPSR into ``pt_regs``, then stores the frame record
+``pt_regs.stackframe`` = {x29, ELR} (zeroed from user mode: the final record) and points x29
+at it (``add x29, sp, #offset``: every handler has it, at BTF's offset, or the code is not
+the one this module knows). Then the handlers come in two shapes:
+
+- from 5.12 (``el1h_64_irq``, ``el0t_64_sync`` and kin): a call, then a ``b`` to the way back
+  (``ret_to_kernel``, ``ret_to_user``), whose ``kernel_exit`` loads it all back and ``eret``s;
+- 5.10 (``el1_irq``, ``el0_sync`` and kin): a kernel-mode handler returns by itself, its
+  ``kernel_exit`` inline up to its own ``eret``; from its record on it is the way back
+  (``el1_irq`` also moves sp to the IRQ stack and back around the interrupt's handler: the
+  record is then not at sp, and such a sample stops). A user-mode handler branches to
+  ``ret_to_user``, whose ``kernel_exit`` is in the next function of kallsyms
+  (``finish_ret_to_user``, a plain label): the way back runs through the first function with
+  an ``eret``.
+
+A kernel without a vector table (x86_64's, unwound by ORC) or whose code is not this has none.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from qmpprof.arch.aarch64code import branch_target, is_eret, is_hint, is_jump, sets_fp
+from qmpprof.elf.symbols import SymbolTable
 from qmpprof.linux.btf import BtfError
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.unwind.entry import EntryCode, SavedFrame
+from qmpprof.unwind.entry import EntryCode, SavedFrame, Span
 
 ELR = 33  # ELR_mode in the DWARF for the Arm 64-bit Architecture
-_KERNEL_HALF = (0x200, 0x400)  # of the vector table: from the kernel, SP_ELx
-_USER_HALF = (0x400, 0x800)
-_ENTRY_SIZE = 0x80
-_KINDS = ("sync", "irq", "fiq", "error")
-_FROM_USER = {f"el0t_{bits}_{kind}" for bits in (64, 32) for kind in _KINDS} | {"ret_to_user"}
-_FROM_KERNEL = {f"el1h_64_{kind}" for kind in _KINDS}
-_BACK_TO_KERNEL = {"ret_to_kernel"}
+_KERNEL_HALF = range(0x200, 0x400, 0x80)  # the vector table's entries from the kernel, SP_ELx
+_USER_HALF = range(0x400, 0x800, 0x80)  # 64-bit user code's four entries, then 32-bit's
+_REACH = 32  # functions followed from the handlers: more is not the code this module knows
 
 
 def entry_code(kernel: LinuxKernel) -> EntryCode | None:
-    """The kernel's exception code, None when its symbols or BTF do not describe it."""
+    """The kernel's exception code, None when its code, symbols or BTF do not describe it."""
     vectors = kernel.symbols.address_of("vectors")
-    if vectors is None or kernel.btf is None:
+    frame = _saved_frame(kernel)
+    if vectors is None or frame is None:
         return None
+    code = Code(kernel.image.text_bytes, kernel.image.text_addr, kernel.functions)
+    return exception_code(code, vectors, frame)
+
+
+def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | None:
+    """The exception code ``code`` holds, its vector table at ``vectors``, ``frame`` its
+    ``pt_regs``; None when its code is not the one this module knows."""
+    found = [code.handler(vectors + off, frame) for off in (*_KERNEL_HALF, *_USER_HALF)]
+    if None in found:
+        return None  # not the entry code this module knows
+    handlers = [handler for handler in found if handler is not None]
+    from_kernel, from_user = handlers[: len(_KERNEL_HALF)], handlers[len(_KERNEL_HALF) :]
+    user = code.reach([handler.span[0] for handler in from_user])
+    back = code.reach([to for handler in from_kernel for to in code.branches_out(*handler.span)])
+    kernel = {handler.span for handler in from_kernel}
+    if user is None or back is None or user & (kernel | back):
+        return None  # a way out of the code, or the same code from the kernel and from user mode
+    user.add((vectors + _USER_HALF.start, vectors + _USER_HALF.stop))
+    saving, restoring = set(), back
+    for handler in from_kernel:
+        start, end = handler.span
+        if handler.returns:  # 5.10: the way back from the record on
+            saving.add((start, handler.record))
+            restoring.add((handler.record, end))
+        else:  # from 5.12: the way back is another function
+            saving.add(handler.span)
+    low, high = vectors + _KERNEL_HALF.start, vectors + _KERNEL_HALF.stop
+    return EntryCode(
+        user=tuple(sorted(user)),
+        vectors=(low, high),
+        entries=tuple(range(low, high, _KERNEL_HALF.step)),
+        saving=tuple(sorted(saving)),
+        restoring=tuple(sorted(restoring)),
+        frame=frame,
+        link=ELR,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Handler:
+    """A handler's function (``span``), where its frame record is set (``record``: just after
+    ``add x29, sp, #...``) and whether it ``eret``s itself (``returns``)."""
+
+    span: Span
+    record: int
+    returns: bool
+
+
+def _saved_frame(kernel: LinuxKernel) -> SavedFrame | None:
+    """``pt_regs`` as BTF lays it out; None without BTF or with another layout."""
     btf = kernel.btf
+    if btf is None:
+        return None
     try:
-        frame = SavedFrame(
+        return SavedFrame(
             regs=btf.offset_of("pt_regs.regs"),
             count=31,
             sp=btf.offset_of("pt_regs.sp"),
@@ -46,23 +114,67 @@ def entry_code(kernel: LinuxKernel) -> EntryCode | None:
         )
     except (KeyError, BtfError):
         return None
-    spans: dict[str, list[tuple[int, int]]] = {"user": [], "saving": [], "restoring": []}
-    wanted = {name: "user" for name in _FROM_USER}
-    wanted |= {name: "saving" for name in _FROM_KERNEL}
-    wanted |= {name: "restoring" for name in _BACK_TO_KERNEL}
-    for start, end, name in kernel.functions.items():
-        if name in wanted:
-            spans[wanted[name]].append((start, end))
-    if len(spans["saving"]) != len(_FROM_KERNEL):
-        return None  # not the entry code this module knows
-    spans["user"].append((vectors + _USER_HALF[0], vectors + _USER_HALF[1]))
-    low, high = vectors + _KERNEL_HALF[0], vectors + _KERNEL_HALF[1]
-    return EntryCode(
-        user=tuple(spans["user"]),
-        vectors=(low, high),
-        entries=tuple(range(low, high, _ENTRY_SIZE)),
-        saving=tuple(spans["saving"]),
-        restoring=tuple(spans["restoring"]),
-        frame=frame,
-        link=ELR,
-    )
+
+
+class Code:
+    """A kernel's code (``text`` at link address ``text_addr``), read word by word, and its
+    functions' extents."""
+
+    __slots__ = ("ends", "starts", "text", "text_addr")
+
+    def __init__(self, text: bytes, text_addr: int, functions: SymbolTable) -> None:
+        self.text, self.text_addr = text, text_addr
+        self.starts = functions.starts
+        self.ends = [end for _, end, _ in functions.items()]
+
+    def words(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(address, instruction) from ``start`` to ``end``; none outside the text."""
+        at = start - self.text_addr
+        if at < 0 or end - self.text_addr > len(self.text):
+            return []
+        data = self.text[at : end - self.text_addr]
+        words = range(0, len(data) - 3, 4)
+        return [(start + i, int.from_bytes(data[i : i + 4], "little")) for i in words]
+
+    def handler(self, entry: int, frame: SavedFrame) -> _Handler | None:
+        """The handler the vector entry at ``entry`` branches to (its first ``b`` out of the
+        entry), read; None: no branch, no function there, or no record at BTF's offset."""
+        target = next(iter(self.branches_out(entry, entry + _KERNEL_HALF.step)), None)
+        at = None if target is None else self.function(target)
+        if target is None or at is None:
+            return None
+        words = self.words(target, self.ends[at])
+        record = next((pc + 4 for pc, insn in words if sets_fp(insn) == frame.record), None)
+        if record is None:
+            return None
+        return _Handler((target, self.ends[at]), record, any(is_eret(i) for _, i in words))
+
+    def reach(self, starts: list[int]) -> set[Span] | None:
+        """The functions run from those at ``starts``: through their ``b``s out of them and
+        into the next function where one neither returns (``eret``) nor ends in a jump; None:
+        a branch to no function's start, or more than ``_REACH`` functions."""
+        todo, seen = [self.function(start) for start in starts], set[int]()
+        while todo:
+            at = todo.pop()
+            if at is None or len(seen) > _REACH:
+                return None
+            if at in seen:
+                continue
+            seen.add(at)
+            words = self.words(self.starts[at], self.ends[at])
+            todo += [self.function(to) for to in self.branches_out(self.starts[at], self.ends[at])]
+            body = [insn for _, insn in words if not is_hint(insn)]
+            if body and not is_jump(body[-1]) and not any(map(is_eret, body)):
+                todo.append(at + 1 if at + 1 < len(self.starts) else None)
+        return {(self.starts[at], self.ends[at]) for at in seen}
+
+    def branches_out(self, start: int, end: int) -> list[int]:
+        """The targets of the ``b``s from [start, end) out of it, in order, each once."""
+        targets = [branch_target(insn, at) for at, insn in self.words(start, end)]
+        out = [t for t in targets if t is not None and not start <= t < end]
+        return list(dict.fromkeys(out))
+
+    def function(self, start: int) -> int | None:
+        """The index of the function starting at ``start``."""
+        at = bisect_left(self.starts, start)
+        return at if at < len(self.starts) and self.starts[at] == start else None
