@@ -19,7 +19,7 @@ from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_curr
 from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
+from qmpprof.guest.linux.linearmap import LinearMap, LinearView, find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
 from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
@@ -191,10 +191,9 @@ class LinuxGuest:
         low, high = kernel.image.load_range  # the whole image, its data too
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
+        top = image[0] if arch.linear_map_end is None else min(image[0], arch.linear_map_end)
         if current is not None:
-            linear = await find_linear_map(
-                control, _slots(current), arch.shared_from, image[0], image
-            )
+            linear = await find_linear_map(control, _slots(current), arch.shared_from, top, image)
         end = arch.user_space_end
         if end is None:  # x86_64: its paging levels say where user space ends
             tables: PageTables | None = await page_tables(
@@ -212,7 +211,7 @@ class LinuxGuest:
             async def late() -> LinearMap | None:
                 assert current is not None
                 found = await find_linear_map(
-                    control, _slots(current), arch.shared_from, image[0], image, tries=1
+                    control, _slots(current), arch.shared_from, top, image, tries=1
                 )
                 if found is not None and end is not None and spaces.tables is None:
                     spaces.tables = _arm64_tables(read, found, end)
@@ -236,7 +235,9 @@ class LinuxGuest:
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
-        self.census = await self._census(read, slide, init_task, current, spaces)
+        # The states' names are read where a vCPU in user mode cannot see them too.
+        seen = read if linear is None else kernel_reader(LinearView(control, linear), cpus)
+        self.census = await self._census(seen, slide, init_task, current, spaces)
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -283,16 +284,23 @@ class LinuxGuest:
     async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
-        cpus = await transport.cpus()
-        return await self.census.every_task(kernel_reader(transport, cpus))
+        return await self.census.every_task(await self._kernel_memory(transport))
 
     async def versions(
         self, transport: GuestTransport, tasks: Sequence[FoundTask]
     ) -> list[tuple[int, ...] | None]:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
+        read = await self._kernel_memory(transport)
+        return await self.census.versions(read, [t.at for t in tasks])
+
+    async def _kernel_memory(self, transport: GuestTransport) -> Reader:
+        """Kernel memory through the vCPUs in turn, the linear map's and the kernel image's
+        physically where it is known: a vCPU in user mode maps no kernel (arm64's KPTI), and
+        both may be there at once."""
         cpus = await transport.cpus()
-        return await self.census.versions(kernel_reader(transport, cpus), [t.at for t in tasks])
+        linear = self.identifier.linear
+        return kernel_reader(transport if linear is None else LinearView(transport, linear), cpus)
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()
