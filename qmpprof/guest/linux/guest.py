@@ -237,7 +237,7 @@ class LinuxGuest:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
         seen = read if linear is None else kernel_reader(LinearView(control, linear), cpus)
-        self.census = await self._census(seen, slide, init_task, current, spaces)
+        self.census = await self._census(seen, slide, current, spaces)
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -253,30 +253,25 @@ class LinuxGuest:
         return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
 
     async def _census(
-        self,
-        read: Reader,
-        slide: int,
-        init_task: int | None,
-        current: CurrentTask | None,
-        spaces: Spaces,
+        self, read: Reader, slide: int, current: CurrentTask | None, spaces: Spaces
     ) -> Census | str:
         """What reading every task takes, or why this kernel does not allow it."""
         layouts, kernel = self.layouts, self.kernel
         if isinstance(layouts.offcpu, str):
             return layouts.offcpu
+        init_task, array, size = kernel.off_cpu_addresses()
         if layouts.tasks is None or init_task is None:
             return "no task layout or init_task"
-        array = kernel.address("task_state_array", slide)
-        states = None if array is None else await read_states(read, array, self.arch)
+        states = None if array is None else await read_states(read, array + slide, self.arch)
         if states is None:
             return "no task_state_array in its symbols, or not as /proc shows it"
         return Census(
-            init_task,
+            init_task + slide,
             layouts.tasks,
             layouts.offcpu,
             states,
             self.arch,
-            kernel.thread_size,
+            size,
             current,
             spaces,
         )
