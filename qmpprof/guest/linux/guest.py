@@ -31,7 +31,7 @@ from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.memory import Reader, kernel_reader
+from qmpprof.memory import Reader, kernel_reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -107,6 +107,32 @@ def _arm64_tables(read: Reader, linear: LinearMap, end: int) -> PageTables:
     address a level above the page's 12 (four levels for 48 bits)."""
     bits = end.bit_length() - 1
     return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
+
+
+def beyond_user_mode(
+    transport: GuestTransport, cpus: Sequence[int], linear: LinearMap | None
+) -> Reader:
+    """Kernel memory through ``cpus`` in turn, then what none of them could read (each in user
+    mode, where arm64's KPTI unmaps the kernel) physically through ``linear``, when known."""
+    through_cpus = kernel_reader(transport, cpus)
+    if linear is None:
+        return through_cpus
+    physical = reader(LinearView(transport, linear), cpus[0])
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        found = await through_cpus(ranges)
+        missing = [
+            i
+            for i, (addr, size) in enumerate(ranges)
+            if found[i] is None and size > 0 and linear.physical(addr, size) is not None
+        ]
+        if missing:
+            again = await physical([ranges[i] for i in missing])
+            for i, data in zip(missing, again, strict=True):
+                found[i] = data
+        return found
+
+    return read
 
 
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
@@ -236,8 +262,9 @@ class LinuxGuest:
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
-        seen = read if linear is None else kernel_reader(LinearView(control, linear), cpus)
-        self.census = await self._census(seen, slide, current, spaces)
+        self.census = await self._census(
+            beyond_user_mode(control, cpus, linear), slide, current, spaces
+        )
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -290,12 +317,11 @@ class LinuxGuest:
         return await self.census.versions(read, [t.at for t in tasks])
 
     async def _kernel_memory(self, transport: GuestTransport) -> Reader:
-        """Kernel memory through the vCPUs in turn, the linear map's and the kernel image's
-        physically where it is known: a vCPU in user mode maps no kernel (arm64's KPTI), and
-        both may be there at once."""
+        """Kernel memory through the vCPUs in turn, then what none of them mapped (each in user
+        mode: arm64's KPTI) physically through the linear map where it is known (slower: the
+        monitor's ``xp`` over QMP)."""
         cpus = await transport.cpus()
-        linear = self.identifier.linear
-        return kernel_reader(transport if linear is None else LinearView(transport, linear), cpus)
+        return beyond_user_mode(transport, cpus, self.identifier.linear)
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()
