@@ -282,7 +282,7 @@ def proc_stacks(guest: Aarch64Guest) -> dict[int, list[str]]:
     }
 
 
-def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest) -> None:
+def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path: Path) -> None:
     """Every task asleep has a whole kernel stack, named as the guest's kallsyms, from the
     context switch (``__switch_to`` in ``__schedule``: the pc of ``thread.cpu_context``) down
     to the task's entry (``el0t_64_sync`` for a process, ``ret_from_fork`` for a kernel
@@ -328,3 +328,34 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest) -> None:
         names = [f["symbol"] for f in asleep[tid]["frames"] if int(f["address"], 16) >= 1 << 63]
         assert ("do_wait" if tid == 1 else "hrtimer_nanosleep") in names, names
         assert (tid, asleep[tid]["process"]["program"]) not in {u[:2] for u in unequal}
+    check_off_cpu_profile(guest, tmp_path)
+
+
+def check_off_cpu_profile(guest: Aarch64Guest, tmp_path: Path) -> None:
+    """A short sampling run with --off-cpu: the vCPUs sampled at every tick, and init waiting
+    for its sleep and kthreadd under ``[off-cpu: S]`` with their whole kernel stacks."""
+    folded = tmp_path / "offcpu.folded"
+    run = subprocess.run(
+        [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
+         "--kernel", str(guest.kernel), "--duration", "2", "--interval", "20", "--off-cpu",
+         "-o", str(folded)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run_state(guest.qmp_socket) == "running"
+    print(run.stderr)
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for line in folded.read_text().splitlines():
+        names, count = line.rsplit(" ", 1)
+        stacks[tuple(names.split(";"))] += int(count)
+    ticks = int(re.search(r"(\d+) ticks", run.stderr)[1])  # type: ignore[index]
+    on_cpu = sum(n for names, n in stacks.items() if not names[1].startswith("[off-cpu: "))
+    assert on_cpu >= 2 * SAMPLED * ticks, (on_cpu, ticks)
+    waiting = {names[0]: names for names in stacks if names[1:2] == ("[off-cpu: S]",)}
+    init, kthreadd = waiting.get("init (pid 1)"), waiting.get("[kthreadd] (pid 2)")
+    assert init is not None and kthreadd is not None, sorted(waiting)
+    assert init[-2:] == ("__schedule_[k]", "__switch_to_[k]") and "do_wait_[k]" in init, init
+    assert "el0t_64_sync_[k]" in init, init
+    assert kthreadd[2:] == (
+        "ret_from_fork_[k]", "kthreadd_[k]", "schedule_[k]", "__schedule_[k]", "__switch_to_[k]"
+    ), kthreadd  # fmt: skip
