@@ -20,8 +20,11 @@ _SLEEPING = b"S (sleeping)\0"
 def task_state_array(image: ElfImage) -> int | None:
     """The array's link address, None when no such array is in ``.rodata``."""
     data, base = image.section(".rodata"), image.section_addr(".rodata")
-    if data is None or base is None:
-        return None
+    return None if data is None or base is None else state_array_in(data, base)
+
+
+def state_array_in(data: bytes, base: int) -> int | None:
+    """The array in ``data`` (read-only data at ``base``, relocated), None when not there."""
     for text in _RUNNING.finditer(data):
         pointer = (base + text.start()).to_bytes(8, "little")
         at = data.find(pointer)
