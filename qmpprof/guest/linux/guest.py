@@ -19,7 +19,8 @@ from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_curr
 from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.linearmap import LinearMap, LinearView, find_linear_map
+from qmpprof.guest.linux.kernelmemory import KernelTables, beyond_user_mode, kernel_root
+from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
 from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
@@ -31,7 +32,7 @@ from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.memory import Reader, kernel_reader, reader
+from qmpprof.memory import Reader, kernel_reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -109,32 +110,6 @@ def _arm64_tables(read: Reader, linear: LinearMap, end: int) -> PageTables:
     return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
 
 
-def beyond_user_mode(
-    transport: GuestTransport, cpus: Sequence[int], linear: LinearMap | None
-) -> Reader:
-    """Kernel memory through ``cpus`` in turn, then what none of them could read (each in user
-    mode, where arm64's KPTI unmaps the kernel) physically through ``linear``, when known."""
-    through_cpus = kernel_reader(transport, cpus)
-    if linear is None:
-        return through_cpus
-    physical = reader(LinearView(transport, linear), cpus[0])
-
-    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        found = await through_cpus(ranges)
-        missing = [
-            i
-            for i, (addr, size) in enumerate(ranges)
-            if found[i] is None and size > 0 and linear.physical(addr, size) is not None
-        ]
-        if missing:
-            again = await physical([ranges[i] for i in missing])
-            for i, data in zip(missing, again, strict=True):
-                found[i] = data
-        return found
-
-    return read
-
-
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
     try:
         return make(btf)
@@ -167,6 +142,7 @@ class LinuxGuest:
         self.layouts = Layouts.of(kernel)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
         self.census: Census | str = "not attached"  # every task, or why not
+        self.kernel_tables: KernelTables | None = None  # arm64: for vmalloc'd stacks at EL0
 
     async def attach(self, transport: GuestTransport) -> Attached:
         """The slide, the modules, every vCPU's per-CPU base, every task and each process's
@@ -262,8 +238,13 @@ class LinuxGuest:
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
+        self.kernel_tables = None
+        if linear is not None and spaces.tables is not None and layouts.vmas is not None:
+            seen = beyond_user_mode(control, cpus, linear)
+            root = await kernel_root(seen, kernel, slide, layouts.vmas.pgd)
+            self.kernel_tables = None if root is None else KernelTables(spaces.tables, root)
         self.census = await self._census(
-            beyond_user_mode(control, cpus, linear), slide, current, spaces
+            beyond_user_mode(control, cpus, linear, self.kernel_tables), slide, current, spaces
         )
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
@@ -319,9 +300,10 @@ class LinuxGuest:
     async def _kernel_memory(self, transport: GuestTransport) -> Reader:
         """Kernel memory through the vCPUs in turn, then what none of them mapped (each in user
         mode: arm64's KPTI) physically through the linear map where it is known (slower: the
-        monitor's ``xp`` over QMP)."""
+        monitor's ``xp`` over QMP), and the rest (vmalloc'd stacks) through the kernel's own
+        page tables."""
         cpus = await transport.cpus()
-        return beyond_user_mode(transport, cpus, self.identifier.linear)
+        return beyond_user_mode(transport, cpus, self.identifier.linear, self.kernel_tables)
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

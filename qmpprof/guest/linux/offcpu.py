@@ -180,7 +180,11 @@ class Census:
         first = [(at, found) for at, found in zip(every, read_first, strict=True) if found]
         second = await read([r for at, found in first for r in self._second(found, at in running)])
         tables = self.spaces.tables
-        walk = None if tables is None else PageTables(read, tables.direct_map, tables.levels)
+        walk = None
+        if tables is not None:  # its entries and levels: arm64's are not x86_64's
+            walk = PageTables(
+                read, tables.direct_map, tables.levels, tables.entries, tables.user_end
+            )
         out = []
         for i, (at, (task, leader, version, saved)) in enumerate(first):
             more = second[3 * i : 3 * i + 3]
