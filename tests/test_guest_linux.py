@@ -131,11 +131,11 @@ class _Btf:
 
 
 class _Kernel:
-    """What locate_current reads of a kernel: its per-CPU area, BTF and kallsyms."""
+    """What locate_current reads of a kernel: its per-CPU area, BTF and data symbols."""
 
     def __init__(self, area: int | None, btf: int | None, symbol: int | None) -> None:
         self.per_cpu_start, self.btf = area, _Btf(btf)
-        self.symbols = SimpleNamespace(address_of={"current_task": symbol}.get)
+        self.data_symbol = {"current_task": symbol}.get
 
 
 def test_a_per_cpu_area_that_is_ordinary_data_moves_with_the_slide() -> None:

@@ -14,6 +14,7 @@ from qmpprof.guest.linux.pagetables import (
     PageTables,
     page_tables,
 )
+from qmpprof.memory import Reader
 
 BASE = 0xFFFF_9A00_0000_0000  # a KASLR'd page_offset_base
 PRESENT, WRITE, USER, HUGE, NX = 1, 2, 4, 1 << 7, 1 << 63
@@ -25,7 +26,8 @@ class Physical:
     def __init__(self, base: int = BASE) -> None:
         self.base = base
         self.bytes: dict[int, bytearray] = {}
-        self.reads = 0
+        self.reads = 0  # ranges read
+        self.requests = 0  # calls of read
 
     def put(self, phys: int, data: bytes) -> None:
         for i, byte in enumerate(data):
@@ -37,6 +39,7 @@ class Physical:
 
     async def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         out: list[bytes | None] = []
+        self.requests += 1
         for addr, size in ranges:
             self.reads += 1
             phys = addr - self.base
@@ -48,6 +51,15 @@ class Physical:
 
 def indexes(va: int, levels: int) -> list[int]:
     return [(va >> (12 + 9 * (level - 1))) & 511 for level in range(levels, 0, -1)]
+
+
+def four_levels(memory: Physical, va: int, page: int) -> tuple[int, int, int, int]:
+    """Tables at fixed places mapping ``va`` to physical ``page``: their addresses, top first."""
+    tables = (0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000)
+    targets = (*tables[1:], page)
+    for table, index, target in zip(tables, indexes(va, 4), targets, strict=True):
+        memory.entry(table, index, target | PRESENT)
+    return tables
 
 
 async def test_four_levels_huge_pages_and_holes() -> None:
@@ -142,13 +154,9 @@ async def test_arm64_five_levels_from_a_top_table_inside_a_page() -> None:
 
 async def test_upper_levels_kept_across_walkers_the_last_read_each_time() -> None:
     memory = Physical()
-    pgd, pud, pmd, pte = 0x10_0000, 0x11_0000, 0x12_0000, 0x13_0000
     va = 0x5555_5555_4000
-    i4, i3, i2, i1 = indexes(va, 4)
-    memory.entry(pgd, i4, pud | PRESENT)
-    memory.entry(pud, i3, pmd | PRESENT)
-    memory.entry(pmd, i2, pte | PRESENT)
-    memory.entry(pte, i1, 0x7_7000 | PRESENT)
+    pgd, pud, pmd, pte = four_levels(memory, va, 0x7_7000)
+    i1 = indexes(va, 4)[3]
     upper: dict[int, bytes | None] = {}
     assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x7_7000
     assert set(upper) == {BASE + pgd, BASE + pud, BASE + pmd}  # not the last level's page
@@ -166,3 +174,39 @@ async def test_upper_levels_kept_across_walkers_the_last_read_each_time() -> Non
     walker = PageTables(memory.read, BASE, upper=upper)
     assert await walker.physical(BASE + pgd, other) == 0x9_9000
     assert await walker.physical(BASE + pgd, other + 0x1000) is None  # read once, still absent
+
+
+async def test_a_user_read_is_one_request_its_last_level_guessed_and_checked_in_it() -> None:
+    """Through ``reader`` a kernel-mode sample's user pages cost one request once the walker's
+    last-level page is kept: that page is read again in the request that reads the data, and a
+    changed entry (a page moved by copy-on-write) has the moved page read again, never the
+    stale one returned."""
+    memory = Physical()
+    stack = 0x7FFF_F000_0000
+    pgd, _, _, pte = four_levels(memory, stack, 0x7_7000)
+    i1 = indexes(stack, 4)[3]
+    memory.entry(pte, i1 + 1, 0x7_9000 | PRESENT)
+    memory.put(0x7_7000, b"old stack")
+    memory.put(0x7_9000, b"its caller")
+    memory.put(0x8_8000, b"new stack")
+    upper: dict[int, bytes | None] = {}
+    last: dict[int, bytes | None] = {}
+
+    def reader() -> Reader:
+        return PageTables(memory.read, BASE, upper=upper, last=last).reader(BASE + pgd)
+
+    wanted = [(stack, 9), (stack + 0x1000, 10), (stack + 0x2000, 8), (stack + 0xFFC, 8)]
+    assert await reader()(wanted) == [b"old stack", b"its caller", None, None]
+    assert memory.requests == 5  # four levels, then the two pages together
+    assert set(last) == {BASE + pte}
+    before = memory.requests
+    assert await reader()(wanted[:2]) == [b"old stack", b"its caller"]
+    assert memory.requests == before + 1  # the kept last level checked with the data
+    memory.entry(pte, i1, 0x8_8000 | PRESENT)
+    before = memory.requests
+    assert await reader()(wanted[:2]) == [b"new stack", b"its caller"]
+    assert memory.requests == before + 2  # and the page it moved to read again
+    memory.entry(pte, i1 + 2, 0x7_7000 | PRESENT)  # mapped since: absent in the guess
+    assert await reader()(wanted[2:3]) == [b"old stack"[:8]]
+    memory.entry(pte, i1 + 1, 0)  # unmapped since: present in the guess
+    assert await reader()(wanted[:2]) == [b"new stack", None]

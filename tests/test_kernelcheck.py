@@ -40,3 +40,14 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
     assert cells[1][2].startswith("zboot (zstd22) (") and cells[1][3] == "4 KiB"
     assert cells[0][6] == "RELA 187 633"
     assert cells[0][9].startswith("`_einittext+")  # __entry_task: 6.1's kallsyms name no data
+    # The per-CPU symbols read in the code, and those the run takes, are the kernel's own (its
+    # debug vmlinux's, scripts/fetch-linux-dbg; the zboot image's folder has none).
+    oracle = rows[0]["per_cpu_oracle"]
+    assert oracle["source"] == "vmlinux-dbg" and oracle["differs"] == []
+    assert oracle["oracle"] == {
+        "__per_cpu_start": "0xffff800009804000",
+        "__per_cpu_offset": "0xffff800009cc3010",
+        "__entry_task": "0xffff800009804308",
+    }
+    assert oracle["code"] == oracle["run"] == rows[1]["per_cpu_oracle"]["code"]
+    assert [c[10] for c in cells] == ["agree (vmlinux-dbg)", "no System.map"]

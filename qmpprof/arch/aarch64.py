@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.aarch64code import PROLOGUES
+from qmpprof.arch.aarch64code import PROLOGUES, signed
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
@@ -149,7 +149,7 @@ class AArch64:
         insn = int.from_bytes(code[-4:], "little")
         if insn >> 26 != 0b100101:
             return None
-        return (ra - 4 + _signed(insn & 0x3FF_FFFF, 26) * 4) & _MASK
+        return (ra - 4 + signed(insn & 0x3FF_FFFF, 26) * 4) & _MASK
 
     def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:
         out: list[tuple[int, int | None]] = []
@@ -162,21 +162,17 @@ class AArch64:
         return out
 
 
-def _signed(value: int, bits: int) -> int:
-    return value - (1 << bits) if value >> (bits - 1) else value
-
-
 def _branch_target(insn: int, here: int) -> int | None:
     """The target of a jump (B, B.cond, CBZ/CBNZ, TBZ/TBNZ, BR) at ``here``; -1 for BR (through
     a register); None when ``insn`` is no jump (BL and BLR are calls, RET a return)."""
     if insn >> 26 == 0b000101:  # B imm26
-        return here + _signed(insn & 0x3FF_FFFF, 26) * 4
+        return here + signed(insn & 0x3FF_FFFF, 26) * 4
     if insn >> 24 == 0b0101_0100 and not insn & 0x10:  # B.cond imm19
-        return here + _signed((insn >> 5) & 0x7_FFFF, 19) * 4
+        return here + signed((insn >> 5) & 0x7_FFFF, 19) * 4
     if (insn >> 25) & 0x3F == 0b011010:  # CBZ/CBNZ imm19
-        return here + _signed((insn >> 5) & 0x7_FFFF, 19) * 4
+        return here + signed((insn >> 5) & 0x7_FFFF, 19) * 4
     if (insn >> 25) & 0x3F == 0b011011:  # TBZ/TBNZ imm14
-        return here + _signed((insn >> 5) & 0x3FFF, 14) * 4
+        return here + signed((insn >> 5) & 0x3FFF, 14) * 4
     if insn & 0xFFFF_FC1F == 0xD61F_0000:  # BR Xn
         return -1
     return None

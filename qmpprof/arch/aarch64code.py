@@ -29,6 +29,7 @@ FP, LR, SP = 29, 30, 31
 _MAX_SCAN = 4096  # bytes from the function's start: a longer one is left to frame records
 _MAX_EPILOGUE = 32  # instructions followed forward to a return
 _CACHE_LIMIT = 1 << 14
+_MASK64 = (1 << 64) - 1
 _RESTORES = object()  # the epilogue ahead loads the record back: it is live at the pc
 
 
@@ -42,9 +43,25 @@ def _imm9(insn: int) -> int:
     return value - 0x200 if value & 0x100 else value
 
 
-def _add_imm(insn: int) -> int:
+def signed(value: int, bits: int) -> int:
+    """``value``'s low ``bits`` bits read as a two's-complement number."""
+    return value - (1 << bits) if value >> (bits - 1) else value
+
+
+def add_imm(insn: int) -> int:
     """The immediate of ADD/SUB (immediate), shifted by 12 when ``sh`` is set."""
     return ((insn >> 10) & 0xFFF) << (12 if insn & (1 << 22) else 0)
+
+
+def is_adrp(insn: int) -> bool:
+    return insn & 0x9F00_0000 == 0x9000_0000
+
+
+def adrp_page(insn: int, at: int) -> int:
+    """The address ADRP at ``at`` puts in its register: its 4 KiB page plus a signed 33-bit
+    offset (immlo, bits 29-30; immhi, bits 5-23)."""
+    page = ((insn >> 29) & 3 | ((insn >> 5) & 0x7_FFFF) << 2) << 12
+    return ((at & ~0xFFF) + signed(page, 33)) & _MASK64
 
 
 def _is_add(insn: int, rd: int, rn: int) -> bool:
@@ -158,7 +175,7 @@ def _epilogue(code: bytes, off: int) -> int | object | None:
         if insn & 0xFF80_0000 == 0x9100_0000 and rd == SP:  # ADD (immediate) to sp
             if rn != SP:
                 return None  # sp from another register (mov sp, x29): unknown
-            moved += _add_imm(insn)
+            moved += add_imm(insn)
         elif insn & 0xFF80_0000 == 0xD100_0000 and rd == SP:  # SUB (immediate) to sp
             return None
         elif (writeback := _sp_writeback(insn)) is not None:
@@ -190,10 +207,10 @@ def _prologue(code: bytes, start: int, off: int) -> PrologueRule | None:
             continue
         rd, rn = _fields(insn)
         if insn & 0xFF80_0000 == 0xD100_0000 and rd == SP and rn == SP:  # sub sp, sp, #N
-            imm = _add_imm(insn)
+            imm = add_imm(insn)
             frame += imm
             record = None if record is None else record + imm
-        elif _is_add(insn, FP, SP) and record == _add_imm(insn):  # add x29, sp, #M
+        elif _is_add(insn, FP, SP) and record == add_imm(insn):  # add x29, sp, #M
             return None  # x29 points at the record: frame records are right from here
     if record is None:
         return PrologueRule(frame, ra_register=LR)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qmpprof.arch.aarch64code import add_imm, adrp_page, is_adrp
 from qmpprof.elf.image import ElfImage
-from qmpprof.linux.arm64percpu import adrp_address, sysreg_write
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.symbols import KernelSymbols
 
@@ -28,7 +28,7 @@ _ENTRY = "__primary_switched"
 _SCAN = 0x40  # bytes read of it: the sequence ends ~0x14 in
 _MASK = (1 << 64) - 1
 _SP = 31
-_SP_EL0 = (3, 0, 4, 1, 0)
+_MSR_SP_EL0 = 0xD518_4100  # MSR SP_EL0, Xt (Xt in bits 4..0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +60,12 @@ def read_boot_task(code: bytes, addr: int, stack_offset: int) -> BootTask | None
     for i in range(0, len(code) - 3, 4):
         insn = int.from_bytes(code[i : i + 4], "little")
         rd, rn = insn & 0x1F, (insn >> 5) & 0x1F
-        imm = ((insn >> 10) & 0xFFF) << (12 if insn >> 22 & 1 else 0)
-        if insn & 0x9F00_0000 == 0x9000_0000:  # ADRP
-            made[rd] = adrp_address(insn, addr + i)
+        imm = add_imm(insn)
+        if is_adrp(insn):
+            made[rd] = adrp_page(insn, addr + i)
         elif insn & 0xFF80_0000 == 0x9100_0000 and rn in made and rd != _SP:  # ADD (imm)
             made[rd] = (made[rn] + imm) & _MASK
-        elif sysreg_write(insn) == (_SP_EL0, rd) and rd in made:
+        elif insn & 0xFFFF_FFE0 == _MSR_SP_EL0 and rd in made:
             task = rd
         elif insn & 0xFFC0_0000 == 0xF940_0000 and task is not None and rn == task:  # LDR
             if ((insn >> 10) & 0xFFF) * 8 == stack_offset:

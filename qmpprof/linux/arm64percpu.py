@@ -1,9 +1,26 @@
-"""Where an arm64 kernel links its per-CPU area, from its own code when kallsyms names no data
-symbol (bookworm's 6.1: no ``__per_cpu_start``, no ``__entry_task``).
+"""Where an arm64 kernel links its per-CPU area, ``__per_cpu_offset`` and ``__entry_task``, from
+its own code, for the kernels whose kallsyms name no data symbol (bullseye's 5.10, bookworm's
+6.1: no ``__per_cpu_start``, no ``__per_cpu_offset``, no ``__entry_task``).
 
-arm64 Linux keeps the current task in SP_EL0 while in the kernel; entering from user mode, the
-vector's handler loads it from the per-CPU variable ``__entry_task`` (``ldr_this_cpu`` in
-entry.S's ``kernel_entry 0``, since 4.11):
+The boot code that gives each CPU its offset, ``setup_per_cpu_areas`` (mm/percpu.c; 5.10's
+drivers/base/arch_numa.c), says where both the area and the array are:
+
+    delta = (unsigned long)pcpu_base_addr - (unsigned long)__per_cpu_start;
+    for_each_possible_cpu(cpu)
+        __per_cpu_offset[cpu] = delta + pcpu_unit_offsets[cpu];
+
+compiled (5.10.0-30, 6.1.0-56, 7.3 alike) as
+
+    adrp xS, __per_cpu_start ; add xS, xS, #0       adrp xA, __per_cpu_offset ; add xA, ...
+    ldr  xB, [...]           ; sub xD, xB, xS       add xV, xU, xD ; str xV, [xA, wC, uxtw #3]
+
+the address subtracted from a value loaded is the area's start; the array a value that adds
+that difference is stored into at a CPU's index is ``__per_cpu_offset``. The function is init
+code, in the Image and in kallsyms (it is freed only in the running kernel).
+
+The current task's variable: arm64 keeps the current task in SP_EL0 while in the kernel;
+entering from user mode, the vector's handler loads it from the per-CPU ``__entry_task``
+(``ldr_this_cpu`` in entry.S's ``kernel_entry 0``, since 4.11):
 
     adrp xA, __entry_task            ; the page
     add  xA, xA, :lo12:__entry_task  ; the rest
@@ -12,44 +29,84 @@ entry.S's ``kernel_entry 0``, since 4.11):
     msr  sp_el0, xD
 
 so the address ``adrp``/``add`` make in the handler (``el0t_64_sync``, ``el0_sync`` before
-5.12) is the variable's, and minus its offset in BTF's ``.data..percpu`` it is the area's
-start. The same sequence read on 6.1.0-56 (0xffff800009804308, the area at ...804000) and on
-6.12.117, where kallsyms' own ``__entry_task`` and ``__per_cpu_start`` agree.
-
-Each CPU's offset into that area is ``__per_cpu_offset[cpu]`` (what TPIDR_EL1 holds), which a
-transport without system registers (QMP) must read in memory. The scheduler's ``idle_cpu(cpu)``
-(also ``available_idle_cpu``, ``nr_iowait_cpu``: ``cpu_rq(cpu)``) says where that array is:
-
-    adrp xA, __per_cpu_offset ; add xA, ...   adrp xR, runqueues ; add xR, ...
-    ldr  xO, [xA, w0, sxtw #3]                add  xR, xR, xO
-
-the array a CPU number indexes whose element is added to ``runqueues``' address (checked
-against BTF's offset of that per-CPU variable). Read the same way on 6.1.0-56 and 6.12.117,
-where it is kallsyms' ``__per_cpu_offset``.
+5.12) is the variable's: what a kernel whose BTF has no per-CPU variables (5.10's) needs.
 """
 
 from __future__ import annotations
 
+from qmpprof.arch.aarch64code import add_imm, adrp_page, is_adrp
 from qmpprof.elf.image import ElfImage
-from qmpprof.linux.btf import Btf
 from qmpprof.linux.symbols import KernelSymbols
 
+_SETUP = "setup_per_cpu_areas"
+_SETUP_SCAN = 0x400  # bytes followed to its first ret: ~0xc4 (5.10), ~0x15c (7.3)
 _HANDLERS = ("el0t_64_sync", "el0_sync")  # the EL0 synchronous handler's names: 5.12+, before
-_SCAN = 0x200  # bytes of the handler searched: the sequence sits ~0xb0 in (6.1, 6.12)
+_SCAN = 0x200  # bytes of the handler searched: the sequence sits ~0xb0 in (5.10 to 7.3)
 _MASK = (1 << 64) - 1
+_RET = 0xD65F_03C0
+_CALL_CLOBBERED = range(19)  # x0-x18: a call leaves them unknown (x18 as the platform register)
 # MRS/MSR's system-register fields (op0, op1, CRn, CRm, op2) as bits 20..5 of the instruction.
 _TPIDR_EL1 = (3, 0, 13, 0, 4)
 _TPIDR_EL2 = (3, 4, 13, 0, 2)
 _SP_EL0 = (3, 0, 4, 1, 0)
 
 
-def per_cpu_area(image: ElfImage, symbols: KernelSymbols, btf: Btf) -> int | None:
-    """The link address of the per-CPU area: ``__entry_task``'s, read from the EL0 handler's
-    code, less its offset in BTF (None: no handler, no such sequence, or no such variable)."""
-    try:
-        offset = btf.percpu("__entry_task")[0]
-    except KeyError:
+def per_cpu_layout(image: ElfImage, symbols: KernelSymbols) -> tuple[int, int] | None:
+    """(the per-CPU area's link address, ``__per_cpu_offset``'s), read from
+    ``setup_per_cpu_areas`` (the module's docstring); None when it does not say."""
+    start = symbols.address_of(_SETUP)
+    at = None if start is None else start - image.text_addr
+    if start is None or at is None or at < 0:
         return None
+    return setup_areas(image.text_bytes[at : at + _SETUP_SCAN], start)
+
+
+def setup_areas(code: bytes, addr: int) -> tuple[int, int] | None:
+    """In ``code`` at ``addr``, up to its first ``ret``: (the address subtracted from a loaded
+    value, the array that difference plus a value is stored into at an 8-byte index); None if
+    there are not both. Branches are read straight through; a call forgets x0-x18."""
+    made: dict[int, int] = {}  # register -> the address adrp/add made in it
+    delta: set[int] = set()  # registers holding the difference, or a sum with it
+    start = None
+    for i in range(0, len(code) - 3, 4):
+        insn = int.from_bytes(code[i : i + 4], "little")
+        rd, rn, rm = insn & 0x1F, (insn >> 5) & 0x1F, (insn >> 16) & 0x1F
+        if insn == _RET:
+            break
+        if insn >> 26 == 0b100101:  # BL
+            for reg in _CALL_CLOBBERED:
+                made.pop(reg, None)
+                delta.discard(reg)
+            continue
+        if insn & 0xFFE0_0C00 == 0xF820_0800:  # STR (register), 64-bit
+            if start is not None and rn in made and rd in delta and _scaled(insn):
+                return start, made[rn]
+            continue
+        address, difference = None, False
+        if is_adrp(insn):
+            address = adrp_page(insn, addr + i)
+        elif insn & 0xFF80_0000 == 0x9100_0000 and rn in made:  # ADD (immediate), 64-bit
+            address = (made[rn] + add_imm(insn)) & _MASK
+        elif insn & 0xFFE0_FC00 == 0xCB00_0000 and rm in made and rn not in made:  # SUB xD, xB, xS
+            start, difference = made[rm], True
+        elif insn & 0xFFE0_FC00 == 0x8B00_0000:  # ADD (shifted register), 64-bit, LSL #0
+            difference = rn in delta or rm in delta
+        made.pop(rd, None)
+        delta.discard(rd)
+        if address is not None:
+            made[rd] = address
+        if difference:
+            delta.add(rd)
+    return None
+
+
+def _scaled(insn: int) -> bool:
+    """A register-offset load or store's index shifted by 3 (UXTW, LSL or SXTW #3)."""
+    return bool(insn >> 12 & 1) and (insn >> 13) & 7 in (0b010, 0b011, 0b110)
+
+
+def entry_task_link(image: ElfImage, symbols: KernelSymbols) -> int | None:
+    """``__entry_task``'s link address, read from the EL0 handler's code; None: not found."""
     for name in _HANDLERS:
         handler = symbols.address_of(name)
         if handler is None:
@@ -57,7 +114,7 @@ def per_cpu_area(image: ElfImage, symbols: KernelSymbols, btf: Btf) -> int | Non
         at = handler - image.text_addr
         found = entry_task(image.text_bytes[at : at + _SCAN] if at >= 0 else b"", handler)
         if found is not None:
-            return found - offset
+            return found
     return None
 
 
@@ -66,7 +123,7 @@ def entry_task(code: bytes, handler: int) -> int | None:
     bytes) loads into SP_EL0; None if not found."""
     words = [int.from_bytes(code[i : i + 4], "little") for i in range(0, len(code) - 3, 4)]
     for i in range(4, len(words)):
-        if sysreg_write(words[i]) != (_SP_EL0, words[i - 1] & 0x1F):
+        if _msr(words[i]) != (_SP_EL0, words[i - 1] & 0x1F):
             continue
         found = _per_cpu_load(words[i - 4 : i], handler + 4 * (i - 4))
         if found is not None:
@@ -74,67 +131,10 @@ def entry_task(code: bytes, handler: int) -> int | None:
     return None
 
 
-_INDEXERS = ("idle_cpu", "available_idle_cpu", "nr_iowait_cpu")  # cpu_rq(cpu) users
-_INDEXER_SCAN = 0x40
-
-
-def per_cpu_offsets(image: ElfImage, symbols: KernelSymbols, btf: Btf, area: int) -> int | None:
-    """The link address of ``__per_cpu_offset``, read from the scheduler's code (the module's
-    docstring); None if no such function reads it as expected."""
-    try:
-        runqueues = (area + btf.percpu("runqueues")[0]) & _MASK
-    except KeyError:
-        return None
-    for name in _INDEXERS:
-        start = symbols.address_of(name)
-        at = None if start is None else start - image.text_addr
-        if start is None or at is None or at < 0:
-            continue
-        found = indexed_array(image.text_bytes[at : at + _INDEXER_SCAN], start, runqueues)
-        if found is not None:
-            return found
-    return None
-
-
-def indexed_array(code: bytes, addr: int, variable: int) -> int | None:
-    """In ``code`` at ``addr``: the address of an array of 8-byte offsets loaded at an index
-    (``ldr xO, [xA, wI, sxtw #3]`` or ``[xA, xI, lsl #3]``) and added to ``variable``'s
-    address, both made by ``adrp``/``add``; None if there is no such sequence."""
-    made: dict[int, int] = {}  # register -> the address adrp/add made in it
-    loaded: dict[int, int] = {}  # register -> the array its value was loaded from
-    for i in range(0, len(code) - 3, 4):
-        insn = int.from_bytes(code[i : i + 4], "little")
-        here = addr + i
-        rd, rn = insn & 0x1F, (insn >> 5) & 0x1F
-        if insn & 0x9F00_0000 == 0x9000_0000:  # ADRP
-            made[rd] = adrp_address(insn, here)
-        elif insn & 0xFF80_0000 == 0x9100_0000 and rn in made:  # ADD (immediate), 64-bit
-            shift = 12 if insn >> 22 & 1 else 0
-            made[rd] = (made[rn] + (((insn >> 10) & 0xFFF) << shift)) & _MASK
-        elif insn & 0xFFE0_0C00 == 0xF860_0800 and rn in made:  # LDR (register), 64-bit
-            option, scaled = (insn >> 13) & 7, insn >> 12 & 1
-            if scaled and option in (0b011, 0b110):  # LSL #3 or SXTW #3
-                loaded[rd] = made[rn]
-        elif insn & 0xFFE0_FC00 == 0x8B00_0000:  # ADD (shifted register), 64-bit, LSL #0
-            rm = (insn >> 16) & 0x1F
-            for base, offset in ((rn, rm), (rm, rn)):
-                if made.get(base) == variable and offset in loaded:
-                    return loaded[offset]
-    return None
-
-
-def adrp_address(insn: int, at: int) -> int:
-    """The address an ADRP at ``at`` makes (its page)."""
-    page = ((insn >> 29) & 3 | ((insn >> 5) & 0x7_FFFF) << 2) << 12
-    if page >> 32:
-        page -= 1 << 33  # a signed 33-bit offset
-    return ((at & ~0xFFF) + page) & _MASK
-
-
 def _per_cpu_load(words: list[int], at: int) -> int | None:
     """``adrp; add; mrs tpidr; ldr [xA, xT]`` at ``at``: the address ``adrp``/``add`` make."""
     adrp, add, mrs, ldr = words
-    if adrp & 0x9F00_0000 != 0x9000_0000 or add & 0xFF80_0000 != 0x9100_0000:
+    if not is_adrp(adrp) or add & 0xFF80_0000 != 0x9100_0000:
         return None
     base = adrp & 0x1F
     if (add >> 5) & 0x1F != base or add & 0x1F != base:
@@ -147,15 +147,14 @@ def _per_cpu_load(words: list[int], at: int) -> int | None:
         return None
     if (ldr >> 16) & 0x1F != read[1]:
         return None
-    shift = 12 if add >> 22 & 1 else 0
-    return (adrp_address(adrp, at) + (((add >> 10) & 0xFFF) << shift)) & _MASK
+    return (adrp_page(adrp, at) + add_imm(add)) & _MASK
 
 
 def _mrs(insn: int) -> tuple[tuple[int, ...], int] | None:
     return _sysreg(insn, 0xD530_0000)
 
 
-def sysreg_write(insn: int) -> tuple[tuple[int, ...], int] | None:
+def _msr(insn: int) -> tuple[tuple[int, ...], int] | None:
     return _sysreg(insn, 0xD510_0000)
 
 

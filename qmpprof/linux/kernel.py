@@ -24,7 +24,7 @@ from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.arm64boot import BootTask, boot_task
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
-from qmpprof.linux.arm64percpu import per_cpu_area, per_cpu_offsets
+from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
@@ -114,19 +114,31 @@ class LinuxKernel:
         if section is not None:
             return section.addr
         found = self.symbols.address_of("__per_cpu_start")
-        if found is None and self.image.arch.name == "aarch64" and self.btf is not None:
-            return per_cpu_area(self.image, self.symbols, self.btf)
-        return found
+        layout = self._per_cpu_layout() if found is None else None
+        return found if layout is None else layout[0]
 
     @property
     def per_cpu_offsets(self) -> int | None:
         """The link address of ``__per_cpu_offset`` (each CPU's offset into the per-CPU area):
-        kallsyms', else on arm64 where the scheduler's code reads it; None when not known."""
+        kallsyms', else on arm64 where the boot code writes it; None when not known."""
         found = self.symbols.address_of("__per_cpu_offset")
-        area = self.per_cpu_start
-        if found is None and self.image.arch.name == "aarch64" and self.btf and area:
-            return per_cpu_offsets(self.image, self.symbols, self.btf, area)
+        layout = self._per_cpu_layout() if found is None else None
+        return found if layout is None else layout[1]
+
+    def data_symbol(self, name: str) -> int | None:
+        """A data symbol's link address: kallsyms', else (arm64's ``__entry_task``, on kernels
+        whose kallsyms name no data) where the kernel's own code puts it."""
+        found = self.symbols.address_of(name)
+        if found is None and name == "__entry_task" and self.image.arch.name == "aarch64":
+            return entry_task_link(self.image, self.symbols)
         return found
+
+    def _per_cpu_layout(self) -> tuple[int, int] | None:
+        """arm64's per-CPU area and ``__per_cpu_offset`` as its boot code has them (a scan of
+        one function's first KiB: not kept)."""
+        if self.image.arch.name != "aarch64":
+            return None
+        return per_cpu_layout(self.image, self.symbols)
 
     @property
     def thread_size(self) -> int | None:

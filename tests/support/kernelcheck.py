@@ -14,7 +14,9 @@ Without paths: the kernels of the architecture (amd64 unless told) the tests boo
 (``fixtures/build/kernels/<release>/``, arm64's releases ending in ``-arm64`` or
 ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
-header names, the link address, relocations, data symbols) and its own table
+header names, the link address, relocations, data symbols), the per-CPU area,
+``__per_cpu_offset`` and ``__entry_task`` read in its code beside the kernel's own symbols
+(``per_cpu_oracle``: its System.map, else its debug vmlinux) and its own table
 (``kerneltable.markdown_arm64``). A kernel's folder says its release, package version
 and suite (files ``version``, ``package``, ``suite``). ``--one`` prints one kernel's row as JSON
 (what each process runs); ``--load-only`` only its load time. The table goes to stdout.
@@ -25,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from qmpprof.guest.linux.current import locate_current
 from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux import arm64image, bannerslide, orc
+from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
 from qmpprof.linux.kaslr import entry_text_symbols
@@ -61,6 +65,9 @@ TIMEOUT = 600.0  # seconds one kernel's process may take
 REPEAT = 3  # loads timed cold, and cached: the best of each is reported
 # Symbols a run looks up by name in the image's kallsyms when it attaches to a guest
 # (qmpprof/guest/linux/guest.py, pagetables.py, vmcoreinfo.py).
+# The per-CPU symbols an arm64 kernel's code is read for (linux/arm64percpu.py), checked against
+# the kernel's own symbols.
+ORACLE_SYMBOLS = ("__per_cpu_start", "__per_cpu_offset", "__entry_task")
 RUN_SYMBOLS = (
     "init_task",
     "modules",
@@ -108,6 +115,7 @@ def describe(path: Path, kernel: LinuxKernel, layouts: Layouts) -> Row:
     readers: tuple[tuple[str, Callable[[], Row]], ...] = (
         ("kallsyms", lambda: kallsyms_facts(kernel)),
         ("per_cpu", lambda: per_cpu_facts(kernel)),
+        ("per_cpu_oracle", lambda: per_cpu_oracle(path, kernel)),
         ("orc", lambda: orc_facts(kernel)),
         ("btf", lambda: btf_facts(kernel, layouts)),
     )
@@ -228,6 +236,62 @@ def per_cpu_facts(kernel: LinuxKernel) -> Row:
         "note": note,
     }
     return row
+
+
+def per_cpu_oracle(path: Path, kernel: LinuxKernel) -> Row:
+    """arm64: the per-CPU area, ``__per_cpu_offset`` and ``__entry_task`` as qmpprof reads them
+    in the kernel's code (``arm64percpu``, whatever kallsyms name) and as a run takes them
+    (kallsyms' first), beside the kernel's own symbols (``own_symbols``: the oracle, never an
+    input of qmpprof's); ``differs`` lists each value that is not the oracle's."""
+    if kernel.image.arch is not AARCH64:
+        return {}
+    layout = per_cpu_layout(kernel.image, kernel.symbols) or (None, None)
+    entry = entry_task_link(kernel.image, kernel.symbols)
+    code = dict(zip(ORACLE_SYMBOLS, (*layout, entry), strict=True))
+    try:
+        current: int | None = locate_current(kernel)[0].link
+    except KeyError:
+        current = None
+    used = (kernel.per_cpu_start, kernel.per_cpu_offsets, current)
+    run = dict(zip(ORACLE_SYMBOLS, used, strict=True))
+    source, oracle = own_symbols(path.parent)
+    row: Row = {"source": source, "code": _hexes(code), "run": _hexes(run)}
+    if oracle is not None:
+        row["oracle"] = _hexes(oracle)
+        row["differs"] = [
+            f"{kind} {name}"
+            for kind, found in (("code", code), ("run", run))
+            for name in ORACLE_SYMBOLS
+            if found[name] != oracle.get(name)
+        ]
+    return row
+
+
+def own_symbols(folder: Path) -> tuple[str | None, dict[str, int] | None]:
+    """The kernel's own addresses of ``ORACLE_SYMBOLS`` and where they were read: its
+    System.map (``scripts/check-kernels`` takes it from the -dbg package; Debian's image
+    package ships a stub), else its debug vmlinux's symbol table (``nm``; the tests' kernels:
+    ``scripts/fetch-linux-dbg``); (None, None) without either."""
+    system_map = folder / "System.map"
+    text = system_map.read_text() if system_map.exists() else ""
+    source = "System.map"
+    if text.count("\n") <= 1 and (folder / "vmlinux-dbg").exists():  # none, or the stub's line
+        done = subprocess.run(
+            ["nm", "--defined-only", str(folder / "vmlinux-dbg")],
+            capture_output=True,
+            text=True,
+            check=True,
+            stdin=subprocess.DEVNULL,
+        )
+        text, source = done.stdout, "vmlinux-dbg"
+    elif text.count("\n") <= 1:
+        return None, None
+    lines = re.finditer(rf"^([0-9a-f]+) \w ({'|'.join(ORACLE_SYMBOLS)})$", text, re.M)
+    return source, {line[2]: int(line[1], 16) for line in lines}
+
+
+def _hexes(values: Mapping[str, int | None]) -> dict[str, str | None]:
+    return {name: None if value is None else hex(value) for name, value in values.items()}
 
 
 def symbol_at(symbols: KernelSymbols, addr: int) -> str | None:
@@ -384,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(one(args.one, args.load_only)))
         return 0
-    paths = [p.resolve() for p in args.paths] or kernels(args.arch)
+    paths = [p.absolute() for p in args.paths] or kernels(args.arch)
     if not paths:
         print("check-kernels: no kernels (scripts/fetch-linux, check-kernels)", file=sys.stderr)
         return 1

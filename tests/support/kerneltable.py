@@ -38,6 +38,7 @@ ARM64_COLUMNS = (
     "kallsyms symbols (not code)",
     "THREAD_SIZE",
     "current task pointer",
+    "per-CPU symbols (code, run) vs the kernel's own",
     "BTF types",
     "task (TASK_COMM_LEN)",
     "module text",
@@ -66,7 +67,7 @@ def _arm64_cells(row: Row) -> list[str]:
     kernel, load = _kernel_and_load(row)
     suite = row.get("suite") or "tests"
     if "image" not in row:
-        return [kernel, suite, "", "", load, *[""] * 9, _escape(row.get("error", "-"))]
+        return [kernel, suite, "", "", load, *[""] * 10, _escape(row.get("error", "-"))]
     image, kallsyms, btf = row["image"], row["kallsyms"], row["btf"]
     symbols = (
         _escape(kallsyms["error"])
@@ -91,6 +92,7 @@ def _arm64_cells(row: Row) -> list[str]:
         symbols,
         _num(image["thread_size"], "#x"),
         _per_cpu(row["per_cpu"])[1],
+        _oracle(row.get("per_cpu_oracle", {})),
         _escape(btf["error"]) if "error" in btf else _spaced(btf["types"]),
         "-" if not btf.get("task") else f"yes ({btf['comm_len']})",
         btf.get("module") or "-",
@@ -153,6 +155,18 @@ def _per_cpu(facts: Row) -> list[str]:
         return [kind, _escape(facts.get("current_error", "-"))]
     where = f"`{current['symbol']}` ({current['link']}{', moves' if current['moves'] else ''})"
     return [kind, where]
+
+
+def _oracle(facts: Row) -> str:
+    """Whether the per-CPU area, ``__per_cpu_offset`` and ``__entry_task`` qmpprof reads in an
+    arm64 kernel's code, and those a run takes, are the kernel's own (its System.map's)."""
+    if "error" in facts:
+        return _escape(facts["error"])
+    if facts.get("oracle") is None:
+        return "no System.map"
+    if facts["differs"]:
+        return "differ: " + ", ".join(facts["differs"]) + f" ({facts['source']})"
+    return f"agree ({facts['source']})"
 
 
 def _orc(facts: Row) -> str:

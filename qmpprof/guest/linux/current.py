@@ -1,8 +1,9 @@
 """Which task a Linux vCPU runs: the per-CPU current-task pointer, and the stacks it owns.
 
 The pointer is a per-CPU variable (``current_task``, or a field of ``pcpu_hot`` on the kernels
-that have it, 6.2 to 6.14; ``locate_current`` finds it in BTF or kallsyms). Where it is for a
-vCPU: ``__per_cpu_offset[cpu]`` plus the variable's address. What that address is the image
+that have it, 6.2 to 6.14; ``locate_current`` finds it in BTF, else kallsyms or, arm64's
+``__entry_task``, the kernel's code: ``LinuxKernel.data_symbol``). Where it is for a vCPU:
+``__per_cpu_offset[cpu]`` plus the variable's address. What that address is the image
 says (``LinuxKernel.per_cpu_start``): an offset into a zero-based per-CPU area (x86_64 up to
 6.x; KASLR leaves it alone), or an ordinary address of the image (7.x), which moves with the
 slide. ``__per_cpu_offset[cpu]`` is read once (before the first stop, by ``preload``); without
@@ -49,14 +50,15 @@ class PerCpuVariable:
 def locate_current(kernel: LinuxKernel) -> tuple[PerCpuVariable, str | None]:
     """The current task pointer, and a line when BTF and kallsyms disagree on where it is.
     BTF's per-CPU variables go first (their offsets into the per-CPU section), kallsyms next
-    (for kernels whose BTF has no variables: Debian's 5.10, built with an older pahole).
-    Raises KeyError naming what is missing."""
+    (for kernels whose BTF has no variables: Debian's 5.10, built with an older pahole; on
+    arm64 the kernel's code where kallsyms name no data). Raises KeyError naming what is
+    missing."""
     area = kernel.per_cpu_start
     btf = kernel.btf
     if area is None or btf is None:
         raise KeyError("a per-CPU area (.data..percpu) and BTF")
     for name in _HOLDERS:
-        from_symbols = kernel.symbols.address_of(name)
+        from_symbols = kernel.data_symbol(name)
         try:
             link: int | None = area + btf.percpu(name)[0]
         except KeyError:

@@ -38,7 +38,8 @@ MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 TASKS_CONFIRM_EVERY = 0.2
 # Seconds the upper levels of the page tables a kernel-mode sample's user memory is read
 # through (arm64: every such sample) are kept: a table freed and reused meanwhile would be
-# read stale for at most this long.
+# read stale for at most this long. The last level's pages are kept as long, but only as
+# guesses: each is read again with the data it led to (``PageTables.reader``).
 UPPER_KEPT = 0.5
 LINEAR_TRIES = 8  # samples lacking their task that may measure the linear map attach could not
 
@@ -88,6 +89,7 @@ class LinuxIdentifier:
         self._linear_tries = 0
         self.cpus = cpus
         self._upper: dict[int, bytes | None] = {}  # page-table pages above the last level
+        self._last_level: dict[int, bytes | None] = {}  # and the last level (checked in use)
         self._upper_read = clock()
         # Whether user-mode vCPUs were seen unable to read the kernel (then read physically)
         self.hidden = False
@@ -307,15 +309,16 @@ class LinuxIdentifier:
             # address (a memory-encryption bit, say). Not trusted until read again.
             spaces.forget_pgd(task)
             return None
-        upper = None
-        if rootless:  # every kernel-mode sample walks: the upper levels kept a while
+        upper = last = None
+        if rootless:  # every kernel-mode sample walks: the tables kept a while
             now = self.clock()
             if now - self._upper_read > UPPER_KEPT:
                 self._upper.clear()
+                self._last_level.clear()
                 self._upper_read = now
-            upper = self._upper
+            upper, last = self._upper, self._last_level
         return PageTables(
-            read, tables.direct_map, tables.levels, tables.entries, tables.user_end, upper
+            read, tables.direct_map, tables.levels, tables.entries, tables.user_end, upper, last
         ).reader(pgd)
 
     def _through(self, read: Reader, memory: Reader | None) -> Reader:

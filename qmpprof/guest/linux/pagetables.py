@@ -58,11 +58,15 @@ class PageTables:
         entries: EntryFormat = X86_64_ENTRIES,
         end: int | None = None,
         upper: dict[int, bytes | None] | None = None,
+        last: dict[int, bytes | None] | None = None,
     ) -> None:
         """``end``: where user space ends (None: half of what the levels translate, as on
         x86_64: 2^47 with four levels, 2^56 with five). ``upper``: table pages above the
         last level, kept by the caller across walkers (they change only when a region's
-        tables are allocated or freed; an entry not present there is read again once)."""
+        tables are allocated or freed; an entry not present there is read again once).
+        ``last``: last-level table pages kept the same way, but only as guesses: ``reader``
+        reads each one it used again in the request that reads the data, and reads again what a
+        changed entry moved (so a user page costs one request, not two)."""
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
@@ -70,33 +74,43 @@ class PageTables:
         self.user_end = user_end(levels) if end is None else end
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
         self._upper = upper
+        self._last = last
+        self._guessed: set[int] = set()  # last-level pages taken from ``last`` unchecked
 
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""
         self._tables.clear()
 
-    async def _entry(self, table: int, index: int, level: int = 1) -> int | None:
+    async def _entry(
+        self, table: int, index: int, level: int = 1, guess: bool = False
+    ) -> int | None:
         at = table + 8 * index
         base = at & ~(_PAGE - 1)
         kept = self._tables if level == 1 or self._upper is None else self._upper
+        if guess and level == 1 and base not in kept and self._last and base in self._last:
+            self._guessed.add(base)
+            kept = self._last
         if base not in kept:
             (kept[base],) = await self.read([(base, _PAGE)])
+            if level == 1 and self._last is not None:
+                self._last[base] = kept[base]
         page = kept[base]
         offset = at - base
         entry = None if page is None else int.from_bytes(page[offset : offset + 8], "little")
         if kept is self._upper and not (entry or 0) & _PRESENT and base not in self._tables:
             self._tables[base] = kept[base] = (await self.read([(base, _PAGE)]))[0]
-            return await self._entry(table, index, level)
+            return await self._entry(table, index, level, guess)
         return entry
 
-    async def physical(self, pgd: int, va: int) -> int | None:
+    async def physical(self, pgd: int, va: int, guess: bool = False) -> int | None:
         """The physical address of user address ``va`` in the address space whose top-level
-        table is at kernel address ``pgd``; None when it is not mapped (or not readable)."""
+        table is at kernel address ``pgd``; None when it is not mapped (or not readable).
+        ``guess``: a last-level page kept from before may say it (``reader`` checks it)."""
         table = pgd  # page-aligned on x86_64; arm64's smallest top levels share a page
         entries = self.entries
         for level in range(self.levels, 0, -1):
             shift = 12 + 9 * (level - 1)
-            entry = await self._entry(table, (va >> shift) & 511, level)
+            entry = await self._entry(table, (va >> shift) & 511, level, guess)
             if entry is None or not entry & _PRESENT:
                 return None
             base = entry & entries.address
@@ -108,18 +122,46 @@ class PageTables:
         return None
 
     def reader(self, pgd: int) -> Reader:
-        """Reads of the process's user addresses (each within one page)."""
+        """Reads of the process's user addresses (each within one page): every range
+        translated first, then their bytes in one request, with the last-level table pages
+        the translations guessed from ``last`` (which a second request corrects, when one
+        changed)."""
 
         async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-            out: list[bytes | None] = []
-            for addr, size in ranges:
-                within = (addr % _PAGE) + size <= _PAGE
-                at = await self.physical(pgd, addr) if within else None
-                found = None if at is None else await self.read([(self.direct_map + at, size)])
-                out.append(None if found is None else found[0])
-            return out
+            self._guessed.clear()
+            places = [await self._place(pgd, addr, size) for addr, size in ranges]
+            guessed = sorted(self._guessed)
+            found = await self._read_at(places, [(base, _PAGE) for base in guessed])
+            fresh, out = found[: len(guessed)], found[len(guessed) :]
+            changed = False
+            for base, page in zip(guessed, fresh, strict=True):
+                assert self._last is not None
+                changed |= self._last[base] != page
+                self._tables[base] = self._last[base] = page
+            if not changed:
+                return out
+            again = [await self._place(pgd, addr, size) for addr, size in ranges]
+            pairs = list(zip(again, places, strict=True))
+            redone = await self._read_at([p if p != q else None for p, q in pairs], [])
+            return [o if p == q else r for (p, q), o, r in zip(pairs, out, redone, strict=True)]
 
         return read
+
+    async def _place(self, pgd: int, addr: int, size: int) -> tuple[int, int] | None:
+        """Where [addr, addr+size) is in the direct map (None: unmapped, or across pages)."""
+        if (addr % _PAGE) + size > _PAGE:
+            return None
+        at = await self.physical(pgd, addr, guess=True)
+        return None if at is None else (self.direct_map + at, size)
+
+    async def _read_at(
+        self, places: Sequence[tuple[int, int] | None], before: Sequence[tuple[int, int]]
+    ) -> list[bytes | None]:
+        """``before``'s bytes, then each place's (None for a place of None), in one request."""
+        wanted = [p for p in places if p is not None]
+        found = await self.read([*before, *wanted]) if before or wanted else []
+        head, data = found[: len(before)], iter(found[len(before) :])
+        return [*head, *(None if p is None else next(data) for p in places)]
 
 
 def holds(root: int, pgd: int, direct_map: int) -> bool:
