@@ -171,18 +171,16 @@ class Waiting:
             return
         control = _Between(self.control, running, self._reads)
         await running()
-        found = [
-            task
-            for task in await self.lister.every_task(control)
-            if task.cpu is None and task.kernel is not None
-        ]
+        found = [task for task in await self.lister.every_task(control) if task.cpu is None]
         kept: dict[int, tuple[tuple[int, ...], TaskView, Sample | None]] = {}
         walked: list[_Walked] = []
         for task in found:
             before = self._kept.get(task.at)
             if before is not None and before[0] == task.version:
+                # kept even when its stack did not read this time (arm64: every vCPU at EL0
+                # then, its vmalloc'd stack mapped in none)
                 kept[task.at] = before
-            else:
+            elif task.kernel is not None:
                 await running()
                 walked.append(await _walk(task, self.unwinder))
         await running()

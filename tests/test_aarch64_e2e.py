@@ -4,7 +4,9 @@
 Every kernel frame must be named as the guest's own /proc/kallsyms names its address, the slide
 must be the guest's, the walks must reach an exception entry, a new task's or the idle loop's
 root (or be the one frame of a kernel entered from user mode), an exception taken in the
-kernel must lead into the code it interrupted, and the guest must run on afterwards."""
+kernel must lead into the code it interrupted, and the guest must run on afterwards. With
+``--off-cpu`` the tasks asleep must wait where the kernel's own unwinder says (/proc/PID/stack,
+dumped by init on the console once the workload runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +42,8 @@ ROOTS = ("ret_from_fork", "__primary_switched", "__secondary_switched")
 def guest(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Aarch64Guest]:
-    with running_aarch64_guest(tmp_path_factory.mktemp("aarch64"), request.param) as running:
+    tmp = tmp_path_factory.mktemp("aarch64")
+    with running_aarch64_guest(tmp, request.param, append="qmpprof.stacks") as running:
         yield running
 
 
@@ -257,3 +261,101 @@ def _code_word(path: Path, loads: Sequence[tuple[int, int, int]], vaddr: int) ->
                 f.seek(offset + vaddr - start)
                 return f.read(4)
     return None
+
+
+STACKS = re.compile(
+    r"^qmpprof-aarch64: stack of (\d+)\r?\n(.*?)(?=^qmpprof-aarch64: )", re.M | re.S
+)
+STACKS_END = "qmpprof-aarch64: stacks end"
+AGREE = 0.8  # of the tasks asleep in both views: the same functions (the rest ran meanwhile)
+
+
+def proc_stacks(guest: Aarch64Guest) -> dict[int, list[str]]:
+    """tid -> the functions of its /proc/PID/stack, leaf first, as init dumped them."""
+    deadline = time.monotonic() + 120
+    while STACKS_END not in guest.console_text():
+        assert time.monotonic() < deadline, guest.console_text()[-2000:]
+        time.sleep(0.5)
+    return {
+        int(tid): re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", text, re.M)
+        for tid, text in STACKS.findall(guest.console_text())
+    }
+
+
+def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path: Path) -> None:
+    """Every task asleep has a whole kernel stack, named as the guest's kallsyms, from the
+    context switch (``__switch_to`` in ``__schedule``: the pc of ``thread.cpu_context``) down
+    to the task's entry (``el0t_64_sync`` for a process, ``ret_from_fork`` for a kernel
+    thread); the kernel's own unwinder (/proc/PID/stack, which leaves out the scheduler's
+    functions: ``.sched.text`` and ``.spinlock.text``) agrees function for function."""
+    run = one_shot(guest, "--off-cpu", "--json")
+    assert run.returncode == 0, run.stderr
+    assert run_state(guest.qmp_socket) == "running"
+    tasks = {t["process"]["tid"]: t for t in json.loads(run.stdout)["tasks"]}
+    assert len(tasks) > 40 and tasks[1]["process"]["program"] == "init", sorted(tasks)
+    text, symbols = TextSymbols(guest.symbols), guest.symbols
+    skipped = [
+        (symbols.address_of(f"__{part}_text_start"), symbols.address_of(f"__{part}_text_end"))
+        for part in ("sched", "lock")
+    ]
+    asleep = {tid: t for tid, t in tasks.items() if t["cpu"] is None and t["state"] in "SDI"}
+    expected = proc_stacks(guest)
+    equal, compared, unequal = 0, 0, []
+    for tid, task in sorted(asleep.items()):
+        frames = [f for f in task["frames"] or [] if int(f["address"], 16) >= 1 << 63]
+        names = [f.get("symbol") for f in frames]
+        assert len(names) >= 4 and names[:2] == ["__switch_to", "__schedule"], (tid, names)
+        for frame in frames:  # each a return address: named at the call before it
+            assert frame["symbol"] in text.names_at(int(frame["address"], 16) - 1), (tid, frame)
+        root = "ret_from_fork" if task["process"]["program"].startswith("[") else "el0t_64_sync"
+        assert names[-1] == root, (tid, names)
+        ours = [
+            f["symbol"]
+            for f in frames
+            if not any(lo <= int(f["address"], 16) < hi for lo, hi in skipped if lo and hi)
+        ]
+        if expected.get(tid):
+            compared += 1
+            equal += ours == expected[tid]
+            if ours != expected[tid]:
+                unequal.append((tid, task["process"]["program"], ours, expected[tid]))
+    print(f"off CPU: {len(asleep)} tasks asleep, {equal}/{compared} as /proc/PID/stack")
+    print("unequal:", unequal)
+    assert compared >= 30 and equal >= AGREE * compared, unequal
+    # init's sleep (for an hour) and init waiting for it: in both views, the same.
+    sleeper = next(t for t in asleep.values() if t["process"]["program"] == "sleep")
+    for tid in (1, sleeper["process"]["tid"]):
+        names = [f["symbol"] for f in asleep[tid]["frames"] if int(f["address"], 16) >= 1 << 63]
+        assert ("do_wait" if tid == 1 else "hrtimer_nanosleep") in names, names
+        assert (tid, asleep[tid]["process"]["program"]) not in {u[:2] for u in unequal}
+    check_off_cpu_profile(guest, tmp_path)
+
+
+def check_off_cpu_profile(guest: Aarch64Guest, tmp_path: Path) -> None:
+    """A short sampling run with --off-cpu: the vCPUs sampled at every tick, and init waiting
+    for its sleep and kthreadd under ``[off-cpu: S]`` with their whole kernel stacks."""
+    folded = tmp_path / "offcpu.folded"
+    run = subprocess.run(
+        [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
+         "--kernel", str(guest.kernel), "--duration", "2", "--interval", "20", "--off-cpu",
+         "-o", str(folded)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run_state(guest.qmp_socket) == "running"
+    print(run.stderr)
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for line in folded.read_text().splitlines():
+        names, count = line.rsplit(" ", 1)
+        stacks[tuple(names.split(";"))] += int(count)
+    ticks = int(re.search(r"(\d+) ticks", run.stderr)[1])  # type: ignore[index]
+    on_cpu = sum(n for names, n in stacks.items() if not names[1].startswith("[off-cpu: "))
+    assert on_cpu >= 2 * SAMPLED * ticks, (on_cpu, ticks)
+    waiting = {names[0]: names for names in stacks if names[1:2] == ("[off-cpu: S]",)}
+    init, kthreadd = waiting.get("init (pid 1)"), waiting.get("[kthreadd] (pid 2)")
+    assert init is not None and kthreadd is not None, sorted(waiting)
+    assert init[-2:] == ("__schedule_[k]", "__switch_to_[k]") and "do_wait_[k]" in init, init
+    assert "el0t_64_sync_[k]" in init, init
+    assert kthreadd[2:] == (
+        "ret_from_fork_[k]", "kthreadd_[k]", "schedule_[k]", "__schedule_[k]", "__switch_to_[k]"
+    ), kthreadd  # fmt: skip

@@ -200,3 +200,12 @@ def test_a_signed_return_address_without_translation_settings_stops_the_walk() -
     raw = Unwinder(AARCH64).unwind(kregs(KTEXT, KSTACK, KSTACK + 0x20), mem, AddressSpace([]))
     assert raw.pcs == (KTEXT,)
     assert raw.stop is StopReason.BAD_RETURN
+
+
+def test_the_linear_map_ends_below_the_modules_vmalloc_and_image() -> None:
+    # PAGE_END: 0xffff800000000000 for 48-bit and 52-bit kernels alike (VA_BITS_MIN 48), where
+    # bookworm's 6.12 puts its modules and vmalloc'd task stacks (0xffff800080028000 seen).
+    assert AARCH64.linear_map_end is None  # TCR_EL1 not known
+    assert AARCH64.translated({"TCR_EL1": TCR_48}).linear_map_end == 0xFFFF_8000_0000_0000
+    assert AARCH64.translated({"TCR_EL1": 12 | 12 << 16}).linear_map_end == 0xFFFF_8000_0000_0000
+    assert AARCH64.translated({"TCR_EL1": 25 | 25 << 16}).linear_map_end == 0xFFFF_FFC0_0000_0000

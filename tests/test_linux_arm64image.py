@@ -21,16 +21,21 @@ from test_linux_bzimage import COMPRESSORS, size_append
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
+from qmpprof.guest.linux.arm64switch import CpuContext
 from qmpprof.guest.linux.guest import Layouts
+from qmpprof.guest.linux.offcpu import OffCpuLayout
 from qmpprof.linux import arm64image, arm64relr, bannerslide
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof.linux.taskstates import task_state_array
 
 pytestmark = pytest.mark.linux
 
 # Measured on the packages fetched here: where each is linked (KIMAGE_VADDR: 48-bit kernel
 # VAs in 6.1, 52 in 6.12) and how many symbols its kallsyms hold.
 LINKED = {"6.1": (0xFFFF_8000_0800_0000, 50_336), "6.12": (0xFFFF_8000_8000_0000, 151_594)}
+# task_struct.thread.cpu_context, where a task off CPU keeps its registers (BTF)
+CPU_CONTEXT = {"6.1": 3008, "6.12": 3024}
 
 
 @pytest.mark.parametrize("series", sorted(LINKED))
@@ -51,6 +56,24 @@ def test_bookworm_images_load_at_their_link_address(series: str) -> None:
     end = kernel.image.load_range[1]
     assert all(link <= addr <= end for addr in kernel.symbols.addrs)
     assert kernel.symbols.address_of("_end") in (None, end)
+    # --off-cpu reads a task's registers from its cpu_context (no inactive_task_frame here)
+    offcpu = Layouts.of(kernel).offcpu
+    assert isinstance(offcpu, OffCpuLayout) and isinstance(offcpu.switch, CpuContext)
+    assert offcpu.switch.saved == (CPU_CONTEXT[series], 104)
+    assert (offcpu.switch.fp, offcpu.switch.sp, offcpu.switch.pc) == (80, 88, 96)
+    # init_task and THREAD_SIZE from the boot code, task_state_array by its content: 6.1's
+    # kallsyms name none of them, 6.12's name the same addresses (its init_stack's size).
+    init_task, array, size = kernel.off_cpu_addresses()
+    booted = kernel.boot_task
+    assert booted is not None and size == booted.thread_size == 0x4000
+    assert init_task == booted.init_task and array == task_state_array(kernel.image)
+    if series == "6.12":
+        assert init_task == kernel.symbols.address_of("init_task")
+        assert array == kernel.symbols.address_of("task_state_array")
+        assert kernel.thread_size == 0x4000
+    else:
+        assert kernel.symbols.address_of("init_task") is None and kernel.thread_size is None
+        assert (init_task, array) == (0xFFFF_8000_09CC_8DC0, 0xFFFF_8000_08D4_48D8)
 
 
 def test_the_banner_is_in_the_read_only_data() -> None:

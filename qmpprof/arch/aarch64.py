@@ -37,6 +37,7 @@ _BIT55 = 1 << 55
 # The lower half's plain-form bound when TCR_EL1 is unknown: 48-bit addresses, the smallest
 # user virtual-address size of Linux on arm64 (4K pages, 4 levels; Debian's 6.1 and 6.12).
 _PLAIN_LOW = 1 << 48
+_LINEAR_BITS = 48  # VA_BITS_MIN of a 52-bit kernel (4 KiB or 16 KiB pages)
 
 
 def tnsz(tcr_el1: int) -> tuple[int, int]:
@@ -71,6 +72,15 @@ class AArch64:
     def user_space_end(self) -> int | None:
         # TTBR0's half: 64 - T0SZ bits (48 with 4 levels of 4 KiB pages, as without TCR_EL1).
         return _PLAIN_LOW if self.t0sz is None else 1 << (64 - self.t0sz)
+
+    @property
+    def linear_map_end(self) -> int | None:
+        # Linux's PAGE_END, _PAGE_END(VA_BITS_MIN): the linear map is the lower half of the
+        # kernel's space, of at most 48 bits (a 52-bit kernel keeps its modules, vmalloc area
+        # and image where a 48-bit one has them: 0xffff800000000000 up).
+        if self.t1sz is None:
+            return None
+        return (1 << 64) - (1 << (min(64 - self.t1sz, _LINEAR_BITS) - 1))
 
     @property
     def per_cpu_registers(self) -> tuple[str, ...]:

@@ -125,6 +125,13 @@ class InstructionSet(Protocol):
         ...
 
     @property
+    def linear_map_end(self) -> int | None:
+        """Where the kernel's map of all physical memory ends as the translation settings put
+        it (arm64 Linux: its modules and vmalloc area lie above, up to the kernel image); None
+        where only the kernel image's start bounds it."""
+        ...
+
+    @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU
         base in user mode as in kernel mode, read on every vCPU when memory does not say it;

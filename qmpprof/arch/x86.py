@@ -51,6 +51,10 @@ class X86:
         return None  # four or five levels of page tables: 2^47 or 2^56
 
     @property
+    def linear_map_end(self) -> int | None:
+        return None  # the direct map lies below the vmalloc area and the image: not needed
+
+    @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
 

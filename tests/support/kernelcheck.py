@@ -364,15 +364,12 @@ def btf_facts(kernel: LinuxKernel, layouts: Layouts) -> Row:
 
 
 def _offcpu(layouts: Layouts) -> str:
-    """What --off-cpu reads of a task off CPU (the state's width, the switch frame's and
+    """What --off-cpu reads of a task off CPU (the state's width, the saved registers' and
     pt_regs' sizes), or why it cannot."""
     found = layouts.offcpu
     if isinstance(found, str):
         return found
-    return (
-        f"state {found.state_size} B, inactive_task_frame {found.frame_size} B, "
-        f"pt_regs {found.regs_size} B"
-    )
+    return f"state {found.state_size} B, {found.switch.describe()}"
 
 
 def run_one(path: Path, cache: str, load_only: bool) -> Row:

@@ -19,6 +19,7 @@ from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_curr
 from qmpprof.guest.linux.entry import entry_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.guest.linux.image import kernel_module
+from qmpprof.guest.linux.kernelmemory import KernelTables, beyond_user_mode, kernel_root
 from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
 from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
@@ -141,6 +142,7 @@ class LinuxGuest:
         self.layouts = Layouts.of(kernel)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
         self.census: Census | str = "not attached"  # every task, or why not
+        self.kernel_tables: KernelTables | None = None  # arm64: for vmalloc'd stacks at EL0
 
     async def attach(self, transport: GuestTransport) -> Attached:
         """The slide, the modules, every vCPU's per-CPU base, every task and each process's
@@ -191,10 +193,9 @@ class LinuxGuest:
         low, high = kernel.image.load_range  # the whole image, its data too
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
+        top = image[0] if arch.linear_map_end is None else min(image[0], arch.linear_map_end)
         if current is not None:
-            linear = await find_linear_map(
-                control, _slots(current), arch.shared_from, image[0], image
-            )
+            linear = await find_linear_map(control, _slots(current), arch.shared_from, top, image)
         end = arch.user_space_end
         if end is None:  # x86_64: its paging levels say where user space ends
             tables: PageTables | None = await page_tables(
@@ -212,7 +213,7 @@ class LinuxGuest:
             async def late() -> LinearMap | None:
                 assert current is not None
                 found = await find_linear_map(
-                    control, _slots(current), arch.shared_from, image[0], image, tries=1
+                    control, _slots(current), arch.shared_from, top, image, tries=1
                 )
                 if found is not None and end is not None and spaces.tables is None:
                     spaces.tables = _arm64_tables(read, found, end)
@@ -236,7 +237,15 @@ class LinuxGuest:
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
-        self.census = await self._census(read, slide, init_task, current, spaces)
+        # The states' names are read where a vCPU in user mode cannot see them too.
+        self.kernel_tables = None
+        if linear is not None and spaces.tables is not None and layouts.vmas is not None:
+            seen = beyond_user_mode(control, cpus, linear)
+            root = await kernel_root(seen, kernel, slide, layouts.vmas.pgd)
+            self.kernel_tables = None if root is None else KernelTables(spaces.tables, root)
+        self.census = await self._census(
+            beyond_user_mode(control, cpus, linear, self.kernel_tables), slide, current, spaces
+        )
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -252,30 +261,25 @@ class LinuxGuest:
         return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
 
     async def _census(
-        self,
-        read: Reader,
-        slide: int,
-        init_task: int | None,
-        current: CurrentTask | None,
-        spaces: Spaces,
+        self, read: Reader, slide: int, current: CurrentTask | None, spaces: Spaces
     ) -> Census | str:
         """What reading every task takes, or why this kernel does not allow it."""
         layouts, kernel = self.layouts, self.kernel
         if isinstance(layouts.offcpu, str):
             return layouts.offcpu
+        init_task, array, size = kernel.off_cpu_addresses()
         if layouts.tasks is None or init_task is None:
             return "no task layout or init_task"
-        array = kernel.address("task_state_array", slide)
-        states = None if array is None else await read_states(read, array, self.arch)
+        states = None if array is None else await read_states(read, array + slide, self.arch)
         if states is None:
             return "no task_state_array in its symbols, or not as /proc shows it"
         return Census(
-            init_task,
+            init_task + slide,
             layouts.tasks,
             layouts.offcpu,
             states,
             self.arch,
-            kernel.thread_size,
+            size,
             current,
             spaces,
         )
@@ -283,16 +287,23 @@ class LinuxGuest:
     async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
-        cpus = await transport.cpus()
-        return await self.census.every_task(kernel_reader(transport, cpus))
+        return await self.census.every_task(await self._kernel_memory(transport))
 
     async def versions(
         self, transport: GuestTransport, tasks: Sequence[FoundTask]
     ) -> list[tuple[int, ...] | None]:
         if isinstance(self.census, str):
             raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
+        read = await self._kernel_memory(transport)
+        return await self.census.versions(read, [t.at for t in tasks])
+
+    async def _kernel_memory(self, transport: GuestTransport) -> Reader:
+        """Kernel memory through the vCPUs in turn, then what none of them mapped (each in user
+        mode: arm64's KPTI) physically through the linear map where it is known (slower: the
+        monitor's ``xp`` over QMP), and the rest (vmalloc'd stacks) through the kernel's own
+        page tables."""
         cpus = await transport.cpus()
-        return await self.census.versions(kernel_reader(transport, cpus), [t.at for t in tasks])
+        return beyond_user_mode(transport, cpus, self.identifier.linear, self.kernel_tables)
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

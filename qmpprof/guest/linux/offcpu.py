@@ -11,11 +11,10 @@ running kernel ("R (running)", "S (sleeping)", ...): entry 0 is a running task, 
 state bit 1 << (i - 1), the last one ("I (idle)") an uninterruptible sleep that does not count
 towards the load (TASK_NOLOAD, the one bit no description carries).
 
-A task off CPU resumes where its context switch left it: ``thread.sp`` points at the
-``inactive_task_frame`` it pushed (its frame pointer and the return address into the
-scheduler), and its kernel stack goes on above that frame. A task with a process beneath it
-entered the kernel from user mode: its user registers are the ``pt_regs`` at the top of its
-kernel stack.
+A task off CPU resumes where its context switch left it, and a task with a process beneath it
+entered the kernel from user mode with the registers at the top of its kernel stack: each
+instruction set's kernel keeps them its own way (``switch.SwitchLayout``: x86_64's
+``inactive_task_frame`` on the stack, arm64's ``thread.cpu_context``).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from qmpprof.guest.base import FoundTask
 from qmpprof.guest.linux.current import CurrentTask
 from qmpprof.guest.linux.pagetables import PageTables, split
 from qmpprof.guest.linux.spaces import Spaces
+from qmpprof.guest.linux.switch import SwitchLayout, switch_layout
 from qmpprof.guest.linux.tasks import (
     Task,
     TaskLayout,
@@ -40,15 +40,10 @@ from qmpprof.guest.linux.tasks import (
 )
 from qmpprof.linux.btf import Btf
 from qmpprof.memory import Reader, read_ints, read_one
-from qmpprof.model import Registers
 
 # TASK_NOLOAD (include/linux/sched.h: 0x400 in 5.10, 6.1, 6.12 and 7.2): with
 # TASK_UNINTERRUPTIBLE it makes TASK_IDLE, which /proc reports as the array's last entry.
 TASK_NOLOAD = 0x400
-# What lies above pt_regs at the top of a kernel stack (TOP_OF_KERNEL_STACK_PADDING, x86_64):
-# nothing, or 16 bytes on kernels built with CONFIG_X86_FRED (6.9 and later); the pt_regs whose
-# code and stack segments are user ones (privilege level 3) is taken.
-STACK_PADDINGS = (0, 16)
 _STATE_TEXT = re.compile(rb"(\S) \(([^)]+)\)\0")
 _MAX_STATES = 16
 _MAX_THREADS = 4096
@@ -63,59 +58,29 @@ class OffCpuLayout:
     exit_state: int
     nvcsw: int  # task_struct's context-switch counts (unsigned long): voluntary
     nivcsw: int  # and involuntary
-    thread_sp: int  # task_struct.thread.sp
     signal: int
     thread_node: int
     thread_head: int  # signal_struct.thread_head
-    frame_size: int  # struct inactive_task_frame
-    frame_bp: int
-    frame_ret: int
-    regs_size: int  # struct pt_regs
-    regs: tuple[tuple[str, int], ...]  # registers in pt_regs: the instruction set's name, offset
+    switch: SwitchLayout  # the registers it was switched out with, and its user registers
 
     @classmethod
     def from_btf(cls, btf: Btf, arch: InstructionSet) -> OffCpuLayout:
-        """Raises KeyError naming what this kernel's BTF lacks. ``pt_regs`` names x86_64's
-        registers without their "r" ("ip", "bx"; but "r8"), its segments "cs" and "ss"."""
+        """Raises KeyError naming what this kernel's BTF lacks."""
         try:
             state = btf.field("task_struct.__state")
         except KeyError:
             state = btf.field("task_struct.state")
-        frame = btf.find("inactive_task_frame")
-        regs = btf.find("pt_regs")
-        if frame is None or regs is None:
-            raise KeyError("inactive_task_frame or pt_regs")
         return cls(
             state=state.offset,
             state_size=btf.size_of(state.type_id),
             exit_state=btf.offset_of("task_struct.exit_state"),
             nvcsw=btf.offset_of("task_struct.nvcsw"),
             nivcsw=btf.offset_of("task_struct.nivcsw"),
-            thread_sp=btf.offset_of("task_struct.thread") + btf.offset_of("thread_struct.sp"),
             signal=btf.offset_of("task_struct.signal"),
             thread_node=btf.offset_of("task_struct.thread_node"),
             thread_head=btf.offset_of("signal_struct.thread_head"),
-            frame_size=btf.size_of(frame),
-            frame_bp=btf.offset_of("inactive_task_frame.bp"),
-            frame_ret=btf.offset_of("inactive_task_frame.ret_addr"),
-            regs_size=btf.size_of(regs),
-            regs=tuple(_pt_regs(btf, (*arch.names, "cs", "ss"))),
+            switch=switch_layout(btf, arch),
         )
-
-
-def _pt_regs(btf: Btf, names: Sequence[str]) -> list[tuple[str, int]]:
-    out = []
-    for name in names:
-        for member in (name, name[1:]):
-            try:
-                out.append((name, btf.offset_of(f"pt_regs.{member}")))
-                break
-            except KeyError:
-                continue
-    found = {name for name, _ in out}
-    if not {"cs", "ss"} <= found:
-        raise KeyError("pt_regs.cs, pt_regs.ss")
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,42 +147,6 @@ async def threads(read: Reader, leaders: Sequence[int], layout: OffCpuLayout) ->
     return [task for leader in leaders for task in (leader, *members[leader])]
 
 
-def kernel_registers(
-    frame: bytes, sp: int, layout: OffCpuLayout, arch: InstructionSet
-) -> Registers | None:
-    """Where a task off CPU resumes in the kernel, from the ``inactive_task_frame`` at its
-    ``thread.sp``: the return address its context switch pushed, the frame pointer it saved,
-    its stack above that frame (as the kernel's own ORC unwinder starts on a blocked task,
-    ``__unwind_start``)."""
-    if len(frame) < layout.frame_size:
-        return None
-    ret = int.from_bytes(frame[layout.frame_ret : layout.frame_ret + 8], "little")
-    bp = int.from_bytes(frame[layout.frame_bp : layout.frame_bp + 8], "little")
-    if ret < arch.shared_from:
-        return None
-    return Registers(0, arch.name, ret, sp + layout.frame_size, bp, False, 0)
-
-
-def user_registers(top: bytes, layout: OffCpuLayout, arch: InstructionSet) -> Registers | None:
-    """The user registers a task entered the kernel with: the ``pt_regs`` at the top of its
-    kernel stack (``top``: the stack's last bytes, up to its end)."""
-    offsets = dict(layout.regs)
-    for pad in STACK_PADDINGS:
-        base = len(top) - pad - layout.regs_size
-        if base < 0:
-            continue
-
-        def value(name: str, base: int = base) -> int:
-            offset = base + offsets[name]
-            return int.from_bytes(top[offset : offset + 8], "little")
-
-        if value("cs") & 3 == 3 and value("ss") & 3 == 3:
-            gprs = {n: value(name) for n, name in enumerate(arch.names) if name in offsets}
-            pc, sp, fp = gprs.get(arch.pc, 0), gprs.get(arch.sp, 0), gprs.get(arch.fp, 0)
-            return Registers(0, arch.name, pc, sp, fp, True, 0, gprs=gprs)
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class Census:
     """What reading every task of a stopped guest takes, put together when attached."""
@@ -243,7 +172,7 @@ class Census:
         for at in every:
             ranges += [
                 task_range(at, self.tasks),
-                (at + self.layout.thread_sp, 8),
+                self._saved(at),
                 *self._switches(at),
             ]
         raw = await read(ranges)
@@ -251,9 +180,13 @@ class Census:
         first = [(at, found) for at, found in zip(every, read_first, strict=True) if found]
         second = await read([r for at, found in first for r in self._second(found, at in running)])
         tables = self.spaces.tables
-        walk = None if tables is None else PageTables(read, tables.direct_map, tables.levels)
+        walk = None
+        if tables is not None:  # its entries and levels: arm64's are not x86_64's
+            walk = PageTables(
+                read, tables.direct_map, tables.levels, tables.entries, tables.user_end
+            )
         out = []
-        for i, (at, (task, leader, version, sp)) in enumerate(first):
+        for i, (at, (task, leader, version, saved)) in enumerate(first):
             more = second[3 * i : 3 * i + 3]
             task = task if leader is None else with_leader(task, more[0])
             letter, name = self.states.decode(*version[:2])
@@ -262,7 +195,7 @@ class Census:
                 task.process, letter, name, running.get(at), space, at=at, version=version
             )
             if more[1] is not None:
-                found = self._stacks(found, task, sp, more[1], more[2], read, walk)
+                found = self._stacks(found, task, saved, more[1], more[2], read, walk)
             out.append(found)
         return sorted(out, key=lambda t: (t.process.tid or 0) if t.process else 0)
 
@@ -280,6 +213,11 @@ class Census:
                 out.append(tuple(int.from_bytes(part or b"", "little") for part in parts))
         return out
 
+    def _saved(self, at: int) -> tuple[int, int]:
+        """Where its context switch left its registers."""
+        offset, size = self.layout.switch.saved
+        return at + offset, size
+
     def _switches(self, at: int) -> list[tuple[int, int]]:
         """Where a task's version lies: its state, exit state and context-switch counts."""
         layout = self.layout
@@ -292,22 +230,24 @@ class Census:
 
     def _first(
         self, at: int, raw: list[bytes | None]
-    ) -> tuple[Task, int | None, tuple[int, ...], int] | None:
-        """The task, the leader whose name it needs, its version (``versions``) and
-        ``thread.sp``."""
+    ) -> tuple[Task, int | None, tuple[int, ...], bytes] | None:
+        """The task, the leader whose name it needs, its version (``versions``) and the
+        registers its context switch saved."""
         if any(part is None for part in raw):
             return None
-        fields, sp, *version = (part or b"" for part in raw)
+        fields, saved, *version = (part or b"" for part in raw)
         task, leader = parse_task(fields, at, self.tasks, self.arch.shared_from)
         numbers = tuple(int.from_bytes(part, "little") for part in version)
-        return task, leader, numbers, int.from_bytes(sp, "little")
+        return task, leader, numbers, saved
 
     def _second(
-        self, found: tuple[Task, int | None, tuple[int, ...], int], on_cpu: bool
+        self, found: tuple[Task, int | None, tuple[int, ...], bytes], on_cpu: bool
     ) -> list[tuple[int, int]]:
-        """Its leader's name; off CPU, its kernel stack from ``thread.sp`` to the stack's end
-        (an exited task's stack is freed); its page tables' root (size 0: not wanted)."""
-        task, leader, version, sp = found
+        """Its leader's name; off CPU, its kernel stack from the stack pointer it was switched
+        out with to the stack's end (an exited task's stack is freed); its page tables' root
+        (size 0: not wanted)."""
+        task, leader, version, saved = found
+        sp = self.layout.switch.stack_pointer(saved)
         exit_state = version[1]
         name = (0, 0) if leader is None else (leader + self.tasks.comm, self.tasks.comm_size)
         size, vmas = self.thread_size, self.spaces.vmas
@@ -322,17 +262,19 @@ class Census:
         self,
         found: FoundTask,
         task: Task,
-        sp: int,
+        saved: bytes,
         stack: bytes,
         pgd: bytes | None,
         read: Reader,
         walk: PageTables | None,
     ) -> FoundTask:
-        kernel = kernel_registers(stack[: self.layout.frame_size], sp, self.layout, self.arch)
+        switch = self.layout.switch
+        sp = switch.stack_pointer(saved)
+        kernel = switch.kernel_registers(saved, stack, sp, self.arch)
         window = (sp, stack)
         if not task.mm:
             return dataclasses.replace(found, kernel=kernel, read=read, window=window)
-        user = user_registers(stack, self.layout, self.arch)
+        user = switch.user_registers(stack, self.arch)
         root = None if pgd is None else int.from_bytes(pgd, "little")
         read_user = None if walk is None or root is None else walk.reader(root)
         both = split(read, read_user, self.arch.shared_from)
