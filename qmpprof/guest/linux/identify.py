@@ -32,6 +32,7 @@ from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.space import AddressSpace, Module
 
 LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
+USER_SP = "SP_EL0"  # the user stack pointer, likewise
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
@@ -166,14 +167,26 @@ class LinuxIdentifier:
 
     async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
         """``regs`` with the exception link register, read in this pause for a sample taken
-        where the interrupted pc is only there (``EntryCode.holds_link``); None otherwise."""
+        where the interrupted pc is only there (``EntryCode.holds_link``), and the user stack
+        pointer with it where the interrupted code is the user's and nothing of it is saved yet
+        (``EntryCode.holds_user``); None otherwise."""
         entry = self.entry
-        if entry is None or regs.user or not entry.holds_link(regs.pc - self.space.modules[0].bias):
+        if entry is None or regs.user:
             return None
-        values = await transport.system_registers(regs.cpu, (LINK_REGISTER,))
-        if LINK_REGISTER not in values:
+        link = regs.pc - self.space.modules[0].bias
+        if entry.holds_link(link):
+            names: tuple[str, ...] = (LINK_REGISTER,)
+        elif entry.holds_user(link) and entry.user_sp is not None:
+            names = (LINK_REGISTER, USER_SP)
+        else:
             return None
-        return dataclasses.replace(regs, gprs={**regs.gprs, entry.link: values[LINK_REGISTER]})
+        values = await transport.system_registers(regs.cpu, names)
+        if any(name not in values for name in names):
+            return None
+        gprs = {**regs.gprs, entry.link: values[LINK_REGISTER]}
+        if entry.user_sp is not None and USER_SP in values:
+            gprs[entry.user_sp] = values[USER_SP]
+        return dataclasses.replace(regs, gprs=gprs)
 
     async def _identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
