@@ -13,6 +13,7 @@ changed (an exec, a task_struct reused) has the task read again in the pause.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -254,9 +255,37 @@ class LinuxIdentifier:
             # Not on the exiting task's own stack (an interrupt's, or the next task's in the
             # middle of a context switch): the walk may not be its, so its end is not told.
             return Identity(seen.identity.process, self.space)
+        identity = seen.identity
         if memory is not None:
-            return dataclasses.replace(seen.identity, memory=self._through(read, memory))
-        return seen.identity
+            identity = dataclasses.replace(identity, memory=self._through(read, memory))
+        if seen.task is None or identity is self.kernel or self.spaces is None:
+            return identity
+        return dataclasses.replace(
+            identity, again=functools.partial(self._again, read, task, seen.task, regs, identity)
+        )
+
+    async def _again(
+        self,
+        read: Reader,
+        at: int,
+        task: Task,
+        regs: Registers,
+        identity: Identity,
+        pcs: Sequence[int],
+    ) -> Identity | None:
+        """``identity`` with its process's space read again, in the pause, when user addresses
+        of the walk (``pcs``) fall in none of its mappings on a page not found lacking when
+        they were read: a library mapped since (a kernel-mode sample asks nothing else of
+        them). None: the space as it is answers for them."""
+        assert self.spaces is not None
+        if self.spaces.holds(task, pcs):
+            return None
+        space, memory = await self._placed(read, task, regs, pcs)
+        if space is identity.space:
+            return None
+        self.tasks.update(at, Identity(task.process, space))
+        through = identity.memory if memory is None else self._through(read, memory)
+        return dataclasses.replace(identity, space=space, memory=through, again=None)
 
     async def _stack_owner(
         self, read: Reader, regs: Registers, current: int, size: int
@@ -276,7 +305,7 @@ class LinuxIdentifier:
         return Identity(found.process, await self._space(read, found, regs))
 
     async def _placed(
-        self, read: Reader, task: Task, regs: Registers
+        self, read: Reader, task: Task, regs: Registers, pcs: Sequence[int] = ()
     ) -> tuple[AddressSpace, Reader | None]:
         """``task``'s space, and reads of its user memory through its own page tables when the
         vCPU holds another's (``_foreign``): asked before the space is placed, so that placing
@@ -284,7 +313,7 @@ class LinuxIdentifier:
         spaces = self.spaces
         root = None if spaces is None else spaces.pgd_of(task)
         memory = self._foreign(read, task, regs)
-        space = await self._space(self._through(read, memory), task, regs)
+        space = await self._space(self._through(read, memory), task, regs, pcs)
         if memory is None and spaces is not None and spaces.pgd_of(task) != root:
             memory = self._foreign(read, task, regs)
         return space, memory
@@ -334,10 +363,13 @@ class LinuxIdentifier:
     def _through(self, read: Reader, memory: Reader | None) -> Reader:
         return read if memory is None else split(read, memory, self.arch.shared_from)
 
-    async def _space(self, read: Reader, task: Task, regs: Registers) -> AddressSpace:
+    async def _space(
+        self, read: Reader, task: Task, regs: Registers, pcs: Sequence[int] = ()
+    ) -> AddressSpace:
+        """``task``'s space, answering for its user-mode pc and the user addresses ``pcs``."""
         if self.spaces is None:
             return self.space
-        return await self.spaces.space_of(read, task, regs.pc if regs.user else None)
+        return await self.spaces.space_of(read, task, [regs.pc, *pcs] if regs.user else pcs)
 
     def _stamp(self, task: int, cache: PageCache) -> Stamp | None:
         """The stamp of ``task`` when the sample read it with the window (it was expected)."""
