@@ -42,7 +42,9 @@ TASKS_CONFIRM_EVERY = 0.2
 # through (arm64: every such sample) are kept: a table freed and reused meanwhile would be
 # read stale for at most this long.
 UPPER_KEPT = 0.5
-LINEAR_TRIES = 8  # samples lacking their task that may measure the linear map attach could not
+# Housekeeping calls that may measure the linear map attach could not, once a vCPU's per-CPU
+# base is known (each a pass over the vCPUs' registers and QEMU's translations).
+LINEAR_TRIES = 8
 
 
 class LinuxIdentifier:
@@ -72,11 +74,10 @@ class LinuxIdentifier:
         ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
         user stacks are learnt as a task's). ``linear``: the kernel's linear map, read
         physically for a user-mode sample when the vCPU's own translation hides the kernel.
-        ``find_linear``: measures the linear map in a pause, when attach could not (no vCPU
-        was in kernel mode then). ``cpus``: the vCPUs ``control`` reads kernel memory through,
-        in turn. ``entry``: the
-        image's exception code, whose samples at an exception's entry need the exception link
-        register."""
+        ``find_linear``: measures the linear map between samples, when attach could not (no
+        vCPU was in kernel mode then, or no per-CPU base was known). ``cpus``: the vCPUs
+        ``control`` reads kernel memory through, in turn. ``entry``: the image's exception
+        code, whose samples at an exception's entry need the exception link register."""
         self.arch = arch
         self.entry = entry
         self.layout = layout
@@ -128,10 +129,17 @@ class LinuxIdentifier:
 
     async def housekeep(self) -> None:
         """Between samples, while the guest runs, one job a call, each on its own schedule, so
-        that no call keeps the next tick waiting long: every MODULES_RECHECK seconds, read the
+        that no call keeps the next tick waiting long: the linear map, until measured (up to
+        LINEAR_TRIES times), when attach could not; every MODULES_RECHECK seconds, read the
         module list again (its links; new modules in full) and take in what was loaded or
         unloaded since; read the files a pause met; confirm one process's mappings; every
         TASKS_CONFIRM_EVERY seconds, the tasks sampled lately."""
+        if self.linear is None and self.find_linear is not None and self._bases_known():
+            self.linear = await self.find_linear()
+            self._linear_tries += 1
+            if self.linear is not None or self._linear_tries >= LINEAR_TRIES:
+                self.find_linear = None
+            return
         now = self.clock()
         if self.module_list is not None and now - self._modules_read >= MODULES_RECHECK:
             self._modules_read = now
@@ -149,6 +157,10 @@ class LinuxIdentifier:
         if self.layout is not None and now - self._tasks_confirmed >= TASKS_CONFIRM_EVERY:
             self._tasks_confirmed = now
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
+
+    def _bases_known(self) -> bool:
+        """Whether a vCPU's per-CPU base is known (its current-task slot measures the map)."""
+        return self.current is not None and bool(self.current.bases)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         if self.current is None or (regs.user and self.hidden):
@@ -200,11 +212,6 @@ class LinuxIdentifier:
         if viewed and linear is not None:
             transport, cache = LinearView(transport, linear), PageCache()
         task = await current.pointer(transport, regs, cache)
-        if task is None and linear is None and self.find_linear is not None:
-            linear = self.linear = await self.find_linear()  # attach could not: now, maybe
-            self._linear_tries += 1
-            if linear is not None or self._linear_tries >= LINEAR_TRIES:
-                self.find_linear = None
         if task is None and not viewed and linear is not None:
             # The kernel unmapped in user mode (arm64's KPTI; in kernel mode too for the few
             # instructions of an exception's entry): through the linear map.
