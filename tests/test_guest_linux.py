@@ -711,10 +711,19 @@ async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
     walked: list[int] = []
 
     class Tables(_Tables):
+        walk: Reader | None = None  # what the tables are read through (a pause's reads)
+
+        def over(self, read: Reader) -> Tables:
+            self.walk = read
+            return self
+
         def reader(self, pgd: int) -> Reader:
             self.pgds.append(pgd)
 
             async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+                assert self.walk is not None
+                (top,) = await self.walk([(pgd, 8)])  # the top level, in kernel memory
+                assert top is not None
                 walked.extend(a for a, _ in ranges)
                 return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
 
@@ -726,6 +735,7 @@ async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
     task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
     memory = Memory()  # the kernel's: no user page in it
     memory.put(mm + pgd_at, struct.pack("<Q", pgd))
+    memory.put(pgd, struct.pack("<Q", 0x4003))
     space = await spaces.space_of(reader(memory, []), task)
     module = space.find(0x40_1000)
     assert module is not None and module.name == "myapp" and module.mapping.path is not None

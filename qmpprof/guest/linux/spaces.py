@@ -171,11 +171,11 @@ class Spaces:
         load: bool = True,
         pgd: int | None = None,
     ) -> AddressSpace:
-        tables = self.tables
+        tables, seen = self.tables, code
         if pgd is not None and tables is not None:
             # What ``code`` does not show (an arm64 vCPU in kernel mode reads no user page:
-            # PAN) is read through the process's own tables.
-            code = _or_else(code, lambda: tables.over(code).reader(pgd))
+            # PAN) is read through the process's own tables, walked by ``code`` too.
+            code = _or_else(seen, lambda: tables.over(seen).reader(pgd))
         user = await user_modules(code, vmas, self.files, load=load)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
