@@ -118,8 +118,7 @@ class LinuxIdentifier:
             return
         for at in tasks:
             task = await read_task(read, at, self.layout, self.arch.shared_from)
-            if task is None:
-                self.tasks.put(at, None, self.kernel)
+            if task is None:  # being made or torn down: a sample of it reads it again
                 continue
             space = self.space if self.spaces is None else await self.spaces.preload(read, task)
             if space is not None:
