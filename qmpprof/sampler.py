@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
-from qmpprof.guest.base import GuestIdentifier
+from qmpprof.guest.base import GuestIdentifier, Identified
 from qmpprof.memo import Memo
 from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
 from qmpprof.model import NO_CPU, Mode, Process, Registers, Sample, Stack
@@ -58,6 +58,10 @@ class StackUnwinder(Protocol[Space_contra, Raw]):
     def kernel_boundary(self) -> int: ...
 
     def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
+
+    def unplaced(self, raw: Raw, space: Space_contra) -> Sequence[int]:
+        """The user addresses of a walk that no code of ``space`` holds."""
+        ...
 
     def resolve(self, raw: Raw, space: Space_contra) -> Stack: ...
 
@@ -429,13 +433,19 @@ class Sampler(Generic[Space, Raw]):
             # A refused identity read is retried (and counted) by identify() itself.
             await self.stacks.prefetch(regs, cache, self.identifier.reads_for(regs), seen)
             identity = await self.identifier.identify(self.transport, regs, seen)
-            captured.process, captured.space = identity.process, identity.space
-            memory = identity.memory
-            if memory is not None:  # user memory the vCPU does not show: read its part again
-                cache = cache.above(self.boundary)
             walked = regs if identity.registers is None else identity.registers
-            captured.raw = await self._unwind(walked, cache, identity.space, memory)
-            if memory is None:
+            if identity.memory is not None:  # user memory the vCPU does not show: read again
+                cache = cache.above(self.boundary)
+            captured.raw = await self._walk(captured, walked, cache, identity)
+            again = identity.again
+            lacking = () if again is None else self.unwinder.unplaced(captured.raw, identity.space)
+            fresh = await again(lacking) if again is not None and lacking else None
+            if fresh is not None:  # user code mapped since its space was read: walked in it
+                if fresh.memory is not None and identity.memory is None:
+                    cache = cache.above(self.boundary)
+                identity = fresh
+                captured.raw = await self._walk(captured, walked, cache, identity)
+            if identity.memory is None:
                 self.stacks.learn(regs, cache)
         except GuestGoneError:
             raise
@@ -443,6 +453,16 @@ class Sampler(Generic[Space, Raw]):
             captured.error = f"{type(err).__name__}: {err}"
         self._phase("memory", mark)
         return captured
+
+    async def _walk(
+        self,
+        captured: _Captured[Space, Raw],
+        regs: Registers,
+        cache: PageCache,
+        identity: Identified[Space],
+    ) -> Raw:
+        captured.process, captured.space = identity.process, identity.space
+        return await self._unwind(regs, cache, identity.space, identity.memory)
 
     async def _unwind(
         self, regs: Registers, cache: PageCache, space: Space, memory: Reader | None

@@ -258,6 +258,10 @@ class FramePointerUnwinder:
             rbp = saved
         return tuple(pcs), StopReason.END
 
+    def unplaced(self, raw: RawStack, space: FakeSpace) -> tuple[int, ...]:
+        """The user pcs no symbol of ``space`` covers."""
+        return tuple(pc for pc in raw[0] if pc < KERNEL_BOUNDARY and space.name(pc)[0] is None)
+
     def resolve(self, raw: RawStack, space: FakeSpace) -> Stack:
         if self.on_resolve is not None:
             self.on_resolve()
@@ -279,6 +283,7 @@ class KernelIdentity(Generic[Space]):
     space: Space
     memory: Reader | None = None  # as the vCPU sees it
     registers: Registers | None = None  # as sampled
+    again: None = None  # its space is never read again
 
 
 class KernelIdentifier(Generic[Space]):

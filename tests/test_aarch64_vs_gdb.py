@@ -97,13 +97,17 @@ async def compare(tmp_path: Path, series: str) -> tuple[Tally, Names]:
             spec = session.RunSpec(
                 qmp_socket=guest.qmp_socket, transport="qmp", kernel=guest.kernel, os="linux"
             )
-            run = await session.start(spec)
+            linux = session.load(spec)
+            run = await session.start(spec, guest=linux)
             try:
                 for moment in range(MOMENTS):
                     seen = await stopped_moment(oracle, run, rng)
                     compare_moment(oracle, seen, f"moment {moment}", starts, tally)
                     names.count(text, seen, f"moment {moment}")
                     oracle.resume()
+                    # What a run does between ticks, the guest running: what attach could not
+                    # read (the linear map, when gdb had stopped every vCPU at EL0) is read.
+                    await linux.housekeep()
             finally:
                 await run.transport.close()
         finally:

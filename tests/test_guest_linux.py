@@ -429,6 +429,9 @@ class _Tables:
 
         return read
 
+    def over(self, read: Reader) -> _Tables:
+        return self
+
     def forget(self) -> None:
         pass
 
@@ -682,16 +685,69 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
     assert files.unread == {"myapp"} and not files.read("myapp")
     assert await spaces.space_of(read, task) is first  # not placed again meanwhile
     await spaces.settle(read)
-    assert files.read("myapp") and not files.unread and tables.pgds == [pgd]
+    # Its tables: for the pause's probe (the vCPU showed no code), then to place it.
+    assert files.read("myapp") and not files.unread and tables.pgds == [pgd, pgd]
     again = (await spaces.space_of(read, task)).find(0x40_1000)
     assert again is not None and again.name == "myapp" and again.mapping.path is not None
+
+
+async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_build: None
+) -> None:
+    """An arm64 vCPU in kernel mode reads no user page (PAN): the code of a process met in a
+    kernel-mode sample is compared with its file through the process's own tables, so that
+    it is placed in that pause, not named by its mapping alone."""
+    program = BUILD_ROOT / "cfi" / "user" / "spin.elf"
+    (tmp_path / "myapp").write_bytes(program.read_bytes())
+    files = UserFiles(tmp_path)
+    files.candidates("myapp")  # read before: only the pause's view of memory is at stake
+    mm, pgd, pgd_at = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000, 0x58
+    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    walked: list[int] = []
+
+    class Tables(_Tables):
+        walk: Reader | None = None  # what the tables are read through (a pause's reads)
+
+        def over(self, read: Reader) -> Tables:
+            self.walk = read
+            return self
+
+        def reader(self, pgd: int) -> Reader:
+            self.pgds.append(pgd)
+
+            async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+                assert self.walk is not None
+                (top,) = await self.walk([(pgd, 8)])  # the top level, in kernel memory
+                assert top is not None
+                walked.extend(a for a, _ in ranges)
+                return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
+
+            return read
+
+    tables = Tables()
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=pgd_at))
+    spaces = Spaces(AddressSpace([KERNEL]), vmas, files, cast(PageTables, tables), lambda: 0.0)
+    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    memory = Memory()  # the kernel's: no user page in it
+    memory.put(mm + pgd_at, struct.pack("<Q", pgd))
+    memory.put(pgd, struct.pack("<Q", 0x4003))
+    space = await spaces.space_of(reader(memory, []), task)
+    module = space.find(0x40_1000)
+    assert module is not None and module.name == "myapp" and module.mapping.path is not None
+    assert tables.pgds == [pgd] and walked == [0x40_0000]
 
 
 async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_page(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A process that has just started maps its libraries one after the other: a sample at a
-    pc its mappings as read lack reads them again; a page still lacking is not read again."""
+    pc (or a walk with a return address) its mappings as read lack reads them again; a page
+    still lacking is not read again."""
     mm = 0xFFFF_8880_0500_0000
     mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
     reads = []
@@ -705,13 +761,18 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
     spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
     task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
     read = reader(Memory(), [])
-    await spaces.space_of(read, task, 0x40_1000)
+    await spaces.space_of(read, task, [0x40_1000])
     assert reads == [mm]
-    await spaces.space_of(read, task, 0x40_2000)  # held: nothing read
-    assert reads == [mm]
+    await spaces.space_of(read, task, [0x40_2000])  # held: nothing read
+    assert reads == [mm] and spaces.holds(task, [0x40_2000])
     mapped.append(Vma(0x7F00_0000_0000, 0x7F00_0002_0000, 0, VM_EXEC, 0, "libc.so.6"))
-    libc = await spaces.space_of(read, task, 0x7F00_0000_1234)  # mapped since: read again
+    assert not spaces.holds(task, [0x40_2000, 0x7F00_0000_1234])
+    libc = await spaces.space_of(read, task, [0x7F00_0000_1234])  # mapped since: read again
     assert reads == [mm, mm] and libc.find(0x7F00_0000_1234) is not None
-    await spaces.space_of(read, task, 0x7E00_0000_0000)  # in no mapping: read once...
-    await spaces.space_of(read, task, 0x7E00_0000_0010)  # ...not again for that page
-    assert reads == [mm, mm, mm]
+    await spaces.space_of(read, task, [0x7E00_0000_0000])  # in no mapping: read once...
+    await spaces.space_of(read, task, [0x7E00_0000_0010])  # ...not again for that page
+    assert reads == [mm, mm, mm] and spaces.holds(task, [0x7E00_0000_0020, 0x40_1000])
+    # Several addresses of a walk: one read for all, their lacking pages kept together.
+    await spaces.space_of(read, task, [0x40_1000, 0x7D00_0000_0000, 0x7C00_0000_0000])
+    assert reads == [mm, mm, mm, mm]
+    assert spaces.holds(task, [0x7D00_0000_0008, 0x7C00_0000_0008, 0x7E00_0000_0000])

@@ -1,15 +1,21 @@
 """Kernel memory read physically through the linear map when a vCPU's translation hides it:
 the offset measured as QEMU translates the vCPUs' slots through a vCPU in kernel mode, and
-the view that sends linear addresses to physical memory and the rest through the vCPU."""
+the view that sends linear addresses to physical memory and the rest through the vCPU; measured
+by housekeeping when attach could not."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from fakes import FakeTransport, regs
 
+from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.errors import MemoryReadError, TransportError
+from qmpprof.guest.linux.current import CurrentTask
+from qmpprof.guest.linux.identify import LINEAR_TRIES, LinuxIdentifier
 from qmpprof.guest.linux.linearmap import LinearMap, LinearView, find_linear_map
 from qmpprof.transport.hmp import parse_gva2gpa
 
@@ -77,3 +83,34 @@ def test_the_image_is_measured_at_its_start_and_read_at_its_own_offset() -> None
     assert found.physical(image[1] - 4, 8) is None  # past the image's end
     assert "translate:0" in fake.calls
     assert found.physical(START + 0x20, 8) == START + 0x20 - OFFSET
+
+
+class Measure:
+    """A late measurement of the linear map that finds it at its ``at``-th call (None: never)."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at = at
+        self.calls = 0
+
+    async def __call__(self) -> LinearMap | None:
+        self.calls += 1
+        return LinearMap(START, END, OFFSET) if self.calls == self.at else None
+
+
+async def test_the_linear_map_attach_could_not_measure_is_measured_between_samples() -> None:
+    """Measured by housekeeping (the guest running), never in a pause: not before a vCPU's
+    per-CPU base is known, then once a call until found, at most LINEAR_TRIES times."""
+    current = cast(CurrentTask, SimpleNamespace(bases={}))
+    measure = Measure(3)
+    identifier = LinuxIdentifier([], AARCH64, current=current, find_linear=measure)
+    await identifier.housekeep()
+    assert measure.calls == 0 and identifier.linear is None  # no base known to measure by
+    current.bases[0] = 0xFFFF_0000_1234_0000
+    for _ in range(5):
+        await identifier.housekeep()
+    assert measure.calls == 3 and identifier.linear == LinearMap(START, END, OFFSET)
+    never = Measure(None)
+    identifier = LinuxIdentifier([], AARCH64, current=current, find_linear=never)
+    for _ in range(LINEAR_TRIES + 3):
+        await identifier.housekeep()
+    assert never.calls == LINEAR_TRIES and identifier.linear is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import pytest
 from fakes import (
@@ -694,3 +695,64 @@ async def test_each_tick_adds_the_tasks_off_cpu_looked_at_while_the_guest_runs(
     await sampler.run()
     assert sampler.profile.named_counts(Naming())[names] == 3
     assert sampler.profile.frames and taken.named_counts(Naming())[names] == 3
+
+
+@dataclass(frozen=True, slots=True)
+class ReadAgain:
+    """An identity whose space may be read again (``again``), counting what it was asked."""
+
+    process: Process | None
+    space: FakeSpace
+    fresh: ReadAgain | None
+    asked: list[tuple[int, ...]]
+    memory: None = None
+    registers: None = None
+
+    @property
+    def again(self) -> Callable[[Sequence[int]], Awaitable[ReadAgain | None]]:
+        async def read_again(pcs: Sequence[int]) -> ReadAgain | None:
+            self.asked.append(tuple(pcs))
+            return self.fresh
+
+        return read_again
+
+
+class ReadAgainIdentifier:
+    def __init__(self, identity: ReadAgain) -> None:
+        self.identity = identity
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        return ()
+
+    async def identify(
+        self, transport: FakeTransport, regs: Registers, cache: PageCache
+    ) -> ReadAgain:
+        return self.identity
+
+
+@pytest.mark.parametrize("mapped_since", [True, False])
+async def test_a_walk_into_user_code_its_space_lacks_asks_once_for_the_space_read_again(
+    mapped_since: bool,
+) -> None:
+    """A library mapped after the process's space was read: the walk's user address in none
+    of its code is handed to the guest OS, once, in the pause; a space read again is walked
+    in, else the walk stands."""
+    process = Process(7, "app", 0)
+    user_main, *kernel = SPACE.symbols
+    library = FakeSpace((user_main, (0x7F00_0000, 0x7F00_0100, "lib_fn"), *kernel))
+    asked: list[tuple[int, ...]] = []
+    fresh = ReadAgain(process, library, None, asked) if mapped_since else None
+    identity = ReadAgain(process, SPACE, fresh, asked)
+    transport = FakeTransport({0: regs(0, 0x7F00_0010, rsp=0x7FFF_0000)}, {})
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        ReadAgainIdentifier(identity),
+        SamplerConfig(),
+        clock=transport.clock,
+    )
+    outcome = await sampler.run(one_shot=True)
+    assert asked == [(0x7F00_0010,)]  # once: the space read again is not asked again
+    (sample,) = outcome.last
+    assert sample.stack.frames[0].symbol == ("lib_fn" if mapped_since else None)
+    assert transport.calls.count("stop") == transport.calls.count("cont") == 1

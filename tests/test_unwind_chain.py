@@ -304,6 +304,21 @@ def test_symbolize_looks_callers_up_at_return_address_minus_one() -> None:
     assert Unwinder(X86_64).resolve(raw, space) == stack  # the cached frames are the same
 
 
+def test_unplaced_are_the_user_addresses_no_module_holds() -> None:
+    # A program at 0x5000 and the kernel: the leaf at 0x9000 (in no module), a return address
+    # at the end of the program (its call inside it), one just past the program (its call in
+    # no module), kernel addresses never.
+    prog = make_module("prog", 0x5000, 0x6000, kernel=False)
+    kernel = make_module("vmlinux", KBASE, KBASE + 0x1000, kernel=True)
+    space = AddressSpace([prog, kernel])
+    raw = RawStack(
+        (KBASE + 0x10, 0x9000, 0x6000, 0x6001, KBASE + 0x2000),
+        StopReason.END,
+        (True, True, False, False, False),
+    )
+    assert Unwinder(X86_64).unplaced(raw, space) == (0x9000, 0x6000)
+
+
 def test_programs_at_the_same_address_do_not_share_prologue_answers() -> None:
     # Two static programs linked at the same address: at 0x1001 one has just pushed rbp, the
     # other is at the first instruction of a function that starts with `nop; ret`-like code.

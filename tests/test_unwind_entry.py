@@ -1,11 +1,12 @@
 """The walk through a kernel's exception code (``unwind/entry.py``) over hand-made stacks: a
-sample entered from user mode is one whole frame, one at a kernel-mode vector entry continues
-at the exception link register, a handler's frame record leads into the saved registers (the
-interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's description
-read from its code (``guest/linux/entry.py``): bookworm's 6.1 and 6.12 Images (what their
-handlers' names say), bullseye's 5.10 from its real words (handlers that ``eret`` themselves),
-changed code giving none; and the Linux guest reading the exception link register for the
-samples that need it, only those."""
+sample entered from user mode is one whole frame, or goes on in user code from the exception
+link register and the user stack pointer before anything was saved, one at a kernel-mode vector
+entry continues at the exception link register, a handler's frame record leads into the saved
+registers (the interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's
+description read from its code (``guest/linux/entry.py``): bookworm's 6.1 and 6.12 Images (what
+their handlers' names say), bullseye's 5.10 from its real words (handlers that ``eret``
+themselves), changed code giving none; and the Linux guest reading the exception link register
+(and the user stack pointer) for the samples that need it, only those."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from test_unwind_chain import memory
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.aarch64code import LR
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.guest.linux.entry import ELR, Code, entry_code, exception_code
+from qmpprof.guest.linux.entry import ELR, SP_EL0, Code, entry_code, exception_code
 from qmpprof.guest.linux.identify import LinuxIdentifier
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Mapping, StopReason
@@ -44,7 +45,17 @@ ENTRY = EntryCode(
     restoring=((RET_TO_KERNEL, RET_TO_KERNEL + 0x64),),
     frame=PT_REGS,
     link=ELR,
+    # The 64-bit user entries but their second instruction, a user handler's first one.
+    unsaved=(
+        (VECTORS + 0x400, VECTORS + 0x404),
+        (VECTORS + 0x408, VECTORS + 0x480),
+        (VECTORS + 0x480, VECTORS + 0x484),
+        (VECTORS + 0x488, VECTORS + 0x500),
+        (BASE + 0x1300, BASE + 0x1304),
+    ),
+    user_sp=SP_EL0,
 )
+USER_PC, USER_SP, USER_FP = 0x40_1000, 0x7FFF_F000, 0x7FFF_F010
 KSTACK = 0xFFFF_8000_0800_8000
 OUTER = KSTACK + 0x800  # the outermost record: [0, 0]
 ARCH = AARCH64.translated({"TCR_EL1": TCR_48})
@@ -65,13 +76,37 @@ def space(slide: int = 0) -> AddressSpace:
 
 def walk(pc: int, sp: int, fp: int, words: dict[int, int], **gprs: int) -> RawStack:
     regs = kregs(pc, sp, fp)
-    regs.gprs.update({ELR if name == "elr" else LR: value for name, value in gprs.items()})
+    numbers = {"elr": ELR, "sp_el0": SP_EL0, "x30": LR}
+    regs.gprs.update({numbers[name]: value for name, value in gprs.items()})
     return Unwinder(ARCH).unwind(regs, memory(words | {OUTER: 0, OUTER + 8: 0}), space())
 
 
 @pytest.mark.parametrize("pc", [VECTORS + 0x480, VECTORS + 0x600, BASE + 0x1300, BASE + 0x13FC])
 def test_entered_from_user_mode_the_kernel_stack_is_one_frame(pc: int) -> None:
     raw = walk(pc, KSTACK, 0x7FFF_F000, {})  # x29: the user's
+    assert raw.pcs == (pc,) and raw.stop is StopReason.END
+
+
+@pytest.mark.parametrize("pc", [VECTORS + 0x480, VECTORS + 0x408, BASE + 0x1300])
+def test_entered_from_user_mode_before_anything_is_saved_the_walk_goes_on_in_user_code(
+    pc: int,
+) -> None:
+    # The user's x29 (its record: the outermost) and x30 are the CPU's, its pc in ELR_EL1, its
+    # stack pointer in SP_EL0.
+    words = {USER_FP: 0, USER_FP + 8: 0}
+    raw = walk(pc, KSTACK, USER_FP, words, elr=USER_PC, sp_el0=USER_SP, x30=0x40_2000)
+    assert raw.pcs == (pc, USER_PC) and raw.exact == (True, True)
+    assert raw.via == (Via.REGS, Via.ENTRY) and raw.stop is StopReason.END
+
+
+@pytest.mark.parametrize("pc", [VECTORS + 0x484, VECTORS + 0x680, BASE + 0x1304])
+def test_entered_from_user_mode_where_the_cpu_holds_not_the_user_s_it_is_one_frame(
+    pc: int,
+) -> None:
+    # A trampoline's return in x30 (an entry's second instruction), 32-bit user code, a
+    # handler past its first instruction (kernel_entry clears the registers it saved).
+    words = {USER_FP: 0, USER_FP + 8: 0}
+    raw = walk(pc, KSTACK, USER_FP, words, elr=USER_PC, sp_el0=USER_SP)
     assert raw.pcs == (pc,) and raw.stop is StopReason.END
 
 
@@ -172,6 +207,14 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     assert entry.entries == tuple(vectors + off for off in (0x200, 0x280, 0x300, 0x380))
     assert entry.holds_link(vectors + 0x280) and entry.holds_link(named["el1h_64_irq"][0])
     assert not entry.holds_link(vectors + 0x480)
+    irq = named["el1h_64_irq"][0]
+    sync = named["el0t_64_sync"][0]
+    # The user's registers still the CPU's: an entry's user half but its second instruction, the
+    # 64-bit user handlers' first.
+    assert entry.holds_user(sync) and not entry.holds_user(sync + 4)
+    assert entry.holds_user(vectors + 0x480) and entry.holds_user(vectors + 0x488)
+    for pc in (vectors + 0x484, vectors + 0x680, vectors + 0x280, irq):
+        assert not entry.holds_user(pc), hex(pc - vectors)
 
 
 # Bullseye's 5.10.0-30-arm64 (not fetched in CI), at offsets from its ``vectors``
@@ -305,6 +348,10 @@ def test_bullseye_510_s_exception_code_is_read_from_its_code() -> None:
     )  # fmt: skip
     assert set(entry.user) == user | {(V510 + 0x400, V510 + 0x800)}
     assert entry.entries == tuple(V510 + off for off in (0x200, 0x280, 0x300, 0x380))
+    # The user's registers still the CPU's at the 64-bit user handlers' first instruction.
+    (el0_sync, _), *_ = sorted(spans_510("el0_sync"))
+    assert entry.holds_user(el0_sync) and not entry.holds_user(el0_sync + 4)
+    assert entry.holds_user(V510 + 0x400) and not entry.holds_user(V510 + 0x604)
 
 
 @pytest.mark.parametrize(
@@ -323,13 +370,13 @@ def test_bullseye_510_s_code_changed_gives_no_model(off: int, word: int) -> None
 class SystemRegisters:
     """A transport that answers system registers only, and keeps what it was asked."""
 
-    def __init__(self, elr: int) -> None:
-        self.elr = elr
+    def __init__(self, elr: int, sp_el0: int | None = None) -> None:
+        self.values = {"ELR_EL1": elr} | ({} if sp_el0 is None else {"SP_EL0": sp_el0})
         self.asked: list[tuple[int, tuple[str, ...]]] = []
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         self.asked.append((cpu, tuple(names)))
-        return {"ELR_EL1": self.elr}
+        return {name: self.values[name] for name in names if name in self.values}
 
 
 async def test_the_linux_guest_reads_elr_for_a_sample_at_a_kernel_mode_entry_only() -> None:
@@ -343,8 +390,23 @@ async def test_the_linux_guest_reads_elr_for_a_sample_at_a_kernel_mode_entry_onl
         )
         assert identity.registers is not None and identity.registers.gprs[ELR] == BASE + slide
     assert stub.asked == [(0, ("ELR_EL1",))] * 2
-    # From user mode, in a function, and a kernel-mode vector's link address (not slid).
-    for pc in (VECTORS + 0x480 + slide, BASE + slide, VECTORS + 0x280):
+    # In a function, a kernel-mode vector's link address (not slid), past a user entry's start.
+    for pc in (BASE + slide, VECTORS + 0x280, VECTORS + 0x484 + slide):
         identity = await identifier.identify(transport, kregs(pc, KSTACK, OUTER), PageCache())
         assert identity.registers is None
     assert len(stub.asked) == 2
+
+
+async def test_the_linux_guest_reads_elr_and_sp_el0_for_a_sample_entered_from_user_mode() -> None:
+    slide = 0x3A3A_C120_0000
+    identifier = LinuxIdentifier(space(slide).modules, ARCH, entry=ENTRY)
+    stub = SystemRegisters(USER_PC, USER_SP)
+    regs = kregs(VECTORS + 0x480 + slide, KSTACK, USER_FP)
+    identity = await identifier.identify(cast(GuestTransport, stub), regs, PageCache())
+    assert stub.asked == [(0, ("ELR_EL1", "SP_EL0"))]
+    assert identity.registers is not None
+    assert identity.registers.gprs[ELR] == USER_PC and identity.registers.gprs[SP_EL0] == USER_SP
+    # A transport that gives no user stack pointer: the registers as sampled (one frame).
+    stub = SystemRegisters(USER_PC)
+    identity = await identifier.identify(cast(GuestTransport, stub), regs, PageCache())
+    assert identity.registers is None

@@ -14,7 +14,7 @@ the transport). Implementations: the Linux package (``linux/``), the Emerald met
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
@@ -122,6 +122,16 @@ class Identified(Protocol[Space_co]):
         """The registers to walk with, when the guest OS read more than the sample's."""
         ...
 
+    @property
+    def again(self) -> Again[Space_co] | None:
+        """Asked, in the pause, with the user addresses a walk in ``space`` found no code at:
+        the identity with the process's space read again (a library mapped since), or None
+        when there is nothing new to read; None: never asked."""
+        ...
+
+
+Again = Callable[[Sequence[int]], Awaitable[Identified[Space_co] | None]]
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -133,6 +143,7 @@ class Identity:
     space: AddressSpace
     memory: Reader | None = None
     registers: Registers | None = None
+    again: Again[AddressSpace] | None = None
 
 
 class GuestIdentifier(Protocol[Space_co]):

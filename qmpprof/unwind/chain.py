@@ -176,6 +176,14 @@ class Unwinder:
         seen.add(key)
         return None
 
+    def unplaced(self, raw: RawStack, space: AddressSpace) -> tuple[int, ...]:
+        """The user addresses of ``raw`` (a pc, a return address's call) that no module of
+        ``space`` holds: a space read before its process mapped that code."""
+        exacts = raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
+        lookups = (pc if exact else pc - 1 for pc, exact in zip(raw.pcs, exacts, strict=True))
+        boundary = self.kernel_boundary
+        return tuple(at for at in lookups if at < boundary and space.find(at) is None)
+
     def resolve(self, raw: RawStack, space: AddressSpace, *, lines: bool | None = None) -> Stack:
         """The frames of a walked stack; callers are looked up at return address - 1 (the call
         instruction). The functions a caller's callee was reached through by tail jumps become

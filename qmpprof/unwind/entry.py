@@ -11,7 +11,10 @@ its symbols and BTF, built by the guest OS); this step follows it:
 - code entered from user mode (the vector table's user half, the user-mode handlers) or on its
   way back (``ret_to_user``): the kernel stack is this one frame, whole; once a handler saved
   the user's registers (x29 at the frame's record, zeroed: the kernel stack's end), the walk
-  goes on in user code from them, its pc exact;
+  goes on in user code from them, its pc exact; before anything is saved (the table's user
+  half, a handler's first instruction) the user's registers are the CPU's, its pc in the
+  exception link register and its stack pointer in the user one (SP_EL0, ``user_sp``), both
+  read for such samples only: the walk goes on in user code from them;
 - the vector table's kernel half, at an entry point: the interrupted code's pc is the
   exception link register's (read for such samples only), the rest unchanged; elsewhere in the
   table the stack pointer is mid-adjustment: the walk stops (truncated, honestly);
@@ -57,7 +60,10 @@ class EntryCode:
     back to it), ``vectors`` (the kernel half of the vector table) and its ``entries`` (the
     points an exception from the kernel lands on), ``saving`` (the handlers of exceptions
     from the kernel, which save ``frame``), ``restoring`` (the way back, which loads it again);
-    ``link``: the DWARF number of the exception link register the guest OS reads."""
+    ``link``: the DWARF number of the exception link register the guest OS reads.
+    ``unsaved``: where, entered from user mode, nothing of the user's is saved or changed yet
+    (the table's user half, the user-mode handlers' first instructions); ``user_sp``: the
+    number the guest OS gives the user stack pointer it reads for those (DWARF has none)."""
 
     user: tuple[Span, ...]
     vectors: Span
@@ -66,12 +72,19 @@ class EntryCode:
     restoring: tuple[Span, ...]
     frame: SavedFrame
     link: int
+    unsaved: tuple[Span, ...] = ()
+    user_sp: int | None = None
 
     def holds_link(self, pc: int) -> bool:
         """Whether at link address ``pc`` the interrupted pc may be only in the exception
         link register: the vector table's kernel half, a kernel-mode handler's first part."""
         low, high = self.vectors
         return low <= pc < high or any(start <= pc < end for start, end in self.saving)
+
+    def holds_user(self, pc: int) -> bool:
+        """Whether at link address ``pc`` the user's pc and stack pointer are only in the
+        exception link register and the user stack pointer (``unsaved``)."""
+        return self.user_sp is not None and any(start <= pc < end for start, end in self.unsaved)
 
 
 class _Spans:
@@ -92,7 +105,7 @@ class EntryStep:
     """The walk through exception entry and exit code (``Via.ENTRY``)."""
 
     via = Via.ENTRY
-    __slots__ = ("arch", "bias", "code", "restoring", "saving", "user")
+    __slots__ = ("arch", "bias", "code", "restoring", "saving", "unsaved", "user")
 
     def __init__(self, code: EntryCode, bias: int, arch: InstructionSet) -> None:
         self.code = code
@@ -100,10 +113,13 @@ class EntryStep:
         self.arch = arch
         self.user, self.saving = _Spans(code.user), _Spans(code.saving)
         self.restoring = _Spans(code.restoring)
+        self.unsaved = _Spans(code.unsaved)
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         code, link = self.code, pc - self.bias
         if link in self.user:
+            if interrupted and link in self.unsaved:
+                return self._from_user(cur)
             return self._user(cur, interrupted, memory)
         low, high = code.vectors
         if low <= link < high:
@@ -144,6 +160,17 @@ class EntryStep:
             return StopReason.END  # not a 64-bit user frame's end
         new: Regs = {i: v for i, v in enumerate(values) if v is not None}
         new[arch.pc], new[arch.sp] = pc, sp
+        return new, EXACT | NEW_STACK
+
+    def _from_user(self, cur: Regs) -> Outcome:
+        """The user code's registers, still the CPU's: its pc in the exception link register,
+        its stack pointer in the user one; the kernel stack's end when they were not read."""
+        code = self.code
+        pc, sp = cur.get(code.link), None if code.user_sp is None else cur.get(code.user_sp)
+        if not pc or sp is None:
+            return StopReason.END  # not read (a transport without system registers)
+        new = {reg: value for reg, value in cur.items() if reg not in (code.link, code.user_sp)}
+        new[self.arch.pc], new[self.arch.sp] = pc, sp
         return new, EXACT | NEW_STACK
 
     def _in_registers(self, cur: Regs, sp: int) -> Outcome:

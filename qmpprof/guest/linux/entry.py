@@ -23,6 +23,12 @@ the one this module knows). Then the handlers come in two shapes:
   (``finish_ret_to_user``, a plain label): the way back runs through the first function with
   an ``eret``.
 
+From user mode, until ``kernel_entry``'s stores are done, the user's x29 and x30 are the
+CPU's, its pc in ELR_EL1 and its stack pointer in SP_EL0 (which then takes the task): in the
+table's 64-bit user entries (but at an entry's second instruction, where a trampoline entered
+x30 holds its return until the entry takes the user's back from TPIDRRO_EL0) and at their
+handlers' first instruction.
+
 A kernel without a vector table (x86_64's, unwound by ORC) or whose code is not this has none.
 """
 
@@ -38,6 +44,8 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.unwind.entry import EntryCode, SavedFrame, Span
 
 ELR = 33  # ELR_mode in the DWARF for the Arm 64-bit Architecture
+SP_EL0 = 0x1000  # the user stack pointer: no DWARF number, one of the walk's own
+_TRAMPOLINE_X30 = 4  # an entry's instruction at which x30 is a trampoline's return
 _KERNEL_HALF = range(0x200, 0x400, 0x80)  # the vector table's entries from the kernel, SP_ELx
 _USER_HALF = range(0x400, 0x800, 0x80)  # 64-bit user code's four entries, then 32-bit's
 _REACH = 32  # functions followed from the handlers: more is not the code this module knows
@@ -75,6 +83,12 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
             restoring.add((handler.record, end))
         else:  # from 5.12: the way back is another function
             saving.add(handler.span)
+    # The user's registers still the CPU's: the 64-bit user entries and their handlers' first
+    # instruction.
+    user_64 = _USER_HALF[:4]
+    unsaved = [(h.span[0], h.span[0] + 4) for h in from_user[: len(user_64)]]
+    for entry in (vectors + off for off in user_64):
+        unsaved += [(entry, entry + _TRAMPOLINE_X30), (entry + 8, entry + user_64.step)]
     low, high = vectors + _KERNEL_HALF.start, vectors + _KERNEL_HALF.stop
     return EntryCode(
         user=tuple(sorted(user)),
@@ -84,6 +98,8 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
         restoring=tuple(sorted(restoring)),
         frame=frame,
         link=ELR,
+        unsaved=tuple(sorted(unsaved)),
+        user_sp=SP_EL0,
     )
 
 

@@ -13,6 +13,7 @@ changed (an exec, a task_struct reused) has the task read again in the pause.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -32,6 +33,7 @@ from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.space import AddressSpace, Module
 
 LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
+USER_SP = "SP_EL0"  # the user stack pointer, likewise
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
@@ -41,7 +43,9 @@ TASKS_CONFIRM_EVERY = 0.2
 # read stale for at most this long. The last level's pages are kept as long, but only as
 # guesses: each is read again with the data it led to (``PageTables.reader``).
 UPPER_KEPT = 0.5
-LINEAR_TRIES = 8  # samples lacking their task that may measure the linear map attach could not
+# Housekeeping calls that may measure the linear map attach could not, once a vCPU's per-CPU
+# base is known (each a pass over the vCPUs' registers and QEMU's translations).
+LINEAR_TRIES = 8
 
 
 class LinuxIdentifier:
@@ -71,11 +75,10 @@ class LinuxIdentifier:
         ``housekeep``. ``thread_size``: a task's kernel stack size (None: not known, then only
         user stacks are learnt as a task's). ``linear``: the kernel's linear map, read
         physically for a user-mode sample when the vCPU's own translation hides the kernel.
-        ``find_linear``: measures the linear map in a pause, when attach could not (no vCPU
-        was in kernel mode then). ``cpus``: the vCPUs ``control`` reads kernel memory through,
-        in turn. ``entry``: the
-        image's exception code, whose samples at an exception's entry need the exception link
-        register."""
+        ``find_linear``: measures the linear map between samples, when attach could not (no
+        vCPU was in kernel mode then, or no per-CPU base was known). ``cpus``: the vCPUs
+        ``control`` reads kernel memory through, in turn. ``entry``: the image's exception
+        code, whose samples at an exception's entry need the exception link register."""
         self.arch = arch
         self.entry = entry
         self.layout = layout
@@ -117,8 +120,7 @@ class LinuxIdentifier:
             return
         for at in tasks:
             task = await read_task(read, at, self.layout, self.arch.shared_from)
-            if task is None:
-                self.tasks.put(at, None, self.kernel)
+            if task is None:  # being made or torn down: a sample of it reads it again
                 continue
             space = self.space if self.spaces is None else await self.spaces.preload(read, task)
             if space is not None:
@@ -128,10 +130,17 @@ class LinuxIdentifier:
 
     async def housekeep(self) -> None:
         """Between samples, while the guest runs, one job a call, each on its own schedule, so
-        that no call keeps the next tick waiting long: every MODULES_RECHECK seconds, read the
+        that no call keeps the next tick waiting long: the linear map, until measured (up to
+        LINEAR_TRIES times), when attach could not; every MODULES_RECHECK seconds, read the
         module list again (its links; new modules in full) and take in what was loaded or
         unloaded since; read the files a pause met; confirm one process's mappings; every
         TASKS_CONFIRM_EVERY seconds, the tasks sampled lately."""
+        if self.linear is None and self.find_linear is not None and self._bases_known():
+            self.linear = await self.find_linear()
+            self._linear_tries += 1
+            if self.linear is not None or self._linear_tries >= LINEAR_TRIES:
+                self.find_linear = None
+            return
         now = self.clock()
         if self.module_list is not None and now - self._modules_read >= MODULES_RECHECK:
             self._modules_read = now
@@ -149,6 +158,10 @@ class LinuxIdentifier:
         if self.layout is not None and now - self._tasks_confirmed >= TASKS_CONFIRM_EVERY:
             self._tasks_confirmed = now
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
+
+    def _bases_known(self) -> bool:
+        """Whether a vCPU's per-CPU base is known (its current-task slot measures the map)."""
+        return self.current is not None and bool(self.current.bases)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         if self.current is None or (regs.user and self.hidden):
@@ -168,14 +181,26 @@ class LinuxIdentifier:
 
     async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
         """``regs`` with the exception link register, read in this pause for a sample taken
-        where the interrupted pc is only there (``EntryCode.holds_link``); None otherwise."""
+        where the interrupted pc is only there (``EntryCode.holds_link``), and the user stack
+        pointer with it where the interrupted code is the user's and nothing of it is saved yet
+        (``EntryCode.holds_user``); None otherwise."""
         entry = self.entry
-        if entry is None or regs.user or not entry.holds_link(regs.pc - self.space.modules[0].bias):
+        if entry is None or regs.user:
             return None
-        values = await transport.system_registers(regs.cpu, (LINK_REGISTER,))
-        if LINK_REGISTER not in values:
+        link = regs.pc - self.space.modules[0].bias
+        if entry.holds_link(link):
+            names: tuple[str, ...] = (LINK_REGISTER,)
+        elif entry.holds_user(link) and entry.user_sp is not None:
+            names = (LINK_REGISTER, USER_SP)
+        else:
             return None
-        return dataclasses.replace(regs, gprs={**regs.gprs, entry.link: values[LINK_REGISTER]})
+        values = await transport.system_registers(regs.cpu, names)
+        if any(name not in values for name in names):
+            return None
+        gprs = {**regs.gprs, entry.link: values[LINK_REGISTER]}
+        if entry.user_sp is not None and USER_SP in values:
+            gprs[entry.user_sp] = values[USER_SP]
+        return dataclasses.replace(regs, gprs=gprs)
 
     async def _identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -188,11 +213,6 @@ class LinuxIdentifier:
         if viewed and linear is not None:
             transport, cache = LinearView(transport, linear), PageCache()
         task = await current.pointer(transport, regs, cache)
-        if task is None and linear is None and self.find_linear is not None:
-            linear = self.linear = await self.find_linear()  # attach could not: now, maybe
-            self._linear_tries += 1
-            if linear is not None or self._linear_tries >= LINEAR_TRIES:
-                self.find_linear = None
         if task is None and not viewed and linear is not None:
             # The kernel unmapped in user mode (arm64's KPTI; in kernel mode too for the few
             # instructions of an exception's entry): through the linear map.
@@ -243,9 +263,37 @@ class LinuxIdentifier:
             # Not on the exiting task's own stack (an interrupt's, or the next task's in the
             # middle of a context switch): the walk may not be its, so its end is not told.
             return Identity(seen.identity.process, self.space)
+        identity = seen.identity
         if memory is not None:
-            return dataclasses.replace(seen.identity, memory=self._through(read, memory))
-        return seen.identity
+            identity = dataclasses.replace(identity, memory=self._through(read, memory))
+        if seen.task is None or identity is self.kernel or self.spaces is None:
+            return identity
+        return dataclasses.replace(
+            identity, again=functools.partial(self._again, read, task, seen.task, regs, identity)
+        )
+
+    async def _again(
+        self,
+        read: Reader,
+        at: int,
+        task: Task,
+        regs: Registers,
+        identity: Identity,
+        pcs: Sequence[int],
+    ) -> Identity | None:
+        """``identity`` with its process's space read again, in the pause, when user addresses
+        of the walk (``pcs``) fall in none of its mappings on a page not found lacking when
+        they were read: a library mapped since (a kernel-mode sample asks nothing else of
+        them). None: the space as it is answers for them."""
+        assert self.spaces is not None
+        if self.spaces.holds(task, pcs):
+            return None
+        space, memory = await self._placed(read, task, regs, pcs)
+        if space is identity.space:
+            return None
+        self.tasks.update(at, Identity(task.process, space))
+        through = identity.memory if memory is None else self._through(read, memory)
+        return dataclasses.replace(identity, space=space, memory=through, again=None)
 
     async def _stack_owner(
         self, read: Reader, regs: Registers, current: int, size: int
@@ -265,7 +313,7 @@ class LinuxIdentifier:
         return Identity(found.process, await self._space(read, found, regs))
 
     async def _placed(
-        self, read: Reader, task: Task, regs: Registers
+        self, read: Reader, task: Task, regs: Registers, pcs: Sequence[int] = ()
     ) -> tuple[AddressSpace, Reader | None]:
         """``task``'s space, and reads of its user memory through its own page tables when the
         vCPU holds another's (``_foreign``): asked before the space is placed, so that placing
@@ -273,7 +321,7 @@ class LinuxIdentifier:
         spaces = self.spaces
         root = None if spaces is None else spaces.pgd_of(task)
         memory = self._foreign(read, task, regs)
-        space = await self._space(self._through(read, memory), task, regs)
+        space = await self._space(self._through(read, memory), task, regs, pcs)
         if memory is None and spaces is not None and spaces.pgd_of(task) != root:
             memory = self._foreign(read, task, regs)
         return space, memory
@@ -324,10 +372,13 @@ class LinuxIdentifier:
     def _through(self, read: Reader, memory: Reader | None) -> Reader:
         return read if memory is None else split(read, memory, self.arch.shared_from)
 
-    async def _space(self, read: Reader, task: Task, regs: Registers) -> AddressSpace:
+    async def _space(
+        self, read: Reader, task: Task, regs: Registers, pcs: Sequence[int] = ()
+    ) -> AddressSpace:
+        """``task``'s space, answering for its user-mode pc and the user addresses ``pcs``."""
         if self.spaces is None:
             return self.space
-        return await self.spaces.space_of(read, task, regs.pc if regs.user else None)
+        return await self.spaces.space_of(read, task, [regs.pc, *pcs] if regs.user else pcs)
 
     def _stamp(self, task: int, cache: PageCache) -> Stamp | None:
         """The stamp of ``task`` when the sample read it with the window (it was expected)."""

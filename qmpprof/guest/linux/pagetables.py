@@ -77,6 +77,10 @@ class PageTables:
         self._last = last
         self._guessed: set[int] = set()  # last-level pages taken from ``last`` unchecked
 
+    def over(self, read: Reader) -> PageTables:
+        """The same tables walked through ``read`` (a pause's reads, say), nothing kept."""
+        return PageTables(read, self.direct_map, self.levels, self.entries, self.user_end)
+
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""
         self._tables.clear()

@@ -9,8 +9,9 @@ memory while the guest runs. No file is read inside a pause: a process first met
 file not read yet (one that started during the run) is placed without it (its code known by
 the mapping's name alone), and between samples the file is read and the process placed again
 (``settle``): a new process costs its first pause a few reads of its mappings, never a file.
-A process that has just started maps its libraries one after the other: a sample in user mode
-whose pc no mapping read covers has them read again, once per page of code they lack.
+A process that has just started maps its libraries one after the other: a sample whose user pc
+or return address no mapping read covers (in kernel mode too: a walk's user part, asked after
+the walk) has them read again, once per page of code they lack.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ class Spaces:
         self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
         self._used: Memo[tuple[int, int], float] = Memo(LIMIT)  # when a sample last did
 
-    async def space_of(self, read: Reader, task: Task, pc: int | None = None) -> AddressSpace:
+    async def space_of(self, read: Reader, task: Task, pcs: Sequence[int] = ()) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
         task's own vCPU sees it) when they were not read within RECHECK seconds, or when none
-        of them holds the user-mode ``pc`` the task runs at (a library mapped since). A
-        process's task with no ``mm`` has released its user space (``exit_mm``): its space
-        says so."""
+        of them holds one of the user addresses ``pcs`` (its user-mode pc, a walk's return
+        addresses: a library mapped since) on a page not already found lacking. A process's
+        task with no ``mm`` has released its user space (``exit_mm``): its space says so."""
         if self.vmas is not None and not task.mm and not task.kernel_thread and task.pid:
             return self.gone
         if self.vmas is None or not task.mm:
@@ -95,7 +96,7 @@ class Spaces:
         now = self.clock()
         self._used.put(key, now)
         seen = self._placed.get(key)
-        if seen is not None and now - seen.checked <= RECHECK and _holds(seen, pc):
+        if seen is not None and now - seen.checked <= RECHECK and _holds(seen, pcs):
             return seen.space
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         # The same mappings: the same mm (a changed set may be a later exec's, at its address).
@@ -103,11 +104,18 @@ class Spaces:
         if pgd is None:
             pgd = await self._pgd(read, task.mm)
         space = await self._place(key, vmas, read, load=False, pgd=pgd)
-        if pc is not None and space.find(pc) is None:  # not mapped as code: not read again
+        lacking = {pc >> 12 for pc in pcs if space.find(pc) is None}
+        if lacking:  # not mapped as code: not read again for these pages
             known = seen.lacking if seen is not None and seen.vmas == vmas else frozenset()
             placed = self._placed[key]
-            self._placed[key] = dataclasses.replace(placed, lacking=known | {pc >> 12})
+            self._placed[key] = dataclasses.replace(placed, lacking=known | lacking)
         return space
+
+    def holds(self, task: Task, pcs: Sequence[int]) -> bool:
+        """Whether ``task``'s process's space as placed answers for the user addresses
+        ``pcs`` (each in a mapping, or on a page found lacking when they were read)."""
+        seen = self._placed.get((task.mm, task.tgid)) if task.mm else None
+        return seen is None or _holds(seen, pcs)
 
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
         """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
@@ -163,6 +171,11 @@ class Spaces:
         load: bool = True,
         pgd: int | None = None,
     ) -> AddressSpace:
+        tables, seen = self.tables, code
+        if pgd is not None and tables is not None:
+            # What ``code`` does not show (an arm64 vCPU in kernel mode reads no user page:
+            # PAN) is read through the process's own tables, walked by ``code`` too.
+            code = _or_else(seen, lambda: tables.over(seen).reader(pgd))
         user = await user_modules(code, vmas, self.files, load=load)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
@@ -214,9 +227,25 @@ class Spaces:
         return True
 
 
-def _holds(placed: Placed, pc: int | None) -> bool:
-    """Whether the mappings as placed answer for the user-mode ``pc`` (None: no user pc)."""
-    return pc is None or pc >> 12 in placed.lacking or placed.space.find(pc) is not None
+def _or_else(first: Reader, second: Callable[[], Reader]) -> Reader:
+    """Reads through ``first``, those it could not read through ``second()`` (made then)."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        found = await first(ranges)
+        missing = [i for i, data in enumerate(found) if data is None]
+        if missing:
+            again = await second()([ranges[i] for i in missing])
+            for i, data in zip(missing, again, strict=True):
+                found[i] = data
+        return found
+
+    return read
+
+
+def _holds(placed: Placed, pcs: Sequence[int]) -> bool:
+    """Whether the mappings as placed answer for the user addresses ``pcs``."""
+    find, lacking = placed.space.find, placed.lacking
+    return all(pc >> 12 in lacking or find(pc) is not None for pc in pcs)
 
 
 async def user_modules(
