@@ -18,6 +18,7 @@ import pytest
 from fakes import FakeTransport, regs, x86
 from guestvm import BUILD_ROOT
 
+from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest.linux import spaces as spaces_module
@@ -35,6 +36,7 @@ from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import AddressSpace, Module
+from qmpprof.unwind.steps import PrologueStep
 
 PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20
 BASES = (0xFFFF_8880_3EA0_0000, 0xFFFF_8880_3EB0_0000)
@@ -715,3 +717,19 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
     await spaces.space_of(read, task, 0x7E00_0000_0000)  # in no mapping: read once...
     await spaces.space_of(read, task, 0x7E00_0000_0010)  # ...not again for that page
     assert reads == [mm, mm, mm]
+
+
+async def test_a_module_without_orc_tables_is_unwound_by_its_code_read_from_memory(
+    module_layout: ModuleLayout,
+) -> None:
+    # An arm64 module: no ORC fields in its struct module. A leaf function keeps no frame
+    # record (its caller is in x30): only its code tells, so its text is read once.
+    memory, text = Memory(), 0xFFFF_8000_7A10_0000
+    module(memory, module_layout, ALPHA, "alpha", text)
+    code = bytes(range(256)) * 32  # the 0x2000 bytes module() gives it
+    memory.put(text, code)
+    link(memory, module_layout, [ALPHA])
+    layout = replace(module_layout, orc=None)
+    (found,) = await ModuleList(reader(memory, []), HEAD, layout, None, AARCH64).refresh() or []
+    analysis = [step for step in found.steps if isinstance(step, PrologueStep)]
+    assert len(analysis) == 1 and analysis[0].code == code and analysis[0].code_addr == text

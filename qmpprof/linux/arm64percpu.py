@@ -107,7 +107,7 @@ def indexed_array(code: bytes, addr: int, variable: int) -> int | None:
         here = addr + i
         rd, rn = insn & 0x1F, (insn >> 5) & 0x1F
         if insn & 0x9F00_0000 == 0x9000_0000:  # ADRP
-            made[rd] = _adrp(insn, here)
+            made[rd] = adrp_page(insn, here)
         elif insn & 0xFF80_0000 == 0x9100_0000 and rn in made:  # ADD (immediate), 64-bit
             shift = 12 if insn >> 22 & 1 else 0
             made[rd] = (made[rn] + (((insn >> 10) & 0xFFF) << shift)) & _MASK
@@ -123,7 +123,8 @@ def indexed_array(code: bytes, addr: int, variable: int) -> int | None:
     return None
 
 
-def _adrp(insn: int, at: int) -> int:
+def adrp_page(insn: int, at: int) -> int:
+    """The address of the 4 KiB page the ADRP instruction ``insn`` at ``at`` makes."""
     page = ((insn >> 29) & 3 | ((insn >> 5) & 0x7_FFFF) << 2) << 12
     if page >> 32:
         page -= 1 << 33  # a signed 33-bit offset
@@ -147,7 +148,7 @@ def _per_cpu_load(words: list[int], at: int) -> int | None:
     if (ldr >> 16) & 0x1F != read[1]:
         return None
     shift = 12 if add >> 22 & 1 else 0
-    return (_adrp(adrp, at) + (((add >> 10) & 0xFFF) << shift)) & _MASK
+    return (adrp_page(adrp, at) + (((add >> 10) & 0xFFF) << shift)) & _MASK
 
 
 def _mrs(insn: int) -> tuple[tuple[int, ...], int] | None:

@@ -23,6 +23,7 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
+from qmpprof.linux.arm64modules import module_list
 from qmpprof.linux.arm64percpu import per_cpu_area, per_cpu_offsets
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
@@ -124,6 +125,15 @@ class LinuxKernel:
         area = self.per_cpu_start
         if found is None and self.image.arch.name == "aarch64" and self.btf and area:
             return per_cpu_offsets(self.image, self.symbols, self.btf, area)
+        return found
+
+    @property
+    def module_list(self) -> int | None:
+        """The link address of the loaded modules' list head (``modules``): kallsyms', else on
+        arm64 where ``find_module_all``'s code reads it; None when not known."""
+        found = self.symbols.address_of("modules")
+        if found is None and self.image.arch.name == "aarch64":
+            return module_list(self.image, self.symbols)
         return found
 
     @property

@@ -6,7 +6,10 @@ kernel keeps them for kallsyms (``kallsyms->symtab``/``strtab``: Elf64_Sym at ru
 addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted when the module was
 loaded; x86 only: an arm64 ``mod_arch_specific`` has none). Offsets come from the kernel's
 BTF. Each module becomes a ``Module`` named ``[name]``, unwound by its ORC; frames in it are
-named ``function [name]``.
+named ``function [name]``. A module without ORC tables (arm64) is unwound as the kernel's own
+code is there: by frame records, with prologue analysis of its text, read once: a leaf
+function keeps no record, and its caller is told only by the code (its return address still
+in x30).
 
 Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
 the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
@@ -33,6 +36,7 @@ _STT_FUNC = 2
 _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
+_MAX_TEXT = 64 << 20  # a module's text read at most (the largest known: a few MB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +154,10 @@ async def _read_module(
     symbols = await _symbols(read, at, layout, base, base + size)
     table = await _orc(read, at, layout, kernel_orc)
     mapping = Mapping(f"[{name}]", base, base + size, True)
-    orc = None if table is None else OrcCode(table)
-    return Module.build(mapping, arch, symbols=symbols, orc=orc)
+    if table is not None:
+        return Module.build(mapping, arch, symbols=symbols, orc=OrcCode(table))
+    code = await read_one(read, base, size) if size <= _MAX_TEXT else None
+    return Module.build(mapping, arch, symbols=symbols, code=code, code_addr=base)
 
 
 async def _symbols(
