@@ -168,7 +168,10 @@ class LinuxIdentifier:
         """``regs`` with the exception link register, read in this pause for a sample taken
         where the interrupted pc is only there (``EntryCode.holds_link``); None otherwise."""
         entry = self.entry
-        if entry is None or regs.user or not entry.holds_link(regs.pc - self.space.modules[0].bias):
+        # The kernel image's slide (kernel_modules[0]; arm64 loads modules below the image:
+        # the space's first module may be one of them).
+        slide = self.kernel_modules[0].bias
+        if entry is None or regs.user or not entry.holds_link(regs.pc - slide):
             return None
         values = await transport.system_registers(regs.cpu, (LINK_REGISTER,))
         if LINK_REGISTER not in values:
