@@ -733,3 +733,23 @@ async def test_a_module_without_orc_tables_is_unwound_by_its_code_read_from_memo
     (found,) = await ModuleList(reader(memory, []), HEAD, layout, None, AARCH64).refresh() or []
     analysis = [step for step in found.steps if isinstance(step, PrologueStep)]
     assert len(analysis) == 1 and analysis[0].code == code and analysis[0].code_addr == text
+
+
+async def test_a_module_list_unreadable_at_attach_is_read_at_the_first_kernel_mode_sample(
+    layout: TaskLayout, module_layout: ModuleLayout
+) -> None:
+    # arm64 under KPTI: with every vCPU in user mode at attach, no read sees the kernel. The
+    # list is not taken as empty: the first sample of a vCPU in the kernel reads it.
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    unreadable = Memory()
+    modules = ModuleList(reader(unreadable, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() is None and not modules.read_once
+    link(memory, module_layout, [ALPHA])
+    modules.read = reader(memory, [])  # a vCPU in the kernel now
+    identifier = make(layout, PER_CPU_OFFSET, module_list=modules)
+    transport = FakeTransport({}, memory.frozen())
+    found = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
+    module_found = found.space.find(0xFFFF_FFFF_C010_0010)
+    assert modules.read_once and module_found is not None and module_found.name == "[alpha]"

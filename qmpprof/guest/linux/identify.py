@@ -160,6 +160,13 @@ class LinuxIdentifier:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
+        modules = self.module_list
+        if modules is not None and not modules.read_once and not regs.user:
+            # Never read yet (every vCPU was in user mode when tried): in this pause a vCPU
+            # runs the kernel, which its reads see.
+            found = await modules.refresh()
+            if found is not None:
+                self.use_modules([self.kernel_modules[0], *found])
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)

@@ -116,10 +116,17 @@ class ModuleList:
         self.arch = arch
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
 
+    @property
+    def read_once(self) -> bool:
+        """Whether the list was read (its head may be unreadable for a while: an arm64 vCPU in
+        user mode does not see the kernel, KPTI)."""
+        return self.known is not None
+
     async def refresh(self) -> list[Module] | None:
-        """The modules loaded now, or None when the list holds the same ones as last time."""
+        """The modules loaded now, or None when the list holds the same ones as last time (or
+        its head could not be read)."""
         found = await self._structs()
-        if self.known is not None and found == list(self.known):
+        if found is None or (self.known is not None and found == list(self.known)):
             return None
         known = self.known or {}
         fresh: dict[int, Module | None] = {}
@@ -132,9 +139,11 @@ class ModuleList:
         self.known = fresh
         return [m for m in fresh.values() if m is not None]
 
-    async def _structs(self) -> list[int]:
+    async def _structs(self) -> list[int] | None:
         out: list[int] = []
         (node,) = await read_ints(self.read, [(self.head, 8)])
+        if node is None:
+            return None
         seen = {self.head}
         while node is not None and node not in seen and len(seen) <= MAX_MODULES:
             seen.add(node)
