@@ -745,11 +745,23 @@ async def test_a_module_list_unreadable_at_attach_is_read_at_the_first_kernel_mo
     module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
     unreadable = Memory()
     modules = ModuleList(reader(unreadable, []), HEAD, module_layout, None, X86_64)
-    assert await modules.refresh() is None and not modules.read_once
+    assert await modules.refresh() is None and not modules.read_whole
     link(memory, module_layout, [ALPHA])
     modules.read = reader(memory, [])  # a vCPU in the kernel now
     identifier = make(layout, PER_CPU_OFFSET, module_list=modules)
     transport = FakeTransport({}, memory.frozen())
     found = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
     module_found = found.space.find(0xFFFF_FFFF_C010_0010)
-    assert modules.read_once and module_found is not None and module_found.name == "[alpha]"
+    assert modules.read_whole and module_found is not None and module_found.name == "[alpha]"
+
+
+async def test_a_module_that_could_not_be_read_is_read_again(module_layout: ModuleLayout) -> None:
+    # The list's links read, the struct module not (the vCPUs left the kernel between reads
+    # of a running guest): not taken as a module that is not there for good.
+    memory = Memory()
+    link(memory, module_layout, [ALPHA])
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() == [] and not modules.read_whole
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    modules.read = reader(memory, [])
+    assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole

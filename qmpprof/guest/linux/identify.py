@@ -33,6 +33,7 @@ from qmpprof.unwind.space import AddressSpace, Module
 
 LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
+MODULES_RETRY = 1.0  # seconds between two tries, in a pause, of a list not wholly read
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
 TASKS_CONFIRM_EVERY = 0.2
@@ -95,6 +96,7 @@ class LinuxIdentifier:
         self.tasks = Tasks(clock, recheck)
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self._modules_read = clock()
+        self._modules_tried = -MODULES_RETRY  # never: the first kernel-mode sample may try
         self._tasks_confirmed = clock()
         self.use_modules(kernel_modules)
 
@@ -160,10 +162,16 @@ class LinuxIdentifier:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
-        modules = self.module_list
-        if modules is not None and not modules.read_once and not regs.user:
-            # Never read yet (every vCPU was in user mode when tried): in this pause a vCPU
-            # runs the kernel, which its reads see.
+        modules, now = self.module_list, self.clock()
+        if (
+            modules is not None
+            and not modules.read_whole
+            and not regs.user
+            and now - self._modules_tried >= MODULES_RETRY
+        ):
+            # Not all read yet (the vCPUs were in user mode when tried, the guest running): in
+            # this pause a vCPU runs the kernel, which its reads see.
+            self._modules_tried = now
             found = await modules.refresh()
             if found is not None:
                 self.use_modules([self.kernel_modules[0], *found])

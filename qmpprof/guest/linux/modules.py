@@ -117,24 +117,22 @@ class ModuleList:
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
 
     @property
-    def read_once(self) -> bool:
-        """Whether the list was read (its head may be unreadable for a while: an arm64 vCPU in
-        user mode does not see the kernel, KPTI)."""
-        return self.known is not None
+    def read_whole(self) -> bool:
+        """Whether the list and every module in it were read (reads of a running guest may
+        fail for a while: an arm64 vCPU in user mode does not see the kernel, KPTI)."""
+        return self.known is not None and None not in self.known.values()
 
     async def refresh(self) -> list[Module] | None:
-        """The modules loaded now, or None when the list holds the same ones as last time (or
-        its head could not be read)."""
+        """The modules loaded now, or None when the list holds the same ones as last time, all
+        read (or its head could not be read). A module that could not be read is tried again."""
         found = await self._structs()
-        if found is None or (self.known is not None and found == list(self.known)):
+        if found is None or (self.read_whole and found == list(self.known or {})):
             return None
         known = self.known or {}
         fresh: dict[int, Module | None] = {}
         for at in found:
-            fresh[at] = (
-                known[at]
-                if at in known
-                else await _read_module(self.read, at, self.layout, self.kernel_orc, self.arch)
+            fresh[at] = known.get(at) or await _read_module(
+                self.read, at, self.layout, self.kernel_orc, self.arch
             )
         self.known = fresh
         return [m for m in fresh.values() if m is not None]
