@@ -765,3 +765,25 @@ async def test_a_module_that_could_not_be_read_is_read_again(module_layout: Modu
     module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
     modules.read = reader(memory, [])
     assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole
+
+
+async def test_a_module_s_names_ending_near_the_end_of_their_mapping_are_read(
+    module_layout: ModuleLayout,
+) -> None:
+    # 6.12's arm64 module: its string table a few bytes before an unmapped page, where a read
+    # of the longest name past the last one's start fails.
+    memory, text = Memory(), 0xFFFF_FFFF_C010_0000
+    kallsyms, symtab = 0xFFFF_FFFF_C030_0000, 0xFFFF_FFFF_C030_0100
+    strtab = 0xFFFF_FFFF_C040_0000 - 16
+    module(memory, module_layout, ALPHA, "alpha", text)
+    link(memory, module_layout, [ALPHA])
+    memory.put(ALPHA + module_layout.kallsyms, struct.pack("<Q", kallsyms))
+    memory.put(kallsyms + module_layout.symtab, struct.pack("<Q", symtab))
+    memory.put(kallsyms + module_layout.num_symtab, struct.pack("<I", 1))
+    memory.put(kallsyms + module_layout.strtab, struct.pack("<Q", strtab))
+    memory.put(symtab, struct.pack("<IBBHQQ", 1, 2, 0, 1, text + 0x10, 0x20))  # STT_FUNC
+    memory.put(strtab, b"\0qb_read\0".ljust(16, b"\0"))
+    (found,) = (
+        await ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64).refresh() or []
+    )
+    assert found.symbols is not None and found.symbols.lookup(text + 0x18) == ("qb_read", 8)

@@ -27,6 +27,7 @@ from qmpprof.linux.btf import Btf, Kind
 from qmpprof.linux.orc import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
+from qmpprof.pagecache import PAGE
 from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 
@@ -36,6 +37,7 @@ _STT_FUNC = 2
 _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
+_KSYM_NAME_LEN = 512  # the longest symbol name the kernel keeps, and its NUL
 _MAX_TEXT = 64 << 20  # a module's text read at most (the largest known: a few MB)
 
 
@@ -190,7 +192,10 @@ async def _symbols(
     ]
     if not entries:
         return None
-    names = await read_one(read, strtab, max(name for name, _, _ in entries) + 256)
+    last = max(name for name, _, _ in entries)
+    names = await read_one(read, strtab, last + _KSYM_NAME_LEN)
+    if names is None:  # the table ends near the end of its mapping (6.12's arm64 module)
+        names = await read_one(read, strtab, last + (-(strtab + last) % PAGE or PAGE))
     if names is None:
         return None
     return SymbolTable(
