@@ -259,9 +259,14 @@ def link(memory: Memory, layout: ModuleLayout, chain: list[int]) -> None:
 
 
 def module(memory: Memory, layout: ModuleLayout, at: int, name: str, text: int) -> None:
+    """A module of 0x2000 bytes of text (zeros), without symbols or ORC tables."""
     memory.put(at + layout.name, name.encode().ljust(layout.name_size, b"\0"))
     memory.put(at + layout.text_base, struct.pack("<Q", text))
     memory.put(at + layout.text_size, struct.pack("<I", 0x2000))
+    memory.put(at + layout.kallsyms, bytes(8))
+    if layout.orc is not None:
+        memory.put(at + layout.orc[0], bytes(4))
+    memory.put(text, bytes(0x2000))
 
 
 def reader(memory: Memory, reads: list[int]) -> Reader:
@@ -787,3 +792,16 @@ async def test_a_module_s_names_ending_near_the_end_of_their_mapping_are_read(
         await ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64).refresh() or []
     )
     assert found.symbols is not None and found.symbols.lookup(text + 0x18) == ("qb_read", 8)
+
+
+async def test_a_module_whose_symbols_could_not_be_read_is_read_again(
+    module_layout: ModuleLayout,
+) -> None:
+    memory, text, kallsyms = Memory(), 0xFFFF_FFFF_C010_0000, 0xFFFF_FFFF_C030_0000
+    module(memory, module_layout, ALPHA, "alpha", text)
+    link(memory, module_layout, [ALPHA])
+    memory.put(ALPHA + module_layout.kallsyms, struct.pack("<Q", kallsyms))  # not mapped yet
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() == [] and not modules.read_whole
+    memory.put(kallsyms, bytes(64))  # mapped now: no symbols in it
+    assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole

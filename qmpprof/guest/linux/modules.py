@@ -38,6 +38,7 @@ _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
 _KSYM_NAME_LEN = 512  # the longest symbol name the kernel keeps, and its NUL
+_NO_SYMBOLS = SymbolTable(())
 _MAX_TEXT = 64 << 20  # a module's text read at most (the largest known: a few MB)
 
 
@@ -161,27 +162,38 @@ async def _read_module(
         return None
     name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
     symbols = await _symbols(read, at, layout, base, base + size)
+    if symbols is None:
+        return None  # not readable now: read again (ModuleList)
+    named = symbols if len(symbols) else None
     table = await _orc(read, at, layout, kernel_orc)
     mapping = Mapping(f"[{name}]", base, base + size, True)
     if table is not None:
-        return Module.build(mapping, arch, symbols=symbols, orc=OrcCode(table))
-    code = await read_one(read, base, size) if size <= _MAX_TEXT else None
-    return Module.build(mapping, arch, symbols=symbols, code=code, code_addr=base)
+        return Module.build(mapping, arch, symbols=named, orc=OrcCode(table))
+    code = await read_one(read, base, size) if size <= _MAX_TEXT else b""
+    if code is None:
+        return None
+    return Module.build(mapping, arch, symbols=named, code=code or None, code_addr=base)
 
 
 async def _symbols(
     read: Reader, at: int, layout: ModuleLayout, low: int, high: int
 ) -> SymbolTable | None:
+    """The module's function symbols (an empty table: it has none); None where a read failed
+    (a running guest's reads fail for a while: an arm64 vCPU at EL0 does not see the kernel)."""
     (kallsyms,) = await read_ints(read, [(at + layout.kallsyms, 8)])
-    if not kallsyms:
+    if kallsyms is None:
         return None
+    if not kallsyms:
+        return _NO_SYMBOLS
     symtab, count, strtab = await read_ints(
         read,
         [(kallsyms + layout.symtab, 8), (kallsyms + layout.num_symtab, 4),
          (kallsyms + layout.strtab, 8)],
     )  # fmt: skip
-    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+    if symtab is None or count is None or strtab is None:
         return None
+    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+        return _NO_SYMBOLS
     raw = await read_one(read, symtab, count * _SYM.size)
     if raw is None:
         return None
@@ -191,7 +203,7 @@ async def _symbols(
         if info & 0xF == _STT_FUNC and low <= value < high and name < _MAX_STRTAB
     ]
     if not entries:
-        return None
+        return _NO_SYMBOLS
     last = max(name for name, _, _ in entries)
     names = await read_one(read, strtab, last + _KSYM_NAME_LEN)
     if names is None:  # the table ends near the end of its mapping (6.12's arm64 module)
