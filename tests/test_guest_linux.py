@@ -5,6 +5,7 @@ seen recently; the module list; mappings and tasks confirmed between samples."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import struct
 from collections.abc import Awaitable, Callable, Sequence
@@ -805,3 +806,32 @@ async def test_a_module_whose_symbols_could_not_be_read_is_read_again(
     assert await modules.refresh() == [] and not modules.read_whole
     memory.put(kallsyms, bytes(64))  # mapped now: no symbols in it
     assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole
+
+
+async def test_the_vcpus_of_one_tick_all_take_the_module_list_read_late(
+    layout: TaskLayout, module_layout: ModuleLayout
+) -> None:
+    # Both vCPUs' samples are identified together: the one that waits for the other's read
+    # of the list must not go on without it (its module frames unplaced).
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    modules = ModuleList(reader(Memory(), []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() is None
+    link(memory, module_layout, [ALPHA])
+    read = reader(memory, [])
+
+    async def slow(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        await asyncio.sleep(0)  # a read over the transport: the other vCPU's identify runs
+        return await read(ranges)
+
+    modules.read = slow
+    identifier = make(layout, PER_CPU_OFFSET, module_list=modules)
+    transport = FakeTransport({}, memory.frozen())
+    both = await asyncio.gather(
+        *(
+            identifier.identify(transport, regs(cpu, KERNEL.start + 16), PageCache())
+            for cpu in (0, 1)
+        )
+    )
+    assert all(found.space.find(0xFFFF_FFFF_C010_0010) is not None for found in both)

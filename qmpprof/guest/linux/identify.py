@@ -12,6 +12,7 @@ changed (an exec, a task_struct reused) has the task read again in the pause.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -97,6 +98,7 @@ class LinuxIdentifier:
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self._modules_read = clock()
         self._modules_tried = -MODULES_RETRY  # never: the first kernel-mode sample may try
+        self._modules_lock = asyncio.Lock()
         self._tasks_confirmed = clock()
         self.use_modules(kernel_modules)
 
@@ -162,22 +164,24 @@ class LinuxIdentifier:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
-        modules, now = self.module_list, self.clock()
-        if (
-            modules is not None
-            and not modules.read_whole
-            and not regs.user
-            and now - self._modules_tried >= MODULES_RETRY
-        ):
-            # Not all read yet (the vCPUs were in user mode when tried, the guest running): in
-            # this pause a vCPU runs the kernel, which its reads see.
+        if self.module_list is not None and not self.module_list.read_whole and not regs.user:
+            await self._read_modules(self.module_list)
+        identity = await self._identify(transport, regs, cache)
+        linked = await self._exception_link(transport, regs)
+        return identity if linked is None else dataclasses.replace(identity, registers=linked)
+
+    async def _read_modules(self, modules: ModuleList) -> None:
+        """The module list not all read yet (the vCPUs were in user mode when tried, the guest
+        running): read in this pause, where a vCPU runs the kernel, which its reads see. The
+        vCPUs of one tick are identified together: the others wait for the read and take it."""
+        async with self._modules_lock:
+            now = self.clock()
+            if modules.read_whole or now - self._modules_tried < MODULES_RETRY:
+                return
             self._modules_tried = now
             found = await modules.refresh()
             if found is not None:
                 self.use_modules([self.kernel_modules[0], *found])
-        identity = await self._identify(transport, regs, cache)
-        linked = await self._exception_link(transport, regs)
-        return identity if linked is None else dataclasses.replace(identity, registers=linked)
 
     async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
         """``regs`` with the exception link register, read in this pause for a sample taken
