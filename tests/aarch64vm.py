@@ -57,6 +57,13 @@ def image(series: str) -> Path:
     return SERIES[series] / "vmlinuz"
 
 
+def module_ko(series: str) -> Path:
+    """The test module built for the series' kernel, with its symbols (the guest loads a
+    copy): scripts/build-aarch64-guest's module-<release>/qmpprof_burn.ko."""
+    release = (SERIES[series] / "version").read_text().strip()
+    return ROOT / "fixtures" / "build" / "aarch64-guest" / f"module-{release}" / "qmpprof_burn.ko"
+
+
 @contextlib.contextmanager
 def running_aarch64_guest(
     tmp_path: Path,

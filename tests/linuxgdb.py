@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from linuxkernel import linux_dir
-from linuxvm import BUILD, MODULE, LinuxGuest
+from linuxvm import BUILD, MODULE
 from support.bench.gdbcli import GdbMi
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.linux.symbols import KernelSymbols
 
 PF_KTHREAD = 0x0020_0000
 
@@ -306,10 +307,11 @@ def _explanations(lines: list[str]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def module_text(guest: LinuxGuest, ko: Path) -> int:
+def module_text(symbols: KernelSymbols, ko: Path) -> int:
     """Where the module's .text was loaded: a function's address in the guest's /proc/kallsyms
-    minus its offset in the .ko (all its functions that stay after init are in .text)."""
-    runtime = guest.symbols.address_of("qb_read", MODULE)
+    (``symbols``) minus its offset in the .ko (all its functions that stay after init are in
+    .text)."""
+    runtime = symbols.address_of("qb_read", MODULE)
     assert runtime is not None, "the guest's kallsyms lack the test module"
     nm = subprocess.run(["nm", str(ko)], capture_output=True, text=True, check=True)
     offsets = [

@@ -29,6 +29,7 @@ from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Frame, Mode, StopReason
 from qmpprof.output import native
+from qmpprof.profile import Profile
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -194,11 +195,13 @@ def test_a_5s_profile_is_whole_and_places_xz_from_its_files(
             stitched += count * (len(users) > 1 and len(users) < len(frames))
             for depth, frame in enumerate(users):
                 user.check(frame, exact=depth == 0, count=count)  # the interrupted pc first
+    module = ModuleTally.of(profile, guest)
     print(
         f"kernel parts whole {whole}/{kernel}; xz's syscalls stitched {stitched}; xz's samples"
         f" with user frames {xz_user}/{xz}; at a vector from user mode with them {vectored};"
         f" {user}"
     )
+    print(module)
     print("kernel parts not whole (stop, root, frames):", broken.most_common(12))
     print("stops (program, mode, stop):", stops.most_common(16))
     assert kernel > 200 and whole >= WHOLE * kernel, (whole, kernel)
@@ -209,6 +212,10 @@ def test_a_5s_profile_is_whole_and_places_xz_from_its_files(
     assert {"lzma_code", "__libc_start_main"} <= set(user.names), user.names
     assert stitched > 0  # xz's system calls: the kernel's frames, then xz's own
     assert vectored > 0 and xz_user >= WITH_USER * xz, (vectored, xz_user, xz)
+    # The test module (cat's reads of /proc/qmpprof_burn, its kernel thread): named as the
+    # guest's kallsyms name its symbols, in caller order, a leaf's caller (x30) not skipped.
+    assert not module.wrong, module.wrong.most_common(8)
+    assert module.read_whole >= 3 and module.kwork_whole >= 1, module
 
 
 def before_kernel_entry(frame: Frame) -> bool:
@@ -217,6 +224,71 @@ def before_kernel_entry(frame: Frame) -> bool:
     if frame.symbol == "vectors":
         return 0x400 <= frame.offset < 0x600
     return (frame.symbol or "").startswith("el0t_64_") and frame.offset == 0
+
+
+MODULE = "qmpprof_burn"
+READ_CHAIN = ("qb_read", "qb_burn_outer", "qb_burn_middle", "qb_burn_leaf")
+KWORK_CHAIN = ("qb_kwork_fn", "qb_kwork_tick", "qb_kwork_leaf")
+
+
+@dataclass
+class ModuleTally:
+    """The module's frames in a profile: its call chains down to their leaves (``*_whole``)
+    and what is wrong with any of them."""
+
+    read: int = 0
+    read_whole: int = 0
+    kwork: int = 0
+    kwork_whole: int = 0
+    wrong: Counter[str] = field(default_factory=Counter)
+
+    def __str__(self) -> str:
+        return (
+            f"module: qb_read in {self.read} samples ({self.read_whole} down to qb_burn_leaf),"
+            f" qb_kwork_fn in {self.kwork} ({self.kwork_whole} down to qb_kwork_leaf)"
+        )
+
+    @classmethod
+    def of(cls, profile: Profile, guest: Aarch64Guest) -> ModuleTally:
+        tally = cls()
+        for record, count in zip(profile.stacks, profile.counts, strict=True):
+            frames = profile.frames_of(record)[::-1]  # root first
+            names = [f.symbol for f in frames]
+            for frame in frames:
+                if (frame.module is not None and frame.module.name == f"[{MODULE}]") != (
+                    frame.symbol or ""
+                ).startswith("qb_"):
+                    tally.wrong[f"{frame.symbol} in {frame.module}"] += count
+                elif frame.symbol and frame.symbol.startswith("qb_"):
+                    start = guest.symbols.address_of(frame.symbol, MODULE)
+                    if start is None or frame.pc - frame.offset != start:
+                        tally.wrong[f"{frame.symbol}+{frame.offset:#x} at {frame.pc:#x}"] += count
+            if "qb_read" in names:
+                tally.read += count
+                # a system call from user mode: el0t_64_sync ... ksys_read, vfs_read ... qb_read
+                root = next(f.symbol for f in frames if f.kernel)
+                if root != "el0t_64_sync":
+                    tally.wrong[f"qb_read under {root}"] += count
+                if not {"ksys_read", "vfs_read"} <= set(names[: names.index("qb_read")]):
+                    tally.wrong[f"qb_read not under ksys_read/vfs_read: {names}"] += count
+                tally.read_whole += count * tally.chain(names, READ_CHAIN, count)
+            if "qb_kwork_fn" in names:
+                tally.kwork += count
+                if names[:2] != ["ret_from_fork", "kthread"]:
+                    tally.wrong[f"qb_kwork_fn under {names[:2]}"] += count
+                tally.kwork_whole += count * tally.chain(names, KWORK_CHAIN, count)
+        return tally
+
+    def chain(self, names: list[str | None], chain: tuple[str, ...], count: int) -> bool:
+        """Whether the module's frames from ``chain[0]`` on (root first) are all of ``chain``;
+        anything but a prefix of it is wrong."""
+        at = names.index(chain[0])
+        run = names[at : at + len(chain)]
+        ours = [n for n in run if n is not None and n.startswith("qb_")]
+        if tuple(ours) != chain[: len(ours)] or run[: len(ours)] != ours:
+            self.wrong[f"{' '.join(str(n) for n in run)}: not {' '.join(chain)}"] += count
+            return False
+        return len(ours) == len(chain)
 
 
 def kernel_part_whole(frames: Sequence[Frame], stop: StopReason, text: TextSymbols) -> bool:

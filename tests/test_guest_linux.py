@@ -5,6 +5,7 @@ seen recently; the module list; mappings and tasks confirmed between samples."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import struct
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,6 +19,7 @@ import pytest
 from fakes import FakeTransport, regs, x86
 from guestvm import BUILD_ROOT
 
+from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest.linux import spaces as spaces_module
@@ -35,6 +37,7 @@ from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing
 from qmpprof.unwind.space import AddressSpace, Module
+from qmpprof.unwind.steps import PrologueStep
 
 PER_CPU_OFFSET = 0xFFFF_FFFF_825E_8E20
 BASES = (0xFFFF_8880_3EA0_0000, 0xFFFF_8880_3EB0_0000)
@@ -257,9 +260,14 @@ def link(memory: Memory, layout: ModuleLayout, chain: list[int]) -> None:
 
 
 def module(memory: Memory, layout: ModuleLayout, at: int, name: str, text: int) -> None:
+    """A module of 0x2000 bytes of text (zeros), without symbols or ORC tables."""
     memory.put(at + layout.name, name.encode().ljust(layout.name_size, b"\0"))
     memory.put(at + layout.text_base, struct.pack("<Q", text))
     memory.put(at + layout.text_size, struct.pack("<I", 0x2000))
+    memory.put(at + layout.kallsyms, bytes(8))
+    if layout.orc is not None:
+        memory.put(at + layout.orc[0], bytes(4))
+    memory.put(text, bytes(0x2000))
 
 
 def reader(memory: Memory, reads: list[int]) -> Reader:
@@ -776,3 +784,115 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
     await spaces.space_of(read, task, [0x40_1000, 0x7D00_0000_0000, 0x7C00_0000_0000])
     assert reads == [mm, mm, mm, mm]
     assert spaces.holds(task, [0x7D00_0000_0008, 0x7C00_0000_0008, 0x7E00_0000_0000])
+
+
+async def test_a_module_without_orc_tables_is_unwound_by_its_code_read_from_memory(
+    module_layout: ModuleLayout,
+) -> None:
+    # An arm64 module: no ORC fields in its struct module. A leaf function keeps no frame
+    # record (its caller is in x30): only its code tells, so its text is read once.
+    memory, text = Memory(), 0xFFFF_8000_7A10_0000
+    module(memory, module_layout, ALPHA, "alpha", text)
+    code = bytes(range(256)) * 32  # the 0x2000 bytes module() gives it
+    memory.put(text, code)
+    link(memory, module_layout, [ALPHA])
+    layout = replace(module_layout, orc=None)
+    (found,) = await ModuleList(reader(memory, []), HEAD, layout, None, AARCH64).refresh() or []
+    analysis = [step for step in found.steps if isinstance(step, PrologueStep)]
+    assert len(analysis) == 1 and analysis[0].code == code and analysis[0].code_addr == text
+
+
+async def test_a_module_list_unreadable_at_attach_is_read_at_the_first_kernel_mode_sample(
+    layout: TaskLayout, module_layout: ModuleLayout
+) -> None:
+    # arm64 under KPTI: with every vCPU in user mode at attach, no read sees the kernel. The
+    # list is not taken as empty: the first sample of a vCPU in the kernel reads it.
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    unreadable = Memory()
+    modules = ModuleList(reader(unreadable, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() is None and not modules.read_whole
+    link(memory, module_layout, [ALPHA])
+    modules.read = reader(memory, [])  # a vCPU in the kernel now
+    identifier = make(layout, PER_CPU_OFFSET, module_list=modules)
+    transport = FakeTransport({}, memory.frozen())
+    found = await identifier.identify(transport, regs(0, KERNEL.start + 16), PageCache())
+    module_found = found.space.find(0xFFFF_FFFF_C010_0010)
+    assert modules.read_whole and module_found is not None and module_found.name == "[alpha]"
+
+
+async def test_a_module_that_could_not_be_read_is_read_again(module_layout: ModuleLayout) -> None:
+    # The list's links read, the struct module not (the vCPUs left the kernel between reads
+    # of a running guest): not taken as a module that is not there for good.
+    memory = Memory()
+    link(memory, module_layout, [ALPHA])
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() == [] and not modules.read_whole
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    modules.read = reader(memory, [])
+    assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole
+
+
+async def test_a_module_s_names_ending_near_the_end_of_their_mapping_are_read(
+    module_layout: ModuleLayout,
+) -> None:
+    # 6.12's arm64 module: its string table a few bytes before an unmapped page, where a read
+    # of the longest name past the last one's start fails.
+    memory, text = Memory(), 0xFFFF_FFFF_C010_0000
+    kallsyms, symtab = 0xFFFF_FFFF_C030_0000, 0xFFFF_FFFF_C030_0100
+    strtab = 0xFFFF_FFFF_C040_0000 - 16
+    module(memory, module_layout, ALPHA, "alpha", text)
+    link(memory, module_layout, [ALPHA])
+    memory.put(ALPHA + module_layout.kallsyms, struct.pack("<Q", kallsyms))
+    memory.put(kallsyms + module_layout.symtab, struct.pack("<Q", symtab))
+    memory.put(kallsyms + module_layout.num_symtab, struct.pack("<I", 1))
+    memory.put(kallsyms + module_layout.strtab, struct.pack("<Q", strtab))
+    memory.put(symtab, struct.pack("<IBBHQQ", 1, 2, 0, 1, text + 0x10, 0x20))  # STT_FUNC
+    memory.put(strtab, b"\0qb_read\0".ljust(16, b"\0"))
+    (found,) = (
+        await ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64).refresh() or []
+    )
+    assert found.symbols is not None and found.symbols.lookup(text + 0x18) == ("qb_read", 8)
+
+
+async def test_a_module_whose_symbols_could_not_be_read_is_read_again(
+    module_layout: ModuleLayout,
+) -> None:
+    memory, text, kallsyms = Memory(), 0xFFFF_FFFF_C010_0000, 0xFFFF_FFFF_C030_0000
+    module(memory, module_layout, ALPHA, "alpha", text)
+    link(memory, module_layout, [ALPHA])
+    memory.put(ALPHA + module_layout.kallsyms, struct.pack("<Q", kallsyms))  # not mapped yet
+    modules = ModuleList(reader(memory, []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() == [] and not modules.read_whole
+    memory.put(kallsyms, bytes(64))  # mapped now: no symbols in it
+    assert [m.name for m in await modules.refresh() or []] == ["[alpha]"] and modules.read_whole
+
+
+async def test_the_vcpus_of_one_tick_all_take_the_module_list_read_late(
+    layout: TaskLayout, module_layout: ModuleLayout
+) -> None:
+    # Both vCPUs' samples are identified together: the one that waits for the other's read
+    # of the list must not go on without it (its module frames unplaced).
+    memory = guest(layout, (KWORKER, KWORKER))
+    memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+    module(memory, module_layout, ALPHA, "alpha", 0xFFFF_FFFF_C010_0000)
+    modules = ModuleList(reader(Memory(), []), HEAD, module_layout, None, X86_64)
+    assert await modules.refresh() is None
+    link(memory, module_layout, [ALPHA])
+    read = reader(memory, [])
+
+    async def slow(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        await asyncio.sleep(0)  # a read over the transport: the other vCPU's identify runs
+        return await read(ranges)
+
+    modules.read = slow
+    identifier = make(layout, PER_CPU_OFFSET, module_list=modules)
+    transport = FakeTransport({}, memory.frozen())
+    both = await asyncio.gather(
+        *(
+            identifier.identify(transport, regs(cpu, KERNEL.start + 16), PageCache())
+            for cpu in (0, 1)
+        )
+    )
+    assert all(found.space.find(0xFFFF_FFFF_C010_0010) is not None for found in both)

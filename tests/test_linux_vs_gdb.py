@@ -105,7 +105,7 @@ async def compare(tmp_path: Path, files: KernelFiles, kaslr: bool) -> Tally:
         oracle = KernelOracle(port, files.vmlinux_dbg, tmp_path / "qg.py", slide)
         try:
             assert oracle.value("&_text") == guest.text_address
-            oracle.add_module(files.module_ko, module_text(guest, files.module_ko))
+            oracle.add_module(files.module_ko, module_text(guest.symbols, files.module_ko))
             # The first moments through the command line, as a user sees it (QEMU serves one
             # QMP client at a time: before the in-process run opens its connection).
             for moment in range(CLI_MOMENTS):

@@ -410,3 +410,17 @@ async def test_the_linux_guest_reads_elr_and_sp_el0_for_a_sample_entered_from_us
     stub = SystemRegisters(USER_PC)
     identity = await identifier.identify(cast(GuestTransport, stub), regs, PageCache())
     assert identity.registers is None
+
+
+async def test_a_module_loaded_below_the_kernel_does_not_hide_its_slide() -> None:
+    # arm64 loads modules below the image: the space's first module is then one of them, and
+    # the kernel's slide (for the entry code's link addresses) is the image's own.
+    slide = 0x3A3A_C120_0000
+    below = Module.build(Mapping("[qmpprof_burn]", BASE + slide - 0x10_0000, BASE, True), ARCH)
+    identifier = LinuxIdentifier([*space(slide).modules, below], ARCH, entry=ENTRY)
+    assert identifier.space.modules[0] is below
+    stub = SystemRegisters(BASE + slide)
+    identity = await identifier.identify(
+        cast(GuestTransport, stub), kregs(VECTORS + 0x280 + slide, KSTACK, OUTER), PageCache()
+    )
+    assert identity.registers is not None and identity.registers.gprs[ELR] == BASE + slide

@@ -24,6 +24,7 @@ from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.arm64boot import BootTask, boot_task
 from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
+from qmpprof.linux.arm64modules import module_list
 from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
@@ -139,6 +140,15 @@ class LinuxKernel:
         if self.image.arch.name != "aarch64":
             return None
         return per_cpu_layout(self.image, self.symbols)
+
+    @property
+    def module_list(self) -> int | None:
+        """The link address of the loaded modules' list head (``modules``): kallsyms', else on
+        arm64 where ``find_module_all``'s code reads it; None when not known."""
+        found = self.symbols.address_of("modules")
+        if found is None and self.image.arch.name == "aarch64":
+            return module_list(self.image, self.symbols)
+        return found
 
     @property
     def thread_size(self) -> int | None:

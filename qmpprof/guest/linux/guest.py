@@ -177,10 +177,10 @@ class LinuxGuest:
         checks = None if own is None else check(own, kernel, slide)
         entry = None if kernel.orc is not None else entry_code(kernel)
         modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines)]
-        head = kernel.address("modules", slide)
+        head = kernel.module_list
         module_list = None
         if layouts.modules is not None and head is not None:
-            module_list = ModuleList(read, head, layouts.modules, kernel.orc, arch)
+            module_list = ModuleList(read, head + slide, layouts.modules, kernel.orc, arch)
             modules += await module_list.refresh() or []
         current = None
         if layouts.current is not None:

@@ -12,6 +12,7 @@ changed (an exec, a task_struct reused) has the task read again in the pause.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -35,6 +36,7 @@ from qmpprof.unwind.space import AddressSpace, Module
 LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
 USER_SP = "SP_EL0"  # the user stack pointer, likewise
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
+MODULES_RETRY = 1.0  # seconds between two tries, in a pause, of a list not wholly read
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
 TASKS_CONFIRM_EVERY = 0.2
@@ -100,6 +102,8 @@ class LinuxIdentifier:
         self.tasks = Tasks(clock, recheck)
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self._modules_read = clock()
+        self._modules_tried = -MODULES_RETRY  # never: the first kernel-mode sample may try
+        self._modules_lock = asyncio.Lock()
         self._tasks_confirmed = clock()
         self.use_modules(kernel_modules)
 
@@ -175,9 +179,24 @@ class LinuxIdentifier:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
+        if self.module_list is not None and not self.module_list.read_whole and not regs.user:
+            await self._read_modules(self.module_list)
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)
+
+    async def _read_modules(self, modules: ModuleList) -> None:
+        """The module list not all read yet (the vCPUs were in user mode when tried, the guest
+        running): read in this pause, where a vCPU runs the kernel, which its reads see. The
+        vCPUs of one tick are identified together: the others wait for the read and take it."""
+        async with self._modules_lock:
+            now = self.clock()
+            if modules.read_whole or now - self._modules_tried < MODULES_RETRY:
+                return
+            self._modules_tried = now
+            found = await modules.refresh()
+            if found is not None:
+                self.use_modules([self.kernel_modules[0], *found])
 
     async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
         """``regs`` with the exception link register, read in this pause for a sample taken
@@ -187,7 +206,9 @@ class LinuxIdentifier:
         entry = self.entry
         if entry is None or regs.user:
             return None
-        link = regs.pc - self.space.modules[0].bias
+        # The kernel image's slide (kernel_modules[0]; arm64 loads modules below the image:
+        # the space's first module may be one of them).
+        link = regs.pc - self.kernel_modules[0].bias
         if entry.holds_link(link):
             names: tuple[str, ...] = (LINK_REGISTER,)
         elif entry.holds_user(link) and entry.user_sp is not None:

@@ -6,7 +6,10 @@ kernel keeps them for kallsyms (``kallsyms->symtab``/``strtab``: Elf64_Sym at ru
 addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted when the module was
 loaded; x86 only: an arm64 ``mod_arch_specific`` has none). Offsets come from the kernel's
 BTF. Each module becomes a ``Module`` named ``[name]``, unwound by its ORC; frames in it are
-named ``function [name]``.
+named ``function [name]``. A module without ORC tables (arm64) is unwound as the kernel's own
+code is there: by frame records, with prologue analysis of its text, read once: a leaf
+function keeps no record, and its caller is told only by the code (its return address still
+in x30).
 
 Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
 the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
@@ -24,6 +27,7 @@ from qmpprof.linux.btf import Btf, Kind
 from qmpprof.linux.orc import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
+from qmpprof.pagecache import PAGE
 from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 
@@ -33,6 +37,9 @@ _STT_FUNC = 2
 _MAX_SYMBOLS = 1 << 20
 _MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
+_KSYM_NAME_LEN = 512  # the longest symbol name the kernel keeps, and its NUL
+_NO_SYMBOLS = SymbolTable(())
+_MAX_TEXT = 64 << 20  # a module's text read at most (the largest known: a few MB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,25 +119,32 @@ class ModuleList:
         self.arch = arch
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
 
+    @property
+    def read_whole(self) -> bool:
+        """Whether the list and every module in it were read (reads of a running guest may
+        fail for a while: an arm64 vCPU in user mode does not see the kernel, KPTI)."""
+        return self.known is not None and None not in self.known.values()
+
     async def refresh(self) -> list[Module] | None:
-        """The modules loaded now, or None when the list holds the same ones as last time."""
+        """The modules loaded now, or None when the list holds the same ones as last time, all
+        read (or its head could not be read). A module that could not be read is tried again."""
         found = await self._structs()
-        if self.known is not None and found == list(self.known):
+        if found is None or (self.read_whole and found == list(self.known or {})):
             return None
         known = self.known or {}
         fresh: dict[int, Module | None] = {}
         for at in found:
-            fresh[at] = (
-                known[at]
-                if at in known
-                else await _read_module(self.read, at, self.layout, self.kernel_orc, self.arch)
+            fresh[at] = known.get(at) or await _read_module(
+                self.read, at, self.layout, self.kernel_orc, self.arch
             )
         self.known = fresh
         return [m for m in fresh.values() if m is not None]
 
-    async def _structs(self) -> list[int]:
+    async def _structs(self) -> list[int] | None:
         out: list[int] = []
         (node,) = await read_ints(self.read, [(self.head, 8)])
+        if node is None:
+            return None
         seen = {self.head}
         while node is not None and node not in seen and len(seen) <= MAX_MODULES:
             seen.add(node)
@@ -148,25 +162,38 @@ async def _read_module(
         return None
     name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
     symbols = await _symbols(read, at, layout, base, base + size)
+    if symbols is None:
+        return None  # not readable now: read again (ModuleList)
+    named = symbols if len(symbols) else None
     table = await _orc(read, at, layout, kernel_orc)
     mapping = Mapping(f"[{name}]", base, base + size, True)
-    orc = None if table is None else OrcCode(table)
-    return Module.build(mapping, arch, symbols=symbols, orc=orc)
+    if table is not None:
+        return Module.build(mapping, arch, symbols=named, orc=OrcCode(table))
+    code = await read_one(read, base, size) if size <= _MAX_TEXT else b""
+    if code is None:
+        return None
+    return Module.build(mapping, arch, symbols=named, code=code or None, code_addr=base)
 
 
 async def _symbols(
     read: Reader, at: int, layout: ModuleLayout, low: int, high: int
 ) -> SymbolTable | None:
+    """The module's function symbols (an empty table: it has none); None where a read failed
+    (a running guest's reads fail for a while: an arm64 vCPU at EL0 does not see the kernel)."""
     (kallsyms,) = await read_ints(read, [(at + layout.kallsyms, 8)])
-    if not kallsyms:
+    if kallsyms is None:
         return None
+    if not kallsyms:
+        return _NO_SYMBOLS
     symtab, count, strtab = await read_ints(
         read,
         [(kallsyms + layout.symtab, 8), (kallsyms + layout.num_symtab, 4),
          (kallsyms + layout.strtab, 8)],
     )  # fmt: skip
-    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+    if symtab is None or count is None or strtab is None:
         return None
+    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+        return _NO_SYMBOLS
     raw = await read_one(read, symtab, count * _SYM.size)
     if raw is None:
         return None
@@ -176,8 +203,11 @@ async def _symbols(
         if info & 0xF == _STT_FUNC and low <= value < high and name < _MAX_STRTAB
     ]
     if not entries:
-        return None
-    names = await read_one(read, strtab, max(name for name, _, _ in entries) + 256)
+        return _NO_SYMBOLS
+    last = max(name for name, _, _ in entries)
+    names = await read_one(read, strtab, last + _KSYM_NAME_LEN)
+    if names is None:  # the table ends near the end of its mapping (6.12's arm64 module)
+        names = await read_one(read, strtab, last + (-(strtab + last) % PAGE or PAGE))
     if names is None:
         return None
     return SymbolTable(
