@@ -14,7 +14,6 @@ from qmpprof.guest.linux.pagetables import (
     PageTables,
     page_tables,
 )
-from qmpprof.memory import Reader
 
 BASE = 0xFFFF_9A00_0000_0000  # a KASLR'd page_offset_base
 PRESENT, WRITE, USER, HUGE, NX = 1, 2, 4, 1 << 7, 1 << 63
@@ -152,61 +151,57 @@ async def test_arm64_five_levels_from_a_top_table_inside_a_page() -> None:
     assert tables.user_end == 1 << 52
 
 
-async def test_upper_levels_kept_across_walkers_the_last_read_each_time() -> None:
-    memory = Physical()
-    va = 0x5555_5555_4000
-    pgd, pud, pmd, pte = four_levels(memory, va, 0x7_7000)
-    i1 = indexes(va, 4)[3]
-    upper: dict[int, bytes | None] = {}
-    assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x7_7000
-    assert set(upper) == {BASE + pgd, BASE + pud, BASE + pmd}  # not the last level's page
-    before = memory.reads
-    memory.entry(pte, i1, 0x8_8000 | PRESENT)  # the page moved: the last level is read again
-    assert await PageTables(memory.read, BASE, upper=upper).physical(BASE + pgd, va) == 0x8_8000
-    assert memory.reads == before + 1
-    # A region mapped since: its entry was not present in the kept page, which is read again.
-    other = 0x7F00_0000_0000
-    j4, j3, j2, j1 = indexes(other, 4)
-    memory.entry(pgd, j4, 0x14_0000 | PRESENT)
-    memory.entry(0x14_0000, j3, 0x15_0000 | PRESENT)
-    memory.entry(0x15_0000, j2, 0x16_0000 | PRESENT)
-    memory.entry(0x16_0000, j1, 0x9_9000 | PRESENT)
-    walker = PageTables(memory.read, BASE, upper=upper)
-    assert await walker.physical(BASE + pgd, other) == 0x9_9000
-    assert await walker.physical(BASE + pgd, other + 0x1000) is None  # read once, still absent
-
-
-async def test_a_user_read_is_one_request_its_last_level_guessed_and_checked_in_it() -> None:
-    """Through ``reader`` a kernel-mode sample's user pages cost one request once the walker's
-    last-level page is kept: that page is read again in the request that reads the data, and a
-    changed entry (a page moved by copy-on-write) has the moved page read again, never the
-    stale one returned."""
+async def test_a_user_read_is_one_request_its_kept_tables_guessed_and_checked_in_it() -> None:
+    """Through ``reader`` a kernel-mode sample's user pages cost one request once the walkers'
+    table pages are kept: every entry they gave is read again in the request that reads the
+    data, and a changed one (a page moved by copy-on-write, a table freed and reused, a region
+    mapped or unmapped since) has the walk made again from the fresh entry and the moved page
+    read again, never the stale one returned. ``physical`` alone never guesses."""
     memory = Physical()
     stack = 0x7FFF_F000_0000
-    pgd, _, _, pte = four_levels(memory, stack, 0x7_7000)
-    i1 = indexes(stack, 4)[3]
+    pgd, _, pmd, pte = four_levels(memory, stack, 0x7_7000)
+    i2, i1 = indexes(stack, 4)[2:]
     memory.entry(pte, i1 + 1, 0x7_9000 | PRESENT)
     memory.put(0x7_7000, b"old stack")
     memory.put(0x7_9000, b"its caller")
     memory.put(0x8_8000, b"new stack")
-    upper: dict[int, bytes | None] = {}
-    last: dict[int, bytes | None] = {}
+    kept: dict[int, bytes | None] = {}
 
-    def reader() -> Reader:
-        return PageTables(memory.read, BASE, upper=upper, last=last).reader(BASE + pgd)
+    async def read(ranges: list[tuple[int, int]]) -> tuple[list[bytes | None], int]:
+        before = memory.requests
+        found = await PageTables(memory.read, BASE, kept=kept).reader(BASE + pgd)(ranges)
+        return found, memory.requests - before
 
     wanted = [(stack, 9), (stack + 0x1000, 10), (stack + 0x2000, 8), (stack + 0xFFC, 8)]
-    assert await reader()(wanted) == [b"old stack", b"its caller", None, None]
-    assert memory.requests == 5  # four levels, then the two pages together
-    assert set(last) == {BASE + pte}
-    before = memory.requests
-    assert await reader()(wanted[:2]) == [b"old stack", b"its caller"]
-    assert memory.requests == before + 1  # the kept last level checked with the data
-    memory.entry(pte, i1, 0x8_8000 | PRESENT)
-    before = memory.requests
-    assert await reader()(wanted[:2]) == [b"new stack", b"its caller"]
-    assert memory.requests == before + 2  # and the page it moved to read again
+    assert await read(wanted) == ([b"old stack", b"its caller", None, None], 5)  # 4 levels
+    assert len(kept) == 4
+    assert await read(wanted[:2]) == ([b"old stack", b"its caller"], 1)  # checked with the data
+    memory.entry(pte, i1, 0x8_8000 | PRESENT)  # moved: the page it says now read again
+    assert await read(wanted[:2]) == ([b"new stack", b"its caller"], 2)
+    assert await read(wanted[:2]) == ([b"new stack", b"its caller"], 1)
     memory.entry(pte, i1 + 2, 0x7_7000 | PRESENT)  # mapped since: absent in the guess
-    assert await reader()(wanted[2:3]) == [b"old stack"[:8]]
+    assert await read(wanted[2:3]) == ([b"old stack"[:8]], 2)
     memory.entry(pte, i1 + 1, 0)  # unmapped since: present in the guess
-    assert await reader()(wanted[:2]) == [b"new stack", None]
+    assert await read(wanted[:2]) == ([b"new stack", None], 1)
+    # A table freed and its region's tables made anew elsewhere: the walk follows the new one
+    # (read, then the page it gives).
+    memory.entry(pmd, i2, 0x14_0000 | PRESENT)
+    memory.entry(0x14_0000, i1, 0x7_9000 | PRESENT)
+    assert await read(wanted[:1]) == ([b"its caller"[:9]], 3)
+    walker = PageTables(memory.read, BASE, kept=kept)
+    before = memory.requests
+    assert await walker.physical(BASE + pgd, stack) == 0x7_9000
+    assert memory.requests == before + 4  # not through the kept pages
+
+
+async def test_an_entry_not_present_ends_the_walk_read_once_a_walker() -> None:
+    memory = Physical()
+    va = 0x5555_5555_4000
+    pgd = four_levels(memory, va, 0x7_7000)[0]
+    walker = PageTables(memory.read, BASE)
+    other = 0x7F00_0000_0000
+    assert await walker.physical(BASE + pgd, va) == 0x7_7000
+    before = memory.reads
+    assert await walker.physical(BASE + pgd, other) is None
+    assert await walker.physical(BASE + pgd, other + 0x1000) is None
+    assert memory.reads == before  # the top level's page read once, its entry absent

@@ -40,11 +40,10 @@ MODULES_RETRY = 1.0  # seconds between two tries, in a pause, of a list not whol
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
 # seen in the pause by its stamp; this catches a rename (prctl PR_SET_NAME).
 TASKS_CONFIRM_EVERY = 0.2
-# Seconds the upper levels of the page tables a kernel-mode sample's user memory is read
-# through (arm64: every such sample) are kept: a table freed and reused meanwhile would be
-# read stale for at most this long. The last level's pages are kept as long, but only as
-# guesses: each is read again with the data it led to (``PageTables.reader``).
-UPPER_KEPT = 0.5
+# Seconds the page-table pages a kernel-mode sample's user memory is read through (arm64:
+# every such sample) are kept, as guesses: each entry one gives is read again with the data it
+# led to (``PageTables.reader``), so keeping them longer only holds more memory.
+TABLES_KEPT = 10.0
 # Housekeeping calls that may measure the linear map attach could not, once a vCPU's per-CPU
 # base is known (each a pass over the vCPUs' registers and QEMU's translations).
 LINEAR_TRIES = 8
@@ -93,9 +92,8 @@ class LinuxIdentifier:
         self.find_linear = find_linear
         self._linear_tries = 0
         self.cpus = cpus
-        self._upper: dict[int, bytes | None] = {}  # page-table pages above the last level
-        self._last_level: dict[int, bytes | None] = {}  # and the last level (checked in use)
-        self._upper_read = clock()
+        self._tables: dict[int, bytes | None] = {}  # page-table pages, kept as guesses
+        self._tables_read = clock()
         # Whether user-mode vCPUs were seen unable to read the kernel (then read physically)
         self.hidden = False
         self.clock = clock
@@ -378,16 +376,15 @@ class LinuxIdentifier:
             # address (a memory-encryption bit, say). Not trusted until read again.
             spaces.forget_pgd(task)
             return None
-        upper = last = None
+        kept = None
         if rootless:  # every kernel-mode sample walks: the tables kept a while
             now = self.clock()
-            if now - self._upper_read > UPPER_KEPT:
-                self._upper.clear()
-                self._last_level.clear()
-                self._upper_read = now
-            upper, last = self._upper, self._last_level
+            if now - self._tables_read > TABLES_KEPT:
+                self._tables.clear()
+                self._tables_read = now
+            kept = self._tables
         return PageTables(
-            read, tables.direct_map, tables.levels, tables.entries, tables.user_end, upper, last
+            read, tables.direct_map, tables.levels, tables.entries, tables.user_end, kept
         ).reader(pgd)
 
     def _through(self, read: Reader, memory: Reader | None) -> Reader:

@@ -57,25 +57,22 @@ class PageTables:
         levels: int = 4,
         entries: EntryFormat = X86_64_ENTRIES,
         end: int | None = None,
-        upper: dict[int, bytes | None] | None = None,
-        last: dict[int, bytes | None] | None = None,
+        kept: dict[int, bytes | None] | None = None,
     ) -> None:
         """``end``: where user space ends (None: half of what the levels translate, as on
-        x86_64: 2^47 with four levels, 2^56 with five). ``upper``: table pages above the
-        last level, kept by the caller across walkers (they change only when a region's
-        tables are allocated or freed; an entry not present there is read again once).
-        ``last``: last-level table pages kept the same way, but only as guesses: ``reader``
-        reads each one it used again in the request that reads the data, and reads again what a
-        changed entry moved (so a user page costs one request, not two)."""
+        x86_64: 2^47 with four levels, 2^56 with five). ``kept``: table pages of any level kept
+        by the caller across walkers, used only as guesses: ``reader`` reads every entry a
+        guess gave again in the request that reads the data, and walks again what changed (so
+        a user page costs one request, not one per level and another for the data)."""
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
         self.entries = entries
         self.user_end = user_end(levels) if end is None else end
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
-        self._upper = upper
-        self._last = last
-        self._guessed: set[int] = set()  # last-level pages taken from ``last`` unchecked
+        self._kept = kept
+        self._guessed: dict[int, int | None] = {}  # an entry's address -> what a guess said
+        self._sure: dict[int, int] = {}  # and what it was read again to be, in this pause
 
     def over(self, read: Reader) -> PageTables:
         """The same tables walked through ``read`` (a pause's reads, say), nothing kept."""
@@ -85,36 +82,34 @@ class PageTables:
         """Drop the table pages read so far (page tables change as processes run)."""
         self._tables.clear()
 
-    async def _entry(
-        self, table: int, index: int, level: int = 1, guess: bool = False
-    ) -> int | None:
+    async def _entry(self, table: int, index: int, guess: bool = False) -> int | None:
         at = table + 8 * index
+        if at in self._sure:
+            return self._sure[at]
         base = at & ~(_PAGE - 1)
-        kept = self._tables if level == 1 or self._upper is None else self._upper
-        if guess and level == 1 and base not in kept and self._last and base in self._last:
-            self._guessed.add(base)
-            kept = self._last
-        if base not in kept:
-            (kept[base],) = await self.read([(base, _PAGE)])
-            if level == 1 and self._last is not None:
-                self._last[base] = kept[base]
-        page = kept[base]
+        pages = self._tables
+        if guess and base not in pages and self._kept and base in self._kept:
+            pages = self._kept
+        elif base not in pages:
+            (pages[base],) = await self.read([(base, _PAGE)])
+            if self._kept is not None:
+                self._kept[base] = pages[base]
+        page = pages[base]
         offset = at - base
         entry = None if page is None else int.from_bytes(page[offset : offset + 8], "little")
-        if kept is self._upper and not (entry or 0) & _PRESENT and base not in self._tables:
-            self._tables[base] = kept[base] = (await self.read([(base, _PAGE)]))[0]
-            return await self._entry(table, index, level, guess)
+        if pages is self._kept:
+            self._guessed[at] = entry
         return entry
 
     async def physical(self, pgd: int, va: int, guess: bool = False) -> int | None:
         """The physical address of user address ``va`` in the address space whose top-level
         table is at kernel address ``pgd``; None when it is not mapped (or not readable).
-        ``guess``: a last-level page kept from before may say it (``reader`` checks it)."""
+        ``guess``: table pages kept from before may say it (``reader`` checks what they said)."""
         table = pgd  # page-aligned on x86_64; arm64's smallest top levels share a page
         entries = self.entries
         for level in range(self.levels, 0, -1):
             shift = 12 + 9 * (level - 1)
-            entry = await self._entry(table, (va >> shift) & 511, level, guess)
+            entry = await self._entry(table, (va >> shift) & 511, guess)
             if entry is None or not entry & _PRESENT:
                 return None
             base = entry & entries.address
@@ -127,35 +122,52 @@ class PageTables:
 
     def reader(self, pgd: int) -> Reader:
         """Reads of the process's user addresses (each within one page): every range
-        translated first, then their bytes in one request, with the last-level table pages
-        the translations guessed from ``last`` (which a second request corrects, when one
-        changed)."""
+        translated first, through the kept pages where they hold its tables, then their bytes
+        in one request with every entry those pages gave read again; where one changed (a page
+        moved by copy-on-write after a fork, a table freed and reused), the walk is made again
+        on fresh pages and what moved is read again: a stale page is never returned."""
 
         async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
             self._guessed.clear()
-            places = [await self._place(pgd, addr, size) for addr, size in ranges]
-            guessed = sorted(self._guessed)
-            found = await self._read_at(places, [(base, _PAGE) for base in guessed])
+            self._sure.clear()
+            places = [await self._place(pgd, addr, size, True) for addr, size in ranges]
+            guessed = list(self._guessed.items())
+            found = await self._read_at(places, [(at, 8) for at, _ in guessed])
             fresh, out = found[: len(guessed)], found[len(guessed) :]
             changed = False
-            for base, page in zip(guessed, fresh, strict=True):
-                assert self._last is not None
-                changed |= self._last[base] != page
-                self._tables[base] = self._last[base] = page
+            for (at, entry), now in zip(guessed, fresh, strict=True):
+                value = None if now is None else int.from_bytes(now, "little")
+                if value != entry:
+                    changed = True
+                    self._correct(at, now)
+                if value is not None:
+                    self._sure[at] = value
             if not changed:
                 return out
-            again = [await self._place(pgd, addr, size) for addr, size in ranges]
+            again = [await self._place(pgd, addr, size, False) for addr, size in ranges]
             pairs = list(zip(again, places, strict=True))
             redone = await self._read_at([p if p != q else None for p, q in pairs], [])
             return [o if p == q else r for (p, q), o, r in zip(pairs, out, redone, strict=True)]
 
         return read
 
-    async def _place(self, pgd: int, addr: int, size: int) -> tuple[int, int] | None:
+    def _correct(self, at: int, entry: bytes | None) -> None:
+        """The kept page holding the entry at ``at`` made to say ``entry`` now (None: it could
+        not be read, the page is dropped)."""
+        assert self._kept is not None
+        base = at & ~(_PAGE - 1)
+        page = self._kept.get(base)
+        if page is None or entry is None:
+            self._kept.pop(base, None)
+            return
+        offset = at - base
+        self._kept[base] = page[:offset] + entry + page[offset + 8 :]
+
+    async def _place(self, pgd: int, addr: int, size: int, guess: bool) -> tuple[int, int] | None:
         """Where [addr, addr+size) is in the direct map (None: unmapped, or across pages)."""
         if (addr % _PAGE) + size > _PAGE:
             return None
-        at = await self.physical(pgd, addr, guess=True)
+        at = await self.physical(pgd, addr, guess)
         return None if at is None else (self.direct_map + at, size)
 
     async def _read_at(
