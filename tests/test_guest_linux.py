@@ -654,6 +654,28 @@ async def test_the_task_expected_is_verified_by_its_stamp_read_with_the_window(
     assert moved == reused and reads
 
 
+MYAPP_MM = 0xFFFF_8880_0500_0000  # the mm_struct of myapp, its one process
+MYAPP_PGD_AT = 0x58  # mm_struct.pgd
+
+
+def myapp_mapped(monkeypatch: pytest.MonkeyPatch) -> list[Vma]:
+    """myapp's executable mappings, as every read of them gives them (the list, changed in
+    place, is read anew each time)."""
+    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    return mapped
+
+
+def myapp_spaces(files: UserFiles, tables: PageTables | None) -> tuple[Spaces, Task]:
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=MYAPP_PGD_AT))
+    spaces = Spaces(AddressSpace([KERNEL]), vmas, files, tables, lambda: 0.0)
+    return spaces, Task(1230, 1230, "myapp", False, "myapp", MYAPP_MM, 0)
+
+
 async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_build: None
 ) -> None:
@@ -663,13 +685,8 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
     program = BUILD_ROOT / "cfi" / "user" / "spin.elf"
     (tmp_path / "myapp").write_bytes(program.read_bytes())
     files = UserFiles(tmp_path)
-    mm, pgd, pgd_at = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000, 0x58
-    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
-
-    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
-        return list(mapped)
-
-    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    mm, pgd = MYAPP_MM, 0xFFFF_8880_0600_0000
+    myapp_mapped(monkeypatch)
 
     class Tables(_Tables):
         def reader(self, pgd: int) -> Reader:
@@ -681,11 +698,9 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
             return read
 
     tables = Tables()
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=pgd_at))
-    spaces = Spaces(AddressSpace([KERNEL]), vmas, files, cast(PageTables, tables), lambda: 0.0)
-    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    spaces, task = myapp_spaces(files, cast(PageTables, tables))
     memory = Memory()
-    memory.put(mm + pgd_at, struct.pack("<Q", pgd))
+    memory.put(mm + MYAPP_PGD_AT, struct.pack("<Q", pgd))
     read, reads = reader(memory, []), []
     first = await spaces.space_of(reader(memory, reads), task)
     module = first.find(0x40_1000)
@@ -709,13 +724,8 @@ async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
     (tmp_path / "myapp").write_bytes(program.read_bytes())
     files = UserFiles(tmp_path)
     files.candidates("myapp")  # read before: only the pause's view of memory is at stake
-    mm, pgd, pgd_at = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0600_0000, 0x58
-    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
-
-    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
-        return list(mapped)
-
-    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    mm, pgd = MYAPP_MM, 0xFFFF_8880_0600_0000
+    myapp_mapped(monkeypatch)
     walked: list[int] = []
 
     class Tables(_Tables):
@@ -738,11 +748,9 @@ async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
             return read
 
     tables = Tables()
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=pgd_at))
-    spaces = Spaces(AddressSpace([KERNEL]), vmas, files, cast(PageTables, tables), lambda: 0.0)
-    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    spaces, task = myapp_spaces(files, cast(PageTables, tables))
     memory = Memory()  # the kernel's: no user page in it
-    memory.put(mm + pgd_at, struct.pack("<Q", pgd))
+    memory.put(mm + MYAPP_PGD_AT, struct.pack("<Q", pgd))
     memory.put(pgd, struct.pack("<Q", 0x4003))
     space = await spaces.space_of(reader(memory, []), task)
     module = space.find(0x40_1000)
