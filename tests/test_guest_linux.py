@@ -904,3 +904,19 @@ async def test_the_vcpus_of_one_tick_all_take_the_module_list_read_late(
         )
     )
     assert all(found.space.find(0xFFFF_FFFF_C010_0010) is not None for found in both)
+
+
+async def test_an_exec_into_an_mm_at_the_old_one_s_address_is_placed_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exec frees the process's mm and takes a new one, which the slab may put at the same
+    address: the same mm and tgid, another program (the leader's comm). Its space is read
+    anew, not the old program's answered for a user address both map."""
+    mapped = myapp_mapped(monkeypatch)
+    spaces, task = myapp_spaces(UserFiles(None), None)
+    read = reader(Memory(), [])
+    assert (await spaces.space_of(read, task, [0x40_1000])).find(0x40_1000) is not None
+    mapped[:] = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "xz")]
+    xz = replace(task, comm="xz", leader_comm="xz")
+    found = (await spaces.space_of(read, xz, [0x40_1000])).find(0x40_1000)
+    assert found is not None and found.name == "[xz]"  # its file not read: by name

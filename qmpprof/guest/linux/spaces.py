@@ -35,6 +35,13 @@ CONFIRM_EVERY = 0.5  # seconds between two confirmations of a process's mappings
 _PROBE = 32  # bytes of code compared between a mapping and the file that claims it
 
 
+Key = tuple[int, int, str]  # mm, tgid, the thread group leader's comm
+
+
+def _key(task: Task) -> Key:
+    return (task.mm, task.tgid, task.leader_comm)
+
+
 @dataclass(frozen=True, slots=True)
 class Placed:
     """A process's address space as built from its mappings (``vmas``), read or confirmed
@@ -49,7 +56,10 @@ class Placed:
 
 
 class Spaces:
-    """Each process's address space by (mm, tgid); ``kernel``: the kernel's space (its
+    """Each process's address space by (mm, tgid, the leader's comm: an exec that frees an mm
+    and takes a new one at the same address, the slab's reuse, still changes the key by the
+    program's name: 29-31 samples of Debian's xz walked as the busybox it was exec'd from, in
+    the churn test on 6.1, before it counted); ``kernel``: the kernel's space (its
     modules), which a kernel thread uses and every process's space starts from."""
 
     def __init__(
@@ -79,8 +89,8 @@ class Spaces:
         again."""
         self.kernel = kernel
         self.gone = AddressSpace(kernel.modules, user_gone=True)
-        self._placed: Memo[tuple[int, int], Placed] = Memo(LIMIT)
-        self._used: Memo[tuple[int, int], float] = Memo(LIMIT)  # when a sample last did
+        self._placed: Memo[Key, Placed] = Memo(LIMIT)
+        self._used: Memo[Key, float] = Memo(LIMIT)  # when a sample last did
 
     async def space_of(self, read: Reader, task: Task, pcs: Sequence[int] = ()) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
@@ -92,7 +102,7 @@ class Spaces:
             return self.gone
         if self.vmas is None or not task.mm:
             return self.kernel
-        key = (task.mm, task.tgid)
+        key = _key(task)
         now = self.clock()
         self._used.put(key, now)
         seen = self._placed.get(key)
@@ -114,7 +124,7 @@ class Spaces:
     def holds(self, task: Task, pcs: Sequence[int]) -> bool:
         """Whether ``task``'s process's space as placed answers for the user addresses
         ``pcs`` (each in a mapping, or on a page found lacking when they were read)."""
-        seen = self._placed.get((task.mm, task.tgid)) if task.mm else None
+        seen = self._placed.get(_key(task)) if task.mm else None
         return seen is None or _holds(seen, pcs)
 
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
@@ -123,7 +133,7 @@ class Spaces:
         are loaded in any case. None: it cannot be placed before a sample of it."""
         if self.vmas is None or not task.mm:
             return self.kernel
-        key = (task.mm, task.tgid)
+        key = _key(task)
         placed = self._placed.get(key)
         if placed is not None:
             return placed.space
@@ -134,7 +144,7 @@ class Spaces:
         return await self._place_through_tables(read, key, vmas)
 
     async def _place_through_tables(
-        self, read: Reader, key: tuple[int, int], vmas: tuple[Vma, ...]
+        self, read: Reader, key: Key, vmas: tuple[Vma, ...]
     ) -> AddressSpace | None:
         """Place a process between samples: its code through its own page tables."""
         if self.tables is None or self.vmas is None:
@@ -152,19 +162,19 @@ class Spaces:
     def pgd_of(self, task: Task) -> int | None:
         """The top-level page table of ``task``'s process as its space was placed with (None:
         not known)."""
-        placed = self._placed.get((task.mm, task.tgid)) if task.mm else None
+        placed = self._placed.get(_key(task)) if task.mm else None
         return None if placed is None else placed.pgd
 
     def forget_pgd(self, task: Task) -> None:
         """The page table root of ``task``'s process as placed is not the one it runs on."""
-        key = (task.mm, task.tgid)
+        key = _key(task)
         placed = self._placed.get(key)
         if placed is not None:
             self._placed[key] = dataclasses.replace(placed, pgd=None)
 
     async def _place(
         self,
-        key: tuple[int, int],
+        key: Key,
         vmas: tuple[Vma, ...],
         code: Reader,
         *,
