@@ -305,16 +305,16 @@ class LinuxIdentifier:
         they were read: a library mapped since (a kernel-mode sample asks nothing else of
         them). None: the space as it is answers for them."""
         assert self.spaces is not None and self.layout is not None
-        # The task as read before was trusted by its age: read again first, its task_struct
-        # may be another process's since (the slab's reuse; that one's mm at the old one's
-        # address then gave a busybox shell's mappings to an xz that had exited), or exec'd.
+        if self.spaces.holds(task, pcs):
+            return None
+        # The task as read before was trusted by its age: read again before its mappings, its
+        # task_struct may be another process's since (the slab's reuse; that one's mm at the
+        # old one's address then gave a busybox shell's mappings to an xz that had exited).
         fresh = await read_task(read, at, self.layout, self.arch.shared_from)
         if fresh is None:
             return None
         if fresh.stamp != task.stamp:
             task, identity = fresh, dataclasses.replace(identity, process=fresh.process)
-        elif self.spaces.holds(task, pcs):
-            return None
         space, memory = await self._placed(read, task, regs, pcs)
         if space is identity.space and task is not fresh:
             return None
