@@ -189,10 +189,14 @@ def x86(
     gprs: dict[str, int] | None = None,
     long_mode: bool = True,
     gs_base: int = 0,
+    cr0: int | None = None,
 ) -> Registers:
-    """An x86 vCPU's registers as QEMU's would read (x86_64's in long mode, i386's outside)."""
+    """An x86 vCPU's registers as QEMU's would read (x86_64's in long mode, i386's outside);
+    without ``cr0`` they do not say whether it pages."""
     named = {**(gprs or {}), "rip": rip, "rsp": rsp, "rbp": rbp}
-    return x86_registers(cpu, named, cpl=cpl, cr3=cr3, long_mode=long_mode, gs_base=gs_base)
+    return x86_registers(
+        cpu, named, cpl=cpl, cr3=cr3, long_mode=long_mode, gs_base=gs_base, cr0=cr0
+    )
 
 
 def frame_chain(

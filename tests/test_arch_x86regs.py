@@ -239,3 +239,22 @@ def test_the_idt_register_is_read_from_the_monitor() -> None:
     special = one(text).special
     assert (special["idt_base"], special["idt_limit"]) == (0xFFFFFE0000000000, 0xFFF)
     assert "idt_base" not in one(text.replace("IDT=", "XDT=")).special
+
+
+@pytest.mark.parametrize(
+    ("name", "paging"),
+    [
+        ("seabios-realmode-cpu0.txt", 0),  # CR0=60000010: real mode
+        ("seabios-protmode-cpu0.txt", 0),  # SeaBIOS's 32-bit code: protected, flat, no paging
+        ("ovmf-longmode-cpu0.txt", 1),  # CR0=80010033
+    ],
+)
+def test_the_monitor_text_says_whether_the_vcpu_pages(name: str, paging: int) -> None:
+    text = capture(name)
+    cr0 = int(re.search(r"CR0=([0-9a-f]+)", text)[1], 16)  # type: ignore[index]
+    assert one(text).special["paging"] == paging == cr0 >> 31
+
+
+def test_the_g_packet_says_whether_the_vcpu_pages() -> None:
+    assert FORMATS.gdb_named(CAPTURED_G)["cr0"] == 0x11  # the monitor's CR0 of that stop
+    assert FORMATS.from_gdb(0, CAPTURED_G).special["paging"] == 0

@@ -63,12 +63,18 @@ def x86_registers(
     fs_base: int = 0,
     gs_base: int = 0,
     halted: bool = False,
+    cr0: int | None = None,
 ) -> Registers:
     """The model's registers of an x86 vCPU from its general registers by name (``rax``..
     ``r15``, ``rip``, or ``eax``..``eip``; the 64-bit names with 32-bit values outside long
-    mode), in the instruction set the vCPU runs: x86_64 in long mode, i386 outside."""
+    mode), in the instruction set the vCPU runs: x86_64 in long mode, i386 outside. With
+    ``cr0``, ``special["paging"]`` says whether the vCPU translates addresses (CR0.PG; clear in
+    real mode and in the firmware's flat protected mode)."""
     isa = X86_64 if long_mode else I386
     gprs = _numbered(isa, named)
+    special = {"cpl": cpl, "fs_base": fs_base, "gs_base": gs_base}
+    if cr0 is not None:
+        special["paging"] = cr0 >> 31 & 1
     return Registers(
         cpu=cpu,
         isa=isa.name,
@@ -79,7 +85,7 @@ def x86_registers(
         space=cr3,
         halted=halted,
         gprs=gprs,
-        special={"cpl": cpl, "fs_base": fs_base, "gs_base": gs_base},
+        special=special,
     )
 
 
@@ -114,6 +120,7 @@ class X86Formats:
             long_mode=bool(named["efer"] & _EFER_LMA),
             fs_base=named["fs_base"],
             gs_base=named["gs_base"],
+            cr0=named["cr0"],
         )
 
     def gdb_named(self, payload: bytes) -> dict[str, int]:
@@ -155,6 +162,7 @@ def _monitor_block(cpu: int, text: str) -> Registers:
             fs_base=bases.get("FS", 0),
             gs_base=bases.get("GS", 0),
             halted=fields.get("HLT", 0) == 1,
+            cr0=fields.get("CR0"),
         )
     except TransportError as err:
         raise TransportError(f"CPU#{cpu}: {err} in monitor text") from err

@@ -36,9 +36,9 @@ _SYM32 = struct.Struct("<IIIBBH")  # Elf32_Sym: name, value, size, info, other, 
 _EHDR = {64: struct.Struct("<HHIQQQIHHHHHH"), 32: struct.Struct("<HHIIIIIHHHHHH")}
 # Section headers: name, type, flags, addr, offset, size, link, info (alignment, entsize unread).
 _SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
-# Program headers: (type, offset, vaddr, memsz) at these field indexes of each class's order.
+# Program headers: (type, offset, vaddr, memsz, paddr) at these field indexes of each class's order.
 _PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
-_PHDR_FIELDS = {64: (0, 2, 3, 6), 32: (0, 1, 2, 5)}
+_PHDR_FIELDS = {64: (0, 2, 3, 6, 4), 32: (0, 1, 2, 5, 3)}
 _PT_LOAD, _SHT_NOBITS = 1, 8
 _SHF_ALLOC, _SHF_EXECINSTR = 0x2, 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
@@ -71,6 +71,7 @@ class _Headers:
     entry: int
     sections: list[SectionHeader]
     loads: list[tuple[int, int, int]]  # PT_LOAD segments: (vaddr, file offset, memsz)
+    physical: list[tuple[int, int]]  # PT_LOAD segments' physical ranges: (start, end)
 
 
 class ElfImage:
@@ -93,6 +94,9 @@ class ElfImage:
             low = high = offset = 0
         self.load_range: tuple[int, int] = (low, high)
         self.load_offset: int = offset  # the file offset of load_range's start
+        # Where the segments are loaded in physical memory (p_paddr): a kernel's code runs
+        # there before it turns paging on.
+        self.physical_ranges: tuple[tuple[int, int], ...] = tuple(headers.physical)
         self.entry: int = headers.entry
         text = self._sections.get(".text")
         self.text_addr: int = text.addr if text is not None else 0
@@ -165,6 +169,16 @@ class ElfImage:
     def code_ranges(self) -> list[tuple[int, int]]:
         """(start, end) addresses of every executable section."""
         return [(h.addr, h.addr + h.size) for h in self._section_list if h.flags & _SHF_EXECINSTR]
+
+    def code_at(self, addr: int, size: int) -> bytes | None:
+        """The file's bytes of an executable section at link address ``addr`` (None when no
+        such section holds all ``size`` of them)."""
+        for h in self._section_list:
+            code = h.flags & _SHF_EXECINSTR and not h.nobits
+            if code and h.addr <= addr <= h.addr + h.size - size:
+                at = h.offset + addr - h.addr
+                return bytes(self._data[at : at + size])
+        return None
 
     def prepare(self) -> ElfImage:
         """Everything a sample may need, built now rather than inside the first pause: the
@@ -328,13 +342,14 @@ def _headers(path: str, data: Data) -> _Headers:
         SectionHeader(_name(names, name), kind, flags, addr, offset, size, link)
         for name, kind, flags, addr, offset, size, link, _info in raw
     ]
-    loads = []
+    loads, physical = [], []
     if phoff:
-        t, o, v, m = _PHDR_FIELDS[bits]
+        t, o, v, m, p = _PHDR_FIELDS[bits]
         for ph in _table(path, data, phoff, phnum, phentsize, _PHDR[bits]):
             if ph[t] == _PT_LOAD:
                 loads.append((ph[v], ph[o], ph[m]))
-    return _Headers(arch, entry, sections, loads)
+                physical.append((ph[p], ph[p] + ph[m]))
+    return _Headers(arch, entry, sections, loads, physical)
 
 
 def _table(
