@@ -64,6 +64,11 @@ class Mapping:
     file_offset: int = 0  # where ``start`` is in the file (pprof turns addresses into file offsets)
 
 
+# The mapping of the machine's firmware (BIOS, option ROMs), as ``qmpprof.guest.firmware`` tells
+# it: the whole address range, for code no ELF of the run holds.
+FIRMWARE = Mapping("[firmware]", 0, (1 << 64) - 1, kernel=False)
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One frame of a stack, as data: names are made from it only when a profile is written.

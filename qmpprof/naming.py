@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qmpprof.model import Frame, Process, StopReason
+from qmpprof.model import FIRMWARE, Frame, Process, StopReason
 
 KERNEL_ROOT = "kernel"
 KERNEL_SUFFIX = "_[k]"
@@ -20,6 +20,8 @@ INLINED_SUFFIX = "_[i]"
 TRUNCATED = "[truncated]"
 USER_GONE = "[user space gone]"  # a process whose user address space was released (exiting)
 UNKNOWN = "[unknown]"
+# The machine's firmware (BIOS, option ROMs): a sample of it is this one name, no context.
+FIRMWARE_NAME = FIRMWARE.name
 
 
 def off_cpu_name(state: str) -> str:
@@ -51,6 +53,8 @@ class Naming:
 
 
 def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
+    if is_firmware(frame):
+        return f"{FIRMWARE_NAME} @{frame.pc:#x}" if naming.show_addresses else FIRMWARE_NAME
     if frame.symbol is None:
         # A program without symbols is still told apart by address; elsewhere an address that
         # no symbol covers is one [unknown] bucket unless addresses are asked for.
@@ -81,6 +85,10 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
     if mark_kernel and frame.kernel:
         name += KERNEL_SUFFIX
     return clean(name)
+
+
+def is_firmware(frame: Frame) -> bool:
+    return frame.module is not None and frame.module.name == FIRMWARE_NAME and not frame.kernel
 
 
 def clean(name: str) -> str:
@@ -123,7 +131,11 @@ def stack_names(
     """Names of a stack's frames root first, the context (process or ``kernel``) as the root,
     ``[off-cpu: S]`` under it for a task off CPU in state S, and ``[truncated]`` next when the
     walk did not reach the outermost frame (``[user space gone]`` when the process's user space
-    was released); and for each name whether it is kernel code (writers colour by it)."""
+    was released); and for each name whether it is kernel code (writers colour by it). A
+    sample of the firmware is ``[firmware]`` alone: it belongs to no process or kernel, and
+    its stack is not walked."""
+    if process is None and state is None and frames and is_firmware(frames[0]):
+        return (frame_name(frames[0], naming, False),), (False,)
     mark = naming.mark_kernel and process is not None
     shown = visible(frames, naming)[::-1]
     names = [context_name(process)]

@@ -30,7 +30,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from qmpprof.errors import GuestGoneError, QmpprofError, TransportError, UsageError
+from qmpprof.errors import (
+    GuestGoneError,
+    KernelMismatchError,
+    QmpprofError,
+    TransportError,
+    UsageError,
+)
 from qmpprof.guest.base import GuestIdentifier, Identified
 from qmpprof.memo import Memo
 from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
@@ -447,8 +453,8 @@ class Sampler(Generic[Space, Raw]):
                 captured.raw = await self._walk(captured, walked, cache, identity)
             if identity.memory is None:
                 self.stacks.learn(regs, cache)
-        except GuestGoneError:
-            raise
+        except (GuestGoneError, KernelMismatchError):
+            raise  # the guest is gone, or the kernel file is not its kernel: the run ends
         except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
             captured.error = f"{type(err).__name__}: {err}"
         self._phase("memory", mark)

@@ -244,13 +244,3 @@ def kernel_image(spec: GuestSpec) -> ElfImage | None:
         return None
     image = spec.kernel.elf or ElfImage.load(spec.kernel.path)
     return image.prepare()
-
-
-class Quiet:
-    """``attach`` and ``housekeep`` of a guest OS that learns everything while sampling."""
-
-    async def attach(self, transport: GuestTransport) -> Attached:
-        return Attached()
-
-    async def housekeep(self) -> None:
-        return None

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
+from qmpprof.elf.image import ElfImage
 from qmpprof.guest import metadata
-from qmpprof.guest.base import GuestSpec, Identity, KernelFile, Quiet
+from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
 from qmpprof.guest.cr3 import Cr3Identifier, load_files
 from qmpprof.guest.metadata import ProcessInfo
 from qmpprof.guest.programs import ProgramIndex
@@ -47,17 +48,19 @@ class EmeraldOs:
         return kernel is None or (kernel.arch is not None and kernel.arch.address_size == 8)
 
     def load(self, spec: GuestSpec) -> EmeraldIdentifier:
-        modules, programs = load_files(spec)
+        modules, programs, image = load_files(spec)
         addr = spec.options.get("metadata_addr", metadata.METADATA_ADDR)
         layout = spec.options.get("metadata_layout", metadata.FIELDS)
         assert isinstance(addr, int) and isinstance(layout, tuple)
         return EmeraldIdentifier(
-            modules, programs, spec.arch, metadata_addr=addr, layout=layout, fallback=spec.auto
-        )
+            modules, programs, spec.arch, metadata_addr=addr, layout=layout,
+            fallback=spec.auto, kernel_file=image,
+        )  # fmt: skip
 
 
-class EmeraldIdentifier(Quiet):
-    """A Guest with the metadata page; nothing learnt is ever consumed."""
+class EmeraldIdentifier:
+    """A Guest with the metadata page; nothing learnt is ever consumed. The firmware and the
+    kernel file's check are ``Cr3Identifier``'s (``kernel_file``)."""
 
     def __init__(
         self,
@@ -70,8 +73,9 @@ class EmeraldIdentifier(Quiet):
         fallback: bool = True,
         recheck: float = RECHECK,
         clock: Callable[[], float] = time.monotonic,
+        kernel_file: ElfImage | None = None,
     ) -> None:
-        self.by_cr3 = Cr3Identifier(kernel_modules, programs, arch)
+        self.by_cr3 = Cr3Identifier(kernel_modules, programs, arch, kernel_file=kernel_file)
         self.programs = programs
         self.metadata_addr: int | None = metadata_addr
         self.layout = layout
@@ -87,9 +91,18 @@ class EmeraldIdentifier(Quiet):
     def kernel(self) -> Identity:
         return self.by_cr3.kernel
 
+    async def attach(self, transport: GuestTransport) -> Attached:
+        return await self.by_cr3.attach(transport)
+
+    async def housekeep(self) -> None:
+        return None
+
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        """The metadata page, unless this address space was identified a moment ago."""
+        """The metadata page, unless this address space was identified a moment ago (or the
+        vCPU runs the firmware)."""
         if self.metadata_addr is None or self._fresh(regs.space) is not None:
+            return ()
+        if self.by_cr3.firmware.runs(regs):
             return ()
         return ((self.metadata_addr, 8 * len(self.layout)),)
 
@@ -103,6 +116,9 @@ class EmeraldIdentifier(Quiet):
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
         """The process ``regs.cpu`` runs; call while the guest is stopped."""
+        guarded = await self.by_cr3.guard(transport, regs)
+        if guarded is not None:
+            return guarded
         self.by_cr3.note(regs)
         if self.metadata_addr is not None:
             fresh = self._fresh(regs.space)

@@ -25,7 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from qmpprof.naming import KERNEL_SUFFIX, TRUNCATED, USER_GONE, Naming, thread_name
+from qmpprof.naming import (
+    FIRMWARE_NAME,
+    KERNEL_SUFFIX,
+    TRUNCATED,
+    USER_GONE,
+    Naming,
+    thread_name,
+)
 from qmpprof.output.facts import summary, title
 from qmpprof.output.flamegraph_js import SCRIPT, STYLE
 from qmpprof.profile import NamedStack, Profile
@@ -45,6 +52,7 @@ PALETTES: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
     "kernel": ((190, 90, 0), (65, 65, 0)),
     "user": ((200, 50, 50), (55, 80, 80)),
     "root": ((50, 165, 165), (60, 55, 55)),
+    "firmware": ((120, 120, 140), (40, 40, 40)),
 }
 
 LEGEND = (("kernel", "kernel"), ("user", "user"), ("root", "context"))
@@ -135,6 +143,8 @@ def _place(root: Node, min_samples: float) -> Iterator[Placed]:
 
 
 def _family(placed: Placed) -> str:
+    if placed.node.name.startswith(FIRMWARE_NAME):
+        return "firmware"
     if placed.depth <= 1 or placed.node.context or placed.node.name in (TRUNCATED, USER_GONE):
         return "root"
     return "kernel" if placed.node.kernel else "user"
@@ -232,8 +242,11 @@ def _chrome(
 
 
 def render(profile: Profile, naming: Naming, min_width: float = MIN_WIDTH) -> str:
-    swatches = [(colour(text, family), text) for family, text in LEGEND]
     named = profile.named(naming)
+    # The firmware's swatch only where it ran: most profiles never see it.
+    firmware = any(n.names[0].startswith(FIRMWARE_NAME) for n in named)
+    legend = (*LEGEND, ("firmware", "firmware")) if firmware else LEGEND
+    swatches = [(colour(text, family), text) for family, text in legend]
     if all(record.state is None for record in profile.stacks):
         views = [("", _tree(profile, named))]
     else:
