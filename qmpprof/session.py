@@ -211,6 +211,12 @@ def sampler(
     )
 
 
+NO_KERNEL = (
+    "no --kernel: kernel code has no names ([unknown]) and kernel stacks end at their first"
+    " frame ([truncated]); give the guest kernel's ELF file with --kernel FILE"
+)
+
+
 async def start(
     spec: RunSpec,
     on_tick: Callable[[SamplerStats], None] | None = None,
@@ -223,6 +229,9 @@ async def start(
     one fails first."""
     guest = load(spec) if guest is None else guest
     connection = await attach(guest, await connect(spec))
+    if spec.kernel is None and spec.kallsyms is None:
+        notes = (*connection.notes, NO_KERNEL)
+        connection = dataclasses.replace(connection, notes=notes)
     if on_connect is not None:
         on_connect(connection)
     return sampler(spec, guest, connection.transport, on_tick)

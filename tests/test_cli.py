@@ -61,7 +61,9 @@ def test_writes_the_output_and_says_where(
     assert stacks[("cr3=0x1000", "[unknown]")] == 5
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("qmpprof: sampling qmp-socket every 10 ms for 0.05 s")
+    no_kernel, sampling = captured.err.splitlines()[:2]
+    assert no_kernel == f"qmpprof: note: {session.NO_KERNEL}"  # no --kernel given
+    assert sampling.startswith("qmpprof: sampling qmp-socket every 10 ms for 0.05 s")
     assert "Samples: 10  Errors: 0" in captured.err
     assert f"Wrote {out} (folded); view it: flamegraph.pl {out}" in captured.err
     assert "\r" not in captured.err  # no progress line when stderr is not a terminal
