@@ -118,7 +118,9 @@ def test_one_shot_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     # Hex strings: kernel addresses are beyond what a JSON number holds exactly (2**53).
     addresses = [int(f["address"], 16) for f in doc[0]["frames"]]
     assert addresses == [K + 0x3004, K + 0x2010, K + 0x1010]
-    assert set(doc[0]["frames"][0]) == {"address", "symbol", "offset", "module"}
+    assert set(doc[0]["frames"][0]) == {
+        "address", "symbol", "offset", "module", "kernel", "inlined", "tail_call"
+    }  # fmt: skip
     assert doc[0]["process"] is None
     assert (transport.calls.count("stop"), transport.calls.count("cont")) == (1, 1)
 

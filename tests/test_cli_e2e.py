@@ -31,6 +31,8 @@ from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, every_qemu]
 
+KERNEL_BOUNDARY = int(expected()["kernel_boundary"], 16)
+
 
 def progress_addr(guest: Guest) -> int:
     """The progress counter's address (a data symbol: qmpprof's tables hold only code)."""
@@ -271,6 +273,11 @@ def test_two_vcpus_are_both_sampled(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rc == 0
     assert [s["cpu"] for s in one_shot] == [0, 1]
     assert all(s["frames"] and s["frames"][0]["address"] for s in one_shot)
+    # Each frame says whether it is kernel code (the upper half here), inlined (only --lines
+    # makes such frames) or put back from a tail jump (only a Linux guest's code gives them).
+    frames = [f for s in one_shot for f in s["frames"]]
+    assert all(f["kernel"] == (int(f["address"], 16) >= KERNEL_BOUNDARY) for f in frames), frames
+    assert not any(f["inlined"] or f["tail_call"] for f in frames), frames
     ticks = re.search(r"(\d+) ticks", err)
     samples = re.search(r"Samples: (\d+)", err)
     assert ticks is not None and samples is not None

@@ -115,8 +115,19 @@ def _process_json(process: Process | None) -> dict[str, object] | None:
 
 
 def _frames_json(frames: Sequence[Frame]) -> list[dict[str, object]]:
+    """Each frame as data: ``kernel`` (kernel code), ``inlined`` (a function inlined at the pc
+    of the real frame after it) and ``tail_call`` (a function that had left the stack by a tail
+    jump, put back from the code: its address is after its jump)."""
     return [
-        {"address": f"{f.pc:#x}", "symbol": f.symbol, "offset": f.offset, "module": f.module_name}
+        {
+            "address": f"{f.pc:#x}",
+            "symbol": f.symbol,
+            "offset": f.offset,
+            "module": f.module_name,
+            "kernel": f.kernel,
+            "inlined": f.inlined,
+            "tail_call": f.tail_call,
+        }
         for f in frames
     ]
 
