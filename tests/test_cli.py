@@ -12,17 +12,22 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 from fakes import FakeTransport, frame_chain, regs
 from guestvm import BUILD_ROOT, build_fixtures
+from qemu.qmp import QMPClient
 
 from qmpprof import session
+from qmpprof.arch.base import RegisterFormats
 from qmpprof.arch.x86 import X86_64
 from qmpprof.cli import main, options
 from qmpprof.cli import sample as sample_cmd
 from qmpprof.errors import GuestGoneError, UsageError
 from qmpprof.output import folded
+from qmpprof.transport.gdbchannel import read_packet
+from qmpprof.transport.qmp import QmpTransport
 
 K = X86_64.kernel_boundary
 
@@ -156,6 +161,28 @@ def test_qemu_gone_mid_run_keeps_the_samples(
         f"qmpprof: error: QEMU closed the QMP connection; the samples collected so far are in {out}"
     )
     assert any(line.startswith(f"Wrote {out}") for line in err)
+
+
+class _Gone:
+    """A QMP client whose QEMU went away."""
+
+    async def execute(self, cmd: str, args: object = None) -> object:
+        raise EOFError
+
+
+async def test_the_readme_quotes_what_qmpprof_says_when_qemu_goes_away() -> None:
+    """Each transport's own message, as the sampler ends a run with it, is in the README."""
+    client, formats = cast(QMPClient, _Gone()), cast(RegisterFormats, None)
+    with pytest.raises(GuestGoneError) as over_qmp:
+        await QmpTransport(client, "memsave", False, formats, "qmp.sock").status()
+    reader = asyncio.StreamReader()
+    reader.feed_eof()
+    with pytest.raises(GuestGoneError) as over_gdbstub:
+        await read_packet(reader)
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    for gone in (over_gdbstub.value, over_qmp.value):
+        line = f"qmpprof: error: {gone}; the samples collected so far are in FILE"
+        assert f"`{line}`" in readme, line
 
 
 @pytest.mark.parametrize(
