@@ -139,7 +139,7 @@ def test_paused_guest_stays_paused_and_its_stacks_are_printed(
     assert "the guest is paused: took one sample without resuming it" in captured.err
     assert captured.out.splitlines()[:2] == [
         "vCPU 0: kernel (CPU in kernel mode, page tables 0x1000)",
-        f"  #0  {K + 0x3004:#018x} [unknown]",
+        f"  #0  {K + 0x3004:#018x} [unknown]_[k]",
     ]
     assert "stop" not in transport.calls and "cont" not in transport.calls
     assert not transport.running

@@ -206,7 +206,8 @@ def test_paused_guest_stays_paused_and_one_shot_is_printed(
 ) -> None:
     with running_guest(tmp_path) as guest:
         qmp(guest, "stop")
-        rc = main(cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "2"))
+        args = cli_args(guest, "--user-dir", str(guest.user_dir), "--show-addresses")
+        rc = main([*args, "--duration", "2"])
         assert qmp(guest, "status") == "paused"
     captured = capsys.readouterr()
     assert rc == 0
@@ -214,6 +215,12 @@ def test_paused_guest_stays_paused_and_one_shot_is_printed(
     assert captured.out.startswith("vCPU 0: ")
     outermost = expected()["outermost"]
     assert outermost["user"] in captured.out or outermost["kernel_thread"] in captured.out
+    # The outputs' naming rule: _[k] on kernel code (told by its address), the module once.
+    listed = re.findall(r"^  #\d+ +(0x[0-9a-f]+) (.*)$", captured.out, re.M)
+    assert listed
+    for address, name in listed:
+        assert (int(address, 16) >= KERNEL_BOUNDARY) == ("_[k]" in name), (address, name)
+        assert not re.search(r"(\[[^]]+\]).* \(\1\)", name), name
 
 
 @pytest.mark.parametrize(("transport", "channel"), [("qmp", "QMP"), ("auto", "gdbstub")])
@@ -257,10 +264,10 @@ def test_mode_filters_keep_only_what_was_asked(
     processes = {f"{p} (pid {pid})" for p in ("spin", "sys") for pid in (1, 2, 3)}
     if flag == "--kernel-only":
         # Kernel samples only, user frames cut; in a process's context its label is the root.
+        # Every frame is kernel code, marked _[k] under the kernel root as under a process's.
         assert "kernel" in roots and roots <= {"kernel", *processes}
-        assert all(
-            n.endswith("_[k]") for names, _ in stacks if names[0] != "kernel" for n in names[1:]
-        )
+        frames = [n for names, _ in stacks for n in names[1:] if n != "[truncated]"]
+        assert frames and all(n.endswith("_[k]") for n in frames), frames
     else:
         assert roots and roots <= processes
         assert not any(names[-1].endswith("_[k]") for names, _ in stacks)
@@ -300,7 +307,7 @@ def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "did not say" not in err
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 100
-    assert any("kworker_main" in names for names, _ in stacks)
+    assert any("kworker_main_[k]" in names for names, _ in stacks)
 
 
 def test_gdb_transport_alone_says_what_it_took_the_run_state_to_be(
@@ -328,7 +335,9 @@ def test_forced_hmp_memory_path(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert rc == 0, capsys.readouterr().err
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 50
-    assert any(names[-1] == "checksum_leaf" and "kworker_main" in names for names, _ in stacks)
+    assert any(
+        names[-1] == "checksum_leaf_[k]" and "kworker_main_[k]" in names for names, _ in stacks
+    )
 
 
 def test_lines_name_frames_by_file_and_line(tmp_path: Path) -> None:

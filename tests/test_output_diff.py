@@ -49,7 +49,7 @@ def after() -> Profile:
 def test_folded_has_both_counts_for_the_union_of_stacks_sorted() -> None:
     text = diff.render_folded(before(), after(), Naming())
     assert text.splitlines() == [
-        "kernel;kmain;idle_loop 4 2",
+        "kernel;kmain_[k];idle_loop_[k] 4 2",
         "spin (pid 1);_start;main;compute 4 8",
         "spin (pid 1);_start;main;new_path 0 2",
         "spin (pid 1);_start;main;old_path 2 0",
@@ -85,7 +85,7 @@ def test_svg_is_laid_out_by_after_and_coloured_by_change_in_share() -> None:
     assert red(fill) and width == 8 * 10
     # 10 and 12 samples: shares known to ±31 and ±28 points, a change to ±42 (the tooltip says).
     assert tip == "compute (before 4, 40.00%; after 8, 66.67%; +26.67 points, within the noise)"
-    fill, width, tip = by_name["idle_loop", 3]
+    fill, width, tip = by_name["idle_loop_[k]", 3]
     assert blue(fill) and width == 2 * 10 and "-23.33 points" in tip
     fill, width, tip = by_name["new_path", 4]
     assert red(fill) and width == 2 * 10 and tip.startswith("new_path (before 0, 0.00%; after 2,")
@@ -260,7 +260,7 @@ def test_diff_of_a_guest_run_and_its_kernel_only_part_shows_user_code_gone(
     assert blue(fill) and "after 0, 0.00%" in tip
     gone = [name for name, depth in frames if depth > 2 and name == "spin_mix"]
     assert gone and all(blue(frames[name, d][0]) for name, d in frames if name == "spin_mix")
-    assert red(frames["kworker_main", 3][0]) and red(frames["kernel", 1][0])
+    assert red(frames["kworker_main_[k]", 3][0]) and red(frames["kernel", 1][0])
     assert "spin_mix" in printed and "pts" in printed
     # Full colour starts past the noise of these two runs' sample counts, and the legend says so.
     noise = math.hypot(share_margin(len(everything)), share_margin(len(kernel)))

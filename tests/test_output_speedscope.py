@@ -34,7 +34,7 @@ def test_frames_are_shared_once_per_name() -> None:
     doc = document(hand_built_profile())
     names = [frame["name"] for frame in doc["shared"]["frames"]]
     assert len(names) == len(set(names)) == 13
-    assert names[:3] == ["kernel", "kmain", "idle_loop"]  # first seen first
+    assert names[:3] == ["kernel", "kmain_[k]", "idle_loop_[k]"]  # first seen first
 
 
 def test_one_profile_per_vcpu_with_samples_in_time_order() -> None:
@@ -43,7 +43,7 @@ def test_one_profile_per_vcpu_with_samples_in_time_order() -> None:
     assert stacks(doc, 1) == [
         ("worker (pid 4)", "_start", "main", "compute", "compute"),
         ("worker (pid 4)", "_start", "main", "compute"),  # recorded last, taken second
-        ("kernel", "[truncated]", "page_fault"),
+        ("kernel", "[truncated]", "page_fault_[k]"),
         ("worker (pid 4)", "_start", "main", "compute", "compute"),
     ]
     assert stacks(doc, 0)[2][-1] == "sys_read_[k]"
