@@ -295,11 +295,11 @@ def test_two_vcpus_are_both_sampled(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_tcp_port()
-    out = tmp_path / "gdb.folded"
+    out, lanes = tmp_path / "gdb.folded", tmp_path / "gdb.speedscope.json"
     with running_guest(tmp_path, gdb_port=port) as guest:
         # The QMP socket tells the run state before the stub attaches (which stops the guest).
         args = cli_args(guest, "--gdb", f"127.0.0.1:{port}")
-        rc = main([*args, "--duration", "1", "-o", str(out), "-v"])
+        rc = main([*args, "--duration", "1", "-o", str(out), "-o", str(lanes), "-v"])
         assert qmp(guest, "status") == "running"
     err = capsys.readouterr().err
     print(err, file=sys.stderr)
@@ -308,6 +308,11 @@ def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 100
     assert any("kworker_main_[k]" in names for names, _ in stacks)
+    # speedscope: the vCPU's lane is the run's samples, 10 ms of guest run time each, and its
+    # axis that clock too (the wall time the run took, pauses in it, is longer: no empty tail).
+    (lane,) = json.loads(lanes.read_text())["profiles"]
+    assert len(lane["samples"]) == 100 and lane["weights"] == [10.0] * 100
+    assert (lane["startValue"], lane["endValue"]) == (0, 1000.0)
 
 
 def test_gdb_transport_alone_says_what_it_took_the_run_state_to_be(
