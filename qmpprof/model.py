@@ -77,6 +77,8 @@ class Frame:
     None when no symbol covers the address; ``offset`` is ``pc`` minus the symbol's start.
     ``file``/``line`` come from DWARF when the module has it. The functions inlined at a pc are
     frames of their own with ``inlined`` set, innermost first, before the real function's frame.
+    ``tail_call``: a function the walk did not find on the stack (it had left by a tail jump),
+    put back from the code (unwind/tailcall.py); ``pc`` is then the address after its jump.
     """
 
     pc: int
@@ -87,6 +89,7 @@ class Frame:
     file: str | None = None
     line: int | None = None
     inlined: bool = False
+    tail_call: bool = False
 
     @property
     def module_name(self) -> str | None:

@@ -4,6 +4,13 @@ top-stacks summary alike. A profile keeps frames as data; names are made from th
 One naming option: ``function`` (the default), ``offset`` (``function+0x1f``) or ``line``
 (``function (file:line)``, with the functions inlined at a pc as frames of their own, marked
 ``_[i]``; without it inlined frames are folded into the function they were inlined in).
+
+One rule for kernel code, wherever a frame is named (folded, SVG, speedscope, the top stacks,
+a report, the one-shot listing): its name ends in ``_[k]``, in a process's stack and under the
+``kernel`` root alike, as FlameGraph's tools mark it; a module a name already carries (a kernel
+module's ``[name]``) is not named again. pprof alone names functions by their bare symbols (it
+matches them itself; its mappings tell kernel code apart): ``plain_name``. docs/formats.md
+writes the rule down.
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ class Naming:
 
     detail: Detail = Detail.FUNCTION
     show_addresses: bool = False  # append @0x... to every frame
-    mark_kernel: bool = True  # _[k] on kernel frames when the sample belongs to a process
 
     @classmethod
     def of(
@@ -52,7 +58,15 @@ class Naming:
         return cls(detail, show_addresses)
 
 
-def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
+def frame_name(frame: Frame, naming: Naming) -> str:
+    """A frame's name: ``plain_name``, and ``_[k]`` when it is kernel code."""
+    name = plain_name(frame, naming)
+    return name + KERNEL_SUFFIX if frame.kernel else name
+
+
+def plain_name(frame: Frame, naming: Naming) -> str:
+    """A frame's name without the kernel mark: the function (or its address) as the naming
+    asks, the module where no symbol tells the code apart, ``_[i]`` on an inlined function."""
     if is_firmware(frame):
         return f"{FIRMWARE_NAME} @{frame.pc:#x}" if naming.show_addresses else FIRMWARE_NAME
     if frame.symbol is None:
@@ -68,23 +82,34 @@ def frame_name(frame: Frame, naming: Naming, mark_kernel: bool) -> str:
             name = f"{name} ({frame.file}:{frame.line})"
         if naming.show_addresses:
             name = f"{name} @{frame.pc:#x}"
+    module = _module_shown(frame, naming)
+    if module is not None:
+        name = f"{name} {module}"
+    if frame.inlined:
+        name += INLINED_SUFFIX
+    return clean(name)
+
+
+def _module_shown(frame: Frame, naming: Naming) -> str | None:
+    """The module in brackets where a frame's name carries it: a kernel module's code, function
+    [module]; code with no symbol, [unknown] [mapping]; a file's code no symbol covers (a
+    stripped library's internal function), the file, and with --offsets where in it (its link
+    address, as addr2line takes it)."""
     module = frame.module_name
     bracketed = module is not None and module.startswith("[") and module != UNKNOWN
     if bracketed and (frame.kernel or frame.symbol is None):
-        # A kernel module's code, function [module]; code with no symbol, [unknown] [mapping].
-        name = f"{name} {module}"
-    elif frame.symbol is None and not frame.kernel and frame.module and frame.module.path:
-        # A file's code no symbol covers (a stripped library's internal function): the file,
-        # and with --offsets where in it (its link address, as addr2line takes it).
+        return module
+    if frame.symbol is None and not frame.kernel and frame.module and frame.module.path:
         where = frame.module.name
         if naming.detail is not Detail.FUNCTION:
             where += f"+{frame.pc - frame.module.bias:#x}"
-        name = f"{name} [{where}]"
-    if frame.inlined:
-        name += INLINED_SUFFIX
-    if mark_kernel and frame.kernel:
-        name += KERNEL_SUFFIX
-    return clean(name)
+        return f"[{where}]"
+    return None
+
+
+def names_module(frame: Frame) -> bool:
+    """Whether the frame's name carries its module already (a listing adds it otherwise)."""
+    return _module_shown(frame, Naming()) is not None
 
 
 def is_firmware(frame: Frame) -> bool:
@@ -135,8 +160,7 @@ def stack_names(
     sample of the firmware is ``[firmware]`` alone: it belongs to no process or kernel, and
     its stack is not walked."""
     if process is None and state is None and frames and is_firmware(frames[0]):
-        return (frame_name(frames[0], naming, False),), (False,)
-    mark = naming.mark_kernel and process is not None
+        return (frame_name(frames[0], naming),), (False,)
     shown = visible(frames, naming)[::-1]
     names = [context_name(process)]
     kernel = [False]
@@ -147,6 +171,6 @@ def stack_names(
     if root is not None:
         names.append(root)
         kernel.append(False)
-    names += (frame_name(f, naming, mark) for f in shown)
+    names += (frame_name(f, naming) for f in shown)
     kernel += (f.kernel for f in shown)
     return tuple(names), tuple(kernel)

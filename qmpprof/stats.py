@@ -11,6 +11,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
+from qmpprof.profile import share_margin
+
 # Phases of one pause, in the order they happen while the guest is stopped.
 PHASES = ("stop", "registers", "memory", "unwind", "cont")
 
@@ -111,5 +113,5 @@ def few_samples_margin(samples: int) -> float | None:
     ``samples`` samples, when it is wider than TRUSTED_MARGIN (else None)."""
     if samples <= 0:
         return None
-    margin = 196 * (0.25 / samples) ** 0.5
+    margin = share_margin(samples)
     return margin if margin > TRUSTED_MARGIN else None

@@ -12,17 +12,22 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 from fakes import FakeTransport, frame_chain, regs
 from guestvm import BUILD_ROOT, build_fixtures
+from qemu.qmp import QMPClient
 
 from qmpprof import session
+from qmpprof.arch.base import RegisterFormats
 from qmpprof.arch.x86 import X86_64
 from qmpprof.cli import main, options
 from qmpprof.cli import sample as sample_cmd
 from qmpprof.errors import GuestGoneError, UsageError
 from qmpprof.output import folded
+from qmpprof.transport.gdbchannel import read_packet
+from qmpprof.transport.qmp import QmpTransport
 
 K = X86_64.kernel_boundary
 
@@ -120,7 +125,9 @@ def test_one_shot_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     # Hex strings: kernel addresses are beyond what a JSON number holds exactly (2**53).
     addresses = [int(f["address"], 16) for f in doc[0]["frames"]]
     assert addresses == [K + 0x3004, K + 0x2010, K + 0x1010]
-    assert set(doc[0]["frames"][0]) == {"address", "symbol", "offset", "module"}
+    assert set(doc[0]["frames"][0]) == {
+        "address", "symbol", "offset", "module", "kernel", "inlined", "tail_call"
+    }  # fmt: skip
     assert doc[0]["process"] is None
     assert (transport.calls.count("stop"), transport.calls.count("cont")) == (1, 1)
 
@@ -134,7 +141,7 @@ def test_paused_guest_stays_paused_and_its_stacks_are_printed(
     assert "the guest is paused: took one sample without resuming it" in captured.err
     assert captured.out.splitlines()[:2] == [
         "vCPU 0: kernel (CPU in kernel mode, page tables 0x1000)",
-        f"  #0  {K + 0x3004:#018x} [unknown]",
+        f"  #0  {K + 0x3004:#018x} [unknown]_[k]",
     ]
     assert "stop" not in transport.calls and "cont" not in transport.calls
     assert not transport.running
@@ -156,6 +163,28 @@ def test_qemu_gone_mid_run_keeps_the_samples(
         f"qmpprof: error: QEMU closed the QMP connection; the samples collected so far are in {out}"
     )
     assert any(line.startswith(f"Wrote {out}") for line in err)
+
+
+class _Gone:
+    """A QMP client whose QEMU went away."""
+
+    async def execute(self, cmd: str, args: object = None) -> object:
+        raise EOFError
+
+
+async def test_the_readme_quotes_what_qmpprof_says_when_qemu_goes_away() -> None:
+    """Each transport's own message, as the sampler ends a run with it, is in the README."""
+    client, formats = cast(QMPClient, _Gone()), cast(RegisterFormats, None)
+    with pytest.raises(GuestGoneError) as over_qmp:
+        await QmpTransport(client, "memsave", False, formats, "qmp.sock").status()
+    reader = asyncio.StreamReader()
+    reader.feed_eof()
+    with pytest.raises(GuestGoneError) as over_gdbstub:
+        await read_packet(reader)
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    for gone in (over_gdbstub.value, over_qmp.value):
+        line = f"qmpprof: error: {gone}; the samples collected so far are in FILE"
+        assert f"`{line}`" in readme, line
 
 
 @pytest.mark.parametrize(

@@ -109,8 +109,8 @@ def workload_functions() -> set[str]:
     names = set(spec["kernel_threads"]["kworker"]["shares"])
     for program in spec["programs"].values():
         names |= set(program["shares"])
-    # In a process's stack, kernel frames carry the _[k] mark.
-    kernel_side = set(spec["syscall_path"])
+    # Kernel frames carry the _[k] mark: the kernel thread's and the system call's.
+    kernel_side = set(spec["syscall_path"]) | set(spec["kernel_threads"]["kworker"]["shares"])
     return {f"{n}_[k]" if n in kernel_side else n for n in names}
 
 

@@ -31,6 +31,8 @@ from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, every_qemu]
 
+KERNEL_BOUNDARY = int(expected()["kernel_boundary"], 16)
+
 
 def progress_addr(guest: Guest) -> int:
     """The progress counter's address (a data symbol: qmpprof's tables hold only code)."""
@@ -204,7 +206,8 @@ def test_paused_guest_stays_paused_and_one_shot_is_printed(
 ) -> None:
     with running_guest(tmp_path) as guest:
         qmp(guest, "stop")
-        rc = main(cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "2"))
+        args = cli_args(guest, "--user-dir", str(guest.user_dir), "--show-addresses")
+        rc = main([*args, "--duration", "2"])
         assert qmp(guest, "status") == "paused"
     captured = capsys.readouterr()
     assert rc == 0
@@ -212,6 +215,12 @@ def test_paused_guest_stays_paused_and_one_shot_is_printed(
     assert captured.out.startswith("vCPU 0: ")
     outermost = expected()["outermost"]
     assert outermost["user"] in captured.out or outermost["kernel_thread"] in captured.out
+    # The outputs' naming rule: _[k] on kernel code (told by its address), the module once.
+    listed = re.findall(r"^  #\d+ +(0x[0-9a-f]+) (.*)$", captured.out, re.M)
+    assert listed
+    for address, name in listed:
+        assert (int(address, 16) >= KERNEL_BOUNDARY) == ("_[k]" in name), (address, name)
+        assert not re.search(r"(\[[^]]+\]).* \(\1\)", name), name
 
 
 @pytest.mark.parametrize(("transport", "channel"), [("qmp", "QMP"), ("auto", "gdbstub")])
@@ -230,6 +239,8 @@ def test_qemu_killed_mid_run_keeps_partial_output(
         f"qmpprof: error: QEMU closed the {channel} connection; the samples collected so far"
         f" are in {out}"
     )
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    assert f"`{err.splitlines()[-1].replace(str(out), 'FILE')}`" in readme  # as documented
     assert sum(c for _, c in folded.parse(out.read_text())) > 20
 
 
@@ -253,10 +264,10 @@ def test_mode_filters_keep_only_what_was_asked(
     processes = {f"{p} (pid {pid})" for p in ("spin", "sys") for pid in (1, 2, 3)}
     if flag == "--kernel-only":
         # Kernel samples only, user frames cut; in a process's context its label is the root.
+        # Every frame is kernel code, marked _[k] under the kernel root as under a process's.
         assert "kernel" in roots and roots <= {"kernel", *processes}
-        assert all(
-            n.endswith("_[k]") for names, _ in stacks if names[0] != "kernel" for n in names[1:]
-        )
+        frames = [n for names, _ in stacks for n in names[1:] if n != "[truncated]"]
+        assert frames and all(n.endswith("_[k]") for n in frames), frames
     else:
         assert roots and roots <= processes
         assert not any(names[-1].endswith("_[k]") for names, _ in stacks)
@@ -271,6 +282,11 @@ def test_two_vcpus_are_both_sampled(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rc == 0
     assert [s["cpu"] for s in one_shot] == [0, 1]
     assert all(s["frames"] and s["frames"][0]["address"] for s in one_shot)
+    # Each frame says whether it is kernel code (the upper half here), inlined (only --lines
+    # makes such frames) or put back from a tail jump (only a Linux guest's code gives them).
+    frames = [f for s in one_shot for f in s["frames"]]
+    assert all(f["kernel"] == (int(f["address"], 16) >= KERNEL_BOUNDARY) for f in frames), frames
+    assert not any(f["inlined"] or f["tail_call"] for f in frames), frames
     ticks = re.search(r"(\d+) ticks", err)
     samples = re.search(r"Samples: (\d+)", err)
     assert ticks is not None and samples is not None
@@ -279,11 +295,11 @@ def test_two_vcpus_are_both_sampled(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     port = free_tcp_port()
-    out = tmp_path / "gdb.folded"
+    out, lanes = tmp_path / "gdb.folded", tmp_path / "gdb.speedscope.json"
     with running_guest(tmp_path, gdb_port=port) as guest:
         # The QMP socket tells the run state before the stub attaches (which stops the guest).
         args = cli_args(guest, "--gdb", f"127.0.0.1:{port}")
-        rc = main([*args, "--duration", "1", "-o", str(out), "-v"])
+        rc = main([*args, "--duration", "1", "-o", str(out), "-o", str(lanes), "-v"])
         assert qmp(guest, "status") == "running"
     err = capsys.readouterr().err
     print(err, file=sys.stderr)
@@ -291,7 +307,12 @@ def test_gdb_transport(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "did not say" not in err
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 100
-    assert any("kworker_main" in names for names, _ in stacks)
+    assert any("kworker_main_[k]" in names for names, _ in stacks)
+    # speedscope: the vCPU's lane is the run's samples, 10 ms of guest run time each, and its
+    # axis that clock too (the wall time the run took, pauses in it, is longer: no empty tail).
+    (lane,) = json.loads(lanes.read_text())["profiles"]
+    assert len(lane["samples"]) == 100 and lane["weights"] == [10.0] * 100
+    assert (lane["startValue"], lane["endValue"]) == (0, 1000.0)
 
 
 def test_gdb_transport_alone_says_what_it_took_the_run_state_to_be(
@@ -319,7 +340,9 @@ def test_forced_hmp_memory_path(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert rc == 0, capsys.readouterr().err
     stacks = folded.parse(out.read_text())
     assert sum(c for _, c in stacks) == 50
-    assert any(names[-1] == "checksum_leaf" and "kworker_main" in names for names, _ in stacks)
+    assert any(
+        names[-1] == "checksum_leaf_[k]" and "kworker_main_[k]" in names for names, _ in stacks
+    )
 
 
 def test_lines_name_frames_by_file_and_line(tmp_path: Path) -> None:

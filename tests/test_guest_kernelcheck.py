@@ -243,7 +243,7 @@ def firmware_profile() -> Profile:
     return profile
 
 
-FIRMWARE_COUNTS = {("[firmware]",): 2, ("kernel", "kmain"): 1}
+FIRMWARE_COUNTS = {("[firmware]",): 2, ("kernel", "kmain_[k]"): 1}
 
 
 @pytest.mark.parametrize("fmt", ["qmpprof", "pprof"])

@@ -97,7 +97,7 @@ def test_ctrl_f_searches_and_the_case_toggle_widens_the_match(page: Page) -> Non
 def test_click_zooms_keeps_ancestors_and_reset_restores(page: Page) -> None:
     main = frame(page, "main (3 samples, 37.50%)")
     child = frame(page, "compute (3 samples, 37.50%)")
-    other = frame(page, "kmain (2 samples, 25.00%)")
+    other = frame(page, "kmain_[k] (2 samples, 25.00%)")
     assert width(main) == pytest.approx(FULL_WIDTH * 3 / 8)
     expect(page.locator("#reset")).to_be_hidden()
     main.click()
@@ -160,12 +160,12 @@ def test_speedscope_viewer_opens_the_file(context: BrowserContext, tmp_path: Pat
         expect(tab.get_by_text("vcpu 0 (1/2)")).to_be_visible()
         # The sandwich view lists every frame of the profile as text (the others are canvases).
         tab.get_by_text("Sandwich").click()
-        for name in ("kernel", "idle_loop", "shell (pid 3)", 'parse<T>&"x"', "sys_read_[k]"):
+        for name in ("kernel", "idle_loop_[k]", "shell (pid 3)", 'parse<T>&"x"', "sys_read_[k]"):
             expect(tab.get_by_text(name, exact=True)).to_be_visible()
         tab.keyboard.press("n")  # speedscope's key for the next profile
         expect(tab.get_by_text("vcpu 1 (2/2)")).to_be_visible()
-        expect(tab.get_by_text("page_fault", exact=True)).to_be_visible()
-        expect(tab.get_by_text("idle_loop", exact=True)).to_have_count(0)
+        expect(tab.get_by_text("page_fault_[k]", exact=True)).to_be_visible()
+        expect(tab.get_by_text("idle_loop_[k]", exact=True)).to_have_count(0)
 
 
 def test_speedscope_opens_a_thread_lane_of_an_off_cpu_run(

@@ -3,6 +3,7 @@ and the differential SVG (AFTER's layout, colours by change in share, BEFORE-onl
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 from fakes import named_sample
 from guestvm import running_guest
+from qemus import every_qemu
 
 from qmpprof.cli import main
 from qmpprof.model import Mode
 from qmpprof.naming import Naming
 from qmpprof.output import diff, folded, native, render, svg
-from qmpprof.profile import Profile
+from qmpprof.profile import Profile, share_margin
+from qmpprof.stats import few_samples_margin
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 IDLE = ("kernel", "kmain", "idle_loop")
@@ -46,7 +49,7 @@ def after() -> Profile:
 def test_folded_has_both_counts_for_the_union_of_stacks_sorted() -> None:
     text = diff.render_folded(before(), after(), Naming())
     assert text.splitlines() == [
-        "kernel;kmain;idle_loop 4 2",
+        "kernel;kmain_[k];idle_loop_[k] 4 2",
         "spin (pid 1);_start;main;compute 4 8",
         "spin (pid 1);_start;main;new_path 0 2",
         "spin (pid 1);_start;main;old_path 2 0",
@@ -80,20 +83,69 @@ def test_svg_is_laid_out_by_after_and_coloured_by_change_in_share() -> None:
     assert by_name["all", 0][1] == 12 * 10 + 2 * 12
     fill, width, tip = by_name["compute", 4]
     assert red(fill) and width == 8 * 10
-    assert tip == "compute (before 4, 40.00%; after 8, 66.67%; +26.67 points)"
-    fill, width, tip = by_name["idle_loop", 3]
+    # 10 and 12 samples: shares known to ±31 and ±28 points, a change to ±42 (the tooltip says).
+    assert tip == "compute (before 4, 40.00%; after 8, 66.67%; +26.67 points, within the noise)"
+    fill, width, tip = by_name["idle_loop_[k]", 3]
     assert blue(fill) and width == 2 * 10 and "-23.33 points" in tip
     fill, width, tip = by_name["new_path", 4]
     assert red(fill) and width == 2 * 10 and tip.startswith("new_path (before 0, 0.00%; after 2,")
     # What AFTER lacks is drawn on a base of its own, at its BEFORE share, in blue.
     fill, width, tip = by_name["old_path", 5]
-    assert blue(fill) and width == 2 * 12 and "after 0, 0.00%; -20.00 points)" in tip
+    assert blue(fill) and width == 2 * 12
+    assert "after 0, 0.00%; -20.00 points, within the noise)" in tip
     fill, width, _ = by_name[diff.GONE, 1]
     assert blue(fill) and width == 2 * 12
     # main's before count holds every BEFORE sample under it, old_path's included.
-    assert by_name["main", 3][2] == "main (before 6, 60.00%; after 10, 83.33%; +23.33 points)"
+    assert by_name["main", 3][2] == (
+        "main (before 6, 60.00%; after 10, 83.33%; +23.33 points, within the noise)"
+    )
     assert "a.qmpprof → b.qmpprof" in text and "totals normalised" in text
     assert by_name["all", 0][0] == diff.UNCHANGED
+
+
+def fills_and_legend(old: Profile, new: Profile) -> tuple[dict[str, str], list[str]]:
+    """Per frame name, its fill in the diff of ``old`` and ``new``; and the legend's texts."""
+    text = diff.render_svg(old, new, Naming())
+    return {name: fill for (name, _), (fill, _) in tooltips(text).items()}, legend_of(text)
+
+
+def legend_of(text: str) -> list[str]:
+    return [t.text or "" for t in ET.fromstring(text).iterfind("s:text", NS) if t.get("y") == "58"]
+
+
+def test_a_change_within_the_noise_is_never_full_colour() -> None:
+    """250 samples a side: the run's summary warns that a share is known to ±6.2 points; a change
+    of share to both margins combined, ±8.8. The largest change, 2.4 points, stays pale."""
+    a, b = ("spin (pid 1)", "_start", "a"), ("spin (pid 1)", "_start", "b")
+    fills, texts = fills_and_legend(profile_of({a: 125, b: 125}), profile_of({a: 131, b: 119}))
+    margin = few_samples_margin(250)
+    assert margin is not None and f"{margin:.0f}" == "6"  # what the summary says
+    noise = (2 * margin**2) ** 0.5
+    strength = 2.4 / noise
+    assert fills["a"] == diff._fill(strength) != diff._fill(1.0)
+    assert fills["b"] == diff._fill(-strength) != diff._fill(-1.0)
+    assert red(fills["a"]) and blue(fills["b"])
+    assert texts == [
+        f"grew {noise:.1f} points or more",
+        f"shrank {noise:.1f} points or more",
+        f"this pale or paler: within the noise, ±{noise:.1f} points (95 %)",
+        "unchanged",
+    ]
+
+
+def test_the_largest_change_past_the_noise_is_full_colour() -> None:
+    """100 000 samples a side: the noise is ±0.4 points, so the 2.4-point change saturates."""
+    a, b = ("spin (pid 1)", "_start", "a"), ("spin (pid 1)", "_start", "b")
+    old, new = Profile(interval_ms=10.0), Profile(interval_ms=10.0)
+    for profile, (count_a, count_b) in ((old, (50_000, 50_000)), (new, (52_400, 47_600))):
+        for names, count in ((a, count_a), (b, count_b)):
+            sid = profile.stack_id(named_sample(names))
+            for _ in range(count):
+                profile.add_at(0.0, 0, sid)
+    fills, texts = fills_and_legend(old, new)
+    assert fills["a"] == diff._fill(1.0) and fills["b"] == diff._fill(-1.0)
+    assert texts[0] == "grew 2.4 points or more"
+    assert texts[2] == "this pale or paler: within the noise, ±0.4 points (95 %)"
 
 
 def test_the_same_shares_in_a_longer_run_are_unchanged() -> None:
@@ -163,6 +215,7 @@ def tooltips(text: str) -> dict[tuple[str, int], tuple[str, str]]:
 
 
 @pytest.mark.qemu
+@every_qemu
 def test_diff_of_a_guest_run_and_its_kernel_only_part_shows_user_code_gone(
     tmp_path: Path,
 ) -> None:
@@ -207,5 +260,13 @@ def test_diff_of_a_guest_run_and_its_kernel_only_part_shows_user_code_gone(
     assert blue(fill) and "after 0, 0.00%" in tip
     gone = [name for name, depth in frames if depth > 2 and name == "spin_mix"]
     assert gone and all(blue(frames[name, d][0]) for name, d in frames if name == "spin_mix")
-    assert red(frames["kworker_main", 3][0]) and red(frames["kernel", 1][0])
+    assert red(frames["kworker_main_[k]", 3][0]) and red(frames["kernel", 1][0])
     assert "spin_mix" in printed and "pts" in printed
+    # Full colour starts past the noise of these two runs' sample counts, and the legend says so.
+    noise = math.hypot(share_margin(len(everything)), share_margin(len(kernel)))
+    texts = legend_of(out["svg"].read_text())
+    assert texts[2] == f"this pale or paler: within the noise, ±{noise:.1f} points (95 %)"
+    assert float(texts[0].split()[1]) >= round(noise, 1)
+    for fill, tip in frames.values():
+        if "within the noise" in tip:
+            assert fill not in (diff._fill(1.0), diff._fill(-1.0)), tip

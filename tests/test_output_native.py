@@ -70,7 +70,7 @@ def test_naming_modes_show_what_the_frames_hold() -> None:
         "helper (lib.c:7)_[i]_[k]",
     ) in lines  # fmt: skip
     offsets = profile.named_counts(Naming(Detail.OFFSET))
-    assert ("kernel", "[truncated]", "syscall_entry+0x5") in offsets
+    assert ("kernel", "[truncated]", "syscall_entry+0x5_[k]") in offsets
     assert sum(plain.values()) == sum(lines.values()) == sum(offsets.values()) == 3
 
 

@@ -69,9 +69,9 @@ def test_widths_are_shares_of_all_samples_and_the_root_is_at_the_bottom() -> Non
 def test_colour_families_tell_kernel_user_and_contexts_apart() -> None:
     found = frames(render(hand_built_profile()))
     fills = {key: rect(g).attrib["fill"] for key, g in found.items()}
-    assert family(fills["kmain (2 samples, 25.00%)", 2]) == "kernel"
+    assert family(fills["kmain_[k] (2 samples, 25.00%)", 2]) == "kernel"
     assert family(fills["sys_read_[k] (1 samples, 12.50%)", 5]) == "kernel"
-    assert family(fills["page_fault (1 samples, 12.50%)", 3]) == "kernel"
+    assert family(fills["page_fault_[k] (1 samples, 12.50%)", 3]) == "kernel"
     assert family(fills["read_line (1 samples, 12.50%)", 4]) == "user"
     assert family(fills["compute (3 samples, 37.50%)", 4]) == "user"
     assert family(fills["kernel (3 samples, 37.50%)", 1]) == "root"
@@ -92,7 +92,7 @@ def test_kernel_flag_without_suffix_comes_from_the_samples() -> None:
     profile = profile_of([])
     profile.add(named_sample(("kernel", "schedule"), kernel=(False, True)))
     found = frames(render(profile))
-    assert family(rect(found["schedule (1 samples, 100.00%)", 2]).attrib["fill"]) == "kernel"
+    assert family(rect(found["schedule_[k] (1 samples, 100.00%)", 2]).attrib["fill"]) == "kernel"
 
 
 def test_title_and_subtitle_show_the_facts() -> None:

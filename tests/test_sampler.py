@@ -77,7 +77,12 @@ async def test_every_tick_stops_once_samples_every_cpu_and_resumes() -> None:
     assert first_tick[:3] == ["stop", "registers:0", "registers:1"]
     assert len(sampler.profile) == 6 and sampler.stats.ticks == 3
     assert [s.cpu for s in outcome.last] == [0, 1]
-    assert sampler.profile.named_counts(Naming())[("kernel", "kmain", "schedule", "idle_loop")] == 6
+    assert (
+        sampler.profile.named_counts(Naming())[
+            ("kernel", "kmain_[k]", "schedule_[k]", "idle_loop_[k]")
+        ]
+        == 6
+    )
 
 
 async def test_interval_is_guest_run_time_not_wall_clock_slots() -> None:
@@ -256,7 +261,7 @@ async def test_mode_filter_counts_filtered_apart_from_errors(
     assert len(sampler.profile) == 2 and sampler.stats.error_count == 0
     stacks = set(sampler.profile.named_counts(Naming()))
     if kept_mode is Mode.KERNEL:
-        assert stacks == {("kernel", "schedule", "idle_loop")}
+        assert stacks == {("kernel", "schedule_[k]", "idle_loop_[k]")}
     else:
         assert stacks == {("kernel", "user_main")}
         # The filtered kernel vCPU's stack is never read, only the user one's (from 0, its
@@ -292,7 +297,7 @@ async def test_refetch_budget_bounds_reads_and_truncates() -> None:
     # The first window (page by page, in one request: two reads), and nothing on demand.
     assert sum(c.startswith("read") for c in transport.calls) == 2
     assert sampler.profile.named_counts(Naming()) == {
-        ("kernel", "[truncated]", "schedule", "idle_loop"): 1
+        ("kernel", "[truncated]", "schedule_[k]", "idle_loop_[k]"): 1
     }
 
 

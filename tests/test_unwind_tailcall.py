@@ -238,7 +238,7 @@ def test_linux_names() -> None:
 
 def test_the_unwinder_names_the_tail_call_frames_of_a_module_that_gives_its_code() -> None:
     """Unwinder.resolve puts the jumper between the callee and its caller, named as a caller
-    (its pc - 1 is in the jump); a module without code gets none."""
+    (its pc - 1 is in the jump) and marked as put back; a module without code gets none."""
     code = Code("caller", "tick", "clockevents")
     ra = code.put("caller", PUSH_RBX, ("call", "ra", "tick"), POP_RBX, RET)["ra"]
     code.put("tick", PUSH_RBX, POP_RBX, ("jmp", "site", "clockevents"))
@@ -248,8 +248,8 @@ def test_the_unwinder_names_the_tail_call_frames_of_a_module_that_gives_its_code
     raw = RawStack((code.at("clockevents") + 1, ra), StopReason.END, (True, False))
     with_code = AddressSpace([Module(mapping, symbols=image.functions, calls=image)])
     stack = Unwinder(X86_64).resolve(raw, with_code)
-    assert [(f.symbol, f.kernel) for f in stack.frames] == [
-        ("clockevents", True), ("tick", True), ("caller", True),
+    assert [(f.symbol, f.kernel, f.tail_call) for f in stack.frames] == [
+        ("clockevents", True, False), ("tick", True, True), ("caller", True, False),
     ]  # fmt: skip
     without = AddressSpace([Module(mapping, symbols=image.functions)])
     assert [f.symbol for f in Unwinder(X86_64).resolve(raw, without).frames] == [

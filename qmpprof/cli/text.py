@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qmpprof.cli.options import Options
 from qmpprof.model import Frame, Process, Sample, TaskView
-from qmpprof.naming import Detail, Naming, frame_name
+from qmpprof.naming import Detail, Naming, frame_name, names_module
 from qmpprof.output import viewer_hint
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
@@ -18,9 +18,11 @@ _LISTING = Naming(Detail.OFFSET)
 
 
 def frame_text(frame: Frame, show_addresses: bool) -> str:
-    """A frame of a one-shot listing: ``function+0x1f (module)``, the address first if asked."""
-    name = frame_name(frame, _LISTING, mark_kernel=False)
-    if frame.module is not None:
+    """A frame of a one-shot listing: ``function+0x1f (module)``, named as in every output
+    (``_[k]`` on kernel code), the module added where the name does not carry it already; the
+    address first if asked."""
+    name = frame_name(frame, _LISTING)
+    if frame.module is not None and not names_module(frame):
         name += f" ({Path(frame.module.name).name})"
     return f"{frame.pc:#018x} {name}" if show_addresses else name
 
@@ -115,8 +117,19 @@ def _process_json(process: Process | None) -> dict[str, object] | None:
 
 
 def _frames_json(frames: Sequence[Frame]) -> list[dict[str, object]]:
+    """Each frame as data: ``kernel`` (kernel code), ``inlined`` (a function inlined at the pc
+    of the real frame after it) and ``tail_call`` (a function that had left the stack by a tail
+    jump, put back from the code: its address is after its jump)."""
     return [
-        {"address": f"{f.pc:#x}", "symbol": f.symbol, "offset": f.offset, "module": f.module_name}
+        {
+            "address": f"{f.pc:#x}",
+            "symbol": f.symbol,
+            "offset": f.offset,
+            "module": f.module_name,
+            "kernel": f.kernel,
+            "inlined": f.inlined,
+            "tail_call": f.tail_call,
+        }
         for f in frames
     ]
 

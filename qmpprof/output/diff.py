@@ -4,9 +4,13 @@
   FlameGraph's difffolded.pl writes it (flamegraph.pl and inferno draw it).
 - SVG: frames laid out by AFTER, as flamegraph.pl does, each coloured by how its share of the
   samples changed: share in AFTER minus share in BEFORE, in percentage points, so the two
-  totals are normalised (a run twice as long is not "all red"). Red grew, blue shrank, the
-  stronger the larger the change against the largest one; grey is unchanged. Tooltips give
-  both counts, both shares and the change.
+  totals are normalised (a run twice as long is not "all red"). Red grew, blue shrank, grey is
+  unchanged; the colour deepens with the change up to full colour at the largest change, or at
+  the noise when the largest is within it: a share is known to ``profile.share_margin`` points
+  (95 %, the estimate qmpprof's summary warns with), a change of share to both profiles'
+  margins combined, so a change smaller than that noise is never drawn full. The legend says
+  where full colour starts and how pale the noise is. Tooltips give both counts, both shares
+  and the change, and say when it is within the noise.
 
   flamegraph.pl draws a stack AFTER lacks with width 0: what went away cannot be seen, though it
   is often the point of the comparison (a function that no longer runs). Here such stacks are
@@ -17,11 +21,12 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from qmpprof.naming import Naming
 from qmpprof.output import svg
-from qmpprof.profile import Profile
+from qmpprof.profile import Profile, share_margin
 
 GONE = "[only in before]"
 UNCHANGED = "rgb(220,220,220)"
@@ -79,16 +84,33 @@ def render_svg(
     old, new = before.named_counts(naming), after.named_counts(naming)
     root = tree(old, new)
     total_old, total_new = root.before, root.after
-    paint = _Painter(total_old, total_new, _largest_change(root, total_old, total_new))
+    noise = noise_points(total_old, total_new)
+    full = max(_largest_change(root, total_old, total_new), noise)
+    paint = _Painter(total_old, total_new, full, noise)
     subtitle = (
         f"widths: AFTER ({total_new} samples)  ·  colour: change of share from BEFORE "
         f"({total_old} samples), totals normalised: red grew, blue shrank"
     )
     if GONE in root.children:
         subtitle += f"  ·  {GONE}: stacks AFTER lacks, at their BEFORE share"
-    swatches = [(_fill(1.0), "grew"), (_fill(-1.0), "shrank"), (UNCHANGED, "unchanged")]
     heading = f"qmpprof diff: {names[0]} → {names[1]}"
-    return svg.draw(root, heading, subtitle, paint, swatches)
+    return svg.draw(root, heading, subtitle, paint, legend(full, noise))
+
+
+def noise_points(total_old: int, total_new: int) -> float:
+    """The 95 % margin of a change of share, in points: the margins of the two shares (each
+    near one half, where it is widest), independent errors combined."""
+    return math.hypot(share_margin(total_old), share_margin(total_new))
+
+
+def legend(full: float, noise: float) -> list[tuple[str, str]]:
+    """Where full colour starts, and the colour of a change as large as the noise."""
+    return [
+        (_fill(1.0), f"grew {full:.1f} points or more"),
+        (_fill(-1.0), f"shrank {full:.1f} points or more"),
+        (_fill(noise / full), f"this pale or paler: within the noise, ±{noise:.1f} points (95 %)"),
+        (UNCHANGED, "unchanged"),
+    ]
 
 
 def _share(count: int, total: int) -> float:
@@ -118,19 +140,21 @@ def _fill(strength: float) -> str:
 
 
 class _Painter:
-    def __init__(self, total_old: int, total_new: int, largest: float) -> None:
-        self.total_old, self.total_new, self.largest = total_old, total_new, largest
+    def __init__(self, total_old: int, total_new: int, full: float, noise: float) -> None:
+        self.total_old, self.total_new = total_old, total_new
+        self.full, self.noise = full, noise
 
     def __call__(self, placed: svg.Placed, total: int) -> tuple[str, str]:
         node = placed.node
         change = _change(node, self.total_old, self.total_new)
+        within = ", within the noise" if change and abs(change) < self.noise else ""
         # "name (...)", the flame graph's tooltip shape: its script reads the name back from it.
         tip = (
             f"{node.name} (before {node.before}, {_share(node.before, self.total_old):.2f}%; "
             f"after {node.after}, {_share(node.after, self.total_new):.2f}%; "
-            f"{change:+.2f} points)"
+            f"{change:+.2f} points{within})"
         )
-        return _fill(change / self.largest if self.largest else 0.0), tip
+        return _fill(change / self.full), tip
 
 
 def changes(

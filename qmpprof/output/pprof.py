@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from qmpprof.model import NO_CPU, Frame, Mapping
-from qmpprof.naming import Naming, context_name, frame_name, stop_marker
+from qmpprof.naming import Naming, context_name, plain_name, stop_marker
 from qmpprof.output.protowire import Message
 from qmpprof.profile import Profile, StackRecord
 
@@ -182,10 +182,8 @@ class _Builder:
         return lid
 
     def _function(self, frame: Frame) -> int:
-        if frame.symbol is not None:
-            name = frame.symbol
-        else:
-            name = frame_name(frame, self.naming, mark_kernel=False)
+        # The bare symbol, no _[k]: pprof matches functions by name itself (naming.py's rule).
+        name = frame.symbol if frame.symbol is not None else plain_name(frame, self.naming)
         return self._function_id(name, frame.file or "")
 
     def _function_id(self, name: str, file: str) -> int:

@@ -2,13 +2,17 @@
 when the run holds tasks off CPU, one per thread after them.
 
 Format: https://www.speedscope.app/file-format-schema.json. Samples stay in time order, because
-speedscope's "Time Order" view draws them in file order; each weighs one sampling interval.
+speedscope's "Time Order" view draws them in file order; each weighs one sampling interval of
+guest run time (the clock qmpprof's interval and duration count). speedscope lays samples end
+to end by weight and stretches the axis to ``endValue``, so a lane spans exactly its weights,
+from 0: the axis is guest run time too (the wall time between samples also holds the pauses,
+which the guest did not run; an axis in it would end in an empty tail).
 
 A vCPU's lane is what that vCPU ran (the CPU view). A thread's lane, "comm (pid/tid)", holds its
 samples on a CPU and off it ([off-cpu: S] under the root): with --off-cpu a thread has a sample
-at every tick wherever it is, so its lane spans the run's wall time (the wall-clock view, as
-py-spy --idle gives). A run without off-CPU samples has no thread lanes: a thread's on-CPU
-samples alone would be its CPU time drawn as if it were wall time.
+at every tick wherever it is, so its lane spans the whole run (the wall-clock view, as py-spy
+--idle gives, in guest run time). A run without off-CPU samples has no thread lanes: a thread's
+on-CPU samples alone would be its CPU time drawn as if it were its whole time.
 """
 
 from __future__ import annotations
@@ -29,19 +33,14 @@ UNIT = "milliseconds"
 Timeline = list[tuple[float, int, int]]  # (time, vCPU, stack id) per sample, in time order
 
 
-def _ms(seconds: float) -> float:
-    # Rounded to the microsecond so float noise (0.030000000000000002) never reaches the file.
-    return round(seconds * 1000, 3)
-
-
 def _lane(name: str, timeline: Timeline, frames: list[list[int]], interval_ms: float) -> Any:
     samples = [frames[sid] for _time, _cpu, sid in timeline]
     return {
         "type": "sampled",
         "name": name,
         "unit": UNIT,
-        "startValue": _ms(timeline[0][0]),
-        "endValue": round(_ms(timeline[-1][0]) + interval_ms, 3),
+        "startValue": 0,
+        "endValue": round(interval_ms * len(samples), 3),
         "samples": samples,
         "weights": [interval_ms] * len(samples),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -197,11 +198,12 @@ def _frame(placed: Placed, total: int, height: int, paint: Paint) -> str:
 
 def _legend(swatches: Iterable[tuple[str, str]]) -> list[str]:
     """A swatch per (fill, text), on a line of its own under the subtitle."""
-    items = []
-    for i, (fill, text) in enumerate(swatches):
-        x = PAD + i * 80
+    items, x = [], PAD
+    for fill, text in swatches:
         items.append(f'<rect x="{x}" y="49" width="10" height="10" fill="{fill}"/>')
-        items.append(f'<text x="{x + 14}" y="58">{text}</text>')
+        items.append(f'<text x="{x + 14}" y="58">{_xml(text)}</text>')
+        # 80 pixels a swatch, more where its text is longer (the diff's say what colours mean).
+        x += max(80, math.ceil(14 + len(text) * CHAR_WIDTH + 16))
     return items
 
 

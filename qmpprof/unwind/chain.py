@@ -14,7 +14,7 @@ another instruction set (a 32-bit process under a 64-bit kernel, say) gets its o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.model import Frame, Registers, Stack, StopReason
@@ -196,13 +196,18 @@ class Unwinder:
         cache = space.frames
         boundary = self.kernel_boundary
         pcs, exacts = raw.pcs, raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
+        tails = [False] * len(pcs)  # per pc: put back from a tail jump
         if space.tail_calls is not None:
-            pcs, exacts, _ = with_tail_calls(pcs, exacts, space.tail_calls)
+            pcs, exacts, chains = with_tail_calls(pcs, exacts, space.tail_calls)
+            tails = []
+            for chain in chains:  # each walked pc, then the tail-call pcs found below it
+                tails += [False] + [True] * (0 if chain is None else len(chain.pcs))
         frames: list[Frame] = []
-        for pc, exact in zip(pcs, exacts, strict=True):
+        for pc, exact, tail in zip(pcs, exacts, tails, strict=True):
             key = (pc, exact, boundary, lines)
             found = cache.get(key)
             if found is None:
                 found = cache.put(key, frames_at(pc, exact, space, boundary, lines))
-            frames += found
+            # Rare (a few frames a stack at most): marked on a copy, the cache keeps one kind.
+            frames += (replace(f, tail_call=True) for f in found) if tail else found
         return Stack(tuple(frames), raw.stop)
