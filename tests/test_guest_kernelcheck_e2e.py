@@ -56,7 +56,7 @@ def test_the_guests_own_kernel_is_checked_and_profiles(guest: Guest, tmp_path: P
     assert "qmpprof: the kernel file's code is the guest's\n" in done.stderr
     assert "note:" not in done.stderr  # the note without --kernel is not given
     names = {name for stack in folded.parse(out.read_text()) for name in stack[0]}
-    assert names & {"kworker_main", "kthread_start", "idle_loop", "kmain"}, names
+    assert names & {"kworker_main_[k]", "kthread_start_[k]", "idle_loop_[k]", "kmain_[k]"}, names
     assert run_state(guest.qmp_socket) == "running"
 
 
