@@ -133,3 +133,43 @@ def test_the_readme_commands_set_up_what_they_say(tmp_path: Path) -> None:
         "setup ", "pytest -ra",  # ./scripts/test
         "setup ", "pytest -ra",  # .ci/run: the same as ./scripts/test
     ]  # fmt: skip
+
+
+def stub(path: Path, log: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "{path.name} $*" >>{log}\n')
+    path.chmod(0o755)
+
+
+def test_the_venv_is_installed_once_and_a_demo_install_is_no_full_one(tmp_path: Path) -> None:
+    """With every system tool present (stubs on PATH), a .venv whose pip only logs: the demo
+    installs the runtime dependencies once; the full setup adds the dev tools after it; a full
+    install then serves the demo."""
+    copy, log = tmp_path / "checkout", tmp_path / "calls.log"
+    (copy / "scripts").mkdir(parents=True)
+    for name in ("scripts/setup", "scripts/linux-series.sh", "pyproject.toml"):
+        shutil.copy(ROOT / name, copy / name)
+    for name in (".venv/bin/python", ".venv/bin/pip", "scripts/build-fixtures"):
+        stub(copy / name, log)
+    tools = (
+        "qemu-system-x86_64", "gcc", "ld", "make", "qemu-system-aarch64", "gdb-multiarch",
+        "aarch64-linux-gnu-gcc", "gdb", "go", "pahole", "bpftool", "apt-get",
+    )  # fmt: skip
+    for tool in tools:
+        stub(tmp_path / "bin" / tool, log)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    pip = "pip install -q --disable-pip-version-check -e"
+    for args, calls in [
+        (["demo"], [f"{pip} .", "build-fixtures "]),
+        (["demo"], ["build-fixtures "]),
+        ([], [f"{pip} .[dev]", "build-fixtures "]),
+        (["demo"], ["build-fixtures "]),
+        ([], ["build-fixtures "]),
+    ]:
+        log.write_text("")
+        done = subprocess.run(
+            [copy / "scripts" / "setup", *args],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert log.read_text().splitlines() == calls, args
