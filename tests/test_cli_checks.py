@@ -6,6 +6,7 @@ same cases against a real QEMU are in test_cli_fuzz_e2e.py."""
 from __future__ import annotations
 
 import gzip
+import re
 import socket
 import subprocess
 import sys
@@ -17,12 +18,13 @@ from pathlib import Path
 import pytest
 from test_cli import scripted_guest
 
-from qmpprof import bounds, session
-from qmpprof.cli import main, options
+from qmpprof import bounds, errors, session
+from qmpprof.cli import main
 from qmpprof.errors import ConnectError, OutputError, UsageError
 from qmpprof.output import folded
 from qmpprof.serve.config import settings
 
+README = Path(__file__).resolve().parent.parent / "README.md"
 GREETING = b'{"QMP": {"version": {}, "capabilities": []}}\r\n'
 
 
@@ -329,4 +331,19 @@ def test_help_shows_the_commands_and_the_defaults(capsys: pytest.CaptureFixture[
     )
     assert "(default: ./qmp-socket)" in text and "(default: 10.0)" in text
     assert "(default: 5.0)" in text and "(default: False)" not in text
-    assert options.MAX_VCPUS == 8192
+
+
+def documented_codes() -> set[int]:
+    """The exit codes of README's table (### Exit codes)."""
+    section = README.read_text().split("### Exit codes", 1)[1].split("\n## ", 1)[0]
+    return {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.MULTILINE)}
+
+
+def test_the_exit_code_table_holds_every_error_class() -> None:
+    def tree(cls: type[errors.QmpprofError]) -> Iterator[type[errors.QmpprofError]]:
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from tree(sub)
+
+    codes = {cls.exit_code for cls in tree(errors.QmpprofError)}
+    assert codes | {0, 130, 143} == documented_codes()
