@@ -154,3 +154,27 @@ def test_random_command_lines(
         print(f"exit codes of {LINES} lines: {dict(sorted(seen.items()))}")
     # The lines got past the flags and the socket too: some sampled.
     assert {0, 2, 3} <= set(seen), seen
+
+
+def test_a_held_socket_and_a_missing_vcpu_on_the_real_guest(
+    guest: Guest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QEMU's own QMP socket held by another client, then ``--cpus`` past the guest's one
+    vCPU: each one line, before any sample, the guest running throughout."""
+    socket_path = str(guest.qmp_socket)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as holder:
+        holder.connect(socket_path)
+        assert holder.recv(4096).startswith(b'{"QMP"')  # QEMU serves this client now
+        started = time.monotonic()
+        assert main(["--qmp-socket", socket_path, "--duration", "0.1"]) == 3
+        took = time.monotonic() - started
+        err = capsys.readouterr().err
+    assert err == (
+        f"qmpprof: error: {socket_path}: another client holds this QMP socket (QEMU serves one"
+        " at a time): close it, or give the VM a second -qmp socket for qmpprof\n"
+    )
+    assert took < 5.0  # told by /proc/net/unix, not by the 5 s wait for a greeting
+    assert main(["--qmp-socket", socket_path, "--duration", "0.1", "--cpus", "0,7"]) == 2
+    err = capsys.readouterr().err
+    assert err == "qmpprof: error: --cpus: this guest has no vCPU 7 (its vCPUs: 0)\n"
+    assert run_state(guest.qmp_socket) == "running"
