@@ -24,8 +24,8 @@ from qmpprof.sampler import SamplerConfig
 from qmpprof.session import TRANSPORTS, RunSpec, TransportKind
 
 T = TypeVar("T")
-# QEMU's x86 machines take at most 4096 vCPUs (8192 in newer versions): a higher index is a
-# typo, and expanding its range would fill memory.
+# No QEMU machine comes near this many vCPUs: a higher index is a slip, and expanding a range
+# to it would fill memory.
 MAX_VCPUS = 8192
 
 
