@@ -307,6 +307,19 @@ def test_a_missing_file_is_the_same_error_for_every_flag(
     assert one_line(capsys) == f"{flag} {missing}: no such file or directory"
 
 
+def test_record_checks_outputs_and_files_before_starting_qemu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Were QEMU started, a command that is not there would fail with "command not found".
+    out = tmp_path / "nodir" / "x.svg"
+    assert main(["record", "-o", str(out), "--", "/nonexistent/qemu"]) == OutputError.exit_code
+    assert one_line(capsys) == f"cannot write {out}: no folder {out.parent}"
+    missing = tmp_path / "missing"
+    argv = ["record", "--kernel", str(missing), "--", "/nonexistent/qemu"]
+    assert main(argv) == UsageError.exit_code
+    assert one_line(capsys) == f"--kernel {missing}: no such file or directory"
+
+
 def test_a_vcpu_the_guest_lacks_is_one_line_before_sampling(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
