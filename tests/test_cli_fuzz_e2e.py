@@ -29,13 +29,13 @@ pytestmark = [pytest.mark.qemu, every_qemu]
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = 500
-PROCESSES = 8  # of them, run as real processes
+PROCESSES = 5  # of them, run as real processes
 SLACK = 15.0  # seconds a line may take beyond its --duration: loading, connecting, writing
 
 NUMBERS = ["nan", "inf", "-inf", "0", "-1", "1e-9", "1e9", "1e308", "9223372036854776.0", "x", ""]
 CHOICES = {
     "--interval": [*NUMBERS, "0.05", "2", "10", "20"],
-    "--duration": [*NUMBERS, "86401", "0.05", "0.1", "0.2"],
+    "--duration": [*NUMBERS, "86401", "0.05", "0.1"],
     "--jitter": [*NUMBERS, "0.5", "1"],
     "--max-overhead": [*NUMBERS, "100", "50"],
     "--cpus": ["0", "1", "7", "0-99999999999", "x", "-1", "0,0", "3-1"],
@@ -71,7 +71,7 @@ def places(guest: Guest, tmp: Path, held: Path, stale: Path) -> Places:
 
 def command_line(rng: random.Random, where: Places) -> list[str]:
     # A short run unless an edge value of --duration comes after (argparse keeps the last).
-    argv = ["--duration", rng.choice(["0.05", "0.1", "0.2"])]
+    argv = ["--duration", rng.choice(["0.05", "0.1"])]
     for flag, values in CHOICES.items():
         if rng.random() < 0.3:
             argv += [flag, rng.choice(values)]
