@@ -15,6 +15,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── OutputError              exit 8   an output file that cannot be written
     └── KernelMismatchError      exit 9   the running kernel cannot be matched with its image
 
+README.md's exit-code table says the same to users (a test holds the two together).
+
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
 """

@@ -10,6 +10,9 @@ anything is stopped, and nothing heavy is left for the first pause.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Literal
 
 from qmpprof import arch as arches
 from qmpprof import guest as guests
-from qmpprof.errors import QmpprofError, UsageError
+from qmpprof.errors import ConnectError, QmpprofError, UsageError
 from qmpprof.guest.base import Guest, GuestSpec, KernelFile, TaskLister
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.offcpu import Waiting
@@ -32,6 +35,9 @@ from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder
 TransportKind = Literal["auto", "qmp", "gdb"]
 TRANSPORTS: tuple[TransportKind, ...] = ("auto", "qmp", "gdb")
 MemoryPath = Literal["auto", "memsave", "hmp"]
+# A socket /proc shows held gets this long to greet all the same: the client seen may have
+# just left (QEMU closes its side of a connection a moment after the client).
+HELD_GRACE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,80 @@ async def _running_by_qmp(socket: Path) -> bool | None:
         await qmp.close()
 
 
+def check_socket(path: Path, timeout: float = 5.0) -> None:
+    """That a QMP server answers at ``path`` (a greeting read, nothing sent), before any file
+    is loaded: a ConnectError naming what is there instead. QEMU serves one client per QMP
+    socket and greets a second only once the first leaves: a socket whose accepted
+    connections /proc/net/unix lists is held by another client, told after HELD_GRACE."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ConnectError(
+            f"no QMP socket at {path} (is QEMU running with -qmp unix:...?)"
+        ) from None
+    except OSError as err:
+        raise ConnectError(f"{path}: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        raise ConnectError(f"{path}: a directory, not a QMP socket")
+    if not stat.S_ISSOCK(mode):
+        raise ConnectError(f"{path}: a file, not a socket (give QEMU's -qmp unix:PATH socket)")
+    held = _clients(path)
+    greeting = _greeting(path, HELD_GRACE if held else timeout)
+    if greeting is not None:
+        return
+    if held:
+        raise ConnectError(
+            f"{path}: another client holds this QMP socket (QEMU serves one at a time): close"
+            " it, or give the VM a second -qmp socket for qmpprof"
+        )
+    why = "not a QMP server" if held == 0 else "not a QMP server, or another client holds it"
+    raise ConnectError(f"{path}: no QMP greeting within {timeout:g} s ({why})")
+
+
+def _clients(path: Path) -> int | None:
+    """How many connections the server at ``path`` has accepted, by /proc/net/unix (each is
+    listed with the path its server bound, state 03; one waiting to be accepted, 02); None
+    when that cannot be told: no /proc, or a server that bound a relative path."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+        target = path.stat()
+    except OSError:
+        return None
+    listening, accepted = False, 0
+    for line in lines:
+        fields = line.split(maxsplit=7)
+        if len(fields) < 8 or not fields[7].startswith("/") or Path(fields[7]).name != path.name:
+            continue
+        try:
+            bound = os.stat(fields[7])
+        except OSError:
+            continue
+        if (bound.st_dev, bound.st_ino) == (target.st_dev, target.st_ino):
+            listening |= fields[5] == "01"
+            accepted += fields[5] == "03"
+    return accepted if listening else None
+
+
+def _greeting(path: Path, timeout: float) -> bytes | None:
+    """QEMU's first line at ``path``, None when none came within ``timeout``; a ConnectError
+    when nothing listens there or what answered is not QMP."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+        peer.settimeout(timeout)
+        try:
+            peer.connect(str(path))
+            line = peer.recv(4096)
+        except TimeoutError:
+            return None
+        except ConnectionRefusedError:
+            raise ConnectError(f"{path}: nothing listens on this socket (QEMU gone?)") from None
+        except OSError as err:
+            raise ConnectError(f"{path}: {err.strerror or err}") from None
+    if not line.startswith(b'{"QMP"'):
+        said = f"it said {line[:40]!r}" if line else "it closed the connection"
+        raise ConnectError(f"{path}: not a QMP server ({said})")
+    return line
+
+
 async def attach(guest: Guest, connection: Connection) -> Connection:
     """The guest OS attached to the running guest through ``connection``, what it learnt
     added to the connection's lines; the transport is closed if that fails."""
@@ -161,6 +241,17 @@ async def attach(guest: Guest, connection: Connection) -> Connection:
         detail=connection.detail + attached.detail,
         notes=connection.notes + attached.notes,
     )
+
+
+async def check_cpus(cpus: tuple[int, ...] | None, transport: GuestTransport) -> None:
+    """The vCPUs asked for are the guest's, told as soon as its vCPUs are known."""
+    if cpus is None:
+        return
+    present = await transport.cpus()
+    absent = sorted(set(cpus) - set(present))
+    if absent:
+        have = ", ".join(map(str, present))
+        raise UsageError(f"--cpus: this guest has no vCPU {absent[0]} (its vCPUs: {have})")
 
 
 def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
@@ -228,7 +319,13 @@ async def start(
     Files are loaded before the guest is touched (unless ``guest`` was loaded already): a bad
     one fails first."""
     guest = load(spec) if guest is None else guest
-    connection = await attach(guest, await connect(spec))
+    connection = await connect(spec)
+    try:
+        await check_cpus(spec.sampling.cpus, connection.transport)
+    except BaseException:
+        await connection.transport.close()
+        raise
+    connection = await attach(guest, connection)
     if spec.kernel is None and spec.kallsyms is None:
         notes = (*connection.notes, NO_KERNEL)
         connection = dataclasses.replace(connection, notes=notes)

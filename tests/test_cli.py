@@ -51,6 +51,7 @@ def scripted_guest(
         return session.Connection(transport, "a fake")
 
     monkeypatch.setattr(session, "connect", connect)
+    monkeypatch.setattr(session, "check_socket", lambda path: None)  # no QMP to greet here
     return transport
 
 
@@ -78,8 +79,15 @@ def test_writes_the_output_and_says_where(
 def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_written(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    transport = scripted_guest(monkeypatch)
-    good, bad = tmp_path / "good.folded", tmp_path / "gone" / "bad.svg"
+    gone = tmp_path / "gone"
+    gone.mkdir()  # there when the outputs are checked, removed while sampling
+
+    def remove(what: str, cpu: int) -> None:
+        if gone.exists():
+            gone.rmdir()
+
+    transport = scripted_guest(monkeypatch, hook=remove)
+    good, bad = tmp_path / "good.folded", gone / "bad.svg"
     assert main(["--duration", "0.05", "-o", str(bad), "-o", str(good)]) == 8
     assert sum(c for _, c in folded.parse(good.read_text())) == 10
     err = capsys.readouterr().err
@@ -190,8 +198,8 @@ async def test_the_readme_quotes_what_qmpprof_says_when_qemu_goes_away() -> None
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--interval", "0"], "--interval must be positive"),
-        (["--duration", "-1"], "--duration must be positive"),
+        (["--interval", "0"], "--interval must be from 0.1 to 10 ms"),
+        (["--duration", "-1"], "--duration must be more than 0"),
         (["--cpus", "1-x"], "--cpus: not a vCPU list"),
         (["--cpus", "3-1"], "--cpus: bad range"),
         (["--kernel-boundary", "zz"], "--kernel-boundary: not an address"),
@@ -251,7 +259,8 @@ def test_subprocess_missing_socket(tmp_path: Path) -> None:
 def test_subprocess_unreadable_kernel_elf(tmp_path: Path) -> None:
     bogus = tmp_path / "kernel.elf"
     bogus.write_text("not an ELF")
-    result = run_cli("--kernel", str(bogus), "--qmp-socket", str(tmp_path / "nope"))
+    # --gdb: no QMP socket to check before the files
+    result = run_cli("--kernel", str(bogus), "--gdb", "127.0.0.1:1")
     assert result.returncode == 6
     assert result.stderr == f"qmpprof: error: {bogus}: not a usable ELF file: no ELF magic\n"
 
@@ -281,6 +290,7 @@ def test_second_interrupt_cancels_a_hung_run_and_still_resumes_and_writes(
         return session.Connection(transport, "a fake")
 
     monkeypatch.setattr(session, "connect", connect)
+    monkeypatch.setattr(session, "check_socket", lambda path: None)  # no QMP to greet here
     out = tmp_path / "hung.folded"
     assert main(["--duration", "10", "-o", str(out)]) == 130
     assert transport.calls[-1] == "cont" and transport.running

@@ -107,7 +107,10 @@ def test_a_missing_qemu_binary_is_one_line(capsys: pytest.CaptureFixture[str]) -
 def test_bad_profiling_flags_fail_before_qemu_starts(capsys: pytest.CaptureFixture[str]) -> None:
     # Were QEMU started, a command that is not there would fail with "command not found".
     assert main(["record", "--interval", "0", "--", "/nonexistent/qemu"]) == 2
-    assert capsys.readouterr().err == "qmpprof: error: --interval must be positive, not 0\n"
+    assert capsys.readouterr().err == (
+        "qmpprof: error: --interval must be from 0.1 to 5000 ms (no longer than --duration),"
+        " not 0\n"
+    )
 
 
 def test_qmp_option_escapes_commas() -> None:

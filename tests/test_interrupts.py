@@ -91,5 +91,6 @@ def test_a_signal_while_parsing_or_loading_is_one_line(
         raise AssertionError("not interrupted")
 
     monkeypatch.setattr("qmpprof.session.load", load)
+    monkeypatch.setattr("qmpprof.session.check_socket", lambda path: None)  # told before load
     assert main(["--qmp-socket", "/nonexistent"]) == 143
     assert capsys.readouterr().err == "qmpprof: interrupted by SIGTERM\n"

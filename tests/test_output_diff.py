@@ -190,7 +190,7 @@ def test_diff_command_writes_folded_and_svg(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["-o", "x.pb.gz"], "diff writes .svg or .folded, not 'x.pb.gz'"),
+        (["-o", "x.pb.gz"], "-o x.pb.gz: this command writes folded or svg, not pprof"),
         (["--format", "pprof"], "invalid choice: 'pprof'"),
     ],
 )

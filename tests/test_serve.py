@@ -92,7 +92,10 @@ def test_seconds_leave_the_ring_and_take_their_stacks_with_them() -> None:
         (["--qmp-socket", "/x", "--listen", "localhost"], "--listen: not HOST:PORT"),
         (["--qmp-socket", "/x", "--listen", "127.0.0.1:99999"], "--listen: not HOST:PORT"),
         (["--qmp-socket", "/x", "--window", "0"], "--window must be"),
-        (["--qmp-socket", "/x", "--interval", "-5"], "--interval must be positive"),
+        (
+            ["--qmp-socket", "/x", "--interval", "-5"],
+            "--interval must be from 0.1 to 5000 ms, not -5",
+        ),
         (["--qmp-dir", "/nonexistent/qmpprof"], "--qmp-dir: not a directory"),
         (["--qmp-socket", "/x", "--bogus"], "unrecognized arguments"),
     ],

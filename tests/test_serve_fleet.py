@@ -90,8 +90,8 @@ def test_name_toml_beside_a_socket_overrides_the_config(tmp_path: Path) -> None:
     [
         ("[vm.a]\nkernel = 5\n", "fleet.toml: vm.a.kernel: a path"),
         ("[vm.a]\nkernal = 'x'\n", "fleet.toml: vm.a.kernal: not a key qmpprof knows"),
-        ("[vm.a]\ninterval = -1\n", "fleet.toml: vm.a.interval: a positive number"),
-        ("[vm.a]\ninterval = true\n", "fleet.toml: vm.a.interval: a positive number"),
+        ("[vm.a]\ninterval = -1\n", "fleet.toml: vm.a.interval: from 0.1 to 5000 ms"),
+        ("[vm.a]\ninterval = true\n", "fleet.toml: vm.a.interval: a finite number"),
         ("[vm.a]\nmax_overhead = 100\n", "fleet.toml: vm.a.max_overhead: a percentage"),
         ("[vm.a]\nos = 'plan9'\n", "fleet.toml: vm.a.os: one of auto, linux"),
         ("[vm.a]\noff_cpu = 1\n", "fleet.toml: vm.a.off_cpu: true or false"),

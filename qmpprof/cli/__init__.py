@@ -11,12 +11,13 @@ Nothing heavy is imported before the handlers are in place.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from collections.abc import Callable
 from typing import cast
 
-from qmpprof.errors import QmpprofError
+from qmpprof.errors import QmpprofError, UsageError
 from qmpprof.interrupts import Interrupted, installed
 
 SUBCOMMANDS = ("record", "demo", "report", "diff", "serve")
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         args = sys.argv[1:] if argv is None else list(argv)
         if args and args[0] in SUBCOMMANDS:
             return guarded(lambda rest: _command(args[0], rest), args[1:])
+        if args and not args[0].startswith("-"):  # the bare command takes no word of its own
+            return guarded(_unknown, args)
         return guarded(_profile, args)
 
 
@@ -58,12 +61,28 @@ def guarded(command: Command, args: list[str]) -> int:
         return err.exit_code
 
 
+def _unknown(args: list[str]) -> int:
+    near = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
+    hint = f": did you mean {near[0]}?" if near else ""
+    raise UsageError(
+        f"unknown command {args[0]!r}{hint} (commands: {', '.join(SUBCOMMANDS)}; with none, "
+        "qmpprof profiles a running guest: qmpprof --help)"
+    )
+
+
 def _profile(args: list[str]) -> int:
     import asyncio
 
-    from qmpprof.cli import options, sample
-    from qmpprof.session import load
+    from qmpprof.cli import options, outputs, sample
+    from qmpprof.session import check_socket, load
 
+    # The order a mistake is told in: the flags' values, the socket, the outputs, the files;
+    # the cheap checks first, and all before the guest is touched.
     opts = options.parse(args)
-    guest = load(opts.spec)  # before the loop: a signal now has nothing to undo
+    spec = opts.spec
+    if spec.transport != "gdb" and spec.qmp_tcp is None:
+        check_socket(spec.qmp_socket)
+    outputs.check(opts.outputs, opts.fmt)
+    options.check_files(spec)
+    guest = load(spec)  # before the loop: a signal now has nothing to undo
     return asyncio.run(sample.run(opts, guest))

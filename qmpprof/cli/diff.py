@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qmpprof.cli import text
+from qmpprof.cli import outputs, text
 from qmpprof.cli.options import (
     Parser,
     add_view_flags,
@@ -17,9 +17,8 @@ from qmpprof.cli.options import (
     outputs_of,
     parse_cpus,
 )
-from qmpprof.errors import UsageError
 from qmpprof.naming import Naming
-from qmpprof.output import diff, format_for, native, write_atomic
+from qmpprof.output import diff, native, write_atomic
 from qmpprof.profile import Profile
 
 WRITERS = ("folded", "svg")
@@ -46,10 +45,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args: list[str]) -> int:
     ns = parser().parse_args(args)
-    outputs = outputs_of(ns)
-    for path in outputs:
-        if format_for(path, ns.format) not in WRITERS:
-            raise UsageError(f"diff writes .svg or .folded, not {path.name!r}")
+    paths = outputs_of(ns)
+    outputs.check(paths, ns.format, WRITERS)
     keep = mode_of(ns)
     cpus = parse_cpus(ns.cpus) if ns.cpus else None
     profiles = []
@@ -60,16 +57,19 @@ def main(args: list[str]) -> int:
         profiles.append(profile)
     before, after = profiles
     naming = naming_of(ns)
-    if not outputs:
+    if not paths:
         sys.stdout.write(_changes(before, after, naming))
-    for path in outputs:
-        fmt = format_for(path, ns.format)
+    for path in paths:
+        fmt = outputs.chosen_format(path, ns.format)
         if fmt == "svg":
             names = (Path(ns.before).name, Path(ns.after).name)
             data = diff.render_svg(before, after, naming, names)
         else:
             data = diff.render_folded(before, after, naming)
-        write_atomic(path, data.encode("utf-8"))
+        if path == outputs.STDOUT:
+            outputs.emit(data.encode("utf-8"), False, sys.stdout)
+        else:
+            write_atomic(path, data.encode("utf-8"))
         print(text.written_line(path, fmt), file=sys.stderr)
     return 0
 

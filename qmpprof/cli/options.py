@@ -6,11 +6,13 @@ Every bad value becomes a UsageError (one line, exit 2), never argparse's own us
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import NoReturn, TypedDict
+from typing import Any, NoReturn, TypedDict, TypeVar
 
-from qmpprof import __version__
+from qmpprof import __version__, bounds
 from qmpprof import arch as arches
 from qmpprof import guest as guests
 from qmpprof.errors import UsageError
@@ -20,6 +22,11 @@ from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import TRANSPORTS, RunSpec, TransportKind
+
+T = TypeVar("T")
+# No QEMU machine comes near this many vCPUs: a higher index is a slip, and expanding a range
+# to it would fill memory.
+MAX_VCPUS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +47,22 @@ class Options:
         return self.label if self.label is not None else self.spec.where
 
 
+class _Help(argparse.HelpFormatter):
+    """``--help`` with each flag's default after its text, where it has one to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """Every command's parser: a bad flag is a UsageError (one line), not argparse's dump."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
@@ -140,6 +161,20 @@ def outputs_of(ns: argparse.Namespace) -> tuple[Path, ...]:
     return outputs
 
 
+def check_files(spec: RunSpec) -> None:
+    """The files the flags name are there: a missing one is a UsageError for every flag alike;
+    what they hold is read later (ElfError, exit 6, for one that is not what it should be)."""
+    named = (("--kernel", spec.kernel, False), ("--kallsyms", spec.kallsyms, False),
+             ("--user-dir", spec.user_dir, True))  # fmt: skip
+    for flag, path, folder in named:
+        if path is None:
+            continue
+        if not path.exists():
+            raise UsageError(f"{flag} {path}: no such file or directory")
+        if path.is_dir() != folder:
+            raise UsageError(f"{flag} {path}: {'not a directory' if folder else 'a directory'}")
+
+
 def naming_of(ns: argparse.Namespace) -> Naming:
     return Naming.of(offsets=ns.offsets, lines=ns.lines, show_addresses=ns.show_addresses)
 
@@ -151,9 +186,15 @@ def mode_of(ns: argparse.Namespace) -> Mode | None:
 def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qmpprof",
-        description="Sample the stacks of a QEMU guest's kernel and processes over QMP.",
-        epilog="Subcommands: 'qmpprof record ...', 'qmpprof demo ...', 'qmpprof report ...', "
-        "'qmpprof diff ...', 'qmpprof serve ...'.",
+        usage="%(prog)s [options]\n       %(prog)s {record,demo,report,diff,serve} [options] "
+        "(each with --help)",
+        description="Sample the stacks of a QEMU guest's kernel and processes over QMP. The "
+        "commands: record starts QEMU and profiles it from its first instruction; demo "
+        "profiles the bundled guest; report renders a saved profile again; diff compares two; "
+        "serve profiles guests continuously over HTTP.",
+        epilog="Exit codes: 0 done, 2 a bad command line, 3 no QMP there, 4 QEMU went away, "
+        "5 QEMU refused, 6 a bad kernel or ELF file, 7 a bad saved profile, 8 an output not "
+        "written, 9 the kernel file is not the running kernel, 130/143 interrupted.",
     )
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
@@ -181,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="write the profile here (else print top stacks); repeat for several files: "
         "FILE.svg, FILE.folded, FILE.speedscope.json, FILE.pb.gz (pprof), FILE.qmpprof "
-        "(re-renderable)",
+        "(re-renderable); - for standard output (in --format, else folded)",
     )
     add("--format", metavar="FMT", help="output format (default: from the file name, else folded)")
     add("--one-shot", action="store_true", help="take one sample of every vCPU and print it")
@@ -201,16 +242,12 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str]) -> Options:
     ns = parser().parse_args(argv)
-    if ns.interval <= 0:
-        raise UsageError(f"--interval must be positive, not {ns.interval:g}")
-    if ns.duration <= 0:
-        raise UsageError(f"--duration must be positive, not {ns.duration:g}")
-    if not 0 <= ns.jitter < 1:
-        raise UsageError(f"--jitter must be a fraction in [0, 1), not {ns.jitter:g}")
-    if ns.max_overhead is not None and not 0 < ns.max_overhead < 100:
-        raise UsageError(
-            f"--max-overhead must be a percentage in (0, 100), not {ns.max_overhead:g}"
-        )
+    duration = checked(bounds.duration, ns.duration, "--duration")
+    interval = checked(partial(_interval, duration=duration), ns.interval, "--interval")
+    jitter = checked(bounds.jitter, ns.jitter, "--jitter")
+    overhead = None
+    if ns.max_overhead is not None:
+        overhead = checked(bounds.overhead, ns.max_overhead, "--max-overhead")
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
     transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "auto")
@@ -232,13 +269,13 @@ def parse(argv: list[str]) -> Options:
         lines=ns.lines or with_lines,
         off_cpu=ns.off_cpu and not ns.one_shot,
         sampling=SamplerConfig(
-            interval=ns.interval / 1e3,
-            duration=ns.duration,
-            jitter=ns.jitter,
+            interval=interval,
+            duration=duration,
+            jitter=jitter,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
             kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),
-            max_overhead=None if ns.max_overhead is None else ns.max_overhead / 100,
+            max_overhead=overhead,
         ),
     )
     return Options(
@@ -251,6 +288,23 @@ def parse(argv: list[str]) -> Options:
         verbose=ns.verbose,
         off_cpu=ns.off_cpu,
     )
+
+
+def _interval(ms: object, duration: float) -> float:
+    value = bounds.number(ms)  # not a number: told as such
+    try:
+        return bounds.interval(value, duration)
+    except bounds.OutOfBounds as err:
+        raise bounds.OutOfBounds(f"{err} (no longer than --duration)") from None
+
+
+def checked(rule: Callable[[object], T], value: object, flag: str) -> T:
+    """``value`` by its rule of qmpprof.bounds, else a UsageError naming ``flag``."""
+    try:
+        return rule(value)
+    except bounds.OutOfBounds as err:
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise UsageError(f"{flag} must be {err}, not {shown}") from None
 
 
 def _layout(text: str) -> tuple[str, ...]:
@@ -271,6 +325,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise UsageError(f"--cpus: not a vCPU list: {text!r} (e.g. 0,2-3)") from None
         if first < 0 or last < first:
             raise UsageError(f"--cpus: bad range {part.strip()!r}")
+        if last >= MAX_VCPUS:
+            raise UsageError(f"--cpus: vCPU {last}: QEMU numbers them below {MAX_VCPUS}")
         cpus.update(range(first, last + 1))
     return tuple(sorted(cpus))
 

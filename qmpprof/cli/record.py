@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import options, sample
+from qmpprof.cli import options, outputs, sample
 from qmpprof.cli.options import Options
 from qmpprof.errors import (
     ConnectError,
@@ -137,6 +137,8 @@ def record(
         workdir = tempfile.mkdtemp(prefix="qmpprof-", dir="/tmp")
     try:
         opts = parse(flags, Path(workdir, "qmp.sock"))  # bad flags never start QEMU
+        outputs.check(opts.outputs, opts.fmt)
+        options.check_files(opts.spec)
         opts = replace(opts, label=label or command_label(command))
         # SIGTERM before or after sampling (which handles it itself) ends the run as Ctrl-C
         # does (qmpprof.interrupts, from main), through the clean-up below.

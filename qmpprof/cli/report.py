@@ -8,8 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from qmpprof.cli import options, text
-from qmpprof.output import native, write_profile
+from qmpprof.cli import options, outputs, text
+from qmpprof.output import native
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,17 +36,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args: list[str]) -> int:
     ns = parser().parse_args(args)
-    outputs = options.outputs_of(ns)
+    paths = options.outputs_of(ns)
     keep = options.mode_of(ns)
+    outputs.check(paths, ns.format)
     profile = native.load(Path(ns.profile))
     on_cpu = True if ns.on_cpu else False if ns.off_cpu else None
     if keep is not None or ns.cpus or on_cpu is not None:
         cpus = options.parse_cpus(ns.cpus) if ns.cpus else None
         profile = profile.select(keep, cpus, on_cpu)
     naming = options.naming_of(ns)
-    if not outputs:
+    if not paths:
         sys.stdout.write(text.top_stacks(profile, naming))
-    for path in outputs:
-        fmt = write_profile(profile, path, ns.format, naming)
+    for path in paths:
+        fmt = outputs.write(profile, path, ns.format, naming, sys.stdout)
         print(text.written_line(path, fmt), file=sys.stderr)
     return 0

@@ -16,14 +16,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import text
+from qmpprof.cli import outputs, text
 from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError, UsageError
 from qmpprof.guest.base import Guest, TaskLister
 from qmpprof.interrupts import interrupts, name
 from qmpprof.model import TaskView
 from qmpprof.offcpu import every_task
-from qmpprof.output import write_profile
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
@@ -195,7 +194,7 @@ def _finish(
     unwritten = []
     for path in opts.outputs:
         try:
-            fmt = write_profile(profile, path, opts.fmt, opts.naming)
+            fmt = outputs.write(profile, path, opts.fmt, opts.naming, out)
         except OutputError as error:
             unwritten.append(error)
             continue

@@ -24,13 +24,17 @@ from qmpprof.cli.options import (
 )
 from qmpprof.errors import UsageError
 from qmpprof.sampler import SamplerConfig
-from qmpprof.serve.config import VmSettings, parse_overhead, read_config
+from qmpprof.serve.config import (
+    MAX_INTERVAL,
+    VmSettings,
+    parse_interval,
+    parse_overhead,
+    read_config,
+)
 from qmpprof.serve.daemon import ServeConfig, serve
 from qmpprof.session import RunSpec
 
 DEFAULT_LISTEN = "127.0.0.1:6060"
-# The longest interval the budget may ask for: pauses of up to 45 ms still fit in 1 %.
-MAX_INTERVAL = 5.0
 MAX_WINDOW = 86400
 
 
@@ -75,8 +79,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(args: list[str]) -> ServeConfig:
     ns = parser().parse_args(args)
-    if ns.interval <= 0:
-        raise UsageError(f"--interval must be positive, not {ns.interval:g}")
+    interval = parse_interval(ns.interval)
     if not 1 <= ns.window <= MAX_WINDOW:
         raise UsageError(f"--window must be from 1 to {MAX_WINDOW} seconds, not {ns.window}")
     qmp_dir = Path(ns.qmp_dir) if ns.qmp_dir else None
@@ -89,7 +92,7 @@ def parse(args: list[str]) -> ServeConfig:
         lines=True,  # pprof answers carry source lines and inlined frames
         off_cpu=ns.off_cpu,
         sampling=SamplerConfig(
-            interval=ns.interval / 1e3,
+            interval=interval,
             cpus=parse_cpus(ns.cpus) if ns.cpus else None,
             kernel_boundary=kernel_boundary_of(ns),
             keep=mode_of(ns),

@@ -164,4 +164,6 @@ def progress_line(stats: SamplerStats, samples: int, duration: float) -> str:
 
 
 def written_line(path: Path, fmt: str) -> str:
+    if path == Path("-"):
+        return f"Wrote the profile on standard output ({fmt})"
     return f"Wrote {path} ({fmt}); view it: {viewer_hint(fmt, path)}"

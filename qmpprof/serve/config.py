@@ -28,9 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qmpprof import bounds
 from qmpprof import guest as guests
 from qmpprof.errors import UsageError
 from qmpprof.session import RunSpec
+
+# The longest interval serve's budget may ask for (pauses of up to 45 ms still fit in 1 %), and
+# so the longest --interval or ``interval`` it takes.
+MAX_INTERVAL = 5.0
 
 
 class _Bad(Exception):
@@ -74,24 +79,38 @@ def _bool(value: object) -> bool:
 
 
 def _interval(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise _Bad("a positive number of milliseconds")
-    return float(value) / 1e3
+    if isinstance(value, str):  # TOML's numbers are not strings: "50" is a slip
+        raise _Bad("a number of milliseconds, not a string")
+    try:
+        return bounds.interval(value, MAX_INTERVAL)
+    except bounds.OutOfBounds as err:
+        raise _Bad(str(err)) from None
 
 
 def _overhead(value: object) -> float | None:
     if value == "none" or (value == 0 and not isinstance(value, bool)):
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 100:
+    if isinstance(value, str):
         raise _Bad('a percentage in (0, 100), or 0 or "none" for no budget')
-    return float(value) / 100
+    try:
+        return bounds.overhead(value)
+    except bounds.OutOfBounds as err:
+        raise _Bad(f'{err}, or 0 or "none" for no budget') from None
+
+
+def parse_interval(value: float) -> float:
+    """``--interval MS``: seconds, by the rule of the TOML key."""
+    try:
+        return bounds.interval(value, MAX_INTERVAL)
+    except bounds.OutOfBounds as err:
+        raise UsageError(f"--interval must be {err}, not {value:g}") from None
 
 
 def parse_overhead(text: str) -> float | None:
     """``--max-overhead PCT``: the budget as a fraction, None for 0 or ``none``."""
     try:
-        return _overhead(text if text == "none" else float(text))
-    except (ValueError, _Bad):
+        return _overhead(text if text == "none" else bounds.number(text))
+    except (bounds.OutOfBounds, _Bad):
         wanted = 'a percentage in (0, 100), 0 or "none"'
         raise UsageError(f"--max-overhead: {wanted}, not {text!r}") from None
 
