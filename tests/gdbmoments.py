@@ -66,9 +66,12 @@ class FunctionStarts:
 
 @dataclass
 class Tally:
+    moments: int = 0
     stacks: int = 0
     equal: int = 0
     allowed: Counter[str] = field(default_factory=Counter)  # stacks, by allowance
+    kinds: Counter[str] = field(default_factory=Counter)  # stacks, by kind of allowance
+    allowed_stacks: int = 0  # agreeing only with an allowance: neither equal nor different
     frames: int = 0  # gdb's frames compared, all stacks
     tailcalls: int = 0  # of them, gdb's tail-call frames
     processes: int = 0
@@ -80,8 +83,23 @@ class Tally:
     wrong_processes: list[str] = field(default_factory=list)
 
     @property
-    def agreeing(self) -> int:
-        return self.stacks - len(self.differences)
+    def judged(self) -> int:
+        """The stacks compared whole: equal to gdb's or different (an allowed one is neither)."""
+        return self.stacks - self.allowed_stacks
+
+    @property
+    def agreeing(self) -> float:
+        """The share of the stacks compared whole that are equal to gdb's."""
+        return self.equal / max(self.judged, 1)
+
+    def beyond(self, ceilings: dict[str, float]) -> dict[str, int]:
+        """The kinds of allowance (stackverdict.KINDS) made on more stacks than their ceiling,
+        a share of the moments; each with its count."""
+        return {
+            kind: self.kinds[kind]
+            for kind, ceiling in ceilings.items()
+            if self.kinds[kind] > ceiling * self.moments
+        }
 
 
 def describe(frames: list[tuple[int, str]]) -> str:
@@ -95,6 +113,7 @@ def compare_moment(
     starts: FunctionStarts,
     tally: Tally,
 ) -> None:
+    tally.moments += 1
     for ours in seen:
         task = oracle.task(ours.cpu)
         want = task.expected()
@@ -117,7 +136,10 @@ def compare_moment(
         verdict = judge(theirs, [pc for pc, _ in ours.kernel_frames], ours.ended, starts)
         if verdict.equal:
             tally.equal += 1
+        elif verdict.agrees:
+            tally.allowed_stacks += 1
         tally.allowed.update(verdict.allowances)
+        tally.kinds.update(verdict.kinds)
         if not verdict.agrees:
             gdb = " ".join(f"{f.symbol}@{f.pc:#x}{'(tc)' * (f.kind == 'tailcall')}"
                            for f in theirs.frames)  # fmt: skip
@@ -130,13 +152,14 @@ def compare_moment(
 
 def summary(tally: Tally) -> str:
     """The counts a test prints, then every difference in full."""
-    agreeing = tally.agreeing / max(tally.stacks, 1)
     processes = tally.processes_equal / max(tally.processes, 1)
     return "\n".join([
-        f"kernel stacks: equal to gdb's {tally.equal}/{tally.stacks}, agreeing with the"
-        f" allowances {tally.agreeing}/{tally.stacks} ({agreeing:.1%})",
+        f"kernel stacks at {tally.moments} moments: {tally.stacks}; equal to gdb's {tally.equal}"
+        f" of the {tally.judged} compared whole ({tally.agreeing:.1%}), {tally.allowed_stacks}"
+        f" allowed, {len(tally.differences)} different",
         f"gdb's frames compared: {tally.frames} ({tally.frames / max(tally.stacks, 1):.1f} a"
         f" stack), of them tail-call frames: {tally.tailcalls}",
+        f"allowances by kind (stacks): {dict(tally.kinds.most_common()) or 'none'}",
         f"allowances (stacks): {dict(tally.allowed.most_common()) or 'none'}",
         f"processes {tally.processes_equal}/{tally.processes} ({processes:.1%}), current task"
         f" read from {sorted(tally.variables)}; seen: {sorted(tally.names)}",

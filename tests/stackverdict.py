@@ -13,8 +13,10 @@ allowances, each a sentence saying what gdb could not do:
   output at that moment says why it could not make them between that callee and caller
   (``gdb cannot make a tail-call frame: <why>``).
 
-Anything else is a difference: a frame of gdb's qmpprof lacks (a tail-call frame, say), one
-qmpprof has that gdb does not explain, a different address, or qmpprof's walk ending early.
+Each allowance is of one of three kinds (KINDS), which the oracle tests count and cap; an
+allowed stack is neither equal nor different. Anything else is a difference: a frame of gdb's
+qmpprof lacks (a tail-call frame, say), one qmpprof has that gdb does not explain, a different
+address, or qmpprof's walk ending early.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from dataclasses import dataclass
 from linuxgdb import GdbStack
 
 _NUMBER = re.compile(r"0x[0-9a-f]+")
+# The kinds of allowance, each the start of its sentence: a test caps how many stacks each.
+STOPS_EARLY = "gdb stops at"
+WALKS_ON = "gdb walks on past"
+NO_TAILCALL = "gdb cannot make a tail-call frame"
+KINDS = (STOPS_EARLY, WALKS_ON, NO_TAILCALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,11 @@ class Verdict:
     @property
     def equal(self) -> bool:
         return self.difference is None and not self.allowances
+
+    @property
+    def kinds(self) -> set[str]:
+        """The kinds (KINDS) of its allowances."""
+        return {kind for kind in KINDS for a in self.allowances if a.startswith(kind)}
 
 
 def judge(
@@ -67,16 +79,16 @@ def judge(
     if j < len(theirs):
         if i < len(ours) or not ended:
             return Verdict(difference=f"qmpprof's walk ends before gdb's frame {_frame(gdb, j)}")
-        allowances.append(f"gdb walks on past {gdb.frames[j - 1].symbol}" if j else "")
+        allowances.append(f"{WALKS_ON} {gdb.frames[j - 1].symbol}" if j else "")
     elif not gdb.reached_entry and i < len(ours):
         stop = _NUMBER.sub("ADDR", gdb.stop)
-        allowances.append(f"gdb stops at {gdb.frames[-1].symbol if theirs else '?'}: {stop}")
+        allowances.append(f"{STOPS_EARLY} {gdb.frames[-1].symbol if theirs else '?'}: {stop}")
     for run in _runs(extra):
         why = _why_no_tailcall(gdb, ours, run, function_start)
         if why is None:
             pcs = " ".join(f"{ours[k]:#x}" for k in run)
             return Verdict(difference=f"qmpprof has frames gdb lacks and does not explain: {pcs}")
-        allowances.append(f"gdb cannot make a tail-call frame: {why}")
+        allowances.append(f"{NO_TAILCALL}: {why}")
     return Verdict(tuple(dict.fromkeys(a for a in allowances if a)))
 
 

@@ -363,7 +363,9 @@ STACKS = re.compile(
     r"^qmpprof-aarch64: stack of (\d+)\r?\n(.*?)(?=^qmpprof-aarch64: )", re.M | re.S
 )
 STACKS_END = "qmpprof-aarch64: stacks end"
-AGREE = 0.8  # of the tasks asleep in both views: the same functions (the rest ran meanwhile)
+# Of the tasks asleep in both views: the same functions (the rest ran meanwhile), as x86_64
+# asks; 55 of 55 on 6.1 and 55 of 57 on 6.12 measured (a kworker and rcu_sched had run).
+AGREE = 0.95
 
 
 def proc_stacks(guest: Aarch64Guest) -> dict[int, list[str]]:

@@ -9,9 +9,11 @@ QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an ord
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,7 @@ KERNEL = BUILD_ROOT / "cfi" / "kernel.elf"
 USER_DIR = BUILD_ROOT / "cfi" / "user"
 WORKLOAD = {"kworker_main_[k]", "spin_hot", "spin_cold", "sys_user_work", "compute_leaf_[k]"}
 RUN_TIMEOUT = 120.0  # a loaded 2-core host runs TCG guests many times slower than usual
+PAUSES = 5  # qmpprof's pauses seen while the workload runs before a test stops the run
 
 # A multiboot guest that spins a moment, then powers the machine off through the PIIX4 ACPI
 # PM1a control register (port 0x604 on QEMU's pc machine, once SeaBIOS has set it up: S5).
@@ -163,6 +166,28 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+def user_qmp(folder: Path) -> list[str]:
+    """A QMP socket of the user's own, next to qmpprof's (``folder``: a short path)."""
+    return ["-qmp", f"unix:{folder / 'user.sock'},server=on,wait=off"]
+
+
+def wait_pauses(path: Path, count: int) -> None:
+    """Until QEMU has told the QMP socket at ``path`` of ``count`` stops from now on (STOP
+    events: each a pause of qmpprof's, the guest sampled), within RUN_TIMEOUT."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(RUN_TIMEOUT)
+        sock.connect(str(path))
+        with sock.makefile("rb") as replies:
+            assert b"QMP" in replies.readline()
+            sock.sendall(b'{"execute": "qmp_capabilities"}')
+            stops = 0
+            while stops < count:
+                line = replies.readline()
+                assert line and time.monotonic() < deadline, f"{stops} stops of {count} seen"
+                stops += json.loads(line).get("event") == "STOP"
+
+
 def samples(path: Path) -> dict[tuple[str, ...], int]:
     return dict(folded.parse(path.read_text()))
 
@@ -215,12 +240,17 @@ def test_a_guest_that_powers_off_ends_the_recording_normally(tmp_path: Path) -> 
     out = tmp_path / "off.folded"
     command = [QEMU, "-accel", "tcg", "-kernel", str(elf), "-display", "none", "-no-reboot",
                "-monitor", "none", "-serial", "none"]  # fmt: skip
-    with recording(["--duration", "60", "-o", str(out)], command) as proc:
+    with recording(["--duration", "60", "--kernel", str(elf), "-o", str(out)], command) as proc:
         _, err = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, err
     assert err.splitlines()[-1] == f"qmpprof: {QEMU} exited (status 0); profiled until then"
     assert f"Wrote {out}" in err
-    assert out.exists()  # partial (a guest of one loop: a few samples, maybe none) but written
+    # Partial but whole: every sample of the run until QEMU exited, one a tick (one vCPU),
+    # the guest's loop among them (the firmware's before it has no symbols).
+    stacks = samples(out)
+    total = sum(stacks.values())
+    assert f"Samples: {total} " in err and f" {total} ticks" in err, (stacks, err)
+    assert any(names[-1] == "_start" for names in stacks), stacks
     assert "Traceback" not in err
 
 
@@ -231,15 +261,14 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
     user_dir = Path(tempfile.mkdtemp(prefix="qr-", dir="/tmp"))  # short: a socket path
     try:
         # The user's own -qmp stays usable next to qmpprof's.
-        user_qmp = ["-qmp", f"unix:{user_dir / 'user.sock'},server=on,wait=off"]
         flags = ["--duration", "300", "--user-dir", str(USER_DIR), "-v"]
         with recording([*flags, "--kernel", str(KERNEL), "-o", str(out)],
-                       guest_command(tmp_path, 1, *user_qmp)) as proc:  # fmt: skip
+                       guest_command(tmp_path, 1, *user_qmp(user_dir))) as proc:  # fmt: skip
             wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
             # It answers; "paused" when the question lands inside one of qmpprof's samples.
             assert run_state(user_dir / "user.sock") in ("running", "paused")
             pid = qemu_pid(tmp_path)
-            time.sleep(1.0)  # let samples of the workload accumulate
+            wait_pauses(user_dir / "user.sock", PAUSES)  # samples of the workload taken
             proc.send_signal(signal.SIGTERM)  # qmpprof only, not its QEMU
             _, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:
@@ -259,12 +288,18 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
 def test_ctrl_c_reaches_qmpprof_and_qemu_and_the_output_is_written(tmp_path: Path) -> None:
     out = tmp_path / "int.folded"
     flags = ["--duration", "300", "--kernel", str(KERNEL), "--user-dir", str(USER_DIR)]
-    with recording([*flags, "-o", str(out)], guest_command(tmp_path)) as proc:
-        wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
-        pid = qemu_pid(tmp_path)
-        time.sleep(1.0)  # let samples of the workload accumulate: QEMU stops at once
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole process group
-        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    user_dir = Path(tempfile.mkdtemp(prefix="qr-", dir="/tmp"))  # short: a socket path
+    try:
+        command = guest_command(tmp_path, 1, *user_qmp(user_dir))
+        with recording([*flags, "-o", str(out)], command) as proc:
+            wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
+            pid = qemu_pid(tmp_path)
+            # Samples of the workload taken before the signal: QEMU stops at once.
+            wait_pauses(user_dir / "user.sock", PAUSES)
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole process group
+            _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        shutil.rmtree(user_dir, ignore_errors=True)
     assert proc.returncode == 0, err
     # Which of the two ends first is a race: both are a normal end.
     assert err.splitlines()[-1] in (

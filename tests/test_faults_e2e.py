@@ -10,11 +10,12 @@ output holds N (when it ended before sampling, there is no output). Every run th
 as connecting took the fast path: nothing earlier runs left stood in its way. One QEMU serves
 every run but those that kill it.
 
-The random point is drawn over the span of a whole run, as a run without a fault took it (the
-least of CALIBRATIONS on the first QEMU: under load one run's start takes from 0.5 to 5 s, and
-one slow calibration would stretch every run after it), counted
-from the moment qmpprof's handlers are in place (its SigCgt in /proc): before it, in the
-interpreter's own start, signals have their default actions (interrupts.py).
+The random point is a moment the run itself defines, not a time (under load one run's start
+takes from 0.5 to 5 s): its handlers in place (its SigCgt in /proc: before it, in the
+interpreter's own start, signals have their default actions, interrupts.py), its connection
+line (the transport chosen), or its start line and then a drawn number of its pauses of the
+guest, as the witness sees them (none on a paused guest, which it samples once unstopped).
+A point the run ended before is met at its end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -49,7 +51,11 @@ DURATION = "0.2"  # seconds of guest run time a run asks for
 KINDS = ("SIGINT", "SIGTERM", "qmp-closed", "qemu-killed")
 WEIGHTS = (38, 38, 19, 5)  # a killed QEMU costs a boot: ~10 of them
 FAST = "qmpprof: samples travel through a private gdbstub opened over QMP"
-CALIBRATIONS = 3
+# Where a fault lands: the line the run writes there (None: once its handlers are in place).
+STAGES = {"started": None, "connected": "qmpprof: samples travel through ",
+          "sampling": "qmpprof: sampling "}  # fmt: skip
+PAUSES = 12  # of the guest by a sampling run (0.2 s at 10 ms: ~20), drawn from below this
+POINT_TIMEOUT = 120.0  # a guard against a hung run, not a speed check
 SUMMARY = re.compile(r"^Samples: (\d+) ", re.MULTILINE)
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,17 +169,37 @@ def spawn(target: Machine, out: Path, env: dict[str, str]) -> subprocess.Popen[s
     return proc
 
 
-def calibrate(target: Machine, out: Path, env: dict[str, str]) -> float:
-    """The seconds a run without a fault takes, from its handlers to its end; it must take the
-    fast path and write what it collected."""
-    began = time.monotonic()
+def unfaulted(target: Machine, out: Path, env: dict[str, str]) -> None:
+    """A run without a fault: it takes the fast path and writes what it collected."""
     proc = spawn(target, out, env)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and FAST in err, err
     collected = SUMMARY.search(err)
     assert collected is not None, err
     assert sum(c for _, c in folded.parse(out.read_text())) == int(collected[1])
-    return time.monotonic() - began
+
+
+def reach(proc: subprocess.Popen[str], target: Machine, line: str | None, pauses: int) -> str:
+    """Wait until the run writes a line starting with ``line`` (None: it has begun), then
+    until the witness has seen it pause the guest ``pauses`` times; or until it ends. What it
+    wrote meanwhile."""
+    assert proc.stderr is not None
+    deadline = time.monotonic() + POINT_TIMEOUT
+    seen = ""
+    while line is not None and not any(text.startswith(line) for text in seen.splitlines()):
+        ready, _, _ = select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {line!r} line in {POINT_TIMEOUT} s:\n{seen}"
+        chunk = os.read(proc.stderr.fileno(), 4096).decode()
+        if not chunk:
+            return seen  # it ended before that point
+        seen += chunk
+    stopped = False
+    while pauses and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{pauses} pauses not seen in {POINT_TIMEOUT} s"
+        now = target.vm.witness.execute("query-status")["status"] in ("paused", "debug")
+        pauses -= stopped and not now  # one pause seen whole: stopped, then running again
+        stopped = now
+    return seen
 
 
 def monitor_chardevs(machine: Vm) -> list[str]:
@@ -224,31 +250,30 @@ def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, s
     env = {**os.environ, "TMPDIR": str(private), "PYTHONPATH": str(ROOT)}
     outcomes: dict[str, int] = {}
     boots = 0
-    span: float | None = None
     with ExitStack() as stack:
         target: Machine | None = None
         try:
             for run in range(RUNS):
                 kind = rng.choices(KINDS, WEIGHTS)[0]
                 paused = kind != "qemu-killed" and rng.random() < 0.2
-                point = rng.random()
+                stage = rng.choice(list(STAGES))
+                pauses = rng.randrange(PAUSES) if stage == "sampling" and not paused else 0
                 if target is None:
                     boots += 1
                     target = stack.enter_context(machine(tmp_path, boots))
-                if span is None:
-                    out = tmp_path / "calibrate.folded"
-                    span = min(calibrate(target, out, env) for _ in range(CALIBRATIONS))
-                delay = point * span
+                    if boots == 1:
+                        unfaulted(target, tmp_path / "unfaulted.folded", env)
                 state = "paused" if paused else "running"
-                draw = f"run {run}: {kind} at {delay:.3f} s of {span:.3f}, guest {state}"
+                draw = f"run {run}: {kind} at {stage} + {pauses} pauses, guest {state}"
                 witness = target.vm.witness
                 if paused:
                     witness.execute("stop")
                 out = tmp_path / f"run{run}.folded"
                 proc = spawn(target, out, env)
-                time.sleep(delay)
+                before = reach(proc, target, STAGES[stage], pauses)
                 inject(kind, proc, target)
-                _, err = proc.communicate(timeout=60)
+                _, rest = proc.communicate(timeout=60)
+                err = before + rest
                 check(draw, kind, proc.returncode, err, out, private)
                 outcomes[f"{kind} -> {proc.returncode}"] = (
                     outcomes.get(f"{kind} -> {proc.returncode}", 0) + 1
@@ -266,9 +291,7 @@ def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, s
                     witness.execute("cont")
         finally:
             shutil.rmtree(private, ignore_errors=True)
-    print(
-        f"seed {seed}: {RUNS} runs, {boots} QEMUs, span {span} s;", dict(sorted(outcomes.items()))
-    )
+    print(f"seed {seed}: {RUNS} runs, {boots} QEMUs;", dict(sorted(outcomes.items())))
     # The draw reached every stage: runs ended before sampling, runs stopped while sampling,
     # and runs whose QMP connection closed while sampling over the gdbstub (which goes on: the
     # stub is removed over a new connection at the end).

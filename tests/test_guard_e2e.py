@@ -2,11 +2,13 @@
 the real bundled guest, sampling every millisecond (the guest stands stopped about half of the
 time), killed the moment a witness QMP connection sees the guest stopped. After each kill the
 guest runs again within a few seconds, and over the kills the guard said at least once that it
-resumed the guest; a guest the user had paused stays paused (qmpprof never stopped it)."""
+resumed the guest; a guest the user had paused stays paused (qmpprof never stopped it), killed
+at moments its run defines: as it starts, once connected, once sampling."""
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -24,9 +26,9 @@ RESUMED = "qmpprof: guard: qmpprof ended inside a pause"
 STOPPED = ("paused", "debug")
 
 
-def start(machine: Vm, out: Path) -> subprocess.Popen[bytes]:
+def start(machine: Vm, out: Path, *extra: str) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "qmpprof", "--qmp-socket", machine.socket,
-               "--interval", "1", "--duration", "60", "-o", str(out)]  # fmt: skip
+               "--interval", "1", "--duration", "60", "-o", str(out), *extra]  # fmt: skip
     return subprocess.Popen(
         command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -77,15 +79,47 @@ def test_a_run_killed_inside_a_pause_leaves_the_guest_running(tmp_path: Path) ->
         print(f"the guard resumed the guest after {said} of {KILLS} kills")
 
 
+# Moments of a run, each by the line qmpprof writes there (-v): connected (its transport
+# chosen, the private gdbstub opened), sampling (its start line); or none: as it starts.
+MOMENTS = {
+    "starting": None,
+    "connected": "qmpprof: samples travel through ",
+    "sampling": "qmpprof: sampling ",
+}
+SAMPLING_TRIES = 5  # a paused guest is sampled once: the kill may come after that sample
+
+
+def kill_at(run: subprocess.Popen[bytes], line: str | None, deadline: float) -> str:
+    """SIGKILL ``run`` as soon as it writes a line starting with ``line`` (None: at once);
+    what it wrote before."""
+    assert run.stderr is not None
+    seen = b""
+    while line is not None and not any(
+        text.startswith(line) for text in seen.decode().splitlines()
+    ):
+        ready, _, _ = select.select([run.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(run.stderr.fileno(), 4096) if ready else b""
+        assert chunk, f"no {line!r} line by the deadline:\n{seen.decode()}"
+        seen += chunk
+    os.kill(run.pid, signal.SIGKILL)
+    return seen.decode()
+
+
 def test_a_guest_the_user_paused_stays_paused_when_qmpprof_is_killed(tmp_path: Path) -> None:
     """qmpprof samples a stopped guest without stopping it: killed at any moment of its run,
-    nothing is owed, and the guard leaves the guest as the user had it."""
+    nothing is owed, and the guard leaves the guest as the user had it. Each kill is seen to
+    land in the run (SIGKILL its end, before its summary), the last while it samples."""
     with vm(tmp_path, smp=1, paused=True) as machine:
-        for after in (0.2, 0.5, 1.0):
-            run = start(machine, tmp_path / "run.folded")
-            time.sleep(after)
-            if run.poll() is None:
-                os.kill(run.pid, signal.SIGKILL)
-            err = ended(run)
-            assert RESUMED not in err and "Traceback" not in err, err
-            assert status(machine) == "paused", err
+        landed = dict.fromkeys(MOMENTS, 0)
+        for moment, line in MOMENTS.items():
+            for _ in range(SAMPLING_TRIES if moment == "sampling" else 1):
+                run = start(machine, tmp_path / "run.folded", "-v")
+                before = kill_at(run, line, time.monotonic() + 60)
+                err = before + ended(run)
+                assert RESUMED not in err and "Traceback" not in err, err
+                assert status(machine) == "paused", err
+                if run.returncode == -signal.SIGKILL and "Samples: " not in before:
+                    landed[moment] += 1
+                    break
+        print(f"kills that landed in the run, by moment: {landed}")
+        assert all(landed.values()), landed

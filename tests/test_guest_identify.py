@@ -1,23 +1,35 @@
 """The guest identifiers over a fake guest: the Emerald metadata page, .text matching, caching,
-pid reuse, no page; CR3 alone."""
+pid reuse, no page; CR3 alone; the Linux identifier's races with a guest that starts processes
+all the time (a task_struct reused, an exec between two reads, an mm at a reused address)."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
-from fakes import read_each, x86
+from fakes import FakeTransport, read_each, x86
 from guestvm import BUILD_ROOT
+from test_guest_linux import APP_LEADER, KWORKER, PER_CPU_OFFSET, paused
+from test_guest_linux import guest as linux_guest
+from test_guest_linux import make as make_linux
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
+from qmpprof.guest.base import Identity
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
+from qmpprof.guest.linux import spaces as spaces_module
+from qmpprof.guest.linux.tasks import PF_KTHREAD, TaskLayout
+from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.guest.metadata import METADATA_ADDR
 from qmpprof.guest.programs import ProgramIndex
+from qmpprof.linux.btf import Btf
+from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Registers
 from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.unwind.space import Module
@@ -270,3 +282,145 @@ def test_program_index_ignores_files_that_are_not_elf(tmp_path: Path) -> None:
 def test_a_missing_user_dir_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not a directory"):
         ProgramIndex.from_dir(tmp_path / "missing")
+
+
+# The Linux identifier's identity races, each as the churn test met it on 6.1, on fake guest
+# memory laid out as Debian's 6.12 (tests/test_guest_linux.py's fakes).
+
+MM_A, MM_B = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0700_0000  # two mm_structs' addresses
+SHELL_CODE, XZ_CODE = 0x40_0000, 0x50_0000  # where each program's code is mapped
+STACK = 0xFFFF_C900_0001_0000  # the task's kernel stack
+
+
+@pytest.fixture(scope="module")
+def layout(linux_vmlinux: ElfImage) -> TaskLayout:
+    btf = Btf.from_image(linux_vmlinux)
+    assert btf is not None
+    return TaskLayout.from_btf(btf)
+
+
+class Churn:
+    """One task_struct on vCPU 0 (a kworker on vCPU 1), the programs it runs and each mm's
+    mappings: what a guest that starts processes all the time does to it between samples."""
+
+    def __init__(self, layout: TaskLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.layout = layout
+        self.memory = linux_guest(layout, (APP_LEADER, KWORKER))
+        self.memory.task(layout, KWORKER, 55, 55, "kworker/1:0", PF_KTHREAD, KWORKER)
+        self.memory.put(APP_LEADER + layout.stack, struct.pack("<Q", STACK))
+        self.mapped: dict[int, list[Vma]] = {}  # mm -> its executable mappings
+        self.transport = FakeTransport({}, {})
+
+        async def vmas_of(read: Reader, mm: int, _layout: object, _end: int) -> list[Vma]:
+            return list(self.mapped.get(mm, []))
+
+        monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+        vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58))
+        self.identifier = make_linux(layout, PER_CPU_OFFSET, vmas=vmas)
+
+    def run(self, pid: int, program: str, mm: int, code: int) -> None:
+        """The task at APP_LEADER is ``pid`` running ``program`` in ``mm``, its code at ``code``."""
+        self.memory.task(self.layout, APP_LEADER, pid, pid, program, 0, APP_LEADER)
+        self.memory.put(APP_LEADER + self.layout.mm, struct.pack("<Q", mm))
+        self.mapped[mm] = [Vma(code, code + 0x8000, 0, VM_EXEC, 0, program)]
+
+    async def sample(self, regs: Registers, *, stamped: bool) -> Identity:
+        """vCPU 0 in a pause that read what ``reads_for`` asked with the window; without the
+        task's stamp unless ``stamped`` (the task then trusted by its age, as on a vCPU that
+        expected another)."""
+        self.transport.pages.update(self.memory.frozen())
+        self.transport.calls.clear()
+        stamp = self.layout.stamp_range(APP_LEADER)
+        asked = self.identifier.reads_for(regs)
+        ranges = [r for r in asked if stamped or r != stamp]
+        return await self.identifier.identify(self.transport, regs, paused(self.memory, ranges))
+
+    def reads(self) -> list[str]:
+        return [call for call in self.transport.calls if call.startswith("read")]
+
+
+def in_kernel() -> Registers:
+    return x86(0, KERNEL.start + 16, STACK + 0x3F00)
+
+
+def in_user(pc: int) -> Registers:
+    return x86(0, pc, 0x7FFF_F000, cpl=3)
+
+
+async def walked(identity: Identity, pcs: Sequence[int]) -> Identity:
+    """The identity a walk of ``identity`` with the user return addresses ``pcs`` ends with."""
+    assert identity.again is not None
+    again = await identity.again(pcs)
+    assert again is None or isinstance(again, Identity)
+    return again or identity
+
+
+async def test_a_task_struct_the_slab_gave_another_process_is_read_again_by_the_walk(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xz exits; the slab gives its task_struct to a busybox shell, the shell's mm at xz's
+    old mm's address. A kernel-mode sample that trusts the task by its age walks into the
+    shell's code: the walk's addresses outside xz's space have the task read again, and the
+    samples are the shell's, not xz's walked in the shell's mappings (bd6456b)."""
+    churn = Churn(layout, monkeypatch)
+    churn.run(1230, "xz", MM_A, XZ_CODE)
+    xz = await churn.sample(in_user(XZ_CODE + 0x10), stamped=True)
+    assert xz.process is not None and xz.process.label == "xz (pid 1230)"
+    churn.run(1301, "busybox", MM_A, SHELL_CODE)
+    trusted = await churn.sample(in_kernel(), stamped=False)
+    assert trusted.process == xz.process and churn.reads() == []  # nothing read: trusted
+    found = await walked(trusted, [SHELL_CODE + 0x20])
+    assert found.process is not None and found.process.label == "busybox (pid 1301)"
+    module = found.space.find(SHELL_CODE + 0x20)
+    assert module is not None and module.name == "[busybox]"
+
+
+async def test_an_exec_between_the_task_s_read_and_a_walk_is_seen_by_the_walk(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shell execs xz (same pid, a new mm, a new name) after its task was read: a
+    kernel-mode sample trusting the task by its age walks into xz's code, which the shell's
+    space lacks. The task is read again: xz's, in xz's mappings (bd6456b)."""
+    churn = Churn(layout, monkeypatch)
+    churn.run(1230, "sh", MM_A, SHELL_CODE)
+    shell = await churn.sample(in_user(SHELL_CODE + 0x10), stamped=True)
+    assert shell.process is not None and shell.process.label == "sh (pid 1230)"
+    churn.run(1230, "xz", MM_B, XZ_CODE)
+    trusted = await churn.sample(in_kernel(), stamped=False)
+    assert trusted.process == shell.process
+    found = await walked(trusted, [XZ_CODE + 0x20])
+    assert found.process is not None and found.process.label == "xz (pid 1230)"
+    module = found.space.find(XZ_CODE + 0x20)
+    assert module is not None and module.name == "[xz]"
+
+
+async def test_an_exec_into_a_new_mm_at_the_old_one_s_address_is_another_space(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shell execs xz, whose new mm the slab puts at the address the shell's had: same pid,
+    same mm, another name. The pause's stamp sees the exec; xz's code, where the shell's was,
+    is xz's, not the shell's space answering for an address both map (18abae3)."""
+    churn = Churn(layout, monkeypatch)
+    churn.run(1230, "sh", MM_A, SHELL_CODE)
+    shell = await churn.sample(in_user(SHELL_CODE + 0x10), stamped=True)
+    assert shell.process is not None and shell.process.label == "sh (pid 1230)"
+    churn.run(1230, "xz", MM_A, SHELL_CODE)
+    xz = await churn.sample(in_user(SHELL_CODE + 0x10), stamped=True)
+    assert xz.process is not None and xz.process.label == "xz (pid 1230)"
+    module = xz.space.find(SHELL_CODE + 0x10)
+    assert module is not None and module.name == "[xz]"
+
+
+async def test_a_walk_its_space_answers_for_reads_nothing_more(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task is read again only for a walk's addresses its space does not answer for:
+    one in its mappings, or on a page already found lacking, costs the pause nothing (d209b10)."""
+    churn = Churn(layout, monkeypatch)
+    churn.run(1230, "xz", MM_A, XZ_CODE)
+    await churn.sample(in_user(XZ_CODE + 0x10), stamped=True)
+    lacking = await walked(await churn.sample(in_kernel(), stamped=False), [0x7E00_0000_0000])
+    assert churn.reads() != []  # a page no mapping holds: read once...
+    trusted = await churn.sample(in_kernel(), stamped=False)
+    assert await walked(trusted, [XZ_CODE + 0x20, 0x7E00_0000_0010]) is trusted
+    assert churn.reads() == [] and lacking.process == trusted.process  # ...then never again

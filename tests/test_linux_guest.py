@@ -2,8 +2,9 @@
 on 2 vCPUs with KASLR (6.12 also without): the workload runs, the guest's /proc/kallsyms comes
 over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; every
 kernel fetched (5.10, 6.1, 6.12, 7.x) boots with KASLR, its test module loaded, Debian's xz
-running (its /proc/PID/maps on the console) and the churn workload starting >= 20 processes a
-second; the initramfs writer gives a cpio newc archive back as built."""
+running (its /proc/PID/maps on the console) and the churn workload starting processes in each of
+its reports (how many a second is scripts/bench's linux_churn_processes_per_s); the initramfs
+writer gives a cpio newc archive back as built."""
 
 from __future__ import annotations
 
@@ -106,7 +107,6 @@ def test_build_outputs() -> None:
 
 
 IMAGE_KERNEL_TEXT = 0xFFFFFFFF80000000  # KASLR keeps _text in [this, +1 GiB)
-CHURN_RATE = 20  # processes a second, at least
 CHURN_TIMEOUT = 120.0  # 15 s of guest time: a guard against a hung guest, not a speed check
 
 
@@ -140,10 +140,8 @@ def test_every_kernel_boots_with_module_xz_and_churn(tmp_path: Path, series: str
         assert any(m.path == path and m.perms == "r-xp" for m in maps), maps
         assert (ROOT / "fixtures/build/linux-guest/rootfs" / path.lstrip("/")).is_file()
     assert xz_pid > 1
-    # The churn workload starts processes all the time.
-    steady = rates[1:3]
-    rate = sum(r.processes for r in steady) / sum(r.seconds for r in steady)
-    assert rate >= CHURN_RATE, rates
+    # The churn workload starts processes all the time: in each report past the boot's.
+    assert all(r.processes > 0 and r.seconds > 0 for r in rates[1:3]), rates
 
 
 @pytest.mark.qemu

@@ -24,11 +24,13 @@ from test_serve import Served, filled_vm, get, parse_prometheus, serve_command, 
 
 from qmpprof.cli import main
 from qmpprof.cli.serve import parse
+from qmpprof.sampler import HEADROOM
 from qmpprof.serve import views
 from qmpprof.session import RunSpec, load
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "fixtures" / "build" / "prometheus" / "prometheus"
+Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]  # parse_prometheus's
 
 # ---- settings ---------------------------------------------------------------------------------
 
@@ -184,7 +186,7 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
     1 %. New's served flame graph and profile hold its blocked tasks. Each VM's stacks are
     whole in its kernel (its own kernel loaded; the guest's busybox has no .eh_frame, so 1-3 %
     of its stacks stop in user code whatever the kernel); the budget lengthens old's interval
-    and holds its share."""
+    to what its pauses ask for."""
     with (
         running_linux_guest(tmp_path, kernel=linux_dir("6.12") / "vmlinuz", dump_kallsyms=False)
         as new,
@@ -225,21 +227,37 @@ def test_two_kernels_served_side_by_side_each_whole_one_under_the_budget(tmp_pat
     assert {"oncpu", "offcpu"} <= {label["cpu_state"] for label in labels}
     assert ("vm", "new") not in {k[0] for k in metrics["qmpprof_overhead_budget_ratio"]}
     assert one("qmpprof_overhead_budget_ratio", "old") == 0.01
-    # Old's pauses cost more than 1 % at 20 ms: its interval in force grew, and its share of
-    # the time stopped (serve's, from its own pauses) is held near the budget, unless the
-    # pauses outgrow what the longest interval (5 s) fits in it: then the interval is there.
+    # Old's pauses cost more than 1 % at 20 ms: its interval in force grew to the one the
+    # budget asks for its pauses, which lie between the least and the most of those it counted.
     interval = one("qmpprof_interval_seconds", "old")
     pause_old = one("qmpprof_pause_seconds_sum", "old") / one("qmpprof_pause_seconds_count", "old")
-    assert interval > 0.1 and pause_old / (pause_old + 0.02) > 0.01
-    stopped = {
-        vm: one("qmpprof_pause_seconds_sum", vm) / one("qmpprof_sampled_seconds_total", vm)
-        for vm in ("new", "old")
-    }
-    if interval < 5.0:
-        assert stopped["old"] <= 0.015  # 0.9 % aimed at; the first ticks came at 20 ms
-    else:
-        assert pause_old > 0.009 * 5.0
-    assert stopped["new"] > 2 * stopped["old"]
+    assert pause_old / (pause_old + 0.02) > 0.01, pause_old  # else nothing to lengthen
+    least, most = pause_range(metrics, "old")
+    asked = (budget_interval(least), budget_interval(most))
+    assert interval > 0.1 and asked[0] <= interval <= asked[1], (interval, least, most)
+    # The share of the time old stood stopped is scripts/bench's (--serve-soak) to measure:
+    # past the longest interval (pauses over 45 ms, a loaded host) it is the pauses' to set.
+
+
+def pause_range(metrics: Metrics, vm: str) -> tuple[float, float]:
+    """The least and the most a pause of ``vm`` can have been, from serve's histogram: the
+    lower bound of the first bucket counted in, the upper bound of the last (a pause past the
+    last bound: infinite)."""
+    counts = sorted(
+        (float(dict(labels)["le"]), count)
+        for labels, count in metrics["qmpprof_pause_seconds_bucket"].items()
+        if dict(labels)["vm"] == vm
+    )  # cumulative, "+Inf" last
+    bounds = [0.0] + [bound for bound, _ in counts]
+    grew = [i for i in range(len(counts)) if counts[i][1] > (counts[i - 1][1] if i else 0)]
+    return bounds[grew[0]], bounds[grew[-1] + 1]
+
+
+def budget_interval(pause: float) -> float:
+    """The interval the sampler asks for under old's budget (1 %, aimed at 0.9 %) for pauses
+    of ``pause`` seconds: within the asked 20 ms and the longest, 5 s."""
+    aim = 0.01 * HEADROOM
+    return min(5.0, max(0.02, pause * (1 - aim) / aim))
 
 
 @pytest.mark.qemu

@@ -1,12 +1,14 @@
 """The gdb oracle's verdicts on hand-built stacks (tests/stackverdict.py): what is equal, what
-each allowance lets pass, and what stays a difference."""
+each allowance lets pass, and what stays a difference; how the oracle tests count them
+(tests/gdbmoments.py): an allowed stack is not an equal one, each kind capped."""
 
 from __future__ import annotations
 
 import struct
 
+from gdbmoments import Tally
 from linuxgdb import GdbFrame, GdbStack
-from stackverdict import Verdict, judge
+from stackverdict import KINDS, NO_TAILCALL, STOPS_EARLY, WALKS_ON, Verdict, judge
 
 # Functions at 0x1000-byte steps; frames' pcs inside them.
 LEAF, CALLEE, JUMPER, CALLER, ENTRY = 0x1010, 0x2020, 0x3030, 0x4040, 0x5050
@@ -86,3 +88,24 @@ def test_a_function_without_dwarf_on_the_path() -> None:
         (said,),
     )  # fmt: skip
     assert judge(gdb, [LEAF, JUMPER, CALLER, ENTRY], True, start).agrees
+
+
+def test_each_allowance_has_its_kind() -> None:
+    early = judge(normal(LEAF, CALLER, stop="outermost"), [LEAF, CALLER, ENTRY], True, start)
+    past = judge(normal(LEAF, CALLER, 0xFFFF_0000, stop="user"), [LEAF, CALLER], True, start)
+    log = (f"DW_AT_call_target is not specified at {CALLER:#x} in f",)
+    jump = judge(normal(LEAF, CALLER, ENTRY, log=log), [LEAF, JUMPER, CALLER, ENTRY], True, start)
+    assert (early.kinds, past.kinds, jump.kinds) == ({STOPS_EARLY}, {WALKS_ON}, {NO_TAILCALL})
+    assert judge(normal(LEAF, CALLER, ENTRY), [LEAF, CALLER, ENTRY], True, start).kinds == set()
+
+
+def test_an_allowed_stack_is_not_an_agreeing_one_and_each_kind_has_its_ceiling() -> None:
+    """100 moments, 200 stacks: 190 equal, 3 different, 7 allowed (5 of them gdb stopping
+    early): 190 of the 193 compared whole agree, and 5 stops early pass a ceiling of 2 %."""
+    tally = Tally(moments=100, stacks=200, equal=190, allowed_stacks=7)
+    tally.differences = ["a", "b", "c"]
+    tally.kinds.update({STOPS_EARLY: 5, WALKS_ON: 2})
+    assert tally.judged == 193 and tally.agreeing == 190 / 193
+    ceilings = dict.fromkeys(KINDS, 0.02)
+    assert tally.beyond(ceilings) == {STOPS_EARLY: 5}
+    assert tally.beyond({**ceilings, STOPS_EARLY: 0.05}) == {}

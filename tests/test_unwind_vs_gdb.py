@@ -15,6 +15,7 @@ import random
 import re
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,8 @@ class Oracle(FrameOracle):
         candidates = {}
         for elf in sorted(user_dir.glob("*.elf")):
             image = ElfImage.load(elf)
-            candidates[f"{image.text_addr:x}:{image.text_sha256}"] = str(elf)
+            # Resolved: gdb keeps a symbol file by its real path (remove-symbol-file asks by it).
+            candidates[f"{image.text_addr:x}:{image.text_sha256}"] = str(elf.resolve())
         text = _SCRIPT % {"meta": METADATA_ADDR, "candidates": json.dumps(candidates)}
         super().__init__(kernel, port, script, text)
 
@@ -140,9 +142,10 @@ Mismatch = tuple[str, list[str], list[str]]  # where, gdb's names, qmpprof's nam
 
 
 async def compare(variant: str, tmp_path: Path, *, cfi: bool = True) -> tuple[int, list[Mismatch]]:
-    """Compare until 2 * STOPS stacks were compared. Debian's gdb 13 sometimes aborts (an
-    internal error, SIGABRT) while it swaps the user symbol file: that moment is dropped, gdb
-    is started again and the crash is reported; more than a few crashes fail the test."""
+    """Compare until 2 * STOPS stacks were compared, over at most STOPS + GDB_CRASHES_ALLOWED
+    moments. Debian's gdb 13 sometimes aborts (an internal error, SIGABRT) while it swaps the
+    user symbol file: that moment is dropped, gdb is started again and the crash is reported;
+    more than a few crashes fail the test."""
     port = free_tcp_port()
     rng = random.Random(f"qmpprof-{variant}")
     agree, crashes = 0, 0
@@ -166,9 +169,9 @@ async def compare(variant: str, tmp_path: Path, *, cfi: bool = True) -> tuple[in
         tracker = EmeraldIdentifier([kernel], ProgramIndex.from_dir(user_dir), X86_64)
         unwinder = Unwinder(X86_64)
         try:
-            stop = 0
-            while agree + len(disagreements) < 2 * STOPS:
-                stop += 1
+            for stop in range(1, STOPS + GDB_CRASHES_ALLOWED + 1):
+                if agree + len(disagreements) >= 2 * STOPS:
+                    break
                 time.sleep(rng.uniform(0.002, 0.03))
                 oracle.stop()
                 sampler = Sampler(transport, unwinder, tracker, SamplerConfig())
@@ -272,14 +275,19 @@ def both_unknown_past_the_same_frames(gdb: list[str], ours: list[str]) -> bool:
     )
 
 
-def known_blind_spot(mismatch: Mismatch) -> bool:
+BLIND_SPOTS = {
+    "a frameless leaf hides its caller": skipped_below_interrupted_leaf,
+    "stopped in an entry stub before its frame": stopped_in_an_entry_stub_before_its_frame,
+    "gdb stopped short of the real chain": gdb_stopped_short_of_the_real_chain,
+    "unknown code past the same frames": both_unknown_past_the_same_frames,
+}
+BLIND_SPOT_CEILING = 0.02  # of the stacks compared, at most, for each kind
+
+
+def known_blind_spot(mismatch: Mismatch) -> str | None:
+    """The kind of known blind spot a mismatch is (BLIND_SPOTS), or None."""
     _, gdb, ours = mismatch
-    return (
-        skipped_below_interrupted_leaf(gdb, ours)
-        or stopped_in_an_entry_stub_before_its_frame(gdb, ours)
-        or gdb_stopped_short_of_the_real_chain(gdb, ours)
-        or both_unknown_past_the_same_frames(gdb, ours)
-    )
+    return next((kind for kind, test in BLIND_SPOTS.items() if test(gdb, ours)), None)
 
 
 def test_frame_pointers_and_prologues_alone_agree_with_gdb(tmp_path: Path) -> None:
@@ -287,12 +295,16 @@ def test_frame_pointers_and_prologues_alone_agree_with_gdb(tmp_path: Path) -> No
     the fallbacks alone, frame pointers and prologue analysis, through the entry stubs' frames.
     Every disagreement must be one of the two known blind spots of frame pointers, gdb
     stopping short where qmpprof walked the real call chain, or both walking different lengths
-    of unknown code past the same named frames; they are rare."""
+    of unknown code past the same named frames; they are rare: each kind at most
+    BLIND_SPOT_CEILING of the stacks."""
     agree, disagreements = asyncio.run(compare("fp", tmp_path, cfi=False))
     total = agree + len(disagreements)
     print(f"\nfp without CFI: qmpprof agrees with gdb on {agree}/{total} stacks")
     print(listing(disagreements))
     assert total >= 2 * STOPS
+    kinds = Counter(known_blind_spot(m) for m in disagreements)
+    print(f"known blind spots: {dict(kinds)}")
     unexplained = [m for m in disagreements if not known_blind_spot(m)]
     assert not unexplained, listing(unexplained)
+    assert all(n <= BLIND_SPOT_CEILING * total for n in kinds.values()), kinds
     assert agree / total >= 0.95
