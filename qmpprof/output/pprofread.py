@@ -33,7 +33,10 @@ _SPACE_LABEL = re.compile(r"(?:(.*) \()?(\w+)=0x([0-9a-f]+)\)?")
 # How pprof.py names a frame no symbol covers: [unknown] or its address, then the module's
 # name where it has a file (a kernel module's is the mapping's own, bracketed).
 _NO_SYMBOL = re.compile(r"(?:\[unknown\]|0x[0-9a-f]+)(?: \[(.*?)(?:\+0x[0-9a-f]+)?\])?(?:_\[i\])?")
-_MAX_SAMPLES = 50_000_000  # counts summed: more is damage, not a profile
+# Counts summed: more is damage, not a profile (each sample is kept: 14 bytes, 56 MiB in all).
+_MAX_SAMPLES = 1 << 22
+_MAX_PERIOD = 60 * 10**9  # ns: an interval of a minute, as the .qmpprof reader takes
+_U64 = 1 << 64
 
 
 class PprofError(ValueError):
@@ -76,6 +79,8 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         value |= (byte & 0x7F) << shift
         shift += 7
         if not byte & 0x80:
+            if value >= _U64:
+                raise PprofError("a varint past 64 bits")
             return value, pos
 
 
@@ -131,6 +136,8 @@ def decode(data: bytes) -> Profile:
         raise PprofError("no sample types: not a profile")
     column = kinds.index(("samples", "count")) if ("samples", "count") in kinds else 0
     nanoseconds = raw.string(raw.period_type[1]) == "nanoseconds"
+    if nanoseconds and not 0 <= raw.period <= _MAX_PERIOD:
+        raise PprofError(f"a period of {raw.period} ns")
     interval_ms = raw.period / 1e6 if nanoseconds and raw.period else 10.0
     facts = {}
     for index in raw.comments:
@@ -143,16 +150,17 @@ def decode(data: bytes) -> Profile:
     mappings = _mappings(raw, boundary, _module_names(raw))
     stacks = [_stack(raw, mappings, boundary, ids, labels) for ids, _, labels in raw.samples]
     counts = [values[column] if column < len(values) else 0 for _, values, _ in raw.samples]
-    if sum(counts) > _MAX_SAMPLES:
-        raise PprofError(f"{sum(counts)} samples")
-    seconds = raw.duration / 1e9
-    step = seconds / max(1, sum(counts))
+    if min(counts, default=0) < 0 or sum(counts) > _MAX_SAMPLES:
+        raise PprofError(f"{sum(counts)} samples, or a negative count (this reads {_MAX_SAMPLES})")
+    if not 0 <= raw.duration < 1 << 63:
+        raise PprofError(f"a duration of {raw.duration} ns")
+    step = raw.duration / 1e9 / max(1, sum(counts))
     at = 0
     for (cpu, mode, stack, process, state), count in zip(stacks, counts, strict=True):
-        for _ in range(count):
-            user = mode is Mode.USER
-            profile.add(Sample(at * step, cpu, mode, user, 0, stack, process, state))
-            at += 1
+        if count:
+            sample = Sample(at * step, cpu, mode, mode is Mode.USER, 0, stack, process, state)
+            profile.add_at(at * step, cpu, profile.stack_id(sample), count, step)
+            at += count
     return profile
 
 
@@ -288,6 +296,8 @@ def _stack(
     stop = StopReason.DEPTH if truncated else StopReason.USER_GONE if gone else StopReason.END
     state = text.get("state") if text.get("cpu_state") == "offcpu" else None
     cpu = numbers.get("cpu", 0 if state is None else NO_CPU)
+    if not 0 <= cpu <= NO_CPU:
+        raise PprofError(f"vCPU {cpu}")
     return cpu, mode, Stack(tuple(frames), stop), _process(text, numbers), state
 
 
