@@ -197,7 +197,7 @@ def _number(value: object, low: int, high: int) -> int:
 
 def _u64(value: object) -> int:
     """An address: a hex string of 64 bits at most."""
-    if not isinstance(value, str) or len(value) > 18:
+    if not isinstance(value, str) or len(value) > 18 or not 0 <= int(value, 16) < _U64:
         raise ValueError(f"{value!r} is not an address")
     return int(value, 16)
 
