@@ -148,7 +148,14 @@ def decode(data: bytes) -> Profile:
     addresses = [address for _, address, _ in raw.locations.values()]
     boundary = _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
     mappings = _mappings(raw, boundary, _module_names(raw))
-    stacks = [_stack(raw, mappings, boundary, ids, labels) for ids, _, labels in raw.samples]
+    # Identical sample messages share one parsed sample (``_parse``): each is read once.
+    made: dict[int, tuple[int, Mode, Stack, Process | None, str | None]] = {}
+    stacks = []
+    for parsed in raw.samples:
+        read = made.get(id(parsed))
+        if read is None:
+            read = made[id(parsed)] = _stack(raw, mappings, boundary, parsed[0], parsed[2])
+        stacks.append(read)
     counts = [values[column] if column < len(values) else 0 for _, values, _ in raw.samples]
     if min(counts, default=0) < 0 or sum(counts) > _MAX_SAMPLES:
         raise PprofError(f"{sum(counts)} samples, or a negative count (this reads {_MAX_SAMPLES})")
@@ -166,13 +173,18 @@ def decode(data: bytes) -> Profile:
 
 def _parse(data: bytes) -> _Raw:
     raw = _Raw()
+    samples: dict[bytes, tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = {}
     for number, wire, value in fields(data):
         if number == 6:
             raw.strings.append(_message(value).decode("utf-8", "replace"))
         elif number == 1:
             raw.sample_types.append(_pair(_message(value)))
         elif number == 2:
-            raw.samples.append(_sample(_message(value)))
+            message = _message(value)
+            sample = samples.get(message)
+            if sample is None:
+                sample = samples[message] = _sample(message)
+            raw.samples.append(sample)
         elif number == 3:
             found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
             raw.mappings[found.get(1, 0)] = (
