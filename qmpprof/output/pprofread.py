@@ -163,10 +163,15 @@ def decode(data: bytes) -> Profile:
         raise PprofError(f"a duration of {raw.duration} ns")
     step = raw.duration / 1e9 / max(1, sum(counts))
     at = 0
-    for (cpu, mode, stack, process, state), count in zip(stacks, counts, strict=True):
+    sids: dict[int, int] = {}  # by the stack read (shared as above)
+    for read, count in zip(stacks, counts, strict=True):
         if count:
-            sample = Sample(at * step, cpu, mode, mode is Mode.USER, 0, stack, process, state)
-            profile.add_at(at * step, cpu, profile.stack_id(sample), count, step)
+            cpu, mode, stack, process, state = read
+            sid = sids.get(id(read))
+            if sid is None:
+                sample = Sample(0.0, cpu, mode, mode is Mode.USER, 0, stack, process, state)
+                sid = sids[id(read)] = profile.stack_id(sample)
+            profile.add_at(at * step, cpu, sid, count, step)
             at += count
     return profile
 
