@@ -101,7 +101,9 @@ def render(profile: Profile, naming: Naming) -> bytes:
         },
     }
     text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
-    return gzip.compress(text.encode("utf-8"), mtime=0)
+    # A lone surrogate (a name from guest bytes) can only be in a string: written as JSON's
+    # escape of it, which the reader replaces.
+    return gzip.compress(text.encode("utf-8", "backslashreplace"), mtime=0)
 
 
 def load(path: Path) -> Profile:
