@@ -17,6 +17,7 @@ import gzip
 import json
 import random
 import struct
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
@@ -33,6 +34,7 @@ from test_report_pprof import run_like_profile
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
+from qmpprof.errors import KernelImageError
 from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.modules import ModuleList
 from qmpprof.guest.linux.pagetables import DIRECT_MAP_4, PageTables
@@ -44,11 +46,12 @@ from qmpprof.linux.arm64image import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
 from qmpprof.linux.kallsyms import check_kallsyms, read_kallsyms
+from qmpprof.linux.kallsymtables import LONG_RUN, decodings
 from qmpprof.linux.kaslr import GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel, _orc
 from qmpprof.linux.orc import numbering
 from qmpprof.linux.symbols import parse_symbol_map
-from qmpprof.model import NO_CPU, Mode, Sample, Stack, StopReason
+from qmpprof.model import NO_CPU, Frame, Mode, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import FORMATS, diff, native, render
 from qmpprof.output.pprof import encode
@@ -525,3 +528,47 @@ def test_damaged_serve_settings(tmp_path: Path) -> None:
         read = config.read_config if at % 2 else config.read_beside
         cases.run(lambda read=read: read(path))
     cases.verdict(1000, deep=250)
+
+
+def test_white_space_before_a_profile_is_unpacked_not_kept(tmp_path: Path) -> None:
+    """64 MiB of spaces before a .qmpprof's JSON (64 KiB packed): it loads, the same as
+    without them, and the load's peak stays near the 4 MiB pieces it unpacks."""
+    profile = off_cpu_profile()
+    path = tmp_path / "run.qmpprof"
+    text = gzip.decompress(render(profile, "qmpprof"))
+    path.write_bytes(gzip.compress(b" " * (64 << 20) + text, mtime=0))
+    tracemalloc.start()
+    try:
+        again = native.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert list(again.timeline()) == list(profile.timeline())
+    assert peak < 16 << 20
+
+
+def test_the_kallsyms_search_ends_within_its_steps(kernel: LinuxKernel) -> None:
+    """A search given fewer steps than the image's tables take gives up with one line; the
+    default finds them."""
+    rodata = kernel.image.section(".rodata")
+    base = kernel.image.section_addr(".rodata")
+    assert rodata is not None and base is not None
+    with pytest.raises(KernelImageError, match="within 100,000 steps of search"):
+        next(decodings(rodata, base, "vmlinux", LONG_RUN, steps=100_000))
+    _, symbols = next(decodings(rodata, base, "vmlinux", LONG_RUN))
+    assert symbols.names == kernel.symbols.names[: len(symbols.names)]
+
+
+def test_a_lone_surrogate_in_a_name_renders_in_every_format(tmp_path: Path) -> None:
+    """A symbol holding a lone surrogate (from guest bytes, or escaped in a .qmpprof): every
+    format is written, with "?" (or the SVG's U+FFFD) in its place, and it reads back as U+FFFD."""
+    profile = Profile()
+    frame = Frame(0x40_1000, False, "bad\ud800name", 0)
+    profile.add(Sample(0.0, 0, Mode.USER, True, 0, Stack((frame,)), None))
+    for fmt in FORMATS:
+        out = render(profile, fmt, Naming())
+        if not FORMATS[fmt].binary:
+            assert b"bad?name" in out or "bad\ufffdname".encode() in out
+    path = tmp_path / "run.qmpprof"
+    path.write_bytes(render(profile, "qmpprof"))
+    assert native.load(path).frames[0].symbol == "bad\ufffdname"
