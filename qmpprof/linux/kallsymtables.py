@@ -70,7 +70,7 @@ _FIRST_WINDOW = 1 << 16
 LONG_RUN = 16
 _U32, _U64, _S32 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<i")
 # A step is about one names entry walked in Python (a few hundred ns): 3 million is a second or
-# so. Scans done in C count a step per 1 KiB searched (per 64 bytes for the markers' regex).
+# so. Scans done in C count a step per 256 bytes searched (per 64 for the markers' regex).
 SEARCH_STEPS = 3_000_000
 
 
@@ -151,7 +151,7 @@ def _token_tables(data: bytes, budget: _Budget) -> Iterator[tuple[int, int, int]
     """(token table, its end, token index) for every digit run whose strings have an index."""
     at = data.find(_DIGITS)
     while at >= 0:
-        budget.spend(0x2F + 256)
+        budget.spend(0x2F + 3 * 256)  # its strings found, each a few steps
         second = at
         for _ in range(0x2F):  # back over tokens 0x2f .. 0x01, each non-empty
             second = data.rfind(b"\0", 0, second - 1) + 1
@@ -182,7 +182,7 @@ def _token_index(
     for start in range(earliest, second - 1):
         offsets = [0, *(second - start + r for r in rest[:-1])]
         if offsets[-1] <= 0xFFFF:
-            budget.spend(len(data) >> 10)
+            budget.spend(len(data) >> 8)
             found = data.find(struct.pack("<256H", *offsets))
             if found >= 0:
                 yield start, end, found
@@ -278,7 +278,7 @@ def _entries(
     near = max(0, markers_pos - markers[-1] - 256 * _MAX_ENTRY - 16)
     seen: set[int] = set()
     for low, high in ((near, markers_pos), (0, len(data))):  # where names end at the markers
-        budget.spend((high - low) >> 9)  # two patterns searched
+        budget.spend((high - low) >> 7)  # two patterns searched
         hits = [pos - 1 for pos in _find_all(data, struct.pack("<I", k - 1)[:3], low + 1, high)]
         hits += _find_all(data, struct.pack("<I", 256 * k), low, high)
         budget.spend(len(hits))
