@@ -70,12 +70,20 @@ class Profile:
             self._stack_ids[key] = sid
         return sid
 
-    def add_at(self, time: float, cpu: int, sid: int) -> None:
-        """A sample of the stack ``sid`` (from ``stack_id``) at ``time`` on ``cpu``."""
-        self.counts[sid] += 1
-        self.times.append(time)
-        self.cpus_of.append(cpu)
-        self.stack_of.append(sid)
+    def add_at(self, time: float, cpu: int, sid: int, count: int = 1, step: float = 0.0) -> None:
+        """A sample of the stack ``sid`` (from ``stack_id``) at ``time`` on ``cpu``; or
+        ``count`` of them, ``step`` seconds apart (a pprof's counts, added at C speed)."""
+        if not 0 <= cpu <= NO_CPU:
+            raise ValueError(f"vCPU {cpu}")
+        self.counts[sid] += count
+        if count == 1:
+            self.times.append(time)
+            self.cpus_of.append(cpu)
+            self.stack_of.append(sid)
+            return
+        self.times.extend(map(time.__add__, map(step.__mul__, range(count))))
+        self.cpus_of.extend(array("H", (cpu,)) * count)
+        self.stack_of.extend(array("I", (sid,)) * count)
 
     def _intern(
         self,

@@ -5,24 +5,95 @@ to the values parsers trip on (0, all ones, the sign bit, the data's own length)
 over others, bytes cut out or put in, the end cut off. ``GuestMemory`` is guest memory made of
 pointers into itself, so that every list, tree and table walked through it meets loops,
 unmapped pages and nonsense lengths; it counts what it is asked to read, and a walk that asks
-for more than ``READ_LIMIT`` ranges is one that does not end.
+for more than ``READ_LIMIT`` ranges is one that does not end. ``Cases`` runs the cases: it keeps
+what escaped, what took too long or too much memory, and counts the cases that got past the
+reader's first check (a fuzzer whose damage only ever meets that check tests nothing else).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import random
-from collections.abc import Sequence
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from qmpprof.errors import QmpprofError
+from qmpprof.output.pprofread import fields
+from qmpprof.output.protowire import varint
 
 SEED_VARIABLE = "QMPPROF_FUZZ_SEED"
+SEED = int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(1 << 32))
+CPU_LIMIT = 2.0  # seconds of CPU a case of a reader may take (``Cases(limits=True)``)
+MEMORY_LIMIT = 128 << 20  # bytes a case may allocate at its peak (``Cases(memory=True)``)
 READ_LIMIT = 200_000  # ranges one walk may ask for: the walks' own bounds are far below
 _WORDS = (0, 1, 2, 0x7F, 0x80, 0xFF, 0x7FFF, 0xFFFF, 0x7FFF_FFFF, 0xFFFF_FFFF, 1 << 31)
 
 
 def seed() -> int:
     """The run's seed: $QMPPROF_FUZZ_SEED when set (to run a failure again), else a new one."""
-    given = os.environ.get(SEED_VARIABLE)
-    return int(given) if given else random.SystemRandom().randrange(1 << 32)
+    return SEED
+
+
+class Cases:
+    """Runs cases, keeps the first few escapes, says the seed in every failure. A case that
+    returns, or raises an error whose message holds none of ``first_check``, got past the
+    reader's first check (``deep``). With ``limits``, each case's CPU time is measured against
+    CPU_LIMIT; with ``memory`` too, its peak allocation against MEMORY_LIMIT (tracemalloc, which
+    slows allocation: the CPU limit then holds with room to spare)."""
+
+    def __init__(
+        self,
+        name: str,
+        first_check: tuple[str, ...] = (),
+        limits: bool = False,
+        memory: bool = False,
+    ) -> None:
+        self.rng = random.Random(f"{SEED}:{name}")
+        self.mutator = Mutator(self.rng)
+        self.first_check = first_check
+        self.limits = limits
+        self.memory = memory
+        self.count = 0
+        self.deep = 0
+        self.escapes: list[str] = []
+        self.over: list[str] = []  # cases over a limit
+
+    def run(self, case: Callable[[], object], allowed: tuple[type[Exception], ...] = ()) -> None:
+        self.count += 1
+        if self.memory:
+            tracemalloc.start()
+        started = time.process_time()
+        try:
+            case()
+            self.deep += 1
+        except (QmpprofError, *allowed) as err:
+            self.deep += not any(part in str(err) for part in self.first_check)
+        except Exception as err:  # what the test is for: anything else escaping a reader
+            if len(self.escapes) < 5:
+                self.escapes.append(f"case {self.count}: {type(err).__name__}: {err}")
+        finally:
+            cpu = time.process_time() - started
+            peak = tracemalloc.get_traced_memory()[1] if self.memory else 0
+            tracemalloc.stop()
+            if self.limits:
+                self._measure(cpu, peak)
+
+    def _measure(self, cpu: float, peak: int) -> None:
+        if cpu > CPU_LIMIT or peak > MEMORY_LIMIT:
+            self.over.append(f"case {self.count}: {cpu:.2f} s of CPU, {peak >> 20} MiB")
+
+    def verdict(self, at_least: int, deep: int = 0) -> None:
+        """At least ``at_least`` cases, ``deep`` of them past the first check; none escaped
+        and none over a limit."""
+        print(f"fuzz seed {SEED}: {self.count} cases, {self.deep} past the first check")
+        assert self.count >= at_least
+        assert self.deep >= deep, f"seed {SEED}: {self.deep} of {self.count} past the first check"
+        assert not self.escapes, f"seed {SEED} ({SEED_VARIABLE}={SEED}): {self.escapes}"
+        assert not self.over, f"seed {SEED} ({SEED_VARIABLE}={SEED}): {self.over[:5]}"
 
 
 class Mutator:
@@ -129,3 +200,126 @@ class GuestMemory:
         if self.reads > READ_LIMIT:
             raise WalkTooLong(f"more than {READ_LIMIT} ranges read")
         return [self.read_range(addr, size) for addr, size in ranges]
+
+
+# Values the readers of JSON and TOML trip on: out of range, of the wrong type, not finite, a
+# lone surrogate (JSON escapes one as \ud800), long.
+ODD_VALUES: tuple[object, ...] = (
+    None, True, -1, 0, 0.5, 1 << 16, 1 << 63, 1 << 64, -(1 << 63) - 1, 10**400, 1e308,
+    float("inf"), float("nan"), "", "\ud800", "a\udfffb", "0x" + "f" * 17, "x" * 70_000, [], {},
+    [[[[]]]], {"a": 1},
+)  # fmt: skip
+
+
+def mutate_json(rng: random.Random, doc: object, edits: int = 3) -> object:
+    """A copy of the JSON value ``doc`` with 1 to ``edits`` of its values replaced by odd ones,
+    lists shortened or an element repeated."""
+    out = json.loads(json.dumps(doc))
+    for _ in range(rng.randint(1, edits)):
+        parent: list[Any] | dict[str, Any] = out
+        while True:
+            keys: list[Any] = list(parent) if isinstance(parent, dict) else list(range(len(parent)))
+            if not keys:
+                break
+            key = rng.choice(keys)
+            child = parent[key]
+            if isinstance(child, list | dict) and child and rng.randrange(4):
+                parent = child
+                continue
+            choice = rng.randrange(6)
+            if choice == 0 and isinstance(parent, list):
+                del parent[key]
+            elif choice == 1 and isinstance(parent, list):
+                parent.insert(key, copy.deepcopy(parent[key]))
+            else:
+                parent[key] = copy.deepcopy(rng.choice(ODD_VALUES))
+            break
+    return out
+
+
+def nested(depth: int) -> str:
+    """A JSON (and TOML) value nested ``depth`` deep."""
+    return "[" * depth + "]" * depth
+
+
+# profile.proto's fields that are messages, by the message holding them: the profile's sample
+# types, samples, mappings, locations, functions and period type; a sample's labels; a
+# location's lines. A sample's location ids (1) and values (2) are packed integers.
+_MESSAGES = {0: (1, 2, 3, 4, 5, 11), 2: (3,), 4: (4,)}
+_ODD_INTS = (
+    0,
+    1,
+    2,
+    0x7F,
+    0xFFFF,
+    0x10000,
+    1 << 31,
+    1 << 32,
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+)
+_ODD_BYTES = (
+    b"",
+    b"\xed\xa0\x80",
+    b"\xff\xfe",
+    b"x" * 4096,
+    b"[unknown] [",
+    b"a (pid 99999999999)",
+)
+Field = list[Any]  # [number, wire type, value: int, bytes or a list of Fields]
+
+
+def mutate_proto(rng: random.Random, data: bytes, edits: int = 3) -> bytes:
+    """A protobuf message (profile.proto) with 1 to ``edits`` of its fields, at any depth,
+    given odd values, dropped or repeated, and encoded again."""
+    tree = _fields(data, 0)
+    for _ in range(rng.randint(1, edits)):
+        _edit(rng, tree, 0)
+    return _encode(tree)
+
+
+def _fields(data: bytes, holder: int) -> list[Field]:
+    out: list[Field] = []
+    for number, wire, value in fields(data):
+        if isinstance(value, bytes) and number in _MESSAGES.get(holder, ()):
+            out.append([number, wire, _fields(value, number if holder == 0 else -1)])
+        else:
+            out.append([number, wire, value])
+    return out
+
+
+def _edit(rng: random.Random, tree: list[Field], holder: int) -> None:
+    if not tree:
+        return
+    at = rng.randrange(len(tree))
+    number, wire, value = tree[at]
+    choice = rng.randrange(8)
+    if choice == 0:
+        del tree[at]
+    elif choice == 1:
+        tree.insert(at, copy.deepcopy(tree[at]))
+    elif isinstance(value, list):
+        _edit(rng, value, number if holder == 0 else -1)
+    elif isinstance(value, int):
+        tree[at][2] = rng.choice((*_ODD_INTS, rng.getrandbits(64)))
+        tree[at][2] &= (1 << (64 if wire != 5 else 32)) - 1
+    elif holder == 2 and number in (1, 2):
+        odd = [rng.choice((*_ODD_INTS, rng.randrange(8))) for _ in range(rng.randint(1, 4))]
+        tree[at][2] = b"".join(map(varint, odd))
+    else:
+        tree[at][2] = rng.choice((*_ODD_BYTES, rng.randbytes(8)))
+
+
+def _encode(tree: list[Field]) -> bytes:
+    out = bytearray()
+    for number, wire, value in tree:
+        out += varint(number << 3 | wire)
+        if wire == 0:
+            out += varint(value)
+        elif wire == 2:
+            inner = _encode(value) if isinstance(value, list) else value
+            out += varint(len(inner)) + inner
+        else:
+            out += value.to_bytes(8 if wire == 1 else 4, "little")
+    return bytes(out)

@@ -1,26 +1,32 @@
 """The seeded fuzz test of the readers of untrusted bytes: thousands of damaged kernel images,
-BTF and ORC sections, symbol maps, vmcoreinfo texts, cache entries, pprof profiles and guest
-memories, built from Debian's 6.12 and 5.10 images and from synthetic inputs. Each reader
-either reads the damage, ignores it where it promises to (the cache), or raises the project's
-own error; any other exception fails the case, and the report names the seed that found it
-(run it again with QMPPROF_FUZZ_SEED=N). The walks of guest memory must end
-(``fuzzing.READ_LIMIT``)."""
+BTF and ORC sections, symbol maps, vmcoreinfo texts, cache entries, .qmpprof files (versions 1
+and 2), pprof profiles, serve's TOML settings and guest memories, built from Debian's 6.1,
+6.12, 7.x and 5.10 images and from synthetic inputs. Each reader either reads the damage,
+ignores it where it promises to (the cache), or raises the project's own error; any other
+exception fails the case, and the report names the seed that found it (run it again with
+QMPPROF_FUZZ_SEED=N). Each reader's cases must get past its first check often enough (a floor
+on ``Cases.deep``); the kallsyms search and the readers of files a user passes around must end
+each case within ``fuzzing.CPU_LIMIT`` (2 s of CPU) and ``fuzzing.MEMORY_LIMIT`` (128 MiB at
+its peak, tracemalloc's count). The walks of guest memory must end (``fuzzing.READ_LIMIT``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gzip
+import json
 import random
 import struct
-from collections.abc import Callable, Iterator
+import tracemalloc
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+import fuzzing
 import linuxkernel
 import pytest
-from fuzzing import GuestMemory, Mutator, seed
+from fuzzing import Cases, GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
 from test_linux_arm64image import PACK, ZBOOT_NAMES, relr_image, small_image, zboot
 from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
@@ -28,7 +34,7 @@ from test_report_pprof import run_like_profile
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import QmpprofError
+from qmpprof.errors import KernelImageError
 from qmpprof.guest.linux.guest import Layouts
 from qmpprof.guest.linux.modules import ModuleList
 from qmpprof.guest.linux.pagetables import DIRECT_MAP_4, PageTables
@@ -39,43 +45,25 @@ from qmpprof.linux import cache
 from qmpprof.linux.arm64image import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
-from qmpprof.linux.kallsyms import read_kallsyms
+from qmpprof.linux.kallsyms import check_kallsyms, read_kallsyms
+from qmpprof.linux.kallsymtables import LONG_RUN, decodings
 from qmpprof.linux.kaslr import GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel, _orc
 from qmpprof.linux.orc import numbering
 from qmpprof.linux.symbols import parse_symbol_map
-from qmpprof.naming import Naming
-from qmpprof.output import native
+from qmpprof.model import NO_CPU, Frame, Mode, Sample, Stack, StopReason
+from qmpprof.naming import Detail, Naming
+from qmpprof.output import FORMATS, diff, native, render
 from qmpprof.output.pprof import encode
+from qmpprof.output.pprofread import fields
+from qmpprof.output.protowire import Message
+from qmpprof.profile import Profile
+from qmpprof.serve import config
 
 SEED = seed()
 KERNEL_HALF = 0xFFFF_8880_0000_0000  # the direct map: where task and module structs live
 TEXT = 0xFFFF_FFFF_8100_0000
-
-
-class Cases:
-    """Runs cases, keeps the first few escapes, says the seed in every failure."""
-
-    def __init__(self, name: str) -> None:
-        self.rng = random.Random(f"{SEED}:{name}")
-        self.mutator = Mutator(self.rng)
-        self.count = 0
-        self.escapes: list[str] = []
-
-    def run(self, case: Callable[[], object], allowed: tuple[type[Exception], ...] = ()) -> None:
-        self.count += 1
-        try:
-            case()
-        except (QmpprofError, *allowed):
-            pass
-        except Exception as err:  # what the test is for: anything else escaping a reader
-            if len(self.escapes) < 5:
-                self.escapes.append(f"case {self.count}: {type(err).__name__}: {err}")
-
-    def verdict(self, at_least: int) -> None:
-        print(f"fuzz seed {SEED}: {self.count} cases")
-        assert self.count >= at_least
-        assert not self.escapes, f"seed {SEED} (QMPPROF_FUZZ_SEED={SEED}): {self.escapes}"
+RENDERED = 1 << 12  # samples of a loaded profile at most, for its case to write it too
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +148,37 @@ def kallsyms_span(kernel: LinuxKernel) -> tuple[int, int]:
     return rodata.offset + first - rodata.addr, rodata.offset + last + 8 - rodata.addr
 
 
-def test_damaged_kallsyms_tables(kernel: LinuxKernel) -> None:
-    """The image's kallsyms tables damaged, found and decoded as a load does (2 to 6 s each:
-    the tables are searched for in all of .rodata when they do not check out)."""
-    data = vmlinux_bytes((linuxkernel.linux_dir("6.12") / "vmlinuz").read_bytes())
-    span = kallsyms_span(kernel)
-    cases = Cases("kallsyms")
+def kallsyms_damage(rng: random.Random, data: bytes, span: tuple[int, int]) -> bytes:
+    """The damage that once kept the search going for minutes: 2 bytes put in, a run of digits
+    written over the tables, a marker word set to all ones; or any (``Mutator``)."""
+    kind, at = rng.randrange(4), rng.randrange(*span)
+    if kind == 0:
+        return data[:at] + rng.randbytes(2) + data[at:]
+    if kind == 1:
+        digits = bytes(rng.choice(b"0123456789") for _ in range(rng.randint(2, 40)))
+        return data[:at] + digits + data[at + len(digits) :]
+    if kind == 2:
+        at -= at % 4
+        return data[:at] + b"\xff" * 4 + data[at + 4 :]
+    return Mutator(rng).mutate(data, span, edits=12)
+
+
+@pytest.mark.parametrize("series", ["6.1", "6.12", "7"])
+def test_damaged_kallsyms_tables(series: str) -> None:
+    """The image's kallsyms tables damaged, found and decoded as a load does: found, or one
+    line, within the CPU limit (the search counts its steps)."""
+    data = vmlinux_bytes((linuxkernel.linux_dir(series) / "vmlinuz").read_bytes())
+    image = ElfImage.from_bytes("vmlinux", data)
+    layout = check_kallsyms(image).layout
+    rodata = image.section_header(".rodata")
+    assert rodata is not None
+    places = (layout.num_syms, layout.names, layout.markers, layout.token_table, layout.offsets)
+    span = rodata.offset + min(places), rodata.offset + max(places)
+    cases = Cases(f"kallsyms-{series}", ("no token table found",), limits=True)  # CPU only
     for _ in range(3):
-        damaged = cases.mutator.mutate(data, span, edits=12)
+        damaged = kallsyms_damage(cases.rng, data, span)
         cases.run(lambda damaged=damaged: read_kallsyms(ElfImage.from_bytes("vmlinux", damaged)))
-    cases.verdict(3)
+    cases.verdict(3, deep=3)
 
 
 def test_damaged_images_load_as_one_error(kernel: LinuxKernel, tmp_path: Path) -> None:
@@ -211,17 +220,24 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
     cases.verdict(400)
 
 
-def every_type(btf: Btf) -> None:
-    """Everything a reader asks of a type, of every type."""
+def every_type(btf: Btf) -> int:
+    """Everything a reader asks of a type, of every type; how many types answered it all.
+    Only what Btf documents for damage is taken as an answer: KeyError from ``resolve`` (a chain
+    to an id no type has) and ``size_of`` (a type of no size). A struct's members, and each of
+    them by its name, must then be read."""
+    whole = 0
     for type_id in range(1, len(btf) + 1):
         try:
             record = btf.resolve(type_id)
             btf.size_of(type_id)
-            if record.kind.name in ("STRUCT", "UNION"):
-                for member in btf.members(record.id):
-                    btf.member(record.id, member.name or "absent")
         except KeyError:
-            pass  # what a reader asks of the wrong kind of type: "this BTF lacks ..."
+            continue
+        if record.kind.name in ("STRUCT", "UNION"):
+            for member in btf.members(record.id):
+                if member.name:
+                    btf.member(record.id, member.name)
+        whole += 1
+    return whole
 
 
 def test_damaged_small_btf_sections_read_from_scratch(kernel: LinuxKernel) -> None:
@@ -235,10 +251,17 @@ def test_damaged_small_btf_sections_read_from_scratch(kernel: LinuxKernel) -> No
     header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
     small = header + types + strings
     cases = Cases("btf-small")
+    whole = 0
     for _ in range(300):
         damaged = cases.mutator.mutate(small, (0, 24 + len(types)), edits=6)
-        cases.run(lambda damaged=damaged: every_type(Btf(damaged)), allowed=(BtfError,))
-    cases.verdict(300)
+
+        def read(damaged: bytes = damaged) -> None:
+            nonlocal whole
+            whole += every_type(Btf(damaged))
+
+        cases.run(read, allowed=(BtfError,))
+    cases.verdict(300, deep=200)
+    assert whole >= 300 * 100  # types read whole: the damage left most of them readable
 
 
 class Sections:
@@ -379,15 +402,173 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
         cases.run(lambda walks=walks: asyncio.run(walks()))
 
 
+def off_cpu_profile() -> Profile:
+    """A run's profile (``run_like_profile``) with a task off CPU, which version 2 keeps."""
+    profile = run_like_profile()
+    stack = Stack(tuple(profile.frames_of(profile.stacks[1])), StopReason.END)
+    shell = profile.stacks[1].process
+    profile.add(Sample(0.05, NO_CPU, Mode.USER, True, 0, stack, shell, "S"))
+    return profile
+
+
+def report(path: Path) -> None:
+    """What ``qmpprof report`` and ``qmpprof diff`` do with a file: load it, write every format,
+    compare it with itself. Writing is not reading: a damaged count may claim millions of
+    samples, which load within the limits but take seconds to write, so those are only loaded."""
+    profile = native.load(path)
+    if len(profile) > RENDERED:
+        return
+    for fmt in FORMATS:
+        render(profile, fmt, Naming(Detail.LINE))
+    diff.render_svg(profile, profile, Naming(), ("a", "b"))
+    diff.render_folded(profile, profile, Naming())
+
+
+def qmpprof_text(rng: random.Random, doc: dict[str, object]) -> bytes:
+    """The document damaged as a value (most cases), as text, or nested deep."""
+    kind = rng.randrange(8)
+    if kind == 0:
+        text = json.dumps(doc).encode()
+        return Mutator(rng).mutate(text, edits=4)
+    if kind == 1:
+        return json.dumps(doc)[:-1].encode() + b',"deep":' + fuzzing.nested(100_000).encode() + b"}"
+    return json.dumps(fuzzing.mutate_json(rng, doc)).encode()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_damaged_qmpprof_files(version: int, tmp_path: Path) -> None:
+    """A run's .qmpprof (version 1: stacks of four fields; 2: a state off CPU), damaged as
+    JSON values (odd numbers, types, lone surrogates, lists cut or repeated), as bytes, nested
+    deep, or packed after white space, then reported as ``report`` and ``diff`` do."""
+    doc = json.loads(gzip.decompress(render(off_cpu_profile(), "qmpprof")))
+    if version == 1:
+        doc["version"] = 1
+        doc["stacks"] = [stack[:4] for stack in doc["stacks"]]
+    cases = Cases(f"qmpprof-{version}", ("not gzipped", "no qmpprof profile header"), True, True)
+    path = tmp_path / "run.qmpprof"
+    for _ in range(1000):
+        text = qmpprof_text(cases.rng, doc)
+        if cases.rng.randrange(50) == 0:
+            text = b" " * (8 << 20) + text  # unpacked but not kept
+        path.write_bytes(gzip.compress(text, mtime=0))
+        cases.run(lambda: report(path))
+    cases.verdict(1000, deep=600)
+
+
 def test_damaged_pprof_profiles(tmp_path: Path) -> None:
-    """A run's pprof (as report and diff read it), damaged before and after gzip."""
-    data = encode(run_like_profile(), Naming())
-    cases = Cases("pprof")
+    """A run's pprof (as report and diff read it), damaged as bytes or field by field (odd
+    numbers and strings, fields dropped or repeated), and after gzip; one in twenty gains a
+    field repeated 10,000 times, or a sample counting 2**63."""
+    data = encode(off_cpu_profile(), Naming())
+    sample = next(bytes(v) for n, _, v in fields(data) if n == 2 and isinstance(v, bytes))
+    first = ("not gzipped", "runs past the end", "wire type", "no sample types")
+    cases = Cases("pprof", first, limits=True, memory=True)
     path = tmp_path / "run.pb.gz"
-    for _ in range(600):
-        damaged = gzip.compress(cases.mutator.mutate(data, edits=6), mtime=0)
+    for at in range(1000):
+        if at % 2:
+            damaged = cases.mutator.mutate(data, edits=6)
+        else:
+            damaged = fuzzing.mutate_proto(cases.rng, data)
+        if at % 20 == 0:
+            repeated = Message().raw(2, sample).encode() * 10_000
+            huge = Message().raw(2, Message().packed(1, [1]).packed(2, [1 << 63]).encode())
+            damaged += repeated if at % 40 else huge.encode()
+        packed = gzip.compress(damaged, mtime=0)
         if cases.rng.randrange(8) == 0:
-            damaged = cases.mutator.mutate(damaged, edits=2)
-        path.write_bytes(damaged)
-        cases.run(lambda: native.load(path).named_counts(Naming()))
-    cases.verdict(600)
+            packed = cases.mutator.mutate(packed, edits=2)
+        path.write_bytes(packed)
+        cases.run(lambda: report(path))
+    cases.verdict(1000, deep=350)
+
+
+CONFIG = b"""[vm.web1]
+socket = "/run/qemu/web1.qmp"
+kernel = "/boot/vmlinuz-6.12.57"
+kallsyms = "System.map-6.12.57"
+user_dir = "rootfs/web1"
+os = "linux"
+interval = 50
+max_overhead = 1
+off_cpu = true
+
+[vm.db]
+interval = 10.5
+max_overhead = "none"
+"""
+
+
+def toml_text(rng: random.Random) -> bytes:
+    """serve's settings damaged: as bytes, a value made odd, nested deep, not UTF-8."""
+    kind = rng.randrange(6)
+    lines = CONFIG.splitlines(keepends=True)
+    at = rng.randrange(len(lines))
+    if kind == 0:
+        return Mutator(rng).mutate(CONFIG, edits=4)
+    if kind == 1:
+        lines.insert(at, b"deep = " + fuzzing.nested(rng.choice((100, 100_000))).encode() + b"\n")
+    elif kind == 2:
+        lines.insert(at, b"t = " + b"{a = " * 50_000 + b"1" + b"}" * 50_000 + b"\n")
+    elif kind == 3:
+        lines[at] = lines[at][:-2] + bytes([rng.randrange(0x80, 0x100)]) + b"\n"
+    else:
+        key, _, _ = lines[at].partition(b" = ")
+        odd = rng.choice(("inf", "nan", "-0.0", "1e+305", "9223372036854776.0",
+                          '"~nobody-here/x"', '"~/x"', '""', "[]", "{}", "2000-01-01"))  # fmt: skip
+        lines[at] = (key.strip() or b"interval") + b" = " + odd.encode() + b"\n"
+    return b"".join(lines)
+
+
+def test_damaged_serve_settings(tmp_path: Path) -> None:
+    """serve's ``--config`` and ``NAME.toml`` files damaged, then read: settings, or one
+    UsageError naming the file."""
+    cases = Cases("toml", ("not TOML",), limits=True, memory=True)
+    path = tmp_path / "vms.toml"
+    for at in range(1000):
+        path.write_bytes(toml_text(cases.rng))
+        read = config.read_config if at % 2 else config.read_beside
+        cases.run(lambda read=read: read(path))
+    cases.verdict(1000, deep=250)
+
+
+def test_white_space_before_a_profile_is_unpacked_not_kept(tmp_path: Path) -> None:
+    """64 MiB of spaces before a .qmpprof's JSON (64 KiB packed): it loads, the same as
+    without them, and the load's peak stays near the 4 MiB pieces it unpacks."""
+    profile = off_cpu_profile()
+    path = tmp_path / "run.qmpprof"
+    text = gzip.decompress(render(profile, "qmpprof"))
+    path.write_bytes(gzip.compress(b" " * (64 << 20) + text, mtime=0))
+    tracemalloc.start()
+    try:
+        again = native.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert list(again.timeline()) == list(profile.timeline())
+    assert peak < 16 << 20
+
+
+def test_the_kallsyms_search_ends_within_its_steps(kernel: LinuxKernel) -> None:
+    """A search given fewer steps than the image's tables take gives up with one line; the
+    default finds them."""
+    rodata = kernel.image.section(".rodata")
+    base = kernel.image.section_addr(".rodata")
+    assert rodata is not None and base is not None
+    with pytest.raises(KernelImageError, match="within 100,000 steps of search"):
+        next(decodings(rodata, base, "vmlinux", LONG_RUN, steps=100_000))
+    _, symbols = next(decodings(rodata, base, "vmlinux", LONG_RUN))
+    assert symbols.names == kernel.symbols.names[: len(symbols.names)]
+
+
+def test_a_lone_surrogate_in_a_name_renders_in_every_format(tmp_path: Path) -> None:
+    """A symbol holding a lone surrogate (from guest bytes, or escaped in a .qmpprof): every
+    format is written, with "?" (or the SVG's U+FFFD) in its place, and it reads back as U+FFFD."""
+    profile = Profile()
+    frame = Frame(0x40_1000, False, "bad\ud800name", 0)
+    profile.add(Sample(0.0, 0, Mode.USER, True, 0, Stack((frame,)), None))
+    for fmt in FORMATS:
+        out = render(profile, fmt, Naming())
+        if not FORMATS[fmt].binary:
+            assert b"bad?name" in out or "bad\ufffdname".encode() in out
+    path = tmp_path / "run.qmpprof"
+    path.write_bytes(render(profile, "qmpprof"))
+    assert native.load(path).frames[0].symbol == "bad\ufffdname"

@@ -35,6 +35,10 @@ tables are found by their contents, any byte apart:
    padded as the labels found are aligned (or to a smaller power of two): each placement and
    reading whose addresses come out sorted, in that order.
 
+The search is bounded: a damaged image makes candidates of every kind abound (each digit run,
+marker run, count and walk a dead end), so each step it takes is counted, and past
+``SEARCH_STEPS`` it gives up with one line (Debian's undamaged kernels take a quarter at most).
+
 A relative base is taken only where the tables themselves lie within the 4 GiB above it that
 its 32-bit offsets reach (they are the kernel's data, named by its symbols).
 ``qmpprof.linux.kallsyms`` checks what is decoded against the rest of the image.
@@ -65,6 +69,27 @@ _FIRST_WINDOW = 1 << 16
 # looked for everywhere before shorter ones, and a kernel's tables are never shorter.
 LONG_RUN = 16
 _U32, _U64, _S32 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<i")
+# A step is about one names entry walked in Python (a few hundred ns): 3 million is a second or
+# so. Scans done in C count a step per 256 bytes searched (per 64 for the markers' regex).
+SEARCH_STEPS = 3_000_000
+
+
+class _Budget:
+    """The steps the search has left; KernelImageError when they run out."""
+
+    def __init__(self, path: str, steps: int) -> None:
+        self.path = path
+        self.steps = steps
+        self.left = steps
+
+    def spend(self, steps: int) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise KernelImageError(
+                self.path,
+                f"no kallsyms tables in .rodata within {self.steps:,} steps of search "
+                "(damaged tables: each candidate led nowhere)",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,22 +120,25 @@ class _Names:
 
 
 def decodings(
-    data: bytes, base: int, path: str, markers: int = 2
+    data: bytes, base: int, path: str, markers: int = 2, steps: int = SEARCH_STEPS
 ) -> Iterator[tuple[KallsymsLayout, KernelSymbols]]:
-    """Every decoding tables of ``markers`` markers or more allow, most likely first; at least
-    one, or KernelImageError."""
+    """Every decoding tables of ``markers`` markers or more allow, most likely first, found
+    within ``steps``; at least one, or KernelImageError."""
+    budget = _Budget(path, steps)
     stage = 0  # how far the search got: token table, names and markers, offsets, decoded
-    for tokens in _token_tables(data):
+    for tokens in _token_tables(data, budget):
         stage = max(stage, 1)
-        for names in _names(data, base, tokens, markers):
+        for names in _names(data, base, tokens, markers, budget):
             stage = max(stage, 2)
             table, table_end, _ = tokens
             words = tuple(data[table : table_end - 1].decode("latin-1").split("\0"))
+            budget.spend(names.layout.count)
             texts = _expand(data, names, words)
             types = list(map(operator.itemgetter(slice(1)), texts))
             plain = list(map(operator.itemgetter(slice(1, None)), texts))
-            for layout, addrs in _placements(data, base, names):
+            for layout, addrs in _placements(data, base, names, budget):
                 stage = 3
+                budget.spend(names.layout.count)  # the symbols sorted and indexed
                 yield layout, KernelSymbols(addrs, types, plain)
             if names.layout.count > 256 * (LONG_RUN - 1):
                 break  # names meeting that many markers are the ones: only offsets may be wrong
@@ -119,20 +147,23 @@ def decodings(
         raise KernelImageError(path, f"no kallsyms tables in .rodata (no {missing} found)")
 
 
-def _token_tables(data: bytes) -> Iterator[tuple[int, int, int]]:
+def _token_tables(data: bytes, budget: _Budget) -> Iterator[tuple[int, int, int]]:
     """(token table, its end, token index) for every digit run whose strings have an index."""
     at = data.find(_DIGITS)
     while at >= 0:
+        budget.spend(0x2F + 3 * 256)  # its strings found, each a few steps
         second = at
         for _ in range(0x2F):  # back over tokens 0x2f .. 0x01, each non-empty
             second = data.rfind(b"\0", 0, second - 1) + 1
         rest = _string_offsets(data, second, 255)
         if rest is not None:
-            yield from _token_index(data, second, rest)
+            yield from _token_index(data, second, rest, budget)
         at = data.find(_DIGITS, at + 1)
 
 
-def _token_index(data: bytes, second: int, rest: list[int]) -> Iterator[tuple[int, int, int]]:
+def _token_index(
+    data: bytes, second: int, rest: list[int], budget: _Budget
+) -> Iterator[tuple[int, int, int]]:
     """Where token 0 starts and the index is, given where tokens 1.. are. Token 0 reaches back
     to a NUL unless the table follows other bytes directly: the index, which gives its length,
     says where it starts (an index right after the table is read, elsewhere it is searched)."""
@@ -151,6 +182,7 @@ def _token_index(data: bytes, second: int, rest: list[int]) -> Iterator[tuple[in
     for start in range(earliest, second - 1):
         offsets = [0, *(second - start + r for r in rest[:-1])]
         if offsets[-1] <= 0xFFFF:
+            budget.spend(len(data) >> 8)
             found = data.find(struct.pack("<256H", *offsets))
             if found >= 0:
                 yield start, end, found
@@ -171,7 +203,9 @@ def _string_offsets(data: bytes, start: int, count: int) -> list[int] | None:
     return offsets
 
 
-def _names(data: bytes, base: int, tokens: tuple[int, int, int], least: int) -> Iterator[_Names]:
+def _names(
+    data: bytes, base: int, tokens: tuple[int, int, int], least: int, budget: _Budget
+) -> Iterator[_Names]:
     """The count, names and markers (``least`` of them or more) that fit together, long
     marker runs first."""
     table, table_end, index = tokens
@@ -179,12 +213,13 @@ def _names(data: bytes, base: int, tokens: tuple[int, int, int], least: int) -> 
         (pos, run)
         for low, high in ((LONG_RUN, _END), (least, LONG_RUN))
         if low < high
-        for pos, run in _marker_runs(data, min(table, index), max(table_end, index + 512))
+        for pos, run in _marker_runs(data, min(table, index), max(table_end, index + 512), budget)
         if low <= len(run) < high
     )
     for markers_pos, run in runs:
         for k in range(len(run), max(1, len(run) - 3), -1):  # a run may go on past its end
-            for count_pos, names, wide, (starts, wide_at) in _entries(data, markers_pos, run[:k]):
+            walks = _entries(data, markers_pos, run[:k], budget)
+            for count_pos, names, wide, (starts, wide_at) in walks:
                 spans = (
                     (index, index + 512),
                     (table, table_end),
@@ -201,7 +236,9 @@ def _names(data: bytes, base: int, tokens: tuple[int, int, int], least: int) -> 
                 yield _Names(layout, starts, wide_at, spans, align)
 
 
-def _marker_runs(data: bytes, low: int, high: int) -> Iterator[tuple[int, list[int]]]:
+def _marker_runs(
+    data: bytes, low: int, high: int, budget: _Budget
+) -> Iterator[tuple[int, list[int]]]:
     """(position, values) of ascending u32 runs from 0: between ``low`` and ``high``, then in
     windows doubling on both sides, the nearest first."""
     windows = [(low, high)]
@@ -212,9 +249,12 @@ def _marker_runs(data: bytes, low: int, high: int) -> Iterator[tuple[int, list[i
     for start, stop in windows:
         # The lookahead reads up to 8 bytes past a window's end.
         found = _MARKERS_START.finditer(data, start, min(len(data), stop + 8))
+        budget.spend((stop - start) >> 6)
         hits = [m.start() for m in found if m.start() < stop]
         for pos in reversed(hits) if stop <= low else hits:
-            yield pos, _ascending_run(data, pos)
+            run = _ascending_run(data, pos)
+            budget.spend(len(run))
+            yield pos, run
 
 
 def _ascending_run(data: bytes, pos: int) -> list[int]:
@@ -230,7 +270,7 @@ def _ascending_run(data: bytes, pos: int) -> list[int]:
 
 
 def _entries(
-    data: bytes, markers_pos: int, markers: list[int]
+    data: bytes, markers_pos: int, markers: list[int], budget: _Budget
 ) -> Iterator[tuple[int, int, bool, tuple[list[int], list[int]]]]:
     """(count position, names, wide lengths, walk) for each count fitting the markers whose
     names, right after it (a u32 and padding, or a u64), meet every marker."""
@@ -238,19 +278,21 @@ def _entries(
     near = max(0, markers_pos - markers[-1] - 256 * _MAX_ENTRY - 16)
     seen: set[int] = set()
     for low, high in ((near, markers_pos), (0, len(data))):  # where names end at the markers
+        budget.spend((high - low) >> 7)  # two patterns searched
         hits = [pos - 1 for pos in _find_all(data, struct.pack("<I", k - 1)[:3], low + 1, high)]
         hits += _find_all(data, struct.pack("<I", 256 * k), low, high)
+        budget.spend(len(hits))
         for count_pos in sorted(set(hits) - seen, reverse=True):
             seen.add(count_pos)
             count = _U32.unpack_from(data, count_pos)[0]
             if not 256 * (k - 1) < count <= 256 * k:
                 continue
             for names in range(count_pos + 4, count_pos + 12):
-                walked = _walk(data, names, count, markers, True)
+                walked = _walk(data, names, count, markers, True, budget)
                 if walked is not None:
                     yield count_pos, names, True, walked
                 if walked is None or walked[1]:  # with no long entry both readings are one
-                    walked = _walk(data, names, count, markers, False)
+                    walked = _walk(data, names, count, markers, False, budget)
                     if walked is not None:
                         yield count_pos, names, False, walked
 
@@ -266,7 +308,7 @@ def _find_all(data: bytes, pattern: bytes, low: int, high: int) -> list[int]:
 
 
 def _walk(
-    data: bytes, names: int, count: int, markers: list[int], wide: bool
+    data: bytes, names: int, count: int, markers: list[int], wide: bool, budget: _Budget
 ) -> tuple[list[int], list[int]] | None:
     """Where each of ``count`` entries from ``names`` starts (then where the last ends) and
     which take a two-byte length; None when one misses its marker or leaves the data."""
@@ -279,6 +321,7 @@ def _walk(
         for k, marker in enumerate(markers):
             if pos - names != marker:
                 return None
+            budget.spend(256)
             for i in range(256 * k, min(count, 256 * k + 256)):
                 add(pos)
                 first = data[pos]
@@ -306,7 +349,7 @@ def _expand(data: bytes, names: _Names, tokens: tuple[str, ...]) -> list[str]:
 
 
 def _placements(
-    data: bytes, base: int, names: _Names
+    data: bytes, base: int, names: _Names, budget: _Budget
 ) -> Iterator[tuple[KallsymsLayout, list[int]]]:
     """Each placement and reading of the offsets whose addresses come out sorted: 256 of
     them spread over the table first, then all."""
@@ -323,10 +366,12 @@ def _placements(
             relative_base = _U64.unpack_from(data, base_pos)[0]
             if not 0 <= base - relative_base < 1 << 32:
                 continue  # a base is below the tables, which its 32-bit offsets reach
+        budget.spend(names.layout.count >> 4)  # unpacked, and a sample of it sorted
         values = struct.unpack_from(f"<{size // 4}i", data, pos)
         step = max(1, len(values) // 256)
         for percpu in (True, False) if base_pos is not None else (False,):
             if _addresses(values[::step], base + pos, relative_base, percpu, step) is not None:
+                budget.spend(names.layout.count)
                 addrs = _addresses(values, base + pos, relative_base, percpu)
                 if addrs is not None:
                     layout = replace(

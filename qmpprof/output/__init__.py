@@ -68,7 +68,8 @@ def format_for(path: Path, fmt: str | None) -> str:
 def render(profile: Profile, fmt: str, naming: Naming | None = None) -> bytes:
     """The file contents of ``profile`` in format ``fmt``."""
     out = FORMATS[fmt].render(profile, naming or Naming())
-    return out if isinstance(out, bytes) else out.encode("utf-8")
+    # Names come from guest bytes: a lone surrogate becomes "?", never an error.
+    return out if isinstance(out, bytes) else out.encode("utf-8", "replace")
 
 
 def write_profile(

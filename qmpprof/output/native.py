@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Any
 
 from qmpprof.errors import ProfileError
-from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
+from qmpprof.model import NO_CPU, Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Naming
 from qmpprof.output import pprofread
 from qmpprof.profile import Profile
@@ -27,6 +28,15 @@ KIND = "qmpprof-profile"
 VERSION = 2
 READS = (1, 2)
 MAX_PROFILE = 4 << 30  # a profile unpacked: larger is damage (~16 bytes a sample: 250 million)
+MAX_UNPACKED = 2 * MAX_PROFILE  # white space before a JSON text is unpacked but not kept
+MAX_STRING = 1 << 16  # characters of a name, path or fact
+_PIECE = 1 << 22  # bytes unpacked at a time
+_SPACE = b" \t\r\n"
+_U64 = 1 << 64
+_I64 = 1 << 63
+_MAX_INTERVAL_MS = 60_000.0  # a minute: an interval times 2**27 samples stays an int64 of ns
+_MAX_TIME = float(1 << 34)  # seconds into a run (544 years): its nanoseconds fit 64 bits
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def render(profile: Profile, naming: Naming) -> bytes:
@@ -91,7 +101,9 @@ def render(profile: Profile, naming: Naming) -> bytes:
         },
     }
     text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
-    return gzip.compress(text.encode("utf-8"), mtime=0)
+    # A lone surrogate (a name from guest bytes) can only be in a string: written as JSON's
+    # escape of it, which the reader replaces.
+    return gzip.compress(text.encode("utf-8", "backslashreplace"), mtime=0)
 
 
 def load(path: Path) -> Profile:
@@ -105,13 +117,15 @@ def load(path: Path) -> Profile:
         data = _gunzip(raw)
     except (OSError, EOFError, zlib.error, ValueError) as err:
         raise ProfileError(str(path), f"not gzipped JSON or pprof ({err})") from err
-    if not data.lstrip().startswith(b"{"):
+    if not data.startswith(b"{"):
         try:
             return pprofread.decode(data)
         except (pprofread.PprofError, ValueError, KeyError, IndexError) as err:
             raise ProfileError(str(path), f"not a pprof profile either ({err})") from err
     try:
         doc = json.loads(data)
+    except RecursionError:
+        raise ProfileError(str(path), "JSON nested deeper than a profile is") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise ProfileError(str(path), f"not gzipped JSON ({err})") from err
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
@@ -121,63 +135,129 @@ def load(path: Path) -> Profile:
         raise ProfileError(str(path), f"version {doc.get('version')!r}, this qmpprof reads {reads}")
     try:
         return _profile(doc)
-    except (KeyError, IndexError, TypeError, ValueError) as err:
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as err:
         raise ProfileError(str(path), f"malformed ({type(err).__name__}: {err})") from err
 
 
 def _profile(doc: dict[str, Any]) -> Profile:
     # Files written before mappings had a file offset hold seven fields.
     mappings = [
-        Mapping(str(name), int(start, 16), int(end, 16), bool(kernel), int(bias),
-                _str(path), _str(build_id), int(offset[0]) if offset else 0)
-        for name, start, end, kernel, bias, path, build_id, *offset in doc["mappings"]
+        Mapping(_text(name), _u64(start), _u64(end), bool(kernel), _number(bias, -_U64, _U64),
+                _str(path), _str(build_id), _number(offset[0], 0, _U64) if offset else 0)
+        for name, start, end, kernel, bias, path, build_id, *offset in _list(doc["mappings"])
     ]  # fmt: skip
     # Files written before processes had threads hold three fields, before their space had a
     # name five: those came from x86 guests, whose page-table root is CR3.
     processes = [
-        Process(None if pid is None else int(pid), _str(program), int(space, 16),
-                None if t[0:1] in ([], [None]) else int(t[0]), _str(t[1]) if t[1:] else None,
-                str(t[2]) if t[2:] else "cr3")
-        for pid, program, space, *t in doc["processes"]
+        Process(None if pid is None else _number(pid, 0, _I64), _str(program), _u64(space),
+                None if t[0:1] in ([], [None]) else _number(t[0], 0, _I64),
+                _str(t[1]) if t[1:] else None, _text(t[2]) if t[2:] else "cr3")
+        for pid, program, space, *t in _list(doc["processes"])
     ]  # fmt: skip
     frames = [
-        Frame(int(pc, 16), bool(kernel), _str(symbol), int(offset),
-              None if m < 0 else mappings[m], _str(file), None if line is None else int(line),
-              bool(inlined))
-        for pc, kernel, symbol, offset, m, file, line, inlined in doc["frames"]
+        Frame(_u64(pc), bool(kernel), _str(symbol), _number(offset, -_U64, _U64),
+              None if _index(m, mappings, -1) < 0 else mappings[m], _str(file),
+              None if line is None else _number(line, 0, _I64), bool(inlined))
+        for pc, kernel, symbol, offset, m, file, line, inlined in _list(doc["frames"])
     ]  # fmt: skip
     stacks = [
-        (None if p < 0 else processes[p], Mode(mode), StopReason(stop),
-         tuple(frames[i] for i in ids), str(state[0]) if state else None)
-        for p, mode, stop, ids, *state in doc["stacks"]
+        (None if _index(p, processes, -1) < 0 else processes[p], Mode(mode), StopReason(stop),
+         tuple(frames[_index(i, frames)] for i in _list(ids)), _text(state[0]) if state else None)
+        for p, mode, stop, ids, *state in _list(doc["stacks"])
     ]  # fmt: skip
     facts = doc["facts"]
     if not isinstance(facts, dict):
         raise TypeError("facts is not an object")
-    profile = Profile(float(doc["interval_ms"]), {str(k): str(v) for k, v in facts.items()})
+    interval = _seconds(doc["interval_ms"], _MAX_INTERVAL_MS)
+    if not interval > 0:
+        raise ValueError(f"an interval of {interval} ms")
+    profile = Profile(interval, {_text(k): _text(v) for k, v in facts.items()})
     samples = doc["samples"]
     for time, cpu, sid in zip(samples["time"], samples["cpu"], samples["stack"], strict=True):
-        process, mode, stop, stack_frames, state = stacks[sid]
+        process, mode, stop, stack_frames, state = stacks[_index(sid, stacks)]
         user = mode is Mode.USER
         stack = Stack(stack_frames, stop)
-        profile.add(Sample(float(time), int(cpu), mode, user, 0, stack, process, state))
+        at, on = _seconds(time, _MAX_TIME), _number(cpu, 0, NO_CPU + 1)
+        profile.add(Sample(at, on, mode, user, 0, stack, process, state))
     return profile
 
 
+def _list(value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"a list expected, not {type(value).__name__}")
+    return value
+
+
+def _number(value: object, low: int, high: int) -> int:
+    """An integer in ``low`` .. ``high`` - 1 (JSON's, or a whole float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise TypeError(f"{value!r} is not an integer")
+    if not low <= value < high:
+        raise ValueError(f"{int(value)} is out of range")
+    return int(value)
+
+
+def _u64(value: object) -> int:
+    """An address: a hex string of 64 bits at most."""
+    if not isinstance(value, str) or len(value) > 18 or not 0 <= int(value, 16) < _U64:
+        raise ValueError(f"{value!r} is not an address")
+    return int(value, 16)
+
+
+def _index(value: object, items: list[Any], low: int = 0) -> int:
+    """An index into ``items`` (``low`` to ``len(items) - 1``: -1 says "none")."""
+    return _number(value, low, len(items))
+
+
+def _seconds(value: object, high: float) -> float:
+    """A number in 0 .. ``high`` (finite: pprof's durations and values are int64)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
+        raise ValueError(f"{value!r} is not a time in 0 .. {high:g}")
+    return float(value)
+
+
+def _text(value: object) -> str:
+    """A string as a name: any lone surrogate (JSON can escape one) replaced, at most
+    MAX_STRING characters."""
+    if not isinstance(value, str):
+        value = str(value)
+    if len(value) > MAX_STRING:
+        raise ValueError(f"a string of {len(value)} characters")
+    return _SURROGATE.sub("\ufffd", value)
+
+
 def _gunzip(raw: bytes) -> bytes:
-    """The gzip member(s) in ``raw`` unpacked, at most MAX_PROFILE bytes."""
+    """The gzip member in ``raw`` unpacked, in pieces: a JSON text without the white space
+    before it, a pprof as it is; at most MAX_PROFILE bytes kept, MAX_UNPACKED unpacked."""
     unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    out = unpacker.decompress(raw, MAX_PROFILE + 1)
-    if len(out) > MAX_PROFILE:
-        raise ValueError(f"unpacks to more than {MAX_PROFILE >> 20} MiB")
-    if not unpacker.eof:
-        raise EOFError("the gzip stream ends early")
-    return out
+    kept: list[bytes] = []
+    size = unpacked = skipped = 0
+    pending = raw
+    while not unpacker.eof:
+        piece = unpacker.decompress(pending, _PIECE)
+        pending = unpacker.unconsumed_tail
+        if not piece and not pending:
+            raise EOFError("the gzip stream ends early")
+        unpacked += len(piece)
+        if not kept:
+            rest = piece.lstrip(_SPACE)
+            if rest and rest[:1] != b"{":  # a pprof, whose first bytes may be these
+                if skipped:
+                    raise ValueError(f"{skipped} bytes of white space, then no JSON")
+                rest = piece
+            skipped += len(piece) - len(rest)
+            piece = rest
+        if piece:
+            kept.append(piece)
+            size += len(piece)
+        if size > MAX_PROFILE or unpacked > MAX_UNPACKED:
+            raise ValueError(f"unpacks to more than {MAX_PROFILE >> 20} MiB")
+    return b"".join(kept)
+
+
+def _str(value: object) -> str | None:
+    return None if value is None else _text(value)
 
 
 def _hex(value: int) -> str:
     return f"{value:#x}"
-
-
-def _str(value: object) -> str | None:
-    return None if value is None else str(value)

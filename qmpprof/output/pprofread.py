@@ -33,7 +33,10 @@ _SPACE_LABEL = re.compile(r"(?:(.*) \()?(\w+)=0x([0-9a-f]+)\)?")
 # How pprof.py names a frame no symbol covers: [unknown] or its address, then the module's
 # name where it has a file (a kernel module's is the mapping's own, bracketed).
 _NO_SYMBOL = re.compile(r"(?:\[unknown\]|0x[0-9a-f]+)(?: \[(.*?)(?:\+0x[0-9a-f]+)?\])?(?:_\[i\])?")
-_MAX_SAMPLES = 50_000_000  # counts summed: more is damage, not a profile
+# Counts summed: more is damage, not a profile (each sample is kept: 14 bytes, 56 MiB in all).
+_MAX_SAMPLES = 1 << 22
+_MAX_PERIOD = 60 * 10**9  # ns: an interval of a minute, as the .qmpprof reader takes
+_U64 = 1 << 64
 
 
 class PprofError(ValueError):
@@ -76,6 +79,8 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         value |= (byte & 0x7F) << shift
         shift += 7
         if not byte & 0x80:
+            if value >= _U64:
+                raise PprofError("a varint past 64 bits")
             return value, pos
 
 
@@ -131,6 +136,8 @@ def decode(data: bytes) -> Profile:
         raise PprofError("no sample types: not a profile")
     column = kinds.index(("samples", "count")) if ("samples", "count") in kinds else 0
     nanoseconds = raw.string(raw.period_type[1]) == "nanoseconds"
+    if nanoseconds and not 0 <= raw.period <= _MAX_PERIOD:
+        raise PprofError(f"a period of {raw.period} ns")
     interval_ms = raw.period / 1e6 if nanoseconds and raw.period else 10.0
     facts = {}
     for index in raw.comments:
@@ -141,30 +148,48 @@ def decode(data: bytes) -> Profile:
     addresses = [address for _, address, _ in raw.locations.values()]
     boundary = _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
     mappings = _mappings(raw, boundary, _module_names(raw))
-    stacks = [_stack(raw, mappings, boundary, ids, labels) for ids, _, labels in raw.samples]
+    # Identical sample messages share one parsed sample (``_parse``): each is read once.
+    made: dict[int, tuple[int, Mode, Stack, Process | None, str | None]] = {}
+    stacks = []
+    for parsed in raw.samples:
+        read = made.get(id(parsed))
+        if read is None:
+            read = made[id(parsed)] = _stack(raw, mappings, boundary, parsed[0], parsed[2])
+        stacks.append(read)
     counts = [values[column] if column < len(values) else 0 for _, values, _ in raw.samples]
-    if sum(counts) > _MAX_SAMPLES:
-        raise PprofError(f"{sum(counts)} samples")
-    seconds = raw.duration / 1e9
-    step = seconds / max(1, sum(counts))
+    if min(counts, default=0) < 0 or sum(counts) > _MAX_SAMPLES:
+        raise PprofError(f"{sum(counts)} samples, or a negative count (this reads {_MAX_SAMPLES})")
+    if not 0 <= raw.duration < 1 << 63:
+        raise PprofError(f"a duration of {raw.duration} ns")
+    step = raw.duration / 1e9 / max(1, sum(counts))
     at = 0
-    for (cpu, mode, stack, process, state), count in zip(stacks, counts, strict=True):
-        for _ in range(count):
-            user = mode is Mode.USER
-            profile.add(Sample(at * step, cpu, mode, user, 0, stack, process, state))
-            at += 1
+    sids: dict[int, int] = {}  # by the stack read (shared as above)
+    for read, count in zip(stacks, counts, strict=True):
+        if count:
+            cpu, mode, stack, process, state = read
+            sid = sids.get(id(read))
+            if sid is None:
+                sample = Sample(0.0, cpu, mode, mode is Mode.USER, 0, stack, process, state)
+                sid = sids[id(read)] = profile.stack_id(sample)
+            profile.add_at(at * step, cpu, sid, count, step)
+            at += count
     return profile
 
 
 def _parse(data: bytes) -> _Raw:
     raw = _Raw()
+    samples: dict[bytes, tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = {}
     for number, wire, value in fields(data):
         if number == 6:
             raw.strings.append(_message(value).decode("utf-8", "replace"))
         elif number == 1:
             raw.sample_types.append(_pair(_message(value)))
         elif number == 2:
-            raw.samples.append(_sample(_message(value)))
+            message = _message(value)
+            sample = samples.get(message)
+            if sample is None:
+                sample = samples[message] = _sample(message)
+            raw.samples.append(sample)
         elif number == 3:
             found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
             raw.mappings[found.get(1, 0)] = (
@@ -288,6 +313,8 @@ def _stack(
     stop = StopReason.DEPTH if truncated else StopReason.USER_GONE if gone else StopReason.END
     state = text.get("state") if text.get("cpu_state") == "offcpu" else None
     cpu = numbers.get("cpu", 0 if state is None else NO_CPU)
+    if not 0 <= cpu <= NO_CPU:
+        raise PprofError(f"vCPU {cpu}")
     return cpu, mode, Stack(tuple(frames), stop), _process(text, numbers), state
 
 

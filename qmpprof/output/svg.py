@@ -153,7 +153,9 @@ def _family(placed: Placed) -> str:
 
 def colour(name: str, family: str) -> str:
     """A colour of ``family`` that depends on ``name`` only, so graphs compare run to run."""
-    digest = hashlib.blake2s(name.removesuffix(KERNEL_SUFFIX).encode(), digest_size=2).digest()
+    # "surrogatepass": a name from guest bytes may hold a lone surrogate, and still has a colour.
+    plain = name.removesuffix(KERNEL_SUFFIX).encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2s(plain, digest_size=2).digest()
     share = int.from_bytes(digest, "big") / 0xFFFF
     base, span = PALETTES[family]
     r, g, b = (lo + int(extra * share) for lo, extra in zip(base, span, strict=True))

@@ -60,7 +60,10 @@ def _path(folder: Path) -> Callable[[object], Path]:
     def read(value: object) -> Path:
         if not isinstance(value, str) or not value:
             raise _Bad("a path (a string)")
-        path = Path(value).expanduser()
+        try:
+            path = Path(value).expanduser()
+        except RuntimeError:  # "~user" of no such user
+            raise _Bad(f"a path whose ~ names a user here, not {value!r}") from None
         return path if path.is_absolute() else folder / path
 
     return read
@@ -155,8 +158,12 @@ def _toml(path: Path) -> dict[str, object]:
             return tomllib.load(f)
     except OSError as err:
         raise UsageError(f"{path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not TOML: not UTF-8 (byte {err.start})") from None
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"{path}: not TOML: {err}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise UsageError(f"{path}: not TOML qmpprof reads: nested too deep") from None
 
 
 def read_config(path: Path) -> dict[str, VmSettings]:
