@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import pytest
 
@@ -15,8 +16,14 @@ from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.guest.linux import modules as modules_module
 from qmpprof.guest.linux.modules import MAX_SYMBOLS, ModuleLayout, ModuleList
+from qmpprof.guest.linux.pagetables import PageTables
+from qmpprof.guest.linux.spaces import CONFIRM_EVERY, RECHECK, Spaces
+from qmpprof.guest.linux.tasks import Task
+from qmpprof.guest.linux.vma import VM_EXEC, VmaLayout, find_exec_vmas, read_exec_vmas
+from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memory import Reader
 from qmpprof.pagecache import PAGE
+from qmpprof.unwind.space import AddressSpace
 
 HEAD = 0xFFFF_FFFF_82E0_0000  # the kernel's `modules` list head
 MODULES = 0xFFFF_FFFF_C000_0000  # struct module, one every 0x1000 bytes
@@ -72,11 +79,15 @@ def module(memory: Memory, index: int, name: bytes, text_size: int, symbols: int
     memory.put(text, bytes(min(text_size, 0x10_0000)))
     memory.put(at + LAYOUT.kallsyms, struct.pack("<Q", KALLSYMS if symbols else 0))
     if symbols:
-        names = b"".join(b"f%d\0" % i for i in range(symbols))
-        offsets = [names.index(b"\0f%d\0" % i) + 1 for i in range(1, symbols)]
+        words = [b"f%d\0" % i for i in range(symbols)]
+        offsets, at_name = [], 0
+        for word in words:
+            offsets.append(at_name)
+            at_name += len(word)
+        names = b"".join(words)
         table = b"".join(
             struct.pack("<IBBHQQ", name, 2, 0, 1, text + 16 * i, 16)  # STT_FUNC
-            for i, name in enumerate([0, *offsets])
+            for i, name in enumerate(offsets)
         )
         memory.put(KALLSYMS, struct.pack("<QIxxxxQ", SYMTAB, symbols, STRTAB))
         memory.put(SYMTAB, table)
@@ -148,3 +159,147 @@ async def test_module_text_is_read_up_to_its_ceilings_and_a_cut_says_so(
     await modules.refresh()
     assert TEXTS + 4 * 0x10_0000 in {addr for addr, _ in memory.reads}
     assert len(modules.notes) == 2
+
+
+# A process's mappings: mm_struct, vm_area_struct and maple nodes laid out by hand (offsets as
+# BTF would give them; the maple ones are 6.12's: pivots after the parent, 15 of a range node's
+# and 9 of an allocation range's, then the slots).
+VMAS = VmaLayout(
+    maple=True, vmas=0x40, vm_next=0x50, leaf_slots=(0x80, 16), arange_slots=(0x50, 10),
+    node_size=256, types=(1, 2, 3), vm_start=0, vm_end=8, vm_mm=0x10, vm_flags=0x20,
+    vm_pgoff=0x28, vm_file=0x30, dentry=0x18, name=0x28, pgd=0x48, map_count=0x50,
+    pivots=(8, 8), rb_root=0x58, vm_rb=0x38,
+)  # fmt: skip
+MM = 0xFFFF_8880_0100_0000
+VMA_AT = 0xFFFF_8880_1000_0000  # vm_area_struct i at VMA_AT + 0x80 * i
+NODES = 0xFFFF_8880_2000_0000  # maple nodes, 256 bytes each
+USER = 0x5555_0000_0000  # mapping i at USER + 2 pages * i, a page long
+BIG = 65_530  # vm.max_map_count's default
+EXEC = frozenset({7, 40_000, BIG - 1})  # the executable ones (anonymous: no file)
+LEAF, RANGE, ARANGE = 1, 2, 3
+
+
+def vmas(memory: Memory, count: int) -> list[int]:
+    """``count`` mappings of MM, each a page with a page's gap after it; their addresses."""
+    out = []
+    for i in range(count):
+        at, start = VMA_AT + 0x80 * i, USER + 2 * PAGE * i
+        flags = VM_EXEC if i in EXEC else 0
+        memory.put(at, struct.pack("<QQQQQQQ", start, start + PAGE, MM, 0, flags, 0, 0))
+        out.append(at)
+    memory.put(MM + VMAS.map_count, struct.pack("<I", count))
+    return out
+
+
+def maple(memory: Memory, entries: list[tuple[int, int]]) -> None:
+    """A maple tree of ``entries`` (last index, VMA; a page's gap after each, a NULL slot),
+    built bottom up: leaves of up to 8 ranges (a VMA and its gap), then range nodes of up to
+    16 children, the root an allocation range."""
+    slots: list[tuple[int, int]] = []  # (entry, last index)
+    for last, vma in entries:
+        slots += [(vma, last), (0, last + PAGE)]
+    level, kind = slots, LEAF
+    node = NODES
+    while True:
+        width = 16
+        if len(level) <= 10 and kind != LEAF:
+            kind, width = ARANGE, 10
+        parents = []
+        for group in range(0, len(level), width):
+            chunk = level[group : group + width]
+            slot_at = 0x50 if kind == ARANGE else 0x80  # after 9 pivots, or 15
+            pivots = [last for _, last in chunk[:-1]]
+            memory.put(node + 8, struct.pack(f"<{len(pivots)}Q", *pivots))
+            memory.put(node + slot_at, struct.pack(f"<{len(chunk)}Q", *(e for e, _ in chunk)))
+            parents.append((node | kind << 3 | 2, chunk[-1][1]))
+            node += 256
+        if kind == ARANGE:
+            memory.put(MM + VMAS.vmas, struct.pack("<Q", parents[0][0]))
+            return
+        level, kind = parents, RANGE
+
+
+def rbtree(memory: Memory, pointers: list[int]) -> None:
+    """``mm_rb``: a balanced tree of the VMAs by address (colours left out: never read)."""
+
+    def build(low: int, high: int) -> int:
+        if low >= high:
+            return 0
+        middle = (low + high) // 2
+        node = pointers[middle] + VMAS.vm_rb
+        left, right = build(low, middle), build(middle + 1, high)
+        memory.put(node + 8, struct.pack("<QQ", right, left))
+        return node
+
+    memory.put(MM + VMAS.rb_root, struct.pack("<Q", build(0, len(pointers))))
+
+
+def big_process(*, is_maple: bool) -> tuple[Memory, VmaLayout]:
+    memory = Memory()
+    pointers = vmas(memory, BIG)
+    if is_maple:
+        maple(memory, [(USER + 2 * PAGE * i + PAGE - 1, p) for i, p in enumerate(pointers)])
+        return memory, VMAS
+    rbtree(memory, pointers)
+    return memory, replace(VMAS, maple=False)
+
+
+@pytest.mark.parametrize("is_maple", [True, False], ids=["maple", "rbtree"])
+async def test_the_mappings_holding_addresses_are_found_down_the_tree(is_maple: bool) -> None:
+    memory, layout = big_process(is_maple=is_maple)
+    wanted = [USER + 2 * PAGE * i + 0x123 for i in (7, 40_000, BIG - 1, 8)]  # 8: not code
+    wanted.append(USER + 2 * PAGE * 9 + PAGE)  # in a gap
+    found = await find_exec_vmas(memory.reader(), MM, layout, 1 << 47, wanted)
+    assert [v.start for v in found] == [USER + 2 * PAGE * i for i in sorted(EXEC)]
+    # The root, a node a level for each address (this maple tree is 5 deep, this red-black
+    # one 16), the mapping found: of 65,530, never more than that.
+    height = 5 if is_maple else 16
+    assert len(memory.reads) <= 1 + len(wanted) * (height + 1)
+
+
+async def test_a_maple_tree_of_65530_mappings_is_read_whole_between_samples() -> None:
+    memory, layout = big_process(is_maple=True)
+    found = await read_exec_vmas(memory.reader(), MM, layout, 1 << 47)
+    assert [v.start for v in found] == [USER + 2 * PAGE * i for i in sorted(EXEC)]
+
+
+class Tables:
+    """PageTables as a process's own reader of its user memory: its code, zeros."""
+
+    user_end = 1 << 47
+
+    def reader(self, pgd: int) -> Reader:
+        async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+            return [bytes(n) for _, n in ranges]
+
+        return read
+
+    def over(self, read: Reader) -> Tables:
+        return self
+
+
+async def test_a_pause_looks_up_a_big_process_s_mappings_and_the_walk_is_done_between_samples() -> (
+    None
+):
+    memory, layout = big_process(is_maple=True)
+    memory.put(MM + layout.pgd, struct.pack("<Q", 0xFFFF_8880_0700_0000))
+    now = [0.0]
+    spaces = Spaces(AddressSpace(()), layout, UserFiles(None), cast(PageTables, Tables()),
+                    lambda: now[0])  # fmt: skip
+    task = Task(4242, 4242, "many", False, "many", MM, 0)
+    pc = USER + 2 * PAGE * 40_000 + 0x10
+    space = await spaces.space_of(memory.reader(), task, [pc])
+    # In the pause: its count of mappings, a descent of the tree, the mapping, its tables.
+    found = space.find(pc)
+    assert found is not None and found.start == USER + 2 * PAGE * 40_000
+    assert space.find(USER + 2 * PAGE * 7) is None
+    assert len(memory.reads) <= 12
+    memory.reads.clear()
+    now[0] = CONFIRM_EVERY
+    assert await spaces.confirm(memory.reader())  # between samples: the whole tree
+    assert len(memory.reads) > BIG
+    memory.reads.clear()
+    now[0] = 2 * RECHECK  # past RECHECK: a pause reads its count of mappings, no more
+    space = await spaces.space_of(memory.reader(), task, [USER + 2 * PAGE * 7])
+    assert [m.start for m in space.modules] == [USER + 2 * PAGE * i for i in sorted(EXEC)]
+    assert memory.reads == [(MM + layout.map_count, 4)]

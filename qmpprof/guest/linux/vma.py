@@ -14,15 +14,22 @@ read whole and checked (a VMA must point back at this ``mm`` and span a user ran
 end do no harm. Offsets come from BTF.
 
 Reads go through a ``Reader``: a list of ranges read together (one round trip over the gdbstub).
+
+A process may hold 65,530 mappings (``vm.max_map_count``: JVMs, databases, sanitizers reach it):
+reading them all is a walk of thousands of nodes. ``find_exec_vmas`` reads only the mappings
+that hold given addresses, by a descent of the tree as the kernel's own lookup does (the maple
+tree's pivots; before 6.1 the ``mm_rb`` red-black tree): work proportional to the tree's height,
+for a pause. ``map_count`` says how many a process has.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qmpprof.linux.btf import Btf, Kind
-from qmpprof.memory import Reader
+from qmpprof.memory import Reader, read_ints
 
 # vm_flags: an executable mapping (include/linux/mm.h, the same from 5.10 to 7.2; BTF carries no
 # #define).
@@ -55,6 +62,10 @@ class VmaLayout:
     dentry: int  # file.f_path.dentry
     name: int  # dentry.d_name.name
     pgd: int  # mm_struct.pgd: the process's top-level page table (a kernel address)
+    map_count: int  # mm_struct.map_count: how many mappings (an int)
+    pivots: tuple[int, int]  # offset of the pivots of maple_range_64 and maple_arange_64
+    rb_root: int  # mm_struct.mm_rb.rb_node (the rbtree only)
+    vm_rb: int  # vm_area_struct.vm_rb: its rb_node (__rb_parent_color, rb_right, rb_left)
 
     @classmethod
     def from_btf(cls, btf: Btf) -> VmaLayout:
@@ -69,10 +80,14 @@ class VmaLayout:
             arange = (arange_slot.offset, btf.array(arange_slot.type_id)[1])
             node_size = btf.size_of(btf.struct("maple_node").id)
             types = _maple_types(btf)
+            pivots = (field("maple_range_64.pivot"), field("maple_arange_64.pivot"))
+            rb_root = vm_rb = 0
         except KeyError:
             vmas, maple, vm_next = field("mm_struct.mmap"), False, field("vm_area_struct.vm_next")
-            leaf = arange = (0, 0)
+            leaf = arange = pivots = (0, 0)
             node_size, types = 0, (0, 0, 0)
+            rb_root = field("mm_struct.mm_rb") + field("rb_root.rb_node")
+            vm_rb = field("vm_area_struct.vm_rb")
         return cls(
             maple=maple,
             vmas=vmas,
@@ -90,6 +105,10 @@ class VmaLayout:
             dentry=field("file.f_path") + field("path.dentry"),
             name=field("dentry.d_name") + field("qstr.name"),
             pgd=field("mm_struct.pgd"),
+            map_count=field("mm_struct.map_count"),
+            pivots=pivots,
+            rb_root=rb_root,
+            vm_rb=vm_rb,
         )
 
 
@@ -118,10 +137,103 @@ def _maple_types(btf: Btf) -> tuple[int, int, int]:
 async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout, user_end: int) -> list[Vma]:
     """The executable mappings of the address space ``mm``, by start address, with names;
     user space ends at ``user_end``."""
-    pointers = await _vma_pointers(read, mm, layout)
+    return await _exec_vmas(read, await _vma_pointers(read, mm, layout), mm, layout, user_end)
+
+
+async def find_exec_vmas(
+    read: Reader, mm: int, layout: VmaLayout, user_end: int, addrs: Sequence[int]
+) -> list[Vma]:
+    """The executable mappings of ``mm`` that hold the user addresses ``addrs``, by start
+    address, found by a descent of its tree: a few reads a level, however many it holds."""
+    addrs = sorted({a for a in addrs if 0 < a < user_end})
+    if not addrs:
+        return []
+    (root,) = await read_ints(read, [(mm + (layout.vmas if layout.maple else layout.rb_root), 8)])
+    if not root:
+        return []
+    if layout.maple:
+        pointers = await _maple_lookup(read, root, layout, addrs)
+    else:
+        pointers = await _rb_lookup(read, root, layout, addrs)
+    return [
+        v
+        for v in await _exec_vmas(read, pointers, mm, layout, user_end)
+        if any(v.start <= a < v.end for a in addrs)
+    ]
+
+
+async def _maple_lookup(read: Reader, root: int, layout: VmaLayout, addrs: list[int]) -> list[int]:
+    """The leaf entries holding ``addrs``, each found as mtree_lookup_walk does: in a node, the
+    first slot whose pivot (its last index) reaches the address; a pivot of 0 past the first
+    or the last slot, which has none, reaches the node's end."""
+    if not _is_node(root):
+        return [root] if root and not _is_internal(root) else []
+    leaf, _, arange = layout.types
+    walks = [(a, root) for a in addrs]
+    out: list[int] = []
+    for _ in range(_MAX_HEIGHT):
+        walks = [(a, e) for a, e in walks if e > 4096 and _type(e) in layout.types]
+        if not walks:
+            break
+        shapes = [_shape(layout, _type(e) == arange) for _, e in walks]
+        ranges = [(e & ~(layout.node_size - 1), layout.node_size) for _, e in walks]
+        raws = await read(ranges)
+        following = []
+        for (addr, node), raw, (pivots, slots, count) in zip(walks, raws, shapes, strict=True):
+            if raw is None:
+                continue
+            slot = 0
+            while slot < count - 1:
+                pivot = _u64(raw, pivots + 8 * slot)
+                if pivot >= addr or (pivot == 0 and slot > 0):
+                    break
+                slot += 1
+            entry = _u64(raw, slots + 8 * slot)
+            if _type(node) == leaf:
+                out += [entry] if entry > 4096 and not _is_internal(entry) else []
+            else:
+                following.append((addr, entry))
+        walks = following
+    return out
+
+
+def _shape(layout: VmaLayout, is_arange: bool) -> tuple[int, int, int]:
+    """Offsets of a node's pivots and slots, and its count of slots."""
+    slots, count = layout.arange_slots if is_arange else layout.leaf_slots
+    return layout.pivots[1 if is_arange else 0], slots, count
+
+
+async def _rb_lookup(read: Reader, root: int, layout: VmaLayout, addrs: list[int]) -> list[int]:
+    """The VMAs holding ``addrs``, found down ``mm_rb`` as find_vma does: a node's left
+    subtree holds the lower addresses."""
+    span = max(layout.vm_start, layout.vm_end, layout.vm_rb + 16) + 8
+    walks, out = [(a, root) for a in addrs], []
+    for _ in range(2 * _MAX_HEIGHT):  # a red-black tree is at most twice as deep as balanced
+        walks = [(a, node) for a, node in walks if node > 4096]
+        if not walks:
+            break
+        vmas = [node - layout.vm_rb for _, node in walks]
+        raws = await read([(vma, span) for vma in vmas])
+        following = []
+        for (addr, _), vma, raw in zip(walks, vmas, raws, strict=True):
+            if raw is None:
+                continue
+            start, end = _u64(raw, layout.vm_start), _u64(raw, layout.vm_end)
+            if start <= addr < end:
+                out.append(vma)
+            else:  # rb_right, then rb_left, after __rb_parent_color
+                child = layout.vm_rb + (16 if addr < start else 8)
+                following.append((addr, _u64(raw, child)))
+        walks = following
+    return out
+
+
+async def _exec_vmas(
+    read: Reader, pointers: Sequence[int], mm: int, layout: VmaLayout, user_end: int
+) -> list[Vma]:
     span = max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
                layout.vm_file) + 8  # fmt: skip
-    raws = await read([(p, span) for p in pointers])
+    raws = await read([(p, span) for p in dict.fromkeys(pointers)])
     found = []
     for raw in raws:
         if raw is None:
@@ -178,9 +290,11 @@ async def _vma_pointers(read: Reader, mm: int, layout: VmaLayout) -> list[int]:
 
 async def _list(read: Reader, first: int, layout: VmaLayout) -> list[int]:
     out: list[int] = []
+    seen: set[int] = set()  # a VMA met twice is a loop (a link read mid-change)
     vma = first
-    while vma and vma not in out and len(out) < MAX_VMAS:
+    while vma and vma not in seen and len(out) < MAX_VMAS:
         out.append(vma)
+        seen.add(vma)
         (raw,) = await read([(vma + layout.vm_next, 8)])
         vma = 0 if raw is None else _u64(raw, 0)
     return out
