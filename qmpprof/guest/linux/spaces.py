@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from qmpprof.guest.linux.pagetables import PageTables, user_end
 from qmpprof.guest.linux.tasks import LIMIT, Task
-from qmpprof.guest.linux.vma import Vma, VmaLayout, find_exec_vmas, read_exec_vmas
+from qmpprof.guest.linux.vma import Vma, VmaLayout, VmaWalk, find_exec_vmas, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, read_ints
@@ -98,6 +98,7 @@ class Spaces:
         self.gone = AddressSpace(kernel.modules, user_gone=True)
         self._placed: Memo[Key, Placed] = Memo(LIMIT)
         self._used: Memo[Key, float] = Memo(LIMIT)  # when a sample last did
+        self._walk: tuple[Key, Placed, VmaWalk] | None = None  # confirm's, under way
 
     async def space_of(self, read: Reader, task: Task, pcs: Sequence[int] = ()) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
@@ -236,11 +237,32 @@ class Spaces:
         the mappings of the process whose were read longest ago (of those sampled lately).
         Unchanged, they are trusted again, so no pause has to read them; changed, the next
         sample of it reads them (its code must be compared with the files under its own page
-        tables; a space placed in part is placed whole here, through them). False when nothing
-        was read."""
-        now = self.clock()
-        if self.vmas is None or now - self._confirmed < CONFIRM_EVERY:
+        tables; a space placed in part is placed whole here, through them). A process of many
+        mappings is read a step a call (``VmaWalk``), one call after the other until done.
+        False when nothing was read."""
+        if self.vmas is None:
             return False
+        if self._walk is None:
+            key = self._due()
+            if key is None:
+                return False
+            placed = self._placed[key]
+            if not await self._many(read, key[0]):
+                found = await read_exec_vmas(read, key[0], self.vmas, self.user_end)
+                return await self._take_in(read, key, placed, tuple(found))
+            self._walk = (key, placed, VmaWalk(key[0], self.vmas, self.user_end))
+        key, placed, walk = self._walk
+        if await walk.step(read):
+            self._walk = None
+            await self._take_in(read, key, placed, tuple(walk.found or ()))
+        return True
+
+    def _due(self) -> Key | None:
+        """The process whose mappings ``confirm`` reads now: one placed in part, else the one
+        read longest ago of those sampled lately; None: none, or not CONFIRM_EVERY yet."""
+        now = self.clock()
+        if now - self._confirmed < CONFIRM_EVERY:
+            return None
         self._confirmed = now
         due = [
             (not placed.partial, placed.checked, key)
@@ -251,11 +273,12 @@ class Spaces:
                 and now - self._used.get(key, 0.0) <= 2 * RECHECK
             )
         ]
-        if not due:
-            return False
-        *_, key = min(due)  # a space placed in part first
-        placed = self._placed[key]
-        found = tuple(await read_exec_vmas(read, key[0], self.vmas, self.user_end))
+        return min(due)[2] if due else None
+
+    async def _take_in(
+        self, read: Reader, key: Key, placed: Placed, found: tuple[Vma, ...]
+    ) -> bool:
+        """Take in the mappings ``found`` of the process placed as ``placed``."""
         if self._placed.get(key) is not placed:
             return True  # read again meanwhile, or started over
         if found == placed.vmas:

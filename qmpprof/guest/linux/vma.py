@@ -25,6 +25,7 @@ for a pause. ``map_count`` says how many a process has.
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from qmpprof.memory import Reader, read_ints
 # #define).
 VM_EXEC = 0x4
 MAX_VMAS = 65536
+STEP = 256  # ranges a step of a walk between samples reads at most
 _MAX_HEIGHT = 31  # MAPLE_HEIGHT_MAX: a deeper walk is going round a loop of nodes
 _NAME_MAX = 256
 _PAGE = 4096
@@ -137,7 +139,92 @@ def _maple_types(btf: Btf) -> tuple[int, int, int]:
 async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout, user_end: int) -> list[Vma]:
     """The executable mappings of the address space ``mm``, by start address, with names;
     user space ends at ``user_end``."""
-    return await _exec_vmas(read, await _vma_pointers(read, mm, layout), mm, layout, user_end)
+    walk = VmaWalk(mm, layout, user_end)
+    while not await walk.step(read, MAX_VMAS):
+        pass
+    return walk.found or []
+
+
+class VmaWalk:
+    """The executable mappings of ``mm`` read a part at a time: each ``step`` reads at most
+    ``limit`` ranges (the tree's nodes breadth first, or the list's links; then the VMAs; then
+    their files' names), so that the 65,530 mappings of a process are read between samples over
+    many steps, none keeping a tick waiting long. ``found``: the mappings, once done."""
+
+    def __init__(self, mm: int, layout: VmaLayout, user_end: int) -> None:
+        self.mm, self.layout, self.user_end = mm, layout, user_end
+        # Maple nodes, or the list's next VMA, to read (None: the root not read yet).
+        self.pending: deque[int] | None = None
+        self.seen: set[int] = set()  # one met twice is a loop (a pointer read mid-change)
+        self.pointers: list[int] = []  # the VMAs found
+        self.raws: list[bytes | None] = []  # and read, in their order
+        self.found: list[Vma] | None = None
+
+    async def step(self, read: Reader, limit: int = STEP) -> bool:
+        """One part of the walk; True when it is done."""
+        if self.found is not None:
+            return True
+        if self.pending is None:
+            await self._root(read)
+        elif self.pending and self.layout.maple:
+            await self._nodes(read, limit)
+        elif self.pending:
+            await self._links(read, limit)
+        elif len(self.raws) < len(self.pointers):
+            batch = self.pointers[len(self.raws) : len(self.raws) + limit]
+            self.raws += await read([(p, _span(self.layout)) for p in batch])
+        else:
+            self.found = await _named(read, self.raws, self.mm, self.layout, self.user_end)
+        return self.found is not None
+
+    async def _root(self, read: Reader) -> None:
+        (root,) = await read_ints(read, [(self.mm + self.layout.vmas, 8)])
+        self.pending = deque()
+        if not root:
+            return
+        if not self.layout.maple or _is_node(root):
+            self.seen.add(root)
+            self.pending.append(root)
+        elif not _is_internal(root):  # a tree of one entry holds it in the root itself
+            self.pointers.append(root)
+
+    async def _nodes(self, read: Reader, limit: int) -> None:
+        """Up to ``limit`` of the maple nodes pending: a leaf's slots are VMA pointers, other
+        nodes' slots their children (encoded: node-aligned address | type << 3 | flags)."""
+        assert self.pending is not None
+        layout = self.layout
+        leaf, _, arange = layout.types
+        nodes = [self.pending.popleft() for _ in range(min(limit, len(self.pending)))]
+        spans = [layout.arange_slots if _type(e) == arange else layout.leaf_slots for e in nodes]
+        node_mask = layout.node_size - 1
+        ranges = [(e & ~node_mask, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]
+        for node, raw, (off, count) in zip(nodes, await read(ranges), spans, strict=True):
+            if raw is None:
+                continue
+            slots = [_u64(raw, off + 8 * i) for i in range(count)]
+            if _type(node) == leaf:
+                self.pointers += [e for e in slots if e > 4096 and not _is_internal(e)]
+            else:
+                for child in slots:
+                    self._push(child, child > 4096 and _type(child) in layout.types)
+        if len(self.pointers) >= MAX_VMAS:
+            del self.pointers[MAX_VMAS:]
+            self.pending.clear()
+
+    async def _links(self, read: Reader, limit: int) -> None:
+        """Up to ``limit`` links of the list (one read each: a list is read in its order)."""
+        assert self.pending is not None
+        while self.pending and limit > 0:
+            vma, limit = self.pending.popleft(), limit - 1
+            self.pointers.append(vma)
+            (following,) = await read_ints(read, [(vma + self.layout.vm_next, 8)])
+            self._push(following or 0, bool(following) and len(self.pointers) < MAX_VMAS)
+
+    def _push(self, entry: int, wanted: bool) -> None:
+        assert self.pending is not None
+        if wanted and entry not in self.seen and len(self.seen) < MAX_VMAS:
+            self.seen.add(entry)
+            self.pending.append(entry)
 
 
 async def find_exec_vmas(
@@ -231,9 +318,20 @@ async def _rb_lookup(read: Reader, root: int, layout: VmaLayout, addrs: list[int
 async def _exec_vmas(
     read: Reader, pointers: Sequence[int], mm: int, layout: VmaLayout, user_end: int
 ) -> list[Vma]:
-    span = max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
+    raws = await read([(p, _span(layout)) for p in dict.fromkeys(pointers)])
+    return await _named(read, raws, mm, layout, user_end)
+
+
+def _span(layout: VmaLayout) -> int:
+    """Bytes of a vm_area_struct read: up to its last field read."""
+    return max(layout.vm_start, layout.vm_end, layout.vm_mm, layout.vm_flags, layout.vm_pgoff,
                layout.vm_file) + 8  # fmt: skip
-    raws = await read([(p, span) for p in dict.fromkeys(pointers)])
+
+
+async def _named(
+    read: Reader, raws: Sequence[bytes | None], mm: int, layout: VmaLayout, user_end: int
+) -> list[Vma]:
+    """The executable mappings of ``mm`` among the VMAs read (``raws``), with their names."""
     found = []
     for raw in raws:
         if raw is None:
@@ -251,53 +349,6 @@ async def _exec_vmas(
         for start, end, pgoff, flags, file in found
     ]
     return sorted(set(vmas), key=lambda v: v.start)
-
-
-async def _vma_pointers(read: Reader, mm: int, layout: VmaLayout) -> list[int]:
-    (root_raw,) = await read([(mm + layout.vmas, 8)])
-    if root_raw is None:
-        return []
-    root = _u64(root_raw, 0)
-    if not layout.maple:
-        return await _list(read, root, layout)
-    if not _is_node(root):  # a tree of one entry holds it in the root itself
-        return [root] if root and not _is_internal(root) else []
-    leaf, _, arange = layout.types
-    out: list[int] = []
-    level = [root]  # encoded nodes: node-aligned address | type << 3 | flags
-    seen: set[int] = set()  # a node met twice is a loop, not a tree (a pointer read mid-change)
-    for _ in range(_MAX_HEIGHT):
-        nodes = [e for e in dict.fromkeys(level) if e > 4096 and _type(e) in layout.types]
-        nodes = [e for e in nodes if e not in seen][: MAX_VMAS - len(seen)]
-        if not nodes or len(out) >= MAX_VMAS:
-            break
-        seen.update(nodes)
-        spans = [layout.arange_slots if _type(e) == arange else layout.leaf_slots for e in nodes]
-        node_mask = layout.node_size - 1
-        ranges = [(e & ~node_mask, off + 8 * n) for e, (off, n) in zip(nodes, spans, strict=True)]
-        raws = await read(ranges)
-        level = []
-        for node, raw, (off, count) in zip(nodes, raws, spans, strict=True):
-            if raw is None:
-                continue
-            slots = [_u64(raw, off + 8 * i) for i in range(count)]
-            if _type(node) == leaf:  # a leaf's slots are the entries: VMA pointers
-                out += [e for e in slots if e > 4096 and not _is_internal(e)]
-            else:  # other nodes' slots are their children
-                level += [e for e in slots if e]
-    return out[:MAX_VMAS]
-
-
-async def _list(read: Reader, first: int, layout: VmaLayout) -> list[int]:
-    out: list[int] = []
-    seen: set[int] = set()  # a VMA met twice is a loop (a link read mid-change)
-    vma = first
-    while vma and vma not in seen and len(out) < MAX_VMAS:
-        out.append(vma)
-        seen.add(vma)
-        (raw,) = await read([(vma + layout.vm_next, 8)])
-        vma = 0 if raw is None else _u64(raw, 0)
-    return out
 
 
 async def _file_names(read: Reader, files: list[int], layout: VmaLayout) -> dict[int, str]:
