@@ -5,12 +5,14 @@ never walked whole inside a pause."""
 
 from __future__ import annotations
 
+import random
 import struct
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
 
 import pytest
+from fuzzing import GuestMemory, seed
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
@@ -19,7 +21,15 @@ from qmpprof.guest.linux.modules import MAX_SYMBOLS, ModuleLayout, ModuleList
 from qmpprof.guest.linux.pagetables import PageTables
 from qmpprof.guest.linux.spaces import CONFIRM_EVERY, RECHECK, Spaces
 from qmpprof.guest.linux.tasks import Task
-from qmpprof.guest.linux.vma import STEP, VM_EXEC, VmaLayout, find_exec_vmas, read_exec_vmas
+from qmpprof.guest.linux.vma import (
+    MAX_VMAS,
+    STEP,
+    VM_EXEC,
+    VmaLayout,
+    VmaWalk,
+    find_exec_vmas,
+    read_exec_vmas,
+)
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memory import Reader
 from qmpprof.pagecache import PAGE
@@ -320,3 +330,21 @@ async def test_a_list_of_65530_mappings_is_read_whole_each_link_once() -> None:
     found = await read_exec_vmas(memory.reader(), MM, layout, 1 << 47)
     assert [v.start for v in found] == [USER + 2 * PAGE * i for i in sorted(EXEC)]
     assert len(memory.reads) == 1 + 2 * BIG  # the root, each link, each VMA
+
+
+async def test_lookups_and_steps_over_random_guest_memory_end() -> None:
+    """Trees whose pointers loop or hold themselves (tests/fuzzing.py's guest memory): every
+    lookup and every walk in steps ends, nothing escapes."""
+    rng = random.Random(seed())
+    bound = 2 * MAX_VMAS // STEP + 4  # the nodes', then the VMAs' steps; root and names
+    for _ in range(100):
+        memory = GuestMemory(rng, (MM, VMA_AT, NODES))
+        for layout in (VMAS, replace(VMAS, maple=False)):
+            mm = memory.pointer()
+            addrs = [rng.getrandbits(47) for _ in range(3)] + [memory.pointer() % (1 << 47)]
+            for vma in await find_exec_vmas(memory.read, mm, layout, 1 << 47, addrs):
+                assert any(vma.start <= a < vma.end for a in addrs) and vma.exec
+            walk, steps = VmaWalk(mm, layout, 1 << 47), 0
+            while not await walk.step(memory.read) and steps < bound:
+                steps += 1
+            assert walk.found is not None and len(walk.found) <= MAX_VMAS
