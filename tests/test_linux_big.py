@@ -54,6 +54,7 @@ class Memory:
     def __init__(self) -> None:
         self.pages: dict[int, bytearray] = {}
         self.reads: list[tuple[int, int]] = []
+        self.requests: list[int] = []  # ranges of each request
 
     def put(self, addr: int, data: bytes) -> None:
         at = 0
@@ -74,6 +75,7 @@ class Memory:
     def reader(self) -> Reader:
         async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
             self.reads += ranges
+            self.requests.append(len(ranges))
             return [self.get(addr, size) for addr, size in ranges]
 
         return read
@@ -271,6 +273,7 @@ async def test_a_maple_tree_of_65530_mappings_is_read_whole_between_samples() ->
     memory, layout = big_process(is_maple=True)
     found = await read_exec_vmas(memory.reader(), MM, layout, 1 << 47)
     assert [v.start for v in found] == [USER + 2 * PAGE * i for i in sorted(EXEC)]
+    assert max(memory.requests) <= STEP  # a transport is never asked for 65,530 at once
 
 
 class Tables:
@@ -297,6 +300,10 @@ async def test_a_pause_looks_up_a_big_process_s_mappings_and_the_walk_is_done_be
     spaces = Spaces(AddressSpace(()), layout, UserFiles(None), cast(PageTables, Tables()),
                     lambda: now[0])  # fmt: skip
     task = Task(4242, 4242, "many", False, "many", MM, 0)
+    # Before the first stop: not walked (only its count of mappings read), not placed.
+    assert await spaces.preload(memory.reader(), task) is None
+    assert memory.reads == [(MM + layout.map_count, 4)]
+    memory.reads.clear()
     pc = USER + 2 * PAGE * 40_000 + 0x10
     space = await spaces.space_of(memory.reader(), task, [pc])
     # In the pause: its count of mappings, a descent of the tree, the mapping, its tables.

@@ -153,13 +153,17 @@ class Spaces:
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
         """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
         space of ``task``'s process, its code read through its own page tables; its ELF files
-        are loaded in any case. None: it cannot be placed before a sample of it."""
+        are loaded in any case. None: it cannot be placed before a sample of it (one of many
+        mappings is not walked here either: its first sample looks them up, ``confirm`` walks
+        them in steps)."""
         if self.vmas is None or not task.mm:
             return self.kernel
         key = _key(task)
         placed = self._placed.get(key)
         if placed is not None:
             return placed.space
+        if await self._many(read, task.mm):
+            return None
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         for vma in vmas:
             if vma.name:

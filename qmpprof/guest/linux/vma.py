@@ -138,9 +138,10 @@ def _maple_types(btf: Btf) -> tuple[int, int, int]:
 
 async def read_exec_vmas(read: Reader, mm: int, layout: VmaLayout, user_end: int) -> list[Vma]:
     """The executable mappings of the address space ``mm``, by start address, with names;
-    user space ends at ``user_end``."""
+    user space ends at ``user_end``. Read STEP ranges a request at most: a transport serves a
+    request's ranges at once (QMP: a file each), never 65,536 of them."""
     walk = VmaWalk(mm, layout, user_end)
-    while not await walk.step(read, MAX_VMAS):
+    while not await walk.step(read):
         pass
     return walk.found or []
 
