@@ -36,7 +36,8 @@ from qmpprof.memory import Reader, read_ints
 # #define).
 VM_EXEC = 0x4
 MAX_VMAS = 65536
-STEP = 256  # ranges a step of a walk between samples reads at most
+STEP = 64  # ranges a step of a walk between samples reads at most
+BY_PAGE = 256  # VMAs past which a walk reads them by the page (some 20 a slab page)
 _MAX_HEIGHT = 31  # MAPLE_HEIGHT_MAX: a deeper walk is going round a loop of nodes
 _NAME_MAX = 256
 _PAGE = 4096
@@ -172,8 +173,11 @@ class VmaWalk:
         elif self.pending:
             await self._links(read, limit)
         elif len(self.raws) < len(self.pointers):
-            batch = self.pointers[len(self.raws) : len(self.raws) + limit]
-            self.raws += await read([(p, _span(self.layout)) for p in batch])
+            rest, span = self.pointers[len(self.raws) :], _span(self.layout)
+            if len(self.pointers) > BY_PAGE:
+                self.raws += await _read_pages(read, rest, span, limit)
+            else:  # a few: the bytes of each alone (a pause's reads cost by the byte)
+                self.raws += await read([(p, span) for p in rest[:limit]])
         else:
             self.found = await _named(read, self.raws, self.mm, self.layout, self.user_end)
         return self.found is not None
@@ -313,6 +317,28 @@ async def _rb_lookup(read: Reader, root: int, layout: VmaLayout, addrs: list[int
                 child = layout.vm_rb + (16 if addr < start else 8)
                 following.append((addr, _u64(raw, child)))
         walks = following
+    return out
+
+
+async def _read_pages(read: Reader, at: list[int], size: int, limit: int) -> list[bytes | None]:
+    """``size`` bytes at each of the first of ``at``, read as the pages that hold them, at most
+    ``limit`` runs of pages: a slab page holds some 20 VMAs, read once for all of them."""
+    runs: dict[int, int] = {}  # first page -> bytes, of each run read
+    taken = 0
+    for addr in at:
+        first = addr - addr % _PAGE
+        length = (addr + size - first + _PAGE - 1) // _PAGE * _PAGE
+        if runs.get(first, 0) < length:
+            if first not in runs and len(runs) == limit:
+                break
+            runs[first] = length
+        taken += 1
+    pages = dict(zip(runs, await read(list(runs.items())), strict=True))
+    out: list[bytes | None] = []
+    for addr in at[:taken]:
+        page = pages[addr - addr % _PAGE]
+        offset = addr % _PAGE
+        out.append(None if page is None else page[offset : offset + size])
     return out
 
 
