@@ -354,8 +354,8 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     monkeypatch.setattr(control, "read", _counting(control))
     now = [0.0]
     identifier = make(
-        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, SimpleNamespace(pgd=0x48)), control=control,
-        recheck=0.1, clock=lambda: now[0],
+        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, SimpleNamespace(pgd=0x48, map_count=0x50)),
+        control=control, recheck=0.1, clock=lambda: now[0],
     )  # fmt: skip
 
     async def sample() -> None:
@@ -671,7 +671,7 @@ def myapp_mapped(monkeypatch: pytest.MonkeyPatch) -> list[Vma]:
 
 
 def myapp_spaces(files: UserFiles, tables: PageTables | None) -> tuple[Spaces, Task]:
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=MYAPP_PGD_AT))
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=MYAPP_PGD_AT, map_count=0x50))
     spaces = Spaces(AddressSpace([KERNEL]), vmas, files, tables, lambda: 0.0)
     return spaces, Task(1230, 1230, "myapp", False, "myapp", MYAPP_MM, 0)
 
@@ -773,7 +773,7 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
         return list(mapped)
 
     monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58))
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x50))
     spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
     task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
     read = reader(Memory(), [])

@@ -252,6 +252,7 @@ class LinuxGuest:
             f" ({names})",
         ]
         notes = list(layouts.notes) + translation
+        notes += [] if module_list is None else module_list.notes  # what a ceiling cut
         if own is None or checks is None:
             notes.append("no vmcoreinfo in the guest: the slide and symbols are not checked")
         else:

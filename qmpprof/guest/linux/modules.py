@@ -13,6 +13,10 @@ in x30).
 
 Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
 the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
+
+A guest may be hostile or damaged: what it claims is read up to a ceiling per module (its
+name, its symbols, its text) and across modules (their text), and a ceiling that cuts is told
+in one line (``ModuleList.notes``); the rest of the run goes on.
 """
 
 from __future__ import annotations
@@ -34,12 +38,16 @@ from qmpprof.unwind.space import Module
 MAX_MODULES = 4096
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 _STT_FUNC = 2
-_MAX_SYMBOLS = 1 << 20
+# Symbols kept of one module: several times the most a real one has (amdgpu: some 30,000).
+MAX_SYMBOLS = 1 << 17
 _MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
 _KSYM_NAME_LEN = 512  # the longest symbol name the kernel keeps, and its NUL
-_NO_SYMBOLS = SymbolTable(())
-_MAX_TEXT = 64 << 20  # a module's text read at most (the largest known: a few MB)
+# Text read for prologue analysis (modules without ORC tables): of one module (the largest known:
+# a few MB) and of all of them together.
+MAX_TEXT = 32 << 20
+TEXT_BUDGET = 64 << 20
+_NAME_MAX = 256  # bytes of a module's name read at most (MODULE_NAME_LEN: 56)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +113,8 @@ def _mod_text(btf: Btf) -> int:
 class ModuleList:
     """The guest's module list as last read. ``refresh`` walks the list's links (one read a
     module) and reads in full only the modules it has not seen: cheap enough to run every few
-    seconds while the guest runs, so that a module loaded after the run started gets named."""
+    seconds while the guest runs, so that a module loaded after the run started gets named.
+    ``notes``: a line for each module a ceiling cut (MAX_SYMBOLS, MAX_TEXT, TEXT_BUDGET)."""
 
     def __init__(
         self,
@@ -118,6 +127,8 @@ class ModuleList:
         self.read, self.head, self.layout, self.kernel_orc = read, head, layout, kernel_orc
         self.arch = arch
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
+        self.notes: list[str] = []
+        self._text: dict[int, int] = {}  # struct module -> bytes of its text kept
 
     @property
     def read_whole(self) -> bool:
@@ -132,13 +143,13 @@ class ModuleList:
         if found is None or (self.read_whole and found == list(self.known or {})):
             return None
         known = self.known or {}
-        fresh: dict[int, Module | None] = {}
+        fresh = {at: known[at] for at in found if known.get(at) is not None}
+        self._text = {at: size for at, size in self._text.items() if at in fresh}
         for at in found:
-            fresh[at] = known.get(at) or await _read_module(
-                self.read, at, self.layout, self.kernel_orc, self.arch
-            )
-        self.known = fresh
-        return [m for m in fresh.values() if m is not None]
+            if fresh.get(at) is None:
+                fresh[at] = await self._read_module(at, TEXT_BUDGET - sum(self._text.values()))
+        self.known = {at: fresh[at] for at in found}
+        return [m for m in self.known.values() if m is not None]
 
     async def _structs(self) -> list[int] | None:
         out: list[int] = []
@@ -152,32 +163,52 @@ class ModuleList:
             (node,) = await read_ints(self.read, [(node, 8)])
         return out
 
+    async def _read_module(self, at: int, text_left: int) -> Module | None:
+        """The module at ``at``, its text read when it needs it and it fits ``text_left``
+        bytes."""
+        read, layout, arch = self.read, self.layout, self.arch
+        raw_name = await read_one(read, at + layout.name, min(layout.name_size, _NAME_MAX))
+        base, size = await read_ints(read, [(at + layout.text_base, 8), (at + layout.text_size, 4)])
+        if raw_name is None or not base or not size or base < arch.shared_from:
+            return None
+        name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
+        symbols = await _symbols(read, at, layout, base, base + size)
+        if symbols is None:
+            return None  # not readable now: read again (ModuleList)
+        if symbols.cut:
+            self.notes.append(
+                f"module {name}: {symbols.cut} symbols, the first {MAX_SYMBOLS:,} kept"
+            )
+        named = symbols.table if len(symbols.table) else None
+        table = await _orc(read, at, layout, self.kernel_orc)
+        mapping = Mapping(f"[{name}]", base, base + size, True)
+        if table is not None:
+            return Module.build(mapping, arch, symbols=named, orc=OrcCode(table))
+        if size > min(MAX_TEXT, text_left):
+            self.notes.append(
+                f"module {name}: {size:,} bytes of text not read (at most {MAX_TEXT:,} a module,"
+                f" {TEXT_BUDGET:,} in all): its frames without prologue analysis"
+            )
+            return Module.build(mapping, arch, symbols=named)
+        code = await read_one(read, base, size)
+        if code is None:
+            return None
+        self._text[at] = size
+        return Module.build(mapping, arch, symbols=named, code=code, code_addr=base)
 
-async def _read_module(
-    read: Reader, at: int, layout: ModuleLayout, kernel_orc: OrcTable | None, arch: InstructionSet
-) -> Module | None:
-    raw_name = await read_one(read, at + layout.name, layout.name_size)
-    base, size = await read_ints(read, [(at + layout.text_base, 8), (at + layout.text_size, 4)])
-    if raw_name is None or not base or not size or base < arch.shared_from:
-        return None
-    name = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
-    symbols = await _symbols(read, at, layout, base, base + size)
-    if symbols is None:
-        return None  # not readable now: read again (ModuleList)
-    named = symbols if len(symbols) else None
-    table = await _orc(read, at, layout, kernel_orc)
-    mapping = Mapping(f"[{name}]", base, base + size, True)
-    if table is not None:
-        return Module.build(mapping, arch, symbols=named, orc=OrcCode(table))
-    code = await read_one(read, base, size) if size <= _MAX_TEXT else b""
-    if code is None:
-        return None
-    return Module.build(mapping, arch, symbols=named, code=code or None, code_addr=base)
+
+@dataclass(frozen=True, slots=True)
+class _Symbols:
+    table: SymbolTable
+    cut: int = 0  # the count the module claimed, when more than MAX_SYMBOLS (0: none cut)
+
+
+_NO_SYMBOLS = _Symbols(SymbolTable(()))
 
 
 async def _symbols(
     read: Reader, at: int, layout: ModuleLayout, low: int, high: int
-) -> SymbolTable | None:
+) -> _Symbols | None:
     """The module's function symbols (an empty table: it has none); None where a read failed
     (a running guest's reads fail for a while: an arm64 vCPU at EL0 does not see the kernel)."""
     (kallsyms,) = await read_ints(read, [(at + layout.kallsyms, 8)])
@@ -192,9 +223,9 @@ async def _symbols(
     )  # fmt: skip
     if symtab is None or count is None or strtab is None:
         return None
-    if not symtab or not strtab or not count or count > _MAX_SYMBOLS:
+    if not symtab or not strtab or not count:
         return _NO_SYMBOLS
-    raw = await read_one(read, symtab, count * _SYM.size)
+    raw = await read_one(read, symtab, min(count, MAX_SYMBOLS) * _SYM.size)
     if raw is None:
         return None
     entries = [
@@ -210,11 +241,12 @@ async def _symbols(
         names = await read_one(read, strtab, last + (-(strtab + last) % PAGE or PAGE))
     if names is None:
         return None
-    return SymbolTable(
-        Symbol(value, size, names[name : names.index(b"\0", name)].decode("utf-8", "replace"))
-        for name, value, size in entries
-        if b"\0" in names[name:]
-    )
+    symbols = []
+    for name, value, size in entries:
+        end = names.find(b"\0", name)  # one search a name: never a copy of the table's rest
+        if end >= 0:
+            symbols.append(Symbol(value, size, names[name:end].decode("utf-8", "replace")))
+    return _Symbols(SymbolTable(symbols), count if count > MAX_SYMBOLS else 0)
 
 
 async def _orc(

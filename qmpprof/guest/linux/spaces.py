@@ -12,6 +12,11 @@ the mapping's name alone), and between samples the file is read and the process 
 A process that has just started maps its libraries one after the other: a sample whose user pc
 or return address no mapping read covers (in kernel mode too: a walk's user part, asked after
 the walk) has them read again, once per page of code they lack.
+
+A process of many mappings (over ``PAUSE_VMAS``: a JVM's, a database's, up to 65,530) is never
+walked whole inside a pause: a pause looks up in its tree only the mappings that hold the
+sample's user addresses (``find_exec_vmas``) and adds them to those known; the whole walk is
+done between samples (``confirm``, first for a space placed so in part).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 from qmpprof.guest.linux.pagetables import PageTables, user_end
 from qmpprof.guest.linux.tasks import LIMIT, Task
-from qmpprof.guest.linux.vma import Vma, VmaLayout, read_exec_vmas
+from qmpprof.guest.linux.vma import Vma, VmaLayout, VmaWalk, find_exec_vmas, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, read_ints
@@ -33,6 +38,7 @@ from qmpprof.unwind.space import AddressSpace, Module
 RECHECK = 5.0  # seconds a process's mappings are trusted without reading them again
 CONFIRM_EVERY = 0.5  # seconds between two confirmations of a process's mappings
 _PROBE = 32  # bytes of code compared between a mapping and the file that claims it
+PAUSE_VMAS = 1000  # mappings a pause may walk whole (a shell has a few dozen)
 
 
 Key = tuple[int, int, str]  # mm, tgid, the thread group leader's comm
@@ -53,6 +59,7 @@ class Placed:
     waiting: bool = False  # placed without files that were not read yet
     lacking: frozenset[int] = frozenset()  # pages of user pcs the mappings lacked when read
     pgd: int | None = None  # mm_struct.pgd: its top-level page table (None: not read)
+    partial: bool = False  # only the mappings a pause looked up: the whole read between samples
 
 
 class Spaces:
@@ -91,6 +98,7 @@ class Spaces:
         self.gone = AddressSpace(kernel.modules, user_gone=True)
         self._placed: Memo[Key, Placed] = Memo(LIMIT)
         self._used: Memo[Key, float] = Memo(LIMIT)  # when a sample last did
+        self._walk: tuple[Key, Placed, VmaWalk] | None = None  # confirm's, under way
 
     async def space_of(self, read: Reader, task: Task, pcs: Sequence[int] = ()) -> AddressSpace:
         """The space of ``task``'s process, its mappings read through ``read`` (memory as the
@@ -108,18 +116,33 @@ class Spaces:
         seen = self._placed.get(key)
         if seen is not None and now - seen.checked <= RECHECK and _holds(seen, pcs):
             return seen.space
-        vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
+        many = await self._many(read, task.mm)
+        if many and seen is not None and _holds(seen, pcs):
+            return seen.space  # trusted past RECHECK: ``confirm`` reads it between samples
+        if many:
+            found = await find_exec_vmas(read, task.mm, self.vmas, self.user_end, pcs)
+            before = () if seen is None else seen.vmas
+            vmas = tuple(sorted({*before, *found}, key=lambda v: v.start))
+        else:
+            vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         # The same mappings: the same mm (a changed set may be a later exec's, at its address).
-        pgd = seen.pgd if seen is not None and seen.vmas == vmas else None
+        same = seen is not None and (many or seen.vmas == vmas)
+        pgd = seen.pgd if seen is not None and same else None
         if pgd is None:
             pgd = await self._pgd(read, task.mm)
-        space = await self._place(key, vmas, read, load=False, pgd=pgd)
+        space = await self._place(key, vmas, read, load=False, pgd=pgd, partial=many)
         lacking = {pc >> 12 for pc in pcs if space.find(pc) is None}
         if lacking:  # not mapped as code: not read again for these pages
-            known = seen.lacking if seen is not None and seen.vmas == vmas else frozenset()
+            known = seen.lacking if seen is not None and same else frozenset()
             placed = self._placed[key]
             self._placed[key] = dataclasses.replace(placed, lacking=known | lacking)
         return space
+
+    async def _many(self, read: Reader, mm: int) -> bool:
+        """Whether the address space ``mm`` holds too many mappings to walk in a pause."""
+        assert self.vmas is not None
+        (count,) = await read_ints(read, [(mm + self.vmas.map_count, 4)])
+        return count is not None and count > PAUSE_VMAS  # an absurd count too
 
     def holds(self, task: Task, pcs: Sequence[int]) -> bool:
         """Whether ``task``'s process's space as placed answers for the user addresses
@@ -130,13 +153,17 @@ class Spaces:
     async def preload(self, read: Reader, task: Task) -> AddressSpace | None:
         """Before the first stop, through ``read`` (kernel memory, while the guest runs): the
         space of ``task``'s process, its code read through its own page tables; its ELF files
-        are loaded in any case. None: it cannot be placed before a sample of it."""
+        are loaded in any case. None: it cannot be placed before a sample of it (one of many
+        mappings is not walked here either: its first sample looks them up, ``confirm`` walks
+        them in steps)."""
         if self.vmas is None or not task.mm:
             return self.kernel
         key = _key(task)
         placed = self._placed.get(key)
         if placed is not None:
             return placed.space
+        if await self._many(read, task.mm):
+            return None
         vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
         for vma in vmas:
             if vma.name:
@@ -180,6 +207,7 @@ class Spaces:
         *,
         load: bool = True,
         pgd: int | None = None,
+        partial: bool = False,
     ) -> AddressSpace:
         tables, seen = self.tables, code
         if pgd is not None and tables is not None:
@@ -189,7 +217,7 @@ class Spaces:
         user = await user_modules(code, vmas, self.files, load=load)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
-        self._placed.put(key, Placed(space, self.clock(), vmas, waiting, pgd=pgd))
+        self._placed.put(key, Placed(space, self.clock(), vmas, waiting, pgd=pgd, partial=partial))
         return space
 
     async def settle(self, read: Reader) -> bool:
@@ -213,26 +241,53 @@ class Spaces:
         the mappings of the process whose were read longest ago (of those sampled lately).
         Unchanged, they are trusted again, so no pause has to read them; changed, the next
         sample of it reads them (its code must be compared with the files under its own page
-        tables). False when nothing was read."""
-        now = self.clock()
-        if self.vmas is None or now - self._confirmed < CONFIRM_EVERY:
+        tables; a space placed in part is placed whole here, through them). A process of many
+        mappings is read a step a call (``VmaWalk``), one call after the other until done.
+        False when nothing was read."""
+        if self.vmas is None:
             return False
+        if self._walk is None:
+            key = self._due()
+            if key is None:
+                return False
+            placed = self._placed[key]
+            if not await self._many(read, key[0]):
+                found = await read_exec_vmas(read, key[0], self.vmas, self.user_end)
+                return await self._take_in(read, key, placed, tuple(found))
+            self._walk = (key, placed, VmaWalk(key[0], self.vmas, self.user_end))
+        key, placed, walk = self._walk
+        if await walk.step(read):
+            self._walk = None
+            await self._take_in(read, key, placed, tuple(walk.found or ()))
+        return True
+
+    def _due(self) -> Key | None:
+        """The process whose mappings ``confirm`` reads now: one placed in part, else the one
+        read longest ago of those sampled lately; None: none, or not CONFIRM_EVERY yet."""
+        now = self.clock()
+        if now - self._confirmed < CONFIRM_EVERY:
+            return None
         self._confirmed = now
         due = [
-            (placed.checked, key)
+            (not placed.partial, placed.checked, key)
             for key, placed in self._placed.items()
-            if now - placed.checked >= RECHECK / 2 and now - self._used.get(key, 0.0) <= 2 * RECHECK
+            if placed.partial
+            or (
+                now - placed.checked >= RECHECK / 2
+                and now - self._used.get(key, 0.0) <= 2 * RECHECK
+            )
         ]
-        if not due:
-            return False
-        _, key = min(due)
-        placed = self._placed[key]
-        found = tuple(await read_exec_vmas(read, key[0], self.vmas, self.user_end))
+        return min(due)[2] if due else None
+
+    async def _take_in(
+        self, read: Reader, key: Key, placed: Placed, found: tuple[Vma, ...]
+    ) -> bool:
+        """Take in the mappings ``found`` of the process placed as ``placed``."""
         if self._placed.get(key) is not placed:
             return True  # read again meanwhile, or started over
         if found == placed.vmas:
-            self._placed[key] = dataclasses.replace(placed, checked=self.clock())
-        else:
+            self._placed[key] = dataclasses.replace(placed, checked=self.clock(), partial=False)
+        elif not placed.partial or await self._place_through_tables(read, key, found) is None:
             del self._placed[key]
         return True
 
