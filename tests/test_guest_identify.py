@@ -315,7 +315,7 @@ class Churn:
             return list(self.mapped.get(mm, []))
 
         monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
-        vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58))
+        vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x60))
         self.identifier = make_linux(layout, PER_CPU_OFFSET, vmas=vmas)
 
     def run(self, pid: int, program: str, mm: int, code: int) -> None:
