@@ -5,9 +5,11 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     QmpprofError                 exit 1   anything qmpprof reports to the user
     ├── UsageError               exit 2   bad command-line value
     ├── ConnectError             exit 3   no socket, refused, not a QMP server
+    │   └── VmBusyError          exit 3   another qmpprof is profiling this VM
     ├── GuestGoneError           exit 4   QEMU closed the connection mid-run
     ├── TransportError           exit 5   QEMU answered with an error we cannot handle
-    │   └── MemoryReadError      exit 5   guest memory not mapped / not readable
+    │   ├── MemoryReadError      exit 5   guest memory not mapped / not readable
+    │   └── GuestHeldError       exit 5   something else stopped the guest mid-run
     ├── ElfError                 exit 6   unreadable or malformed ELF file
     │   ├── KernelImageError     exit 6   a kernel image (bzImage, vmlinux) with no usable part
     │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
@@ -42,6 +44,10 @@ class ConnectError(QmpprofError):
     exit_code = 3
 
 
+class VmBusyError(ConnectError):
+    """Another qmpprof run holds the VM (transport/vmmark.py); the message names it."""
+
+
 class GuestGoneError(QmpprofError):
     """QEMU went away (socket closed) while qmpprof was using it."""
 
@@ -67,6 +73,18 @@ class MemoryReadError(TransportError):
         self.readable = readable
         suffix = f": {detail}" if detail else ""
         super().__init__(f"cannot read {size} bytes of guest memory at {addr:#x}{suffix}")
+
+
+class GuestHeldError(TransportError):
+    """Something other than qmpprof (another QMP client, a debugger) stopped the guest between
+    two of qmpprof's samples: the run ends and leaves it as that left it."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        super().__init__(
+            f"something else stopped the guest (QEMU says {state}): the run ends here, and"
+            " leaves it so"
+        )
 
 
 class ElfError(QmpprofError):

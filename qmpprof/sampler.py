@@ -15,7 +15,9 @@ memory while the guest runs) goes on beside the wait for the next tick, never in
 
 Safety: the guest is left in the run state it had. A paused guest is sampled once without
 stop/cont. Errors inside one sample are counted (stats), never raised; only GuestGoneError and
-transport failures around stop/cont end a run, and the profile collected so far stays here.
+transport failures around stop/cont end a run, and the profile collected so far stays here. A
+guest something else stopped between two ticks (GuestHeldError from the stop) ends the run too,
+and is left stopped: that pause is not the sampler's to end.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Generic, Protocol, TypeVar
 
 from qmpprof.errors import (
     GuestGoneError,
+    GuestHeldError,
     KernelMismatchError,
     QmpprofError,
     TransportError,
@@ -386,6 +389,8 @@ class Sampler(Generic[Space, Raw]):
         """Stop, capture, cont."""
         try:
             captured = await self._capture_all(cpus, stop=True)
+        except GuestHeldError:
+            raise  # the pause is another's: not ours to end
         except BaseException:
             await self._resume_quietly()
             raise

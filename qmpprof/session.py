@@ -121,16 +121,28 @@ async def connect(spec: RunSpec) -> Connection:
         if isinstance(transport, PrivateGdbTransport):
             transport.control.guard_pauses()
             cleared = () if transport.cleared is None else (transport.cleared,)
-            return Connection(transport, "a private gdbstub opened over QMP", notes=cleared)
+            notes = (*_mark_notes(transport.control), *cleared)
+            return Connection(transport, "a private gdbstub opened over QMP", notes=notes)
         if isinstance(transport, QmpTransport):
             transport.guard_pauses()
+            return Connection(transport, f"QMP ({why})", notes=_mark_notes(transport))
         return Connection(transport, f"QMP ({why})")
     if spec.qmp_tcp is not None:
         transport = await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
     else:
         transport = await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
+    try:
+        await transport.take_mark()  # VmBusyError: another run holds the VM
+    except BaseException:
+        await transport.close()
+        raise
     transport.guard_pauses()
-    return Connection(transport, "QMP (--transport qmp)")
+    return Connection(transport, "QMP (--transport qmp)", notes=_mark_notes(transport))
+
+
+def _mark_notes(qmp: QmpTransport) -> tuple[str, ...]:
+    """A dead run's mark this run replaced (transport/vmmark.py), as a note."""
+    return () if qmp.mark is None or qmp.mark.note is None else (qmp.mark.note,)
 
 
 _SILENT_STUB = (

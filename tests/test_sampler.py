@@ -20,7 +20,7 @@ from fakes import (
 )
 
 from qmpprof.arch.x86 import X86_64
-from qmpprof.errors import GuestGoneError, TransportError, UsageError
+from qmpprof.errors import GuestGoneError, GuestHeldError, TransportError, UsageError
 from qmpprof.memory import ALIGN, PIECE, SLACK
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Registers, Sample, Stack, StopReason
 from qmpprof.naming import Naming
@@ -223,6 +223,23 @@ async def test_qemu_gone_keeps_what_was_collected() -> None:
         await sampler.run()
     assert len(sampler.profile) == 3
     assert sum(sampler.profile.named_counts(Naming()).values()) == 3
+
+
+async def test_a_guest_something_else_stopped_ends_the_run_and_stays_stopped() -> None:
+    r0, pages = kernel_cpu()
+
+    def hook(name: str, stops: int) -> None:
+        if name == "stop" and stops == 3:
+            transport.running = False  # as another QMP client's stop left it
+            raise GuestHeldError("paused")
+
+    transport = FakeTransport({0: r0}, pages, hook=hook)
+    sampler = make(transport)
+    with pytest.raises(GuestHeldError, match=r"\(QEMU says paused\): the run ends here"):
+        await sampler.run()
+    assert transport.calls.count("cont") == 3 and transport.calls[-1] == "stop"
+    assert not transport.running
+    assert len(sampler.profile) == 3
 
 
 async def test_errors_in_one_sample_are_counted_and_the_run_goes_on() -> None:

@@ -290,6 +290,9 @@ async def test_hg_is_sent_only_when_the_selection_changes() -> None:
 
 
 async def test_a_late_reply_is_not_taken_for_the_next_one() -> None:
+    """A reply later than the deadline cannot be told from a packet the stub lost: the
+    channel is done, and no later request gets another's reply."""
+
     def respond(body: bytes) -> bytes | None:
         return {b"qSlow": b"late", b"qC": b"QC01"}.get(body) or qemu_like(body)
 
@@ -297,10 +300,29 @@ async def test_a_late_reply_is_not_taken_for_the_next_one() -> None:
         FakeStub(respond, slow={b"qSlow": 0.3}) as stub,
         await GdbTransport.connect(stub.address, timeout=0.1) as transport,
     ):
-        with pytest.raises(TransportError, match="did not answer"):
+        stopped = "the gdbstub stopped answering \\(nothing for b'qSlow' within 0.1 s"
+        with pytest.raises(TransportError, match=stopped):
             await transport.query("qSlow")
         await asyncio.sleep(0.3)  # the late reply arrives meanwhile
-        assert await transport.query("qC") == "QC01"
+        with pytest.raises(TransportError, match=stopped):
+            await transport.query("qC")
+
+
+async def test_a_lost_packet_ends_the_channel() -> None:
+    """QEMU's stub eats the first byte of a packet that reaches a running guest and never
+    answers it: the request raises at its deadline, and so does every later one, at once."""
+
+    def respond(body: bytes) -> bytes | None:
+        return None if body == b"qLost" else qemu_like(body)
+
+    async with (
+        FakeStub(respond) as stub,
+        await GdbTransport.connect(stub.address, timeout=0.5) as transport,
+    ):
+        with pytest.raises(TransportError, match=r"nothing for b'qLost' within 0\.5 s"):
+            await transport.query("qLost")
+        with pytest.raises(TransportError, match=r"nothing for b'qLost' within 0\.5 s"):
+            await transport.registers(0)  # answered, but the channel cannot match replies
 
 
 async def test_stop_and_registers_is_one_round_trip() -> None:

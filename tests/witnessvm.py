@@ -28,6 +28,7 @@ class Vm:
     guest: Guest
     witness: RawQmp
     qmp_tcp: int | None
+    more: tuple[str, ...] = ()  # further QMP sockets (``more_sockets``)
 
     @property
     def socket(self) -> str:
@@ -75,9 +76,11 @@ def vm(
     paused: bool = False,
     gdb_port: int | None = None,
     qmp_tcp: bool = False,
+    more_sockets: int = 0,
 ) -> Iterator[Vm]:
     """The cfi guest as scripts/run-guest starts it, plus a witness QMP socket (and optionally
-    ``-gdb`` or a QMP TCP port); ``paused``: stopped by the witness once the workload runs."""
+    ``-gdb``, a QMP TCP port, ``more_sockets`` QMP sockets); ``paused``: stopped by the witness
+    once the workload runs."""
     build_fixtures()
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-pg-", dir="/tmp"))  # short socket paths
     console = tmp_path / "console.txt"
@@ -92,6 +95,9 @@ def vm(
     tcp_port = free_tcp_port() if qmp_tcp else None
     if tcp_port is not None:
         cmd += ["-qmp", f"tcp:127.0.0.1:{tcp_port},server=on,wait=off"]
+    more = tuple(str(sock_dir / f"qmp{i + 2}.sock") for i in range(more_sockets))
+    for path in more:
+        cmd += ["-qmp", f"unix:{path},server=on,wait=off"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     guest = Guest(sock_dir / "qmp.sock", console, "cfi", smp, build, proc, gdb_port)
     try:
@@ -107,7 +113,7 @@ def vm(
             wait_console(guest, WORKLOAD_LINE)
             if paused:
                 witness.execute("stop")
-            yield Vm(guest, witness, tcp_port)
+            yield Vm(guest, witness, tcp_port, more)
     finally:
         proc.kill()
         proc.wait()

@@ -49,6 +49,10 @@ from qmpprof.transport.gdbpackets import (
     register_numbers,
 )
 
+# Seconds a stub has to answer once attached: longer, and it lost the packet or stopped answering
+# (gdbchannel.py); the run then ends instead of holding the guest stopped. Not less: on a host
+# loaded ten times over (2 cores), QEMU's stub was seen answering a packet after over a second.
+ANSWER_WITHIN = 5.0
 _MAX_READ = 0x800  # QEMU 7.2 refuses larger `m` requests (MAX_PACKET_LENGTH / 2)
 _TCP = re.compile(r"^(?:tcp:)?(?P<host>[^:/]*):(?P<port>\d+)$")
 
@@ -131,7 +135,7 @@ class GdbTransport:
         except BaseException:
             writer.close()
             raise
-        channel = Channel(reader, writer, ack=ack, timeout=timeout)
+        channel = Channel(reader, writer, ack=ack, timeout=min(timeout, ANSWER_WITHIN))
         try:
             threads: dict[int, bytes] = {}
             (reply,) = await channel.request([b"qfThreadInfo"])

@@ -60,9 +60,9 @@ class Channel:
 
     ``ack`` goes in front of every write (QEMU 7.2 has no no-ack mode; see ``gdb``).
     ``on_stopped`` (settable later) is called for every stop reply.
-    A request that timed out or was cancelled keeps its place, so its late replies are dropped
-    rather than handed to the next one. Once the stub hangs up, every request raises
-    GuestGoneError.
+    A request that was cancelled keeps its place, so its late replies are dropped rather than
+    handed to the next one. One that timed out ends the channel: every request raises its
+    TransportError from then on. Once the stub hangs up, every request raises GuestGoneError.
     """
 
     def __init__(
@@ -126,7 +126,16 @@ class Channel:
             async with asyncio.timeout(self._timeout):
                 return await request.future
         except TimeoutError as err:
-            raise TransportError(f"the gdbstub did not answer {request.bodies[0]!r}") from err
+            # The stub may have lost the packet: one that reaches a guest something else
+            # resumed (QMP cont, another client) only stops it with its first byte (see gdb.py),
+            # and is never answered. Every later reply would then go to the request before its
+            # own, each tick waiting out a timeout with the guest stopped: the channel is done.
+            error = TransportError(
+                f"the gdbstub stopped answering (nothing for {request.bodies[0]!r} within"
+                f" {self._timeout:g} s; did something else resume or stop the guest?)"
+            )
+            self._fail(error)
+            raise error from err
 
     async def _read_loop(self) -> None:
         try:

@@ -33,7 +33,7 @@ import os
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from qmpprof.errors import ConnectError, MemoryReadError, QmpprofError
+from qmpprof.errors import ConnectError, GuestHeldError, MemoryReadError, QmpprofError
 from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
 from qmpprof.transport.gdb import GdbTransport
@@ -59,14 +59,16 @@ async def connect_fast(
     Returns the transport and None when it runs through a private gdbstub, or a QmpTransport
     and the one-line reason it does not (for ``--verbose``). Arguments as
     ``QmpTransport.connect``; ``memory`` applies to the QMP path only. Raises ConnectError
-    when QMP itself cannot be reached.
+    when QMP itself cannot be reached, VmBusyError when another qmpprof holds the VM (the
+    VM's mark, vmmark.py: taken before anything else, removed when QMP closes).
     """
     qmp = await QmpTransport.connect(socket_path, tcp, memory=memory, timeout=timeout)
-    if tcp is not None:
-        return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
-    qmp.guard_pauses()  # from here: attaching the stub stops the guest
     try:
+        await qmp.take_mark()  # VmBusyError: another run holds the VM
         cleared = None
+        if tcp is not None:
+            return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
+        qmp.guard_pauses()  # from here: attaching the stub stops the guest
         stub = (await qmp.chardevs()).get(_STUB_LABEL)
         if stub is not None:
             left = leftover(stub)
@@ -120,6 +122,8 @@ class PrivateGdbTransport:
         self._timeout = timeout
         self._closed = False
         self.cleared: str | None = None  # a note: the leftover stub removed before this one
+        self._resumed = was_running  # resumed by us (GdbTransport.connect resumes a running one)
+        self._held = False  # something else stopped the guest: its run state is not ours
 
     @classmethod
     async def _open(cls, qmp: QmpTransport, timeout: float) -> PrivateGdbTransport:
@@ -176,11 +180,13 @@ class PrivateGdbTransport:
         return running
 
     async def stop(self) -> None:
+        await self._check_stopped_elsewhere()
         self._qmp.pausing()
         await self._gdb.stop()
 
     async def cont(self) -> None:
         await self._gdb.cont()
+        self._resumed = True
         self._qmp.settled()
 
     async def cpus(self) -> list[int]:
@@ -191,8 +197,24 @@ class PrivateGdbTransport:
 
     async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
         """Stop and read the registers of ``cpus`` in one round trip (see GdbTransport)."""
+        await self._check_stopped_elsewhere()
         self._qmp.pausing()
         return await self._gdb.stop_and_registers(cpus)
+
+    async def _check_stopped_elsewhere(self) -> None:
+        """Before a stop: the stub sent a stop reply since our ``c`` (something else stopped
+        the guest: QMP, another client). What QMP says now decides: running again (resumed
+        behind the stub's back), the stub must be interrupted, as a packet sent to a running
+        guest is lost (gdbchannel.py); still stopped, the pause is another's: GuestHeldError,
+        and the guest is left so, now and when the transport closes."""
+        if not self._gdb.stopped or not self._resumed:
+            return
+        status = await self._qmp.status()
+        if status == "running":
+            self._gdb.note_resumed()
+            return
+        self._held = True
+        raise GuestHeldError(status)
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         """Stopped through the stub, resumed through QMP: QMP's ``cont`` returns once the guest
@@ -245,7 +267,9 @@ class PrivateGdbTransport:
         if self._closed:
             return
         self._closed = True
-        keep_running = self.was_running if running is None else running
+        keep_running: bool | None = self.was_running if running is None else running
+        if self._held:
+            keep_running = None  # as the other client left it
         await _undo(
             self._qmp,
             self._directory,

@@ -24,15 +24,22 @@ from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMP
 
 from qmpprof import arch
 from qmpprof.arch.base import RegisterFormats
-from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
+from qmpprof.errors import (
+    ConnectError,
+    GuestGoneError,
+    GuestHeldError,
+    MemoryReadError,
+    TransportError,
+)
 from qmpprof.model import Registers
-from qmpprof.transport import hmp
+from qmpprof.transport import hmp, vmmark
 from qmpprof.transport.guard import PauseGuard
 
 MemoryPath = Literal["auto", "memsave", "hmp"]
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
 _INVALID_ADDR = "Invalid addr"
 _SHM = "/dev/shm"
+_MARK_WITHIN = 1.0  # seconds the end of a run gives the removal of its mark
 
 
 class QmpTransport:
@@ -40,7 +47,7 @@ class QmpTransport:
 
     def __init__(
         self,
-        client: QMPClient,
+        client: _QuietClient,
         memory: Literal["memsave", "hmp"],
         auto: bool,
         formats: RegisterFormats,
@@ -49,6 +56,7 @@ class QmpTransport:
         self._client = client
         self.address = address  # where QEMU was reached: a socket path, or (host, port)
         self.guard: PauseGuard | None = None  # resumes the guest should qmpprof die in a pause
+        self.mark: vmmark.Mark | None = None  # this run's mark in the VM, removed by close
         self.formats = formats
         self.memory: Literal["memsave", "hmp"] = memory
         self._auto = auto
@@ -119,6 +127,18 @@ class QmpTransport:
         except QMPError as err:
             raise TransportError(f"{cmd}: {err}") from err
 
+    async def command(self, name: str, args: dict[str, object]) -> object:
+        """Any QMP command: its reply, or TransportError when QEMU refuses it."""
+        return await self._execute(name, args)
+
+    async def take_mark(self) -> str | None:
+        """Mark the VM as this run's (vmmark.py), before anything touches the guest: VmBusyError
+        when another run holds it. Returns a note when a dead run's mark was replaced."""
+        address = self.address
+        where = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
+        self.mark = await vmmark.take(self, where)
+        return self.mark.note
+
     async def hmp(self, command: str, cpu: int | None = None) -> str:
         """Run a human monitor command (on vCPU ``cpu``) and return its text."""
         args: dict[str, object] = {"command-line": command}
@@ -167,8 +187,14 @@ class QmpTransport:
             self.guard.settled()
 
     async def stop(self) -> None:
+        """Stop the guest; GuestHeldError when it was stopped already (by something else: qmpprof
+        stops only a guest it resumed), which is then left as it is."""
+        stops = self._client.stops
         self.pausing()
         await self._execute("stop")
+        if self._client.stops == stops:  # QEMU sends STOP, before its reply, on a change only
+            self.settled()  # not our stop: nothing owed
+            raise GuestHeldError(await self.status())
 
     async def cont(self) -> None:
         await self._execute("cont")
@@ -285,6 +311,13 @@ class QmpTransport:
             self._dump_dir = None
 
     async def close(self) -> None:
+        mark, self.mark = self.mark, None
+        if mark is not None:
+            # Bounded: a QEMU that stopped answering must not hold the end of the run. A mark
+            # left behind names this pid, which the next run finds gone.
+            with contextlib.suppress(TransportError, GuestGoneError, TimeoutError):
+                async with asyncio.timeout(_MARK_WITHIN):
+                    await vmmark.release(self, mark)
         self._discard_dumps()
         await _quiet_disconnect(self._client)
         if self.guard is not None:
@@ -298,11 +331,18 @@ class _QuietClient(QMPClient):
 
     qemu.qmp also registers a default event listener that keeps every event (STOP and RESUME
     at every sample) in a queue and a history forever: ~0.9 KB per sample, measured. It cannot
-    be removed; nobody here reads events, so its filter turns every event away."""
+    be removed; its filter turns every event away, and counts the STOP events on the way: QEMU
+    sends one whenever the guest stops, before the reply to the command that stopped it."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        self.events.event_filter = _no_event
+        self.stops = 0
+        self.events.event_filter = self._count_stops
+
+    def _count_stops(self, event: Message) -> bool:
+        if event.get("event") == "STOP":
+            self.stops += 1
+        return False
 
     def _cb_outbound(self, msg: Message) -> Message:
         if self.logger.isEnabledFor(logging.DEBUG):
@@ -313,10 +353,6 @@ class _QuietClient(QMPClient):
         if self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug("<-- %s", msg)
         return msg
-
-
-def _no_event(event: Message) -> bool:
-    return False
 
 
 class _MemsaveUnusable(Exception):
