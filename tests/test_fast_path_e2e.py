@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,18 @@ def wait_sampling(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
+def machine_paused(machine: Vm, pauses: int, timeout: float = 120.0) -> None:
+    """Until the witness has seen the run pause the guest ``pauses`` times (stopped, then
+    running again): the run is sampling, not only started."""
+    deadline = time.monotonic() + timeout
+    stopped = False
+    while pauses:
+        assert time.monotonic() < deadline, f"{pauses} more pauses not seen in {timeout} s"
+        now = machine.witness.execute("query-status")["status"] in ("paused", "debug")
+        pauses -= stopped and not now
+        stopped = now
+
+
 def assert_left_clean(machine: Vm, tmpdir: Path, status: str = "running") -> None:
     assert "gdb" not in machine.chardevs()
     assert list(tmpdir.iterdir()) == []
@@ -96,13 +109,15 @@ def test_a_signal_ends_the_run_and_removes_the_gdbstub(
     with vm(tmp_path, smp=1) as machine:
         proc = spawn(machine, private_tmp, "--duration", "60", "-o", str(out))
         wait_sampling(proc)
-        time.sleep(1.0)
+        machine_paused(machine, 5)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert_left_clean(machine, private_tmp)
         assert machine.advances()
-    assert sum(c for _, c in folded.parse(out.read_text())) > 20
+    collected = re.search(r"^Samples: (\d+) ", err, re.MULTILINE)
+    assert collected is not None and int(collected[1]) > 0, err
+    assert sum(c for _, c in folded.parse(out.read_text())) == int(collected[1])
 
 
 def test_qemu_killed_leaves_no_private_directory(tmp_path: Path, private_tmp: Path) -> None:
@@ -110,13 +125,15 @@ def test_qemu_killed_leaves_no_private_directory(tmp_path: Path, private_tmp: Pa
     with vm(tmp_path, smp=1) as machine:
         proc = spawn(machine, private_tmp, "--duration", "60", "-o", str(out))
         wait_sampling(proc)
-        time.sleep(1.0)
+        machine_paused(machine, 5)
         machine.guest.process.kill()
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 4, err
     assert "Traceback" not in err
     assert list(private_tmp.iterdir()) == []
-    assert sum(c for _, c in folded.parse(out.read_text())) > 20
+    collected = re.search(r"^Samples: (\d+) ", err, re.MULTILINE)
+    assert collected is not None and int(collected[1]) > 0, err
+    assert sum(c for _, c in folded.parse(out.read_text())) == int(collected[1])
 
 
 def test_an_error_at_the_end_still_removes_the_gdbstub(tmp_path: Path, private_tmp: Path) -> None:
