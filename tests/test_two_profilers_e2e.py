@@ -33,7 +33,6 @@ DURATION = 0.5  # seconds of guest run time: 50 ticks at the default 10 ms
 TICKS = 50
 LONGEST_STOP = 1.0  # seconds the guest may stand stopped at most (issue 30)
 PAUSED = re.compile(r"Pause per sample: .* max ([\d.]+) ms")
-SAMPLED = re.compile(r"guest ran [\d.]+% of ([\d.]+) s")
 REFUSED = re.compile(
     r"^qmpprof: error: (?P<mine>\S+): qmpprof pid (?P<pid>\d+) \(through (?P<theirs>\S+)\)"
     r" is profiling this VM: one profiler per VM at a time\n$"
@@ -74,7 +73,6 @@ class Run:
     duration: float = DURATION
     process: subprocess.Popen[str] | None = None
     sampling_at: float | None = None  # when it said it began sampling
-    summary_at: float | None = None  # when it said what it collected (sampling has ended)
     ended_at: float | None = None
     err: str = ""
 
@@ -95,8 +93,6 @@ class Run:
             for line in self.process.stderr:
                 if line.startswith("qmpprof: sampling "):
                     self.sampling_at = time.monotonic()
-                if line.startswith("Samples: ") and self.summary_at is None:
-                    self.summary_at = time.monotonic()
                 self.err += line
         self.process.wait()
         self.ended_at = time.monotonic()
@@ -132,16 +128,13 @@ def check_pair(first: Run, second: Run, pauses: list[float]) -> bool:
         assert code == 0, run.err
         assert "Traceback" not in run.err
         assert sum(c for _, c in folded.parse(run.out.read_text())) == TICKS, run.err
-        # Its duration is guest run time: in wall time, as long as its summary says sampling
-        # took (on a loaded host, the guest gets a share of a core). From there to the exit
-        # (the transport closed, the interpreter's end) is the host's speed: at load 25 on 2
-        # cores that took up to 8 s, so it is only bounded by the wait above.
-        sampled, paused = SAMPLED.search(run.err), PAUSED.search(run.err)
-        assert sampled is not None and paused is not None, run.err
+        # Every run ends within its duration + 5 s (issue 30): from its start of sampling to
+        # its exit, the transport closed and the interpreter gone.
+        paused = PAUSED.search(run.err)
+        assert paused is not None, run.err
         pauses.append(float(paused[1]) / 1e3)
-        took = float(sampled[1])
-        assert run.sampling_at is not None and run.summary_at is not None
-        assert run.summary_at - run.sampling_at < took + 5, run.err
+        assert run.sampling_at is not None and run.ended_at is not None
+        assert run.ended_at - run.sampling_at < run.duration + 5, run.err
     assert refusals <= 1
     return refusals == 1
 
