@@ -19,7 +19,7 @@ import tempfile
 import time
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,3 +138,26 @@ class TextSymbols:
         at = bisect_right(self.starts, addr) - 1
         first = bisect_left(self.starts, self.starts[at])
         return set(self.names[first : at + 1])
+
+
+def from_kernel_entry(frame: dict[str, object]) -> bool:
+    """A frame in a kernel-mode vector entry or handler (the exception came from the kernel)."""
+    symbol, offset = frame.get("symbol"), frame.get("offset")
+    if symbol == "vectors":
+        return isinstance(offset, int) and 0x200 <= offset < 0x400
+    return isinstance(symbol, str) and symbol.startswith("el1h_64_")
+
+
+def named_at(frames: Sequence[dict[str, object]], i: int) -> int:
+    """Where the guest's kallsyms must name frame ``i`` of a one-shot's JSON stack (leaf
+    first), as gdb names frames: the leaf, and the code an exception taken in the kernel
+    interrupted (the frame after a kernel-mode entry: ELR_EL1, where the CPU was, which may be
+    a function's first instruction), at their address; a caller at its return address - 1
+    (its call, which may end the function); a tail-call frame at its address - 1 too (its
+    address is after its jump, so the jump: the jumper)."""
+    address = frames[i]["address"]
+    assert isinstance(address, str)
+    addr = int(address, 16)
+    if frames[i].get("tail_call"):
+        return addr - 1
+    return addr if i == 0 or from_kernel_entry(frames[i - 1]) else addr - 1

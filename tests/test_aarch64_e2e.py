@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from aarch64vm import ROOT, Aarch64Guest, TextSymbols, running_aarch64_guest
+from aarch64vm import (
+    ROOT,
+    Aarch64Guest,
+    TextSymbols,
+    from_kernel_entry,
+    named_at,
+    running_aarch64_guest,
+)
 from guestvm import run_state
 from linuxframes import shared_object
 
@@ -89,11 +96,9 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
     for stack in kernel:
         frames = stack["frames"]
         for i, frame in enumerate(frames):
-            addr = int(frame["address"], 16)
-            # A caller's frame is named at its call: the return address - 1; the interrupted
-            # code's under an exception taken in the kernel at its pc.
-            at = addr if i == 0 or from_kernel_entry(frames[i - 1]) else addr - 1
-            assert frame.get("symbol") in text.names_at(at), (frame, stack)
+            # A caller's frame is named at its call (return address - 1), a tail-call frame at
+            # its jump; the interrupted code's under an exception taken in the kernel at its pc.
+            assert frame.get("symbol") in text.names_at(named_at(frames, i)), (frame, stack)
     # No walk ends at a return address it could not read: pointer-authentication codes are
     # stripped by the guest's TCR_EL1.
     assert not [s for s in kernel if s["stop"] == "bad-return"]
@@ -118,14 +123,6 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
 def rooted(symbol: str | None) -> bool:
     """Where a kernel stack begins: an entry from user mode, or one of ROOTS."""
     return symbol is not None and (symbol.startswith("el0t_64_") or symbol in ROOTS)
-
-
-def from_kernel_entry(frame: dict[str, object]) -> bool:
-    """A frame in a kernel-mode vector entry or handler (the exception came from the kernel)."""
-    symbol, offset = frame.get("symbol"), frame.get("offset")
-    if symbol == "vectors":
-        return isinstance(offset, int) and 0x200 <= offset < 0x400
-    return isinstance(symbol, str) and symbol.startswith("el1h_64_")
 
 
 def from_user_entry(frame: dict[str, object]) -> bool:
