@@ -23,6 +23,7 @@ from test_arch_x86regs import CAPTURED_G, monitor_fields
 
 from qmpprof.arch.x86regs import REGISTER_NAMES, X86Formats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
+from qmpprof.transport import gdbchannel
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.gdbpackets import encode_packet
 
@@ -645,3 +646,33 @@ async def test_unix_socket_and_guest_gone(tmp_path: Path) -> None:
     with pytest.raises(GuestGoneError):
         await transport.read(0, 0x1000, 16)
     await transport.close()
+
+
+@pytest.mark.parametrize("runs", [True, False])
+async def test_a_lost_packet_is_told_at_once_when_the_guest_runs(
+    runs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply missing after LOOK_AFTER has the run state asked (QMP, in a real run): a guest
+    running means the packet was lost, and the request raises then; a stopped one may only
+    have a slow stub, which gets the rest of the deadline."""
+    monkeypatch.setattr(gdbchannel, "LOOK_AFTER", 0.1)
+    asked: list[bool] = []
+
+    async def guest_runs() -> bool:
+        asked.append(runs)
+        return runs
+
+    def respond(body: bytes) -> bytes | None:
+        return None if body == b"qLost" else qemu_like(body)
+
+    async with (
+        FakeStub(respond) as stub,
+        await GdbTransport.connect(stub.address, timeout=0.6) as transport,
+    ):
+        transport.look_with(guest_runs)
+        said = r"0\.1 s, and the guest runs" if runs else r"0\.6 s;"
+        with pytest.raises(TransportError, match=rf"nothing for b'qLost' within {said}"):
+            await transport.query("qLost")
+        assert asked == [runs]  # asked once, after LOOK_AFTER
+        with pytest.raises(TransportError, match="nothing for b'qLost'"):
+            await transport.registers(0)  # the channel is done either way

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from qmpprof import arch
 from qmpprof.arch.base import RegisterFormats
@@ -164,6 +164,11 @@ class GdbTransport:
     async def is_running(self) -> bool:
         """True when the guest runs, as far as this transport's stop/cont calls know."""
         return self._running
+
+    def look_with(self, runs: Callable[[], Awaitable[bool]]) -> None:
+        """``runs``: whether the guest runs, asked elsewhere (QMP): a reply missing after a
+        second with the guest running is a lost packet, and ends the run then (gdbchannel)."""
+        self._channel.runs = runs
 
     def note_resumed(self) -> None:
         """Something else (QMP ``cont``) resumed the guest: the next ``stop`` must interrupt it.

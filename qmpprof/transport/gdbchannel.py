@@ -17,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from qmpprof.errors import GuestGoneError, QmpprofError, TransportError
 from qmpprof.transport.gdbpackets import checksum, decode_body, encode_packet, is_stop_reply
 
+# Seconds after which a request with no reply has the guest's run state looked at (``lost``):
+# a stub loses a packet that reaches a guest something else resumed, and such a run must end
+# within a second, not at the channel's deadline, with the guest stopped meanwhile.
+LOOK_AFTER = 1.0
 _STOP_THREAD = re.compile(rb"thread:(?:p[0-9a-fA-F]+\.)?([0-9a-fA-F]+);")
 
 
@@ -79,6 +83,9 @@ class Channel:
         self._ack = ack
         self._timeout = timeout
         self.on_stopped = on_stopped
+        # Settable later: whether the guest runs (asked of QMP), for a request with no reply
+        # after LOOK_AFTER: a running guest means its packet was lost (see ``_wait``).
+        self.runs: Callable[[], Awaitable[bool]] | None = None
         self._pending: list[_Request] = []
         self._error: QmpprofError | None = None
         self.selected: int | None = None  # the Hg thread as of the last reply read (None: unknown)
@@ -122,20 +129,39 @@ class Channel:
     async def _wait(self, request: _Request | None) -> list[bytes]:
         if request is None:
             return []
+        look = self.runs is not None and not request.until_stop and self._timeout > LOOK_AFTER
+        first = LOOK_AFTER if look else self._timeout
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(first):
+                return await asyncio.shield(request.future)
+        # The stub may have lost the packet: one that reaches a guest something else resumed
+        # (QMP cont, another client) only stops it with its first byte (see gdb.py), and is
+        # never answered. Every later reply would then go to the request before its own, each
+        # tick waiting out a timeout with the guest stopped: the channel is done. A guest that
+        # runs while a reply is awaited in a pause says so at once; a stopped one may only
+        # have a slow stub (a loaded host), which has the rest of the deadline.
+        if look and await self._guest_runs():
+            self._fail(self._lost(request, f"{first:g} s, and the guest runs"))
+        else:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._timeout - first):
+                    return await asyncio.shield(request.future)
+            self._fail(self._lost(request, f"{self._timeout:g} s"))
+        return await request.future  # raises what _fail set
+
+    async def _guest_runs(self) -> bool:
+        assert self.runs is not None
         try:
-            async with asyncio.timeout(self._timeout):
-                return await request.future
-        except TimeoutError as err:
-            # The stub may have lost the packet: one that reaches a guest something else
-            # resumed (QMP cont, another client) only stops it with its first byte (see gdb.py),
-            # and is never answered. Every later reply would then go to the request before its
-            # own, each tick waiting out a timeout with the guest stopped: the channel is done.
-            error = TransportError(
-                f"the gdbstub stopped answering (nothing for {request.bodies[0]!r} within"
-                f" {self._timeout:g} s; did something else resume or stop the guest?)"
-            )
-            self._fail(error)
-            raise error from err
+            return await self.runs()
+        except QmpprofError:  # no answer about it: the deadline decides
+            return False
+
+    @staticmethod
+    def _lost(request: _Request, within: str) -> TransportError:
+        return TransportError(
+            f"the gdbstub stopped answering (nothing for {request.bodies[0]!r} within {within};"
+            " did something else resume or stop the guest?)"
+        )
 
     async def _read_loop(self) -> None:
         try:

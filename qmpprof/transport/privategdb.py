@@ -117,6 +117,7 @@ class PrivateGdbTransport:
     ) -> None:
         self._qmp = qmp
         self._gdb = gdb
+        gdb.look_with(qmp.is_running)
         self._directory = directory
         self.was_running = was_running  # the run state to leave the guest in
         self._timeout = timeout
