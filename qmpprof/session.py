@@ -10,6 +10,7 @@ anything is stopped, and nothing heavy is left for the first pause.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import stat
@@ -221,23 +222,47 @@ def _clients(path: Path) -> int | None:
 
 
 def _greeting(path: Path, timeout: float) -> bytes | None:
-    """QEMU's first line at ``path``, None when none came within ``timeout``; a ConnectError
-    when nothing listens there or what answered is not QMP."""
+    """QEMU's greeting at ``path``, None when none came within ``timeout``; a ConnectError
+    when nothing listens there or what answered is not QMP. Events before the greeting are
+    passed over: a connection QEMU accepts as the client before it leaves can be handed the
+    events that client's last moments queued (seen on QEMU 7.2, two profilers on one VM)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
         peer.settimeout(timeout)
+        received = b""
         try:
             peer.connect(str(path))
-            line = peer.recv(4096)
+            while True:
+                line, newline, rest = received.partition(b"\n")
+                if newline and line.startswith(b'{"QMP"'):
+                    return line
+                if newline and _is_event(line):
+                    received = rest
+                    continue
+                if newline or len(received) > _GREETING_MAX:
+                    break
+                more = peer.recv(4096)
+                if not more:
+                    break
+                received += more
         except TimeoutError:
             return None
         except ConnectionRefusedError:
             raise ConnectError(f"{path}: nothing listens on this socket (QEMU gone?)") from None
         except OSError as err:
             raise ConnectError(f"{path}: {err.strerror or err}") from None
-    if not line.startswith(b'{"QMP"'):
-        said = f"it said {line[:40]!r}" if line else "it closed the connection"
-        raise ConnectError(f"{path}: not a QMP server ({said})")
-    return line
+    said = f"it said {received[:40]!r}" if received else "it closed the connection"
+    raise ConnectError(f"{path}: not a QMP server ({said})")
+
+
+_GREETING_MAX = 64 * 1024  # bytes of a line that is still not a whole greeting: not QMP
+
+
+def _is_event(line: bytes) -> bool:
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and "event" in message
 
 
 async def attach(guest: Guest, connection: Connection) -> Connection:

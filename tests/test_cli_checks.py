@@ -219,6 +219,18 @@ def test_a_silent_server_says_what_it_may_be(
         server.close()
 
 
+def test_events_before_the_greeting_are_passed_over(qmp_path: Path) -> None:
+    """QEMU can hand a new client the events its previous client's last moments queued, before
+    the greeting (seen with two profilers on one VM): still a QMP server."""
+    event = b'{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "RESUME"}\r\n'
+    server = Server(qmp_path, hello=event + event + GREETING)
+    try:
+        session.check_socket(qmp_path, timeout=2.0)
+    finally:
+        server.close()
+    assert server.accepted == 1
+
+
 def test_the_socket_is_told_before_the_kernel_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
