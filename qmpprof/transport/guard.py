@@ -100,7 +100,7 @@ def _resume(qmp_socket: str) -> str | None:
         sock.settimeout(2.0)
         sock.connect(qmp_socket)
         lines = sock.makefile("rwb")
-        _reply(lines)  # the greeting
+        _reply(lines)  # the greeting, or an event before it (then _command passes it over)
         _command(lines, "qmp_capabilities")
         status = _command(lines, "query-status").get("status")
         if status not in _STOPPED:
@@ -114,7 +114,7 @@ def _command(lines: io.BufferedRWPair, name: str) -> dict[str, object]:
     lines.flush()
     while True:
         reply = _reply(lines)
-        if "event" in reply:
+        if "event" in reply or "QMP" in reply:  # QEMU may queue events before the greeting
             continue
         if "error" in reply:
             raise OSError(f"QMP {name}: {reply['error']}")
