@@ -8,9 +8,10 @@ can be rendered in every naming mode and every format. Pure data and pure transf
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Sample, Stack, StopReason
@@ -151,18 +152,25 @@ class Profile:
         keep: Mode | None = None,
         cpus: Sequence[int] | None = None,
         on_cpu: bool | None = None,
+        since: float | None = None,
+        where: Callable[[int], bool] | None = None,
     ) -> Profile:
-        """The samples of one mode (kernel mode: only their kernel frames), of some vCPUs, and
-        on a CPU only (``on_cpu`` True) or off (False)."""
+        """The samples of one mode (kernel mode: only their kernel frames), of some vCPUs, on a
+        CPU only (``on_cpu`` True) or off (False), taken at ``since`` or later, of the stack ids
+        ``where`` accepts."""
         out = Profile(self.interval_ms, dict(self.facts))
         wanted = None if cpus is None else set(cpus)
-        for time, cpu, sid in self.timeline():
+        first = 0 if since is None else bisect.bisect_left(self.times, since)
+        tail = zip(self.times[first:], self.cpus_of[first:], self.stack_of[first:], strict=True)
+        for time, cpu, sid in tail:
             record = self.stacks[sid]
             if keep is not None and record.mode is not keep:
                 continue
             if wanted is not None and cpu not in wanted:
                 continue
             if on_cpu is not None and on_cpu != (record.state is None):
+                continue
+            if where is not None and not where(sid):
                 continue
             frames = self.frames_of(record)
             if keep is Mode.KERNEL:
@@ -171,6 +179,14 @@ class Profile:
             user = record.mode is Mode.USER
             out.add(Sample(time, cpu, record.mode, user, 0, stack, record.process, record.state))
         return out
+
+    def forget_before(self, time: float) -> None:
+        """Drop the samples taken before ``time`` (a live view keeps only its window); their
+        stacks stay interned, uncounted."""
+        first = bisect.bisect_left(self.times, time)
+        for sid in self.stack_of[:first]:
+            self.counts[sid] -= 1
+        del self.times[:first], self.cpus_of[:first], self.stack_of[:first]
 
 
 def share_margin(samples: int) -> float:

@@ -352,7 +352,7 @@ def test_help_shows_the_commands_and_the_defaults(capsys: pytest.CaptureFixture[
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(
-        "usage: qmpprof [options]\n       qmpprof {record,demo,report,diff,serve}"
+        "usage: qmpprof [options]\n       qmpprof {record,demo,report,diff,serve,top}"
     )
     assert "(default: ./qmp-socket)" in text and "(default: 10.0)" in text
     assert "(default: 5.0)" in text and "(default: False)" not in text

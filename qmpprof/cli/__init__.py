@@ -20,7 +20,7 @@ from typing import cast
 from qmpprof.errors import QmpprofError, UsageError
 from qmpprof.interrupts import Interrupted, installed
 
-SUBCOMMANDS = ("record", "demo", "report", "diff", "serve")
+SUBCOMMANDS = ("record", "demo", "report", "diff", "serve", "top")
 EXIT_INTERRUPTED = 130  # a KeyboardInterrupt that is not one of our signals' (SIGINT's status)
 
 Command = Callable[[list[str]], int]

@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypedDict, TypeVar
 from qmpprof import __version__, bounds
 from qmpprof import arch as arches
 from qmpprof import guest as guests
+from qmpprof.cli import SUBCOMMANDS
 from qmpprof.errors import UsageError
 from qmpprof.guest import metadata
 from qmpprof.model import Mode
@@ -186,12 +187,12 @@ def mode_of(ns: argparse.Namespace) -> Mode | None:
 def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qmpprof",
-        usage="%(prog)s [options]\n       %(prog)s {record,demo,report,diff,serve} [options] "
+        usage=f"%(prog)s [options]\n       %(prog)s {{{','.join(SUBCOMMANDS)}}} [options] "
         "(each with --help)",
         description="Sample the stacks of a QEMU guest's kernel and processes over QMP. The "
         "commands: record starts QEMU and profiles it from its first instruction; demo "
         "profiles the bundled guest; report renders a saved profile again; diff compares two; "
-        "serve profiles guests continuously over HTTP.",
+        "serve profiles guests continuously over HTTP; top shows a running guest live.",
         epilog="Exit codes: 0 done, 2 a bad command line, 3 no QMP there, 4 QEMU went away, "
         "5 QEMU refused, 6 a bad kernel or ELF file, 7 a bad saved profile, 8 an output not "
         "written, 9 the kernel file is not the running kernel, 130/143 interrupted.",
@@ -241,7 +242,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> Options:
-    ns = parser().parse_args(argv)
+    return options_of(parser().parse_args(argv))
+
+
+def options_of(ns: argparse.Namespace) -> Options:
+    """The Options the profiling command's flags (``parser()``'s, or a parser built on it) say."""
     duration = checked(bounds.duration, ns.duration, "--duration")
     interval = checked(partial(_interval, duration=duration), ns.interval, "--interval")
     jitter = checked(bounds.jitter, ns.jitter, "--jitter")
