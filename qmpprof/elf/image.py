@@ -39,7 +39,7 @@ _SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
 # Program headers: (type, offset, vaddr, memsz, paddr) at these field indexes of each class's order.
 _PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
 _PHDR_FIELDS = {64: (0, 2, 3, 6, 4), 32: (0, 1, 2, 5, 3)}
-_PT_LOAD, _SHT_NOBITS = 1, 8
+_PT_LOAD, _SHT_NOTE, _SHT_NOBITS = 1, 7, 8
 _SHF_ALLOC, _SHF_EXECINSTR = 0x2, 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
 _STB_RANK = {1: 0, 2: 1, 0: 2}  # GLOBAL, WEAK, LOCAL: which alias names a shared address
@@ -279,14 +279,30 @@ class ElfImage:
         return [(n, i, x, v, z) for n, v, z, i, _, x in _SYM32.iter_unpack(data[:usable])]
 
     def _build_id(self) -> str | None:
-        note = self.section(".note.gnu.build-id")
-        if note is None or len(note) < 16:
+        """The GNU build-id note, in whichever note section holds it: ``.note.gnu.build-id``
+        in programs, Linux's ``.notes`` (beside its Xen notes) in a vmlinux."""
+        for header in self._sections.values():
+            if header.type == _SHT_NOTE and not header.nobits:
+                found = _gnu_build_id(self._data[header.offset : header.offset + header.size])
+                if found is not None:
+                    return found
+        return None
+
+
+def _gnu_build_id(notes: bytes) -> str | None:
+    """The descriptor of the first NT_GNU_BUILD_ID note named "GNU" in a run of notes."""
+    at = 0
+    while at + 12 <= len(notes):
+        namesz, descsz, note_type = struct.unpack_from("<III", notes, at)
+        name_at = at + 12
+        desc_at = name_at + (namesz + 3) // 4 * 4
+        end = desc_at + (descsz + 3) // 4 * 4
+        if desc_at + descsz > len(notes):
             return None
-        namesz, descsz, note_type = struct.unpack_from("<III", note)
-        desc = 12 + (namesz + 3) // 4 * 4
-        if note_type != 3 or desc + descsz > len(note):  # NT_GNU_BUILD_ID
-            return None
-        return note[desc : desc + descsz].hex()
+        if note_type == 3 and notes[name_at : name_at + namesz].rstrip(b"\0") == b"GNU":
+            return notes[desc_at : desc_at + descsz].hex() if descsz else None
+        at = end
+    return None
 
 
 _KIND_SUFFIXES = (".elf", ".ko", ".o")

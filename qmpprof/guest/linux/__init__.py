@@ -15,7 +15,9 @@ import os
 import threading
 from pathlib import Path
 
-from qmpprof.errors import UsageError
+from qmpprof.elf import debuginfod
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import ElfError, UsageError
 from qmpprof.guest.base import GuestSpec, KernelFile
 from qmpprof.guest.linux.guest import LinuxGuest
 from qmpprof.guest.userfiles import UserFiles
@@ -64,7 +66,30 @@ class LinuxOs:
             raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
         kernel = load_kernel(spec.kernel.path, spec.kallsyms)
         files = UserFiles(spec.user_dir)
-        return LinuxGuest(kernel, kernel.image.arch, files, lines=spec.lines)
+        debug, notes = debug_file(kernel) if spec.lines else (None, ())
+        return LinuxGuest(
+            kernel, kernel.image.arch, files, lines=spec.lines, debug=debug, notes=notes
+        )
+
+
+def debug_file(kernel: LinuxKernel) -> tuple[ElfImage | None, tuple[str, ...]]:
+    """Where the kernel's source lines come from when its image has no DWARF (a vmlinuz):
+    the debug file debuginfod servers have for its build-id (``DEBUGINFOD_URLS``); and what
+    to tell when none does."""
+    image = kernel.image
+    if image.lines is not None or image.build_id is None:
+        return None, ()
+    found = debuginfod.debuginfo(image.build_id, "the kernel")
+    notes = () if found.note is None else (found.note,)
+    if found.path is None:
+        return None, notes
+    try:
+        debug = ElfImage.load(found.path, mapped=True)
+    except ElfError as err:
+        return None, (f"debuginfod: the kernel's debug file is not usable: {err}",)
+    if debug.build_id != image.build_id:
+        return None, (f"debuginfod: {found.path} is not the kernel's ({debug.build_id})",)
+    return debug, ()
 
 
 LINUX = LinuxOs()

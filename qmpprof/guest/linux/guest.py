@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.elf.image import ElfImage
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
@@ -132,12 +133,16 @@ class LinuxGuest:
         files: UserFiles,
         *,
         lines: bool = False,
+        debug: ElfImage | None = None,
+        notes: tuple[str, ...] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kernel = kernel
         self.arch = arch
         self.files = files
         self.lines = lines
+        self.debug = debug  # the kernel's debug file (debuginfod's), for its lines
+        self.load_notes = notes  # what loading could not bring
         self.clock = clock
         self.layouts = Layouts.of(kernel)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
@@ -176,7 +181,7 @@ class LinuxGuest:
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
         entry = None if kernel.orc is not None else entry_code(kernel)
-        modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines)]
+        modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines, debug=self.debug)]
         head = kernel.module_list
         module_list = None
         if layouts.modules is not None and head is not None:
@@ -251,7 +256,7 @@ class LinuxGuest:
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
             f" ({names})",
         ]
-        notes = list(layouts.notes) + translation
+        notes = list(layouts.notes) + translation + list(self.load_notes)
         notes += [] if module_list is None else module_list.notes  # what a ceiling cut
         if own is None or checks is None:
             notes.append("no vmcoreinfo in the guest: the slide and symbols are not checked")

@@ -13,6 +13,7 @@ trampolines: no DWARF, gdb stops there)."""
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.elf.image import ElfImage
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
@@ -29,9 +30,11 @@ def kernel_module(
     entry: EntryCode | None = None,
     *,
     lines: bool = False,
+    debug: ElfImage | None = None,
 ) -> Module:
     """The kernel image as loaded at ``slide`` (runtime - link address); ``entry``: its
-    exception code where the walk needs it described (arm64's, ``entry.entry_code``)."""
+    exception code where the walk needs it described (arm64's, ``entry.entry_code``);
+    ``debug``: the image's debug file, whose DWARF gives the lines (else the image's own)."""
     low, high = kernel.span
     image = kernel.image
     mapping = Mapping(
@@ -51,7 +54,7 @@ def kernel_module(
         code=None if orc is not None else text,
         code_addr=image.text_addr,
         symbols=kernel.functions,
-        lines=image.lines if lines else None,
+        lines=(debug or image).lines if lines else None,
         orc=orc,
         calls=calls if text else None,
         entry=entry,
