@@ -1,5 +1,5 @@
-"""docs/architecture.md's module list against the package: every module of qmpprof/ named on
-the map, every module the map names there.
+"""docs/architecture.md's module list against the package (every module of qmpprof/ named on
+the map, every module the map names there), and the docs/ pages README.md and docs/ name.
 
 The map's "## The modules" section is a list of packages, one bullet each opening with the
 package's folder in backquotes (`guest/linux/`, `qmpprof/` for the top level); every `NAME.py`
@@ -51,3 +51,14 @@ def test_the_map_names_every_module_and_only_modules() -> None:
     assert not missing, f"modules of qmpprof/ that docs/architecture.md does not name: {missing}"
     assert not extra, f"docs/architecture.md names modules qmpprof/ does not have: {extra}"
     assert not twice, f"docs/architecture.md names these modules twice: {twice}"
+
+
+def test_every_docs_page_the_readme_and_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {
+        (page.name, path)
+        for page in pages
+        for path in re.findall(r"docs/[\w./-]+\.(?:md|png|svg)", page.read_text())
+    }
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert not missing, f"pages named that are not there: {missing}"
