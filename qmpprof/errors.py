@@ -17,7 +17,9 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     ├── OutputError              exit 8   an output file that cannot be written
     └── KernelMismatchError      exit 9   the running kernel cannot be matched with its image
 
-README.md's exit-code table says the same to users (a test holds the two together).
+Each class that brings an exit code says what it means in a few words (``meaning``):
+``exit_codes`` lists them for ``--help``; README.md's exit-code table says the same to users at
+length (a test holds the three together).
 
 Failures inside one sample (a truncated stack, an unreadable page) are data, not exceptions:
 the sampler counts them and reports them at the end.
@@ -30,18 +32,21 @@ class QmpprofError(Exception):
     """Root of every error qmpprof reports to the user."""
 
     exit_code = 1
+    meaning = "another error qmpprof reports"  # in --help's list of exit codes
 
 
 class UsageError(QmpprofError):
     """A command-line value is wrong."""
 
     exit_code = 2
+    meaning = "a bad command line"
 
 
 class ConnectError(QmpprofError):
     """Could not connect to QEMU, or the peer is not a QMP server / gdbstub."""
 
     exit_code = 3
+    meaning = "no QMP there"
 
 
 class VmBusyError(ConnectError):
@@ -52,12 +57,14 @@ class GuestGoneError(QmpprofError):
     """QEMU went away (socket closed) while qmpprof was using it."""
 
     exit_code = 4
+    meaning = "QEMU went away"
 
 
 class TransportError(QmpprofError):
     """QEMU answered a command with an error."""
 
     exit_code = 5
+    meaning = "QEMU refused"
 
 
 class MemoryReadError(TransportError):
@@ -91,6 +98,7 @@ class ElfError(QmpprofError):
     """An ELF file is missing, unreadable or malformed."""
 
     exit_code = 6
+    meaning = "a bad kernel or ELF file"
 
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
@@ -118,6 +126,7 @@ class ProfileError(QmpprofError):
     """A saved profile (``qmpprof report``'s input) is missing, unreadable or not one of ours."""
 
     exit_code = 7
+    meaning = "a bad saved profile"
 
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
@@ -128,6 +137,7 @@ class OutputError(QmpprofError):
     """An output file cannot be written (its folder is gone, no space, no permission)."""
 
     exit_code = 8
+    meaning = "an output not written"
 
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
@@ -139,6 +149,19 @@ class KernelMismatchError(QmpprofError):
     slide makes the image's symbols fit what the guest shows (another kernel, or not booted)."""
 
     exit_code = 9
+    meaning = "the kernel file is not the running kernel"
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"running kernel does not match the image: {detail}")
+
+
+def exit_codes() -> dict[int, str]:
+    """Every exit code of the tree, with the meaning of the class nearest the root that has it,
+    in order of code."""
+    found: dict[int, str] = {}
+    classes: list[type[QmpprofError]] = [QmpprofError]
+    while classes:
+        cls = classes.pop(0)
+        found.setdefault(cls.exit_code, cls.meaning)
+        classes += cls.__subclasses__()
+    return dict(sorted(found.items()))

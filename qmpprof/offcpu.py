@@ -9,7 +9,7 @@ are named after the guest runs again. A task's stack is its kernel frames (the w
 saved context, cut where it crosses into user mode) then its user frames (the walk from its
 saved user registers).
 
-In a sampling run (``Waiting``) the tasks are read while the guest runs, through the control
+In a sampling run (``OffCpuTasks``) the tasks are read while the guest runs, through the control
 channel, between ticks: a task's walk is kept only when its version (state and context-switch
 counts) is the same before and after it and the task is on no CPU then (it stood still
 meanwhile, and its stacks with it); a task whose version has not moved since the last look
@@ -126,7 +126,7 @@ def _kernel_part(raw: RawStack, boundary: int) -> RawStack:
     return RawStack(raw.pcs[:n], StopReason.END, raw.exact[:n], raw.via[:n])
 
 
-class Waiting:
+class OffCpuTasks:
     """The guest's tasks off CPU, as the latest look found them (``look``, while the guest
     runs, through ``control``), for the ticks of a sampling run (``samples``)."""
 
@@ -169,7 +169,7 @@ class Waiting:
         Whole at each await: ``tasks`` changes at the end only."""
         if self._last is not None and self.clock() - self._last < self.every:
             return
-        control = _Between(self.control, running, self._reads)
+        control = _ReadsBetweenPauses(self.control, running, self._reads)
         await running()
         found = [task for task in await self.lister.every_task(control) if task.cpu is None]
         kept: dict[int, tuple[tuple[int, ...], TaskView, Sample | None]] = {}
@@ -237,7 +237,7 @@ class _InFlight:
             await self._none.wait()
 
 
-class _Between:
+class _ReadsBetweenPauses:
     """A control channel whose reads wait while the sampler holds the guest stopped: a look's
     read never goes out in a pause, and the sampler waits for one under way (``reads``) before
     it stops the guest."""

@@ -448,9 +448,9 @@ class Sampler(Generic[Space, Raw]):
             if identity.memory is not None:  # user memory the vCPU does not show: read again
                 cache = cache.above(self.boundary)
             captured.raw = await self._walk(captured, walked, cache, identity)
-            again = identity.again
-            lacking = () if again is None else self.unwinder.unplaced(captured.raw, identity.space)
-            fresh = await again(lacking) if again is not None and lacking else None
+            reread = identity.reread_mappings
+            lacking = () if reread is None else self.unwinder.unplaced(captured.raw, identity.space)
+            fresh = await reread(lacking) if reread is not None and lacking else None
             if fresh is not None:  # user code mapped since its space was read: walked in it
                 if fresh.memory is not None and identity.memory is None:
                     cache = cache.above(self.boundary)

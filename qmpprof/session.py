@@ -24,7 +24,7 @@ from qmpprof import guest as guests
 from qmpprof.errors import ConnectError, QmpprofError, UsageError
 from qmpprof.guest.base import Guest, GuestSpec, KernelFile, TaskLister
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
-from qmpprof.offcpu import Waiting
+from qmpprof.offcpu import OffCpuTasks
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
@@ -316,7 +316,7 @@ def sampler(
     on_tick: Callable[[SamplerStats], None] | None = None,
 ) -> Run:
     """A sampler of ``guest`` over ``transport`` (attached), ready to run; with
-    ``spec.off_cpu``, the tasks off CPU at each tick too (``Waiting``: looked at between
+    ``spec.off_cpu``, the tasks off CPU at each tick too (``OffCpuTasks``: looked at between
     ticks, as housekeeping)."""
     walker = unwinder(spec, guest)
     config = sampler_config(spec, transport)
@@ -327,7 +327,7 @@ def sampler(
         boundary = (
             walker.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
         )
-        waiting = Waiting(transport.control, guest, walker, boundary)
+        waiting = OffCpuTasks(transport.control, guest, walker, boundary)
     return Sampler(
         transport,
         walker,

@@ -287,7 +287,7 @@ class KernelIdentity(Generic[Space]):
     space: Space
     memory: Reader | None = None  # as the vCPU sees it
     registers: Registers | None = None  # as sampled
-    again: None = None  # its space is never read again
+    reread_mappings: None = None  # its space is never read again
 
 
 class KernelIdentifier(Generic[Space]):

@@ -364,11 +364,17 @@ def documented_codes() -> set[int]:
     return {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.MULTILINE)}
 
 
-def test_the_exit_code_table_holds_every_error_class() -> None:
+def test_the_exit_code_table_help_and_the_error_tree_agree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     def tree(cls: type[errors.QmpprofError]) -> Iterator[type[errors.QmpprofError]]:
         yield cls
         for sub in cls.__subclasses__():
             yield from tree(sub)
 
-    codes = {cls.exit_code for cls in tree(errors.QmpprofError)}
-    assert codes | {0, 130, 143} == documented_codes()
+    codes = {cls.exit_code for cls in tree(errors.QmpprofError)} | {0, 130, 143}
+    assert main(["--help"]) == 0
+    epilog = " ".join(capsys.readouterr().out.split("Exit codes: ", 1)[1].split())
+    helped = {int(code) for code in re.findall(r"(?:^|, |/)(\d+)(?= |/)", epilog)}
+    assert codes == documented_codes(), "README's ### Exit codes table"
+    assert codes == helped, f"--help: {epilog}"

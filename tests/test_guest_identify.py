@@ -349,8 +349,8 @@ def in_user(pc: int) -> Registers:
 
 async def walked(identity: Identity, pcs: Sequence[int]) -> Identity:
     """The identity a walk of ``identity`` with the user return addresses ``pcs`` ends with."""
-    assert identity.again is not None
-    again = await identity.again(pcs)
+    assert identity.reread_mappings is not None
+    again = await identity.reread_mappings(pcs)
     assert again is None or isinstance(again, Identity)
     return again or identity
 

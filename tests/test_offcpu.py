@@ -1,4 +1,4 @@
-"""qmpprof.offcpu.Waiting, on a scripted guest OS: a walk is kept only when the task's version
+"""qmpprof.offcpu.OffCpuTasks, on a scripted guest OS: a walk is kept only when the task's version
 is the same after it, a task whose version stands is not walked again, and a tick adds every
 task the latest look kept but those on a vCPU at that tick."""
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Registers, Sample, Stack, StopReason
-from qmpprof.offcpu import Waiting
+from qmpprof.offcpu import OffCpuTasks
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.chain import RawStack
@@ -64,9 +64,9 @@ class Lister:
         return [(self.tasks[t.at][3],) for t in tasks]
 
 
-def waiting(lister: Lister, unwinder: Unwinder, clock: list[float]) -> Waiting:
+def waiting(lister: Lister, unwinder: Unwinder, clock: list[float]) -> OffCpuTasks:
     control: GuestTransport = None  # type: ignore[assignment]  # the fake lister reads nothing
-    return Waiting(control, lister, unwinder, 1 << 63, clock=lambda: clock[0], every=0.2)
+    return OffCpuTasks(control, lister, unwinder, 1 << 63, clock=lambda: clock[0], every=0.2)
 
 
 def leaves(samples: Sequence[Sample]) -> dict[int | None, tuple[str | None, str | None]]:
@@ -161,7 +161,7 @@ async def test_a_look_reads_nothing_while_the_guest_is_held_stopped() -> None:
     control, lister = Control(), ReadingLister(running)
     lister.tasks = {10: ("S", 1, 5, 5)}
     transport: GuestTransport = control  # type: ignore[assignment]  # reads are all it needs
-    off = Waiting(transport, lister, Unwinder(), 1 << 63)
+    off = OffCpuTasks(transport, lister, Unwinder(), 1 << 63)
     look = asyncio.ensure_future(off.look(running.wait))
     for _ in range(5):
         await asyncio.sleep(0)
@@ -197,7 +197,7 @@ async def test_the_sampler_can_wait_for_a_look_s_read_under_way_before_it_stops(
     control, lister = SlowControl(), FirstReadingLister()
     lister.tasks = {10: ("S", 1, 5, 5)}
     transport: GuestTransport = control  # type: ignore[assignment]  # reads are all it needs
-    off = Waiting(transport, lister, Unwinder(), 1 << 63)
+    off = OffCpuTasks(transport, lister, Unwinder(), 1 << 63)
     await off.quiet()  # nothing under way: at once
     look = asyncio.ensure_future(off.look())
     quiet = asyncio.ensure_future(off.quiet())

@@ -678,7 +678,7 @@ class ScriptedWaiting:
         return [SLEEPER]
 
 
-# The same object at every tick, as Waiting gives a task that stands still.
+# The same object at every tick, as OffCpuTasks gives a task that stands still.
 SLEEPER = Sample(0.0, NO_CPU, Mode.KERNEL, False, 0,
                  Stack((Frame(K + 0x2010, True, "schedule"), Frame(0x40_1010, False, "user_main"))),
                  Process(5, "sleeper", 0, 5), "S")  # fmt: skip
@@ -721,7 +721,7 @@ async def test_each_tick_adds_the_tasks_off_cpu_looked_at_while_the_guest_runs(
 
 @dataclass(frozen=True, slots=True)
 class ReadAgain:
-    """An identity whose space may be read again (``again``), counting what it was asked."""
+    """An identity whose space may be read again (``reread_mappings``), counting the asks."""
 
     process: Process | None
     space: FakeSpace
@@ -731,7 +731,7 @@ class ReadAgain:
     registers: None = None
 
     @property
-    def again(self) -> Callable[[Sequence[int]], Awaitable[ReadAgain | None]]:
+    def reread_mappings(self) -> Callable[[Sequence[int]], Awaitable[ReadAgain | None]]:
         async def read_again(pcs: Sequence[int]) -> ReadAgain | None:
             self.asked.append(tuple(pcs))
             return self.fresh

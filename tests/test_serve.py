@@ -30,7 +30,7 @@ from qmpprof.cli import main
 from qmpprof.naming import Naming
 from qmpprof.profile import Profile
 from qmpprof.serve import views
-from qmpprof.serve.endpoints import Board, listen
+from qmpprof.serve.endpoints import ServeState, listen
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
 from qmpprof.session import RunSpec
@@ -206,7 +206,7 @@ def test_metrics_are_prometheus_text_with_every_family() -> None:
 
 @contextmanager
 def board_server(*vms: Vm) -> Iterator[str]:
-    board = Board(window=60, naming=Naming(), vms=vms)
+    board = ServeState(window=60, naming=Naming(), vms=vms)
     server = listen("127.0.0.1", 0, board)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -16,7 +16,7 @@ from qmpprof import __version__, bounds
 from qmpprof import arch as arches
 from qmpprof import guest as guests
 from qmpprof.cli import SUBCOMMANDS
-from qmpprof.errors import UsageError
+from qmpprof.errors import UsageError, exit_codes
 from qmpprof.guest import metadata
 from qmpprof.model import Mode
 from qmpprof.naming import Naming
@@ -184,6 +184,13 @@ def mode_of(ns: argparse.Namespace) -> Mode | None:
     return Mode.KERNEL if ns.kernel_only else Mode.USER if ns.user_only else None
 
 
+def exit_codes_epilog() -> str:
+    """The exit codes for --help: the error tree's (qmpprof/errors.py) between the two that
+    are no error, done and ended by a signal (128 + SIGINT's or SIGTERM's number)."""
+    errors = ", ".join(f"{code} {meaning}" for code, meaning in exit_codes().items())
+    return f"Exit codes: 0 done, {errors}, 130/143 interrupted."
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="qmpprof",
@@ -193,9 +200,7 @@ def parser() -> argparse.ArgumentParser:
         "commands: record starts QEMU and profiles it from its first instruction; demo "
         "profiles the bundled guest; report renders a saved profile again; diff compares two; "
         "serve profiles guests continuously over HTTP; top shows a running guest live.",
-        epilog="Exit codes: 0 done, 2 a bad command line, 3 no QMP there, 4 QEMU went away, "
-        "5 QEMU refused, 6 a bad kernel or ELF file, 7 a bad saved profile, 8 an output not "
-        "written, 9 the kernel file is not the running kernel, 130/143 interrupted.",
+        epilog=exit_codes_epilog(),
     )
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")

@@ -115,19 +115,6 @@ class ElfImage:
             raise ElfError(text, err.strerror or str(err)) from err
         return cls.from_bytes(text, data)
 
-    @staticmethod
-    def sniff_arch(path: str | Path) -> InstructionSet | None:
-        """The instruction set an ELF file's header names (class and e_machine), without
-        parsing the rest; None for anything else or a file that cannot be read."""
-        try:
-            with open(path, "rb") as f:
-                head = f.read(20)
-        except OSError:
-            return None
-        if len(head) < 20 or not head.startswith(b"\x7fELF"):
-            return None
-        return arches.by_elf(int.from_bytes(head[18:20], "little"), 32 * head[4])
-
     @classmethod
     def from_bytes(cls, path: str, data: Data) -> ElfImage:
         """Check an x86_64 or i386 ELF held in memory (a vmlinux unpacked from a bzImage) or

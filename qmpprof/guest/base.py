@@ -123,14 +123,14 @@ class Identified(Protocol[Space_co]):
         ...
 
     @property
-    def again(self) -> Again[Space_co] | None:
+    def reread_mappings(self) -> RereadMappings[Space_co] | None:
         """Asked, in the pause, with the user addresses a walk in ``space`` found no code at:
         the identity with the process's space read again (a library mapped since), or None
         when there is nothing new to read; None: never asked."""
         ...
 
 
-Again = Callable[[Sequence[int]], Awaitable[Identified[Space_co] | None]]
+RereadMappings = Callable[[Sequence[int]], Awaitable[Identified[Space_co] | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ class Identity:
     space: AddressSpace
     memory: Reader | None = None
     registers: Registers | None = None
-    again: Again[AddressSpace] | None = None
+    reread_mappings: RereadMappings[AddressSpace] | None = None
 
 
 class GuestIdentifier(Protocol[Space_co]):

@@ -338,14 +338,6 @@ class Btf:
         element, _index, count = self._unpack(_ARRAY, self._starts[record.id] + 12)
         return element, count
 
-    def int_encoding(self, type_id: int) -> tuple[bool, int, int]:
-        """(signed, bit offset, bits) of an INT type."""
-        record = self.resolve(type_id)
-        if record.kind is not Kind.INT:
-            raise KeyError(f"type {type_id} is a {record.kind.name}, not an int")
-        word = self._unpack(_U32, self._starts[record.id] + 12)[0]
-        return bool(word >> 24 & 1), (word >> 16) & 0xFF, word & 0xFF
-
     def enum_values(self, type_id: int) -> dict[str, int]:
         """The enumerators of an ENUM or ENUM64 type (signed when its kind_flag says so)."""
         record = self.resolve(type_id)

@@ -73,10 +73,6 @@ class KernelSymbols:
             i += 1
         return False
 
-    def addresses_of(self, name: str) -> list[int]:
-        """Every address a name has: static functions of the same name live in many files."""
-        return [a for a, n in zip(self.addrs, self.names, strict=True) if n == name]
-
     def text_symbols(self, module: str | None = None) -> list[Symbol]:
         """The text symbols of the kernel image (or of ``module``), one per address, sized to
         the next symbol; the last one has size 0."""

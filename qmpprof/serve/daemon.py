@@ -27,7 +27,7 @@ from qmpprof.errors import UsageError
 from qmpprof.interrupts import interrupts
 from qmpprof.naming import Naming
 from qmpprof.serve.config import VmSettings
-from qmpprof.serve.endpoints import Board, listen
+from qmpprof.serve.endpoints import ServeState, listen
 from qmpprof.serve.vm import Vm, in_thread
 from qmpprof.session import RunSpec, load
 
@@ -57,7 +57,7 @@ class ServeConfig:
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.board = Board(config.window, config.naming)
+        self.board = ServeState(config.window, config.naming)
         self.tasks: dict[str, tuple[Vm, asyncio.Future[None]]] = {}  # each in its thread
         self.leaving: set[asyncio.Future[None]] = set()  # dropped VMs finishing their tick
         self.stopping = asyncio.Event()

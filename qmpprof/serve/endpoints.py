@@ -27,7 +27,7 @@ from qmpprof.naming import Naming
 from qmpprof.output import render
 from qmpprof.profile import Profile
 from qmpprof.serve import views
-from qmpprof.serve.ring import Second, merge
+from qmpprof.serve.ring import SecondSlice, merge
 from qmpprof.serve.vm import FLUSH, Vm
 
 GRACE = 3 * FLUSH  # how long a profile request waits past its N seconds for the last second
@@ -40,7 +40,7 @@ class HttpError(Exception):
 
 
 @dataclass
-class Board:
+class ServeState:
     """What the handlers read: the VMs (a tuple the daemon replaces whole) and settings."""
 
     window: int
@@ -70,7 +70,7 @@ class Board:
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    board: Board  # set on the subclass serve() makes
+    board: ServeState  # set on the subclass serve() makes
     server_version = "qmpprof"
 
     def do_GET(self) -> None:
@@ -125,7 +125,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._profile(vm, picked, seconds), "pprof", self.board.naming
         )
 
-    def _profile(self, vm: Vm, picked: Sequence[Second], seconds: int) -> Profile:
+    def _profile(self, vm: Vm, picked: Sequence[SecondSlice], seconds: int) -> Profile:
         interval_ms = vm.interval * 1e3  # the one in force (a budget may have lengthened it)
         facts = {
             "guest": vm.name,
@@ -147,7 +147,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """One line per request is noise for a daemon polled every few seconds."""
 
 
-def _sealed(seconds: tuple[Second, ...], end: float) -> bool:
+def _sealed(seconds: tuple[SecondSlice, ...], end: float) -> bool:
     return bool(seconds) and seconds[-1].end >= end
 
 
@@ -162,7 +162,7 @@ class Server(http.server.ThreadingHTTPServer):
             print(f"qmpprof: http: {type(err).__name__}: {err}", file=sys.stderr)
 
 
-def listen(host: str, port: int, board: Board) -> Server:
+def listen(host: str, port: int, board: ServeState) -> Server:
     """A server bound now (so a busy port fails at start); ``serve_forever`` it in a thread."""
     handler = type("BoundHandler", (Handler,), {"board": board})
     return Server((host, port), handler)

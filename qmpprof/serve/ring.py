@@ -1,9 +1,9 @@
 """One VM's recent past, second by second, in bounded memory.
 
-Each ``Second`` holds what one second of sampling collected: counted stacks per vCPU, ticks,
+Each ``SecondSlice`` holds what one second of sampling collected: counted stacks per vCPU, ticks,
 pauses, errors. A ``Ring`` keeps the last ``window`` of them. A stack seen in many seconds is
 stored once (interned); when the last second holding it leaves the ring, it is dropped, so
-memory follows the window, never the uptime. A ``Second`` is immutable and the ring's tuple is
+memory follows the window, never the uptime. A ``SecondSlice`` is immutable and the ring's tuple is
 replaced whole, so the HTTP threads read a consistent snapshot without a lock; merging the
 seconds they took into a ``Profile`` happens in those threads, away from the sampling loop.
 """
@@ -22,7 +22,7 @@ StackKey = tuple[Process | None, Mode, StopReason, tuple[Frame, ...], str | None
 
 
 @dataclass(frozen=True, slots=True)
-class Second:
+class SecondSlice:
     """What one second (roughly: from ``start`` to ``end``, monotonic) of sampling gave."""
 
     start: float
@@ -66,7 +66,7 @@ class Ring:
         if window < 1:
             raise ValueError("the window must hold at least one second")
         self.window = window
-        self.seconds: tuple[Second, ...] = ()
+        self.seconds: tuple[SecondSlice, ...] = ()
         self._stacks: dict[StackKey, StackKey] = {}  # each stack once
         self._refs: Counter[StackKey] = Counter()  # how many entries of the ring hold it
 
@@ -79,7 +79,7 @@ class Ring:
         ticks: int,
         errors: int,
         pauses: Sequence[float],
-    ) -> Second:
+    ) -> SecondSlice:
         """Add the second ``profile`` collected; the oldest second leaves when the ring is
         full."""
         per_cpu = Counter(zip(profile.stack_of, profile.cpus_of, strict=True))
@@ -91,14 +91,14 @@ class Ring:
             key = self._stacks.setdefault(key, key)
             self._refs[key] += 1
             counts.append((key, cpu, count))
-        second = Second(start, end, tuple(counts), ticks, errors, tuple(pauses))
+        second = SecondSlice(start, end, tuple(counts), ticks, errors, tuple(pauses))
         kept = self.seconds[-(self.window - 1) :] if self.window > 1 else ()
         for gone in self.seconds[: len(self.seconds) - len(kept)]:
             self._release(gone)
         self.seconds = (*kept, second)
         return second
 
-    def _release(self, second: Second) -> None:
+    def _release(self, second: SecondSlice) -> None:
         for key, _, _ in second.counts:
             self._refs[key] -= 1
             if self._refs[key] <= 0:
@@ -110,12 +110,12 @@ class Ring:
         """Distinct stacks held."""
         return len(self._stacks)
 
-    def last(self, n: int) -> tuple[Second, ...]:
+    def last(self, n: int) -> tuple[SecondSlice, ...]:
         """The last ``n`` seconds (fewer when the ring holds fewer)."""
         return self.seconds[-n:] if n > 0 else ()
 
 
-def merge(seconds: Sequence[Second], interval_ms: float, facts: dict[str, str]) -> Profile:
+def merge(seconds: Sequence[SecondSlice], interval_ms: float, facts: dict[str, str]) -> Profile:
     """The seconds as one profile, for the writers."""
     out = Profile(interval_ms, dict(facts))
     if not seconds:

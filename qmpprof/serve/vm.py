@@ -35,7 +35,7 @@ from pathlib import Path
 from qmpprof import session
 from qmpprof.errors import ConnectError, QmpprofError
 from qmpprof.serve.config import read_beside
-from qmpprof.serve.ring import Ring, Second
+from qmpprof.serve.ring import Ring, SecondSlice
 from qmpprof.session import Run, RunSpec
 from qmpprof.stats import SamplerStats
 
@@ -55,7 +55,7 @@ class Live:
     stopped: float = 0.0
 
     @classmethod
-    def of(cls, seconds: tuple[Second, ...], now: float) -> Live:
+    def of(cls, seconds: tuple[SecondSlice, ...], now: float) -> Live:
         """From the seconds that ended in the last LIVE seconds before ``now``."""
         seconds = tuple(s for s in seconds if s.end >= now - LIVE)
         span = seconds[-1].end - seconds[0].start if seconds else 0.0
@@ -84,7 +84,6 @@ class Vm:
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
-        self.connects = 0
         self.samples_total = 0
         self.off_cpu_total = 0  # samples of tasks off CPU (--off-cpu)
         self.errors_total = 0
@@ -163,7 +162,6 @@ class Vm:
         self.interval = sampler.interval
         try:
             self._sampler = sampler
-            self.connects += 1
             self._since = time.monotonic()
             self.state, self.problem = "up", ""
             while not self._stopping.is_set():

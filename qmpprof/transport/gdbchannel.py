@@ -95,7 +95,7 @@ class Channel:
     def send(self, data: bytes) -> None:
         """Write ``data`` (framed packets or ``\\x03``) with the ack in front; no reply awaited."""
         if self._error is not None:
-            raise _again(self._error)
+            raise _fresh_copy(self._error)
         self._writer.write(self._ack + data)
 
     async def request(
@@ -177,7 +177,7 @@ class Channel:
         self._error = err
         for request in self._pending:
             if not request.future.done():
-                request.future.set_exception(_again(err))
+                request.future.set_exception(_fresh_copy(err))
         self._pending.clear()
 
     def _dispatch(self, reply: bytes) -> None:
@@ -226,7 +226,7 @@ def _thread_of(spelled: bytes) -> int | None:
         return None
 
 
-def _again(err: QmpprofError) -> QmpprofError:
+def _fresh_copy(err: QmpprofError) -> QmpprofError:
     """A fresh exception like ``err`` for each caller (one object raised twice grows its
     traceback)."""
     if isinstance(err, GuestGoneError):

@@ -311,7 +311,7 @@ async def _undo(
         await channel.hmp("gdbserver none")
         removed = True
 
-    async def again() -> None:
+    async def over_a_new_connection() -> None:
         channel = await qmp.reconnect(timeout=timeout)
         try:
             await remove_stub(channel)
@@ -331,7 +331,7 @@ async def _undo(
     try:
         await _finish(steps, timeout)
         if not removed and listening(directory.socket):
-            await _finish([again()], timeout)
+            await _finish([over_a_new_connection()], timeout)
     finally:
         if removed or not listening(directory.socket):
             directory.remove()

@@ -23,7 +23,7 @@ from qmpprof.guest.linux.image import kernel_module
 from qmpprof.guest.linux.kernelmemory import KernelTables, beyond_user_mode, kernel_root
 from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
 from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
-from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
+from qmpprof.guest.linux.offcpu import OffCpuLayout, TaskListReader, read_states
 from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
 from qmpprof.guest.linux.slide import find_slide
 from qmpprof.guest.linux.spaces import Spaces
@@ -146,7 +146,7 @@ class LinuxGuest:
         self.clock = clock
         self.layouts = Layouts.of(kernel)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
-        self.census: Census | str = "not attached"  # every task, or why not
+        self.task_reader: TaskListReader | str = "not attached"  # every task, or why not
         self.kernel_tables: KernelTables | None = None  # arm64: for vmalloc'd stacks at EL0
 
     async def attach(self, transport: GuestTransport) -> Attached:
@@ -248,7 +248,7 @@ class LinuxGuest:
             seen = beyond_user_mode(control, cpus, linear)
             root = await kernel_root(seen, kernel, slide, layouts.vmas.pgd)
             self.kernel_tables = None if root is None else KernelTables(spaces.tables, root)
-        self.census = await self._census(
+        self.task_reader = await self._task_reader(
             beyond_user_mode(control, cpus, linear, self.kernel_tables), slide, current, spaces
         )
         names = ", ".join(m.name for m in modules[1:]) or "none"
@@ -266,9 +266,9 @@ class LinuxGuest:
             notes += checks.notes
         return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
 
-    async def _census(
+    async def _task_reader(
         self, read: Reader, slide: int, current: CurrentTask | None, spaces: Spaces
-    ) -> Census | str:
+    ) -> TaskListReader | str:
         """What reading every task takes, or why this kernel does not allow it."""
         layouts, kernel = self.layouts, self.kernel
         if isinstance(layouts.offcpu, str):
@@ -279,7 +279,7 @@ class LinuxGuest:
         states = None if array is None else await read_states(read, array + slide, self.arch)
         if states is None:
             return "no task_state_array in its symbols, or not as /proc shows it"
-        return Census(
+        return TaskListReader(
             init_task + slide,
             layouts.tasks,
             layouts.offcpu,
@@ -291,17 +291,17 @@ class LinuxGuest:
         )
 
     async def every_task(self, transport: GuestTransport) -> Sequence[FoundTask]:
-        if isinstance(self.census, str):
-            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
-        return await self.census.every_task(await self._kernel_memory(transport))
+        if isinstance(self.task_reader, str):
+            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.task_reader}")
+        return await self.task_reader.every_task(await self._kernel_memory(transport))
 
     async def versions(
         self, transport: GuestTransport, tasks: Sequence[FoundTask]
     ) -> list[tuple[int, ...] | None]:
-        if isinstance(self.census, str):
-            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.census}")
+        if isinstance(self.task_reader, str):
+            raise UsageError(f"{self.kernel.path}: cannot read every task: {self.task_reader}")
         read = await self._kernel_memory(transport)
-        return await self.census.versions(read, [t.at for t in tasks])
+        return await self.task_reader.versions(read, [t.at for t in tasks])
 
     async def _kernel_memory(self, transport: GuestTransport) -> Reader:
         """Kernel memory through the vCPUs in turn, then what none of them mapped (each in user

@@ -288,10 +288,13 @@ class LinuxIdentifier:
         if seen.task is None or identity is self.kernel or self.spaces is None:
             return identity
         return dataclasses.replace(
-            identity, again=functools.partial(self._again, read, task, seen.task, regs, identity)
+            identity,
+            reread_mappings=functools.partial(
+                self._reread_mappings, read, task, seen.task, regs, identity
+            ),
         )
 
-    async def _again(
+    async def _reread_mappings(
         self,
         read: Reader,
         at: int,
@@ -320,7 +323,7 @@ class LinuxIdentifier:
             return None
         self.tasks.put(at, task, Identity(task.process, space))
         through = identity.memory if memory is None else self._through(read, memory)
-        return dataclasses.replace(identity, space=space, memory=through, again=None)
+        return dataclasses.replace(identity, space=space, memory=through, reread_mappings=None)
 
     async def _stack_owner(
         self, read: Reader, regs: Registers, current: int, size: int

@@ -148,7 +148,7 @@ async def threads(read: Reader, leaders: Sequence[int], layout: OffCpuLayout) ->
 
 
 @dataclass(frozen=True, slots=True)
-class Census:
+class TaskListReader:
     """What reading every task of a stopped guest takes, put together when attached."""
 
     init_task: int
