@@ -3,6 +3,7 @@ that fail unbroken), and its own table checked against today's code."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ CAUGHT = _mutation("add-subtracts", "calc.py", "a + b", "a - b")
 UNTESTED = _mutation("twice-thrice", "calc.py", "2 * x", "3 * x")
 MOVED = _mutation("add-moved", "calc.py", "a += b", "a -= b")
 GONE = _mutation("file-gone", "sums.py", "a + b", "a - b")
+UNIMPORTABLE = _mutation("add-unparsed", "calc.py", "a + b", "a +")
 
 
 def _tree(tmp_path: Path, table: str, test: str = TEST) -> list[str]:
@@ -52,15 +54,18 @@ def _tree(tmp_path: Path, table: str, test: str = TEST) -> list[str]:
 def test_each_mutation_is_reported_and_any_uncaught_or_stale_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = _tree(tmp_path, "\n".join([CAUGHT, UNTESTED, MOVED, GONE]))
+    args = _tree(tmp_path, "\n".join([CAUGHT, UNTESTED, MOVED, GONE, UNIMPORTABLE]))
     assert mutate.main(args) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:5] == [
+    assert re.fullmatch(
+        r"add-unparsed   ERROR: pytest exit [2-4]: ERROR tests/test_calc.py.*", lines[4]
+    )
+    assert lines[:4] + lines[5:6] == [
         "add-subtracts  caught by tests/test_calc.py::test_add",
-        "twice-thrice   NOT CAUGHT by tests/test_calc.py::test_add",
+        "twice-thrice   NOT CAUGHT (ran tests/test_calc.py::test_add)",
         "add-moved      STALE: its old text is in calc.py 0 times",
         "file-gone      STALE: sums.py does not exist",
-        "4 mutations: 1 caught, 3 not",
+        "5 mutations: 1 caught, 4 not",
     ]
     # The tree mutated was a copy: the original is as it was.
     assert (tmp_path / "root" / "calc.py").read_text() == CODE
@@ -75,6 +80,13 @@ def test_a_stale_mutation_alone_fails_the_run(
         "add-moved  STALE: its old text is in calc.py 0 times",
         "1 mutations: 0 caught, 1 not",
     ]
+
+
+def test_a_table_that_is_not_one_is_said_so(tmp_path: Path) -> None:
+    args = _tree(tmp_path, CAUGHT.replace("tests =", "test ="))
+    with pytest.raises(SystemExit) as exit_:
+        mutate.main(args)
+    assert exit_.value.code == 2
 
 
 def test_tests_that_fail_unbroken_prove_nothing(

@@ -63,7 +63,7 @@ class Verdict:
         if self.problem:
             return f"{name}  {self.problem}"
         if not self.caught_by:
-            return f"{name}  NOT CAUGHT by {' '.join(self.mutation.tests)}"
+            return f"{name}  NOT CAUGHT (ran {', '.join(self.mutation.tests)})"
         return f"{name}  caught by {', '.join(self.caught_by)}"
 
 
@@ -173,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, default=TABLE, help="the mutations' TOML file")
     parser.add_argument("--root", type=Path, default=ROOT, help="the tree to copy and mutate")
     args = parser.parse_args(argv)
-    mutations = load(args.table)
+    try:
+        mutations = load(args.table)
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as err:
+        parser.error(f"{args.table}: not a table of mutations ({type(err).__name__}: {err})")
     unknown = set(args.names) - {m.name for m in mutations}
     if unknown:
         parser.error(f"no mutation named {', '.join(sorted(unknown))}")
