@@ -104,14 +104,15 @@ def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:
 
 
 def recording_checkout(tmp_path: Path) -> tuple[Path, Path]:
-    """scripts/demo, scripts/test and .ci/run as they are, beside a scripts/setup and a
-    .venv/bin/{qmpprof,pytest} that only write their name and arguments to a log."""
+    """scripts/demo, scripts/test and .ci/run as they are, beside a scripts/setup, a
+    scripts/mutate and a .venv/bin/{qmpprof,pytest} that only write their name and arguments to
+    a log."""
     copy, log = tmp_path / "checkout", tmp_path / "calls.log"
     for name in ("scripts/demo", "scripts/test", ".ci/run"):
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, copy / name)
     (copy / ".venv" / "bin").mkdir(parents=True)
-    for name in ("scripts/setup", ".venv/bin/qmpprof", ".venv/bin/pytest"):
+    for name in ("scripts/setup", "scripts/mutate", ".venv/bin/qmpprof", ".venv/bin/pytest"):
         stub = copy / name
         stub.write_text(f'#!/bin/sh\necho "{stub.name} $*" >>{log}\n')
         stub.chmod(0o755)
@@ -125,13 +126,15 @@ def test_the_readme_commands_set_up_what_they_say(tmp_path: Path) -> None:
     assert commands == ["./scripts/demo", "./scripts/test"]
     assert "`scripts/setup demo`" in readme and "`./scripts/test` sets up everything" in readme
     copy, log = recording_checkout(tmp_path)
-    for command in [*commands, ".ci/run"]:
-        done = subprocess.run([copy / command], cwd=copy, timeout=60, check=False)
-        assert done.returncode == 0, command
+    runs = [[command] for command in [*commands, ".ci/run"]] + [["./scripts/test", "-k", "x"]]
+    for argv in runs:
+        done = subprocess.run([copy / argv[0], *argv[1:]], cwd=copy, timeout=60, check=False)
+        assert done.returncode == 0, argv
     assert log.read_text().splitlines() == [
         "setup demo", "qmpprof demo",  # ./scripts/demo
-        "setup ", "pytest -ra",  # ./scripts/test
-        "setup ", "pytest -ra",  # .ci/run: the same as ./scripts/test
+        "setup ", "pytest -ra", "mutate ",  # ./scripts/test: the mutation check after the tests
+        "setup ", "pytest -ra", "mutate ",  # .ci/run: the same as ./scripts/test
+        "setup ", "pytest -ra -k x",  # ./scripts/test with tests chosen: no mutation check
     ]  # fmt: skip
 
 

@@ -5,6 +5,7 @@ memsave file, QMP over TCP, the memsave fallback and QEMU going away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import stat
@@ -13,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from guestvm import running_guest
@@ -131,6 +133,51 @@ async def test_silent_server_times_out(tmp_path: Path) -> None:
         for writer in writers:
             writer.close()
             await writer.wait_closed()
+
+
+async def _json_messages(reader: asyncio.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """What a QMP client sends: JSON objects back to back, no separator needed."""
+    decoder, pending = json.JSONDecoder(), ""
+    while chunk := await reader.read(4096):
+        pending += chunk.decode()
+        while pending.strip():
+            try:
+                message, end = decoder.raw_decode(pending.lstrip())
+            except json.JSONDecodeError:
+                break
+            pending = pending.lstrip()[end:]
+            yield message
+
+
+async def test_each_vcpus_registers_are_asked_of_that_vcpu(tmp_path: Path) -> None:
+    """A scripted QEMU that answers ``info registers`` for the vCPU the command names, from a
+    capture of QEMU 7.2's text (its ``CPU#N`` header says which vCPU it is)."""
+    data = Path(__file__).parent / "data" / "hmp" / "seabios-protmode-cpu0.txt"
+    block = data.read_bytes().decode()
+    asked: list[object] = []
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'{"QMP": {"version": {"qemu": {"major": 7}}, "capabilities": []}}\r\n')
+        async for message in _json_messages(reader):
+            args = message.get("arguments", {})
+            answer: object = {"arch": "x86_64"} if message["execute"] == "query-target" else {}
+            if message["execute"] == "human-monitor-command":
+                asked.append(args.get("cpu-index"))
+                answer = block.replace("CPU#0", f"CPU#{args.get('cpu-index')}")
+            reply = {"return": answer, "id": message.get("id")}
+            writer.write(json.dumps(reply).encode() + b"\r\n")
+        writer.close()
+
+    path = tmp_path / "scripted.sock"
+    server = await asyncio.start_unix_server(talk, path)
+    async with server:
+        transport = await QmpTransport.connect(path, timeout=2)
+        try:
+            regs = [await transport.registers(cpu) for cpu in (1, 0, 2)]
+        finally:
+            await transport.close()
+    assert asked == [1, 0, 2]
+    assert [r.cpu for r in regs] == [1, 0, 2]
 
 
 @pytest.mark.qemu

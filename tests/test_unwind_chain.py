@@ -426,6 +426,19 @@ def test_i386_frame_pointers_walk_4_byte_words() -> None:
     assert Unwinder(X86_64).unwind(r, mem, AddressSpace([])).pcs == (0x401100,)
 
 
+def test_i386_user_space_ends_at_the_3_gib_split_to_the_page() -> None:
+    """Code in the last page below 0xc0000000 is user code a user frame returns to; one in the
+    first page above is the kernel's, which user code never returns into."""
+    r = x86(0, 0x401100, 0x7FF000, 0x7FF010, cpl=3, cr3=0, long_mode=False)
+    for caller, pcs, stop in (
+        (0xBFFF_F100, (0x401100, 0xBFFF_F100, 0x401300), StopReason.END),
+        (0xC000_0100, (0x401100,), StopReason.BAD_RETURN),
+    ):
+        words = {0x7FF010: 0x7FF020, 0x7FF014: caller, 0x7FF020: 0, 0x7FF024: 0x401300}
+        raw = Unwinder(I386).unwind(r, _memory32(words), AddressSpace([]))
+        assert (raw.pcs, raw.stop) == (pcs, stop)
+
+
 def test_an_i386_trap_frame_is_told_from_a_plain_return_address() -> None:
     """i386: after the EIP slot, a user CS and EFLAGS (4 bytes each), then the user ESP."""
 
