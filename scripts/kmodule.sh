@@ -25,9 +25,14 @@ module_tree() {
 # module_build TREE FOLDER [MAKE_ARG...]: the module's source copied into FOLDER and built against
 # TREE (make's output in FOLDER.log); FOLDER/qmpprof_burn.ko keeps its symbols.
 module_build() {
-    local tree=$1 folder=$2
-    shift 2
+    module_build_from fixtures/linux-guest/module "$@"
+}
+
+# module_build_from SOURCE TREE FOLDER [MAKE_ARG...]: module_build of another module's source.
+module_build_from() {
+    local source=$1 tree=$2 folder=$3
+    shift 3
     rm -rf "$folder"
-    cp -r fixtures/linux-guest/module "$folder"
+    cp -r "$source" "$folder"
     make -s -C "$tree" M="$PWD/$folder" "$@" modules >"$folder.log" 2>&1
 }

@@ -439,7 +439,8 @@ def qmpprof_text(rng: random.Random, doc: dict[str, object]) -> bytes:
 def test_damaged_qmpprof_files(version: int, tmp_path: Path) -> None:
     """A run's .qmpprof (version 1: stacks of four fields; 2: a state off CPU), damaged as
     JSON values (odd numbers, types, lone surrogates, lists cut or repeated), as bytes, nested
-    deep, or packed after white space, then reported as ``report`` and ``diff`` do."""
+    deep, or packed with white space before or in it, then reported as ``report`` and ``diff``
+    do."""
     doc = json.loads(gzip.decompress(render(off_cpu_profile(), "qmpprof")))
     if version == 1:
         doc["version"] = 1
@@ -448,8 +449,9 @@ def test_damaged_qmpprof_files(version: int, tmp_path: Path) -> None:
     path = tmp_path / "run.qmpprof"
     for _ in range(1000):
         text = qmpprof_text(cases.rng, doc)
-        if cases.rng.randrange(50) == 0:
-            text = b" " * (8 << 20) + text  # unpacked but not kept
+        if cases.rng.randrange(50) == 0:  # unpacked but not kept: before the JSON or in it
+            at = cases.rng.choice((0, cases.rng.randrange(len(text))))
+            text = text[:at] + b" " * (8 << 20) + text[at:]
         path.write_bytes(gzip.compress(text, mtime=0))
         cases.run(lambda: report(path))
     cases.verdict(1000, deep=600)
@@ -543,6 +545,29 @@ def test_white_space_before_a_profile_is_unpacked_not_kept(tmp_path: Path) -> No
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    assert list(again.timeline()) == list(profile.timeline())
+    assert peak < 16 << 20
+
+
+def test_white_space_in_a_profile_is_unpacked_not_kept(tmp_path: Path) -> None:
+    """A .qmpprof written with a newline and indent before every value, 64 MiB of spaces
+    inside its samples and a fact whose spaces, tab and quotes are its own: it loads the same
+    as it was written (the fact's white space kept), and the load's peak stays near the 4 MiB
+    pieces it unpacks."""
+    profile = off_cpu_profile()
+    profile.facts["note"] = 'two  spaces,\ta tab, " a quote, \\ a backslash'
+    doc = json.loads(gzip.decompress(render(profile, "qmpprof")))
+    head, tail = json.dumps(doc, indent=2, ensure_ascii=False).split('"samples": {', 1)
+    text = f'{head}"samples": {{{" " * (64 << 20)}\n{tail}'.encode()
+    path = tmp_path / "run.qmpprof"
+    path.write_bytes(gzip.compress(text, mtime=0))
+    tracemalloc.start()
+    try:
+        again = native.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert again.facts == profile.facts
     assert list(again.timeline()) == list(profile.timeline())
     assert peak < 16 << 20
 

@@ -178,3 +178,19 @@ def test_a_version_1_file_written_by_hand_still_loads(tmp_path: Path) -> None:
     assert [s.state for s in again.stacks] == [None] and list(again.cpus_of) == [0, 1]
     written = json.loads(gzip.decompress(render(again, "qmpprof")))
     assert written["version"] == native.VERSION == 2
+
+
+SPACED = {"a b": ['x " y\\', "\\\\", 'q\\"', "\\\\\\ ", 1.5, {"  k ": " v\t "}], "é": [" "] * 3}
+
+
+def test_white_space_is_taken_out_of_json_wherever_its_pieces_are_cut() -> None:
+    """Indented JSON whose strings hold spaces, a tab, quotes and runs of backslashes, cut into
+    two pieces at every byte and three at every fourth: squeezed, it is always the compact text
+    (nothing of a string lost, nothing between values kept)."""
+    text = json.dumps(SPACED, indent=3, ensure_ascii=False).encode()
+    compact = json.dumps(SPACED, separators=(",", ":"), ensure_ascii=False).encode()
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1, 4)]
+    for i, j in cuts:
+        squeeze = native._Squeeze()
+        pieces = [squeeze.feed(p) for p in (text[:i], text[i:j], text[j:])]
+        assert b"".join(pieces) + squeeze.held == compact, (i, j)

@@ -28,10 +28,17 @@ KIND = "qmpprof-profile"
 VERSION = 2
 READS = (1, 2)
 MAX_PROFILE = 4 << 30  # a profile unpacked: larger is damage (~16 bytes a sample: 250 million)
-MAX_UNPACKED = 2 * MAX_PROFILE  # white space before a JSON text is unpacked but not kept
+MAX_UNPACKED = 2 * MAX_PROFILE  # white space in a JSON text is unpacked but not kept
 MAX_STRING = 1 << 16  # characters of a name, path or fact
+_MAX_BACKSLASHES = 2 * MAX_STRING  # in a row: a string of MAX_STRING of them, each escaped
 _PIECE = 1 << 22  # bytes unpacked at a time
 _SPACE = b" \t\r\n"
+_SPACES = (b" ", b"\n", b"\t", b"\r")
+# A JSON string, or white space outside one: replaced by the string (group 1) or nothing. A
+# string runs to the end of the text when it is not closed there (held over to the next piece,
+# or damage the JSON reader refuses), so that no quote is tried twice.
+_STRING_OR_SPACE = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z))|[ \t\r\n]+', re.DOTALL)
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _U64 = 1 << 64
 _I64 = 1 << 63
 _MAX_INTERVAL_MS = 60_000.0  # a minute: an interval times 2**27 samples stays an int64 of ns
@@ -228,9 +235,11 @@ def _text(value: object) -> str:
 
 def _gunzip(raw: bytes) -> bytes:
     """The gzip member in ``raw`` unpacked, in pieces: a JSON text without the white space
-    before it, a pprof as it is; at most MAX_PROFILE bytes kept, MAX_UNPACKED unpacked."""
+    between its tokens (what is kept is what the profile holds), a pprof as it is; at most
+    MAX_PROFILE bytes kept, MAX_UNPACKED unpacked."""
     unpacker = zlib.decompressobj(16 + zlib.MAX_WBITS)
     kept: list[bytes] = []
+    squeeze: _Squeeze | None = None
     size = unpacked = skipped = 0
     pending = raw
     while not unpacker.eof:
@@ -239,20 +248,55 @@ def _gunzip(raw: bytes) -> bytes:
         if not piece and not pending:
             raise EOFError("the gzip stream ends early")
         unpacked += len(piece)
-        if not kept:
+        if not kept and squeeze is None:
             rest = piece.lstrip(_SPACE)
             if rest and rest[:1] != b"{":  # a pprof, whose first bytes may be these
                 if skipped:
                     raise ValueError(f"{skipped} bytes of white space, then no JSON")
                 rest = piece
+            elif rest:
+                squeeze = _Squeeze()
             skipped += len(piece) - len(rest)
             piece = rest
+        if squeeze is not None:
+            piece = squeeze.feed(piece)
         if piece:
             kept.append(piece)
             size += len(piece)
         if size > MAX_PROFILE or unpacked > MAX_UNPACKED:
             raise ValueError(f"unpacks to more than {MAX_PROFILE >> 20} MiB")
+    if squeeze is not None:
+        kept.append(squeeze.held)  # backslashes at the very end: the JSON reader refuses them
     return b"".join(kept)
+
+
+class _Squeeze:
+    """A JSON text fed in pieces, given back without the white space outside its strings.
+    Between pieces it keeps whether a string is open, and holds back a run of backslashes
+    the end of a piece cuts (at most _MAX_BACKSLASHES: longer is damage)."""
+
+    def __init__(self) -> None:
+        self.held = b""
+        self._open = False
+
+    def feed(self, piece: bytes) -> bytes:
+        text, self.held = self.held + piece, b""
+        if text.endswith(b"\\"):  # it may escape the next piece's first byte
+            kept = len(text.rstrip(b"\\"))
+            text, self.held = text[:kept], text[kept:]
+            if len(self.held) > _MAX_BACKSLASHES:
+                raise ValueError(f"a run of {len(self.held)} backslashes")
+        was_open = self._open
+        # Each quote left once the escapes are gone opens or closes a string.
+        self._open ^= _ESCAPE.sub(b"", text).count(b'"') % 2 == 1
+        if not any(space in text for space in _SPACES):
+            return text  # nothing to take out (qmpprof writes none outside strings)
+        if b'"' not in text:  # all in one string, or all between two
+            return text if was_open else text.translate(None, _SPACE)
+        if not was_open:
+            return _STRING_OR_SPACE.sub(rb"\1", text)
+        # The string the last piece left open goes on: the regex is told by its quote.
+        return _STRING_OR_SPACE.sub(rb"\1", b'"' + text)[1:]
 
 
 def _str(value: object) -> str | None:

@@ -40,6 +40,10 @@ _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
 _INVALID_ADDR = "Invalid addr"
 _SHM = "/dev/shm"
 _MARK_WITHIN = 1.0  # seconds the end of a run gives the removal of its mark
+# memsaves in flight at once, each with a file of its own: a read of thousands of ranges (a
+# process's 65,530 mappings) waits for a free file rather than opening one per range, and QEMU
+# answers one command at a time anyway.
+MEMSAVES_AT_ONCE = 32
 
 
 class QmpTransport:
@@ -64,6 +68,7 @@ class QmpTransport:
         # One file per read in flight (reads are pipelined), reused: free files wait here.
         self._free_dumps: list[tuple[str, int]] = []
         self._all_dumps: list[int] = []
+        self._dump_slots = asyncio.Semaphore(MEMSAVES_AT_ONCE)
         # tmpfs when there is one: on ext4, rewriting a truncated file costs QEMU ~0.3 ms more
         # per memsave (the close flushes it). None: the ordinary temp directory.
         self._dump_root: str | None = _SHM if os.access(_SHM, os.W_OK) else None
@@ -222,7 +227,8 @@ class QmpTransport:
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         if self.memory == "memsave":
             try:
-                return await self._memsave(cpu, addr, size)
+                async with self._dump_slots:
+                    return await self._memsave(cpu, addr, size)
             except _MemsaveUnusable as err:
                 if not self._auto:
                     raise TransportError(f"memsave cannot be used: {err}") from err
@@ -297,7 +303,10 @@ class QmpTransport:
         if self._dump_dir is None:
             self._dump_dir = tempfile.mkdtemp(prefix="qmpprof-", dir=self._dump_root)  # 0700
         path = os.path.join(self._dump_dir, f"memsave-{len(self._all_dumps)}.bin")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as err:  # out of descriptors, say: the monitor's x needs none
+            raise _MemsaveUnusable(f"cannot open {path}: {err.strerror or err}") from err
         self._all_dumps.append(fd)
         return path, fd
 

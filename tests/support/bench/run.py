@@ -23,6 +23,7 @@ from qmpprof.session import RunSpec
 from support.bench import report
 from support.bench.aarch64run import aarch64_run
 from support.bench.guest import Fixture, Guest, boot
+from support.bench.linuxbig import linux_big
 from support.bench.linuxchurn import linux_churn
 from support.bench.linuxoffcpu import linux_offcpu
 from support.bench.linuxrun import linux_run
@@ -295,6 +296,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
         linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
         linux.update(await aarch64_run(2 * cfg.duration, log))
         linux.update(await linux_offcpu(ROOT, cfg.duration, log))
+        linux.update(await linux_big(ROOT, cfg.duration, log))
     result: dict[str, object] = {
         "machine": {**report.machine(), "loadavg_start": load_start, "loadavg_end": _load()},
         "config": {
