@@ -128,3 +128,23 @@ def compare_tasks(
             )
         )
     return found
+
+
+def kernel_mode_ticks(before: list[tuple[int, ...]], after: list[tuple[int, ...]]) -> PhaseCount:
+    """The guest's ticks from ``before`` to ``after`` as (user mode, kernel mode): a kernel
+    thread's all kernel, a program's phase kernel where its functions run on the system call
+    path (expected.json), the rest user."""
+    shape = expected()
+    path = set(shape["syscall_path"])
+    user = kernel = 0
+    for spec in shape["programs"].values():
+        in_kernel = {p for f, p in spec["phases"].items() if f in path}
+        for row in spec["phase_rows"]:
+            for phase in range(PHASES):
+                ticks = after[row][phase] - before[row][phase]
+                kernel, user = (
+                    (kernel + ticks, user) if phase in in_kernel else (kernel, user + ticks)
+                )
+    for spec in shape["kernel_threads"].values():
+        kernel += sum(sum(after[row]) - sum(before[row]) for row in spec["phase_rows"])
+    return PhaseCount((user, kernel))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
-from guestphases import compare_tasks, read_phase_ticks
+from guestphases import bound, compare_tasks, kernel_mode_ticks, read_phase_ticks
 from guestvm import Guest, expected, free_tcp_port, running_guest
 from qemus import every_qemu
 
@@ -206,8 +206,10 @@ def test_mode_filters_keep_only_what_was_asked(
 ) -> None:
     out = tmp_path / "mode.folded"
     with running_guest(tmp_path) as guest:
-        args = cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "1.5")
+        args = cli_args(guest, "--user-dir", str(guest.user_dir), "--duration", "3")
+        before = read_phase_ticks(guest)
         rc = main([*args, flag, "-o", str(out)])
+        modes = kernel_mode_ticks(before, read_phase_ticks(guest))
     err = capsys.readouterr().err
     assert rc == 0
     stacks = folded.parse(out.read_text())
@@ -216,7 +218,13 @@ def test_mode_filters_keep_only_what_was_asked(
     counts = re.search(r"Samples: (\d+)  Errors: (\d+)  Truncated: \d+  Filtered: (\d+)", err)
     assert counts is not None
     assert int(counts.group(1)) == kept and int(counts.group(2)) == 0
-    assert int(counts.group(3)) > 10  # the guest runs both: each filter drops a good share
+    # The share kept is the share of the guest's ticks in the mode asked, as its timer found.
+    mode = 1 if flag == "--kernel-only" else 0
+    share, samples = kept / (kept + int(counts.group(3))), kept + int(counts.group(3))
+    room = bound(modes.share(mode), modes.total, samples)
+    print(f"{flag}: kept {share:.3f} of {samples}, the guest {modes.share(mode):.3f} of"
+          f" {modes.total} ticks (bound {room:.3f})")  # fmt: skip
+    assert abs(share - modes.share(mode)) <= room
     processes = {f"{p} (pid {pid})" for p in ("spin", "sys") for pid in (1, 2, 3)}
     if flag == "--kernel-only":
         # Kernel samples only, user frames cut; in a process's context its label is the root.
