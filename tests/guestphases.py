@@ -23,7 +23,9 @@ from qemu.qmp import QMPClient
 
 ROWS = 4  # PHASE_ROWS: a row per pid (spin 1 and 2, sys 3), kworker's row 0
 PHASES = 3  # PHASES: 0 between the two parts, 1 the first, 2 the second
-# A z of 4.5: a false alarm about once in 150,000 comparisons (some 50 per run of the files).
+# A z of 4.5: a false alarm about once in 150,000 comparisons (some 50 per run of the files)
+# were the samples independent; samples a few ms apart are not quite (a phase lasts a few ms
+# of guest time), which the high z leaves room for.
 Z = 4.5
 # Time counted in a phase but not in its function, or the other way round: the stores around
 # each call, the system call's gate and return (entry_syscall+0 held under 1 % of sys's samples,
