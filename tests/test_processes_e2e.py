@@ -1,13 +1,16 @@
-"""User processes end to end: every process under its own name and pid, the workload's known
-split between functions, and syscall-path samples stitched onto the calling user frames."""
+"""User processes end to end: every process under its own name and pid, the workload's split
+between functions as the guest itself counted it in the same run (tests/guestphases.py), and
+syscall-path samples stitched onto the calling user frames."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from typing import Any
 
 import pytest
+from guestphases import compare_split, read_phase_ticks, ticks_between
 from guestvm import expected, running_guest
 from qemus import every_qemu
 
@@ -16,19 +19,18 @@ from qmpprof.output.folded import parse
 pytestmark = [pytest.mark.qemu, every_qemu]
 
 K = "_[k]"
-TOLERANCE = 0.05  # the issue's +-5 percentage points
+TOLERANCE = 0.05  # the issue's +-5 percentage points: a share every stack has (1.0)
 
 
 Stacks = list[tuple[tuple[str, ...], int]]
+Ticks = list[tuple[int, ...]]
 _profiles: dict[str, Stacks] = {}
+_ticks: dict[str, tuple[Ticks, Ticks]] = {}
 
 
 def profile(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Stacks:
-    """One long run per variant, shared by the tests of this file.
-
-    About 5000 ticks: a program with a quarter of the time gets ~1250 samples, so the binomial
-    noise of a share is ~1.4 points and the +-5 point tolerance is 3.5 sigma.
-    """
+    """One long run per variant, shared by the tests of this file; the guest's phase ticks
+    read before and after it go to ``_ticks``."""
     if variant not in _profiles:
         tmp_path = tmp_path_factory.mktemp(f"processes-{variant}")
         out = tmp_path / f"{variant}.folded"
@@ -41,7 +43,9 @@ def profile(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Stacks:
                 "--interval", "2", "--duration", "10", "--jitter", "0.5",
                 "-o", str(out),
             ]  # fmt: skip
+            before = read_phase_ticks(guest)
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            _ticks[variant] = before, read_phase_ticks(guest)
         assert done.returncode == 0, done.stderr
         print(done.stderr)
         _profiles[variant] = parse(out.read_text())
@@ -68,7 +72,7 @@ def program_of(root: str) -> str:
 
 
 @pytest.mark.parametrize("variant", ["cfi", "fp"])
-def test_processes_are_named_and_the_known_split_is_measured(
+def test_processes_are_named_and_the_split_is_the_guests(
     tmp_path_factory: pytest.TempPathFactory, variant: str
 ) -> None:
     stacks = profile(tmp_path_factory, variant)
@@ -80,19 +84,33 @@ def test_processes_are_named_and_the_known_split_is_measured(
             assert f"{program} (pid {pid})" in roots, sorted(roots)
     assert "kernel" in roots  # the kernel thread has no process
 
-    report = []
+    lines = split_against_guest(shape, by_root, *_ticks[variant], variant)
+    print("\n".join(line for line, _ in lines))
+    assert all(held for _, held in lines), "\n".join(line for line, _ in lines)
+
+
+def split_against_guest(
+    shape: dict[str, Any], by_root: dict[str, Counter[str]], before: Ticks, after: Ticks, label: str
+) -> list[tuple[str, bool]]:
+    """Each program's shares in the profile: a function every stack holds at 1.0 within
+    TOLERANCE, a function of a phase against the guest's ticks in that phase between
+    ``before`` and ``after`` (guestphases.compare_split)."""
+    lines = []
     for program, spec in [*shape["programs"].items(), *shape["kernel_threads"].items()]:
         counts: Counter[str] = Counter()
         for root, found in by_root.items():
             if program_of(root) == program or (root == "kernel" and program in spec_roots(shape)):
                 counts.update(found)
         total = counts["__samples__"]
-        assert total >= 100, f"{program}: only {total} samples"
+        assert total >= 100, f"{label} {program}: only {total} samples"
         for function, share in spec["shares"].items():
-            measured = counts[function] / total
-            report.append(f"{variant} {program}.{function}: {measured:.3f} vs {share:.3f}")
-            assert abs(measured - share) <= TOLERANCE, "\n".join(report)
-    print("\n".join(report))
+            if function not in spec["phases"]:
+                measured = counts[function] / total
+                line = f"{label} {program}.{function}: {measured:.3f} vs {share:.3f}"
+                lines.append((line, abs(measured - share) <= TOLERANCE))
+        guest = ticks_between(before, after, spec["phase_rows"])
+        lines += compare_split(f"{label} {program}", spec, counts, guest)
+    return lines
 
 
 def spec_roots(shape: dict[str, object]) -> set[str]:
