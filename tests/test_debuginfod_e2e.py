@@ -1,0 +1,219 @@
+"""debuginfod end to end: elfutils' own server (Debian's ``debuginfod``) on localhost, indexing
+the -dbg vmlinux files the tests fetch, and a Linux test guest profiled from its vmlinuz alone
+with ``--lines``: qmpprof fetches the kernel's debug file by the build-id its image carries.
+
+Truth from outside qmpprof: binutils' ``addr2line -i`` on the local -dbg vmlinux, for every
+kernel frame of the run (its function's inline chain and file:line). Then a second run finds
+the file in the client's cache (the server's request counter does not move); and servers that
+hang or lack the file give one line and a run without source lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from guestvm import free_tcp_port
+from linuxkernel import linux_dir
+from linuxvm import running_linux_guest
+
+from qmpprof.elf.image import ElfImage
+from qmpprof.model import Frame
+from qmpprof.output import native
+
+pytestmark = [pytest.mark.qemu, pytest.mark.linux]
+
+SERIES = ("6.12", "7")  # the issue's: a stable kernel and unstable's newest
+START = 120.0  # the server's start and first scan, on a loaded host
+# Of kernel pcs: the same inline chain and lines as addr2line's (the issue's figure). Seen on
+# 6.12: 264 of 265; the one apart, a pc in page_alloc.c where the two read different rows.
+AGREE = 0.99
+
+
+@dataclass
+class Server:
+    url: str
+    folder: Path
+
+    def debuginfo_requests(self) -> int:
+        """Requests for debuginfo the server counted (its /metrics)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        found = re.findall(r'^http_requests_total\{type="debuginfo"\} (\d+)', text, re.M)
+        return int(found[0]) if found else 0
+
+    def scanned(self) -> int:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        found = re.findall(r'^scanned_files_total\{source="file"\} (\d+)', text, re.M)
+        return int(found[0]) if found else 0
+
+
+@contextlib.contextmanager
+def serve(folder: Path, files: list[Path]) -> Iterator[Server]:
+    """A debuginfod scanning ``files`` (symlinked into ``folder``), once started and scanned."""
+    folder.mkdir()
+    for i, path in enumerate(files):
+        (folder / f"{i}-{path.name}").symlink_to(path)
+    port = free_tcp_port()
+    database = folder.parent / f"{folder.name}.sqlite"  # one each: a shared one serves all
+    proc = subprocess.Popen(
+        ["debuginfod", "-F", "-L", "-p", str(port), "-d", str(database),
+         "-t", "0", "-g", "0", "--disable-source-scan", str(folder)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    server = Server(f"http://127.0.0.1:{port}", folder)
+    try:
+        deadline = time.monotonic() + START
+        while True:
+            assert proc.poll() is None, "debuginfod ended"
+            try:
+                if server.scanned() >= len(files):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "debuginfod did not scan its files"
+            time.sleep(0.2)
+        yield server
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@pytest.fixture
+def hanging() -> Iterator[str]:
+    """A server that accepts connections and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def profile(qmp: Path, vmlinuz: Path, env: dict[str, str], out: Path) -> str:
+    cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(qmp), "--kernel", str(vmlinuz),
+           "--lines", "--duration", "2", "-o", str(out)]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env}, check=False
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr
+
+
+def chains(stack: list[Frame]) -> Iterator[tuple[int, list[Frame]]]:
+    """Per kernel pc of a stack (leaf first): the address looked up (a return address less
+    one) and its frames, inlined ones first, the real function's last."""
+    group: list[Frame] = []
+    first = True
+    for frame in stack:
+        group.append(frame)
+        if frame.inlined:
+            continue
+        if frame.kernel and frame.module is not None and frame.module.name == "vmlinux":
+            looked = frame.pc - frame.module.bias - (0 if first else 1)
+            yield looked, group
+        group, first = [], False
+
+
+def addr2line(dbg: Path, addresses: list[int]) -> dict[int, list[tuple[str, str, int]]]:
+    """binutils' answer per link address: (function, file's name, line), innermost first."""
+    text = "".join(f"{a:#x}\n" for a in addresses)
+    out = subprocess.run(
+        ["addr2line", "-a", "-f", "-i", "-e", str(dbg)],
+        input=text, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    found: dict[int, list[tuple[str, str, int]]] = {}
+    at = -1
+    i = 0
+    while i < len(out):
+        if out[i].startswith("0x"):
+            at = int(out[i], 16)
+            found[at] = []
+            i += 1
+            continue
+        where = out[i + 1].split(" (discriminator")[0]
+        file, _, line = where.rpartition(":")
+        found[at].append((out[i], Path(file).name, int(line) if line.isdigit() else 0))
+        i += 2
+    return found
+
+
+def ours(group: list[Frame]) -> list[tuple[str | None, str, int]]:
+    """A pc's chain as compared: each inlined function's name and every file:line. The real
+    function's name is the symbol table's (``entry_SYSCALL_64_after_hwframe`` where DWARF says
+    ``entry_SYSCALL_64``), not the debug file's: not compared."""
+    return [(f.symbol if f.inlined else None, Path(f.file or "?").name, f.line or 0) for f in group]
+
+
+def theirs(chain: list[tuple[str, str, int]]) -> list[tuple[str | None, str, int]]:
+    last = len(chain) - 1
+    return [(name if i < last else None, file, line) for i, (name, file, line) in enumerate(chain)]
+
+
+@pytest.mark.parametrize("series", SERIES)
+def test_kernel_lines_from_debuginfod_then_from_the_cache(
+    series: str, tmp_path: Path, hanging: str
+) -> None:
+    folder = linux_dir(series)
+    vmlinuz, dbg = folder / "vmlinuz", folder / "vmlinux-dbg"
+    build_id = ElfImage.load(dbg, mapped=True).build_id
+    assert build_id is not None
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(serve(tmp_path / "served", [dbg]))
+        empty = stack.enter_context(serve(tmp_path / "empty", []))
+        cache = tmp_path / "cache"
+        vm = stack.enter_context(
+            running_linux_guest(tmp_path, kaslr=True, kernel=vmlinuz, dump_kallsyms=False)
+        )
+        # Servers that hang and lack the file: one line each reason, the run goes on.
+        urls = f"{hanging} {empty.url}"
+        env = {"DEBUGINFOD_URLS": urls, "DEBUGINFOD_CACHE_PATH": str(cache),
+               "DEBUGINFOD_TIMEOUT": "2"}  # fmt: skip
+        err = profile(vm.qmp_socket, vmlinuz, env, tmp_path / "none.qmpprof")
+        (line,) = [x for x in err.splitlines() if "debuginfod" in x]
+        assert f"no debug file for the kernel ({build_id})" in line
+        assert f"{hanging}: no answer within 2 s" in line and f"{empty.url}: 404" in line
+        unlined = native.load(tmp_path / "none.qmpprof")
+        assert len(unlined) and not any(f.kernel and f.line for f in unlined.frames)
+        env = {"DEBUGINFOD_URLS": server.url, "DEBUGINFOD_CACHE_PATH": str(cache)}
+        before = server.debuginfo_requests()
+        profile(vm.qmp_socket, vmlinuz, env, tmp_path / "first.qmpprof")
+        assert server.debuginfo_requests() == before + 1
+        assert (cache / build_id / "debuginfo").stat().st_size == dbg.stat().st_size
+        profile(vm.qmp_socket, vmlinuz, env, tmp_path / "second.qmpprof")
+        assert server.debuginfo_requests() == before + 1  # the cache, no request
+    saved = native.load(tmp_path / "first.qmpprof")
+    groups = [g for record in saved.stacks for g in chains(saved.frames_of(record))]
+    truth = addr2line(dbg, sorted({looked for looked, _ in groups}))
+    agree = [ours(group) == theirs(truth[looked]) for looked, group in groups]
+    print(f"\n{series}: {sum(agree)} of {len(agree)} kernel pcs as addr2line has them")
+    assert len(agree) >= 50
+    assert sum(agree) >= AGREE * len(agree), [
+        (ours(g), theirs(truth[a])) for (a, g), ok in zip(groups, agree, strict=True) if not ok
+    ][:5]
