@@ -1,6 +1,7 @@
-"""The teaching-kernel-shaped guest (fixtures/hobby) boots on every QEMU and its own tables
-say what its sources promise: three processes (crunch, chatter, chatter) with pids 1-3, the
-CPU's current process one of them or none."""
+"""The teaching-kernel-shaped guest (fixtures/hobby) on every QEMU: its own tables say what its
+sources promise (three processes, crunch, chatter, chatter, with pids 1-3, the CPU's current
+process one of them or none), and a run with no flag but --kernel and --user-dir splits kernel
+from user where the kernel's ELF says."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import pytest
 from guestvm import free_tcp_port, run_gdb
 from hobbyvm import running_hobby
 from qemus import every_qemu
+
+from qmpprof.cli import main
+from qmpprof.model import Mode
+from qmpprof.output import native
 
 pytestmark = [pytest.mark.qemu, every_qemu]
 
@@ -31,3 +36,22 @@ def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
         ("1", "crunch"), ("2", "chatter"), ("3", "chatter"), ("0", ""),
     ], output  # fmt: skip
     assert _CURRENT.findall(output) in (["-1"], ["0"], ["1"], ["2"]), output
+
+
+def test_the_kernel_boundary_is_read_from_the_elf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.qmpprof"
+    with running_hobby(tmp_path) as guest:
+        code = main([
+            "--qmp-socket", str(guest.qmp_socket), "--kernel", str(guest.kernel_elf),
+            "--user-dir", str(guest.user_dir), "--duration", "1", "-o", str(out),
+        ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # The sampler counts every sample whose pc's side of the boundary is not the CPU's mode.
+    assert "disagreed with the kernel boundary" not in err, err
+    profile = native.load(out)
+    assert profile.facts["kernel boundary"] == "0x80100000"
+    # chatter's system calls and crunch's loops: both sides are sampled.
+    assert len(profile.select(Mode.KERNEL)) > 0 and len(profile.select(Mode.USER)) > 0
