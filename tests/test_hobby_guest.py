@@ -43,14 +43,17 @@ def test_the_kernel_boundary_is_read_from_the_elf(
 ) -> None:
     out = tmp_path / "run.qmpprof"
     with running_hobby(tmp_path) as guest:
-        code = main([
-            "--qmp-socket", str(guest.qmp_socket), "--kernel", str(guest.kernel_elf),
-            "--user-dir", str(guest.user_dir), "--duration", "1", "-o", str(out),
-        ])  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 0, err
+        files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+        run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5", "-v"]
+        code = main([*run, "-o", str(out)])
+        read = capsys.readouterr().err
+        # The control: the instruction set's default split is wrong for this kernel.
+        assert main([*run, "--kernel-boundary", "0xc0000000"]) == 0
+        guessed = capsys.readouterr().err
+    assert code == 0, read
     # The sampler counts every sample whose pc's side of the boundary is not the CPU's mode.
-    assert "disagreed with the kernel boundary" not in err, err
+    assert "disagreed with the kernel boundary" not in read, read
+    assert "disagreed with the kernel boundary" in guessed, guessed
     profile = native.load(out)
     assert profile.facts["kernel boundary"] == "0x80100000"
     # chatter's system calls and crunch's loops: both sides are sampled.
