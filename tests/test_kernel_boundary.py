@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from guestvm import BUILD_ROOT, build_fixtures
 
+from qmpprof import session
 from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.guest.base import KernelFile
+from qmpprof.sampler import SamplerConfig
+from qmpprof.session import RunSpec
 
 
 def test_a_kernel_linked_low_at_an_offset_starts_at_its_lowest_segment() -> None:
@@ -28,3 +33,12 @@ def test_an_identity_mapped_kernel_says_nothing_of_user_space() -> None:
     kernel = KernelFile.open(BUILD_ROOT / "hobby" / "user" / "crunch.elf")
     # A program at 0 is linked where it loads: the stand-in for a kernel mapped 1:1.
     assert kernel.kernel_boundary(I386.kernel_boundary) == I386.kernel_boundary
+
+
+def test_a_run_splits_where_the_elf_says_unless_told_otherwise() -> None:
+    build_fixtures(("hobby",))
+    spec = RunSpec(kernel=BUILD_ROOT / "hobby" / "kernel.elf")
+    guest = session.load(spec)
+    assert session.unwinder(spec, guest).kernel_boundary == 0x8010_0000
+    told = dataclasses.replace(spec, sampling=SamplerConfig(kernel_boundary=0xC000_0000))
+    assert session.unwinder(told, guest).kernel_boundary == 0xC000_0000
