@@ -34,6 +34,10 @@ pytestmark = [pytest.mark.qemu, every_qemu]
 
 MOMENTS = 100
 REQUIRED = 0.97
+# Moments where gdb stopped at "??" past a frame qmpprof agrees on, in a system-call stub
+# (fixtures/hobby/user/usys.S: no CFI, no frame of its own), where qmpprof walks on to
+# _start: gdb lost, not judged. Seen 1-2 in 100 (at the stub's "int $64").
+GDB_LOST_CEILING = 0.05
 # The programs' call chains (fixtures/hobby/user/*.c), outermost last: under a system call
 # the user frames qmpprof found must be one of these, from the leaf the trap frame gave.
 USER_CHAINS = (
@@ -92,7 +96,7 @@ async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int]]:
     port = free_tcp_port()
     rng = random.Random("qmpprof-hobby")
     agree, differences = 0, []
-    counts = {"user": 0, "kernel": 0, "under a system call": 0}
+    counts = {"user": 0, "kernel": 0, "under a system call": 0, "gdb lost": 0}
     with running_hobby(tmp_path, gdb_port=port) as guest:
         spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir)
         identifier = session.load(spec)
@@ -126,6 +130,8 @@ SYSTEM_CALLS = {"work", "sleep", "getpid", "write"}  # fixtures/hobby/user/usys.
 def judge(sample: Sample, oracle: HobbyOracle) -> tuple[bool, str]:
     """Whether qmpprof's stack is gdb's (see the module's docstring), and the kind of moment."""
     ours, theirs = [f.symbol or "??" for f in sample.stack.frames], oracle.stack()
+    if gdb_lost(ours, theirs):
+        return False, "gdb lost"
     if sample.mode is Mode.USER:
         return ours == theirs, "user"
     same = kernel_part(ours) == kernel_part(theirs)
@@ -137,6 +143,15 @@ def judge(sample: Sample, oracle: HobbyOracle) -> tuple[bool, str]:
     return same, "under a system call" if user[0].symbol in SYSTEM_CALLS else "kernel"
 
 
+def gdb_lost(ours: list[str], theirs: list[str]) -> bool:
+    """gdb's stack is ours up to a system-call stub, then "??"; ours goes on to _start."""
+    n = len(theirs) - 1
+    return (
+        n >= 1 and theirs[n] == "??" and theirs[:n] == ours[:n]
+        and theirs[n - 1] in SYSTEM_CALLS and ours[-1] == "_start"
+    )  # fmt: skip
+
+
 def describe(sample: Sample, oracle: HobbyOracle) -> str:
     ours = " ".join(f"{f.symbol or '??'}@{f.pc:#x}" for f in sample.stack.frames)
     return f"gdb {' '.join(oracle.stack())} | qmpprof {ours} [{sample.stack.stop.name}]"
@@ -144,10 +159,12 @@ def describe(sample: Sample, oracle: HobbyOracle) -> str:
 
 def test_stacks_agree_with_gdb(tmp_path: Path) -> None:
     agree, differences, counts = asyncio.run(compare(tmp_path))
-    print(f"equal to gdb at {agree}/{MOMENTS} moments; {counts}")
+    judged = MOMENTS - counts["gdb lost"]
+    print(f"equal to gdb at {agree} of the {judged} moments judged; {counts}")
     print("\n".join(differences))
     assert sum(counts.values()) == MOMENTS
-    assert agree >= REQUIRED * MOMENTS, "\n".join(differences)
+    assert counts["gdb lost"] <= GDB_LOST_CEILING * MOMENTS, "\n".join(differences)
+    assert agree >= REQUIRED * judged, "\n".join(differences)
     # The moments reach user code and user code under a system call (kernel code alone, the
     # scheduler and the timer, is too brief to be caught every run).
     assert counts["user"] and counts["under a system call"], counts
