@@ -302,8 +302,12 @@ def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
 
 
 def unwinder(spec: RunSpec, guest: Guest) -> Unwinder:
-    """The walker of the guest kernel's instruction set."""
-    return Unwinder(guest.arch, kernel_boundary=spec.sampling.kernel_boundary, lines=spec.lines)
+    """The walker of the guest kernel's instruction set, split at ``--kernel-boundary``, else
+    where the kernel's ELF says, else at the instruction set's default."""
+    boundary = spec.sampling.kernel_boundary
+    if boundary is None and spec.kernel is not None:
+        boundary = KernelFile.open(spec.kernel).kernel_boundary(guest.arch.kernel_boundary)
+    return Unwinder(guest.arch, kernel_boundary=boundary, lines=spec.lines)
 
 
 Run = Sampler[AddressSpace, RawStack]

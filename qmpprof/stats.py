@@ -100,7 +100,7 @@ class SamplerStats:
         if self.mode_mismatch:
             lines.append(
                 f"the CPU's mode (user or kernel) disagreed with the kernel boundary in"
-                f" {self.mode_mismatch} samples"
+                f" {self.mode_mismatch} samples (--kernel-boundary sets it)"
             )
         return lines
 

@@ -287,6 +287,23 @@ def test_user_code_never_returns_into_the_kernel() -> None:
     assert raw.pcs == (0x401010,) and raw.stop is StopReason.BAD_RETURN
 
 
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_return_address_in_page_0_is_judged_by_its_mapping(mapped: bool) -> None:
+    """A program linked at address 0 returns into page 0; with nothing mapped there, a return
+    address in page 0 is bad."""
+    words: dict[int, int] = {}
+    for i, ra in enumerate((0x120, 0x230, 0x1340)):
+        rbp = STACK + 16 + 32 * i
+        words[rbp], words[rbp + 8] = (rbp + 32 if i < 2 else 0), ra
+    program = make_module("prog", 0, 0x2000, kernel=False)
+    space = AddressSpace([program] if mapped else [])
+    raw = Unwinder(X86_64).unwind(regs(0x10, STACK, STACK + 16), memory(words), space)
+    if mapped:
+        assert raw.pcs == (0x10, 0x120, 0x230, 0x1340) and raw.stop is StopReason.END
+    else:
+        assert raw.pcs == (0x10,) and raw.stop is StopReason.BAD_RETURN
+
+
 # --- Symbolize ---------------------------------------------------------------------------
 
 

@@ -63,6 +63,7 @@ class AArch64:
     shared_from: int = _UPPER_HALF
     space_register: str = "ttbr0"
     mask: int = _MASK
+    same_level_trap_saves_sp: bool = True  # an exception leaves SP_EL1 where it was
 
     @property
     def translation_registers(self) -> tuple[str, ...]:

@@ -107,6 +107,12 @@ class InstructionSet(Protocol):
         ...
 
     @property
+    def same_level_trap_saves_sp(self) -> bool:
+        """Whether a trap taken in kernel code saves the interrupted stack pointer in the trap
+        frame; False: that stack went on where the frame's stack-pointer slot is."""
+        ...
+
+    @property
     def space_register(self) -> str:
         """What the instruction set calls the page-table root (``cr3``): the name a process
         known only by its address space goes by."""

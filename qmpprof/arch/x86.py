@@ -37,6 +37,8 @@ class X86:
     kernel_boundary: int
     shared_from: int
     space_register: str = "cr3"
+    # i386 pushes ss:esp only when the privilege level changes; x86-64 always pushes rsp.
+    same_level_trap_saves_sp: bool = True
 
     @property
     def mask(self) -> int:
@@ -143,4 +145,5 @@ I386 = X86(
     elf_machine=(3, 32),
     kernel_boundary=0xC000_0000,
     shared_from=0xC000_0000,
+    same_level_trap_saves_sp=False,
 )  # fmt: skip

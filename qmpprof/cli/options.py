@@ -106,7 +106,8 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--kernel-boundary",
         metavar="ADDR",
-        help=f"lowest kernel address (default: the --kernel's instruction set's, {defaults})",
+        help="lowest kernel address (default: where the --kernel ELF's segments say, for a kernel "
+        f"linked below its instruction set's split, else that split: {defaults})",
     )
     add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
         help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip

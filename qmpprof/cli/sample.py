@@ -169,6 +169,7 @@ def _finish(
             "interval": f"{opts.spec.sampling.interval * 1e3:g} ms",
             "guest run time": f"{stats.run_time:.2f} s",
             "rate": f"{stats.rate_hz():.1f} Hz",
+            "kernel boundary": f"{sampler.boundary:#x}",
         }
     )
     if opts.spec.kernel is not None:

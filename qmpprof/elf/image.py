@@ -223,6 +223,24 @@ class ElfImage:
         """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
         return LineTable(self._dwarf) if self.section(".debug_line") else None
 
+    def dwarf_info(self) -> Any:
+        """pyelftools' DWARFInfo, for the readers of its DIEs in this package; None without
+        DWARF."""
+        return self._dwarf() if self.section(".debug_info") else None
+
+    def location_exprs(self, die: Any, attr: Any) -> list[bytes]:
+        """The DWARF expressions of a location attribute of ``die``: the one of an exprloc, or
+        a location list's, in the list's order."""
+        from elftools.dwarf.locationlists import LocationEntry, LocationParser
+
+        if attr.form == "DW_FORM_exprloc":
+            return [bytes(attr.value)]
+        dwarf = die.dwarfinfo
+        parsed = LocationParser(dwarf.location_lists()).parse_from_attribute(
+            attr, die.cu["version"], die
+        )
+        return [bytes(e.loc_expr) for e in parsed if isinstance(e, LocationEntry)]
+
     def _dwarf(self) -> Any:
         from elftools.elf.elffile import ELFFile  # only DWARF needs pyelftools: imported late
 

@@ -29,6 +29,7 @@ from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.space import AddressSpace
 
 Space_co = TypeVar("Space_co", covariant=True)
+PAGE = 4096  # the smallest page of every instruction set qmpprof reads
 _HEAD = 0x300  # bytes of a kernel file looked at to recognise it (a bzImage's header is below)
 
 
@@ -60,6 +61,18 @@ class KernelFile:
     @property
     def arch(self) -> InstructionSet | None:
         return None if self.elf is None else self.elf.arch
+
+    def kernel_boundary(self, default: int) -> int:
+        """The lowest kernel address as the kernel's ELF says it: the page of its lowest
+        segment when the kernel is linked below ``default`` (the instruction set's split) at
+        an offset from where it loads (a kernel at 0x80100000 loaded at 1 MiB), else
+        ``default``. An identity-mapped kernel (linked where it loads) says nothing of where
+        user space begins, so it keeps ``default``."""
+        if self.elf is None or not self.elf.physical_ranges:
+            return default
+        low = self.elf.load_range[0]
+        linked_at_offset = low != min(start for start, _ in self.elf.physical_ranges)
+        return low & ~(PAGE - 1) if linked_at_offset and low < default else default
 
 
 IMAGE_NAMES = ("vmlinuz", "vmlinux", "bzImage")  # a kernel image's plain names in a folder

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
+from qmpprof.elf.trapframe import trap_frame_layout
 from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile, kernel_image
 from qmpprof.guest.firmware import Firmware
 from qmpprof.guest.kernelcheck import KernelCheck
@@ -46,7 +47,11 @@ def load_files(spec: GuestSpec) -> tuple[list[Module], ProgramIndex, ElfImage | 
     """The kernel ELF's module and the programs of ``--user-dir``, read and indexed, and the
     kernel ELF (None without one)."""
     image = kernel_image(spec)
-    modules = [] if image is None else [Module.from_image(image, kernel=True)]
+    modules = (
+        []
+        if image is None
+        else [Module.from_image(image, kernel=True, trap=trap_frame_layout(image))]
+    )
     programs = ProgramIndex.from_dir(spec.user_dir) if spec.user_dir else ProgramIndex([])
     for program in programs.images:
         program.prepare()

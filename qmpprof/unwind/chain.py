@@ -105,7 +105,8 @@ class Unwinder:
                 )
             new, flags = outcome
             signal = flags & EXACT != 0
-            stop = self._check(cur, new, pc, flags & (EXACT | NEW_STACK | LINK) != 0, seen)
+            jumped = flags & (EXACT | NEW_STACK | LINK) != 0
+            stop = self._check(cur, new, pc, jumped, seen, space)
             if stop is not None:
                 return RawStack(tuple(pcs), stop, tuple(exacts), tuple(vias))
             # A trap frame hands over to interrupted code: its pc is exact, not a return address.
@@ -153,7 +154,13 @@ class Unwinder:
         return self.arch.trap_frame_sp(after_pc, word_reader(memory, self.arch))
 
     def _check(
-        self, cur: Regs, new: Regs, pc: int, jumped: bool, seen: set[tuple[int, int]]
+        self,
+        cur: Regs,
+        new: Regs,
+        pc: int,
+        jumped: bool,
+        seen: set[tuple[int, int]],
+        space: AddressSpace,
     ) -> StopReason | None:
         """Sanity rules between a frame and its caller. ``jumped``: the caller's stack pointer
         came from a trap frame or a saved stack pointer, not from the frame's by arithmetic:
@@ -165,7 +172,9 @@ class Unwinder:
             return StopReason.END
         boundary = self.kernel_boundary
         valid = arch.return_address(new_pc) is not None
-        if not valid or new_pc < 0x1000 or (pc < boundary <= new_pc):
+        # Page 0 holds code only where a module maps it (a program linked at address 0).
+        unmapped_page_0 = new_pc < 0x1000 and space.find(new_pc - 1) is None
+        if not valid or unmapped_page_0 or (pc < boundary <= new_pc):
             return StopReason.BAD_RETURN  # user code never returns into the kernel
         crossing = jumped or (pc >= boundary > new_pc)
         if new_sp <= cur[arch.sp] and not crossing:

@@ -25,6 +25,7 @@ from qmpprof.unwind.steps import UnwindStep, steps_for
 from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
+    from qmpprof.elf.trapframe import TrapFrameLayout
     from qmpprof.unwind.entry import EntryCode
     from qmpprof.unwind.orc import OrcCode
 
@@ -75,19 +76,22 @@ class Module:
         calls: CodeImage | None = None,
         starts: Callable[[], Sequence[int]] | None = None,
         entry: EntryCode | None = None,
+        trap: TrapFrameLayout | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``; ``starts`` guesses where its functions start, asked the first
-        time a frame needs it; ``entry``: a kernel's exception code), for the instruction set
-        ``arch``."""
+        time a frame needs it; ``entry``: a kernel's exception code; ``trap``: the trap frame
+        its DWARF describes), for the instruction set ``arch``."""
         steps = steps_for(
             mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc,
-            starts=starts, entry=entry,
+            starts=starts, entry=entry, trap=trap,
         )  # fmt: skip
         return cls(mapping, steps, symbols, lines, calls)
 
     @classmethod
-    def from_image(cls, image: ElfImage, kernel: bool, bias: int = 0) -> Module:
+    def from_image(
+        cls, image: ElfImage, kernel: bool, bias: int = 0, trap: TrapFrameLayout | None = None
+    ) -> Module:
         low, high = image.load_range
         mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
                           image.build_id, image.load_offset)  # fmt: skip
@@ -96,7 +100,7 @@ class Module:
             symbols=image.symbols, lines=image.lines,
             # Kernel code does not end in calls that never return often enough to pay for a
             # guess over all of a kernel's text (over a second for a vmlinux) in a pause.
-            starts=None if kernel else lambda: image.function_starts,
+            starts=None if kernel else lambda: image.function_starts, trap=trap,
         )  # fmt: skip
 
 

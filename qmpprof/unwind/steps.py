@@ -25,6 +25,7 @@ from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
 
 if TYPE_CHECKING:
+    from qmpprof.elf.trapframe import TrapFrameLayout
     from qmpprof.unwind.entry import EntryCode
     from qmpprof.unwind.orc import OrcCode
 
@@ -186,11 +187,13 @@ def steps_for(
     orc: OrcCode | None = None,
     starts: Callable[[], Sequence[int]] | None = None,
     entry: EntryCode | None = None,
+    trap: TrapFrameLayout | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
     tables alone (they cover all of its code), else its exception entry code (``entry.py``),
-    CFI, prologue analysis, the code followed to its return (``scan.py``; first, for an
-    interrupted interrupt entry), frame pointers."""
+    CFI, the trap frame its DWARF describes (``trapframe.py``), prologue analysis, the code
+    followed to its return (``scan.py``; first, for an interrupted interrupt entry), frame
+    pointers."""
     if orc is not None:
         from qmpprof.unwind.orc import OrcStep
 
@@ -202,6 +205,10 @@ def steps_for(
         steps.append(EntryStep(entry, bias, arch))
     if cfi is not None:
         steps.append(CfiStep(cfi, bias, arch))
+    if trap is not None and code:
+        from qmpprof.unwind.trapframe import TrapFrameStep
+
+        steps.append(TrapFrameStep(trap, code, code_addr, bias, arch))
     if code:
         arch.prepare()  # now: not inside the first pause that needs it
         from qmpprof.unwind.scan import ReturnScanStep

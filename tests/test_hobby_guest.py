@@ -1,0 +1,60 @@
+"""The teaching-kernel-shaped guest (fixtures/hobby) on every QEMU: its own tables say what its
+sources promise (three processes, crunch, chatter, chatter, with pids 1-3, the CPU's current
+process one of them or none), and a run with no flag but --kernel and --user-dir splits kernel
+from user where the kernel's ELF says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from guestvm import free_tcp_port, run_gdb
+from hobbyvm import running_hobby
+from qemus import every_qemu
+
+from qmpprof.cli import main
+from qmpprof.model import Mode
+from qmpprof.output import native
+
+pytestmark = [pytest.mark.qemu, every_qemu]
+
+_PROC = re.compile(r'^proc (\d+) "(\w*)" (\w+)$', re.MULTILINE)
+_CURRENT = re.compile(r"^current (-?\d+)$", re.MULTILINE)
+
+
+def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
+    with running_hobby(tmp_path, gdb_port=free_tcp_port()) as guest:
+        commands = [
+            f'printf "proc %d \\"%s\\" %d\\n", procs[{i}].pid, procs[{i}].name, procs[{i}].state'
+            for i in range(4)
+        ]
+        commands.append('printf "current %d\\n", cpus[0].proc ? cpus[0].proc - procs : -1')
+        output = run_gdb(guest, None, commands)
+    procs = _PROC.findall(output)
+    assert [(pid, name) for pid, name, _ in procs] == [
+        ("1", "crunch"), ("2", "chatter"), ("3", "chatter"), ("0", ""),
+    ], output  # fmt: skip
+    assert _CURRENT.findall(output) in (["-1"], ["0"], ["1"], ["2"]), output
+
+
+def test_the_kernel_boundary_is_read_from_the_elf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.qmpprof"
+    with running_hobby(tmp_path) as guest:
+        files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+        run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5", "-v"]
+        code = main([*run, "-o", str(out)])
+        read = capsys.readouterr().err
+        # The control: the instruction set's default split is wrong for this kernel.
+        assert main([*run, "--kernel-boundary", "0xc0000000"]) == 0
+        guessed = capsys.readouterr().err
+    assert code == 0, read
+    # The sampler counts every sample whose pc's side of the boundary is not the CPU's mode.
+    assert "disagreed with the kernel boundary" not in read, read
+    assert "disagreed with the kernel boundary" in guessed, guessed
+    profile = native.load(out)
+    assert profile.facts["kernel boundary"] == "0x80100000"
+    # chatter's system calls and crunch's loops: both sides are sampled.
+    assert len(profile.select(Mode.KERNEL)) > 0 and len(profile.select(Mode.USER)) > 0

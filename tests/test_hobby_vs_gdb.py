@@ -1,0 +1,170 @@
+"""qmpprof's stacks on the teaching-kernel-shaped guest (fixtures/hobby) against gdb's, at 100
+random moments on every QEMU, loaded as a run loads them: no flag but --kernel and --user-dir.
+
+gdb interrupts the guest; qmpprof samples it stopped. A user-mode moment: the whole stack,
+frame for frame (gdb has the program's CFI from -g). A kernel-mode moment: the kernel frames
+up to the trap entry ``alltraps``, which no CFI describes: gdb cannot go past it, so its frames
+beyond are not compared; nor are the tail-call frames gdb makes up from DWARF call sites.
+There qmpprof crosses the trap frame (its layout from the kernel's DWARF) into user code: its
+first user frame must be the interrupted pc the kernel itself kept (``cpus[0].proc->tf->eip``,
+read by gdb), and the walk must reach the program's outermost frame (``_start``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+from guestvm import free_tcp_port
+from hobbyvm import running_hobby
+from qemus import every_qemu
+from test_unwind_vs_gdb_i386 import I386Oracle
+
+from qmpprof import session
+from qmpprof.model import Mode, Sample
+from qmpprof.sampler import Sampler, SamplerConfig
+from qmpprof.session import RunSpec
+from qmpprof.transport.qmp import QmpTransport
+
+pytestmark = [pytest.mark.qemu, every_qemu]
+
+MOMENTS = 100
+REQUIRED = 0.97
+# Moments where gdb stopped at "??" past a frame qmpprof agrees on, in a system-call stub
+# (fixtures/hobby/user/usys.S: no CFI, no frame of its own), where qmpprof walks on to
+# _start: gdb lost, not judged. Seen 1-2 in 100 (at the stub's "int $64").
+GDB_LOST_CEILING = 0.05
+# The programs' call chains (fixtures/hobby/user/*.c), outermost last: under a system call
+# the user frames qmpprof found must be one of these, from the leaf the trap frame gave.
+USER_CHAINS = (
+    ["work", "main", "_start"],
+    ["work", "ask", "chat", "main", "_start"],
+    ["sleep", "main", "_start"],
+    ["getpid", "main", "_start"],
+    ["write", "main", "_start"],
+)
+_TF = re.compile(r'~"QGTF (-?[0-9a-f]+)\\n"')
+# Sourced after the oracle's script: qg_frames again, without gdb's tail-call frames (which it
+# makes up from DWARF call-site records; qmpprof does not, on this kernel), and qg_tf.
+_TF_SCRIPT = r"""
+def qg_frames():
+    frame, depth = gdb.newest_frame(), 0
+    while frame is not None and depth < 128:
+        if frame.type() not in (gdb.INLINE_FRAME, gdb.TAILCALL_FRAME):
+            name = frame.name()
+            if name is None:
+                out = gdb.execute("info symbol %#x" % frame.pc(), to_string=True)
+                name = "??" if out.startswith("No symbol") else out.split()[0]
+            print("QGFRAME %s" % name)
+            depth += 1
+        try:
+            frame = frame.older()
+        except gdb.error:
+            break
+def qg_tf():
+    try:
+        print("QGTF %x" % int(gdb.parse_and_eval("cpus[0].proc ? cpus[0].proc->tf->eip : 0")))
+    except gdb.error:
+        print("QGTF -1")
+"""
+
+
+class HobbyOracle(I386Oracle):
+    def __init__(self, kernel: Path, user_dir: Path, port: int, scripts: Path) -> None:
+        super().__init__(kernel, user_dir, port, scripts / "qg.py")
+        (scripts / "qgtf.py").write_text(_TF_SCRIPT)
+        self.command(f'-interpreter-exec console "source {scripts / "qgtf.py"}"')
+
+    def user_pc(self) -> int:
+        """The user pc the kernel kept for the running process (0: none runs)."""
+        lines = self.command('-interpreter-exec console "python qg_tf()"')
+        found = [int(m.group(1), 16) for line in lines for m in [_TF.match(line)] if m]
+        assert found and found[0] >= 0, lines
+        return found[0]
+
+
+def kernel_part(names: list[str]) -> list[str]:
+    """The frames up to and including the trap entry, where gdb's knowledge ends."""
+    return names[: names.index("alltraps") + 1] if "alltraps" in names else names
+
+
+async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int]]:
+    port = free_tcp_port()
+    rng = random.Random("qmpprof-hobby")
+    agree, differences = 0, []
+    counts = {"user": 0, "kernel": 0, "under a system call": 0, "gdb lost": 0}
+    with running_hobby(tmp_path, gdb_port=port) as guest:
+        spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir)
+        identifier = session.load(spec)
+        unwinder = session.unwinder(spec, identifier)
+        assert unwinder.kernel_boundary == 0x8010_0000  # fixtures/hobby/kernel.ld
+        oracle = HobbyOracle(guest.kernel_elf, guest.user_dir, port, tmp_path)
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            for moment in range(1, MOMENTS + 1):
+                time.sleep(rng.uniform(0.002, 0.03))
+                oracle.stop()
+                sampler = Sampler(transport, unwinder, identifier, SamplerConfig())
+                outcome = await sampler.run(one_shot=True)
+                assert not outcome.was_running
+                (sample,) = outcome.last
+                same, note = judge(sample, oracle)
+                counts[note] += 1
+                agree += same
+                if not same:
+                    differences.append(f"moment {moment} ({note}): {describe(sample, oracle)}")
+                oracle.resume()
+        finally:
+            oracle.close()
+            await transport.close()
+    return agree, differences, counts
+
+
+SYSTEM_CALLS = {"work", "sleep", "getpid", "write"}  # fixtures/hobby/user/usys.S
+
+
+def judge(sample: Sample, oracle: HobbyOracle) -> tuple[bool, str]:
+    """Whether qmpprof's stack is gdb's (see the module's docstring), and the kind of moment."""
+    ours, theirs = [f.symbol or "??" for f in sample.stack.frames], oracle.stack()
+    if gdb_lost(ours, theirs):
+        return False, "gdb lost"
+    if sample.mode is Mode.USER:
+        return ours == theirs, "user"
+    same = kernel_part(ours) == kernel_part(theirs)
+    user = [f for f in sample.stack.frames if not f.kernel]
+    if not user:
+        return same, "kernel"
+    # Crossed into user code: exactly where the kernel says it was, then the whole chain.
+    same = same and user[0].pc == oracle.user_pc() and user[-1].symbol == "_start"
+    return same, "under a system call" if user[0].symbol in SYSTEM_CALLS else "kernel"
+
+
+def gdb_lost(ours: list[str], theirs: list[str]) -> bool:
+    """gdb's stack is ours up to a system-call stub, then "??"; ours goes on to _start."""
+    n = len(theirs) - 1
+    return (
+        n >= 1 and theirs[n] == "??" and theirs[:n] == ours[:n]
+        and theirs[n - 1] in SYSTEM_CALLS and ours[-1] == "_start"
+    )  # fmt: skip
+
+
+def describe(sample: Sample, oracle: HobbyOracle) -> str:
+    ours = " ".join(f"{f.symbol or '??'}@{f.pc:#x}" for f in sample.stack.frames)
+    return f"gdb {' '.join(oracle.stack())} | qmpprof {ours} [{sample.stack.stop.name}]"
+
+
+def test_stacks_agree_with_gdb(tmp_path: Path) -> None:
+    agree, differences, counts = asyncio.run(compare(tmp_path))
+    judged = MOMENTS - counts["gdb lost"]
+    print(f"equal to gdb at {agree} of the {judged} moments judged; {counts}")
+    print("\n".join(differences))
+    assert sum(counts.values()) == MOMENTS
+    assert counts["gdb lost"] <= GDB_LOST_CEILING * MOMENTS, "\n".join(differences)
+    assert agree >= REQUIRED * judged, "\n".join(differences)
+    # The moments reach user code and user code under a system call (kernel code alone, the
+    # scheduler and the timer, is too brief to be caught every run).
+    assert counts["user"] and counts["under a system call"], counts
