@@ -63,6 +63,7 @@ class AArch64:
     shared_from: int = _UPPER_HALF
     space_register: str = "ttbr0"
     mask: int = _MASK
+    frame_record: tuple[int, int, int] = (0, 8, 16)  # [x29], [x29 + 8]
 
     @property
     def translation_registers(self) -> tuple[str, ...]:

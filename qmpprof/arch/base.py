@@ -92,6 +92,12 @@ class InstructionSet(Protocol):
         ...
 
     @property
+    def frame_record(self) -> tuple[int, int, int]:
+        """Where a frame record lies from the frame pointer: the offsets of the caller's frame
+        pointer, of the return address, and the caller's stack pointer's."""
+        ...
+
+    @property
     def kernel_boundary(self) -> int:
         """The default split: code at or above it is the kernel's."""
         ...

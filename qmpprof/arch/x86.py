@@ -43,6 +43,11 @@ class X86:
         return (1 << (8 * self.address_size)) - 1
 
     @property
+    def frame_record(self) -> tuple[int, int, int]:
+        word = self.address_size
+        return 0, word, 2 * word  # [rbp], [rbp + 8]: the pushed frame pointer, above it the call's
+
+    @property
     def translation_registers(self) -> tuple[str, ...]:
         return ()  # the split is fixed: nothing in a return address depends on the guest
 
