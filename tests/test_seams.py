@@ -62,6 +62,9 @@ class ToyIsa:
     def prepare(self) -> None:
         X86_64.prepare()
 
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return X86_64.same_code(file, running)
+
 
 class ToyFormats:
     """QEMU's x86 registers, as the toy's."""

@@ -140,6 +140,9 @@ class AArch64:
         insn = int.from_bytes(code[-4:], "little")
         return insn >> 26 == 0b100101 or insn & 0xFFFF_FC1F == 0xD63F_0000
 
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return file == running
+
     def prepare(self) -> None:
         return None  # nothing to build: the few instructions that matter are decoded by hand
 

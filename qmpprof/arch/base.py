@@ -203,6 +203,11 @@ class InstructionSet(Protocol):
         """Build what ``prologue`` needs (a disassembler) before the first pause."""
         ...
 
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        """Whether ``running`` (code read in the guest) is ``file``'s code, the instruction
+        set's equivalent forms of one instruction taken as the same."""
+        ...
+
     def call_before(self, code: bytes, ra: int) -> int | None:
         """The target of the direct call that returns to ``ra`` (``code``: the bytes right
         before ``ra``), None when no direct call ends there."""

@@ -120,6 +120,9 @@ class X86:
     def is_call_before(self, code: bytes, ra: int) -> bool:
         return is_call_before(analyzer(self.address_size).cs, code, ra)
 
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return file == running
+
     def prepare(self) -> None:
         analyzer(self.address_size)  # built now, not inside the first pause that needs it
 
