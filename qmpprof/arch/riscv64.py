@@ -33,6 +33,15 @@ _WIDEST = 57
 _C_NOP, _NOP_HALVES = b"\x01\x00", (b"\x13\x00", b"\x00\x00")  # c.nop; nop's two halves
 
 
+def _j_or_nop(code: bytes) -> bool:
+    """Whether ``code`` is one of the 4-byte forms a boot-time patch swaps: ``nop`` or ``j``
+    (jal x0, any offset)."""
+    if len(code) != 4:
+        return False
+    insn = int.from_bytes(code, "little")
+    return insn == 0x13 or insn & 0xFFF == 0x6F
+
+
 def va_bits(satp: int) -> int | None:
     """The virtual-address size satp's mode sets; None: bare (no translation) or unknown."""
     return SATP_MODES.get(satp >> 60)
@@ -122,14 +131,22 @@ class RiscV64:
         return False
 
     def same_code(self, file: bytes, running: bytes) -> bool:
-        # Two c.nop are one nop: Linux's ftrace turns each function's four c.nop into two nop
-        # at boot (trixie's 6.12: every function entry differs from the file so). Halfword by
-        # halfword, as a place may cut a nop in two: a c.nop may hold either half of a nop.
+        # Linux patches code at boot: ftrace turns each function's four c.nop into two nop
+        # (every function entry of trixie's 6.12 differs from the file so), its alternatives
+        # and static keys swap a j and a nop (``riscv_clock_next_event``'s j over
+        # ``csrw stimecmp`` is a nop where the CPU has Sstc). Halfword by halfword, as a place
+        # may cut a nop in two: a c.nop may hold either half of a nop; a j and a nop, whole,
+        # either one the other.
         if len(file) != len(running) or len(file) % 2:
             return file == running
-        for at in range(0, len(file), 2):
+        at = 0
+        while at < len(file):
             was, now = file[at : at + 2], running[at : at + 2]
-            if was != now and not (was == _C_NOP and now in _NOP_HALVES):
+            if was == now or (was == _C_NOP and now in _NOP_HALVES):
+                at += 2
+            elif _j_or_nop(file[at : at + 4]) and _j_or_nop(running[at : at + 4]):
+                at += 4
+            else:
                 return False
         return True
 
