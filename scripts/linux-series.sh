@@ -12,6 +12,10 @@
 #   arm64-6.1   fixtures/build/linux-arm64-6.1  linux-image-6.1.0-N-arm64          bookworm (arm64)
 #   arm64-6.12  fixtures/build/linux-arm64      linux-image-6.12.N+deb12-arm64     bookworm (arm64)
 #
+# and the riscv64 kernel the riscv64 tests boot (RISCV64_SERIES; scripts/build-riscv64-guest):
+#
+#   riscv64-6.12  fixtures/build/linux-riscv64  linux-image-6.12.N+deb13-riscv64   trixie (riscv64)
+#
 # Only the generic flavour (not -cloud-amd64, -rt-amd64, -rt-arm64, -16k-arm64). An arm64 series is read through a
 # private apt state of bookworm with apt's architecture set to arm64 (series_arch).
 #
@@ -23,6 +27,7 @@
 
 LINUX_SERIES="6.12 6.1 5.10 7"
 AARCH64_SERIES="arm64-6.1 arm64-6.12"
+RISCV64_SERIES="riscv64-6.12"
 
 # series_use SERIES: sets series_dir, series_pattern (an ERE for the image package's name),
 # series_suite (empty: the host's own sources), series_arch (the Debian architecture) and apt_opts
@@ -48,6 +53,11 @@ series_use() {
     arm64-6.12)
         series_dir=fixtures/build/linux-arm64 series_pattern='^linux-image-6\.12\.[0-9]+\+deb12-arm64$'
         series_suite=bookworm series_arch=arm64
+        ;;
+    riscv64-6.12)
+        # riscv64 became an official Debian architecture with trixie (bookworm has no riscv64).
+        series_dir=fixtures/build/linux-riscv64 series_pattern='^linux-image-6\.12\.[0-9]+\+deb13-riscv64$'
+        series_suite=trixie series_arch=riscv64
         ;;
     *) return 1 ;;
     esac
@@ -126,10 +136,11 @@ kernel_unpack() {
 }
 
 # _kernel_members WORK DEB RELEASE: DEB's vmlinuz, config and System.map (if any) into WORK/root.
+# riscv64's boot image is /boot/vmlinux-<release> (a PE/EFI Image, not an ELF), taken as vmlinuz.
 _kernel_members() {
     local release_re files_re members
     release_re=$(sed 's/[.+]/\\&/g' <<<"$3")
-    files_re="^\./(boot/(vmlinuz|config|System\.map)-$release_re|(usr/)?lib/modules/$release_re/(vmlinuz|config|System\.map))\$"
+    files_re="^\./(boot/(vmlinuz|vmlinux|config|System\.map)-$release_re|(usr/)?lib/modules/$release_re/(vmlinuz|config|System\.map))\$"
     mapfile -t members < <(dpkg-deb --fsys-tarfile "$2" | tar -t | grep -E "$files_re")
     ((${#members[@]} == 0)) || dpkg-deb --fsys-tarfile "$2" | tar -x -C "$1/root" "${members[@]}"
 }
@@ -137,7 +148,9 @@ _kernel_members() {
 # kernel_file WORK RELEASE NAME: where kernel_unpack put NAME (vmlinuz, config or System.map).
 kernel_file() {
     local path
-    for path in "boot/$3-$2" "usr/lib/modules/$2/$3" "lib/modules/$2/$3"; do
+    local paths=("boot/$3-$2" "usr/lib/modules/$2/$3" "lib/modules/$2/$3")
+    [ "$3" = vmlinuz ] && paths+=("boot/vmlinux-$2")
+    for path in "${paths[@]}"; do
         [ -s "$1/root/$path" ] && echo "$1/root/$path" && return 0
     done
     return 1

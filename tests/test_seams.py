@@ -37,6 +37,7 @@ class ToyIsa:
     address_size, pc, sp, fp, names = 8, X86_64.pc, X86_64.sp, X86_64.fp, X86_64.names
     elf_machine, kernel_boundary = X86_64.elf_machine, X86_64.kernel_boundary
     shared_from, space_register, mask = X86_64.shared_from, "toyroot", X86_64.mask
+    frame_record = X86_64.frame_record
 
     def __init__(self) -> None:
         self.asked: Counter[str] = Counter()
@@ -60,6 +61,9 @@ class ToyIsa:
 
     def prepare(self) -> None:
         X86_64.prepare()
+
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return X86_64.same_code(file, running)
 
 
 class ToyFormats:

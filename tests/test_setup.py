@@ -17,6 +17,7 @@ from guestvm import ROOT
 # the browser tests' Chromium, the dev tools and the test-only packages.
 NOT_FOR_THE_DEMO = (
     "fetch-linux", "fetch-linux-dbg", "build-linux-guest", "build-aarch64-guest", "arm",
+    "riscv64",
     "fetch-qemu", "fetch-prometheus", "setup-browser", "[dev]", "gdb", "golang-go", "dwarves",
     "bpftool",
 )  # fmt: skip
@@ -75,17 +76,19 @@ def test_the_full_plan_still_sets_up_everything(tmp_path: Path) -> None:
     lines = plan(tmp_path)
     assert packages(lines) == DEMO_PACKAGES | {
         "qemu-system-arm", "gdb-multiarch", "gcc-aarch64-linux-gnu", "gdb", "golang-go",
-        "dwarves", "bpftool",
+        "dwarves", "bpftool", "qemu-system-misc",
     }  # fmt: skip
-    series = ["6.12", "6.1", "5.10", "7", "arm64-6.1", "arm64-6.12"]
+    series = ["6.12", "6.1", "5.10", "7", "arm64-6.1", "arm64-6.12", "riscv64-6.12"]
     assert [line.removeprefix("run: ") for line in lines if line.startswith("run: ")] == [
         "/bin/false -m venv .venv",
         ".venv/bin/pip install -q --disable-pip-version-check -e .[dev]",
         "scripts/setup-browser",
         "scripts/build-fixtures",
         *(f"scripts/fetch-linux {s}" for s in series[:4]),
-        *(f"scripts/fetch-linux {s}" for s in series[4:]),
+        *(f"scripts/fetch-linux {s}" for s in series[4:6]),
         "scripts/build-aarch64-guest",
+        "scripts/fetch-linux riscv64-6.12",
+        "scripts/build-riscv64-guest",
         *(f"scripts/fetch-linux-dbg {s}" for s in series),
         "scripts/fetch-qemu",
         "scripts/fetch-prometheus",
@@ -156,7 +159,8 @@ def test_the_venv_is_installed_once_and_a_demo_install_is_no_full_one(tmp_path: 
         stub(copy / name, log)
     tools = (
         "qemu-system-x86_64", "gcc", "ld", "make", "qemu-system-aarch64", "gdb-multiarch",
-        "aarch64-linux-gnu-gcc", "gdb", "go", "pahole", "bpftool", "apt-get",
+        "aarch64-linux-gnu-gcc", "qemu-system-riscv64", "gdb", "go", "pahole", "bpftool",
+        "apt-get",
     )  # fmt: skip
     for tool in tools:
         stub(tmp_path / "bin" / tool, log)

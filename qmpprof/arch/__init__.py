@@ -4,7 +4,7 @@ A new instruction set is a module of this package and a ``register`` line below.
 
 from __future__ import annotations
 
-from qmpprof.arch import aarch64, aarch64regs, x86, x86regs
+from qmpprof.arch import aarch64, aarch64regs, riscv64, riscv64regs, x86, x86regs
 from qmpprof.arch.base import InstructionSet, PrologueRule, ReadWord, RegisterFormats
 
 __all__ = [
@@ -81,3 +81,4 @@ _X86 = x86regs.X86Formats()
 register(x86.X86_64, _X86, ("x86_64", "i386:x86-64"))
 register(x86.I386, _X86, ("i386",))
 register(aarch64.AARCH64, aarch64regs.AArch64Formats(), ("aarch64",))
+register(riscv64.RISCV64, riscv64regs.RiscV64Formats(), ("riscv64", "riscv:rv64"))

@@ -64,6 +64,7 @@ class AArch64:
     space_register: str = "ttbr0"
     mask: int = _MASK
     same_level_trap_saves_sp: bool = True  # an exception leaves SP_EL1 where it was
+    frame_record: tuple[int, int, int] = (0, 8, 16)  # [x29], [x29 + 8]
 
     @property
     def translation_registers(self) -> tuple[str, ...]:
@@ -139,6 +140,9 @@ class AArch64:
             return False
         insn = int.from_bytes(code[-4:], "little")
         return insn >> 26 == 0b100101 or insn & 0xFFFF_FC1F == 0xD63F_0000
+
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return file == running
 
     def prepare(self) -> None:
         return None  # nothing to build: the few instructions that matter are decoded by hand

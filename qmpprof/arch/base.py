@@ -92,6 +92,12 @@ class InstructionSet(Protocol):
         ...
 
     @property
+    def frame_record(self) -> tuple[int, int, int]:
+        """Where a frame record lies from the frame pointer: the offsets of the caller's frame
+        pointer, of the return address, and the caller's stack pointer's."""
+        ...
+
+    @property
     def kernel_boundary(self) -> int:
         """The default split: code at or above it is the kernel's."""
         ...
@@ -201,6 +207,11 @@ class InstructionSet(Protocol):
 
     def prepare(self) -> None:
         """Build what ``prologue`` needs (a disassembler) before the first pause."""
+        ...
+
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        """Whether ``running`` (code read in the guest) is ``file``'s code, the instruction
+        set's equivalent forms of one instruction taken as the same."""
         ...
 
     def call_before(self, code: bytes, ra: int) -> int | None:

@@ -45,6 +45,11 @@ class X86:
         return (1 << (8 * self.address_size)) - 1
 
     @property
+    def frame_record(self) -> tuple[int, int, int]:
+        word = self.address_size
+        return 0, word, 2 * word  # [rbp], [rbp + 8]: the pushed frame pointer, above it the call's
+
+    @property
     def translation_registers(self) -> tuple[str, ...]:
         return ()  # the split is fixed: nothing in a return address depends on the guest
 
@@ -116,6 +121,9 @@ class X86:
 
     def is_call_before(self, code: bytes, ra: int) -> bool:
         return is_call_before(analyzer(self.address_size).cs, code, ra)
+
+    def same_code(self, file: bytes, running: bytes) -> bool:
+        return file == running
 
     def prepare(self) -> None:
         analyzer(self.address_size)  # built now, not inside the first pause that needs it

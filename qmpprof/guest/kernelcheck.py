@@ -5,7 +5,8 @@ file's code bytes at a few places against the guest's, before a sample of it is 
 The places: where vCPUs run in the file's code, and ``SPREAD`` more spread evenly over it
 (its executable sections, at their link addresses: a kernel linked low or identity-mapped is
 read where it is linked, never at a default). ``PLACE`` bytes are compared at each. A kernel
-may patch a few instructions at boot, so one place differing says nothing: the file is the
+may patch a few instructions at boot, so one place differing says nothing (and an instruction
+set's equivalent forms of an instruction are the same: ``same_code``): the file is the
 running kernel when at least ``AGREE`` of the places that read are the same, and it is not
 when fewer are. Fewer than ``MIN_PLACES`` that read decide nothing yet.
 
@@ -78,7 +79,7 @@ class KernelCheck:
         places = self.places([pc])
         running = await read([(at, PLACE) for at in places])
         compared = [
-            (at, data == self.image.code_at(at, PLACE))
+            (at, self._same(at, data))
             for at, data in zip(places, running, strict=True)
             if data is not None
         ]
@@ -99,6 +100,10 @@ class KernelCheck:
             )
         self.done = True
         return True
+
+    def _same(self, at: int, running: bytes) -> bool:
+        file = self.image.code_at(at, PLACE)
+        return file is not None and self.arch.same_code(file, running)
 
     def _holds(self, pc: int) -> bool:
         return any(lo <= pc < hi for lo, hi in self.code)

@@ -134,9 +134,10 @@ class PrologueStep:
 
 
 class FramePointerStep:
-    """[fp] is the caller's frame pointer, [fp + word] the return address (the psABI's frame
-    chain: [rbp] and [rbp+8] on x86_64, [ebp] and [ebp+4] on i386, a frame record [x29] and
-    [x29+8] on aarch64, whose return address may carry a pointer-authentication code)."""
+    """The frame record the frame pointer points at (``frame_record``) holds the caller's frame
+    pointer and the return address (the psABI's frame chain: [rbp] and [rbp+8] on x86_64, [ebp]
+    and [ebp+4] on i386, a frame record [x29] and [x29+8] on aarch64, whose return address may
+    carry a pointer-authentication code; [s0-16] and [s0-8] on riscv64)."""
 
     via = Via.FRAME_POINTER
     __slots__ = ("arch",)
@@ -153,14 +154,15 @@ class FramePointerStep:
         if fp < cur[arch.sp] or fp & (word - 1):
             return StopReason.NO_CFI  # not a frame pointer into this stack
         read = word_reader(memory, arch)
-        saved_fp = read(fp)
-        ra = read((fp + word) & mask)
+        fp_at, ra_at, sp_at = arch.frame_record
+        saved_fp = read((fp + fp_at) & mask)
+        ra = read((fp + ra_at) & mask)
         if saved_fp is None or ra is None:
             return StopReason.READ_FAILED
         plain = arch.return_address(ra)  # a pointer-authentication code taken off (aarch64)
         new = dict(cur)
         new[arch.pc] = ra if plain is None else plain
-        new[arch.fp], new[arch.sp] = saved_fp, (fp + 2 * word) & mask
+        new[arch.fp], new[arch.sp] = saved_fp, (fp + sp_at) & mask
         return new, False
 
 

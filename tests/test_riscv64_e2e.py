@@ -1,0 +1,135 @@
+"""qmpprof on the riscv64 test guest (trixie's riscv64 6.12 on 2 vCPUs under qemu-system-riscv64,
+TCG) through the generic path: ``--kernel`` the -dbg vmlinux (an ELF with DWARF CFI; the kernel
+has no KASLR), ``--os cr3``. Linux's riscv64 platform (the current task, pt_regs at the
+exception entry, user frames by process) is not there yet: the test checks what this path
+gives, the kernel stacks of MOMENTS one-tick samples of both vCPUs at random moments, call by
+call against the kernel's own code. (A 5 s profile, ticks back to back, stalled here after a
+few ticks on QEMU 7.2: not understood yet, so not tested yet.)
+
+Truth from the same run: each kernel caller frame's return address must follow a call in the
+vmlinux's code (``jal``/``jalr``/``c.jalr`` linking in ra), and a direct call's target must be
+the start of the function of the frame it called (the kernel is built with
+-fno-optimize-sibling-calls under CONFIG_FRAME_POINTER: no tail calls hide a caller). The
+guest is left running.
+
+Only on the host's QEMU: scripts/fetch-qemu's unstable tree has no qemu-system-riscv64 yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import pairwise
+
+import pytest
+from guestvm import run_state
+from riscv64vm import Riscv64Guest, running_riscv64_guest, vmlinux_dbg
+
+from qmpprof import session
+from qmpprof.arch.riscv64 import RISCV64
+from qmpprof.elf.image import ElfImage
+from qmpprof.model import Frame, Mode
+from qmpprof.sampler import Sampler
+
+pytestmark = [pytest.mark.qemu, pytest.mark.linux]
+
+MOMENTS = 100  # one-tick samples of both vCPUs, at random moments
+# Of the caller frames: after a call, a direct one to the callee's function. The boot CPU's idle
+# task's root is not: _start_kernel calls soc_early_init, then jumps to start_kernel (1 in 93).
+CALLS_RIGHT = 0.97
+NAMED = 0.99  # of the kernel frames: a symbol of the vmlinux covers them
+VECTOR = "handle_exception"  # stvec: Linux's trap vector
+# Of the kernel-mode samples, at most this share stopped in the trap vector, mostly at its first
+# instruction (15 of 103, 55 of 63, 62 of 78 measured in three runs on this loaded host): the
+# registers are still (some of) the interrupted code's, its pc in sepc, which the gdbstub's g
+# packet does not carry; ra is not the vector's caller there.
+# Only their leaf frame is checked (named); crossing the trap is Linux's riscv64 platform's.
+AT_VECTOR = 0.9
+
+
+@pytest.fixture(scope="module")
+def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Riscv64Guest]:
+    with running_riscv64_guest(tmp_path_factory.mktemp("riscv64")) as booted:
+        print(f"riscv64 guest booted in {booted.boot_seconds:.1f} s")
+        yield booted
+
+
+class CallTally:
+    """Each kernel caller frame against the vmlinux's code."""
+
+    def __init__(self, image: ElfImage) -> None:
+        self.image = image
+        self.checked = self.right = 0
+        self.wrong: Counter[str] = Counter()
+
+    def check(self, caller: Frame, callee: Frame, count: int) -> None:
+        self.checked += count
+        code = self.image.code_at(caller.pc - 4, 4)
+        if code is None or not RISCV64.is_call_before(code, caller.pc):
+            self.wrong[f"{caller.symbol}+{caller.offset:#x}: no call before"] += count
+            return
+        target = RISCV64.call_before(code, caller.pc)
+        # A direct call (the far auipc + jalr pair included) lands on the callee's start.
+        if target is None and self.image.code_at(caller.pc - 8, 8) is not None:
+            target = RISCV64.call_before(self.image.code_at(caller.pc - 8, 8) or b"", caller.pc)
+        start = None if callee.symbol is None else callee.pc - callee.offset
+        if target is not None and target != start:
+            self.wrong[f"{caller.symbol} calls {target:#x}, not {callee.symbol}"] += count
+            return
+        self.right += count
+
+
+@dataclass
+class Tally:
+    calls: CallTally
+    frames: int = 0
+    named: int = 0
+    deep: int = 0  # kernel stacks of 3 frames or more
+    kernel: int = 0  # samples in kernel mode
+    at_vector: int = 0  # of them, stopped in the trap vector
+
+
+async def sample_moments(guest: Riscv64Guest) -> Tally:
+    """MOMENTS one-tick samples (stop, read, cont) of both vCPUs, a random few ms apart."""
+    spec = session.RunSpec(qmp_socket=guest.qmp_socket, kernel=vmlinux_dbg(), os="cr3")
+    run = await session.start(spec)
+    tally = Tally(CallTally(ElfImage.load(vmlinux_dbg(), mapped=True)))
+    rng = random.Random("qmpprof-riscv64-e2e")
+    try:
+        for _ in range(MOMENTS):
+            sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
+            outcome = await sampler.run(one_shot=True)
+            assert outcome.was_running and len(outcome.last) == 2, outcome.last
+            for sample in outcome.last:
+                if sample.mode is not Mode.KERNEL:
+                    continue
+                kernel = [f for f in sample.stack.frames if f.kernel and not f.inlined]
+                tally.kernel += 1
+                if kernel and kernel[0].symbol == VECTOR:
+                    tally.at_vector += 1
+                    kernel = kernel[:1]  # its caller is not ra (the module's docstring)
+                tally.frames += len(kernel)
+                tally.named += sum(f.symbol is not None for f in kernel)
+                tally.deep += len(kernel) >= 3
+                for callee, caller in pairwise(kernel):
+                    tally.calls.check(caller, callee, 1)
+            await asyncio.sleep(rng.uniform(0.005, 0.05))  # the guest runs a random while
+    finally:
+        await run.transport.close()
+    return tally
+
+
+def test_kernel_stacks_walk_call_by_call(guest: Riscv64Guest) -> None:
+    tally = asyncio.run(sample_moments(guest))
+    assert run_state(guest.qmp_socket) == "running"
+    calls = tally.calls
+    print(f"at the vector {tally.at_vector}/{tally.kernel}; kernel frames named {tally.named}/"
+          f"{tally.frames}; caller frames right {calls.right}/"
+          f"{calls.checked}; wrong: {calls.wrong.most_common(8)}")  # fmt: skip
+    assert tally.deep >= 2 and calls.checked >= 20, (tally.deep, calls.checked)
+    assert tally.at_vector <= AT_VECTOR * tally.kernel, (tally.at_vector, tally.kernel)
+    assert calls.right >= CALLS_RIGHT * calls.checked, calls.wrong.most_common(8)
+    assert tally.named >= NAMED * tally.frames, (tally.named, tally.frames)
