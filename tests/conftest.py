@@ -1,5 +1,6 @@
 """Shared pytest fixtures. The bundled guest: built once per session, booted per test. The
-Debian kernel of the linux tests: fetched and unpacked once per session."""
+Debian kernel of the linux tests: fetched and unpacked once per session. The ``qemu`` marker:
+given by the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,44 @@ from pathlib import Path
 
 import linuxkernel
 import pytest
+import qemumark
 from guestvm import Guest, build_fixtures, running_guest
 from qemus import HOST, Qemu
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
+
+BEFORE_SETUP = pytest.StashKey[set[int]]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test using a fixture that boots QEMU is a QEMU test."""
+    for item in items:
+        if item.get_closest_marker("qemu") is None and qemumark.uses_booting_fixture(item):
+            item.add_marker(pytest.mark.qemu)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    qemumark.marked = item.get_closest_marker("qemu") is not None
+    item.stash[BEFORE_SETUP] = {pid for pid, _name in qemumark.qemu_descendants()}
+    result = yield
+    qemumark.check_unmarked(item, item.stash[BEFORE_SETUP], "after the setup")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    qemumark.check_unmarked(item, item.stash[BEFORE_SETUP], "at the end of the body")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    qemumark.marked = True  # fixtures of a wider scope are torn down outside any test
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,6 +82,7 @@ def guest_build() -> None:
 
 
 @pytest.fixture
+@qemumark.boots_qemu
 def guest(tmp_path: Path, guest_build: None) -> Iterator[Guest]:
     """The cfi build on one vCPU, workload running; QEMU is killed afterwards."""
     with running_guest(tmp_path, "cfi", 1) as g:

@@ -36,6 +36,7 @@ import pytest
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
 from linuxkernel import BOOTED, linux_dir
 from linuxvm import ROOTFS, Mapping, running_linux_guest
+from qemumark import boots_qemu
 
 from qmpprof.model import Mode
 from qmpprof.output import native
@@ -75,6 +76,7 @@ class Profiled:
 
 
 @pytest.fixture(scope="module", params=BOOTED)
+@boots_qemu
 def profiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Profiled:
     series: str = request.param
     folder = linux_dir(series)
