@@ -43,6 +43,13 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return result
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many times each boot helper booted QEMU in this session."""
+    if qemumark.BOOTS:
+        counts = ", ".join(f"{what} {n}" for what, n in sorted(qemumark.BOOTS.items()))
+        terminalreporter.write_line(f"QEMU boots: {counts}")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     result = yield

@@ -185,7 +185,7 @@ def running_guest(
     QEMU binary (default: run-guest's for the variant). The QMP socket is ``qmp.sock`` in
     ``sock_dir`` when given (to boot again on the same socket; the caller removes the
     directory), else in a directory of its own."""
-    qemumark.require_marker("running_guest")
+    qemumark.booting("running_guest")
     build_fixtures((variant,))
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     own_dir = sock_dir is None

@@ -3,13 +3,14 @@
 A fixture that boots QEMU says so with ``@boots_qemu`` (under its ``@pytest.fixture``); conftest
 gives every test using such a fixture the ``qemu`` marker, so ``-m "not qemu"`` (the unit tier of
 scripts/test) never boots one. What no fixture declares is caught when it happens: the boot
-helpers (guestvm, linuxvm, aarch64vm, witnessvm) call ``require_marker``, and conftest fails an
+helpers (guestvm, linuxvm, aarch64vm, witnessvm) call ``booting``, and conftest fails an
 unmarked test that started a QEMU still running once its fixtures are set up or its body ends
 (a command line the test starts itself)."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +22,9 @@ F = TypeVar("F", bound=Callable[..., object])
 # The fixture functions that boot QEMU. Fixture names repeat across files (``guest``,
 # ``booted``): the function itself tells them apart.
 BOOTING: set[Callable[..., object]] = set()
+
+# Boots per boot helper in this session.
+BOOTS: Counter[str] = Counter()
 
 # Whether the test being run carries the ``qemu`` marker (set by conftest around each test;
 # True outside a test, for fixtures and scripts that use the helpers on their own).
@@ -45,10 +49,12 @@ def uses_booting_fixture(item: pytest.Item) -> bool:
     )
 
 
-def require_marker(what: str) -> None:
-    """Fail the running test when it boots QEMU without the ``qemu`` marker."""
+def booting(what: str) -> None:
+    """Fail the running test when it boots QEMU without the ``qemu`` marker; else count the
+    boot by ``what`` (conftest prints the counts at the end of the session)."""
     if not marked:
         pytest.fail(f"{what} boots QEMU in a test without the qemu marker", pytrace=False)
+    BOOTS[what] += 1
 
 
 def _parent(pid: int) -> int | None:

@@ -82,7 +82,7 @@ def vm(
     """The cfi guest as scripts/run-guest starts it, plus a witness QMP socket (and optionally
     ``-gdb``, a QMP TCP port, ``more_sockets`` QMP sockets); ``paused``: stopped by the witness
     once the workload runs."""
-    qemumark.require_marker("witnessvm.vm")
+    qemumark.booting("witnessvm.vm")
     build_fixtures()
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-pg-", dir="/tmp"))  # short socket paths
     console = tmp_path / "console.txt"
