@@ -1,5 +1,7 @@
 """Shared pytest fixtures. The bundled guest: built once per session, booted per test. The
-Debian kernel of the linux tests: fetched and unpacked once per session. The ``qemu`` marker:
+Debian kernel of the linux tests: fetched and unpacked once per session. The Linux guests
+shared by several files (``kaslr_linux``, ``churn_linux``): booted once per kernel series and
+session, checked after each test (tests/sharedlinux.py). The ``qemu`` marker:
 given by the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from pathlib import Path
 import linuxkernel
 import pytest
 import qemumark
+import sharedlinux
 from guestvm import Guest, build_fixtures, running_guest
 from qemus import HOST, Qemu
+from sharedlinux import Shared
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
@@ -114,3 +118,39 @@ def linux_vmlinux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("linux") / "vmlinux"
     path.write_bytes(vmlinux_bytes((linuxkernel.linux_dir() / "vmlinuz").read_bytes()))
     return path
+
+
+@pytest.fixture(scope="session", params=linuxkernel.BOOTED)
+@qemumark.boots_qemu
+def kaslr_boot(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
+    """The shared KASLR Linux guest of each series, its kallsyms dumped (tests/sharedlinux.py)."""
+    tmp = tmp_path_factory.mktemp(f"kaslr-{request.param}")
+    with sharedlinux.booted(tmp, sharedlinux.KASLR, request.param) as shared:
+        yield shared
+
+
+@pytest.fixture
+def kaslr_linux(kaslr_boot: Shared) -> Iterator[Shared]:
+    """The shared KASLR guest, running for this test and checked afterwards."""
+    with sharedlinux.lent(kaslr_boot) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session", params=linuxkernel.BOOTED)
+@qemumark.boots_qemu
+def churn_boot(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
+    """The shared Linux guest of each series running the churn workload (``qmpprof.churn``)."""
+    tmp = tmp_path_factory.mktemp(f"churn-{request.param}")
+    with sharedlinux.booted(tmp, sharedlinux.CHURN_KIND, request.param) as shared:
+        yield shared
+
+
+@pytest.fixture
+def churn_linux(churn_boot: Shared) -> Iterator[Shared]:
+    """The shared churn guest, running for this test and checked afterwards."""
+    with sharedlinux.lent(churn_boot) as shared:
+        yield shared
