@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import qemumark
 from guestvm import _check_alive, _die_with_parent, _wait_qmp
 
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols, parse_symbol_map
@@ -76,6 +77,7 @@ def running_aarch64_guest(
     """Boot the guest on bookworm's arm64 ``series`` kernel and yield it once the workload
     runs and the guest's kallsyms are decoded (``dump_kallsyms=False``: 8 s sooner, no
     ``symbols``); ``append``: more kernel parameters; ``gdb_port``: QEMU's gdbstub there."""
+    qemumark.booting("running_aarch64_guest")
     sock_dir = Path(tempfile.mkdtemp(prefix="a64-", dir="/tmp"))  # short Unix socket paths
     guest = Aarch64Guest(
         qmp_socket=sock_dir / "qmp.sock",

@@ -1,5 +1,8 @@
 """Shared pytest fixtures. The bundled guest: built once per session, booted per test. The
-Debian kernel of the linux tests: fetched and unpacked once per session."""
+Debian kernel of the linux tests: fetched and unpacked once per session. The Linux guests
+shared by several files (``kaslr_linux``, ``churn_linux``): booted once per kernel series and
+session, checked after each test (tests/sharedlinux.py). The ``qemu`` marker:
+given by the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,53 @@ from pathlib import Path
 
 import linuxkernel
 import pytest
+import qemumark
+import sharedlinux
 from guestvm import Guest, build_fixtures, running_guest
 from qemus import HOST, Qemu
+from sharedlinux import Shared
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.bzimage import vmlinux_bytes
+
+BEFORE_SETUP = pytest.StashKey[set[int]]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test using a fixture that boots QEMU is a QEMU test."""
+    for item in items:
+        if item.get_closest_marker("qemu") is None and qemumark.uses_booting_fixture(item):
+            item.add_marker(pytest.mark.qemu)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    qemumark.marked = item.get_closest_marker("qemu") is not None
+    item.stash[BEFORE_SETUP] = {pid for pid, _name in qemumark.qemu_descendants()}
+    result = yield
+    qemumark.check_unmarked(item, item.stash[BEFORE_SETUP], "after the setup")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    qemumark.check_unmarked(item, item.stash[BEFORE_SETUP], "at the end of the body")
+    return result
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many times each boot helper booted QEMU in this session."""
+    if qemumark.BOOTS:
+        counts = ", ".join(f"{what} {n}" for what, n in sorted(qemumark.BOOTS.items()))
+        terminalreporter.write_line(f"QEMU boots: {counts}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    qemumark.marked = True  # fixtures of a wider scope are torn down outside any test
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,6 +93,7 @@ def guest_build() -> None:
 
 
 @pytest.fixture
+@qemumark.boots_qemu
 def guest(tmp_path: Path, guest_build: None) -> Iterator[Guest]:
     """The cfi build on one vCPU, workload running; QEMU is killed afterwards."""
     with running_guest(tmp_path, "cfi", 1) as g:
@@ -72,3 +118,39 @@ def linux_vmlinux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("linux") / "vmlinux"
     path.write_bytes(vmlinux_bytes((linuxkernel.linux_dir() / "vmlinuz").read_bytes()))
     return path
+
+
+@pytest.fixture(scope="session", params=linuxkernel.BOOTED)
+@qemumark.boots_qemu
+def kaslr_boot(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
+    """The shared KASLR Linux guest of each series, its kallsyms dumped (tests/sharedlinux.py)."""
+    tmp = tmp_path_factory.mktemp(f"kaslr-{request.param}")
+    with sharedlinux.booted(tmp, sharedlinux.KASLR, request.param) as shared:
+        yield shared
+
+
+@pytest.fixture
+def kaslr_linux(kaslr_boot: Shared) -> Iterator[Shared]:
+    """The shared KASLR guest, running for this test and checked afterwards."""
+    with sharedlinux.lent(kaslr_boot) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session", params=linuxkernel.BOOTED)
+@qemumark.boots_qemu
+def churn_boot(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
+    """The shared Linux guest of each series running the churn workload (``qmpprof.churn``)."""
+    tmp = tmp_path_factory.mktemp(f"churn-{request.param}")
+    with sharedlinux.booted(tmp, sharedlinux.CHURN_KIND, request.param) as shared:
+        yield shared
+
+
+@pytest.fixture
+def churn_linux(churn_boot: Shared) -> Iterator[Shared]:
+    """The shared churn guest, running for this test and checked afterwards."""
+    with sharedlinux.lent(churn_boot) as shared:
+        yield shared

@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+import qemumark
 from elftools.elf.elffile import ELFFile
 from qemu.qmp import ExecuteError, QMPClient
 
@@ -184,6 +185,7 @@ def running_guest(
     QEMU binary (default: run-guest's for the variant). The QMP socket is ``qmp.sock`` in
     ``sock_dir`` when given (to boot again on the same socket; the caller removes the
     directory), else in a directory of its own."""
+    qemumark.booting("running_guest")
     build_fixtures((variant,))
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     own_dir = sock_dir is None

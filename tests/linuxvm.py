@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import qemumark
 from guestvm import _check_alive, _die_with_parent, _wait_qmp
 
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
@@ -201,6 +202,7 @@ def running_linux_guest(
     bzImage other than 6.12's (``linux_dir(series) / "vmlinuz"``: the same initramfs, with
     the test module built for every kernel fetched before the guest was built; for another,
     init says "insmod failed" and runs a busybox loop in place of the ``sys`` workload)."""
+    qemumark.booting("running_linux_guest")
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="lg-", dir="/tmp"))

@@ -31,6 +31,7 @@ from aarch64vm import (
 )
 from guestvm import run_state
 from linuxframes import shared_object
+from qemumark import boots_qemu
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.linux.kernel import LinuxKernel
@@ -47,6 +48,7 @@ ROOTS = ("ret_from_fork", "__primary_switched", "__secondary_switched")
 
 
 @pytest.fixture(scope="module", params=["6.1", "6.12"])
+@boots_qemu
 def guest(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Aarch64Guest]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from aarch64vm import ROOT, Aarch64Guest, image, named_at, running_aarch64_guest
 from guestvm import run_state
+from qemumark import boots_qemu
 from test_aarch64_e2e import TextSymbols
 from test_linux_arm64image import PACK, zboot
 
@@ -27,6 +28,7 @@ SHOTS = 4  # more one-shots at most, until one stops a vCPU in the kernel
 
 
 @pytest.fixture(scope="module")
+@boots_qemu
 def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Aarch64Guest]:
     with running_aarch64_guest(tmp_path_factory.mktemp("aarch64-forms"), "6.1") as running:
         yield running

@@ -25,6 +25,7 @@ from guestvm import (
     user_breakpoint_condition,
 )
 from qemu.qmp import QMPClient
+from qemumark import boots_qemu
 
 EXPECTED = expected()
 KERNEL_BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.qemu
 
 
 @pytest.fixture(scope="module", params=EXPECTED["variants"])
+@boots_qemu
 def guest(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, guest_build: None
 ) -> Iterator[Guest]:

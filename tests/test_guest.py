@@ -32,6 +32,7 @@ from guestvm import (
     section,
 )
 from qemu.qmp import QMPClient
+from qemumark import boots_qemu
 
 EXPECTED = expected()
 KERNEL_BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
@@ -211,6 +212,7 @@ def test_frame_pointer_discipline(variant: str, guest_build: None) -> None:
 
 
 @pytest.fixture(scope="module", params=BOOTS, ids=[f"{v}-smp{n}" for v, n in BOOTS])
+@boots_qemu
 def booted(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, guest_build: None
 ) -> Iterator[Guest]:

@@ -32,6 +32,7 @@ from guestvm import (
     section,
 )
 from qemu.qmp import QMPClient
+from qemumark import boots_qemu
 from support.gdbi386 import I386_LAYOUT, I386GdbProxy, i386_register, i386_registers
 
 from qmpprof.transport.gdbpackets import encode_packet
@@ -147,6 +148,7 @@ CR0_PG, CR4_PAE = 1 << 31, 1 << 5
 
 
 @pytest.fixture(scope="module", params=BOOTS, ids=[f"{v}-{q}" for v, q in BOOTS])
+@boots_qemu
 def booted(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Guest]:

@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from linuxkernel import BOOTED, linux_dir
-from linuxvm import CHURN, ROOTFS, running_linux_guest, wait_churn
+from linuxvm import ROOTFS, wait_churn
+from sharedlinux import Shared
 
 from qmpprof.cli import main
 from qmpprof.model import Mode, StopReason
@@ -43,21 +43,17 @@ PLACED = 0.95  # of the user frames of new processes: in a file placed from --us
 BUSYBOX_WHOLE = 0.7
 
 
-@pytest.mark.parametrize("series", BOOTED)
 def test_new_processes_are_named_and_placed_as_they_come(
-    series: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    churn_linux: Shared, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kernel = linux_dir(series) / "vmlinuz"
+    guest = churn_linux.guest
     saved = tmp_path / "churn.qmpprof"
-    with running_linux_guest(
-        tmp_path, kaslr=True, smp=2, append=CHURN, kernel=kernel, dump_kallsyms=False
-    ) as guest:
-        before = wait_churn(guest, 1, CHURN_TIMEOUT)
-        args = ["--qmp-socket", str(guest.qmp_socket), "--kernel", str(kernel)]
-        args += ["--user-dir", str(ROOTFS), "--duration", "5", "--interval", "10", "-v"]
-        assert main([*args, "-o", str(saved)]) == 0
-        rates = guest.churn_rates()
-        xz_pid, _maps = guest.xz_maps()
+    before = wait_churn(guest, 1, CHURN_TIMEOUT)
+    args = ["--qmp-socket", str(guest.qmp_socket), "--kernel", str(churn_linux.vmlinuz)]
+    args += ["--user-dir", str(ROOTFS), "--duration", "5", "--interval", "10", "-v"]
+    assert main([*args, "-o", str(saved)]) == 0
+    rates = guest.churn_rates()
+    xz_pid, _maps = guest.xz_maps()
     err = capsys.readouterr().err
     print(err, "\n".join(f"churn: {r.processes} in {r.seconds} s" for r in rates))
     # How fast the workload churns in guest time depends on the host's load under TCG (>= 20 a

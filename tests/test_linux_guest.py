@@ -20,18 +20,19 @@ from elftools.elf.elffile import ELFFile
 from guestvm import free_tcp_port
 from linuxkernel import BOOTED, linux_dir
 from linuxvm import (
-    CHURN,
     LIBLZMA,
     MODULE,
     MODULE_KO,
     ROOT,
     WORK_ELF,
     XZ,
+    LinuxGuest,
     build_linux_guest,
     module_ko,
     running_linux_guest,
     wait_churn,
 )
+from sharedlinux import Shared
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.transport.qmp import QmpTransport
@@ -48,39 +49,42 @@ MODULE_FUNCTIONS = (
 )
 
 
-BOOTS = [("6.12", False), *((series, True) for series in BOOTED)]
-
-
 @pytest.mark.qemu
 @pytest.mark.linux
-@pytest.mark.parametrize(
-    ("series", "kaslr"), BOOTS, ids=[f"{s}-{'kaslr' if k else 'nokaslr'}" for s, k in BOOTS]
-)
-async def test_boots_with_workload_and_kallsyms(tmp_path: Path, series: str, kaslr: bool) -> None:
-    kernel = linux_dir(series) / "vmlinuz"
-    with running_linux_guest(tmp_path, kaslr=kaslr, smp=2, kernel=kernel) as guest:
-        transport = await QmpTransport.connect(guest.qmp_socket)
-        try:
-            assert await transport.status() == "running"
-            assert await transport.cpus() == [0, 1]
-        finally:
-            await transport.close()
-        # Debian's kernel takes the unsigned out-of-tree module: taint O (4096) + E (8192).
-        assert "qmpprof-linux: tainted 12288" in guest.console_text()
-        symbols = guest.symbols
-        text = symbols.address_of("_text")
-        assert text == guest.text_address
-        assert (text == IMAGE_TEXT) is not kaslr
-        assert (text - IMAGE_TEXT) % (2 << 20) == 0
-        assert len(symbols) > 90_000  # 94 000 (6.1) to 199 000 (7.2) and the module's
-        for name in MODULE_FUNCTIONS:
-            addr = symbols.address_of(name, MODULE)
-            assert addr is not None and guest.module_address <= addr < guest.module_address + (
-                1 << 20
-            ), name
-        assert symbols.address_of("qb_read") is None  # only as a module symbol
-        kinds = {m for m in symbols.modules if m is not None}
-        assert kinds == {MODULE}
+async def test_boots_without_kaslr_with_workload_and_kallsyms(tmp_path: Path) -> None:
+    with running_linux_guest(tmp_path, kaslr=False, smp=2) as guest:
+        await check_booted(guest, kaslr=False)
+
+
+@pytest.mark.linux
+async def test_boots_with_kaslr_workload_and_kallsyms(kaslr_linux: Shared) -> None:
+    await check_booted(kaslr_linux.guest, kaslr=True)
+
+
+async def check_booted(guest: LinuxGuest, *, kaslr: bool) -> None:
+    """Running on both vCPUs, the module loaded, the guest's kallsyms placed as KASLR says."""
+    transport = await QmpTransport.connect(guest.qmp_socket)
+    try:
+        assert await transport.status() == "running"
+        assert await transport.cpus() == [0, 1]
+    finally:
+        await transport.close()
+    # Debian's kernel takes the unsigned out-of-tree module: taint O (4096) + E (8192).
+    assert "qmpprof-linux: tainted 12288" in guest.console_text()
+    symbols = guest.symbols
+    text = symbols.address_of("_text")
+    assert text == guest.text_address
+    assert (text == IMAGE_TEXT) is not kaslr
+    assert (text - IMAGE_TEXT) % (2 << 20) == 0
+    assert len(symbols) > 90_000  # 94 000 (6.1) to 199 000 (7.2) and the module's
+    for name in MODULE_FUNCTIONS:
+        addr = symbols.address_of(name, MODULE)
+        assert addr is not None and guest.module_address <= addr < guest.module_address + (
+            1 << 20
+        ), name
+    assert symbols.address_of("qb_read") is None  # only as a module symbol
+    kinds = {m for m in symbols.modules if m is not None}
+    assert kinds == {MODULE}
 
 
 @pytest.mark.linux
@@ -110,19 +114,14 @@ IMAGE_KERNEL_TEXT = 0xFFFFFFFF80000000  # KASLR keeps _text in [this, +1 GiB)
 CHURN_TIMEOUT = 120.0  # 15 s of guest time: a guard against a hung guest, not a speed check
 
 
-@pytest.mark.qemu
 @pytest.mark.linux
-@pytest.mark.parametrize("series", BOOTED)
-def test_every_kernel_boots_with_module_xz_and_churn(tmp_path: Path, series: str) -> None:
-    folder = linux_dir(series)
-    release = (folder / "version").read_text().strip()
-    with running_linux_guest(
-        tmp_path, kaslr=True, dump_kallsyms=False, append=CHURN, kernel=folder / "vmlinuz"
-    ) as guest:
-        # The first report overlaps the boot: the next two are the workload's own rate.
-        rates = wait_churn(guest, 3, CHURN_TIMEOUT)
-        console = guest.console_text()
-        xz_pid, maps = guest.xz_maps()
+def test_every_kernel_boots_with_module_xz_and_churn(churn_linux: Shared) -> None:
+    guest = churn_linux.guest
+    release = (linux_dir(churn_linux.series) / "version").read_text().strip()
+    # The first report overlaps the boot: the next two are the workload's own rate.
+    rates = wait_churn(guest, 3, CHURN_TIMEOUT)
+    console = guest.console_text()
+    xz_pid, maps = guest.xz_maps()
     print(f"{release}: boot {guest.boot_seconds:.1f} s, text {guest.text_address:#x}, {rates}")
     # KASLR moved the kernel by a multiple of 2 MiB, within the kernel's 1 GiB.
     assert guest.text_address != IMAGE_TEXT

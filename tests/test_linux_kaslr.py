@@ -14,6 +14,7 @@ import linuxkernel
 import pytest
 from fakes import FakeTransport, x86
 from linuxvm import LinuxGuest, running_linux_guest
+from sharedlinux import Shared
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import KernelMismatchError
@@ -206,20 +207,17 @@ async def test_slide_on_several_kaslr_boots(tmp_path: Path) -> None:
     assert len(set(slides)) >= 2, f"three boots, slides {[hex(s) for s in slides]}"
 
 
-@pytest.mark.qemu
 @pytest.mark.linux
-@pytest.mark.parametrize("series", linuxkernel.BOOTED)
-async def test_the_images_tables_are_the_running_kernels(tmp_path: Path, series: str) -> None:
+async def test_the_images_tables_are_the_running_kernels(kaslr_linux: Shared) -> None:
     """On every kernel booted with KASLR: the slide found over the IDT is the true one, and
     what qmpprof reads from the image serves the running kernel at that slide: its kallsyms
     (every symbol) and its ORC and BTF (byte for byte)."""
-    kernel = linuxkernel.linux_dir(series) / "vmlinuz"
-    with running_linux_guest(tmp_path, kaslr=True, kernel=kernel) as guest:
-        slide = await slide_of(guest, series)
-        assert slide == true_slide(guest, series) != 0
-        assert slide % kaslr.ALIGN == 0
-        await check_kallsyms_under_slide(guest, series, slide)
-        await check_orc_under_slide(guest, series, slide)
+    guest, series = kaslr_linux.guest, kaslr_linux.series
+    slide = await slide_of(guest, series)
+    assert slide == true_slide(guest, series) != 0
+    assert slide % kaslr.ALIGN == 0
+    await check_kallsyms_under_slide(guest, series, slide)
+    await check_orc_under_slide(guest, series, slide)
 
 
 async def check_kallsyms_under_slide(guest: LinuxGuest, series: str, slide: int) -> None:

@@ -34,8 +34,9 @@ from pathlib import Path
 import linuxkernel
 import pytest
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
-from linuxkernel import BOOTED, linux_dir
+from linuxkernel import linux_dir
 from linuxvm import ROOTFS, Mapping, running_linux_guest
+from sharedlinux import Shared, lent
 
 from qmpprof.model import Mode
 from qmpprof.output import native
@@ -48,9 +49,6 @@ SAMPLED = 0.9  # of the ticks, on each vCPU
 WHOLE = 0.95  # of the kernel-mode stacks
 NAMED = 0.99  # of the kernel frames, as the guest's kallsyms
 PLACED = 0.95  # of xz's user frames, in the right file at the right offset
-# On a loaded host TCG can fail the kernel's IO-APIC timer check (a panic at boot: "IO-APIC +
-# timer doesn't work"): skip the check.
-NO_TIMER_CHECK = "no_timer_check"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +72,16 @@ class Profiled:
         return int(re.search(r"(\d+) ticks", self.err).group(1))  # type: ignore[union-attr]
 
 
-@pytest.fixture(scope="module", params=BOOTED)
-def profiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Profiled:
-    series: str = request.param
+@pytest.fixture(scope="module")
+def profiled(kaslr_boot: Shared, tmp_path_factory: pytest.TempPathFactory) -> Profiled:
+    """A 5 s qmpprof run on the shared KASLR guest of each series (tests/sharedlinux.py)."""
+    series = kaslr_boot.series
     folder = linux_dir(series)
     vmlinuz = folder / "vmlinuz"
     tmp = tmp_path_factory.mktemp(f"linux-{series}")
     saved = tmp / "profile.qmpprof"
-    with running_linux_guest(
-        tmp, kaslr=True, smp=2, append=NO_TIMER_CHECK, kernel=vmlinuz
-    ) as guest:
+    with lent(kaslr_boot) as shared:
+        guest = shared.guest
         cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
         cmd += ["--kernel", str(vmlinuz), "--user-dir", str(ROOTFS)]
         cmd += ["--duration", "5", "--interval", "10", "-v", "-o", str(saved)]

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from guestvm import ROOT
 
 # What the demo never uses: the Linux and arm64 kernels and guests, unstable's QEMU, Prometheus,
@@ -135,10 +136,40 @@ def test_the_readme_commands_set_up_what_they_say(tmp_path: Path) -> None:
         assert done.returncode == 0, argv
     assert log.read_text().splitlines() == [
         "setup demo", "qmpprof demo",  # ./scripts/demo
-        "setup ", "pytest -ra", "mutate ",  # ./scripts/test: the mutation check after the tests
-        "setup ", "pytest -ra", "mutate ",  # .ci/run: the same as ./scripts/test
-        "setup ", "pytest -ra -k x",  # ./scripts/test with tests chosen: no mutation check
+        "setup ", "pytest -ra -x -m not qemu", "mutate ", "pytest -ra -m qemu",  # ./scripts/test
+        "setup ", "pytest -ra -x -m not qemu", "mutate ", "pytest -ra -m qemu",  # .ci/run
+        # ./scripts/test with tests chosen: no mutation check
+        "setup ", "pytest -ra -x -m not qemu -k x", "pytest -ra -m qemu -k x",
     ]  # fmt: skip
+
+
+# pytest's exit codes for each tier (0 passed, 1 failed, 5 selected nothing) and what
+# scripts/test then runs and exits with.
+TIERS = [
+    ((0, 0), 2, 0),
+    ((1, 0), 1, 1),  # a unit failure stops before the QEMU tier
+    ((0, 1), 2, 1),
+    ((5, 0), 2, 0),
+    ((0, 5), 2, 0),
+    ((5, 5), 2, 5),
+    ((2, 0), 1, 2),  # interrupted or a usage error
+]
+
+
+@pytest.mark.parametrize(("codes", "runs", "exit_code"), TIERS, ids=[str(t[0]) for t in TIERS])
+def test_the_unit_tier_runs_first_and_every_failure_is_the_exit_code(
+    tmp_path: Path, codes: tuple[int, int], runs: int, exit_code: int
+) -> None:
+    copy, log = recording_checkout(tmp_path)
+    unit, qemu = codes
+    (copy / ".venv/bin/pytest").write_text(
+        f'#!/bin/sh\necho "pytest $*" >>{log}\n'
+        f'case "$*" in *"not qemu"*) exit {unit};; *) exit {qemu};; esac\n'
+    )
+    done = subprocess.run([copy / "scripts/test", "-k", "x"], cwd=copy, timeout=60, check=False)
+    assert done.returncode == exit_code
+    calls = [line for line in log.read_text().splitlines() if line.startswith("pytest")]
+    assert calls == ["pytest -ra -x -m not qemu -k x", "pytest -ra -m qemu -k x"][:runs]
 
 
 def stub(path: Path, log: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from guestvm import running_guest
+from qemumark import boots_qemu
 from qemus import every_qemu
 
 from qmpprof.elf.image import ElfImage
@@ -68,6 +69,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
+@boots_qemu
 async def bios(tmp_path: Path) -> AsyncIterator[QmpTransport]:
     with bios_qemu(tmp_path, smp=2) as (sock, _):
         transport = await QmpTransport.connect(sock)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import qemumark
 from guestvm import BUILD_ROOT, WORKLOAD_LINE, Guest, build_fixtures, free_tcp_port, wait_console
 from support.bench.rawqmp import RawQmp
 
@@ -81,6 +82,7 @@ def vm(
     """The cfi guest as scripts/run-guest starts it, plus a witness QMP socket (and optionally
     ``-gdb``, a QMP TCP port, ``more_sockets`` QMP sockets); ``paused``: stopped by the witness
     once the workload runs."""
+    qemumark.booting("witnessvm.vm")
     build_fixtures()
     sock_dir = Path(tempfile.mkdtemp(prefix="qg-pg-", dir="/tmp"))  # short socket paths
     console = tmp_path / "console.txt"

@@ -28,10 +28,15 @@ class RawQmp:
             self._sock.close()
             raise ConnectError(f"cannot connect to QMP at {path}: {err.strerror}") from err
         self._file = self._sock.makefile("rb")
-        greeting = self._message()
-        if "QMP" not in greeting:
-            raise ConnectError(f"{path} is not a QMP server")
-        self.execute("qmp_capabilities")
+        try:
+            greeting = self._message()
+            if "QMP" not in greeting:
+                raise ConnectError(f"{path} is not a QMP server")
+            self.execute("qmp_capabilities")
+        except BaseException:  # no greeting in time (a client holds QEMU's), or none at all
+            self._file.close()
+            self._sock.close()
+            raise
         # tmpfs when there is one, as qmpprof's own transport does: the best QMP can do.
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         fd, self._dump = tempfile.mkstemp(prefix="qmpprof-bench-", suffix=".bin", dir=shm)
