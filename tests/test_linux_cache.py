@@ -20,15 +20,15 @@ import linuxkernel
 import pytest
 
 from qmpprof.arch.x86 import X86_64
-from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.modules import ModuleLayout
-from qmpprof.guest.linux.tasks import TaskLayout
-from qmpprof.guest.linux.vma import VmaLayout
 from qmpprof.linux import btf as btf_module
 from qmpprof.linux import cache, kernel
 from qmpprof.linux.btf import Btf, BtfIndex, Kind
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import OrcTable
+from qmpprof.linux.running.image import kernel_module
+from qmpprof.linux.running.modules import ModuleLayout
+from qmpprof.linux.running.tasks import TaskLayout
+from qmpprof.linux.running.vma import VmaLayout
 from qmpprof.linux.symbols import KernelSymbols
 
 SLIDE = 0x1E00_0000

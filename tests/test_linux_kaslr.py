@@ -17,9 +17,9 @@ from linuxvm import LinuxGuest, running_linux_guest
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import KernelMismatchError
-from qmpprof.guest.linux.slide import find_slide
 from qmpprof.linux import kaslr
 from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
+from qmpprof.linux.running.slide import find_slide
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.transport.qmp import QmpTransport
 

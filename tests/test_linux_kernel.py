@@ -1,6 +1,6 @@
 """A Linux kernel loaded for a run from the files in /boot: Debian's 6.12 bzImage as found there
 (scripts/fetch-linux), its kallsyms, ORC and BTF, and its Module at a KASLR slide
-(``qmpprof.guest.linux.image``)."""
+(``qmpprof.linux.running.image``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
-from qmpprof.guest.linux import LINUX
-from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.orc import RETPOLINE_THUNK, unaliased
+from qmpprof.linux.running import LINUX
+from qmpprof.linux.running.image import kernel_module, target_kind
 from qmpprof.unwind.orc import OrcStep
 from qmpprof.unwind.tailcall import TargetKind
 

@@ -5,8 +5,9 @@ module (or package) of its own and a ``register`` line below."""
 from __future__ import annotations
 
 from qmpprof.errors import UsageError
-from qmpprof.guest import cr3, emerald, linux
+from qmpprof.guest import cr3, emerald
 from qmpprof.guest.base import GuestOs, KernelFile
+from qmpprof.linux import running as linux
 
 AUTO = "auto"
 _OSES: dict[str, GuestOs] = {}

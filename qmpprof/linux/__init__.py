@@ -9,5 +9,5 @@ tables (``qmpprof.unwind.orc.OrcStep`` walks with them); ``btf`` reads its BTF t
 offsets); ``kaslr`` votes for the running kernel's KASLR slide from its interrupt table's gates.
 
 Nothing here imports a transport, the guest or the unwinder: these are pure readers of bytes and
-text. Linux as a guest OS, which reads the running guest, is ``qmpprof.guest.linux``.
+text. Linux as a guest OS, which reads the running guest, is ``qmpprof.linux.running``.
 """

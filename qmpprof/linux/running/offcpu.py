@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import FoundTask
-from qmpprof.guest.linux.current import CurrentTask
-from qmpprof.guest.linux.pagetables import PageTables, split
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.switch import SwitchLayout, switch_layout
-from qmpprof.guest.linux.tasks import (
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.pagetables import PageTables, split
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.switch import SwitchLayout, switch_layout
+from qmpprof.linux.running.tasks import (
     Task,
     TaskLayout,
     parse_task,
@@ -38,7 +39,6 @@ from qmpprof.guest.linux.tasks import (
     task_range,
     with_leader,
 )
-from qmpprof.linux.btf import Btf
 from qmpprof.memory import Reader, read_ints, read_one
 
 # TASK_NOLOAD (include/linux/sched.h: 0x400 in 5.10, 6.1, 6.12 and 7.2): with

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
-from qmpprof.guest.linux.arm64switch import CpuContext
-from qmpprof.guest.linux.x86switch import InactiveTaskFrame
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.running.arm64switch import CpuContext
+from qmpprof.linux.running.x86switch import InactiveTaskFrame
 from qmpprof.model import Registers
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import GuestSpec, KernelFile
-from qmpprof.guest.linux.guest import LinuxGuest
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof.linux.running.guest import LinuxGuest
 from qmpprof.memo import Memo
 
 KEPT = 8  # loaded kernels kept for the process

@@ -15,23 +15,23 @@ from typing import TypeVar
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
-from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
-from qmpprof.guest.linux.entry import entry_code
-from qmpprof.guest.linux.identify import LinuxIdentifier
-from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.kernelmemory import KernelTables, beyond_user_mode, kernel_root
-from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
-from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
-from qmpprof.guest.linux.offcpu import Census, OffCpuLayout, read_states
-from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
-from qmpprof.guest.linux.slide import find_slide
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
-from qmpprof.guest.linux.vma import VmaLayout
-from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
+from qmpprof.linux.running.entry import entry_code
+from qmpprof.linux.running.identify import LinuxIdentifier
+from qmpprof.linux.running.image import kernel_module
+from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode, kernel_root
+from qmpprof.linux.running.linearmap import LinearMap, find_linear_map
+from qmpprof.linux.running.modules import ModuleLayout, ModuleList
+from qmpprof.linux.running.offcpu import Census, OffCpuLayout, read_states
+from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables, page_tables
+from qmpprof.linux.running.slide import find_slide
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.tasks import RECHECK, TaskLayout, task_list
+from qmpprof.linux.running.vma import VmaLayout
+from qmpprof.linux.running.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.memory import Reader, kernel_reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
