@@ -21,10 +21,12 @@ from test_linux_bzimage import COMPRESSORS, size_append
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
-from qmpprof.linux import arm64image, arm64relr, bannerslide
-from qmpprof.linux.arm64image import elf_of_image, is_arm64_image, is_arm64_kernel
+from qmpprof.linux import bannerslide
+from qmpprof.linux.aarch64 import kernelimage as arm64image
+from qmpprof.linux.aarch64 import relr as arm64relr
+from qmpprof.linux.aarch64.cpucontext import CpuContext
+from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
-from qmpprof.linux.running.arm64switch import CpuContext
 from qmpprof.linux.running.guest import Layouts
 from qmpprof.linux.running.offcpu import OffCpuLayout
 from qmpprof.linux.taskstates import task_state_array

@@ -24,12 +24,12 @@ from qmpprof.linux import btf as btf_module
 from qmpprof.linux import cache, kernel
 from qmpprof.linux.btf import Btf, BtfIndex, Kind
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import OrcTable
 from qmpprof.linux.running.image import kernel_module
 from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.tasks import TaskLayout
 from qmpprof.linux.running.vma import VmaLayout
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64.orctables import OrcTable
 
 SLIDE = 0x1E00_0000
 FILES = ("vmlinux", "symbols.bin", "index.bin")

@@ -17,10 +17,10 @@ from linuxvm import LinuxGuest, running_linux_guest
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import KernelMismatchError
-from qmpprof.linux import kaslr
 from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
 from qmpprof.linux.running.slide import find_slide
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64 import idt as kaslr
 from qmpprof.transport.qmp import QmpTransport
 
 TEXT = 0xFFFFFFFF81000000

@@ -13,9 +13,9 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import RETPOLINE_THUNK, unaliased
 from qmpprof.linux.running import LINUX
 from qmpprof.linux.running.image import kernel_module, target_kind
+from qmpprof.linux.x86_64.orctables import RETPOLINE_THUNK, unaliased
 from qmpprof.unwind.orc import OrcStep
 from qmpprof.unwind.tailcall import TargetKind
 

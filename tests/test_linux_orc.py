@@ -10,7 +10,7 @@ from fakes import x86
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.linux.orc import (
+from qmpprof.linux.x86_64.orctables import (
     CLASSIC,
     RENUMBERED,
     OrcLayout,

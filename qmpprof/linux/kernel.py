@@ -22,16 +22,16 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
-from qmpprof.linux.arm64boot import BootTask, boot_task
-from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
-from qmpprof.linux.arm64modules import module_list
-from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
+from qmpprof.linux.aarch64.bootcode import BootTask, boot_task
+from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_kernel
+from qmpprof.linux.aarch64.modulelist import module_list
+from qmpprof.linux.aarch64.percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.orc import OrcLayout, OrcTable, numbering
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 from qmpprof.linux.taskstates import task_state_array
+from qmpprof.linux.x86_64.orctables import OrcLayout, OrcTable, numbering
 
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).

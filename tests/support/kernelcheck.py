@@ -41,17 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from qmpprof.arch.aarch64 import AARCH64
-from qmpprof.linux import arm64image, bannerslide, orc
-from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
+from qmpprof.linux import bannerslide
+from qmpprof.linux.aarch64 import kernelimage as arm64image
+from qmpprof.linux.aarch64.percpu import entry_task_link, per_cpu_layout
+from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
-from qmpprof.linux.kaslr import entry_text_symbols
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import locate_current
-from qmpprof.linux.running.entry import entry_code
 from qmpprof.linux.running.guest import Layouts
 from qmpprof.linux.running.image import kernel_module, target_kind
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64 import orctables as orc
+from qmpprof.linux.x86_64.idt import entry_text_symbols
 from support.kerneltable import markdown, markdown_arm64
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +69,7 @@ TIMEOUT = 600.0  # seconds one kernel's process may take
 REPEAT = 3  # loads timed cold, and cached: the best of each is reported
 # Symbols a run looks up by name in the image's kallsyms when it attaches to a guest
 # (qmpprof/linux/running/guest.py, pagetables.py, vmcoreinfo.py).
-# The per-CPU symbols an arm64 kernel's code is read for (linux/arm64percpu.py), checked against
+# The per-CPU symbols an arm64 kernel's code is read for (linux/aarch64/percpu.py), checked against
 # the kernel's own symbols.
 ORACLE_SYMBOLS = ("__per_cpu_start", "__per_cpu_offset", "__entry_task")
 RUN_SYMBOLS = (

@@ -16,10 +16,10 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
-from qmpprof.linux.running.entry import entry_code
 from qmpprof.linux.running.identify import LinuxIdentifier
 from qmpprof.linux.running.image import kernel_module
 from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode, kernel_root

@@ -6,15 +6,15 @@ not in its direct calls and jumps).
 
 Which of its symbols are thunks and trampolines is a fact of the x86_64 kernel's naming, the
 same from 5.10 to 7.3 once a 6.16+ startup-code alias's ``__pi_`` prefix is left out
-(``linux.orc.unaliased``): ``__x86_indirect_*`` (``linux.orc.INDIRECT_THUNKS``: the target is
-in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*`` (static-call
-trampolines: no DWARF, gdb stops there)."""
+(``linux.x86_64.orctables.unaliased``): ``__x86_indirect_*`` (``orctables.INDIRECT_THUNKS``:
+the target is in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*``
+(static-call trampolines: no DWARF, gdb stops there)."""
 
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import INDIRECT_THUNKS, unaliased
+from qmpprof.linux.x86_64.orctables import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
 from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.orc import OrcCode

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf, Kind
-from qmpprof.linux.orc import OrcTable
+from qmpprof.linux.x86_64.orctables import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
 from qmpprof.pagecache import PAGE

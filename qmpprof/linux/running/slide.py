@@ -1,5 +1,5 @@
 """Where the running Linux kernel was loaded (its KASLR slide), read while the guest runs: from
-the IDT the CPU holds (``qmpprof.linux.kaslr`` votes) when the vCPU's registers show one (x86),
+the IDT the CPU holds (``qmpprof.linux.x86_64.idt`` votes) when the vCPU's registers show one (x86),
 else from where the image's banner reads in kernel memory (``qmpprof.linux.bannerslide``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux import bannerslide
-from qmpprof.linux.kaslr import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64.idt import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
 

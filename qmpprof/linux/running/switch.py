@@ -3,9 +3,9 @@ the registers its context switch saved (where its kernel stack resumes) and the 
 it entered the kernel with (the ``pt_regs`` at the top of its kernel stack).
 
 Each instruction set's Linux saves them its own way, described by the kernel's BTF: x86_64's
-``inactive_task_frame`` on the stack at ``thread.sp`` (``x86switch``), arm64's
-``thread.cpu_context`` in the task itself (``arm64switch``). The kinds are tried in ``KINDS``'
-order; the first whose structures this kernel's BTF has is the kernel's.
+``inactive_task_frame`` on the stack at ``thread.sp`` (``linux.x86_64.taskframe``), arm64's
+``thread.cpu_context`` in the task itself (``linux.aarch64.cpucontext``). The kinds are tried
+in ``KINDS``' order; the first whose structures this kernel's BTF has is the kernel's.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.btf import Btf
-from qmpprof.linux.running.arm64switch import CpuContext
-from qmpprof.linux.running.x86switch import InactiveTaskFrame
+from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
 from qmpprof.model import Registers
 
 
