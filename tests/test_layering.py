@@ -7,6 +7,7 @@ drift apart. Imports are read with ast (top-level and inside functions alike), n
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from functools import cache
 from pathlib import Path
@@ -76,6 +77,14 @@ def reach(start: str) -> dict[str, str]:
     return seen
 
 
+def spares(name: str, pattern: str) -> bool:
+    """``name`` is within ``pattern``, whose ``*`` stands for one module name at any depth
+    (``qmpprof.linux.*.running``: each instruction set's running part)."""
+    return within(name, pattern) or any(
+        fnmatch.fnmatchcase(name, f) for f in (pattern, pattern + ".*")
+    )
+
+
 def rules() -> list[str]:
     found = re.search(r"```layering\n(.*?)```", DOC.read_text(), re.S)
     assert found is not None, f"{DOC} has no ```layering block"
@@ -88,6 +97,15 @@ def names(text: str) -> list[str]:
 
 def breaches(rule: str) -> list[str]:
     g = graph()
+    if m := re.fullmatch(r"nothing but (.+) imports from (\S+) other than (.+)", rule):
+        allowed, family, kept = names(m[1]), m[2], names(m[3])
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if not any(within(mod, a) for a in allowed)
+            for t in edges
+            if within(t, family) and t not in kept
+        ]
     if m := re.fullmatch(r"nothing but (.+) imports (\S+)", rule):
         allowed, target = names(m[1]), m[2]
         return [
@@ -100,7 +118,7 @@ def breaches(rule: str) -> list[str]:
     if m := re.fullmatch(r"(\S+)(?: but (.+?))? does not import (.+)", rule):
         owner, spared, banned = m[1], names(m[2]) if m[2] else [], names(m[3])
         out = []
-        owned = (n for n in g if within(n, owner) and not any(within(n, s) for s in spared))
+        owned = (n for n in g if within(n, owner) and not any(spares(n, s) for s in spared))
         for mod in owned:
             for target, path in reach(mod).items():
                 if any(within(target, b) for b in banned):
@@ -174,6 +192,24 @@ def test_a_module_named_by_a_seam_s_users_is_a_breach() -> None:
     finally:
         g["qmpprof.sampler"].discard("qmpprof.arch.x86")
     assert found == ["qmpprof.sampler imports qmpprof.arch.x86"]
+
+
+def test_an_instruction_set_named_outside_its_platform_is_a_breach() -> None:
+    """The running guest naming arm64's platform module, or an instruction set's code reader,
+    directly breaks the rules; through the platform registry it does not."""
+    g = graph()
+    platform = "nothing but qmpprof.linux.aarch64, qmpprof.linux.platforms,"
+    platform += " qmpprof.linux.running.platforms imports qmpprof.linux.aarch64"
+    concrete = "nothing but qmpprof.arch, qmpprof.linux.x86_64, qmpprof.linux.aarch64"
+    concrete += " imports from qmpprof.arch other than qmpprof.arch, qmpprof.arch.base"
+    assert not breaches(platform) and not breaches(concrete)
+    added = ("qmpprof.linux.aarch64.vectors", "qmpprof.arch.aarch64code")
+    g["qmpprof.linux.running.guest"].update(added)
+    try:
+        found = breaches(platform) + breaches(concrete)
+    finally:
+        g["qmpprof.linux.running.guest"].difference_update(added)
+    assert found == [f"qmpprof.linux.running.guest imports {t}" for t in added]
 
 
 def test_every_module_is_seen() -> None:

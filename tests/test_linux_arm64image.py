@@ -261,7 +261,7 @@ def test_bookworm_61_packed_loads_as_shipped_and_from_the_cache(
     assert kernel.symbols.names == plain.symbols.names
     assert kernel.btf is not None and kernel.btf.find("task_struct") is not None
     # A second load maps what the first unpacked: nothing is made again.
-    monkeypatch.setattr("qmpprof.linux.kernel.elf_of_image", not_again)
+    monkeypatch.setattr("qmpprof.linux.aarch64.kernelfile.elf_of_image", not_again)
     again = LinuxKernel.load(packed_61[form])
     assert again.symbols.addrs == plain.symbols.addrs
 

@@ -87,7 +87,7 @@ def computes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("computed again despite the cache")
 
     monkeypatch.setattr(kernel, "hashlib", SimpleNamespace(sha256=not_again))  # nor hashed
-    monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
+    monkeypatch.setattr("qmpprof.linux.x86_64.kernelfile.vmlinux_bytes", not_again)
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     monkeypatch.setattr(OrcTable, "from_image", not_again)
     monkeypatch.setattr(Btf, "_build_index", not_again)

@@ -13,8 +13,8 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.running import LINUX
 from qmpprof.linux.running.image import kernel_module, target_kind
+from qmpprof.linux.running.linuxos import LINUX
 from qmpprof.linux.x86_64.orctables import RETPOLINE_THUNK, unaliased
 from qmpprof.unwind.orc import OrcStep
 from qmpprof.unwind.tailcall import TargetKind
@@ -167,7 +167,7 @@ def test_a_second_load_comes_from_the_cache_and_equals_the_first(
 
     monkeypatch.setattr(bzimage, "vmlinux_bytes", not_again)
     monkeypatch.setattr(kallsyms, "read_kallsyms", not_again)
-    monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
+    monkeypatch.setattr("qmpprof.linux.x86_64.kernelfile.vmlinux_bytes", not_again)
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     second = LinuxKernel.load(linux_dir / "vmlinuz")
     assert second.symbols.addrs == first.symbols.addrs

@@ -7,7 +7,7 @@ from __future__ import annotations
 from qmpprof.errors import UsageError
 from qmpprof.guest import cr3, emerald
 from qmpprof.guest.base import GuestOs, KernelFile
-from qmpprof.linux import running as linux
+from qmpprof.linux.running.linuxos import LINUX
 
 AUTO = "auto"
 _OSES: dict[str, GuestOs] = {}
@@ -48,6 +48,6 @@ def choose(name: str, kernel: KernelFile | None) -> GuestOs:
         raise UsageError(f"--os {name}: not one of {', '.join(names())}") from None
 
 
-register(linux.LINUX)
+register(LINUX)
 register(emerald.EmeraldOs())
 register(cr3.Cr3Os())

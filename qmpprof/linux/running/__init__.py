@@ -1,70 +1,10 @@
 """Linux as a guest OS, read from the kernel's own description: its image (``qmpprof.linux``
 reads the bzImage, kallsyms, ORC and BTF), then, in the running guest, where it was loaded
-(``slide``), its modules (``modules``), each vCPU's current task (``current``), the tasks
-(``tasks``) and the processes' address spaces (``spaces``, ``vma``, ``pagetables``), put
-together by ``guest.LinuxGuest``.
+(``slide``, and each instruction set's ``platform``), its modules (``modules``), each vCPU's
+current task (``current``), the tasks (``tasks``) and the processes' address spaces
+(``spaces``, ``vma``, ``pagetables``), put together by ``guest.LinuxGuest``; ``linuxos`` is the
+guest OS the registry knows.
 
-A loaded kernel is kept for the process (a few, by the files' identity): serve's VMs running
-the same kernel, and a VM connecting again, share one load; what a guest learns when attached
-lives in its own ``LinuxGuest``.
+This package's ``__init__`` imports nothing, so that an instruction set's platform can import
+the parts it builds on without the whole guest coming back half-loaded.
 """
-
-from __future__ import annotations
-
-import os
-import threading
-from pathlib import Path
-
-from qmpprof.errors import UsageError
-from qmpprof.guest.base import GuestSpec, KernelFile
-from qmpprof.guest.userfiles import UserFiles
-from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
-from qmpprof.linux.running.guest import LinuxGuest
-from qmpprof.memo import Memo
-
-KEPT = 8  # loaded kernels kept for the process
-FileId = tuple[str, int, int, int, int] | None  # path, device, inode, size, mtime
-
-
-def _file_id(path: Path | None) -> FileId:
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (str(path), -1, -1, -1, -1)  # the load says why it cannot be read
-    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-_loaded: Memo[tuple[FileId, FileId], LinuxKernel] = Memo(KEPT)
-_loading = threading.Lock()  # one load at a time: a second VM of the same kernel waits for it
-
-
-def load_kernel(path: Path, kallsyms: Path | None) -> LinuxKernel:
-    """The kernel of these files, loaded once for the process (the files' identity changes
-    with their contents: a kernel replaced in place is loaded again)."""
-    key = (_file_id(path), _file_id(kallsyms))
-    with _loading:
-        found = _loaded.get(key)
-        if found is None:
-            found = _loaded.put(key, LinuxKernel.load(path, kallsyms).prepare())
-    return found
-
-
-class LinuxOs:
-    """``--os linux``; ``auto`` takes it for a kernel file that is a Linux image."""
-
-    name = "linux"
-
-    def recognises(self, kernel: KernelFile | None) -> bool:
-        return kernel is not None and looks_like_linux(kernel.head, kernel.elf)
-
-    def load(self, spec: GuestSpec) -> LinuxGuest:
-        if spec.kernel is None:
-            raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
-        kernel = load_kernel(spec.kernel.path, spec.kallsyms)
-        files = UserFiles(spec.user_dir)
-        return LinuxGuest(kernel, kernel.image.arch, files, lines=spec.lines)
-
-
-LINUX = LinuxOs()

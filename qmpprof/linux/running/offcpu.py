@@ -29,8 +29,9 @@ from qmpprof.guest.base import FoundTask
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.pagetables import PageTables, split
+from qmpprof.linux.running.platform import LinuxPlatform
 from qmpprof.linux.running.spaces import Spaces
-from qmpprof.linux.running.switch import SwitchLayout, switch_layout
+from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.linux.running.tasks import (
     Task,
     TaskLayout,
@@ -64,7 +65,7 @@ class OffCpuLayout:
     switch: SwitchLayout  # the registers it was switched out with, and its user registers
 
     @classmethod
-    def from_btf(cls, btf: Btf, arch: InstructionSet) -> OffCpuLayout:
+    def from_btf(cls, btf: Btf, arch: InstructionSet, platform: LinuxPlatform) -> OffCpuLayout:
         """Raises KeyError naming what this kernel's BTF lacks."""
         try:
             state = btf.field("task_struct.__state")
@@ -79,7 +80,7 @@ class OffCpuLayout:
             signal=btf.offset_of("task_struct.signal"),
             thread_node=btf.offset_of("task_struct.thread_node"),
             thread_head=btf.offset_of("signal_struct.thread_head"),
-            switch=switch_layout(btf, arch),
+            switch=platform.switch_layout(btf, arch),
         )
 
 
