@@ -212,5 +212,51 @@ def test_an_instruction_set_named_outside_its_platform_is_a_breach() -> None:
     assert found == [f"qmpprof.linux.running.guest imports {t}" for t in added]
 
 
+def cycles(within_prefix: str) -> list[list[str]]:
+    """The import cycles among the modules within ``within_prefix`` (Tarjan's strongly connected
+    components of more than one module, or a module importing itself)."""
+    g = {m: {t for t in e if within(t, within_prefix)} for m, e in graph().items()}
+    g = {m: e for m, e in g.items() if within(m, within_prefix)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in g.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1 or node in g.get(node, ()):
+                found.append(sorted(part))
+
+    for node in sorted(g):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("package", ["qmpprof.unwind", "qmpprof.linux", "qmpprof.guest"])
+def test_no_import_cycle_within(package: str) -> None:
+    assert cycles(package) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    g = graph()
+    g["qmpprof.unwind.steps"].add("qmpprof.unwind.scan")
+    try:
+        found = cycles("qmpprof.unwind")
+    finally:
+        g["qmpprof.unwind.steps"].discard("qmpprof.unwind.scan")
+    assert found == [["qmpprof.unwind.scan", "qmpprof.unwind.steps"]]
+
+
 def test_every_module_is_seen() -> None:
     assert {"qmpprof.sampler", "qmpprof.unwind.chain", "qmpprof.cli"} <= set(graph())

@@ -21,7 +21,8 @@ from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
-from qmpprof.unwind.steps import UnwindStep, steps_for
+from qmpprof.unwind.order import steps_for
+from qmpprof.unwind.steps import UnwindStep
 from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
