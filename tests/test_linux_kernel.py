@@ -15,8 +15,8 @@ from qmpprof.guest.base import KernelFile
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.image import kernel_module, target_kind
 from qmpprof.linux.running.linuxos import LINUX
+from qmpprof.linux.x86_64.orcstep import OrcStep
 from qmpprof.linux.x86_64.orctables import RETPOLINE_THUNK, unaliased
-from qmpprof.unwind.orc import OrcStep
 from qmpprof.unwind.tailcall import TargetKind
 
 SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel

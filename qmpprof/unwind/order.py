@@ -1,6 +1,7 @@
 """The ordered unwinding steps of a module, chosen from what it provides (``steps_for``): the
-one place that names every step, so that the steps (``steps``, ``entry``, ``orc``, ``scan``)
-import none of each other's builders and the package has no import cycle."""
+one place that names every step, so that the steps (``steps``, ``entry``, ``scan``) import none
+of each other's builders and the package has no import cycle. Steps a guest OS brings (x86_64
+Linux's ORC step) are handed in by whoever builds the module: unwind names no guest OS."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.unwind.entry import EntryCode, EntryStep
-from qmpprof.unwind.orc import OrcCode, OrcStep
 from qmpprof.unwind.scan import ReturnScanStep
 from qmpprof.unwind.steps import CfiStep, PrologueStep, UnwindStep, frame_pointer_only
 
@@ -23,16 +23,17 @@ def steps_for(
     code: bytes | None = None,
     code_addr: int = 0,
     symbols: SymbolTable | None = None,
-    orc: OrcCode | None = None,
+    own: Sequence[UnwindStep] = (),
     starts: Callable[[], Sequence[int]] | None = None,
     entry: EntryCode | None = None,
 ) -> tuple[UnwindStep, ...]:
-    """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
-    tables alone (they cover all of its code), else its exception entry code (``entry.py``),
+    """The steps for a module at ``bias``, from what it provides, best first: the steps its
+    guest OS brings (``own``: x86_64 Linux's ORC tables) alone, as they cover all of its code;
+    else its exception entry code (``entry.py``),
     CFI, prologue analysis, the code followed to its return (``scan.py``; first, for an
     interrupted interrupt entry), frame pointers."""
-    if orc is not None:
-        return (OrcStep(orc, bias, arch),)
+    if own:
+        return tuple(own)
     steps: list[UnwindStep] = []
     if entry is not None:
         steps.append(EntryStep(entry, bias, arch))

@@ -27,7 +27,6 @@ from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
     from qmpprof.unwind.entry import EntryCode
-    from qmpprof.unwind.orc import OrcCode
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,17 +71,17 @@ class Module:
         code_addr: int = 0,
         symbols: SymbolTable | None = None,
         lines: LineTable | None = None,
-        orc: OrcCode | None = None,
+        own: Sequence[UnwindStep] = (),
         calls: CodeImage | None = None,
         starts: Callable[[], Sequence[int]] | None = None,
         entry: EntryCode | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``; ``starts`` guesses where its functions start, asked the first
-        time a frame needs it; ``entry``: a kernel's exception code), for the instruction set
-        ``arch``."""
+        time a frame needs it; ``entry``: a kernel's exception code; ``own``: steps its guest OS
+        brings that cover all of its code), for the instruction set ``arch``."""
         steps = steps_for(
-            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc,
+            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, own=own,
             starts=starts, entry=entry,
         )  # fmt: skip
         return cls(mapping, steps, symbols, lines, calls)

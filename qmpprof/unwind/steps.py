@@ -5,8 +5,8 @@ its CFI (``.eh_frame``/``.debug_frame``), then prologue analysis of its code for
 CPU was interrupted in, then frame pointers, which need nothing. The walker (``chain.py``)
 tries them in order: a step returns None when it has nothing to say about this pc (the next one
 is tried), a ``StopReason`` when the walk must end here, or the caller's registers. A new method
-(ORC for Linux kernels, ``orc.py``) is a class with ``via`` and ``step`` and one line in
-``steps_for``.
+is a class with ``via`` and ``step`` and one line in ``steps_for``, or, when a guest OS brings it
+(x86_64 Linux's ORC step), handed to ``steps_for`` by whoever builds the module.
 Steps read memory only through the sample's ``PageCache`` and let ``PageMissing`` through.
 Each step serves one instruction set (a ``qmpprof.arch`` InstructionSet): registers are its
 DWARF numbers, stack words its address size, and addresses wrap at its width.

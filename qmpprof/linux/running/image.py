@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
 from qmpprof.linux.x86_64.orctables import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
 from qmpprof.unwind.entry import EntryCode
-from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 from qmpprof.unwind.tailcall import CodeImage, TargetKind
 
@@ -37,9 +37,11 @@ def kernel_module(
     mapping = Mapping(
         "vmlinux", low + slide, high + slide, True, slide, image.path, image.build_id, 0
     )
-    orc = None if kernel.orc is None else OrcCode(kernel.orc, kernel.functions, kernel.thunks)
+    own: tuple[OrcStep, ...] = ()
+    if kernel.orc is not None:
+        own = (OrcStep(OrcCode(kernel.orc, kernel.functions, kernel.thunks), slide, arch),)
     text = image.text_bytes
-    if orc is None:
+    if not own:
         # Prologue answers are cached by the code: its hash now (bytes keep it), not in the
         # first pause that needs one (6 ms for arm64 6.1's 23 MB .text).
         hash(text)
@@ -47,12 +49,12 @@ def kernel_module(
     return Module.build(
         mapping,
         arch,
-        cfi=None if orc is not None else image.cfi,
-        code=None if orc is not None else text,
+        cfi=None if own else image.cfi,
+        code=None if own else text,
         code_addr=image.text_addr,
         symbols=kernel.functions,
         lines=image.lines if lines else None,
-        orc=orc,
+        own=own,
         calls=calls if text else None,
         entry=entry,
     )

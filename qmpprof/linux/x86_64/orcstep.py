@@ -1,5 +1,5 @@
-"""The unwinding step of a Linux x86_64 kernel's ORC tables (``qmpprof.linux.x86_64.orctables``
-reads them).
+"""The unwinding step of a Linux x86_64 kernel's ORC tables (``orctables`` reads them), handed
+to ``unwind.order.steps_for`` by whoever builds the kernel's and its modules' ``Module``.
 
 ``OrcStep`` follows the entries as the kernel's ``unwind_orc.c`` does: the caller's stack pointer
 from SP, BP, an indirect slot or a register saved in a ``pt_regs``; its pc from the return address
