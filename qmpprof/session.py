@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 from qmpprof import arch as arches
-from qmpprof import guest as guests
 from qmpprof.errors import ConnectError, QmpprofError, UsageError
+from qmpprof.guest import registry as guests
 from qmpprof.guest.base import Guest, GuestSpec, KernelFile, TaskLister
 from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.offcpu import OffCpuTasks

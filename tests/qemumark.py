@@ -79,7 +79,8 @@ def qemu_descendants(ancestor: int | None = None) -> list[tuple[int, str]]:
             continue
         if not name.startswith("qemu-system"):
             continue
-        pid = parent = int(entry.name)
+        pid = int(entry.name)
+        parent: int | None = pid
         while parent is not None and parent > 1 and parent != ancestor:
             parent = _parent(parent)
         if parent == ancestor:

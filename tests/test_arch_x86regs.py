@@ -226,7 +226,7 @@ def test_i386_layout_by_hand() -> None:
 
 
 def test_the_idt_register_is_read_from_the_monitor() -> None:
-    # A Linux kernel's IDT, in the CPU entry area (qmpprof.guest.linux.slide reads its gates).
+    # A Linux kernel's IDT, in the CPU entry area (qmpprof.linux.running.slide reads its gates).
     text = (
         "CPU#0\r\n"
         "RAX=0000000000000000 RBX=0000000000000000 RCX=0000000000000000 RDX=0000000000000000\r\n"

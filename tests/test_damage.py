@@ -16,14 +16,14 @@ from test_linux_btf import Blob
 from test_linux_bzimage import COMPRESSORS, bzimage
 
 from qmpprof.errors import KernelImageError
-from qmpprof.guest.linux.guest import Layouts
-from qmpprof.guest.linux.vma import VmaLayout, read_exec_vmas
 from qmpprof.linux import bzimage as bzimage_module
 from qmpprof.linux import cache
-from qmpprof.linux.arm64image import elf_of_image
+from qmpprof.linux.aarch64.kernelimage import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.bzimage import MAX_VMLINUX, vmlinux_bytes
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.guest import Layouts
+from qmpprof.linux.running.vma import VmaLayout, read_exec_vmas
 
 
 @pytest.fixture(scope="module")

@@ -35,22 +35,22 @@ from test_report_pprof import run_like_profile
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
-from qmpprof.guest.linux.guest import Layouts
-from qmpprof.guest.linux.modules import ModuleList
-from qmpprof.guest.linux.pagetables import DIRECT_MAP_4, PageTables
-from qmpprof.guest.linux.tasks import read_task, task_list
-from qmpprof.guest.linux.vma import read_exec_vmas
-from qmpprof.guest.linux.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux import cache
-from qmpprof.linux.arm64image import elf_of_image
+from qmpprof.linux.aarch64.kernelimage import elf_of_image
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
 from qmpprof.linux.kallsyms import check_kallsyms, read_kallsyms
 from qmpprof.linux.kallsymtables import LONG_RUN, decodings
-from qmpprof.linux.kaslr import GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel, _orc
-from qmpprof.linux.orc import numbering
+from qmpprof.linux.running.guest import Layouts
+from qmpprof.linux.running.modules import ModuleList
+from qmpprof.linux.running.pagetables import DIRECT_MAP_4, PageTables
+from qmpprof.linux.running.tasks import read_task, task_list
+from qmpprof.linux.running.vma import read_exec_vmas
+from qmpprof.linux.running.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux.symbols import parse_symbol_map
+from qmpprof.linux.x86_64.idt import GATE, decode_idt, slide_from_gates
+from qmpprof.linux.x86_64.orctables import numbering
 from qmpprof.model import NO_CPU, Frame, Mode, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import FORMATS, diff, native, render

@@ -23,12 +23,12 @@ from qmpprof.errors import MemoryReadError, UsageError
 from qmpprof.guest.base import Identity
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.emerald import EmeraldIdentifier
-from qmpprof.guest.linux import spaces as spaces_module
-from qmpprof.guest.linux.tasks import PF_KTHREAD, TaskLayout
-from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.guest.metadata import METADATA_ADDR
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.running import spaces as spaces_module
+from qmpprof.linux.running.tasks import PF_KTHREAD, TaskLayout
+from qmpprof.linux.running.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Registers
 from qmpprof.pagecache import PAGE, PageCache, page_of

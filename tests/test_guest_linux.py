@@ -1,4 +1,4 @@
-"""The Linux identifier (qmpprof/guest/linux/) over fake guest memory laid out with the offsets
+"""The Linux identifier (qmpprof/linux/running/) over fake guest memory laid out with the offsets
 of Debian's 6.12 BTF: the current task of each vCPU, processes by tgid and leader name, kernel
 threads and idle, the per-CPU base, the pointer read with the stack and the task only when not
 seen recently; the module list; mappings and tasks confirmed between samples."""
@@ -22,17 +22,17 @@ from guestvm import BUILD_ROOT
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
-from qmpprof.guest.linux import spaces as spaces_module
-from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
-from qmpprof.guest.linux.identify import MODULES_RECHECK, LinuxIdentifier
-from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
-from qmpprof.guest.linux.pagetables import X86_64_ENTRIES, PageTables
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import PF_KTHREAD, RECHECK, Task, TaskLayout, task_list
-from qmpprof.guest.linux.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running import spaces as spaces_module
+from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
+from qmpprof.linux.running.identify import MODULES_RECHECK, LinuxIdentifier
+from qmpprof.linux.running.modules import ModuleLayout, ModuleList
+from qmpprof.linux.running.pagetables import X86_64_ENTRIES, PageTables
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.tasks import PF_KTHREAD, RECHECK, Task, TaskLayout, task_list
+from qmpprof.linux.running.vma import VM_EXEC, Vma, VmaLayout
 from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
-from qmpprof.guest.linux.arm64switch import CpuContext
-from qmpprof.guest.linux.offcpu import States, read_states
-from qmpprof.guest.linux.x86switch import InactiveTaskFrame
+from qmpprof.linux.aarch64.cpucontext import CpuContext
+from qmpprof.linux.running.offcpu import States, read_states
+from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
 
 # fs/proc/array.c's task_state_array, 4.14 to 7.2
 NAMES = (

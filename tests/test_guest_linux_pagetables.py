@@ -1,13 +1,13 @@
-"""Page-table walks of a Linux process through the kernel's direct map (guest/linux/pagetables.py),
-over fake physical memory: 4 and 5 levels, 1 GiB and 2 MiB pages, holes, reads that cross a
-page, the variables that say the layout."""
+"""Page-table walks of a Linux process through the kernel's direct map
+(linux/running/pagetables.py), over fake physical memory: 4 and 5 levels, 1 GiB and 2 MiB
+pages, holes, reads that cross a page, the variables that say the layout."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
 
-from qmpprof.guest.linux.pagetables import (
+from qmpprof.linux.running.pagetables import (
     AARCH64_ENTRIES,
     DIRECT_MAP_4,
     DIRECT_MAP_5,

@@ -1,4 +1,4 @@
-"""The running kernel's vmcoreinfo held against the image (qmpprof.guest.linux.vmcoreinfo):
+"""The running kernel's vmcoreinfo held against the image (qmpprof.linux.running.vmcoreinfo):
 text as Debian's 6.12 writes it, read through a fake guest, checked against its bzImage."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qmpprof.guest.linux.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.vmcoreinfo import check, parse, read_vmcoreinfo
 
 SLIDE = 0x2A0_0000
 POINTER = 0xFFFF_8880_0123_4000  # where the kernel keeps the text (a page of its own)

@@ -7,6 +7,7 @@ drift apart. Imports are read with ast (top-level and inside functions alike), n
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from functools import cache
 from pathlib import Path
@@ -76,6 +77,14 @@ def reach(start: str) -> dict[str, str]:
     return seen
 
 
+def spares(name: str, pattern: str) -> bool:
+    """``name`` is within ``pattern``, whose ``*`` stands for one module name at any depth
+    (``qmpprof.linux.*.running``: each instruction set's running part)."""
+    return within(name, pattern) or any(
+        fnmatch.fnmatchcase(name, f) for f in (pattern, pattern + ".*")
+    )
+
+
 def rules() -> list[str]:
     found = re.search(r"```layering\n(.*?)```", DOC.read_text(), re.S)
     assert found is not None, f"{DOC} has no ```layering block"
@@ -88,6 +97,15 @@ def names(text: str) -> list[str]:
 
 def breaches(rule: str) -> list[str]:
     g = graph()
+    if m := re.fullmatch(r"nothing but (.+) imports from (\S+) other than (.+)", rule):
+        allowed, family, kept = names(m[1]), m[2], names(m[3])
+        return [
+            f"{mod} imports {t}"
+            for mod, edges in g.items()
+            if not any(within(mod, a) for a in allowed)
+            for t in edges
+            if within(t, family) and t not in kept
+        ]
     if m := re.fullmatch(r"nothing but (.+) imports (\S+)", rule):
         allowed, target = names(m[1]), m[2]
         return [
@@ -97,10 +115,11 @@ def breaches(rule: str) -> list[str]:
             for t in edges
             if within(t, target)
         ]
-    if m := re.fullmatch(r"(\S+) does not import (.+)", rule):
-        owner, banned = m[1], names(m[2])
+    if m := re.fullmatch(r"(\S+)(?: but (.+?))? does not import (.+)", rule):
+        owner, spared, banned = m[1], names(m[2]) if m[2] else [], names(m[3])
         out = []
-        for mod in (mod for mod in g if within(mod, owner)):
+        owned = (n for n in g if within(n, owner) and not any(spares(n, s) for s in spared))
+        for mod in owned:
             for target, path in reach(mod).items():
                 if any(within(target, b) for b in banned):
                     out.append(path)
@@ -157,19 +176,86 @@ def test_a_module_named_by_a_seam_s_users_is_a_breach() -> None:
     """Session naming a guest OS (or the sampler an instruction set) directly breaks its rule;
     through the registry it does not."""
     g = graph()
-    rule = "qmpprof.session import from qmpprof.guest only qmpprof.guest, qmpprof.guest.base"
+    rule = (
+        "qmpprof.session import from qmpprof.guest"
+        " only qmpprof.guest, qmpprof.guest.registry, qmpprof.guest.base"
+    )
     assert not breaches(rule)
-    g["qmpprof.session"].add("qmpprof.guest.linux.guest")
+    g["qmpprof.session"].add("qmpprof.guest.emerald")
     try:
-        assert breaches(rule) == ["qmpprof.session imports qmpprof.guest.linux.guest"]
+        assert breaches(rule) == ["qmpprof.session imports qmpprof.guest.emerald"]
     finally:
-        g["qmpprof.session"].discard("qmpprof.guest.linux.guest")
+        g["qmpprof.session"].discard("qmpprof.guest.emerald")
     g["qmpprof.sampler"].add("qmpprof.arch.x86")
     try:
         found = breaches("qmpprof.sampler imports from qmpprof.arch only qmpprof.arch.base")
     finally:
         g["qmpprof.sampler"].discard("qmpprof.arch.x86")
     assert found == ["qmpprof.sampler imports qmpprof.arch.x86"]
+
+
+def test_an_instruction_set_named_outside_its_platform_is_a_breach() -> None:
+    """The running guest naming arm64's platform module, or an instruction set's code reader,
+    directly breaks the rules; through the platform registry it does not."""
+    g = graph()
+    platform = "nothing but qmpprof.linux.aarch64, qmpprof.linux.platforms,"
+    platform += " qmpprof.linux.running.platforms imports qmpprof.linux.aarch64"
+    concrete = "nothing but qmpprof.arch, qmpprof.linux.x86_64, qmpprof.linux.aarch64"
+    concrete += " imports from qmpprof.arch other than qmpprof.arch, qmpprof.arch.base"
+    assert not breaches(platform) and not breaches(concrete)
+    added = ("qmpprof.linux.aarch64.vectors", "qmpprof.arch.aarch64code")
+    g["qmpprof.linux.running.guest"].update(added)
+    try:
+        found = breaches(platform) + breaches(concrete)
+    finally:
+        g["qmpprof.linux.running.guest"].difference_update(added)
+    assert found == [f"qmpprof.linux.running.guest imports {t}" for t in added]
+
+
+def cycles(within_prefix: str) -> list[list[str]]:
+    """The import cycles among the modules within ``within_prefix`` (Tarjan's strongly connected
+    components of more than one module, or a module importing itself)."""
+    g = {m: {t for t in e if within(t, within_prefix)} for m, e in graph().items()}
+    g = {m: e for m, e in g.items() if within(m, within_prefix)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in g.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1 or node in g.get(node, ()):
+                found.append(sorted(part))
+
+    for node in sorted(g):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("package", ["qmpprof.unwind", "qmpprof.linux", "qmpprof.guest"])
+def test_no_import_cycle_within(package: str) -> None:
+    assert cycles(package) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    g = graph()
+    g["qmpprof.unwind.steps"].add("qmpprof.unwind.scan")
+    try:
+        found = cycles("qmpprof.unwind")
+    finally:
+        g["qmpprof.unwind.steps"].discard("qmpprof.unwind.scan")
+    assert found == [["qmpprof.unwind.scan", "qmpprof.unwind.steps"]]
 
 
 def test_every_module_is_seen() -> None:

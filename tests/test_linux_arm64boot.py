@@ -8,7 +8,8 @@ import struct
 
 import pytest
 
-from qmpprof.linux.arm64boot import BootTask, read_boot_task
+from qmpprof.linux.aarch64.bootcode import read_boot_task
+from qmpprof.linux.platform import BootTask
 from qmpprof.linux.taskstates import state_array_in
 
 AT = 0xFFFF_8000_0966_8FDC  # __primary_switched on 6.1.0-56

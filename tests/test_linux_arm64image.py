@@ -21,12 +21,14 @@ from test_linux_bzimage import COMPRESSORS, size_append
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
-from qmpprof.guest.linux.arm64switch import CpuContext
-from qmpprof.guest.linux.guest import Layouts
-from qmpprof.guest.linux.offcpu import OffCpuLayout
-from qmpprof.linux import arm64image, arm64relr, bannerslide
-from qmpprof.linux.arm64image import elf_of_image, is_arm64_image, is_arm64_kernel
+from qmpprof.linux import bannerslide
+from qmpprof.linux.aarch64 import kernelimage as arm64image
+from qmpprof.linux.aarch64 import relr as arm64relr
+from qmpprof.linux.aarch64.cpucontext import CpuContext
+from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof.linux.running.guest import Layouts
+from qmpprof.linux.running.offcpu import OffCpuLayout
 from qmpprof.linux.taskstates import task_state_array
 
 pytestmark = pytest.mark.linux
@@ -259,7 +261,7 @@ def test_bookworm_61_packed_loads_as_shipped_and_from_the_cache(
     assert kernel.symbols.names == plain.symbols.names
     assert kernel.btf is not None and kernel.btf.find("task_struct") is not None
     # A second load maps what the first unpacked: nothing is made again.
-    monkeypatch.setattr("qmpprof.linux.kernel.elf_of_image", not_again)
+    monkeypatch.setattr("qmpprof.linux.aarch64.kernelfile.elf_of_image", not_again)
     again = LinuxKernel.load(packed_61[form])
     assert again.symbols.addrs == plain.symbols.addrs
 

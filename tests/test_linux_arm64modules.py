@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from aarch64vm import SERIES, image
 
-from qmpprof.linux.arm64modules import list_head
+from qmpprof.linux.aarch64.modulelist import list_head
 from qmpprof.linux.kernel import LinuxKernel
 
 pytestmark = pytest.mark.linux

@@ -12,9 +12,9 @@ import struct
 import pytest
 from aarch64vm import image
 
-from qmpprof.guest.linux.current import locate_current
-from qmpprof.linux.arm64percpu import entry_task, per_cpu_layout, setup_areas
+from qmpprof.linux.aarch64.percpu import entry_task, per_cpu_layout, setup_areas
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import locate_current
 
 pytestmark = pytest.mark.linux
 

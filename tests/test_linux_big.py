@@ -16,12 +16,13 @@ from fuzzing import GuestMemory, seed
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.x86 import X86_64
-from qmpprof.guest.linux import modules as modules_module
-from qmpprof.guest.linux.modules import MAX_SYMBOLS, ModuleLayout, ModuleList
-from qmpprof.guest.linux.pagetables import PageTables
-from qmpprof.guest.linux.spaces import CONFIRM_EVERY, RECHECK, Spaces
-from qmpprof.guest.linux.tasks import Task
-from qmpprof.guest.linux.vma import (
+from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux.running import modules as modules_module
+from qmpprof.linux.running.modules import MAX_SYMBOLS, ModuleLayout, ModuleList
+from qmpprof.linux.running.pagetables import PageTables
+from qmpprof.linux.running.spaces import CONFIRM_EVERY, RECHECK, Spaces
+from qmpprof.linux.running.tasks import Task
+from qmpprof.linux.running.vma import (
     MAX_VMAS,
     STEP,
     VM_EXEC,
@@ -30,7 +31,6 @@ from qmpprof.guest.linux.vma import (
     find_exec_vmas,
     read_exec_vmas,
 )
-from qmpprof.guest.userfiles import UserFiles
 from qmpprof.memory import Reader
 from qmpprof.pagecache import PAGE
 from qmpprof.unwind.space import AddressSpace

@@ -20,16 +20,16 @@ import linuxkernel
 import pytest
 
 from qmpprof.arch.x86 import X86_64
-from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.modules import ModuleLayout
-from qmpprof.guest.linux.tasks import TaskLayout
-from qmpprof.guest.linux.vma import VmaLayout
 from qmpprof.linux import btf as btf_module
 from qmpprof.linux import cache, kernel
 from qmpprof.linux.btf import Btf, BtfIndex, Kind
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import OrcTable
+from qmpprof.linux.running.image import kernel_module
+from qmpprof.linux.running.modules import ModuleLayout
+from qmpprof.linux.running.tasks import TaskLayout
+from qmpprof.linux.running.vma import VmaLayout
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64.orctables import OrcTable
 
 SLIDE = 0x1E00_0000
 FILES = ("vmlinux", "symbols.bin", "index.bin")
@@ -87,7 +87,7 @@ def computes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("computed again despite the cache")
 
     monkeypatch.setattr(kernel, "hashlib", SimpleNamespace(sha256=not_again))  # nor hashed
-    monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
+    monkeypatch.setattr("qmpprof.linux.x86_64.kernelfile.vmlinux_bytes", not_again)
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     monkeypatch.setattr(OrcTable, "from_image", not_again)
     monkeypatch.setattr(Btf, "_build_index", not_again)

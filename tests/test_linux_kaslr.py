@@ -1,5 +1,5 @@
 """KASLR slide detection from IDT bytes built by hand: gate decoding, the vote, its refusals,
-and find_slide over a fake guest; then end to end on the Linux test guest: the slide
+and idt_slide over a fake guest; then end to end on the Linux test guest: the slide
 is 0 under nokaslr and, on several KASLR boots, (guest /proc/kallsyms _text) - (image _text);
 on every kernel booted, the slide and the image's kallsyms, ORC and BTF at that slide against
 the running kernel's."""
@@ -18,10 +18,10 @@ from sharedlinux import Shared
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import KernelMismatchError
-from qmpprof.guest.linux.slide import find_slide
-from qmpprof.linux import kaslr
 from qmpprof.linux.kallsyms import locate_kallsyms, read_kallsyms
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64 import idt as kaslr
+from qmpprof.linux.x86_64.running import idt_slide
 from qmpprof.transport.qmp import QmpTransport
 
 TEXT = 0xFFFFFFFF81000000
@@ -155,13 +155,13 @@ def monitored(idt_base: int, table: bytes) -> FakeTransport:
 
 async def test_the_slide_is_found_with_one_read_of_the_idt() -> None:
     guest = monitored(0xFFFFFE0000000000, idt(0x2E000000, stubs=232))
-    assert await find_slide(guest, image_symbols(), X86_64) == 0x2E000000
+    assert await idt_slide(guest, image_symbols(), X86_64) == 0x2E000000
     assert [c for c in guest.calls if c.startswith("read")] == ["read:0xfffffe0000000000+0x1000"]
 
 
 async def test_no_slide_before_the_kernel_runs() -> None:
     with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
-        await find_slide(monitored(0, idt(0)), image_symbols(), X86_64)
+        await idt_slide(monitored(0, idt(0)), image_symbols(), X86_64)
 
 
 # ---- end to end, on the Linux test guest ----------------------------------------------------
@@ -175,7 +175,7 @@ def image_symbols_of(series: str) -> KernelSymbols:
 async def slide_of(guest: LinuxGuest, series: str = "6.12") -> int:
     transport = await QmpTransport.connect(guest.qmp_socket)
     try:
-        return await find_slide(transport, image_symbols_of(series), X86_64)
+        return await idt_slide(transport, image_symbols_of(series), X86_64)
     finally:
         await transport.close()
 

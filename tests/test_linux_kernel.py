@@ -1,6 +1,6 @@
 """A Linux kernel loaded for a run from the files in /boot: Debian's 6.12 bzImage as found there
 (scripts/fetch-linux), its kallsyms, ORC and BTF, and its Module at a KASLR slide
-(``qmpprof.guest.linux.image``)."""
+(``qmpprof.linux.running.image``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
-from qmpprof.guest.linux import LINUX
-from qmpprof.guest.linux.image import kernel_module, target_kind
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import RETPOLINE_THUNK, unaliased
-from qmpprof.unwind.orc import OrcStep
+from qmpprof.linux.running.image import kernel_module, target_kind
+from qmpprof.linux.running.linuxos import LINUX
+from qmpprof.linux.x86_64.orcstep import OrcStep
+from qmpprof.linux.x86_64.orctables import RETPOLINE_THUNK, unaliased
 from qmpprof.unwind.tailcall import TargetKind
 
 SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel
@@ -167,7 +167,7 @@ def test_a_second_load_comes_from_the_cache_and_equals_the_first(
 
     monkeypatch.setattr(bzimage, "vmlinux_bytes", not_again)
     monkeypatch.setattr(kallsyms, "read_kallsyms", not_again)
-    monkeypatch.setattr("qmpprof.linux.kernel.vmlinux_bytes", not_again)
+    monkeypatch.setattr("qmpprof.linux.x86_64.kernelfile.vmlinux_bytes", not_again)
     monkeypatch.setattr("qmpprof.linux.kernel.read_kallsyms", not_again)
     second = LinuxKernel.load(linux_dir / "vmlinuz")
     assert second.symbols.addrs == first.symbols.addrs

@@ -14,9 +14,9 @@ from fakes import FakeTransport, regs
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.errors import MemoryReadError, TransportError
-from qmpprof.guest.linux.current import CurrentTask
-from qmpprof.guest.linux.identify import LINEAR_TRIES, LinuxIdentifier
-from qmpprof.guest.linux.linearmap import LinearMap, LinearView, find_linear_map
+from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.identify import LINEAR_TRIES, LinuxIdentifier
+from qmpprof.linux.running.linearmap import LinearMap, LinearView, find_linear_map
 from qmpprof.transport.hmp import parse_gva2gpa
 
 START, END = 0xFFFF_0000_0000_0000, 0xFFFF_8000_0000_0000

@@ -10,7 +10,8 @@ from fakes import x86
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.linux.orc import (
+from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
+from qmpprof.linux.x86_64.orctables import (
     CLASSIC,
     RENUMBERED,
     OrcLayout,
@@ -23,7 +24,6 @@ from qmpprof.linux.orc import (
 from qmpprof.model import Mapping, StopReason
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
-from qmpprof.unwind.orc import OrcCode, OrcStep
 from qmpprof.unwind.steps import NEW_STACK, FramePointerStep
 
 RAX, RDX, RCX, RBX, RSI, RDI, RBP, RSP = range(8)

@@ -10,7 +10,7 @@ import linuxkernel
 import pytest
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.linux.orc import (
+from qmpprof.linux.x86_64.orctables import (
     CLASSIC,
     RENUMBERED,
     OrcLayout,

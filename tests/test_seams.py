@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from guestvm import running_guest
 
-from qmpprof import arch, guest, session
+from qmpprof import arch, session
 from qmpprof.arch.base import InstructionSet, PrologueRule, ReadWord
 from qmpprof.arch.x86 import X86_64
 from qmpprof.arch.x86regs import X86Formats
+from qmpprof.guest import registry as guest
 from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
 from qmpprof.model import Mode, Process, Registers
 from qmpprof.pagecache import PageCache

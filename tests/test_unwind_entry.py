@@ -3,7 +3,7 @@ sample entered from user mode is one whole frame, or goes on in user code from t
 link register and the user stack pointer before anything was saved, one at a kernel-mode vector
 entry continues at the exception link register, a handler's frame record leads into the saved
 registers (the interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's
-description read from its code (``guest/linux/entry.py``): bookworm's 6.1 and 6.12 Images (what
+description read from its code (``linux/aarch64/vectors.py``): bookworm's 6.1 and 6.12 Images (what
 their handlers' names say), bullseye's 5.10 from its real words (handlers that ``eret``
 themselves), changed code giving none; and the Linux guest reading the exception link register
 (and the user stack pointer) for the samples that need it, only those."""
@@ -22,9 +22,9 @@ from test_unwind_chain import memory
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.aarch64code import LR
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.guest.linux.entry import ELR, SP_EL0, Code, entry_code, exception_code
-from qmpprof.guest.linux.identify import LinuxIdentifier
+from qmpprof.linux.aarch64.vectors import ELR, SP_EL0, Code, entry_code, exception_code
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.identify import LinuxIdentifier
 from qmpprof.model import Mapping, StopReason
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport

@@ -9,7 +9,7 @@ import struct
 
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.guest.linux.image import target_kind
+from qmpprof.linux.running.image import target_kind
 from qmpprof.model import Mapping, StopReason
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 from qmpprof.unwind.tailcall import CodeImage, Outcome, TailCallFinder, with_tail_calls

@@ -133,7 +133,7 @@ class InstructionSet(Protocol):
     @property
     def user_space_end(self) -> int | None:
         """Where user space ends as the translation settings put it; None where the page
-        tables' levels decide (x86_64: walked by ``guest.linux.pagetables``)."""
+        tables' levels decide (x86_64: walked by ``linux.running.pagetables``)."""
         ...
 
     @property

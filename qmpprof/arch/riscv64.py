@@ -65,6 +65,7 @@ class RiscV64:
     space_register: str = "satp"
     mask: int = _MASK
     frame_record: tuple[int, int, int] = (-16, -8, 0)
+    same_level_trap_saves_sp: bool = True  # the CPU pushes nothing: the kernel saves it all
 
     @property
     def translation_registers(self) -> tuple[str, ...]:

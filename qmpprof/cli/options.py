@@ -14,10 +14,10 @@ from typing import Any, NoReturn, TypedDict, TypeVar
 
 from qmpprof import __version__, bounds
 from qmpprof import arch as arches
-from qmpprof import guest as guests
 from qmpprof.cli import SUBCOMMANDS
 from qmpprof.errors import UsageError, exit_codes
 from qmpprof.guest import metadata
+from qmpprof.guest import registry as guests
 from qmpprof.model import Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for

@@ -7,7 +7,7 @@ The banner is read-only data (never patched at boot, unlike code), its link addr
 image holds it: the slide is the candidate at which the guest holds the same bytes there. Only
 one may: a second is the image mapped twice, which no kernel does, and is refused.
 
-Pure: ``qmpprof.guest.linux.slide`` reads the candidates from the running guest.
+Pure: ``qmpprof.linux.running.slide`` reads the candidates from the running guest.
 """
 
 from __future__ import annotations

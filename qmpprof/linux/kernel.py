@@ -22,16 +22,13 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
-from qmpprof.linux.arm64boot import BootTask, boot_task
-from qmpprof.linux.arm64image import elf_of_image, is_arm64_kernel
-from qmpprof.linux.arm64modules import module_list
-from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.btf import Btf, BtfError, Kind
-from qmpprof.linux.bzimage import is_bzimage, vmlinux_bytes
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.orc import OrcLayout, OrcTable, numbering
+from qmpprof.linux.platform import BootTask, KernelFilePlatform
+from qmpprof.linux.platforms import boot_image, kernel_file
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 from qmpprof.linux.taskstates import task_state_array
+from qmpprof.linux.x86_64.orctables import OrcLayout, OrcTable, numbering
 
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
@@ -106,10 +103,16 @@ class LinuxKernel:
         return self
 
     @property
+    def platform(self) -> KernelFilePlatform | None:
+        """What Linux does its own way on the image's instruction set (None: not one Linux is
+        read on here)."""
+        return kernel_file(self.image.arch.name)
+
+    @property
     def per_cpu_start(self) -> int | None:
         """Where the image links its per-CPU area: 0 when per-CPU symbols are offsets into a
         zero-based area (x86_64 up to 6.x), else an ordinary address of the image, which
-        KASLR moves (7.x, arm64: found in its code when kallsyms has no ``__per_cpu_start``);
+        KASLR moves (7.x, arm64: found by the platform when kallsyms has no ``__per_cpu_start``);
         None when the image has no per-CPU area."""
         section = self.image.section_header(PER_CPU_SECTION)
         if section is not None:
@@ -121,33 +124,34 @@ class LinuxKernel:
     @property
     def per_cpu_offsets(self) -> int | None:
         """The link address of ``__per_cpu_offset`` (each CPU's offset into the per-CPU area):
-        kallsyms', else on arm64 where the boot code writes it; None when not known."""
+        kallsyms', else where the platform finds it (arm64's boot code); None when not known."""
         found = self.symbols.address_of("__per_cpu_offset")
         layout = self._per_cpu_layout() if found is None else None
         return found if layout is None else layout[1]
 
     def data_symbol(self, name: str) -> int | None:
         """A data symbol's link address: kallsyms', else (arm64's ``__entry_task``, on kernels
-        whose kallsyms name no data) where the kernel's own code puts it."""
+        whose kallsyms name no data) where the platform finds it in the kernel's own code."""
         found = self.symbols.address_of(name)
-        if found is None and name == "__entry_task" and self.image.arch.name == "aarch64":
-            return entry_task_link(self.image, self.symbols)
+        platform = self.platform
+        if found is None and platform is not None:
+            return platform.data_symbol(self.image, self.symbols, name)
         return found
 
     def _per_cpu_layout(self) -> tuple[int, int] | None:
-        """arm64's per-CPU area and ``__per_cpu_offset`` as its boot code has them (a scan of
-        one function's first KiB: not kept)."""
-        if self.image.arch.name != "aarch64":
-            return None
-        return per_cpu_layout(self.image, self.symbols)
+        """The per-CPU area and ``__per_cpu_offset`` as the platform finds them in the code
+        (arm64: a scan of one function's first KiB, not kept)."""
+        platform = self.platform
+        return None if platform is None else platform.per_cpu_layout(self.image, self.symbols)
 
     @property
     def module_list(self) -> int | None:
         """The link address of the loaded modules' list head (``modules``): kallsyms', else on
-        arm64 where ``find_module_all``'s code reads it; None when not known."""
+        where the platform finds it (arm64: ``find_module_all``'s code); None when not known."""
         found = self.symbols.address_of("modules")
-        if found is None and self.image.arch.name == "aarch64":
-            return module_list(self.image, self.symbols)
+        platform = self.platform
+        if found is None and platform is not None:
+            return platform.module_list(self.image, self.symbols)
         return found
 
     @property
@@ -163,11 +167,12 @@ class LinuxKernel:
 
     @property
     def boot_task(self) -> BootTask | None:
-        """arm64: ``init_task`` and ``THREAD_SIZE`` from the boot code, where kallsyms name
-        neither (bookworm's 6.1); None elsewhere."""
-        if self.image.arch.name != "aarch64" or self.btf is None:
+        """``init_task`` and ``THREAD_SIZE`` as the platform finds them in the boot code, for
+        kallsyms that name neither (arm64: bookworm's 6.1); None elsewhere."""
+        platform = self.platform
+        if platform is None or self.btf is None:
             return None
-        return boot_task(self.image, self.symbols, self.btf)
+        return platform.boot_task(self.image, self.symbols, self.btf)
 
     def off_cpu_addresses(self) -> tuple[int | None, int | None, int | None]:
         """The link addresses of ``init_task`` and ``task_state_array``, and ``THREAD_SIZE``,
@@ -204,9 +209,9 @@ def is_linux(image: ElfImage) -> bool:
 
 def looks_like_linux(head: bytes, elf: ElfImage | None) -> bool:
     """Whether a file whose first bytes are ``head`` (and which is ``elf`` when an ELF) is a
-    Linux kernel image: a bzImage, an arm64 Image (plain, compressed or EFI zboot), or an ELF
-    with the sections only Linux kernels have."""
-    return is_bzimage(head) or is_arm64_kernel(head) or (elf is not None and is_linux(elf))
+    Linux kernel image: a platform's boot image (a bzImage, an arm64 Image: plain, compressed
+    or EFI zboot), or an ELF with the sections only Linux kernels have."""
+    return boot_image(head) is not None or (elf is not None and is_linux(elf))
 
 
 def _key(path: str | Path, name: str) -> tuple[str, bytes | None]:
@@ -243,8 +248,8 @@ def _image(
     Image, unpacked first when compressed) and, when it was unpacked here, its bytes. ``data``:
     the file's bytes if they were read already."""
     head = data if data is not None else _read(path, name, 0x300)
-    arm64 = not is_bzimage(head) and is_arm64_kernel(head)
-    if not arm64 and not is_bzimage(head):
+    platform = boot_image(head)
+    if platform is None:
         if data is None:
             return ElfImage.load(name, mapped=True), None
         return ElfImage.from_bytes(name, data), None
@@ -254,7 +259,7 @@ def _image(
             return ElfImage.from_bytes(name, mapped), None
     if data is None:
         data = _read(path, name)
-    unpacked = elf_of_image(data, name) if arm64 else vmlinux_bytes(data, name)
+    unpacked = platform.elf_of_boot_image(data, name)
     return ElfImage.from_bytes(name, unpacked), unpacked
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from qmpprof import bounds
-from qmpprof import guest as guests
 from qmpprof.errors import UsageError
+from qmpprof.guest import registry as guests
 from qmpprof.session import RunSpec
 
 # The longest interval serve's budget may ask for (pauses of up to 45 ms still fit in 1 %), and

@@ -21,13 +21,13 @@ from qmpprof.elf.lines import LineTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
-from qmpprof.unwind.steps import UnwindStep, steps_for
+from qmpprof.unwind.order import steps_for
+from qmpprof.unwind.steps import UnwindStep
 from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
     from qmpprof.elf.trapframe import TrapFrameLayout
     from qmpprof.unwind.entry import EntryCode
-    from qmpprof.unwind.orc import OrcCode
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,7 +72,7 @@ class Module:
         code_addr: int = 0,
         symbols: SymbolTable | None = None,
         lines: LineTable | None = None,
-        orc: OrcCode | None = None,
+        own: Sequence[UnwindStep] = (),
         calls: CodeImage | None = None,
         starts: Callable[[], Sequence[int]] | None = None,
         entry: EntryCode | None = None,
@@ -80,10 +80,11 @@ class Module:
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``; ``starts`` guesses where its functions start, asked the first
-        time a frame needs it; ``entry``: a kernel's exception code; ``trap``: the trap frame
-        its DWARF describes), for the instruction set ``arch``."""
+        time a frame needs it; ``entry``: a kernel's exception code; ``own``: steps its guest OS
+        brings that cover all of its code; ``trap``: the trap frame its DWARF describes), for
+        the instruction set ``arch``."""
         steps = steps_for(
-            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, orc=orc,
+            mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, own=own,
             starts=starts, entry=entry, trap=trap,
         )  # fmt: skip
         return cls(mapping, steps, symbols, lines, calls)

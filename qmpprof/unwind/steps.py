@@ -1,11 +1,12 @@
 """The unwinding methods, one seam: each finds a frame's caller in its own way.
 
-A module carries an ordered list of steps chosen from what it provides (``steps_for``): its CFI
-(``.eh_frame``/``.debug_frame``), then prologue analysis of its code for the frame the CPU was
-interrupted in, then frame pointers, which need nothing. The walker (``chain.py``) tries them in
-order: a step returns None when it has nothing to say about this pc (the next one is tried), a
-``StopReason`` when the walk must end here, or the caller's registers. A new method (ORC for
-Linux kernels, ``orc.py``) is a class with ``via`` and ``step`` and one line in ``steps_for``.
+A module carries an ordered list of steps chosen from what it provides (``order.steps_for``):
+its CFI (``.eh_frame``/``.debug_frame``), then prologue analysis of its code for the frame the
+CPU was interrupted in, then frame pointers, which need nothing. The walker (``chain.py``)
+tries them in order: a step returns None when it has nothing to say about this pc (the next one
+is tried), a ``StopReason`` when the walk must end here, or the caller's registers. A new method
+is a class with ``via`` and ``step`` and one line in ``steps_for``, or, when a guest OS brings it
+(x86_64 Linux's ORC step), handed to ``steps_for`` by whoever builds the module.
 Steps read memory only through the sample's ``PageCache`` and let ``PageMissing`` through.
 Each step serves one instruction set (a ``qmpprof.arch`` InstructionSet): registers are its
 DWARF numbers, stack words its address size, and addresses wrap at its width.
@@ -14,8 +15,8 @@ DWARF numbers, stack words its address size, and addresses wrap at its width.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
@@ -23,11 +24,6 @@ from qmpprof.dwarf.expr import evaluate
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
-
-if TYPE_CHECKING:
-    from qmpprof.elf.trapframe import TrapFrameLayout
-    from qmpprof.unwind.entry import EntryCode
-    from qmpprof.unwind.orc import OrcCode
 
 Regs = dict[int, int]  # DWARF register number -> value
 # The caller's registers, and flags: EXACT (True) when its pc is exact (a trap or signal frame
@@ -176,52 +172,6 @@ def frame_pointer_only(arch: InstructionSet) -> tuple[UnwindStep, ...]:
     if found is None:
         found = _FRAME_POINTER_ONLY[arch] = (FramePointerStep(arch),)
     return found
-
-
-def steps_for(
-    bias: int,
-    arch: InstructionSet,
-    *,
-    cfi: CfiTable | None = None,
-    code: bytes | None = None,
-    code_addr: int = 0,
-    symbols: SymbolTable | None = None,
-    orc: OrcCode | None = None,
-    starts: Callable[[], Sequence[int]] | None = None,
-    entry: EntryCode | None = None,
-    trap: TrapFrameLayout | None = None,
-) -> tuple[UnwindStep, ...]:
-    """The steps for a module at ``bias``, from what it provides, best first: a kernel's ORC
-    tables alone (they cover all of its code), else its exception entry code (``entry.py``),
-    CFI, the trap frame its DWARF describes (``trapframe.py``), prologue analysis, the code
-    followed to its return (``scan.py``; first, for an interrupted interrupt entry), frame
-    pointers."""
-    if orc is not None:
-        from qmpprof.unwind.orc import OrcStep
-
-        return (OrcStep(orc, bias, arch),)
-    steps: list[UnwindStep] = []
-    if entry is not None:
-        from qmpprof.unwind.entry import EntryStep
-
-        steps.append(EntryStep(entry, bias, arch))
-    if cfi is not None:
-        steps.append(CfiStep(cfi, bias, arch))
-    if trap is not None and code:
-        from qmpprof.unwind.trapframe import TrapFrameStep
-
-        steps.append(TrapFrameStep(trap, code, code_addr, bias, arch))
-    if code:
-        arch.prepare()  # now: not inside the first pause that needs it
-        from qmpprof.unwind.scan import ReturnScanStep
-
-        # An interrupt entry caught at its start looks to prologue analysis like any function
-        # entry: the scan to its ``iret`` tells it first.
-        steps.append(ReturnScanStep(code, code_addr, bias, arch, traps_only=True))
-        steps.append(PrologueStep(code, code_addr, bias, symbols, arch))
-        steps.append(ReturnScanStep(code, code_addr, bias, arch, starts))
-    steps.extend(frame_pointer_only(arch))
-    return tuple(steps)
 
 
 def caller(

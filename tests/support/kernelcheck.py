@@ -41,17 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from qmpprof.arch.aarch64 import AARCH64
-from qmpprof.guest.linux.current import locate_current
-from qmpprof.guest.linux.entry import entry_code
-from qmpprof.guest.linux.guest import Layouts
-from qmpprof.guest.linux.image import kernel_module, target_kind
-from qmpprof.linux import arm64image, bannerslide, orc
-from qmpprof.linux.arm64percpu import entry_task_link, per_cpu_layout
+from qmpprof.linux import bannerslide
+from qmpprof.linux.aarch64 import kernelimage as arm64image
+from qmpprof.linux.aarch64.percpu import entry_task_link, per_cpu_layout
+from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
-from qmpprof.linux.kaslr import entry_text_symbols
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import locate_current
+from qmpprof.linux.running.guest import Layouts
+from qmpprof.linux.running.image import kernel_module, target_kind
 from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64 import orctables as orc
+from qmpprof.linux.x86_64.idt import entry_text_symbols
 from support.kerneltable import markdown, markdown_arm64
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +68,8 @@ FETCHED = BUILD / "kernels"
 TIMEOUT = 600.0  # seconds one kernel's process may take
 REPEAT = 3  # loads timed cold, and cached: the best of each is reported
 # Symbols a run looks up by name in the image's kallsyms when it attaches to a guest
-# (qmpprof/guest/linux/guest.py, pagetables.py, vmcoreinfo.py).
-# The per-CPU symbols an arm64 kernel's code is read for (linux/arm64percpu.py), checked against
+# (qmpprof/linux/running/guest.py, pagetables.py, vmcoreinfo.py).
+# The per-CPU symbols an arm64 kernel's code is read for (linux/aarch64/percpu.py), checked against
 # the kernel's own symbols.
 ORACLE_SYMBOLS = ("__per_cpu_start", "__per_cpu_offset", "__entry_task")
 RUN_SYMBOLS = (
@@ -77,7 +79,7 @@ RUN_SYMBOLS = (
     "page_offset_base",
     "__pgtable_l5_enabled",
     "vmcoreinfo_note",
-    "task_state_array",  # --off-cpu: the state letters (guest/linux/offcpu.py)
+    "task_state_array",  # --off-cpu: the state letters (linux/running/offcpu.py)
 )
 
 Row = dict[str, Any]
@@ -150,7 +152,7 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
     """What the arm64 Image reader found: the form the file holds its Image in, the page size
     its header names, the link address, the relocations applied, the parts' alignment (a slide
     keeps it: ``bannerslide.ALIGN``), the symbols that are not code, whether its exception code
-    is the one the walk reads (``guest.linux.entry``)."""
+    is the one the walk reads (``linux.running.entry``)."""
     data = path.read_bytes()
     image = arm64image.plain_image(data, str(path))
     symbols = kernel.symbols

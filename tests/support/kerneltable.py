@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 Row = dict[str, Any]
-_L5 = "__pgtable_l5_enabled"  # without it a run takes 4-level paging (guest/linux/pagetables.py)
+_L5 = "__pgtable_l5_enabled"  # without it a run takes 4-level paging (linux/running/pagetables.py)
 COLUMNS = (
     "kernel",
     "suite",

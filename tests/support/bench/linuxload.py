@@ -32,9 +32,9 @@ def phases(path: Path) -> dict[str, float]:
     does it (unpack, kallsyms, ORC index, BTF; from the cache when it has them), the kernel's
     Module and the task and module layouts."""
     from qmpprof import arch
-    from qmpprof.guest.linux.guest import Layouts
-    from qmpprof.guest.linux.image import kernel_module
     from qmpprof.linux.kernel import LinuxKernel
+    from qmpprof.linux.running.guest import Layouts
+    from qmpprof.linux.running.image import kernel_module
 
     marks = {"imports": time.perf_counter()}
     kernel = LinuxKernel.load(path).prepare()

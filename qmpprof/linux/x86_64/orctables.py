@@ -11,7 +11,7 @@ the 6.4 numbering. The layout is decided from the entries themselves (``detect_l
 backport that changed the layout of an older version is read right; the kernel's version string
 breaks a tie. A kernel module's tables, read out of guest memory, use the layout of its kernel.
 
-The entries are followed by ``qmpprof.unwind.orc.OrcStep``; this module reads them, and names
+The entries are followed by ``orcstep.OrcStep``; this module reads them, and names
 the facts of the x86_64 ABI they refer to (``pt_regs``, the registers ORC names).
 """
 

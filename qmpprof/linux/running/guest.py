@@ -16,23 +16,22 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
-from qmpprof.guest.linux.current import CurrentTask, PerCpuVariable, locate_current
-from qmpprof.guest.linux.entry import entry_code
-from qmpprof.guest.linux.identify import LinuxIdentifier
-from qmpprof.guest.linux.image import kernel_module
-from qmpprof.guest.linux.kernelmemory import KernelTables, beyond_user_mode, kernel_root
-from qmpprof.guest.linux.linearmap import LinearMap, find_linear_map
-from qmpprof.guest.linux.modules import ModuleLayout, ModuleList
-from qmpprof.guest.linux.offcpu import OffCpuLayout, TaskListReader, read_states
-from qmpprof.guest.linux.pagetables import AARCH64_ENTRIES, PageTables, page_tables
-from qmpprof.guest.linux.slide import find_slide
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import RECHECK, TaskLayout, task_list
-from qmpprof.guest.linux.vma import VmaLayout
-from qmpprof.guest.linux.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
+from qmpprof.linux.running.identify import LinuxIdentifier
+from qmpprof.linux.running.image import kernel_module
+from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode, kernel_root
+from qmpprof.linux.running.linearmap import LinearMap, find_linear_map
+from qmpprof.linux.running.modules import ModuleLayout, ModuleList
+from qmpprof.linux.running.offcpu import OffCpuLayout, TaskListReader, read_states
+from qmpprof.linux.running.platform import LinuxPlatform
+from qmpprof.linux.running.platforms import linux_platform
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.tasks import RECHECK, TaskLayout, task_list
+from qmpprof.linux.running.vma import VmaLayout
+from qmpprof.linux.running.vmcoreinfo import check, read_vmcoreinfo
 from qmpprof.memory import Reader, kernel_reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
@@ -71,8 +70,12 @@ class Layouts:
             notes.append("no init_stack's end in kallsyms: a task's stack size is not known")
         modules = _from_btf(btf, ModuleLayout.from_btf, "module frames unnamed", notes)
         vmas = _from_btf(btf, VmaLayout.from_btf, "user code is not placed", notes)
+        arch = kernel.image.arch
+        platform = linux_platform(arch.name)
+        offcpu: OffCpuLayout | str = f"Linux on {arch.name}: no switch frame known"
         try:
-            offcpu: OffCpuLayout | str = OffCpuLayout.from_btf(btf, kernel.image.arch)
+            if platform is not None:
+                offcpu = OffCpuLayout.from_btf(btf, arch, platform)
         except (KeyError, BtfError) as err:
             offcpu = f"its BTF lacks {err}"
         return cls(tasks, current, modules, vmas, tuple(notes), offcpu)
@@ -104,11 +107,11 @@ def _slots(current: CurrentTask) -> list[int]:
     return [(base + current.offset) & current.arch.mask for base in current.bases.values()]
 
 
-def _arm64_tables(read: Reader, linear: LinearMap, end: int) -> PageTables:
-    """arm64 page tables of 4 KiB pages under a user space of ``end`` bytes: 9 bits of
-    address a level above the page's 12 (four levels for 48 bits)."""
-    bits = end.bit_length() - 1
-    return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
+def _platform(arch: InstructionSet) -> LinuxPlatform:
+    platform = linux_platform(arch.name)
+    if platform is None:
+        raise UsageError(f"Linux on {arch.name} is not read: no platform for it")
+    return platform
 
 
 def _from_btf(btf: Btf, make: Callable[[Btf], _T], lacking: str, notes: list[str]) -> _T | None:
@@ -145,6 +148,7 @@ class LinuxGuest:
         self.load_notes = notes  # what loading could not bring
         self.clock = clock
         self.layouts = Layouts.of(kernel)
+        self.platform = _platform(arch)
         self.identifier = LinuxIdentifier([], arch, clock=clock)  # until attached
         self.task_reader: TaskListReader | str = "not attached"  # every task, or why not
         self.kernel_tables: KernelTables | None = None  # arm64: for vmalloc'd stacks at EL0
@@ -175,12 +179,12 @@ class LinuxGuest:
                 f"no __per_cpu_offset found and {self.arch.per_cpu_registers[0]} not readable"
                 " over this transport: stacks without process names (use the gdbstub)"
             )
-        arch = self.arch
-        slide = await find_slide(control, kernel.symbols, arch, kernel=kernel)
+        arch, platform = self.arch, self.platform
+        slide = await platform.slide(control, kernel, arch)
         read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
-        entry = None if kernel.orc is not None else entry_code(kernel)
+        entry = platform.entry_code(kernel)
         modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines, debug=self.debug)]
         head = kernel.module_list
         module_list = None
@@ -201,16 +205,10 @@ class LinuxGuest:
         top = image[0] if arch.linear_map_end is None else min(image[0], arch.linear_map_end)
         if current is not None:
             linear = await find_linear_map(control, _slots(current), arch.shared_from, top, image)
+        tables = await platform.kernel_page_tables(read, kernel, slide)
+        if tables is None and linear is not None:
+            tables = platform.linear_page_tables(read, linear, arch)
         end = arch.user_space_end
-        if end is None:  # x86_64: its paging levels say where user space ends
-            tables: PageTables | None = await page_tables(
-                read,
-                kernel.address("page_offset_base", slide),
-                kernel.address("__pgtable_l5_enabled", slide),
-            )
-        else:  # arm64: its tables, walked in the linear map (the vCPU reads no user memory
-            # in kernel mode: PAN)
-            tables = None if linear is None else _arm64_tables(read, linear, end)
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
         late = None
         if current is not None and linear is None:  # no vCPU in the kernel yet (a paused guest)
@@ -220,8 +218,8 @@ class LinuxGuest:
                 found = await find_linear_map(
                     control, _slots(current), arch.shared_from, top, image, tries=1
                 )
-                if found is not None and end is not None and spaces.tables is None:
-                    spaces.tables = _arm64_tables(read, found, end)
+                if found is not None and spaces.tables is None:
+                    spaces.tables = platform.linear_page_tables(read, found, arch)
                 return found
 
         self.identifier = LinuxIdentifier(

@@ -1,8 +1,5 @@
-"""Linux as a guest OS, read from the kernel's own description: its image (``qmpprof.linux``
-reads the bzImage, kallsyms, ORC and BTF), then, in the running guest, where it was loaded
-(``slide``), its modules (``modules``), each vCPU's current task (``current``), the tasks
-(``tasks``) and the processes' address spaces (``spaces``, ``vma``, ``pagetables``), put
-together by ``guest.LinuxGuest``.
+"""Linux as a guest OS (``guest.base.GuestOs``, registered as ``--os linux``): the kernel loaded
+from its files, then a ``guest.LinuxGuest`` for the run.
 
 A loaded kernel is kept for the process (a few, by the files' identity): serve's VMs running
 the same kernel, and a VM connecting again, share one load; what a guest learns when attached
@@ -19,9 +16,9 @@ from qmpprof.elf import debuginfod
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError, UsageError
 from qmpprof.guest.base import GuestSpec, KernelFile
-from qmpprof.guest.linux.guest import LinuxGuest
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
+from qmpprof.linux.running.guest import LinuxGuest
 from qmpprof.memo import Memo
 
 KEPT = 8  # loaded kernels kept for the process

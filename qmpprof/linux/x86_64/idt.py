@@ -23,7 +23,7 @@ no handler in it. Handlers with no symbol of their own (the IRQ stubs after
 ``irq_entries_start``; vectors 22-31, left pointing into the freed ``early_idt_handler_array``)
 do not vote.
 
-Everything here is pure (bytes and symbols in): ``qmpprof.guest.linux.slide`` reads the IDT of
+Everything here is pure (bytes and symbols in): ``qmpprof.linux.running.slide`` reads the IDT of
 the running guest and hands it over.
 """
 

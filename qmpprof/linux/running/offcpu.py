@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import FoundTask
-from qmpprof.guest.linux.current import CurrentTask
-from qmpprof.guest.linux.pagetables import PageTables, split
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.switch import SwitchLayout, switch_layout
-from qmpprof.guest.linux.tasks import (
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.pagetables import PageTables, split
+from qmpprof.linux.running.platform import LinuxPlatform
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.switch import SwitchLayout
+from qmpprof.linux.running.tasks import (
     Task,
     TaskLayout,
     parse_task,
@@ -38,7 +40,6 @@ from qmpprof.guest.linux.tasks import (
     task_range,
     with_leader,
 )
-from qmpprof.linux.btf import Btf
 from qmpprof.memory import Reader, read_ints, read_one
 
 # TASK_NOLOAD (include/linux/sched.h: 0x400 in 5.10, 6.1, 6.12 and 7.2): with
@@ -64,7 +65,7 @@ class OffCpuLayout:
     switch: SwitchLayout  # the registers it was switched out with, and its user registers
 
     @classmethod
-    def from_btf(cls, btf: Btf, arch: InstructionSet) -> OffCpuLayout:
+    def from_btf(cls, btf: Btf, arch: InstructionSet, platform: LinuxPlatform) -> OffCpuLayout:
         """Raises KeyError naming what this kernel's BTF lacks."""
         try:
             state = btf.field("task_struct.__state")
@@ -79,7 +80,7 @@ class OffCpuLayout:
             signal=btf.offset_of("task_struct.signal"),
             thread_node=btf.offset_of("task_struct.thread_node"),
             thread_head=btf.offset_of("signal_struct.thread_head"),
-            switch=switch_layout(btf, arch),
+            switch=platform.switch_layout(btf, arch),
         )
 
 

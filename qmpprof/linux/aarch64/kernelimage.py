@@ -35,7 +35,7 @@ not say is read from its own contents:
   at boot before the KASLR slide, so the bytes are the image's at its link address.
 - Kernels linked with packed relative relocations (CONFIG_RELR: Debian's from trixie's 6.12
   on) have no such run but a RELR one, whose places hold their values already; the link
-  address is the one at which those fit (``arm64relr``).
+  address is the one at which those fit (``relr``).
 - ``.BTF`` is found by its header (magic 0xeb9f, version 1, a 24-byte header whose lengths give
   the section's).
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 import struct
 
 from qmpprof.errors import KernelImageError
-from qmpprof.linux.arm64relr import relr_link, relr_places
+from qmpprof.linux.aarch64.relr import relr_link, relr_places
 from qmpprof.linux.bzimage import payload_codec, unpacked
 
 _MAGIC_AT, _MAGIC = 0x38, b"ARM\x64"
@@ -183,7 +183,7 @@ def _pe_sections(data: bytes, path: str) -> dict[str, tuple[int, int]]:
 
 def _relocate(image: bytearray, image_size: int, path: str) -> int:
     """Apply the image's R_AARCH64_RELATIVE relocations at its link address; return that.
-    An image whose relocations are RELR (``arm64relr``) holds their values already."""
+    An image whose relocations are RELR (``relr``) holds their values already."""
     start, count = relocation_run(image)
     if count < _MIN_RELOCS:
         return _relr_link(image, image_size, path)

@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
-from qmpprof.guest.linux.current import CurrentTask
-from qmpprof.guest.linux.linearmap import LinearMap, LinearView
-from qmpprof.guest.linux.modules import ModuleList
-from qmpprof.guest.linux.pagetables import PageTables, holds, split
-from qmpprof.guest.linux.spaces import Spaces
-from qmpprof.guest.linux.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
+from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.linearmap import LinearMap, LinearView
+from qmpprof.linux.running.modules import ModuleList
+from qmpprof.linux.running.pagetables import PageTables, holds, split
+from qmpprof.linux.running.spaces import Spaces
+from qmpprof.linux.running.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
 from qmpprof.memory import Reader, kernel_reader, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache

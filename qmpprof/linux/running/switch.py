@@ -3,20 +3,16 @@ the registers its context switch saved (where its kernel stack resumes) and the 
 it entered the kernel with (the ``pt_regs`` at the top of its kernel stack).
 
 Each instruction set's Linux saves them its own way, described by the kernel's BTF: x86_64's
-``inactive_task_frame`` on the stack at ``thread.sp`` (``x86switch``), arm64's
-``thread.cpu_context`` in the task itself (``arm64switch``). The kinds are tried in ``KINDS``'
-order; the first whose structures this kernel's BTF has is the kernel's.
+``inactive_task_frame`` on the stack at ``thread.sp`` (``linux.x86_64.taskframe``), arm64's
+``thread.cpu_context`` in the task itself (``linux.aarch64.cpucontext``): the instruction set's
+platform says which (``platform.LinuxPlatform.switch_layout``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
-from qmpprof.guest.linux.arm64switch import CpuContext
-from qmpprof.guest.linux.x86switch import InactiveTaskFrame
-from qmpprof.linux.btf import Btf
 from qmpprof.model import Registers
 
 
@@ -50,20 +46,3 @@ class SwitchLayout(Protocol):
         top of its kernel stack (``top``: the stack's last bytes, up to its end); None when
         they are no user mode's."""
         ...
-
-
-KINDS: tuple[Callable[[Btf, InstructionSet], SwitchLayout], ...] = (
-    InactiveTaskFrame.from_btf,
-    CpuContext.from_btf,
-)
-
-
-def switch_layout(btf: Btf, arch: InstructionSet) -> SwitchLayout:
-    """The kind this kernel's BTF describes; KeyError naming what each kind lacks."""
-    lacking = []
-    for make in KINDS:
-        try:
-            return make(btf, arch)
-        except KeyError as err:
-            lacking.append(str(err))
-    raise KeyError(" and ".join(lacking))

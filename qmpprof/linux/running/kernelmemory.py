@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qmpprof.guest.linux.linearmap import LinearMap, LinearView
-from qmpprof.guest.linux.pagetables import PageTables
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.linearmap import LinearMap, LinearView
+from qmpprof.linux.running.pagetables import PageTables
 from qmpprof.memory import Reader, kernel_reader, read_ints, reader
 from qmpprof.transport.base import GuestTransport
 

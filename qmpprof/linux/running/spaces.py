@@ -25,10 +25,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from qmpprof.guest.linux.pagetables import PageTables, user_end
-from qmpprof.guest.linux.tasks import LIMIT, Task
-from qmpprof.guest.linux.vma import Vma, VmaLayout, VmaWalk, find_exec_vmas, read_exec_vmas
 from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux.running.pagetables import PageTables, user_end
+from qmpprof.linux.running.tasks import LIMIT, Task
+from qmpprof.linux.running.vma import Vma, VmaLayout, VmaWalk, find_exec_vmas, read_exec_vmas
 from qmpprof.memo import Memo
 from qmpprof.memory import Reader, read_ints
 from qmpprof.model import Mapping

@@ -6,19 +6,19 @@ not in its direct calls and jumps).
 
 Which of its symbols are thunks and trampolines is a fact of the x86_64 kernel's naming, the
 same from 5.10 to 7.3 once a 6.16+ startup-code alias's ``__pi_`` prefix is left out
-(``linux.orc.unaliased``): ``__x86_indirect_*`` (``linux.orc.INDIRECT_THUNKS``: the target is
-in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*`` (static-call
-trampolines: no DWARF, gdb stops there)."""
+(``linux.x86_64.orctables.unaliased``): ``__x86_indirect_*`` (``orctables.INDIRECT_THUNKS``:
+the target is in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``), ``__SCT__*``
+(static-call trampolines: no DWARF, gdb stops there)."""
 
 from __future__ import annotations
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.orc import INDIRECT_THUNKS, unaliased
+from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
+from qmpprof.linux.x86_64.orctables import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
 from qmpprof.unwind.entry import EntryCode
-from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 from qmpprof.unwind.tailcall import CodeImage, TargetKind
 
@@ -40,9 +40,11 @@ def kernel_module(
     mapping = Mapping(
         "vmlinux", low + slide, high + slide, True, slide, image.path, image.build_id, 0
     )
-    orc = None if kernel.orc is None else OrcCode(kernel.orc, kernel.functions, kernel.thunks)
+    own: tuple[OrcStep, ...] = ()
+    if kernel.orc is not None:
+        own = (OrcStep(OrcCode(kernel.orc, kernel.functions, kernel.thunks), slide, arch),)
     text = image.text_bytes
-    if orc is None:
+    if not own:
         # Prologue answers are cached by the code: its hash now (bytes keep it), not in the
         # first pause that needs one (6 ms for arm64 6.1's 23 MB .text).
         hash(text)
@@ -50,12 +52,12 @@ def kernel_module(
     return Module.build(
         mapping,
         arch,
-        cfi=None if orc is not None else image.cfi,
-        code=None if orc is not None else text,
+        cfi=None if own else image.cfi,
+        code=None if own else text,
         code_addr=image.text_addr,
         symbols=kernel.functions,
         lines=(debug or image).lines if lines else None,
-        orc=orc,
+        own=own,
         calls=calls if text else None,
         entry=entry,
     )

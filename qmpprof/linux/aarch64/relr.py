@@ -2,7 +2,7 @@
 6.12 on, linked by a binutils that packs relative relocations) and the link address they give.
 
 A relocatable Image lists the places KASLR must move. Older toolchains write them as
-``Elf64_Rela`` entries with the value in the addend (``arm64image``); with RELR the list is a
+``Elf64_Rela`` entries with the value in the addend (``kernelimage``); with RELR the list is a
 run of u64 words (the ELF gABI's SHT_RELR; ``.relr.dyn``, ``__relr_start`` in vmlinux.lds.S):
 an even word is a place, and each odd word after it a bitmap whose bits 1..63 mark the 63 words
 after the last one covered, as places too. A place's value is in the image itself (RELR has no

@@ -1,4 +1,5 @@
-"""The unwinding step of a Linux x86_64 kernel's ORC tables (``qmpprof.linux.orc`` reads them).
+"""The unwinding step of a Linux x86_64 kernel's ORC tables (``orctables`` reads them), handed
+to ``unwind.order.steps_for`` by whoever builds the kernel's and its modules' ``Module``.
 
 ``OrcStep`` follows the entries as the kernel's ``unwind_orc.c`` does: the caller's stack pointer
 from SP, BP, an indirect slot or a register saved in a ``pt_regs``; its pc from the return address
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import SymbolTable
-from qmpprof.linux.orc import (
+from qmpprof.linux.x86_64.orctables import (
     IRET_FRAME,
     RETPOLINE_THUNK,
     X86_64_PT_REGS,

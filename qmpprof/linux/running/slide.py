@@ -1,6 +1,6 @@
-"""Where the running Linux kernel was loaded (its KASLR slide), read while the guest runs: from
-the IDT the CPU holds (``qmpprof.linux.kaslr`` votes) when the vCPU's registers show one (x86),
-else from where the image's banner reads in kernel memory (``qmpprof.linux.bannerslide``)."""
+"""Where the running Linux kernel was loaded (its KASLR slide), read while the guest runs from
+where the image's banner reads in kernel memory (``qmpprof.linux.bannerslide``): what every
+instruction set's platform can do (x86_64's reads its IDT first)."""
 
 from __future__ import annotations
 
@@ -10,40 +10,12 @@ import time
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux import bannerslide
-from qmpprof.linux.kaslr import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
 
 WAIT = 10.0  # seconds to wait for a vCPU in the kernel (a guest busy in user code)
 _IDLE = 0.02  # seconds between two looks at the vCPUs then
-
-
-async def find_slide(
-    control: GuestTransport,
-    symbols: KernelSymbols,
-    arch: InstructionSet,
-    cpu: int = 0,
-    align: int = ALIGN,
-    *,
-    kernel: LinuxKernel | None = None,
-) -> int:
-    """The running kernel's KASLR slide (0 under ``nokaslr``) against the image's ``symbols``:
-    runtime address = image address + slide, for every symbol of the image. Without an IDT,
-    by the banner of ``kernel``'s image."""
-    regs = await control.registers(cpu)
-    base, limit = regs.special.get("idt_base"), regs.special.get("idt_limit")
-    if (base is None or limit is None) and kernel is not None:
-        return await _slide_by_banner(control, kernel, arch)
-    if base is None or limit is None:
-        raise KernelMismatchError("the vCPU's registers show no IDT: no KASLR slide")
-    if base < arch.shared_from:
-        raise KernelMismatchError(f"IDT at {base:#x} is not in kernel space (kernel not booted?)")
-    (data,) = await reader(control, cpu)([(base, min(limit + 1, 256 * GATE.size))])
-    if data is None:
-        raise KernelMismatchError(f"the IDT at {base:#x} does not read")
-    return slide_from_gates(decode_idt(data), symbols, arch.shared_from, align)
 
 
 _CODE = 64  # bytes of code around a vCPU's pc compared with the image's
@@ -72,7 +44,7 @@ async def _running_code(
     return same or slides
 
 
-async def _slide_by_banner(
+async def slide_by_banner(
     control: GuestTransport,
     kernel: LinuxKernel,
     arch: InstructionSet,

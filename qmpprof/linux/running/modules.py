@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf, Kind
-from qmpprof.linux.orc import OrcTable
+from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
+from qmpprof.linux.x86_64.orctables import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
 from qmpprof.pagecache import PAGE
-from qmpprof.unwind.orc import OrcCode
 from qmpprof.unwind.space import Module
 
 MAX_MODULES = 4096
@@ -183,7 +183,8 @@ class ModuleList:
         table = await _orc(read, at, layout, self.kernel_orc)
         mapping = Mapping(f"[{name}]", base, base + size, True)
         if table is not None:
-            return Module.build(mapping, arch, symbols=named, orc=OrcCode(table))
+            own = (OrcStep(OrcCode(table), mapping.bias, arch),)
+            return Module.build(mapping, arch, symbols=named, own=own)
         if size > min(MAX_TEXT, text_left):
             self.notes.append(
                 f"module {name}: {size:,} bytes of text not read (at most {MAX_TEXT:,} a module,"

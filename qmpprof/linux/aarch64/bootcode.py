@@ -17,11 +17,10 @@ so the address put in SP_EL0 there is ``init_task``'s, and the immediate added t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qmpprof.arch.aarch64code import add_imm, adrp_page, is_adrp
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.platform import BootTask
 from qmpprof.linux.symbols import KernelSymbols
 
 _ENTRY = "__primary_switched"
@@ -29,14 +28,6 @@ _SCAN = 0x40  # bytes read of it: the sequence ends ~0x14 in
 _MASK = (1 << 64) - 1
 _SP = 31
 _MSR_SP_EL0 = 0xD518_4100  # MSR SP_EL0, Xt (Xt in bits 4..0)
-
-
-@dataclass(frozen=True, slots=True)
-class BootTask:
-    """``init_task``'s link address and ``THREAD_SIZE``."""
-
-    init_task: int
-    thread_size: int
 
 
 def boot_task(image: ElfImage, symbols: KernelSymbols, btf: Btf) -> BootTask | None:

@@ -1,0 +1,56 @@
+"""arm64's running Linux (``running.platform.LinuxPlatform``): the slide from where the image's
+banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
+levels the user space's size needs), a task off CPU's ``thread.cpu_context`` (``cpucontext``)
+and the exception entry code as its vectors lead to it (``vectors``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.linux.aarch64.cpucontext import CpuContext
+from qmpprof.linux.aarch64.vectors import entry_code
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
+from qmpprof.linux.running.slide import slide_by_banner
+from qmpprof.linux.running.switch import SwitchLayout
+from qmpprof.memory import Reader
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.entry import EntryCode
+
+
+@dataclass(frozen=True, slots=True)
+class Aarch64Platform:
+    name: str = "aarch64"
+
+    async def slide(
+        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+    ) -> int:
+        return await slide_by_banner(control, kernel, arch)
+
+    async def kernel_page_tables(
+        self, read: Reader, kernel: LinuxKernel, slide: int
+    ) -> PageTables | None:
+        return None
+
+    def linear_page_tables(
+        self, read: Reader, linear: LinearMap, arch: InstructionSet
+    ) -> PageTables | None:
+        """4 KiB pages under a user space of ``arch.user_space_end`` bytes: 9 bits of address a
+        level above the page's 12 (four levels for 48 bits)."""
+        end = arch.user_space_end
+        if end is None:
+            return None
+        bits = end.bit_length() - 1
+        return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
+
+    def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
+        return CpuContext.from_btf(btf, arch)
+
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+        return entry_code(kernel)
+
+
+AARCH64 = Aarch64Platform()

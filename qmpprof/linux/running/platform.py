@@ -1,0 +1,61 @@
+"""What Linux does its own way on each instruction set, as the running guest shows it: one
+``LinuxPlatform`` per instruction set, chosen by ``platforms.linux_platform`` (the kernel
+file's half is ``qmpprof.linux.platform``). The rest of the running guest's code names no
+instruction set: it asks the platform."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.pagetables import PageTables
+from qmpprof.linux.running.switch import SwitchLayout
+from qmpprof.memory import Reader
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.entry import EntryCode
+
+
+class LinuxPlatform(Protocol):
+    """One instruction set's running Linux: where it was loaded, how its page tables are found,
+    what a task off CPU leaves behind, how its exceptions are entered."""
+
+    @property
+    def name(self) -> str:
+        """The instruction set's name (``InstructionSet.name``)."""
+        ...
+
+    async def slide(
+        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+    ) -> int:
+        """The running kernel's KASLR slide (runtime - link address) against ``kernel``'s
+        image, read while the guest runs; KernelMismatchError when it cannot be told."""
+        ...
+
+    async def kernel_page_tables(
+        self, read: Reader, kernel: LinuxKernel, slide: int
+    ) -> PageTables | None:
+        """The processes' page tables as the kernel's variables describe them (x86_64: its
+        direct map's base and paging levels); None where they are read through the linear map
+        instead (``linear_page_tables``)."""
+        ...
+
+    def linear_page_tables(
+        self, read: Reader, linear: LinearMap, arch: InstructionSet
+    ) -> PageTables | None:
+        """The processes' page tables, walked in the kernel's linear map once it is found
+        (arm64: a vCPU in kernel mode reads no user memory, PAN); None where
+        ``kernel_page_tables`` gives them."""
+        ...
+
+    def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
+        """Where a task off CPU keeps its registers, as this kernel's BTF describes it;
+        KeyError naming what the BTF lacks."""
+        ...
+
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+        """The kernel's exception entry code as the walk needs it described, where the image's
+        unwinding tables do not cover it; None when not needed or not described."""
+        ...

@@ -1,0 +1,82 @@
+"""x86_64's running Linux (``running.platform.LinuxPlatform``): the slide from the IDT the CPU
+holds (``idt`` votes), the page tables from the direct map's base and ``__pgtable_l5_enabled``,
+a task off CPU's ``inactive_task_frame`` (``taskframe``); its exception entry needs no
+description, its ORC tables cover it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qmpprof.arch.base import InstructionSet
+from qmpprof.errors import KernelMismatchError
+from qmpprof.linux.btf import Btf
+from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.pagetables import PageTables, page_tables
+from qmpprof.linux.running.slide import slide_by_banner
+from qmpprof.linux.running.switch import SwitchLayout
+from qmpprof.linux.symbols import KernelSymbols
+from qmpprof.linux.x86_64.idt import ALIGN, GATE, decode_idt, slide_from_gates
+from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
+from qmpprof.memory import Reader, reader
+from qmpprof.transport.base import GuestTransport
+from qmpprof.unwind.entry import EntryCode
+
+
+async def idt_slide(
+    control: GuestTransport,
+    symbols: KernelSymbols,
+    arch: InstructionSet,
+    cpu: int = 0,
+    align: int = ALIGN,
+    *,
+    kernel: LinuxKernel | None = None,
+) -> int:
+    """The running kernel's KASLR slide (0 under ``nokaslr``) against the image's ``symbols``:
+    runtime address = image address + slide, for every symbol of the image. Without an IDT in
+    the vCPU's registers (not every transport shows it), by the banner of ``kernel``'s image."""
+    regs = await control.registers(cpu)
+    base, limit = regs.special.get("idt_base"), regs.special.get("idt_limit")
+    if (base is None or limit is None) and kernel is not None:
+        return await slide_by_banner(control, kernel, arch)
+    if base is None or limit is None:
+        raise KernelMismatchError("the vCPU's registers show no IDT: no KASLR slide")
+    if base < arch.shared_from:
+        raise KernelMismatchError(f"IDT at {base:#x} is not in kernel space (kernel not booted?)")
+    (data,) = await reader(control, cpu)([(base, min(limit + 1, 256 * GATE.size))])
+    if data is None:
+        raise KernelMismatchError(f"the IDT at {base:#x} does not read")
+    return slide_from_gates(decode_idt(data), symbols, arch.shared_from, align)
+
+
+@dataclass(frozen=True, slots=True)
+class X86_64Platform:
+    name: str = "x86_64"
+
+    async def slide(
+        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+    ) -> int:
+        return await idt_slide(control, kernel.symbols, arch, kernel=kernel)
+
+    async def kernel_page_tables(
+        self, read: Reader, kernel: LinuxKernel, slide: int
+    ) -> PageTables | None:
+        return await page_tables(
+            read,
+            kernel.address("page_offset_base", slide),
+            kernel.address("__pgtable_l5_enabled", slide),
+        )
+
+    def linear_page_tables(
+        self, read: Reader, linear: LinearMap, arch: InstructionSet
+    ) -> PageTables | None:
+        return None
+
+    def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
+        return InactiveTaskFrame.from_btf(btf, arch)
+
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+        return None
+
+
+X86_64 = X86_64Platform()
