@@ -66,22 +66,12 @@ async def fetch(
             cache.pages[run_start + i * PAGE] = data[i * PAGE : (i + 1) * PAGE]
 
 
-async def fetch_piece(
-    transport: GuestTransport, cache: PageCache, cpu: int, addr: int, size: int
-) -> None:
-    """Fetch just [addr, addr+size) into ``cache`` (a pointer, a few fields), unless the cache
-    has it: over a gdbstub a page is two 2 KiB packets where 8 bytes are one short one. Reads of
-    a page or more go through ``fetch``."""
-    if size >= PAGE:
-        await fetch(transport, cache, cpu, addr, size)
-        return
-    if cache.has(addr, size):
-        return
-    try:
-        data: bytes | None = await transport.read(cpu, addr, size)
-    except MemoryReadError:
-        data = None
-    cache.pieces[addr] = (size, data)
+async def fetch_piece(read: Reader, cache: PageCache, addr: int, size: int) -> None:
+    """Fetch just [addr, addr+size) into ``cache`` (a pointer, a few fields, under a page),
+    unless the cache has it: over a gdbstub a page is two 2 KiB packets where 8 bytes are one
+    short one."""
+    if not cache.has(addr, size):
+        cache.pieces[addr] = (size, await read_one(read, addr, size))
 
 
 # Guest memory as a guest OS reads it: ranges in, each range's bytes out (None: not mapped).
@@ -198,11 +188,12 @@ class StackReader:
         except TransportError:
             self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, page_of(regs.sp), end)
+            read = reader(self.transport, regs.cpu)
             for a, n in beyond:
-                await fetch_piece(self.transport, cache, regs.cpu, a, n)
+                await fetch_piece(read, cache, a, n)
             for a, n in wanted:
                 assert into is not None
-                await fetch_piece(self.transport, into, regs.cpu, a, n)
+                await fetch_piece(read, into, a, n)
             return
         await self._take_window(regs, cache, key, window, found[: len(window)])
         found = found[len(window) :]
