@@ -14,14 +14,9 @@ from qmpprof.model import Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.transport.base import GuestTransport
 
-# Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and
-# gdbstub reads of it are pipelined. HMP ``x`` is formatting-bound: read one page up front there.
+# Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB. A
+# transport whose reads cost by size says its own, smaller window (transport/kinds.py).
 WINDOW = 16384
-HMP_WINDOW = 4096
-# Over a gdbstub every 2 KiB is a packet QEMU answers in turn: a first window of two pages (or
-# three, SP being mid-page) and more on demand, until a walk from that SP page has shown what
-# it needs (StackReader's cut).
-GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 # Pages after one fetched on demand through a task's page tables that come with it (a walk
 # needs the pages above the one it lacks: arm64's user stacks under a system call, 1-3 pages

@@ -80,8 +80,8 @@ def _profile(args: list[str]) -> int:
     # the cheap checks first, and all before the guest is touched.
     opts = options.parse(args)
     spec = opts.spec
-    if spec.transport != "gdb" and spec.qmp_tcp is None:
-        check_socket(spec.qmp_socket)
+    if spec.reach.transport != "gdb" and spec.reach.qmp_tcp is None:
+        check_socket(spec.reach.qmp_socket)
     outputs.check(opts.outputs, opts.fmt)
     options.check_files(spec)
     guest = load(spec)  # before the loop: a signal now has nothing to undo

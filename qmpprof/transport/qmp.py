@@ -33,9 +33,9 @@ from qmpprof.errors import (
 )
 from qmpprof.model import Registers
 from qmpprof.transport import hmp, vmmark
+from qmpprof.transport.base import MemoryPath
 from qmpprof.transport.guard import PauseGuard
 
-MemoryPath = Literal["auto", "memsave", "hmp"]
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
 _INVALID_ADDR = "Invalid addr"
 _SHM = "/dev/shm"
