@@ -204,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
     add("--transport", choices=transports.names(),
         help="auto (the default): on a local QMP socket, a private gdbstub qmpprof opens over "
              "QMP and removes at the end (falls back to QMP, --verbose says why); private-gdb: "
-             "that path alone, as auto takes it; qmp: QMP and HMP only; gdb: the gdbstub at "
+             "as auto on a local QMP socket; qmp: QMP and HMP only; gdb: the gdbstub at "
              "--gdb")  # fmt: skip
     add("--gdb", metavar="HOST:PORT",
         help="a gdbstub the VM already has (implies --transport gdb)")  # fmt: skip
