@@ -14,14 +14,9 @@ from qmpprof.model import Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.transport.base import GuestTransport
 
-# Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB, and
-# gdbstub reads of it are pipelined. HMP ``x`` is formatting-bound: read one page up front there.
+# Stack bytes read at SP in one call: a QMP memsave costs about the same for 4 or 64 KiB. A
+# transport whose reads cost by size says its own, smaller window (transport/kinds.py).
 WINDOW = 16384
-HMP_WINDOW = 4096
-# Over a gdbstub every 2 KiB is a packet QEMU answers in turn: a first window of two pages (or
-# three, SP being mid-page) and more on demand, until a walk from that SP page has shown what
-# it needs (StackReader's cut).
-GDB_WINDOW = 8192
 MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 # Pages after one fetched on demand through a task's page tables that come with it (a walk
 # needs the pages above the one it lacks: arm64's user stacks under a system call, 1-3 pages
@@ -66,22 +61,12 @@ async def fetch(
             cache.pages[run_start + i * PAGE] = data[i * PAGE : (i + 1) * PAGE]
 
 
-async def fetch_piece(
-    transport: GuestTransport, cache: PageCache, cpu: int, addr: int, size: int
-) -> None:
-    """Fetch just [addr, addr+size) into ``cache`` (a pointer, a few fields), unless the cache
-    has it: over a gdbstub a page is two 2 KiB packets where 8 bytes are one short one. Reads of
-    a page or more go through ``fetch``."""
-    if size >= PAGE:
-        await fetch(transport, cache, cpu, addr, size)
-        return
-    if cache.has(addr, size):
-        return
-    try:
-        data: bytes | None = await transport.read(cpu, addr, size)
-    except MemoryReadError:
-        data = None
-    cache.pieces[addr] = (size, data)
+async def fetch_piece(read: Reader, cache: PageCache, addr: int, size: int) -> None:
+    """Fetch just [addr, addr+size) into ``cache`` (a pointer, a few fields, under a page),
+    unless the cache has it: over a gdbstub a page is two 2 KiB packets where 8 bytes are one
+    short one."""
+    if not cache.has(addr, size):
+        cache.pieces[addr] = (size, await read_one(read, addr, size))
 
 
 # Guest memory as a guest OS reads it: ranges in, each range's bytes out (None: not mapped).
@@ -198,11 +183,12 @@ class StackReader:
         except TransportError:
             self._stack_ends.pop(key, None)
             await self._read_up_to_hole(regs.cpu, cache, page_of(regs.sp), end)
+            read = reader(self.transport, regs.cpu)
             for a, n in beyond:
-                await fetch_piece(self.transport, cache, regs.cpu, a, n)
+                await fetch_piece(read, cache, a, n)
             for a, n in wanted:
                 assert into is not None
-                await fetch_piece(self.transport, into, regs.cpu, a, n)
+                await fetch_piece(read, into, a, n)
             return
         await self._take_window(regs, cache, key, window, found[: len(window)])
         found = found[len(window) :]

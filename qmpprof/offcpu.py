@@ -33,7 +33,7 @@ from qmpprof.guest.base import FoundTask, TaskLister
 from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.sampler import StackUnwinder
-from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.base import Forwarding, GuestTransport
 from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace
 
@@ -237,15 +237,15 @@ class _InFlight:
             await self._none.wait()
 
 
-class _ReadsBetweenPauses:
+class _ReadsBetweenPauses(Forwarding):
     """A control channel whose reads wait while the sampler holds the guest stopped: a look's
     read never goes out in a pause, and the sampler waits for one under way (``reads``) before
-    it stops the guest."""
+    it stops the guest. The rest is the control channel's."""
 
     def __init__(
         self, control: GuestTransport, running: Callable[[], Awaitable[object]], reads: _InFlight
     ) -> None:
-        self._control = control
+        super().__init__(control)
         self._running = running
         self._reads = reads
 
@@ -257,26 +257,14 @@ class _ReadsBetweenPauses:
         finally:
             self._reads.end()
 
-    async def is_running(self) -> bool:
-        return await self._control.is_running()
-
-    async def stop(self) -> None:
-        await self._control.stop()
-
-    async def cont(self) -> None:
-        await self._control.cont()
-
-    async def cpus(self) -> list[int]:
-        return await self._control.cpus()
-
     async def registers(self, cpu: int) -> Registers:
-        return await self._read(lambda: self._control.registers(cpu))
+        return await self._read(lambda: self.inner.registers(cpu))
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
-        return await self._read(lambda: self._control.system_registers(cpu, names))
+        return await self._read(lambda: self.inner.system_registers(cpu, names))
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
-        return await self._read(lambda: self._control.read(cpu, addr, size))
+        return await self._read(lambda: self.inner.read(cpu, addr, size))
 
     async def read_many(
         self, cpu: int, ranges: Sequence[tuple[int, int]]
@@ -284,21 +272,18 @@ class _ReadsBetweenPauses:
         out: list[bytes | MemoryReadError] = []
         for i in range(0, len(ranges), READS_AT_ONCE):
             out += await self._read(
-                functools.partial(self._control.read_many, cpu, ranges[i : i + READS_AT_ONCE])
+                functools.partial(self.inner.read_many, cpu, ranges[i : i + READS_AT_ONCE])
             )
         return out
 
     async def read_physical(
         self, ranges: Sequence[tuple[int, int]]
     ) -> list[bytes | MemoryReadError]:
-        return await self._read(functools.partial(self._control.read_physical, ranges))
+        return await self._read(functools.partial(self.inner.read_physical, ranges))
 
     async def translate(self, cpu: int, addr: int) -> int | None:
-        return await self._read(lambda: self._control.translate(cpu, addr))
+        return await self._read(lambda: self.inner.translate(cpu, addr))
 
     @property
     def control(self) -> GuestTransport | None:
         return self
-
-    async def close(self) -> None:
-        await self._control.close()

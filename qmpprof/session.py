@@ -1,6 +1,6 @@
-"""How a run is built, in one place: the guest OS and the instruction set from their registries,
-the transport, the unwinder and the sampler's configuration, from a RunSpec (what to profile and
-how). The command line (profile, record, demo), serve and the benchmark build their runs here;
+"""How a run is built, in one place: the guest OS, the instruction set and the transport from
+their registries, the unwinder and the sampler's configuration, from a RunSpec (what to profile
+and how). The command line (profile, record, demo), serve and the benchmark build their runs here;
 nothing here prints or parses flags, and nothing here names a guest OS or an instruction set.
 
 Files are loaded and indexed before the guest is touched (``load``), so a bad file fails before
@@ -17,25 +17,18 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from qmpprof import arch as arches
-from qmpprof.errors import ConnectError, QmpprofError, UsageError
+from qmpprof import transport as transports
+from qmpprof.errors import ConnectError, UsageError
 from qmpprof.guest import registry as guests
 from qmpprof.guest.base import Guest, GuestSpec, KernelFile, TaskLister
-from qmpprof.memory import GDB_WINDOW, HMP_WINDOW
 from qmpprof.offcpu import OffCpuTasks
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
-from qmpprof.transport.base import GuestTransport
-from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
-from qmpprof.transport.qmp import QmpTransport
+from qmpprof.transport.base import GuestTransport, Reach
 from qmpprof.unwind.chain import AddressSpace, RawStack, Unwinder
 
-# "auto": a private gdbstub opened over a local QMP socket when QEMU allows one, else QMP.
-TransportKind = Literal["auto", "qmp", "gdb"]
-TRANSPORTS: tuple[TransportKind, ...] = ("auto", "qmp", "gdb")
-MemoryPath = Literal["auto", "memsave", "hmp"]
 # A socket /proc shows held gets this long to greet all the same: the client seen may have
 # just left (QEMU closes its side of a connection a moment after the client).
 HELD_GRACE = 0.5
@@ -45,11 +38,8 @@ HELD_GRACE = 0.5
 class RunSpec:
     """Everything a run needs to be built. ``sampling.window`` is adjusted to the transport."""
 
-    qmp_socket: Path = Path("./qmp-socket")
-    qmp_tcp: tuple[str, int] | None = None
-    transport: TransportKind = "auto"
-    gdb: str | None = None  # gdbstub address, for the gdb transport
-    memory: MemoryPath = "auto"
+    # Where the guest is and which transport the user asked for (qmpprof.transport chooses).
+    reach: Reach = dataclasses.field(default_factory=Reach)
     kernel: Path | None = None
     kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
     user_dir: Path | None = None
@@ -65,15 +55,6 @@ class RunSpec:
     # Every task off CPU at each tick too (a guest OS that tells its tasks).
     off_cpu: bool = False
     sampling: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
-
-    @property
-    def where(self) -> str:
-        """Where the guest is, as the user named it."""
-        if self.transport == "gdb" and self.gdb is not None:
-            return self.gdb
-        if self.qmp_tcp is not None:
-            return f"{self.qmp_tcp[0]}:{self.qmp_tcp[1]}"
-        return str(self.qmp_socket)
 
 
 def load(spec: RunSpec) -> Guest:
@@ -98,73 +79,20 @@ def load(spec: RunSpec) -> Guest:
 class Connection:
     """An open transport, how samples travel through it and what was learnt of the guest
     (lines for ``--verbose``), and ``notes``: what the user should be told in any case (a
-    kernel without BTF, say), one line each."""
+    kernel without BTF, say), one line each; ``window``: the transport's stack window (None:
+    the run's own)."""
 
     transport: GuestTransport
     path: str
     detail: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    window: int | None = None
 
 
 async def connect(spec: RunSpec) -> Connection:
-    if spec.transport == "gdb":
-        from qmpprof.transport.gdb import GdbTransport
-
-        was_running = await _running_by_qmp(spec.qmp_socket)
-        gdb = await GdbTransport.connect(spec.gdb or "", was_running=was_running)
-        notes = () if gdb.state_known else (_SILENT_STUB,)
-        return Connection(gdb, f"gdbstub at {spec.gdb}", notes=notes)
-    if spec.transport == "auto":
-        if spec.qmp_tcp is not None:
-            transport, why = await connect_fast(tcp=spec.qmp_tcp, memory=spec.memory)
-        else:
-            transport, why = await connect_fast(spec.qmp_socket, memory=spec.memory)
-        if isinstance(transport, PrivateGdbTransport):
-            transport.control.guard_pauses()
-            cleared = () if transport.cleared is None else (transport.cleared,)
-            notes = (*_mark_notes(transport.control), *cleared)
-            return Connection(transport, "a private gdbstub opened over QMP", notes=notes)
-        if isinstance(transport, QmpTransport):
-            transport.guard_pauses()
-            return Connection(transport, f"QMP ({why})", notes=_mark_notes(transport))
-        return Connection(transport, f"QMP ({why})")
-    if spec.qmp_tcp is not None:
-        transport = await QmpTransport.connect(tcp=spec.qmp_tcp, memory=spec.memory)
-    else:
-        transport = await QmpTransport.connect(spec.qmp_socket, memory=spec.memory)
-    try:
-        await transport.take_mark()  # VmBusyError: another run holds the VM
-    except BaseException:
-        await transport.close()
-        raise
-    transport.guard_pauses()
-    return Connection(transport, "QMP (--transport qmp)", notes=_mark_notes(transport))
-
-
-def _mark_notes(qmp: QmpTransport) -> tuple[str, ...]:
-    """A dead run's mark this run replaced (transport/vmmark.py), as a note."""
-    return () if qmp.mark is None or qmp.mark.note is None else (qmp.mark.note,)
-
-
-_SILENT_STUB = (
-    "the gdbstub did not say whether attaching stopped the guest (QEMU 8.1 and later never"
-    " do): taken as paused; give the VM's --qmp-socket too and QMP says"
-)
-
-
-async def _running_by_qmp(socket: Path) -> bool | None:
-    """Whether the guest runs, by QMP at ``socket`` before a gdbstub attaches (which stops it);
-    None when no QMP answers there."""
-    if not socket.is_socket():
-        return None
-    try:
-        qmp = await QmpTransport.connect(socket, timeout=1.0)
-    except QmpprofError:
-        return None
-    try:
-        return await qmp.is_running()
-    finally:
-        await qmp.close()
+    """The transport the registry chooses for ``spec.reach``, opened."""
+    opened = await transports.connect(spec.reach)
+    return Connection(opened.transport, opened.path, notes=opened.notes, window=opened.window)
 
 
 def check_socket(path: Path, timeout: float = 5.0) -> None:
@@ -291,14 +219,12 @@ async def check_cpus(cpus: tuple[int, ...] | None, transport: GuestTransport) ->
         raise UsageError(f"--cpus: this guest has no vCPU {absent[0]} (its vCPUs: {have})")
 
 
-def sampler_config(spec: RunSpec, transport: GuestTransport) -> SamplerConfig:
-    """The sampling configuration, its stack window fitted to what reads cost on
-    ``transport``: memsave costs the same for 4 or 64 KiB, HMP x and the gdbstub by size."""
-    if isinstance(transport, QmpTransport):
-        window = HMP_WINDOW if transport.memory == "hmp" else spec.sampling.window
-    else:
-        window = GDB_WINDOW
-    return dataclasses.replace(spec.sampling, window=min(window, spec.sampling.window))
+def sampler_config(spec: RunSpec, connection: Connection) -> SamplerConfig:
+    """The sampling configuration, its stack window no wider than the transport's."""
+    window = spec.sampling.window
+    if connection.window is not None:
+        window = min(window, connection.window)
+    return dataclasses.replace(spec.sampling, window=window)
 
 
 def unwinder(spec: RunSpec, guest: Guest) -> Unwinder:
@@ -316,14 +242,15 @@ Run = Sampler[AddressSpace, RawStack]
 def sampler(
     spec: RunSpec,
     guest: Guest,
-    transport: GuestTransport,
+    connection: Connection,
     on_tick: Callable[[SamplerStats], None] | None = None,
 ) -> Run:
-    """A sampler of ``guest`` over ``transport`` (attached), ready to run; with
+    """A sampler of ``guest`` over ``connection`` (attached), ready to run; with
     ``spec.off_cpu``, the tasks off CPU at each tick too (``OffCpuTasks``: looked at between
     ticks, as housekeeping)."""
     walker = unwinder(spec, guest)
-    config = sampler_config(spec, transport)
+    config = sampler_config(spec, connection)
+    transport = connection.transport
     waiting = None
     if spec.off_cpu:
         if not isinstance(guest, TaskLister) or transport.control is None:
@@ -372,4 +299,4 @@ async def start(
         connection = dataclasses.replace(connection, notes=notes)
     if on_connect is not None:
         on_connect(connection)
-    return sampler(spec, guest, connection.transport, on_tick)
+    return sampler(spec, guest, connection, on_tick)

@@ -41,6 +41,7 @@ from stackverdict import KINDS, STOPS_EARLY
 
 from qmpprof import session
 from qmpprof.elf.image import ElfImage
+from qmpprof.transport.base import Reach
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -113,7 +114,7 @@ async def compare(tmp_path: Path, series: str) -> tuple[Tally, Names, int]:
                 if ready:
                     break
             spec = session.RunSpec(
-                qmp_socket=guest.qmp_socket, transport="qmp", kernel=guest.kernel, os="linux"
+                reach=Reach(guest.qmp_socket, transport="qmp"), kernel=guest.kernel, os="linux"
             )
             linux = session.load(spec)
             run = await session.start(spec, guest=linux)

@@ -234,7 +234,7 @@ def test_cpu_lists_and_addresses() -> None:
     assert options.parse_host_port(":4444") == ("localhost", 4444)
     spec = options.parse([]).spec
     sampling = spec.sampling
-    assert (sampling.interval, sampling.duration, spec.qmp_socket) == (
+    assert (sampling.interval, sampling.duration, spec.reach.qmp_socket) == (
         0.01,
         5.0,
         Path("qmp-socket"),

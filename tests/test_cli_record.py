@@ -76,8 +76,8 @@ def test_the_command_is_required(args: list[str], message: str) -> None:
 
 def test_parse_points_the_options_at_the_private_socket() -> None:
     opts = record.parse(["--duration", "2", "-k"], Path("/tmp/x/qmp.sock"))
-    assert opts.spec.qmp_socket == Path("/tmp/x/qmp.sock")
-    assert opts.spec.sampling.duration == 2.0 and opts.spec.transport == "auto"
+    assert opts.spec.reach.qmp_socket == Path("/tmp/x/qmp.sock")
+    assert opts.spec.sampling.duration == 2.0 and opts.spec.reach.transport == "auto"
 
 
 @pytest.mark.parametrize(

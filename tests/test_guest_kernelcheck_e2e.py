@@ -24,6 +24,7 @@ from qmpprof.naming import Naming, stack_names
 from qmpprof.output import folded
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import NO_KERNEL, RunSpec, load, start
+from qmpprof.transport.base import Reach
 
 pytestmark = [pytest.mark.qemu, every_qemu]
 
@@ -94,7 +95,7 @@ async def boot_samples(socket: Path, kernel: Path) -> list[tuple[tuple[str, ...]
     """The guest sampled paused, tick after tick, from its first instruction until a vCPU runs
     the kernel with paging on: each sample's names with the vCPU's CR0 and pc, as the monitor
     prints them in the same pause."""
-    spec = RunSpec(qmp_socket=socket, kernel=kernel, sampling=SamplerConfig(duration=1.0))
+    spec = RunSpec(reach=Reach(socket), kernel=kernel, sampling=SamplerConfig(duration=1.0))
     run = await start(spec, guest=load(spec))
     transport, control = run.transport, run.transport.control
     assert control is not None

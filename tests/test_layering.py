@@ -212,11 +212,18 @@ def test_an_instruction_set_named_outside_its_platform_is_a_breach() -> None:
     assert found == [f"qmpprof.linux.running.guest imports {t}" for t in added]
 
 
-def cycles(within_prefix: str) -> list[list[str]]:
-    """The import cycles among the modules within ``within_prefix`` (Tarjan's strongly connected
-    components of more than one module, or a module importing itself)."""
-    g = {m: {t for t in e if within(t, within_prefix)} for m, e in graph().items()}
-    g = {m: e for m, e in g.items() if within(m, within_prefix)}
+def cycles(within_prefix: str | None) -> list[list[str]]:
+    """The import cycles among the modules within ``within_prefix`` (None: every qmpprof module;
+    Tarjan's strongly connected components of more than one module, or a module importing
+    itself)."""
+
+    def inside(name: str) -> bool:
+        if within_prefix is None:
+            return name.split(".")[0] == "qmpprof"
+        return within(name, within_prefix)
+
+    g = {m: {t for t in e if inside(t)} for m, e in graph().items()}
+    g = {m: e for m, e in g.items() if inside(m)}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -243,9 +250,10 @@ def cycles(within_prefix: str) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", ["qmpprof.unwind", "qmpprof.linux", "qmpprof.guest"])
-def test_no_import_cycle_within(package: str) -> None:
-    assert cycles(package) == []
+def test_no_import_cycle_anywhere() -> None:
+    """No cycle in the whole import graph (a package's ``from pkg import sibling`` inside it
+    counts: it runs the package's own ``__init__``)."""
+    assert cycles(None) == []
 
 
 def test_the_cycle_check_sees_a_cycle() -> None:
@@ -260,3 +268,68 @@ def test_the_cycle_check_sees_a_cycle() -> None:
 
 def test_every_module_is_seen() -> None:
     assert {"qmpprof.sampler", "qmpprof.unwind.chain", "qmpprof.cli"} <= set(graph())
+
+
+def transport_classes() -> set[str]:
+    """The classes the modules of qmpprof.transport define."""
+    return {
+        node.name
+        for path in (PACKAGE / "transport").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def transport_isinstances(source: str, classes: set[str]) -> list[str]:
+    """Each ``isinstance`` (or ``issubclass``) call in ``source`` that names one of ``classes``
+    (bare, as an attribute, or in a tuple), as "line: name"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "issubclass")
+            and len(node.args) == 2
+        ):
+            continue
+        kinds = node.args[1]
+        for named in kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]:
+            name = named.attr if isinstance(named, ast.Attribute) else getattr(named, "id", "")
+            if name in classes:
+                found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_no_transport_isinstance_outside_transport() -> None:
+    """Which transport a run has is the registry's business: nothing outside transport/ asks
+    what class its transport is."""
+    classes = transport_classes()
+    assert {"QmpTransport", "PrivateGdbTransport", "GdbTransport"} <= classes
+    found = [
+        f"{path.relative_to(ROOT)}:{hit}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not within(module_name(path), "qmpprof.transport")
+        for hit in transport_isinstances(path.read_text(), classes)
+    ]
+    assert not found, "isinstance on a transport outside transport/:\n  " + "\n  ".join(found)
+
+
+def test_the_isinstance_check_sees_one() -> None:
+    classes = {"QmpTransport", "PrivateGdbTransport"}
+    source = (
+        "if isinstance(t, QmpTransport): pass\n"
+        "ok = isinstance(t, (int, privategdb.PrivateGdbTransport))\n"
+        "fine = isinstance(t, Registers)\n"
+    )
+    assert transport_isinstances(source, classes) == ["1: QmpTransport", "2: PrivateGdbTransport"]
+
+
+def test_session_naming_a_concrete_transport_is_a_breach() -> None:
+    g = graph()
+    rule = next(r for r in rules() if r.startswith("qmpprof.session, qmpprof.cli, qmpprof.serve"))
+    assert not breaches(rule)
+    g["qmpprof.session"].add("qmpprof.transport.qmp")
+    try:
+        assert breaches(rule) == ["qmpprof.session imports qmpprof.transport.qmp"]
+    finally:
+        g["qmpprof.session"].discard("qmpprof.transport.qmp")

@@ -45,6 +45,7 @@ from stackverdict import KINDS, NO_TAILCALL, STOPS_EARLY
 from qmpprof import session
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import StopReason
+from qmpprof.transport.base import Reach
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -127,7 +128,7 @@ async def compare(tmp_path: Path, files: KernelFiles, kaslr: bool) -> Tally:
                 compare_moment(oracle, seen, f"cli moment {moment}", starts, tally)
                 oracle.resume()
             spec = session.RunSpec(
-                qmp_socket=guest.qmp_socket, transport="qmp", kernel=files.vmlinuz, os="linux"
+                reach=Reach(guest.qmp_socket, transport="qmp"), kernel=files.vmlinuz, os="linux"
             )
             run = await session.start(spec)
             try:

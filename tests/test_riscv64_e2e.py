@@ -33,6 +33,7 @@ from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import Frame, Mode
 from qmpprof.sampler import Sampler
+from qmpprof.transport.base import Reach
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -94,7 +95,7 @@ class Tally:
 
 async def sample_moments(guest: Riscv64Guest) -> Tally:
     """MOMENTS one-tick samples (stop, read, cont) of both vCPUs, a random few ms apart."""
-    spec = session.RunSpec(qmp_socket=guest.qmp_socket, kernel=vmlinux_dbg(), os="cr3")
+    spec = session.RunSpec(reach=Reach(guest.qmp_socket), kernel=vmlinux_dbg(), os="cr3")
     run = await session.start(spec)
     tally = Tally(CallTally(ElfImage.load(vmlinux_dbg(), mapped=True)))
     rng = random.Random("qmpprof-riscv64-e2e")

@@ -1,10 +1,12 @@
-"""The guest-OS and instruction-set seams are real: a guest OS and an instruction set written
-only in this file, registered through the registries, are what a run of the real bundled guest
-uses, with no other file touched.
+"""The guest-OS, instruction-set and transport seams are real: a guest OS, an instruction set and
+a transport written only in this file, registered through the registries, are what a run of the
+real bundled guest uses, with no other file touched.
 
 The instruction set is x86_64 under another name (QEMU runs x86), counting what the walker asks
 of it; its register formats relabel QEMU's x86 registers as its own. The guest OS recognises
-the bundled kernel by a symbol and calls every user-mode sample one process."""
+the bundled kernel by a symbol and calls every user-mode sample one process. The transport is
+QMP under another name, counting the pauses and reads that go through it, with a window of its
+own."""
 
 from __future__ import annotations
 
@@ -16,16 +18,18 @@ from pathlib import Path
 import pytest
 from guestvm import running_guest
 
-from qmpprof import arch, session
+from qmpprof import arch, session, transport
 from qmpprof.arch.base import InstructionSet, PrologueRule, ReadWord
 from qmpprof.arch.x86 import X86_64
 from qmpprof.arch.x86regs import X86Formats
+from qmpprof.errors import MemoryReadError
 from qmpprof.guest import registry as guest
 from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
 from qmpprof.model import Mode, Process, Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.sampler import SamplerConfig
-from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.base import Address, Forwarding, GuestTransport, Opened, Reach
+from qmpprof.transport.qmp import QmpTransport
 from qmpprof.unwind.space import AddressSpace, Module
 
 pytestmark = pytest.mark.qemu
@@ -129,33 +133,86 @@ class ToyOs:
         return self.loaded[-1]
 
 
+class ToyTransport(Forwarding):
+    """QMP's, counting the stops and the reads of the sampler's stack windows."""
+
+    def __init__(self, inner: QmpTransport) -> None:
+        super().__init__(inner)
+        self.asked: Counter[str] = Counter()
+
+    async def stop(self) -> None:
+        self.asked["stop"] += 1
+        await super().stop()
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        self.asked["read_many"] += 1
+        return await super().read_many(cpu, ranges)
+
+
+class ToyKind:
+    """``--transport toy``: QMP at the local socket, a window of one page."""
+
+    name = "toy"
+    needs = frozenset({Address.QMP_SOCKET})
+    WINDOW = 4096
+
+    def __init__(self) -> None:
+        self.opened: list[ToyTransport] = []
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        self.opened.append(ToyTransport(await QmpTransport.connect(reach.qmp_socket)))
+        return Opened(self.opened[-1], "the toy", window=self.WINDOW)
+
+
+@dataclasses.dataclass
+class Toys:
+    isa: ToyIsa
+    os: ToyOs
+    transport: ToyKind
+
+
 @pytest.fixture
-def toys() -> Iterator[tuple[ToyIsa, ToyOs]]:
-    isa, kind = ToyIsa(), ToyOs()
-    arch.register(isa, ToyFormats(isa), ("x86_64",))
-    guest.register(kind, first=True)
+def toys() -> Iterator[Toys]:
+    made = Toys(ToyIsa(), ToyOs(), ToyKind())
+    arch.register(made.isa, ToyFormats(made.isa), ("x86_64",))
+    guest.register(made.os, first=True)
+    transport.register(made.transport, first=True)
     try:
-        yield isa, kind
+        yield made
     finally:
-        arch.unregister(isa)
-        guest.unregister(kind.name)
+        arch.unregister(made.isa)
+        guest.unregister(made.os.name)
+        transport.unregister(made.transport.name)
 
 
-async def test_a_run_uses_the_guest_os_and_instruction_set_registered_here(
-    tmp_path: Path, toys: tuple[ToyIsa, ToyOs]
+async def test_a_run_uses_the_guest_os_instruction_set_and_transport_registered_here(
+    tmp_path: Path, toys: Toys
 ) -> None:
-    isa, kind = toys
+    isa, kind = toys.isa, toys.os
+    paths: list[str] = []
     with running_guest(tmp_path) as booted:
         spec = session.RunSpec(
-            qmp_socket=booted.qmp_socket,
+            reach=Reach(booted.qmp_socket),
             kernel=booted.kernel_elf,
             sampling=SamplerConfig(interval=0.01, duration=1.0),
         )
-        run = await session.start(spec)
+        run = await session.start(spec, on_connect=lambda connection: paths.append(connection.path))
         try:
             await run.run()
         finally:
             await run.transport.close()
+        witness = await QmpTransport.connect(booted.qmp_socket)
+        try:
+            assert await witness.status() == "running"  # left as found
+        finally:
+            await witness.close()
+    # Through the toy transport, the one auto took (first in the registry), its window kept.
+    (opened,) = toys.transport.opened
+    assert run.transport is opened and paths == ["the toy"]
+    assert run.config.window == ToyKind.WINDOW < spec.sampling.window
+    assert opened.asked["stop"] >= run.stats.ticks > 0 and opened.asked["read_many"] > 0
     (toy,) = kind.loaded
     assert toy.attached == 1 and toy.housekept > 0
     assert run.unwinder.arch is isa  # type: ignore[attr-defined]
@@ -172,10 +229,14 @@ async def test_a_run_uses_the_guest_os_and_instruction_set_registered_here(
     assert arch.by_elf(*X86_64.elf_machine) is isa and guest.choose("auto", None).name != "toy"
 
 
-def test_unregistered_they_are_gone(toys: tuple[ToyIsa, ToyOs]) -> None:
-    isa, kind = toys
+def test_unregistered_they_are_gone(toys: Toys) -> None:
+    isa, kind = toys.isa, toys.os
     assert guest.names()[:2] == ["auto", "toy"] and arch.formats("x86_64") is not None
+    assert transport.names()[:2] == ["auto", "toy"]
+    assert transport.choose(Reach())[0] is toys.transport
     arch.unregister(isa)
     guest.unregister(kind.name)
+    transport.unregister(toys.transport.name)
     assert arch.by_elf(*X86_64.elf_machine) is X86_64 and "toy" not in guest.names()
     assert isinstance(arch.formats("x86_64"), X86Formats)
+    assert "toy" not in transport.names() and transport.choose(Reach())[0].name == "private-gdb"

@@ -84,7 +84,7 @@ def test_name_toml_beside_a_socket_overrides_the_config(tmp_path: Path) -> None:
     (tmp_path / "vm7.toml").write_text('kernel = "vmlinuz-7"\nmax_overhead = 0\n')
     spec = vm.settings()
     assert (spec.kernel, spec.sampling.max_overhead) == (tmp_path / "vmlinuz-7", None)
-    assert (spec.sampling.interval, spec.qmp_socket) == (0.03, tmp_path / "vm7")
+    assert (spec.sampling.interval, spec.reach.qmp_socket) == (0.03, tmp_path / "vm7")
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,12 @@ from guestvm import free_tcp_port
 from qemus import every_qemu
 from witnessvm import WINDOW, Vm, symbol, vm
 
+from qmpprof import transport as transports
 from qmpprof.errors import GuestGoneError
 from qmpprof.transport import stubdir
+from qmpprof.transport.base import Reach
 from qmpprof.transport.gdb import GdbTransport
+from qmpprof.transport.kinds import HMP_WINDOW
 from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
 from qmpprof.transport.qmp import QmpTransport
 
@@ -222,10 +225,16 @@ async def test_a_refused_gdbserver_falls_back_to_qmp(
 
 
 async def test_qmp_over_tcp_keeps_qmp(tmp_path: Path) -> None:
+    """The registry passes the private gdbstub over for QMP over TCP (QEMU may be on another
+    host), and says so; HMP's window is QMP's tuning there."""
     with vm(tmp_path, smp=1, qmp_tcp=True) as machine:
         assert machine.qmp_tcp is not None
-        transport, reason = await connect_fast(tcp=("127.0.0.1", machine.qmp_tcp))
+        opened = await transports.connect(Reach(qmp_tcp=("127.0.0.1", machine.qmp_tcp)))
+        transport = opened.transport
         assert isinstance(transport, QmpTransport) and transport.memory == "hmp"
-        assert reason is not None and "TCP" in reason
+        assert opened.path == (
+            "QMP (private-gdb needs a QMP Unix socket, not QMP over TCP: using QMP)"
+        )
+        assert opened.window == HMP_WINDOW
         await transport.close()
         assert "gdb" not in machine.chardevs()

@@ -4,7 +4,12 @@ A new instruction set is a module of this package and a ``register`` line below.
 
 from __future__ import annotations
 
-from qmpprof.arch import aarch64, aarch64regs, riscv64, riscv64regs, x86, x86regs
+import qmpprof.arch.aarch64 as aarch64
+import qmpprof.arch.aarch64regs as aarch64regs
+import qmpprof.arch.riscv64 as riscv64
+import qmpprof.arch.riscv64regs as riscv64regs
+import qmpprof.arch.x86 as x86
+import qmpprof.arch.x86regs as x86regs
 from qmpprof.arch.base import InstructionSet, PrologueRule, ReadWord, RegisterFormats
 
 __all__ = [

@@ -17,10 +17,10 @@ import sys
 from collections.abc import Callable
 from typing import cast
 
+from qmpprof.cli.commands import SUBCOMMANDS
 from qmpprof.errors import QmpprofError, UsageError
 from qmpprof.interrupts import Interrupted, installed
 
-SUBCOMMANDS = ("record", "demo", "report", "diff", "serve", "top")
 EXIT_INTERRUPTED = 130  # a KeyboardInterrupt that is not one of our signals' (SIGINT's status)
 
 Command = Callable[[list[str]], int]
@@ -73,15 +73,17 @@ def _unknown(args: list[str]) -> int:
 def _profile(args: list[str]) -> int:
     import asyncio
 
-    from qmpprof.cli import options, outputs, sample
+    import qmpprof.cli.options as options
+    import qmpprof.cli.outputs as outputs
+    import qmpprof.cli.sample as sample
     from qmpprof.session import check_socket, load
 
     # The order a mistake is told in: the flags' values, the socket, the outputs, the files;
     # the cheap checks first, and all before the guest is touched.
     opts = options.parse(args)
     spec = opts.spec
-    if spec.transport != "gdb" and spec.qmp_tcp is None:
-        check_socket(spec.qmp_socket)
+    if spec.reach.transport != "gdb" and spec.reach.qmp_tcp is None:
+        check_socket(spec.reach.qmp_socket)
     outputs.check(opts.outputs, opts.fmt)
     options.check_files(spec)
     guest = load(spec)  # before the loop: a signal now has nothing to undo

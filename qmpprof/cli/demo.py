@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import record
+import qmpprof.cli.record as record
 from qmpprof.cli.options import Parser
 from qmpprof.errors import GuestGoneError, QmpprofError, UsageError
 from qmpprof.naming import Naming

@@ -8,7 +8,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from qmpprof.cli import outputs, text
+import qmpprof.cli.outputs as outputs
+import qmpprof.cli.text as text
+import qmpprof.output.diff as diff
+import qmpprof.output.native as native
 from qmpprof.cli.options import (
     Parser,
     add_view_flags,
@@ -18,7 +21,7 @@ from qmpprof.cli.options import (
     parse_cpus,
 )
 from qmpprof.naming import Naming
-from qmpprof.output import diff, native, write_atomic
+from qmpprof.output import write_atomic
 from qmpprof.profile import Profile
 
 WRITERS = ("folded", "svg")

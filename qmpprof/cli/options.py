@@ -14,7 +14,8 @@ from typing import Any, NoReturn, TypedDict, TypeVar
 
 from qmpprof import __version__, bounds
 from qmpprof import arch as arches
-from qmpprof.cli import SUBCOMMANDS
+from qmpprof import transport as transports
+from qmpprof.cli.commands import SUBCOMMANDS
 from qmpprof.errors import UsageError, exit_codes
 from qmpprof.guest import metadata
 from qmpprof.guest import registry as guests
@@ -22,7 +23,8 @@ from qmpprof.model import Mode
 from qmpprof.naming import Naming
 from qmpprof.output import FORMATS, format_for
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import TRANSPORTS, RunSpec, TransportKind
+from qmpprof.session import RunSpec
+from qmpprof.transport import Reach
 
 T = TypeVar("T")
 # No QEMU machine comes near this many vCPUs: a higher index is a slip, and expanding a range
@@ -45,7 +47,7 @@ class Options:
     @property
     def guest(self) -> str:
         """What was profiled: the label given, else where the guest is, as the user named it."""
-        return self.label if self.label is not None else self.spec.where
+        return self.label if self.label is not None else self.spec.reach.where
 
 
 class _Help(argparse.HelpFormatter):
@@ -206,10 +208,11 @@ def parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--qmp-socket", metavar="PATH", default="./qmp-socket", help="QMP Unix socket")
     add("--qmp", metavar="HOST:PORT", help="QMP over TCP (memory is then read with HMP x)")
-    add("--transport", choices=TRANSPORTS,
+    add("--transport", choices=transports.names(),
         help="auto (the default): on a local QMP socket, a private gdbstub qmpprof opens over "
-             "QMP and removes at the end (falls back to QMP, --verbose says why); qmp: QMP and "
-             "HMP only; gdb: the gdbstub at --gdb")  # fmt: skip
+             "QMP and removes at the end (falls back to QMP, --verbose says why); private-gdb: "
+             "as auto on a local QMP socket; qmp: QMP and HMP only; gdb: the gdbstub at "
+             "--gdb")  # fmt: skip
     add("--gdb", metavar="HOST:PORT",
         help="a gdbstub the VM already has (implies --transport gdb)")  # fmt: skip
     add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
@@ -261,7 +264,7 @@ def options_of(ns: argparse.Namespace) -> Options:
         overhead = checked(bounds.overhead, ns.max_overhead, "--max-overhead")
     if ns.json and not ns.one_shot:
         raise UsageError("--json needs --one-shot")
-    transport: TransportKind = ns.transport or ("gdb" if ns.gdb else "auto")
+    transport: str = ns.transport or ("gdb" if ns.gdb else "auto")
     if transport == "gdb" and not ns.gdb:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
     if ns.gdb and transport != "gdb":
@@ -271,11 +274,13 @@ def options_of(ns: argparse.Namespace) -> Options:
     # makes its own line views from them.
     with_lines = any(FORMATS[format_for(path, ns.format)].lines for path in outputs)
     spec = RunSpec(
-        qmp_socket=Path(ns.qmp_socket),
-        qmp_tcp=parse_host_port(ns.qmp) if ns.qmp else None,
-        transport=transport,
-        gdb=ns.gdb,
-        memory=ns.memory,
+        reach=Reach(
+            qmp_socket=Path(ns.qmp_socket),
+            qmp_tcp=parse_host_port(ns.qmp) if ns.qmp else None,
+            gdb=ns.gdb,
+            transport=transport,
+            memory=ns.memory,
+        ),
         **guest_fields(ns),
         lines=ns.lines or with_lines,
         off_cpu=ns.off_cpu and not ns.one_shot,

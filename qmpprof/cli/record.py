@@ -32,7 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import options, outputs, sample
+import qmpprof.cli.options as options
+import qmpprof.cli.outputs as outputs
+import qmpprof.cli.sample as sample
 from qmpprof.cli.options import Options
 from qmpprof.errors import (
     ConnectError,
@@ -44,7 +46,7 @@ from qmpprof.errors import (
 from qmpprof.profile import Profile
 from qmpprof.session import Run, load
 from qmpprof.stats import SamplerStats
-from qmpprof.transport.qmp import QmpTransport
+from qmpprof.transport import quit_qemu
 
 USAGE = "%(prog)s [options] -- QEMU-COMMAND [ARGS...]"
 START_TIMEOUT = 30.0  # QEMU creates its QMP socket within ~0.1 s; leave room for a loaded host
@@ -142,7 +144,7 @@ def record(
         opts = replace(opts, label=label or command_label(command))
         # SIGTERM before or after sampling (which handles it itself) ends the run as Ctrl-C
         # does (qmpprof.interrupts, from main), through the clean-up below.
-        qemu = start(command, opts.spec.qmp_socket)
+        qemu = start(command, opts.spec.reach.qmp_socket)
         try:
             return asyncio.run(_record(opts, qemu, Path(command[0]).name, out, err))
         finally:
@@ -205,7 +207,7 @@ async def _record(
         await sampler.transport.cont()
 
     try:
-        await _wait_socket(opts.spec.qmp_socket, qemu, name)
+        await _wait_socket(opts.spec.reach.qmp_socket, qemu, name)
         await sample.run(opts, load(opts.spec), out, err, on_start=resume)
     except (ConnectError, GuestGoneError, TransportError) as error:
         # The connection failed: because QEMU ended (the guest powered off, or QEMU could not
@@ -219,7 +221,7 @@ async def _record(
             ) from error
     finally:
         if qemu.poll() is None:
-            await _stop(opts.spec.qmp_socket, qemu)
+            await _stop(opts.spec.reach.qmp_socket, qemu)
     sampler = started[0]
     return Recorded(sampler.profile, sampler.stats, exited)
 
@@ -247,11 +249,7 @@ async def _stop(qmp_socket: Path, qemu: subprocess.Popen[bytes]) -> None:
     """QMP ``quit`` (HMP's, over qmpprof's own socket); SIGTERM if that cannot be sent; SIGKILL
     when QEMU has not ended EXIT_TIMEOUT later."""
     try:
-        transport = await QmpTransport.connect(qmp_socket, timeout=EXIT_TIMEOUT)
-        try:
-            await transport.hmp("quit")
-        finally:
-            await transport.close()
+        await quit_qemu(qmp_socket, EXIT_TIMEOUT)
     except GuestGoneError:
         pass  # QEMU closed the connection while quitting: what quit does
     except QmpprofError:

@@ -8,8 +8,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from qmpprof.cli import options, outputs, text
-from qmpprof.output import native
+import qmpprof.cli.options as options
+import qmpprof.cli.outputs as outputs
+import qmpprof.cli.text as text
+import qmpprof.output.native as native
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.cli import outputs, text
+import qmpprof.cli.outputs as outputs
+import qmpprof.cli.text as text
 from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError, UsageError
 from qmpprof.guest.base import Guest, TaskLister

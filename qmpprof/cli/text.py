@@ -149,7 +149,7 @@ def start_line(opts: Options) -> str:
     """Said once sampling starts (signals are handled from then on)."""
     sampling = opts.spec.sampling
     return (
-        f"qmpprof: sampling {opts.spec.where} every {sampling.interval * 1e3:g} ms for"
+        f"qmpprof: sampling {opts.spec.reach.where} every {sampling.interval * 1e3:g} ms for"
         f" {sampling.duration:g} s of guest run time (Ctrl-C stops early)"
     )
 

@@ -29,8 +29,9 @@ import time
 from collections.abc import Iterator
 from types import TracebackType
 
+import qmpprof.cli.options as options
+import qmpprof.cli.outputs as outputs
 from qmpprof import bounds
-from qmpprof.cli import options, outputs
 from qmpprof.cli.options import Options
 from qmpprof.errors import UsageError
 from qmpprof.guest.base import Guest
@@ -80,8 +81,8 @@ def main(argv: list[str]) -> int:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("top draws on a terminal; for a file, profile with -o FILE")
     spec = opts.spec
-    if spec.transport != "gdb" and spec.qmp_tcp is None:
-        check_socket(spec.qmp_socket)
+    if spec.reach.transport != "gdb" and spec.reach.qmp_tcp is None:
+        check_socket(spec.reach.qmp_socket)
     outputs.check(opts.outputs, opts.fmt)
     options.check_files(spec)
     guest = load(spec)

@@ -133,7 +133,7 @@ class EmeraldIdentifier:
         self, transport: GuestTransport, regs: Registers, cache: PageCache, addr: int
     ) -> Identity | None:
         size = 8 * len(self.layout)
-        await fetch_piece(transport, cache, regs.cpu, addr, size)
+        await fetch_piece(reader(transport, regs.cpu), cache, addr, size)
         page = cache.read(addr, size)
         info = None if page is None else metadata.parse(page, self.layout)
         if info is None:

@@ -10,9 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import qmpprof.output.folded as folded
+import qmpprof.output.native as native
+import qmpprof.output.pprof as pprof
+import qmpprof.output.speedscope as speedscope
+import qmpprof.output.svg as svg
 from qmpprof.errors import OutputError, UsageError
 from qmpprof.naming import Naming
-from qmpprof.output import folded, native, pprof, speedscope, svg
 from qmpprof.profile import Profile
 
 Renderer = Callable[[Profile, Naming], str | bytes]

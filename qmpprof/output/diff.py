@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import qmpprof.output.svg as svg
 from qmpprof.naming import Naming
-from qmpprof.output import svg
 from qmpprof.profile import Profile, share_margin
 
 GONE = "[only in before]"

@@ -16,10 +16,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import qmpprof.output.pprofread as pprofread
 from qmpprof.errors import ProfileError
 from qmpprof.model import NO_CPU, Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Naming
-from qmpprof.output import pprofread
 from qmpprof.profile import Profile
 
 KIND = "qmpprof-profile"

@@ -100,7 +100,8 @@ class Vm:
 
     def _spec(self, spec: RunSpec) -> RunSpec:
         sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
-        return dataclasses.replace(spec, qmp_socket=self.socket, sampling=sampling)
+        reach = dataclasses.replace(spec.reach, qmp_socket=self.socket)
+        return dataclasses.replace(spec, reach=reach, sampling=sampling)
 
     def settings(self) -> RunSpec:
         """This VM's run now: the NAME.toml beside its socket read again, if there is one."""
@@ -158,7 +159,7 @@ class Vm:
         await _listening(self.socket)  # cheap, before the files load
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
-        sampler = session.sampler(spec, guest, connection.transport, self._on_tick)
+        sampler = session.sampler(spec, guest, connection, self._on_tick)
         self.interval = sampler.interval
         try:
             self._sampler = sampler

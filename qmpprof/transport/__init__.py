@@ -1,7 +1,79 @@
-"""How qmpprof talks to QEMU: the GuestTransport seam and its implementations."""
+"""How qmpprof talks to QEMU: the GuestTransport seam (base.py), its implementations, and this,
+their registry. ``--transport auto`` takes the first kind, in registry order, that one of the
+addresses given suits (and that QEMU then allows: a kind may fall back on its own); a new
+transport is a module of this package and a ``register`` line below."""
 
 from __future__ import annotations
 
-from qmpprof.transport.base import GuestTransport
+import qmpprof.transport.kinds as kinds
+from qmpprof.errors import UsageError
+from qmpprof.transport.base import AUTO, Address, GuestTransport, Opened, Reach, TransportKind
+from qmpprof.transport.kinds import quit_qemu
 
-__all__ = ["GuestTransport"]
+__all__ = [
+    "AUTO",
+    "GuestTransport",
+    "Opened",
+    "Reach",
+    "TransportKind",
+    "connect",
+    "names",
+    "quit_qemu",
+]
+
+_KINDS: dict[str, TransportKind] = {}
+
+
+def register(kind: TransportKind, *, first: bool = False) -> None:
+    """Make ``kind`` known as ``--transport NAME``, after those registered before it
+    (``first``: before them, so that ``auto`` asks it first)."""
+    _KINDS.pop(kind.name, None)
+    before = dict(_KINDS) if first else {}
+    if first:
+        _KINDS.clear()
+    _KINDS[kind.name] = kind
+    _KINDS.update(before)
+
+
+def unregister(name: str) -> None:
+    """Forget the transport ``--transport NAME``."""
+    _KINDS.pop(name, None)
+
+
+def names() -> list[str]:
+    """``--transport`` choices: ``auto``, then every transport by name, in registry order."""
+    return [AUTO, *_KINDS]
+
+
+def choose(reach: Reach) -> tuple[TransportKind, str | None]:
+    """The kind ``reach`` asks for, and why the one before it was passed over (``auto``; None
+    when the user named it or it is the first). UsageError when no kind fits the addresses given."""
+    given = reach.addresses
+    if reach.transport != AUTO:
+        kind = _KINDS.get(reach.transport)
+        if kind is None:
+            raise UsageError(f"--transport {reach.transport}: not one of {', '.join(names())}")
+        if not kind.needs & given:
+            raise UsageError(f"--transport {kind.name} needs {_described(kind.needs)}")
+        return kind, None
+    passed: list[str] = []
+    for kind in _KINDS.values():
+        if kind.needs & given:
+            return kind, passed[-1] if passed else None
+        passed.append(f"{kind.name} needs {_described(kind.needs)}, not {_described(given)}")
+    raise UsageError(f"no transport can use {_described(given)}")
+
+
+async def connect(reach: Reach) -> Opened:
+    """A transport to the guest at ``reach``, of the kind ``choose`` picks, opened."""
+    kind, passed_over = choose(reach)
+    return await kind.open(reach, passed_over)
+
+
+def _described(addresses: frozenset[Address]) -> str:
+    return " or ".join(sorted(address.value for address in addresses))
+
+
+register(kinds.GdbKind())
+register(kinds.PrivateGdbKind())
+register(kinds.QmpKind())

@@ -1,12 +1,21 @@
-"""The seam between the sampler and QEMU: what any transport (QMP, gdbstub, a test fake) offers."""
+"""The seam between the sampler and QEMU: what any transport (QMP, gdbstub, a test fake) offers
+(``GuestTransport``), how a run says where the guest is (``Reach``), what a kind of transport
+declares to the registry (``TransportKind``) and what opening one gives (``Opened``)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
 
 from qmpprof.errors import MemoryReadError
 from qmpprof.model import Registers
+
+# How QMP reads guest memory: memsave into a file, HMP ``x``, or the one the address suits.
+MemoryPath = Literal["auto", "memsave", "hmp"]
+AUTO = "auto"  # the transport the addresses and QEMU allow, in registry order
 
 
 class GuestTransport(Protocol):
@@ -71,3 +80,116 @@ class GuestTransport(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class Address(enum.Enum):
+    """A kind of address a user can give for a guest."""
+
+    QMP_SOCKET = "a QMP Unix socket"
+    QMP_TCP = "QMP over TCP"
+    GDB = "a gdbstub address"
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """Where the guest is and how the user asked to reach it, as they said it: the addresses,
+    ``transport`` (a registry name, or ``auto``) and ``memory`` (how QMP reads memory)."""
+
+    qmp_socket: Path = Path("./qmp-socket")
+    qmp_tcp: tuple[str, int] | None = None
+    gdb: str | None = None  # a gdbstub's address
+    transport: str = AUTO
+    memory: MemoryPath = "auto"
+
+    @property
+    def addresses(self) -> frozenset[Address]:
+        """The kinds of address given (a QMP socket is always, by default)."""
+        qmp = Address.QMP_SOCKET if self.qmp_tcp is None else Address.QMP_TCP
+        return frozenset({qmp} if self.gdb is None else {qmp, Address.GDB})
+
+    @property
+    def where(self) -> str:
+        """Where the guest is, as the user named it."""
+        if self.transport == "gdb" and self.gdb is not None:
+            return self.gdb
+        if self.qmp_tcp is not None:
+            return f"{self.qmp_tcp[0]}:{self.qmp_tcp[1]}"
+        return str(self.qmp_socket)
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """An open transport, how samples travel through it (``path``, for ``--verbose``), what the
+    user should be told in any case (``notes``, one line each), and its tuning: ``window``, the
+    most stack bytes worth reading at SP in one go (None: no limit of its own)."""
+
+    transport: GuestTransport
+    path: str
+    notes: tuple[str, ...] = ()
+    window: int | None = None
+
+
+class TransportKind(Protocol):
+    """A kind of transport, as the registry (``qmpprof.transport``) knows it: its ``--transport``
+    name and the kinds of address it can use (any one of ``needs``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs(self) -> frozenset[Address]: ...
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        """Connect to the guest at ``reach``. ``passed_over``: why the kinds before this one
+        were not taken (``auto``), None when the user named this kind."""
+        ...
+
+
+class Forwarding:
+    """A GuestTransport that hands every call to ``inner``: the base of a transport that changes
+    a few of them (subclass it and override those), so that a member added to GuestTransport is
+    forwarded here once for them all."""
+
+    def __init__(self, inner: GuestTransport) -> None:
+        self.inner = inner
+
+    async def is_running(self) -> bool:
+        return await self.inner.is_running()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    async def cont(self) -> None:
+        await self.inner.cont()
+
+    async def cpus(self) -> list[int]:
+        return await self.inner.cpus()
+
+    async def registers(self, cpu: int) -> Registers:
+        return await self.inner.registers(cpu)
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        return await self.inner.system_registers(cpu, names)
+
+    async def read(self, cpu: int, addr: int, size: int) -> bytes:
+        return await self.inner.read(cpu, addr, size)
+
+    async def read_many(
+        self, cpu: int, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        return await self.inner.read_many(cpu, ranges)
+
+    async def read_physical(
+        self, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytes | MemoryReadError]:
+        return await self.inner.read_physical(ranges)
+
+    async def translate(self, cpu: int, addr: int) -> int | None:
+        return await self.inner.translate(cpu, addr)
+
+    @property
+    def control(self) -> GuestTransport | None:
+        return self.inner.control
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -33,11 +33,11 @@ import os
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from qmpprof.errors import ConnectError, GuestHeldError, MemoryReadError, QmpprofError
+from qmpprof.errors import ConnectError, GuestHeldError, QmpprofError
 from qmpprof.model import Registers
-from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.base import Forwarding, GuestTransport, MemoryPath
 from qmpprof.transport.gdb import GdbTransport
-from qmpprof.transport.qmp import MemoryPath, QmpTransport
+from qmpprof.transport.qmp import QmpTransport
 from qmpprof.transport.stubdir import StubDir, leftover, listening
 
 _T = TypeVar("_T")
@@ -48,8 +48,7 @@ _STOPPED = ("paused", "debug", "prelaunch")
 
 
 async def connect_fast(
-    socket_path: str | os.PathLike[str] | None = None,
-    tcp: tuple[str, int] | None = None,
+    socket_path: str | os.PathLike[str],
     *,
     memory: MemoryPath = "auto",
     timeout: float = 5.0,
@@ -62,12 +61,10 @@ async def connect_fast(
     when QMP itself cannot be reached, VmBusyError when another qmpprof holds the VM (the
     VM's mark, vmmark.py: taken before anything else, removed when QMP closes).
     """
-    qmp = await QmpTransport.connect(socket_path, tcp, memory=memory, timeout=timeout)
+    qmp = await QmpTransport.connect(socket_path, memory=memory, timeout=timeout)
     try:
         await qmp.take_mark()  # VmBusyError: another run holds the VM
         cleared = None
-        if tcp is not None:
-            return qmp, "QMP over TCP (QEMU may be on another host): using QMP"
         qmp.guard_pauses()  # from here: attaching the stub stops the guest
         stub = (await qmp.chardevs()).get(_STUB_LABEL)
         if stub is not None:
@@ -100,8 +97,9 @@ class _NoFastPath(Exception):
     """The private gdbstub could not be set up; QMP alone still works. Message: why."""
 
 
-class PrivateGdbTransport:
-    """A GuestTransport over a gdbstub qmpprof opened through QMP and removes when it closes.
+class PrivateGdbTransport(Forwarding):
+    """A GuestTransport over a gdbstub qmpprof opened through QMP and removes when it closes:
+    the stub's, but for the run state (QMP's word) and translation (QMP's).
 
     Open it with ``connect_fast``. The guest's run state before qmpprof touched it is restored
     by ``close``, which is safe to call twice, after QEMU went away and from a cancelled task.
@@ -115,6 +113,7 @@ class PrivateGdbTransport:
         was_running: bool,
         timeout: float,
     ) -> None:
+        super().__init__(gdb)
         self._qmp = qmp
         self._gdb = gdb
         gdb.look_with(qmp.is_running)
@@ -190,12 +189,6 @@ class PrivateGdbTransport:
         self._resumed = True
         self._qmp.settled()
 
-    async def cpus(self) -> list[int]:
-        return await self._gdb.cpus()
-
-    async def registers(self, cpu: int) -> Registers:
-        return await self._gdb.registers(cpu)
-
     async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
         """Stop and read the registers of ``cpus`` in one round trip (see GdbTransport)."""
         await self._check_stopped_elsewhere()
@@ -231,20 +224,6 @@ class PrivateGdbTransport:
             if running:
                 await self._qmp.cont()
                 self._gdb.note_resumed()
-
-    async def read(self, cpu: int, addr: int, size: int) -> bytes:
-        return await self._gdb.read(cpu, addr, size)
-
-    async def read_many(
-        self, cpu: int, ranges: Sequence[tuple[int, int]]
-    ) -> list[bytes | MemoryReadError]:
-        """Several reads in one gdbstub request (see GdbTransport)."""
-        return await self._gdb.read_many(cpu, ranges)
-
-    async def read_physical(
-        self, ranges: Sequence[tuple[int, int]]
-    ) -> list[bytes | MemoryReadError]:
-        return await self._gdb.read_physical(ranges)
 
     async def translate(self, cpu: int, addr: int) -> int | None:
         return await self._qmp.translate(cpu, addr)

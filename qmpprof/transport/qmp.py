@@ -22,6 +22,8 @@ from typing import Literal
 from qemu.qmp import ConnectError as QmpConnectError
 from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMPError, StateError
 
+import qmpprof.transport.hmp as hmp
+import qmpprof.transport.vmmark as vmmark
 from qmpprof import arch
 from qmpprof.arch.base import RegisterFormats
 from qmpprof.errors import (
@@ -32,10 +34,9 @@ from qmpprof.errors import (
     TransportError,
 )
 from qmpprof.model import Registers
-from qmpprof.transport import hmp, vmmark
+from qmpprof.transport.base import MemoryPath
 from qmpprof.transport.guard import PauseGuard
 
-MemoryPath = Literal["auto", "memsave", "hmp"]
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
 _INVALID_ADDR = "Invalid addr"
 _SHM = "/dev/shm"

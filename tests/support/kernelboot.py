@@ -24,8 +24,8 @@ from typing import Any
 from linuxframes import GuestNames, kernel_names
 from linuxvm import ROOTFS, running_linux_guest
 
+import qmpprof.output.native as native
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.output import native
 from qmpprof.profile import Profile, StackRecord
 
 CLI_TIMEOUT = 300.0

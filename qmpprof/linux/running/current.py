@@ -25,7 +25,6 @@ from qmpprof.memo import Memo
 from qmpprof.memory import Reader, fetch_piece, read_ints
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
-from qmpprof.transport.base import GuestTransport
 
 _OWNERS_LIMIT = 4096
 # The per-CPU variables that hold the current task, by the kernels' names: on x86_64 pcpu_hot
@@ -130,28 +129,24 @@ class CurrentTask:
         """The stack ``regs`` stand on is ``task``'s."""
         self._owners.put(_stack_page(regs), (task, self.clock()))
 
-    async def pointer(
-        self, transport: GuestTransport, regs: Registers, cache: PageCache
-    ) -> int | None:
+    async def pointer(self, read: Reader, regs: Registers, cache: PageCache) -> int | None:
         """The current task pointer of ``regs.cpu`` (None: unknown), read through the sample's
-        ``cache`` (which holds it when ``reads_for`` asked for it)."""
-        base = await self._base(transport, regs, cache)
+        ``cache`` (which holds it when ``reads_for`` asked for it), else by ``read``."""
+        base = await self._base(read, regs, cache)
         if base is None:
             return None
         addr = (base + self.offset) & self.arch.mask  # a 7.x variable's address wraps
-        await fetch_piece(transport, cache, regs.cpu, addr, 8)
+        await fetch_piece(read, cache, addr, 8)
         task = cache.read_u64(addr)
         return task if task and task >= self.arch.shared_from else None
 
-    async def _base(
-        self, transport: GuestTransport, regs: Registers, cache: PageCache
-    ) -> int | None:
+    async def _base(self, read: Reader, regs: Registers, cache: PageCache) -> int | None:
         base = self.bases.get(regs.cpu)
         if base is not None:
             return base
         if self.per_cpu_offset is not None:
             addr = self.per_cpu_offset + 8 * regs.cpu
-            await fetch_piece(transport, cache, regs.cpu, addr, 8)
+            await fetch_piece(read, cache, addr, 8)
             base = cache.read_u64(addr)
         else:
             base = self.arch.per_cpu_base(regs)

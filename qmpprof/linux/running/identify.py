@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
 from qmpprof.linux.running.current import CurrentTask
-from qmpprof.linux.running.linearmap import LinearMap, LinearView
+from qmpprof.linux.running.linearmap import LinearMap, linear_reader
 from qmpprof.linux.running.modules import ModuleList
 from qmpprof.linux.running.pagetables import PageTables, holds, split
 from qmpprof.linux.running.spaces import Spaces
@@ -229,17 +229,18 @@ class LinuxIdentifier:
             return self.kernel
         linear = self.linear
         viewed = regs.user and self.hidden and linear is not None
+        read = reader(transport, regs.cpu)
         if viewed and linear is not None:
-            transport, cache = LinearView(transport, linear), PageCache()
-        task = await current.pointer(transport, regs, cache)
+            read, cache = linear_reader(transport, linear, regs.cpu), PageCache()
+        task = await current.pointer(read, regs, cache)
         if task is None and not viewed and linear is not None:
             # The kernel unmapped in user mode (arm64's KPTI; in kernel mode too for the few
             # instructions of an exception's entry): through the linear map.
-            view, fresh = LinearView(transport, linear), PageCache()
+            view, fresh = linear_reader(transport, linear, regs.cpu), PageCache()
             task = await current.pointer(view, regs, fresh)
             if task is not None:
                 self.hidden = self.hidden or regs.user
-                transport, cache = view, fresh
+                read, cache = view, fresh
         if task is None:
             return self.kernel
         stamp = self._stamp(task, cache)
@@ -253,7 +254,6 @@ class LinuxIdentifier:
             if space.user_gone or (regs.user and space.find(regs.pc) is None):
                 seen = None
         self._last[regs.cpu] = task
-        read = reader(transport, regs.cpu)
         memory = None
         if seen is None:
             found = await read_task(read, task, layout, self.arch.shared_from)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.running.linearmap import LinearMap, LinearView
+from qmpprof.linux.running.linearmap import LinearMap, linear_reader
 from qmpprof.linux.running.pagetables import PageTables
-from qmpprof.memory import Reader, kernel_reader, read_ints, reader
+from qmpprof.memory import Reader, kernel_reader, read_ints
 from qmpprof.transport.base import GuestTransport
 
 _PAGE = 4096
@@ -54,7 +54,7 @@ def beyond_user_mode(
     through_cpus = kernel_reader(transport, cpus)
     if linear is None:
         return through_cpus
-    physical = reader(LinearView(transport, linear), cpus[0])
+    physical = linear_reader(transport, linear, cpus[0])
     walk = None
     if kernel is not None:
         known = kernel.tables

@@ -9,7 +9,7 @@ kernel's slab and per-CPU memory, which lives in the linear map (all of RAM at o
 its physical address: arm64's PAGE_OFFSET region, x86_64's direct map), below the kernel image's
 own addresses. The offset is measured at attach, as QEMU translates (``GuestTransport.translate``)
 each vCPU's current-task slot (per-CPU memory) through a vCPU in kernel mode: the slots must
-agree on one offset. In a user-mode sample whose task reads as unmapped, ``LinearView`` reads
+agree on one offset. In a user-mode sample whose task reads as unmapped, ``linear_reader`` reads
 addresses of that region physically, user addresses still through the vCPU.
 """
 
@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qmpprof.errors import MemoryReadError, TransportError
-from qmpprof.model import Registers
+from qmpprof.errors import TransportError
+from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
 
 _TRIES = 20  # passes over the vCPUs until one in kernel mode translates the slots
@@ -89,68 +89,22 @@ async def find_linear_map(
     return LinearMap(start, end, linear.pop(), placed)
 
 
-class LinearView:
-    """``inner`` as a user-mode vCPU would need it: reads inside ``linear`` go to physical
-    memory, the others through the vCPU; everything else is ``inner``'s."""
+def linear_reader(inner: GuestTransport, linear: LinearMap, cpu: int) -> Reader:
+    """Memory as a user-mode ``cpu`` would need it: ranges inside ``linear`` read physically,
+    the others through the vCPU."""
+    through_cpu = reader(inner, cpu)
 
-    def __init__(self, inner: GuestTransport, linear: LinearMap) -> None:
-        self.inner = inner
-        self.linear = linear
-
-    async def read(self, cpu: int, addr: int, size: int) -> bytes:
-        (found,) = await self.read_many(cpu, [(addr, size)])
-        if isinstance(found, MemoryReadError):
-            raise found
-        return found
-
-    async def read_many(
-        self, cpu: int, ranges: Sequence[tuple[int, int]]
-    ) -> list[bytes | MemoryReadError]:
-        places = [self.linear.physical(addr, size) for addr, size in ranges]
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        places = [linear.physical(addr, size) if size > 0 else None for addr, size in ranges]
         physical = [i for i, at in enumerate(places) if at is not None]
-        virtual = [i for i, at in enumerate(places) if at is None]
-        out: list[bytes | MemoryReadError | None] = [None] * len(ranges)
+        out: list[bytes | None] = [None] * len(ranges)
         if physical:
-            found = await self.inner.read_physical(
-                [(places[i] or 0, ranges[i][1]) for i in physical]
-            )
-            for i, data in zip(physical, found, strict=True):
-                out[i] = data
-        if virtual:
-            found = await self.inner.read_many(cpu, [ranges[i] for i in virtual])
-            for i, data in zip(virtual, found, strict=True):
-                out[i] = data
-        return [MemoryReadError(0, 0, "not read") if d is None else d for d in out]
+            found = await inner.read_physical([(places[i] or 0, ranges[i][1]) for i in physical])
+            for i, got in zip(physical, found, strict=True):
+                out[i] = got if isinstance(got, bytes) else None
+        virtual = [i for i, at in enumerate(places) if at is None]
+        for i, data in zip(virtual, await through_cpu([ranges[i] for i in virtual]), strict=True):
+            out[i] = data
+        return out
 
-    async def read_physical(
-        self, ranges: Sequence[tuple[int, int]]
-    ) -> list[bytes | MemoryReadError]:
-        return await self.inner.read_physical(ranges)
-
-    async def translate(self, cpu: int, addr: int) -> int | None:
-        return await self.inner.translate(cpu, addr)
-
-    async def is_running(self) -> bool:
-        return await self.inner.is_running()
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
-    async def cont(self) -> None:
-        await self.inner.cont()
-
-    async def cpus(self) -> list[int]:
-        return await self.inner.cpus()
-
-    async def registers(self, cpu: int) -> Registers:
-        return await self.inner.registers(cpu)
-
-    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
-        return await self.inner.system_registers(cpu, names)
-
-    @property
-    def control(self) -> GuestTransport | None:
-        return self.inner.control
-
-    async def close(self) -> None:
-        await self.inner.close()
+    return read

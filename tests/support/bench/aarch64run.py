@@ -14,6 +14,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec, start
+from qmpprof.transport.base import Reach
 from support.bench.qmpprof_run import settle
 
 INTERVAL = 0.010
@@ -31,7 +32,9 @@ async def aarch64_run(duration: float, log: Callable[[str], None]) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with running_aarch64_guest(Path(tmp), "6.1", dump_kallsyms=False) as guest:
-                spec = RunSpec(qmp_socket=guest.qmp_socket, kernel=image("6.1"), sampling=sampling)
+                spec = RunSpec(
+                    reach=Reach(guest.qmp_socket), kernel=image("6.1"), sampling=sampling
+                )
                 run = await start(spec)
                 try:
                     settle()

@@ -15,6 +15,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec, start
+from qmpprof.transport.base import Reach
 from support.bench.qmpprof_run import settle
 
 INTERVAL = 0.010  # the command line's default
@@ -50,7 +51,7 @@ async def linux_big(root: Path, duration: float, log: Callable[[str], None]) -> 
                 )
             for big in (False, True, False, True):
                 spec = RunSpec(
-                    qmp_socket=boots[big].qmp_socket,
+                    reach=Reach(qmp_socket=boots[big].qmp_socket),
                     kernel=kernel,
                     user_dir=ROOTFS,
                     sampling=SamplerConfig(interval=INTERVAL, duration=duration),

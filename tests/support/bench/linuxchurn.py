@@ -16,6 +16,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec, start
+from qmpprof.transport.base import Reach
 from support.bench.qmpprof_run import settle
 
 INTERVAL = 0.010
@@ -39,7 +40,7 @@ async def linux_churn(root: Path, duration: float, log: Callable[[str], None]) -
             ) as guest:
                 before = len(wait_churn(guest, 1, CHURN_TIMEOUT))
                 spec = RunSpec(
-                    qmp_socket=guest.qmp_socket, kernel=kernel, user_dir=ROOTFS, sampling=sampling
+                    reach=Reach(guest.qmp_socket), kernel=kernel, user_dir=ROOTFS, sampling=sampling
                 )
                 run = await start(spec)
                 settle()

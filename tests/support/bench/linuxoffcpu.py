@@ -15,6 +15,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec, start
+from qmpprof.transport.base import Reach
 from support.bench.qmpprof_run import settle
 
 INTERVAL = 0.010
@@ -45,7 +46,7 @@ async def linux_offcpu(
                 wait_console(guest, STARTED, START_TIMEOUT)
                 for off_cpu in (False, True, False, True):
                     spec = RunSpec(
-                        qmp_socket=guest.qmp_socket,
+                        reach=Reach(guest.qmp_socket),
                         kernel=kernel,
                         user_dir=ROOTFS,
                         off_cpu=off_cpu,

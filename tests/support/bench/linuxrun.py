@@ -22,6 +22,7 @@ from qmpprof.profile import Profile
 from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.session import RunSpec, start
 from qmpprof.stats import SamplerStats
+from qmpprof.transport.base import Reach
 from qmpprof.unwind.chain import AddressSpace, RawStack
 from support.bench.qmpprof_run import settle
 
@@ -50,13 +51,13 @@ async def linux_run(root: Path, duration: float, log: Callable[[str], None]) -> 
             ):
                 specs = (
                     RunSpec(
-                        qmp_socket=linux.qmp_socket,
+                        reach=Reach(linux.qmp_socket),
                         kernel=kernel,
                         user_dir=ROOTFS,
                         sampling=sampling,
                     ),
                     RunSpec(
-                        qmp_socket=bundled.qmp_socket,
+                        reach=Reach(bundled.qmp_socket),
                         kernel=bundled.kernel_elf,
                         user_dir=bundled.user_dir,
                         sampling=sampling,

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from qmpprof.guest.base import Guest
-from qmpprof.session import RunSpec, TransportKind, attach, connect, load, sampler, start
-from qmpprof.transport.base import GuestTransport
+from qmpprof.session import Connection, RunSpec, attach, connect, load, sampler, start
+from qmpprof.transport.base import Reach
 from support.bench.methods import Paced
 
 
@@ -30,20 +30,18 @@ class QmpprofSampler:
         user_dir: Path | None,
         *,
         qmp: str = "",
-        transport: TransportKind = "auto",
+        transport: str = "auto",
         gdb: str = "",
     ) -> None:
         """Over the QMP socket ``qmp`` (the default path, or ``transport``), or over the
         gdbstub at ``gdb`` (``qmp`` then says the run state before the stub attaches)."""
         self.name = name
         self._spec = RunSpec(
-            qmp_socket=Path(qmp),
-            transport="gdb" if gdb else transport,
-            gdb=gdb or None,
+            reach=Reach(Path(qmp), gdb=gdb or None, transport="gdb" if gdb else transport),
             kernel=kernel,
             user_dir=user_dir,
         )
-        self._transport: GuestTransport | None = None
+        self._connection: Connection | None = None
         self._guest: Guest | None = None
         self.path = ""  # how the samples travelled (session.Connection.path)
         self.samples = 0
@@ -51,15 +49,15 @@ class QmpprofSampler:
 
     async def setup(self) -> None:
         self._guest = load(self._spec)
-        connection = await attach(self._guest, await connect(self._spec))
-        self._transport, self.path = connection.transport, connection.path
+        self._connection = await attach(self._guest, await connect(self._spec))
+        self.path = self._connection.path
         settle()
 
     async def run(self, interval: float, duration: float) -> Paced:
-        assert self._transport is not None and self._guest is not None
+        assert self._connection is not None and self._guest is not None
         sampling = dataclasses.replace(self._spec.sampling, interval=interval, duration=duration)
         spec = dataclasses.replace(self._spec, sampling=sampling)
-        run = sampler(spec, self._guest, self._transport)
+        run = sampler(spec, self._guest, self._connection)
         start = time.perf_counter()
         outcome = await run.run()
         elapsed = time.perf_counter() - start
@@ -73,8 +71,8 @@ class QmpprofSampler:
 
     async def teardown(self) -> None:
         gc.unfreeze()
-        if self._transport is not None:
-            await self._transport.close()
+        if self._connection is not None:
+            await self._connection.transport.close()
 
 
 def settle() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec
+from qmpprof.transport.base import Reach
 from support.bench import report
 from support.bench.aarch64run import aarch64_run
 from support.bench.guest import Fixture, Guest, boot
@@ -260,7 +261,7 @@ async def _measure_all(
 
 async def _first_pause(guest: Guest, fixture: Fixture, log: Callable[[str], None]) -> list[float]:
     spec = RunSpec(
-        qmp_socket=Path(guest.qmp_path),
+        reach=Reach(Path(guest.qmp_path)),
         kernel=fixture.kernel,
         user_dir=fixture.kernel.parent / "user",
         sampling=SamplerConfig(interval=0.010, duration=0.05),

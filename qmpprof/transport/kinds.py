@@ -1,0 +1,113 @@
+"""The transports qmpprof comes with, as the registry (``qmpprof.transport``) knows them: what
+address each needs, how it is opened and told to the user, and its tuning (the stack window
+worth reading at SP in one go over it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qmpprof.errors import QmpprofError
+from qmpprof.transport.base import Address, Opened, Reach
+from qmpprof.transport.gdb import GdbTransport
+from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
+from qmpprof.transport.qmp import QmpTransport
+
+# HMP ``x`` is formatting-bound: one page up front there (memsave costs about the same for 4
+# or 64 KiB, so that path keeps the run's window).
+HMP_WINDOW = 4096
+# Over a gdbstub every 2 KiB is a packet QEMU answers in turn: a first window of two pages (or
+# three, SP being mid-page) and more on demand, until a walk from that SP page has shown what
+# it needs (memory.StackReader's cut).
+GDB_WINDOW = 8192
+
+_SILENT_STUB = (
+    "the gdbstub did not say whether attaching stopped the guest (QEMU 8.1 and later never"
+    " do): taken as paused; give the VM's --qmp-socket too and QMP says"
+)
+
+
+class GdbKind:
+    """A gdbstub the VM has (``-gdb``), at the address the user gave; QMP, when a socket
+    answers, says the run state before the stub attaches (which stops the guest)."""
+
+    name = "gdb"
+    needs = frozenset({Address.GDB})
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        was_running = await _running_by_qmp(reach.qmp_socket)
+        gdb = await GdbTransport.connect(reach.gdb or "", was_running=was_running)
+        notes = () if gdb.state_known else (_SILENT_STUB,)
+        return Opened(gdb, f"gdbstub at {reach.gdb}", notes, GDB_WINDOW)
+
+
+class PrivateGdbKind:
+    """A private gdbstub opened over a local QMP socket (privategdb.py); QMP on the same
+    connection when QEMU does not allow one."""
+
+    name = "private-gdb"
+    needs = frozenset({Address.QMP_SOCKET})
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        transport, why = await connect_fast(reach.qmp_socket, memory=reach.memory)
+        if isinstance(transport, PrivateGdbTransport):
+            transport.control.guard_pauses()
+            cleared = () if transport.cleared is None else (transport.cleared,)
+            notes = (*_mark_notes(transport.control), *cleared)
+            return Opened(transport, "a private gdbstub opened over QMP", notes, GDB_WINDOW)
+        assert isinstance(transport, QmpTransport)  # connect_fast's other answer
+        return _qmp_opened(transport, f"QMP ({why})")
+
+
+class QmpKind:
+    """QMP alone: registers from the monitor, memory by memsave or HMP ``x``."""
+
+    name = "qmp"
+    needs = frozenset({Address.QMP_SOCKET, Address.QMP_TCP})
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        tcp = reach.qmp_tcp
+        socket = None if tcp is not None else reach.qmp_socket
+        transport = await QmpTransport.connect(socket, tcp, memory=reach.memory)
+        try:
+            await transport.take_mark()  # VmBusyError: another run holds the VM
+        except BaseException:
+            await transport.close()
+            raise
+        path = "QMP (--transport qmp)" if passed_over is None else f"QMP ({passed_over}: using QMP)"
+        return _qmp_opened(transport, path)
+
+
+def _qmp_opened(qmp: QmpTransport, path: str) -> Opened:
+    qmp.guard_pauses()
+    window = HMP_WINDOW if qmp.memory == "hmp" else None
+    return Opened(qmp, path, _mark_notes(qmp), window)
+
+
+def _mark_notes(qmp: QmpTransport) -> tuple[str, ...]:
+    """A dead run's mark this run replaced (vmmark.py), as a note."""
+    return () if qmp.mark is None or qmp.mark.note is None else (qmp.mark.note,)
+
+
+async def _running_by_qmp(socket: Path) -> bool | None:
+    """Whether the guest runs, by QMP at ``socket`` before a gdbstub attaches (which stops it);
+    None when no QMP answers there."""
+    if not socket.is_socket():
+        return None
+    try:
+        qmp = await QmpTransport.connect(socket, timeout=1.0)
+    except QmpprofError:
+        return None
+    try:
+        return await qmp.is_running()
+    finally:
+        await qmp.close()
+
+
+async def quit_qemu(socket: Path, timeout: float) -> None:
+    """HMP ``quit`` over the QMP socket ``socket``: GuestGoneError when QEMU closes the
+    connection while quitting (what quit does), ConnectError when it cannot be reached."""
+    qmp = await QmpTransport.connect(socket, timeout=timeout)
+    try:
+        await qmp.hmp("quit")
+    finally:
+        await qmp.close()
