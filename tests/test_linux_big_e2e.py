@@ -24,7 +24,7 @@ import pytest
 from linuxframes import GuestNames, check_user_frames, kernel_names
 from linuxkernel import linux_dir
 from linuxvm import MAPS_END, ROOTFS, LinuxGuest, Mapping, parse_maps_line, running_linux_guest
-from test_linux_profile import NAMED, NO_TIMER_CHECK, PLACED
+from test_linux_profile import NAMED, PLACED
 
 from qmpprof.output import native
 
@@ -52,9 +52,7 @@ def big_process(guest: LinuxGuest) -> tuple[int, int, int, list[Mapping], int]:
 def test_a_process_of_65530_mappings_and_a_module_of_30000_functions(tmp_path: Path) -> None:
     kernel = linux_dir("6.12") / "vmlinuz"
     saved = tmp_path / "big.qmpprof"
-    with running_linux_guest(
-        tmp_path, kaslr=True, smp=2, append=f"{BIG} {NO_TIMER_CHECK}", kernel=kernel
-    ) as guest:
+    with running_linux_guest(tmp_path, kaslr=True, smp=2, append=BIG, kernel=kernel) as guest:
         cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
         cmd += ["--kernel", str(kernel), "--user-dir", str(ROOTFS)]
         cmd += ["--duration", "5", "-v", "-o", str(saved)]
