@@ -23,12 +23,11 @@ prologue's state decides. Answers are cached per (code, pc).
 from __future__ import annotations
 
 from qmpprof.arch.base import PrologueRule
-from qmpprof.memo import Memo
+from qmpprof.arch.prologuecache import CachedAnalysis
 
 FP, LR, SP = 29, 30, 31
 _MAX_SCAN = 4096  # bytes from the function's start: a longer one is left to frame records
 _MAX_EPILOGUE = 32  # instructions followed forward to a return
-_CACHE_LIMIT = 1 << 14
 _MASK64 = (1 << 64) - 1
 _RESTORES = object()  # the epilogue ahead loads the record back: it is live at the pc
 
@@ -148,26 +147,6 @@ def _sp_writeback(insn: int) -> int | None:
     return None
 
 
-class Prologues:
-    """The analysis, one answer per (code, pc, function start) cached."""
-
-    def __init__(self) -> None:
-        self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
-            _CACHE_LIMIT
-        )
-
-    def analyze(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
-    ) -> PrologueRule | None:
-        """How to find the caller at link address ``pc`` inside ``code`` (which starts at
-        ``code_addr``); ``func_start`` comes from the symbol table. None: frame records."""
-        key = (code, code_addr, pc, func_start)
-        try:
-            return self._cache[key]
-        except KeyError:
-            return self._cache.put(key, _analyze(code, code_addr, pc, func_start))
-
-
 def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> PrologueRule | None:
     off = pc - code_addr
     if off < 0 or off + 4 > len(code) or off & 3:
@@ -246,4 +225,4 @@ def _prologue(code: bytes, start: int, off: int) -> PrologueRule | None:
     return PrologueRule(frame, fp_offset=record - frame, ra_offset=record + 8 - frame)
 
 
-PROLOGUES = Prologues()
+PROLOGUES = CachedAnalysis(_analyze)

@@ -22,12 +22,11 @@ Answers are cached per (code, pc, function start).
 from __future__ import annotations
 
 from qmpprof.arch.base import PrologueRule
-from qmpprof.memo import Memo
+from qmpprof.arch.prologuecache import CachedAnalysis
 
 RA, SP, FP = 1, 2, 8  # x1, x2, x8 (s0)
 _MAX_SCAN = 4096  # bytes from the function's start: a longer prologue is left to frame records
 _MAX_EPILOGUE = 32  # instructions followed forward to a return
-_CACHE_LIMIT = 1 << 14
 _MASK64 = (1 << 64) - 1
 # Opcodes (bits 6..0) of the 32-bit instructions that write their integer rd.
 _WRITES_RD = frozenset({0x37, 0x17, 0x6F, 0x67, 0x03, 0x13, 0x33, 0x1B, 0x3B, 0x2F, 0x73})
@@ -143,26 +142,6 @@ def is_call(kind: str, rd: int) -> bool:
     return kind in ("jal", "jalr") and rd in (RA, 5)
 
 
-class Prologues:
-    """The analysis, one answer per (code, pc, function start) cached."""
-
-    def __init__(self) -> None:
-        self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
-            _CACHE_LIMIT
-        )
-
-    def analyze(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
-    ) -> PrologueRule | None:
-        """How to find the caller at link address ``pc`` inside ``code`` (which starts at
-        ``code_addr``); ``func_start`` comes from the symbol table. None: frame records."""
-        key = (code, code_addr, pc, func_start)
-        try:
-            return self._cache[key]
-        except KeyError:
-            return self._cache.put(key, _analyze(code, code_addr, pc, func_start))
-
-
 def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> PrologueRule | None:
     off = pc - code_addr
     if off < 0 or off + 2 > len(code) or off & 1:
@@ -245,4 +224,4 @@ def _prologue(code: bytes, start: int, off: int) -> PrologueRule | None:
     return PrologueRule(frame, fp_offset=fp_at, ra_offset=ra_at)
 
 
-PROLOGUES = Prologues()
+PROLOGUES = CachedAnalysis(_analyze)

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from functools import cache
 
 from qmpprof.arch.base import PrologueRule
+from qmpprof.arch.prologuecache import CachedAnalysis
 from qmpprof.arch.x86scan import ReturnScanner
-from qmpprof.memo import Memo
 
 # Functions longer than this are not scanned: the linear scan is a heuristic, and a sample
 # must not spend milliseconds disassembling.
 _MAX_SCAN = 4096
-_CACHE_LIMIT = 1 << 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +77,14 @@ class PrologueAnalyzer:
         import capstone  # 50 ms: only for runs that scan code (see the module's docstring)
 
         self._cs = capstone.Cs(capstone.CS_ARCH_X86, getattr(capstone, self._isa.mode))
-        self._cache: Memo[tuple[bytes, int, int, int | None], PrologueRule | None] = Memo(
-            _CACHE_LIMIT
-        )
+        self._cached = CachedAnalysis(self._analyze)
 
     def analyze(
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` inside ``code`` (which starts at
         ``code_addr``); ``func_start`` comes from the symbol table. None: use frame pointers."""
-        # The code itself is part of the key: programs linked at the same address (every
-        # static user program at 0x401000) must not share answers. bytes cache their hash.
-        key = (code, code_addr, pc, func_start)
-        try:
-            return self._cache[key]
-        except KeyError:
-            return self._cache.put(key, self._analyze(code, code_addr, pc, func_start))
+        return self._cached.analyze(code, code_addr, pc, func_start)
 
     @property
     def cs(self) -> object:
