@@ -1,12 +1,12 @@
 """The one asyncio orchestrator: when to stop the guest, what to read while it is stopped, and
 what to do after it runs again.
 
-Per tick: ``stop``; the registers of every selected vCPU (pipelined); per vCPU, identify the
-process (the guest identifier) and read its stack (``memory.StackReader``) into a fresh
-PageCache, then unwind; ``cont``. Resolving frames, filtering and adding to the profile happen
-after ``cont``, while the guest runs again. The sampler orchestrates; the profile counts.
+Per tick: what is read while the guest stands stopped (``capture.Capture``: ``stop``, every
+selected vCPU's registers, who runs there and its stack, unwound); ``cont``. Resolving frames,
+filtering and adding to the profile happen after ``cont``, while the guest runs again. The
+sampler orchestrates; the profile counts.
 
-Its parts: when the next tick is due (``pacing.Pacing``: the interval is guest *run* time
+Its other parts: when the next tick is due (``pacing.Pacing``: the interval is guest *run* time
 between samples, the duration counts the same run time, so a 5 s run at 10 ms asks for 500
 ticks), the interval in force under ``--max-overhead`` (``budget.OverheadBudget``), the work
 between ticks while the guest runs (``housework.Housework``: the guest OS's housekeeping and the
@@ -26,50 +26,25 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from qmpprof.budget import OverheadBudget
-from qmpprof.errors import (
-    GuestGoneError,
-    GuestHeldError,
-    KernelMismatchError,
-    QmpprofError,
-    TransportError,
-    UsageError,
-)
-from qmpprof.guest.base import GuestIdentifier, Identified
+from qmpprof.capture import Capture, Captured, StackUnwinder
+from qmpprof.errors import GuestHeldError, QmpprofError, UsageError
+from qmpprof.guest.base import GuestIdentifier
 from qmpprof.housework import Housework
-from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
-from qmpprof.model import Mode, Process, Registers, Sample, Stack
+from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader
+from qmpprof.model import Mode, Sample, Stack
 from qmpprof.offcpufiling import OffCpu, OffCpuFiling
 from qmpprof.pacing import Pacing
-from qmpprof.pagecache import PageCache
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 
 Space = TypeVar("Space")
-Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
-T = TypeVar("T")
-
-
-class StackUnwinder(Protocol[Space_contra, Raw]):
-    """unwind() runs while stopped and may raise PageMissing; resolve() runs after cont.
-    ``kernel_boundary``: the instruction set's split, where the configuration gives none."""
-
-    @property
-    def kernel_boundary(self) -> int: ...
-
-    def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
-
-    def unplaced(self, raw: Raw, space: Space_contra) -> Sequence[int]:
-        """The user addresses of a walk that no code of ``space`` holds."""
-        ...
-
-    def resolve(self, raw: Raw, space: Space_contra) -> Stack: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +73,6 @@ class SamplerConfig:
             raise UsageError("the overhead budget must be a fraction in (0, 1)")
         if self.max_interval <= 0:
             raise UsageError("the longest interval must be positive")
-
-
-@dataclass(slots=True)
-class _Captured(Generic[Space, Raw]):
-    """One vCPU's state taken while stopped; turned into a Sample after cont."""
-
-    regs: Registers
-    time: float
-    mode: Mode
-    space: Space | None = None
-    process: Process | None = None
-    raw: Raw | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +107,14 @@ class Sampler(Generic[Space, Raw]):
         self.unwinder = unwinder
         self.identifier = identifier
         self.config = config
-        self.stacks = StackReader(transport, config.window, config.max_refetch)
         self.boundary = (
             unwinder.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
         )
+        stacks = StackReader(transport, config.window, config.max_refetch)
+        self.capture = Capture(
+            transport, unwinder, identifier, stacks,
+            boundary=self.boundary, keep=config.keep, clock=clock,
+        )  # fmt: skip
         self.profile = Profile(interval_ms=config.interval * 1e3)
         self.stats = SamplerStats()
         self._clock = clock
@@ -271,7 +237,7 @@ class Sampler(Generic[Space, Raw]):
                     began = self._clock()
                 captured = await self._stopped(cpus)
         else:
-            captured = await self._capture_all(cpus, stop=False)
+            captured = await self.capture.every_cpu(cpus, self.stats, self._start, stop=False)
         self.stats.pauses.append(self._clock() - began)
         self.stats.wall_time = self._clock() - self._start
         self.stats.ticks += 1
@@ -281,10 +247,10 @@ class Sampler(Generic[Space, Raw]):
             self._filing.file(self._off_cpu.samples(samples), at, self.profile, self.stats)
         return samples
 
-    async def _stopped(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+    async def _stopped(self, cpus: Sequence[int]) -> list[Captured[Space, Raw]]:
         """Stop, capture, cont."""
         try:
-            captured = await self._capture_all(cpus, stop=True)
+            captured = await self.capture.every_cpu(cpus, self.stats, self._start, stop=True)
         except GuestHeldError:
             raise  # the pause is another's: not ours to end
         except BaseException:
@@ -301,96 +267,7 @@ class Sampler(Generic[Space, Raw]):
         with contextlib.suppress(QmpprofError):
             await self.transport.cont()
 
-    async def _capture_all(self, cpus: Sequence[int], *, stop: bool) -> list[_Captured[Space, Raw]]:
-        """Stop, then every vCPU's registers. Measured on QEMU 7.2: sending stop together with
-        the register reads saves nothing (QEMU serves QMP commands one after the other, and
-        most of a command's cost is QEMU's), while the register reads of several vCPUs do gain
-        from going out together (QMP matches replies by id)."""
-        mark = self._clock()
-        if stop:
-            await self.transport.stop()
-            self._phase("stop", mark)
-            mark = self._clock()
-        results = await _together(
-            [self.transport.registers(cpu) for cpu in cpus], return_exceptions=True
-        )
-        self._phase("registers", mark)
-        taken: list[Registers] = []
-        for regs in results:
-            if isinstance(regs, TransportError):
-                self.stats.errors[f"registers: {regs}"] += 1
-            elif isinstance(regs, BaseException):
-                raise regs
-            elif isinstance(regs, Registers):
-                taken.append(regs)
-        captured = await _together([self._capture(regs) for regs in taken])
-        return [c for c in captured if isinstance(c, _Captured)]  # exceptions were raised
-
-    async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
-        mode = Mode.KERNEL if regs.pc >= self.boundary else Mode.USER
-        if regs.user != (mode is Mode.USER):
-            self.stats.mode_mismatch += 1
-        captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
-        if self.config.keep is not None and mode is not self.config.keep:
-            return captured  # filtered after cont; no need to read its memory
-        cache, seen = PageCache(), PageCache()  # the stack's; what identify() reads
-        mark = self._clock()
-        try:
-            # The stack window and what identify() needs are independent: issued together.
-            # A refused identity read is retried (and counted) by identify() itself.
-            await self.stacks.prefetch(regs, cache, self.identifier.reads_for(regs), seen)
-            identity = await self.identifier.identify(self.transport, regs, seen)
-            walked = regs if identity.registers is None else identity.registers
-            if identity.memory is not None:  # user memory the vCPU does not show: read again
-                cache = cache.above(self.boundary)
-            captured.raw = await self._walk(captured, walked, cache, identity)
-            reread = identity.reread_mappings
-            lacking = () if reread is None else self.unwinder.unplaced(captured.raw, identity.space)
-            fresh = await reread(lacking) if reread is not None and lacking else None
-            if fresh is not None:  # user code mapped since its space was read: walked in it
-                if fresh.memory is not None and identity.memory is None:
-                    cache = cache.above(self.boundary)
-                identity = fresh
-                captured.raw = await self._walk(captured, walked, cache, identity)
-            if identity.memory is None:
-                self.stacks.learn(regs, cache)
-        except (GuestGoneError, KernelMismatchError):
-            raise  # the guest is gone, or the kernel file is not its kernel: the run ends
-        except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
-            captured.error = f"{type(err).__name__}: {err}"
-        self._phase("memory", mark)
-        return captured
-
-    async def _walk(
-        self,
-        captured: _Captured[Space, Raw],
-        regs: Registers,
-        cache: PageCache,
-        identity: Identified[Space],
-    ) -> Raw:
-        captured.process, captured.space = identity.process, identity.space
-        return await self._unwind(regs, cache, identity.space, identity.memory)
-
-    async def _unwind(
-        self, regs: Registers, cache: PageCache, space: Space, memory: Reader | None
-    ) -> Raw:
-        unwinds = 0.0  # time in unwind() proper: the rest of the memory phase is reading
-
-        def attempt() -> Raw:
-            nonlocal unwinds
-            mark = self._clock()
-            try:
-                return self.unwinder.unwind(regs, cache, space)
-            finally:
-                unwinds += self._clock() - mark
-
-        try:
-            return await self.stacks.complete(regs.cpu, cache, attempt, memory)
-        finally:
-            self.stats.phase_time["unwind"] += unwinds
-            self.stats.phase_time["memory"] -= unwinds  # counted once, as unwinding
-
-    def _finish(self, captured: _Captured[Space, Raw]) -> Sample | None:
+    def _finish(self, captured: Captured[Space, Raw]) -> Sample | None:
         """After cont: name the frames, filter, count, add to the profile."""
         if self.config.keep is not None and captured.mode is not self.config.keep:
             self.stats.filtered += 1
@@ -414,18 +291,3 @@ class Sampler(Generic[Space, Raw]):
 
     def _phase(self, name: str, since: float) -> None:
         self.stats.phase_time[name] += self._clock() - since
-
-
-async def _together(
-    calls: list[Coroutine[object, object, T]], *, return_exceptions: bool = False
-) -> list[T | BaseException]:
-    """asyncio.gather, except that a lone call is awaited directly: gather wraps each call in
-    a task, which costs event-loop turns in the middle of the guest's pause."""
-    if len(calls) != 1:
-        return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
-    try:
-        return [await calls[0]]
-    except Exception as err:
-        if not return_exceptions:
-            raise
-        return [err]
