@@ -277,7 +277,7 @@ class Sampler(Generic[Space, Raw]):
             return None
         try:
             stack = self.unwinder.resolve(captured.raw, captured.space)
-        except Exception as err:  # as in _capture: counted, the run goes on
+        except Exception as err:  # as in the capture: counted, the run goes on
             self.stats.errors[f"resolve: {type(err).__name__}: {err}"] += 1
             return None
         if self.config.keep is Mode.KERNEL:
