@@ -23,7 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -69,9 +69,11 @@ class Domain:
     user_dir: Path
 
 
-def _wait(done: object, what: str, timeout: float) -> None:
+def _wait(done: Callable[[], bool], what: str, timeout: float) -> None:
+    """Until ``done`` holds, looked at every 50 ms; TimeoutError saying ``what`` after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not done():  # type: ignore[operator]
+    while not done():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.05)
@@ -147,6 +149,7 @@ def running_domain(uri: str, emulator: str, variant: str = "cfi") -> Iterator[Do
     connection = libvirt.open(uri)
     machine = connection.defineXML(xml)
     try:
+        # The first start probes the emulator (DAEMON_TIMEOUT), then the guest boots.
         machine.create()
         _wait(
             lambda: domain.console.exists() and WORKLOAD_LINE in domain.console.read_text(),
