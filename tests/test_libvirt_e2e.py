@@ -3,7 +3,7 @@ profiled by the real command line through libvirt's monitor passthrough, and thr
 of the same QEMU for comparison. The processes sampled and their shares agree within sampling
 noise; libvirt reports the domain in the state it had (running, and a paused one paused); nothing
 of qmpprof's stays in QEMU (no gdbstub chardev, no qmpprof-run mark, asked through passthrough);
-a SIGINT mid-run leaves the domain running.
+a SIGINT or SIGTERM mid-run leaves the domain running.
 
 On the host's QEMU only: Debian 12's libvirt 9.0 cannot probe the capabilities of the unpacked
 QEMU 11.1 ("Unable to read from monitor: Connection reset by peer"), so it refuses to start a
@@ -109,17 +109,18 @@ def test_a_domain_profiles_as_its_qmp_socket_and_is_left_as_found(
     for process in common:
         assert abs(by_domain[process] - by_socket[process]) <= SHARE_NOISE, process
 
-    with subprocess.Popen(
-        qmpprof("--domain", domain.name, "--connect", domain.uri, "--duration", "60", "-o",
-                str(tmp_path / "cut.folded")),
-        stderr=subprocess.PIPE, text=True,
-    ) as run:  # fmt: skip
-        assert run.stderr is not None
-        for line in run.stderr:
-            if line.startswith("qmpprof: sampling"):
-                break
-        os.kill(run.pid, signal.SIGINT)
-        assert run.wait(timeout=60) in (0, 130), run.stderr.read()
-    assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING
-    assert leftovers(machine) == []
+    for cut in (signal.SIGINT, signal.SIGTERM):
+        with subprocess.Popen(
+            qmpprof("--domain", domain.name, "--connect", domain.uri, "--duration", "60", "-o",
+                    str(tmp_path / "cut.folded")),
+            stderr=subprocess.PIPE, text=True,
+        ) as run:  # fmt: skip
+            assert run.stderr is not None
+            for line in run.stderr:
+                if line.startswith("qmpprof: sampling"):
+                    break
+            os.kill(run.pid, cut)
+            assert run.wait(timeout=60) in (0, 128 + cut), run.stderr.read()
+        assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING, cut
+        assert leftovers(machine) == [], cut
     connection.close()
