@@ -11,6 +11,7 @@
 #
 #   arm64-6.1   fixtures/build/linux-arm64-6.1  linux-image-6.1.0-N-arm64          bookworm (arm64)
 #   arm64-6.12  fixtures/build/linux-arm64      linux-image-6.12.N+deb12-arm64     bookworm (arm64)
+#   arm64-7     fixtures/build/linux-arm64-7    linux-image-7.M.N+debNN-arm64      unstable (arm64)
 #
 # and the riscv64 kernel the riscv64 tests boot (RISCV64_SERIES; scripts/build-riscv64-guest):
 #
@@ -26,7 +27,7 @@
 # suite is installed on the host: packages are only downloaded and unpacked into fixtures/build.
 
 LINUX_SERIES="6.12 6.1 5.10 7"
-AARCH64_SERIES="arm64-6.1 arm64-6.12"
+AARCH64_SERIES="arm64-6.1 arm64-6.12 arm64-7"
 RISCV64_SERIES="riscv64-6.12"
 
 # series_use SERIES: sets series_dir, series_pattern (an ERE for the image package's name),
@@ -53,6 +54,11 @@ series_use() {
     arm64-6.12)
         series_dir=fixtures/build/linux-arm64 series_pattern='^linux-image-6\.12\.[0-9]+\+deb12-arm64$'
         series_suite=bookworm series_arch=arm64
+        ;;
+    arm64-7)
+        series_dir=fixtures/build/linux-arm64-7
+        series_pattern='^linux-image-7\.[0-9]+\.[0-9]+(\+deb[0-9]+|-[0-9]+)-arm64$'
+        series_suite=unstable series_arch=arm64
         ;;
     riscv64-6.12)
         # riscv64 became an official Debian architecture with trixie (bookworm has no riscv64).
