@@ -1,5 +1,6 @@
-"""arm64's running Linux (``running.platform.LinuxPlatform``): the slide from where the image's
-banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
+"""arm64's running Linux (``running.platform.LinuxPlatform``): the slide from the vector base
+(VBAR_EL1, in every mode: a guest paused with every vCPU at EL0 too), else from where the
+image's banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
 levels the user space's size needs), a task off CPU's ``thread.cpu_context`` (``cpucontext``)
 and the exception entry code as its vectors lead to it (``vectors``)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf
@@ -16,7 +18,7 @@ from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
-from qmpprof.memory import Reader
+from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
@@ -28,7 +30,8 @@ class Aarch64Platform:
     async def slide(
         self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
     ) -> int:
-        return await slide_by_banner(control, kernel, arch)
+        found = await slide_by_vectors(control, kernel, arch)
+        return await slide_by_banner(control, kernel, arch) if found is None else found
 
     async def kernel_page_tables(
         self, read: Reader, kernel: LinuxKernel, slide: int
@@ -51,6 +54,27 @@ class Aarch64Platform:
 
     def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
         return entry_code(kernel)
+
+
+async def slide_by_vectors(
+    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+) -> int | None:
+    """The slide the first vCPU's VBAR_EL1 gives: where the kernel put its vector table
+    (``vectors``) less where the image links it, if the image's banner reads at that slide
+    through that vCPU. None: no such register over this transport, no ``vectors`` or banner,
+    or a vector base that is not the image's (under KPTI, the trampoline's fixed alias; a
+    vCPU at EL0 then sees no kernel either)."""
+    vectors, banner = kernel.symbols.address_of("vectors"), bannerslide.banner(kernel.image)
+    cpus = await control.cpus()
+    if vectors is None or banner is None or not cpus:
+        return None
+    vbar = (await control.system_registers(cpus[0], ("VBAR_EL1",))).get("VBAR_EL1")
+    if vbar is None:
+        return None
+    slide = (vbar - vectors) & arch.mask
+    link, text = banner
+    (seen,) = await reader(control, cpus[0])([((link + slide) & arch.mask, len(text))])
+    return slide if seen == text else None
 
 
 AARCH64 = Aarch64Platform()
