@@ -221,7 +221,7 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     # is the one those names give (el1h_64_*, el0t_*, ret_to_user, ret_to_kernel).
     kernel = LinuxKernel.load(image(series))
     entry = entry_code(kernel)
-    assert entry is not None
+    assert isinstance(entry, EntryCode)
     # pt_regs from BTF: the same in 6.1 and 6.12; 7.x's record (a zeroed one, then its type)
     # moved 8 bytes down and the frame is 16 bytes smaller.
     moved = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)

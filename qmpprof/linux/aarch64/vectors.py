@@ -63,14 +63,23 @@ _REACH = 32  # functions followed from the handlers: more is not the code this m
 _XZR, _FP = 31, 29
 
 
-def entry_code(kernel: LinuxKernel) -> EntryCode | None:
-    """The kernel's exception code, None when its code, symbols or BTF do not describe it."""
+def entry_code(kernel: LinuxKernel) -> EntryCode | str | None:
+    """The kernel's exception code; None without a vector table (no such code to describe),
+    or one line saying why its BTF or code does not describe it."""
     vectors = kernel.symbols.address_of("vectors")
-    frame = _saved_frame(kernel)
-    if vectors is None or frame is None:
+    if vectors is None:
         return None
+    frame = _saved_frame(kernel)
+    if frame is None:
+        return "no pt_regs in this kernel's BTF: kernel stacks end at an exception's entry"
     code = Code(kernel.image.text_bytes, kernel.image.text_addr, kernel.functions)
-    return exception_code(code, vectors, frame)
+    found = exception_code(code, vectors, frame)
+    if found is None:
+        return (
+            "this kernel's exception entry code (from its vectors) is in no shape qmpprof"
+            " knows: kernel stacks end at an exception's entry"
+        )
+    return found
 
 
 def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | None:

@@ -185,6 +185,9 @@ class LinuxGuest:
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
         entry = platform.entry_code(kernel)
+        if isinstance(entry, str):  # the walk then stops at an exception's entry
+            translation.append(entry)
+            entry = None
         modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines, debug=self.debug)]
         head = kernel.module_list
         module_list = None

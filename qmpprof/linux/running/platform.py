@@ -55,7 +55,8 @@ class LinuxPlatform(Protocol):
         KeyError naming what the BTF lacks."""
         ...
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         """The kernel's exception entry code as the walk needs it described, where the image's
-        unwinding tables do not cover it; None when not needed or not described."""
+        unwinding tables do not cover it; None when not needed, or one line saying why it is
+        not described."""
         ...

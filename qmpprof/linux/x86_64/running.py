@@ -75,7 +75,7 @@ class X86_64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return InactiveTaskFrame.from_btf(btf, arch)
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         return None
 
 
