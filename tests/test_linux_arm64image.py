@@ -354,8 +354,16 @@ async def test_the_slide_of_a_guest_paused_at_el0_comes_from_its_vector_base() -
             data[at - page] = text[at - link - slide]
         pages[page] = bytes(data)
     guest = VectorBase(vectors + slide, pages)
-    assert await AARCH64_LINUX.slide(guest, kernel, AARCH64) == slide
+    assert await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest) == slide
     assert guest.calls.count("system_registers:0") == 1 and "registers:0" not in guest.calls
-    # KPTI's trampoline alias (not the image's vector table: no banner there), no register.
-    for other in (VectorBase(0xFFFF_FFFF_FFFF_0000, pages), VectorBase(None, pages)):
-        assert await slide_by_vectors(other, kernel, AARCH64) is None
+    # A vCPU at EL0 that sees no kernel (E0PD, KPTI: nothing reads): the vector base alone.
+    unseen = VectorBase(vectors + slide, {})
+    assert await slide_by_vectors(unseen, unseen, kernel, AARCH64) == slide
+    # Another banner there, a base no slide gives (KPTI's trampoline alias), no register.
+    other_banner = {page: data.replace(b"Linux", b"Linus") for page, data in pages.items()}
+    for other in (
+        VectorBase(vectors + slide, other_banner),
+        VectorBase(0xFFFF_FFFF_FFFF_0800, pages),
+        VectorBase(None, pages),
+    ):
+        assert await slide_by_vectors(other, other, kernel, AARCH64) is None

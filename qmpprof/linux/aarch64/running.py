@@ -22,15 +22,21 @@ from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
+_VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
+
 
 @dataclass(frozen=True, slots=True)
 class Aarch64Platform:
     name: str = "aarch64"
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
-        found = await slide_by_vectors(control, kernel, arch)
+        found = await slide_by_vectors(control, transport, kernel, arch)
         return await slide_by_banner(control, kernel, arch) if found is None else found
 
     async def kernel_page_tables(
@@ -57,24 +63,31 @@ class Aarch64Platform:
 
 
 async def slide_by_vectors(
-    control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+    control: GuestTransport, transport: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
 ) -> int | None:
-    """The slide the first vCPU's VBAR_EL1 gives: where the kernel put its vector table
-    (``vectors``) less where the image links it, if the image's banner reads at that slide
-    through that vCPU. None: no such register over this transport, no ``vectors`` or banner,
-    or a vector base that is not the image's (under KPTI, the trampoline's fixed alias; a
-    vCPU at EL0 then sees no kernel either)."""
+    """The slide the first vCPU's VBAR_EL1 gives (read through ``transport``: the control
+    channel has no system registers): where the kernel put its vector table (``vectors``)
+    less where the image links it, a slide's alignment (``bannerslide.ALIGN``), unless the
+    image's banner reads otherwise there through that vCPU (``control``). A vCPU at EL0 sees
+    no kernel (E0PD, KPTI): its banner does not read, and the vector base alone says it.
+    None: no such register over this transport, no ``vectors`` or banner, or a vector base
+    that is not the image's."""
     vectors, banner = kernel.symbols.address_of("vectors"), bannerslide.banner(kernel.image)
     cpus = await control.cpus()
     if vectors is None or banner is None or not cpus:
         return None
-    vbar = (await control.system_registers(cpus[0], ("VBAR_EL1",))).get("VBAR_EL1")
+    # QEMU's gdbstub names it VBAR (one register of both AArch32 and AArch64 in its tables;
+    # checked on QEMU 7.2), a stub that follows the Arm ARM VBAR_EL1.
+    found = await transport.system_registers(cpus[0], _VBAR)
+    vbar = next((found[name] for name in _VBAR if name in found), None)
     if vbar is None:
         return None
     slide = (vbar - vectors) & arch.mask
+    if slide % bannerslide.ALIGN or kernel.span[1] + slide > arch.mask:
+        return None  # not where the kernel can be placed (KPTI's trampoline alias)
     link, text = banner
     (seen,) = await reader(control, cpus[0])([((link + slide) & arch.mask, len(text))])
-    return slide if seen == text else None
+    return slide if seen in (text, None) else None
 
 
 AARCH64 = Aarch64Platform()

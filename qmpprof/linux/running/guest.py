@@ -180,7 +180,7 @@ class LinuxGuest:
                 " over this transport: stacks without process names (use the gdbstub)"
             )
         arch, platform = self.arch, self.platform
-        slide = await platform.slide(control, kernel, arch)
+        slide = await platform.slide(control, kernel, arch, transport)
         read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)

@@ -28,10 +28,15 @@ class LinuxPlatform(Protocol):
         ...
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
         """The running kernel's KASLR slide (runtime - link address) against ``kernel``'s
-        image, read while the guest runs; KernelMismatchError when it cannot be told."""
+        image, read while the guest runs (``control``; ``transport``: the whole transport, for
+        system registers); KernelMismatchError when it cannot be told."""
         ...
 
     async def kernel_page_tables(

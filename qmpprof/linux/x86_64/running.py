@@ -54,7 +54,11 @@ class X86_64Platform:
     name: str = "x86_64"
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
         return await idt_slide(control, kernel.symbols, arch, kernel=kernel)
 
