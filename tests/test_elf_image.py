@@ -205,7 +205,7 @@ def test_32_bit_i386_elf_loads(i386_object: Path) -> None:
 
 @pytest.mark.parametrize(
     ("original", "machine", "described"),
-    [("work", 243, "64-bit EM_RISCV"), ("i386_object", 40, "32-bit EM_ARM")],
+    [("work", 21, "64-bit EM_PPC64"), ("i386_object", 40, "32-bit EM_ARM")],
 )
 def test_other_machine_is_rejected(
     request: pytest.FixtureRequest, tmp_path: Path, original: str, machine: int, described: str
@@ -214,5 +214,5 @@ def test_other_machine_is_rejected(
     data[18:20] = machine.to_bytes(2, "little")  # e_machine
     path = tmp_path / "other"
     path.write_bytes(bytes(data))
-    with pytest.raises(ElfError, match=f"{described}: qmpprof reads x86_64, i386, aarch64"):
+    with pytest.raises(ElfError, match=f"{described}: qmpprof reads x86_64, i386, aarch64, riscv64"):
         ElfImage.load(path)

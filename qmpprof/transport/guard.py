@@ -29,6 +29,12 @@ import time
 
 CONNECT_FOR = 10.0  # seconds the guard tries QMP for, once qmpprof is gone
 _STOPPED = ("paused", "debug")  # run states of a guest stopped by qmpprof (QMP or gdbstub)
+# The guard's process runs ``watch``: imported, not run with -m (the transport package imports
+# this module first, and runpy would warn that it was found already imported).
+_ENTRY = (
+    "import sys; from qmpprof.transport.guard import watch; "
+    "sys.exit(watch(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))"
+)
 
 
 class PauseGuard:
@@ -40,8 +46,7 @@ class PauseGuard:
         self._flag = mmap.mmap(flag, 1)
         read, self._pipe = os.pipe2(os.O_CLOEXEC)
         self._process = subprocess.Popen(
-            [sys.executable, "-I", "-m", "qmpprof.transport.guard", qmp_socket, str(read),
-             str(flag)],
+            [sys.executable, "-I", "-c", _ENTRY, qmp_socket, str(read), str(flag)],
             pass_fds=(read, flag), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
@@ -128,7 +133,3 @@ def _reply(lines: io.BufferedRWPair) -> dict[str, object]:
         raise OSError("QMP closed the connection")
     reply = json.loads(line)
     return reply if isinstance(reply, dict) else {}
-
-
-if __name__ == "__main__":
-    sys.exit(watch(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
