@@ -177,35 +177,54 @@ kernel_file() {
 DEBS=fixtures/build/debs
 declare -A deb_got=()
 
-# deb_get NAME [VERSION]: prints the path of the package in $DEBS (without VERSION, the candidate
-# of apt_opts' lists), downloaded unless the file there has the SHA256 those signed lists give.
-# Messages go through the caller's `say`.
+# deb_get SPEC...: prints the paths (one a line) of the packages (NAME, the candidate of apt_opts'
+# lists, or NAME=VERSION) in $DEBS, each downloaded unless the file there has the SHA256 those
+# signed lists give. One apt-get to look them up and one to download (apt reads the lists anew at
+# each start: seconds on a loaded host). Messages go through the caller's `say`.
 deb_get() {
-    local spec=$1${2:+=$2} uri name size hash file
-    # apt's line: 'URI' FILENAME SIZE SHA256:HEX, from the lists whose signatures it checked.
-    read -r uri name size hash < <(apt-get download --print-uris -q=2 "${apt_opts[@]}" "$spec" </dev/null) &&
-        [[ "$hash" == SHA256:* ]] || return 1
-    file="$DEBS/$name"
+    local lines=() line uri name size hash missing=() sums=()
+    # apt's lines: 'URI' FILENAME SIZE SHA256:HEX, from the lists whose signatures it checked.
+    mapfile -t lines < <(apt-get download --print-uris -q=2 "${apt_opts[@]}" "$@" </dev/null || echo failed)
+    ((${#lines[@]} == $#)) && [ "${lines[-1]}" != failed ] || return 1
     mkdir -p "$DEBS"
     (
         # Scripts run side by side under scripts/setup: one downloads, the other finds the file.
         flock 8
-        [ -e "$file" ] && sha256sum --quiet -c <<<"${hash#SHA256:}  $file" >/dev/null 2>&1 && exit 0
-        say "downloading $spec ($((size >> 10)) KiB)"
+        for line in "${lines[@]}"; do
+            read -r uri name size hash <<<"$line"
+            [[ "$hash" == SHA256:* ]] || exit 1
+            [ -e "$DEBS/$name" ] && sha256sum --quiet -c <<<"${hash#SHA256:}  $DEBS/$name" >/dev/null 2>&1 &&
+                continue
+            sums+=("${hash#SHA256:}  $name")
+            # NAME_VERSION_ARCH.deb, an epoch's ':' written %3a
+            name=${name%_*.deb}
+            missing+=("${name%%_*}=$(sed 's/%3a/:/' <<<"${name#*_}")")
+        done
+        ((${#missing[@]})) || exit 0
+        say "downloading ${missing[*]}"
         tmp=$(mktemp -d "$DEBS/.get.XXXXXX")
         trap 'rm -rf "$tmp"' EXIT
-        (cd "$tmp" && apt-get download -q=2 "${apt_opts[@]}" "$spec" </dev/null) &&
-            sha256sum --quiet -c <<<"${hash#SHA256:}  $tmp/$name" && mv "$tmp/$name" "$file"
-    ) 8>"$DEBS/.lock-${name%%_*}" || return 1
-    echo "$file"
+        (cd "$tmp" && apt-get download -q=2 "${apt_opts[@]}" "${missing[@]}" </dev/null) || exit 1
+        (cd "$tmp" && printf '%s\n' "${sums[@]}" | sha256sum --quiet -c) || exit 1
+        mv "$tmp"/*.deb "$DEBS/"
+    ) 8>"$DEBS/.lock" || return 1
+    for line in "${lines[@]}"; do
+        read -r uri name size hash <<<"$line"
+        echo "$DEBS/$name"
+    done
 }
 
-# deb_fetch NAME [VERSION]: deb_get, after reading the package lists again if it fails (empty or
-# stale lists), remembered for deb_path under the current suite and architecture.
+# deb_fetch SPEC...: deb_get, after reading the package lists again if it fails (empty or stale
+# lists), each remembered for deb_path under the current suite and architecture.
 deb_fetch() {
-    local file
-    file=$(deb_get "$@") || { series_update >&2 && file=$(deb_get "$@"); } || return 1
-    deb_got["$series_arch/$series_suite/$1${2:+=$2}"]=$file
+    local files file name
+    files=$(deb_get "$@") || { series_update >&2 && files=$(deb_get "$@"); } || return 1
+    for file in $files; do
+        name=$(basename "$file" .deb)
+        name=${name%_*}
+        deb_got["$series_arch/$series_suite/${name%%_*}"]=$file
+        deb_got["$series_arch/$series_suite/${name%%_*}=$(sed 's/%3a/:/' <<<"${name#*_}")"]=$file
+    done
 }
 
 # deb_path NAME [VERSION]: the file deb_fetch got for NAME (at VERSION) in the current suite and
