@@ -201,7 +201,11 @@ deb_get() {
             missing+=("${name%%_*}=$(sed 's/%3a/:/' <<<"${name#*_}")")
         done
         ((${#missing[@]})) || exit 0
-        say "downloading ${missing[*]}"
+        if ((${#missing[@]} > 3)); then
+            say "downloading ${#missing[@]} packages"
+        else
+            say "downloading ${missing[*]}"
+        fi
         tmp=$(mktemp -d "$DEBS/.get.XXXXXX")
         trap 'rm -rf "$tmp"' EXIT
         (cd "$tmp" && apt-get download -q=2 "${apt_opts[@]}" "${missing[@]}" </dev/null) || exit 1
