@@ -28,11 +28,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from qmpprof.capture import StackUnwinder
 from qmpprof.errors import MemoryReadError
 from qmpprof.guest.base import FoundTask, TaskLister
 from qmpprof.model import NO_CPU, Mode, Registers, Sample, Stack, StopReason, TaskView
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
-from qmpprof.sampler import StackUnwinder
 from qmpprof.transport.base import Forwarding, GuestTransport
 from qmpprof.unwind.chain import RawStack
 from qmpprof.unwind.space import AddressSpace

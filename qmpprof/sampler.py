@@ -1,17 +1,17 @@
 """The one asyncio orchestrator: when to stop the guest, what to read while it is stopped, and
 what to do after it runs again.
 
-Per tick: ``stop``; the registers of every selected vCPU (pipelined); per vCPU, identify the
-process (the guest identifier) and read its stack (``memory.StackReader``) into a fresh
-PageCache, then unwind; ``cont``. Resolving frames, filtering and adding to the profile happen
-after ``cont``, while the guest runs again. The sampler orchestrates; the profile counts.
+Per tick: what is read while the guest stands stopped (``capture.Capture``: ``stop``, every
+selected vCPU's registers, who runs there and its stack, unwound); ``cont``. Resolving frames,
+filtering and adding to the profile happen after ``cont``, while the guest runs again. The
+sampler orchestrates; the profile counts.
 
-Timing: the interval is guest *run* time between samples. After ``cont`` the sampler waits
-until the guest has run a full interval (optionally jittered), however long the previous pause
-took; the duration counts the same run time, so a 5 s run at 10 ms asks for 500 ticks. A tick
-that came late (the work after ``cont`` or the wake-up took longer) makes the next come sooner,
-so that the rate in run time is the one asked. The guest OS's housekeeping (reads of kernel
-memory while the guest runs) goes on beside the wait for the next tick, never in its way.
+Its other parts: when the next tick is due (``pacing.Pacing``: the interval is guest *run* time
+between samples, the duration counts the same run time, so a 5 s run at 10 ms asks for 500
+ticks), the interval in force under ``--max-overhead`` (``budget.OverheadBudget``), the work
+between ticks while the guest runs (``housework.Housework``: the guest OS's housekeeping and the
+off-CPU looks, beside the wait for the next tick, never in its way) and the tasks off CPU filed
+at each tick (``offcpufiling``).
 
 Safety: the guest is left in the run state it had. A paused guest is sampled once without
 stop/cont. Errors inside one sample are counted (stats), never raised; only GuestGoneError and
@@ -24,75 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
-from qmpprof.errors import (
-    GuestGoneError,
-    GuestHeldError,
-    KernelMismatchError,
-    QmpprofError,
-    TransportError,
-    UsageError,
-)
-from qmpprof.guest.base import GuestIdentifier, Identified
-from qmpprof.memo import Memo
-from qmpprof.memory import MAX_REFETCH, WINDOW, Reader, StackReader
-from qmpprof.model import NO_CPU, Mode, Process, Registers, Sample, Stack
-from qmpprof.pagecache import PageCache
+from qmpprof.budget import OverheadBudget
+from qmpprof.capture import Capture, Captured, StackUnwinder
+from qmpprof.errors import GuestHeldError, QmpprofError, UsageError
+from qmpprof.guest.base import GuestIdentifier
+from qmpprof.housework import Housework
+from qmpprof.memory import MAX_REFETCH, WINDOW, StackReader
+from qmpprof.model import Mode, Sample, Stack
+from qmpprof.offcpufiling import OffCpu, OffCpuFiling
+from qmpprof.pacing import Pacing
 from qmpprof.profile import Profile
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 
 Space = TypeVar("Space")
-Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
-T = TypeVar("T")
-HOUSEWORK_GRACE = 1.0  # seconds the end of a run waits for housekeeping under way
-# Under a budget the intervals aim at this share of it: the stopped share then moves around
-# that aim with the pauses, and stays under the budget itself.
-HEADROOM = 0.9
-
-
-class StackUnwinder(Protocol[Space_contra, Raw]):
-    """unwind() runs while stopped and may raise PageMissing; resolve() runs after cont.
-    ``kernel_boundary``: the instruction set's split, where the configuration gives none."""
-
-    @property
-    def kernel_boundary(self) -> int: ...
-
-    def unwind(self, regs: Registers, cache: PageCache, space: Space_contra) -> Raw: ...
-
-    def unplaced(self, raw: Raw, space: Space_contra) -> Sequence[int]:
-        """The user addresses of a walk that no code of ``space`` holds."""
-        ...
-
-    def resolve(self, raw: Raw, space: Space_contra) -> Stack: ...
-
-
-class OffCpu(Protocol):
-    """The tasks off CPU: ``look`` while the guest runs (its own schedule), ``samples`` after
-    each tick: those of the tasks not on a vCPU at that tick (its samples ``on_cpu``)."""
-
-    async def look(self, running: Callable[[], Awaitable[object]]) -> None:
-        """``running``: waits while the guest is stopped (awaited before each piece of work,
-        so that none of it runs inside a pause)."""
-        ...
-
-    async def quiet(self) -> None:
-        """Return when none of the look's reads is under way: the sampler stops the guest
-        only then (``running`` is cleared first: no read starts meanwhile)."""
-        ...
-
-    def samples(self, on_cpu: Sequence[Sample]) -> Sequence[Sample]:
-        """The tick's: the same objects from tick to tick while a task stands still (the
-        sampler knows their stacks by identity), their time the tick's, not theirs."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,19 +73,6 @@ class SamplerConfig:
             raise UsageError("the overhead budget must be a fraction in (0, 1)")
         if self.max_interval <= 0:
             raise UsageError("the longest interval must be positive")
-
-
-@dataclass(slots=True)
-class _Captured(Generic[Space, Raw]):
-    """One vCPU's state taken while stopped; turned into a Sample after cont."""
-
-    regs: Registers
-    time: float
-    mode: Mode
-    space: Space | None = None
-    process: Process | None = None
-    raw: Raw | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,33 +107,37 @@ class Sampler(Generic[Space, Raw]):
         self.unwinder = unwinder
         self.identifier = identifier
         self.config = config
-        self.stacks = StackReader(transport, config.window, config.max_refetch)
         self.boundary = (
             unwinder.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
         )
+        stacks = StackReader(transport, config.window, config.max_refetch)
+        self.capture = Capture(
+            transport, unwinder, identifier, stacks,
+            boundary=self.boundary, keep=config.keep, clock=clock,
+        )  # fmt: skip
         self.profile = Profile(interval_ms=config.interval * 1e3)
         self.stats = SamplerStats()
         self._clock = clock
         self._sleep = sleep
         self._rng = rng
         self._on_tick = on_tick
-        self._housekeeping = housekeeping
         self._off_cpu = off_cpu
-        self._off_cpu_ids: Memo[int, tuple[Sample, int | None]] = Memo()  # id(sample) ->
-        self._off_cpu_profile = self.profile  # the profile those ids are of
+        self._filing = OffCpuFiling(config.keep)
+        self.housework = Housework(housekeeping, None if off_cpu is None else off_cpu.look)
+        self.budget = OverheadBudget(config.interval, config.max_overhead, config.max_interval)
         self._held = 0.0  # run time the last tick waited for a look's read before its stop
         self._looked = False  # a look at every task before a run's first tick
-        self._running = asyncio.Event()  # cleared while the sampler holds the guest stopped
-        self._running.set()
-        self._housework: asyncio.Future[None] | None = None  # housekeeping under way
         self._stop_requested = False
         self._woken: asyncio.Event | None = None  # set by request_stop: the wait ends at once
         self._start = 0.0
         self._resumed = 0.0  # when the guest last ran again: the interval counts from there
-        self.interval = config.interval  # now: lengthened when pauses outgrow the budget
-        self._pause_avg: float | None = None  # recent pauses, exponentially weighted
         self.stats.requested_hz = 1 / config.interval
         self.stats.budget = config.max_overhead
+
+    @property
+    def interval(self) -> float:
+        """The interval in force: lengthened when pauses outgrow the budget."""
+        return self.budget.interval
 
     def take(self) -> tuple[Profile, SamplerStats]:
         """What was collected so far, handed over; the sampler goes on with a fresh profile and
@@ -225,38 +168,39 @@ class Sampler(Generic[Space, Raw]):
         if self._off_cpu is not None and not self._looked:
             # The first run's ticks need a look; a later run's (serve's, each second) have
             # the last one, and the next comes between ticks.
-            await self._off_cpu.look(self._running.wait)
+            await self._off_cpu.look(self.housework.running)
             self._looked = True
             self._start = self._clock()
         try:
             return await self._ticks(cpus)
         finally:
-            await self._housework_done()
+            await self.housework.finish()
 
     async def _ticks(self, cpus: Sequence[int]) -> RunOutcome:
         last: list[Sample] = []
         target = max(1, round(self.config.duration / self.config.interval))
         resumed = self._start
-        late = 0.0  # run time the last tick came late by: the next one comes that much sooner
-        while self.stats.ticks < target and not self._stop_requested and not self._budget_done():
-            interval = self._next_interval()
-            await self._wait(max(0.0, interval - late - (self._clock() - resumed)))
+        pacing = Pacing(self.config.jitter, self._rng)
+        duration = self.config.duration
+        while (
+            self.stats.ticks < target
+            and not self._stop_requested
+            and not self.budget.spent(self.stats.run_time, duration)
+        ):
+            await self._wait(pacing.wait(self.budget.interval, self._clock() - resumed))
             if self._stop_requested:
                 break
             ran = self._clock() - resumed
             self.stats.run_time += ran
-            # What the loop's own work between ticks (naming, housekeeping) and the sleep's
-            # wake-up added is made up at the next tick, at most one interval (no burst after a
-            # long stall): the rate in guest run time is the one asked.
-            late = min(max(0.0, late + ran - interval), interval)
+            pacing.ran(ran)
             last = await self._tick(cpus, stop=True)
-            late = min(late + self._held, interval)  # the guest ran on while the tick held
+            pacing.held(self._held)  # the guest ran on while the tick held
             resumed = self._resumed
-            self._adapt()
+            self.budget.adapt(self.stats.pauses[-1])
             if self._on_tick is not None:
                 self._on_tick(self.stats)
             if not self._stop_requested:
-                await self._start_housework()
+                await self.housework.start()
         return RunOutcome(True, tuple(last))
 
     async def _wait(self, seconds: float) -> None:
@@ -272,34 +216,6 @@ class Sampler(Generic[Space, Raw]):
             sleeping.cancel()
             woken.cancel()
 
-    async def _start_housework(self) -> None:
-        """Start the guest OS's housekeeping, unless the last one still runs, beside the sleep
-        to the next tick: it runs up to its first wait now, the rest while the sampler waits,
-        so that a long job (a process's mappings read over QMP) never holds the next tick
-        back. Its reads may meet a pause (then one of them delays it a little)."""
-        jobs = [self._housekeeping] if self._housekeeping is not None else []
-        if self._off_cpu is not None:
-            jobs.append(functools.partial(self._off_cpu.look, self._running.wait))
-        if not jobs or not (self._housework is None or self._housework.done()):
-            return
-        self._housework = asyncio.ensure_future(self._housekeep(jobs))
-        await asyncio.sleep(0)
-
-    @staticmethod
-    async def _housekeep(jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
-        for job in jobs:
-            with contextlib.suppress(QmpprofError):
-                await job()
-
-    async def _housework_done(self) -> None:
-        """The run ends with no housekeeping left running: what runs is let finish, a
-        second at most (then cancelled)."""
-        work, self._housework = self._housework, None
-        if work is None or work.done():
-            return
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(work, HOUSEWORK_GRACE)
-
     async def _select_cpus(self) -> tuple[int, ...]:
         present = await self.transport.cpus()
         if self.config.cpus is None:
@@ -309,86 +225,32 @@ class Sampler(Generic[Space, Raw]):
             raise UsageError(f"no vCPU {absent[0]} in this guest (it has {present})")
         return self.config.cpus
 
-    def _next_interval(self) -> float:
-        jitter = self.config.jitter
-        return self.interval * (1 + jitter * (2 * self._rng() - 1))
-
-    def _adapt(self) -> None:
-        """Under a budget, the next interval is long enough that pause / (pause + interval)
-        stays within HEADROOM of it, pauses being weighted towards the recent ones (across
-        ``take``: the weighting goes on from run to run); within [the asked interval,
-        ``max_interval``], lengthened when pauses grow and shortened again when they shrink."""
-        budget = self.config.max_overhead
-        if budget is None:
-            return
-        pause = self.stats.pauses[-1]
-        last = self._pause_avg
-        self._pause_avg = pause if last is None else 0.8 * last + 0.2 * pause
-        aim = budget * HEADROOM
-        needed = self._pause_avg * (1 - aim) / aim
-        ceiling = max(self.config.interval, self.config.max_interval)
-        self.interval = min(ceiling, max(self.config.interval, needed))
-
-    def _budget_done(self) -> bool:
-        # With a budget the tick count is not known in advance: the run ends by run time.
-        return self.config.max_overhead is not None and self.stats.run_time >= self.config.duration
-
     async def _tick(self, cpus: Sequence[int], *, stop: bool) -> list[Sample]:
         """One stop/capture/cont cycle, then everything that can wait until the guest runs."""
         began = self._clock()
         if stop:
-            self._running.clear()  # from now no look's read starts
-            try:
+            with self.housework.held():  # from now no look's read starts
                 if self._off_cpu is not None:
                     await self._off_cpu.quiet()  # one under way ends first, the guest running
                     self._held = self._clock() - began
                     self.stats.run_time += self._held
                     began = self._clock()
                 captured = await self._stopped(cpus)
-            finally:
-                self._running.set()
         else:
-            captured = await self._capture_all(cpus, stop=False)
+            captured = await self.capture.every_cpu(cpus, self.stats, self._start, stop=False)
         self.stats.pauses.append(self._clock() - began)
         self.stats.wall_time = self._clock() - self._start
         self.stats.ticks += 1
         samples = [s for s in map(self._finish, captured) if s is not None]
         if self._off_cpu is not None:
-            self._add_off_cpu(self._off_cpu.samples(samples), began - self._start)
+            at = began - self._start
+            self._filing.file(self._off_cpu.samples(samples), at, self.profile, self.stats)
         return samples
 
-    def _add_off_cpu(self, samples: Sequence[Sample], at: float) -> None:
-        """The tasks off CPU at ``at``, each by its stack's id, found once per sample object
-        and profile (hashing a task's frames at every tick was most of a tick's cost)."""
-        if self._off_cpu_profile is not self.profile:
-            self._off_cpu_profile = self.profile
-            self._off_cpu_ids.clear()
-        ids = self._off_cpu_ids
-        for sample in samples:
-            known = ids.get(id(sample))
-            # The entry holds the sample, so no other object can take its id meanwhile.
-            if known is None or known[0] is not sample:
-                known = ids.put(id(sample), (sample, self._off_cpu_id(sample)))
-            if known[1] is None:
-                self.stats.filtered += 1
-            else:
-                self.profile.add_at(at, NO_CPU, known[1])
-
-    def _off_cpu_id(self, sample: Sample) -> int | None:
-        """A task off CPU's stack id: under --kernel-only or --user-only, of the frames of that
-        mode (None: none)."""
-        keep = self.config.keep
-        if keep is not None:
-            frames = tuple(f for f in sample.stack.frames if f.kernel == (keep is Mode.KERNEL))
-            if not frames:
-                return None
-            sample = dataclasses.replace(sample, stack=Stack(frames, sample.stack.stop))
-        return self.profile.stack_id(sample)
-
-    async def _stopped(self, cpus: Sequence[int]) -> list[_Captured[Space, Raw]]:
+    async def _stopped(self, cpus: Sequence[int]) -> list[Captured[Space, Raw]]:
         """Stop, capture, cont."""
         try:
-            captured = await self._capture_all(cpus, stop=True)
+            captured = await self.capture.every_cpu(cpus, self.stats, self._start, stop=True)
         except GuestHeldError:
             raise  # the pause is another's: not ours to end
         except BaseException:
@@ -405,96 +267,7 @@ class Sampler(Generic[Space, Raw]):
         with contextlib.suppress(QmpprofError):
             await self.transport.cont()
 
-    async def _capture_all(self, cpus: Sequence[int], *, stop: bool) -> list[_Captured[Space, Raw]]:
-        """Stop, then every vCPU's registers. Measured on QEMU 7.2: sending stop together with
-        the register reads saves nothing (QEMU serves QMP commands one after the other, and
-        most of a command's cost is QEMU's), while the register reads of several vCPUs do gain
-        from going out together (QMP matches replies by id)."""
-        mark = self._clock()
-        if stop:
-            await self.transport.stop()
-            self._phase("stop", mark)
-            mark = self._clock()
-        results = await _together(
-            [self.transport.registers(cpu) for cpu in cpus], return_exceptions=True
-        )
-        self._phase("registers", mark)
-        taken: list[Registers] = []
-        for regs in results:
-            if isinstance(regs, TransportError):
-                self.stats.errors[f"registers: {regs}"] += 1
-            elif isinstance(regs, BaseException):
-                raise regs
-            elif isinstance(regs, Registers):
-                taken.append(regs)
-        captured = await _together([self._capture(regs) for regs in taken])
-        return [c for c in captured if isinstance(c, _Captured)]  # exceptions were raised
-
-    async def _capture(self, regs: Registers) -> _Captured[Space, Raw]:
-        mode = Mode.KERNEL if regs.pc >= self.boundary else Mode.USER
-        if regs.user != (mode is Mode.USER):
-            self.stats.mode_mismatch += 1
-        captured: _Captured[Space, Raw] = _Captured(regs, self._clock() - self._start, mode)
-        if self.config.keep is not None and mode is not self.config.keep:
-            return captured  # filtered after cont; no need to read its memory
-        cache, seen = PageCache(), PageCache()  # the stack's; what identify() reads
-        mark = self._clock()
-        try:
-            # The stack window and what identify() needs are independent: issued together.
-            # A refused identity read is retried (and counted) by identify() itself.
-            await self.stacks.prefetch(regs, cache, self.identifier.reads_for(regs), seen)
-            identity = await self.identifier.identify(self.transport, regs, seen)
-            walked = regs if identity.registers is None else identity.registers
-            if identity.memory is not None:  # user memory the vCPU does not show: read again
-                cache = cache.above(self.boundary)
-            captured.raw = await self._walk(captured, walked, cache, identity)
-            reread = identity.reread_mappings
-            lacking = () if reread is None else self.unwinder.unplaced(captured.raw, identity.space)
-            fresh = await reread(lacking) if reread is not None and lacking else None
-            if fresh is not None:  # user code mapped since its space was read: walked in it
-                if fresh.memory is not None and identity.memory is None:
-                    cache = cache.above(self.boundary)
-                identity = fresh
-                captured.raw = await self._walk(captured, walked, cache, identity)
-            if identity.memory is None:
-                self.stacks.learn(regs, cache)
-        except (GuestGoneError, KernelMismatchError):
-            raise  # the guest is gone, or the kernel file is not its kernel: the run ends
-        except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
-            captured.error = f"{type(err).__name__}: {err}"
-        self._phase("memory", mark)
-        return captured
-
-    async def _walk(
-        self,
-        captured: _Captured[Space, Raw],
-        regs: Registers,
-        cache: PageCache,
-        identity: Identified[Space],
-    ) -> Raw:
-        captured.process, captured.space = identity.process, identity.space
-        return await self._unwind(regs, cache, identity.space, identity.memory)
-
-    async def _unwind(
-        self, regs: Registers, cache: PageCache, space: Space, memory: Reader | None
-    ) -> Raw:
-        unwinds = 0.0  # time in unwind() proper: the rest of the memory phase is reading
-
-        def attempt() -> Raw:
-            nonlocal unwinds
-            mark = self._clock()
-            try:
-                return self.unwinder.unwind(regs, cache, space)
-            finally:
-                unwinds += self._clock() - mark
-
-        try:
-            return await self.stacks.complete(regs.cpu, cache, attempt, memory)
-        finally:
-            self.stats.phase_time["unwind"] += unwinds
-            self.stats.phase_time["memory"] -= unwinds  # counted once, as unwinding
-
-    def _finish(self, captured: _Captured[Space, Raw]) -> Sample | None:
+    def _finish(self, captured: Captured[Space, Raw]) -> Sample | None:
         """After cont: name the frames, filter, count, add to the profile."""
         if self.config.keep is not None and captured.mode is not self.config.keep:
             self.stats.filtered += 1
@@ -504,7 +277,7 @@ class Sampler(Generic[Space, Raw]):
             return None
         try:
             stack = self.unwinder.resolve(captured.raw, captured.space)
-        except Exception as err:  # as in _capture: counted, the run goes on
+        except Exception as err:  # as in the capture: counted, the run goes on
             self.stats.errors[f"resolve: {type(err).__name__}: {err}"] += 1
             return None
         if self.config.keep is Mode.KERNEL:
@@ -518,18 +291,3 @@ class Sampler(Generic[Space, Raw]):
 
     def _phase(self, name: str, since: float) -> None:
         self.stats.phase_time[name] += self._clock() - since
-
-
-async def _together(
-    calls: list[Coroutine[object, object, T]], *, return_exceptions: bool = False
-) -> list[T | BaseException]:
-    """asyncio.gather, except that a lone call is awaited directly: gather wraps each call in
-    a task, which costs event-loop turns in the middle of the guest's pause."""
-    if len(calls) != 1:
-        return list(await asyncio.gather(*calls, return_exceptions=return_exceptions))
-    try:
-        return [await calls[0]]
-    except Exception as err:
-        if not return_exceptions:
-            raise
-        return [err]

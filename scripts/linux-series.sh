@@ -12,12 +12,17 @@
 #   arm64-6.1   fixtures/build/linux-arm64-6.1  linux-image-6.1.0-N-arm64          bookworm (arm64)
 #   arm64-6.12  fixtures/build/linux-arm64      linux-image-6.12.N+deb12-arm64     bookworm (arm64)
 #
+# and the arm64 kernel whose code the unit tests read but no test boots yet (AARCH64_READ_SERIES:
+# no test module is built for it, and bookworm's cross compiler and host kbuild are not its own):
+#
+#   arm64-7     fixtures/build/linux-arm64-7    linux-image-7.M.N+debNN-arm64      unstable (arm64)
+#
 # and the riscv64 kernel the riscv64 tests boot (RISCV64_SERIES; scripts/build-riscv64-guest):
 #
 #   riscv64-6.12  fixtures/build/linux-riscv64  linux-image-6.12.N+deb13-riscv64   trixie (riscv64)
 #
 # Only the generic flavour (not -cloud-amd64, -rt-amd64, -rt-arm64, -16k-arm64). An arm64 series is read through a
-# private apt state of bookworm with apt's architecture set to arm64 (series_arch).
+# private apt state of its suite with apt's architecture set to arm64 (series_arch).
 #
 # Only the generic amd64 flavour (not -cloud-amd64, -rt-amd64). A suite other than the host's is
 # read through a private apt state, one per suite and architecture shared by every script
@@ -28,6 +33,7 @@
 
 LINUX_SERIES="6.12 6.1 5.10 7"
 AARCH64_SERIES="arm64-6.1 arm64-6.12"
+AARCH64_READ_SERIES="arm64-7"
 RISCV64_SERIES="riscv64-6.12"
 
 # series_use SERIES: sets series_dir, series_pattern (an ERE for the image package's name),
@@ -55,6 +61,11 @@ series_use() {
     arm64-6.12)
         series_dir=fixtures/build/linux-arm64 series_pattern='^linux-image-6\.12\.[0-9]+\+deb12-arm64$'
         series_suite=bookworm series_arch=arm64
+        ;;
+    arm64-7)
+        series_dir=fixtures/build/linux-arm64-7
+        series_pattern='^linux-image-7\.[0-9]+\.[0-9]+(\+deb[0-9]+|-[0-9]+)-arm64$'
+        series_suite=unstable series_arch=arm64
         ;;
     riscv64-6.12)
         # riscv64 became an official Debian architecture with trixie (bookworm has no riscv64).

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERIES = {
     "6.1": ROOT / "fixtures" / "build" / "linux-arm64-6.1",
     "6.12": ROOT / "fixtures" / "build" / "linux-arm64",
+    "7": ROOT / "fixtures" / "build" / "linux-arm64-7",
 }
 WORKLOAD_LINE = "qmpprof-aarch64: workload running"
 _DUMP = re.compile(r"qmpprof-aarch64: kallsyms begin\r?\n(.*?)qmpprof-aarch64: kallsyms end", re.S)

@@ -7,7 +7,9 @@ calls decoded, and the frame-record walk over hand-made chains."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 from test_unwind_chain import memory
@@ -15,9 +17,12 @@ from test_unwind_chain import memory
 from qmpprof import arch
 from qmpprof.arch.aarch64 import AARCH64, tnsz
 from qmpprof.arch.aarch64regs import AArch64Formats, aarch64_registers
+from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
+from qmpprof.dwarf.program import RegRule
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers, StopReason
 from qmpprof.unwind.chain import AddressSpace, Unwinder, Via
+from qmpprof.unwind.steps import CfiStep
 
 DATA = Path(__file__).parent / "data" / "hmp"
 FORMATS = AArch64Formats()
@@ -112,6 +117,32 @@ def test_pac_stripped_by_the_translation_settings() -> None:
     a52 = AARCH64.translated({"TCR_EL1": 12 | 12 << 16})
     assert a52.return_address(0x8AF5_A735_938D_5AC4) == 0xFFF5_A735_938D_5AC4
     assert a52.return_address(0x0A05_0000_0040_1000) == 0x5_0000_0040_1000
+
+
+class OneRow:
+    """A CFI table of one row, for every pc."""
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+
+    def row_for(self, pc: int) -> Rule:
+        return self.rule
+
+
+def test_a_user_return_address_signed_in_a_cfi_row_is_stripped() -> None:
+    # Issue 35: unstable's liblzma (PAC on) saved x30 signed; the CFI step gave it as the pc.
+    # x29 at CFA-32, x30 at CFA-24 (stp x29, x30, [sp, #-32]!), by the fast path and the
+    # general one.
+    a48 = AARCH64.translated({"TCR_EL1": TCR_48})
+    sp, signed = 0xFFFF_E2A0_1000, 0x0010_FFFF_B8D3_74B0
+    words = {sp: 0xFFFF_E2A0_1100, sp + 8: signed}
+    saved = ((29, RegRule(Kind.OFFSET, -32)), (30, RegRule(Kind.OFFSET, -24)))
+    fast = Rule(0, 1 << 48, 31, 32, None, saved, 30, False, ((29, -32), (30, -24)))
+    for rule in (fast, replace(fast, saved_at=None)):
+        step = CfiStep(cast(CfiTable, OneRow(rule)), 0, a48)
+        found = step.step({31: sp, 32: 0xAAAA_0000_1234}, 0xAAAA_0000_1234, True, memory(words))
+        assert isinstance(found, tuple)
+        assert found[0][32] == 0xFFFF_B8D3_74B0 and found[0][31] == sp + 32
 
 
 def test_without_translation_settings_only_plain_addresses_pass() -> None:

@@ -14,7 +14,15 @@ from test_arch_aarch64 import TCR_48, kregs
 from test_unwind_chain import memory
 
 from qmpprof.arch.aarch64 import AARCH64
-from qmpprof.arch.aarch64code import LR, PROLOGUES, branch_target, is_eret, is_jump, sets_fp
+from qmpprof.arch.aarch64code import (
+    LR,
+    PROLOGUES,
+    branch_target,
+    is_eret,
+    is_jump,
+    pair_stored_at,
+    sets_fp,
+)
 from qmpprof.arch.base import PrologueRule
 from qmpprof.dwarf.cfi import Kind
 from qmpprof.elf.image import ElfImage
@@ -208,6 +216,13 @@ def test_exception_code_s_instructions_are_decoded() -> None:
     assert branch_target(0x9400042A, at) is None  # bl: a call, not a branch to a handler
     assert sets_fp(0x9104C3FD) == 0x130  # add x29, sp, #0x130
     assert sets_fp(0x9104C3FC) is None  # add x28, sp, #0x130
+    # The record a kernel-mode handler stores: 6.12's stp x29, x22, [sp, #0x130], 7.2's stp
+    # xzr, xzr, [sp, #0x128]; elsewhere, pre-indexed, or not on sp: not such a store.
+    assert pair_stored_at(0xA9135BFD, 0x130) == (29, 22)
+    assert pair_stored_at(0xA912FFFF, 0x128) == (31, 31)
+    assert pair_stored_at(0xA912FFFF, 0x130) is None
+    assert pair_stored_at(0xA9BE7BFD, -32) is None  # stp x29, x30, [sp, #-32]!
+    assert pair_stored_at(0xA912FC1F, 0x128) is None  # stp xzr, xzr, [x0, #0x128]
     assert is_eret(0xD69F03E0) and not is_eret(0xD65F03C0)  # eret, ret
     jumps = (0x1400042A, 0xD61F03C0, 0xD65F03C0, 0xD69F03E0, 0xD4210000)  # b, br, ret, eret, brk
     assert all(map(is_jump, jumps))

@@ -211,6 +211,7 @@ async def test_the_readme_quotes_what_qmpprof_says_when_qemu_goes_away() -> None
         (["--jitter", "2"], "--jitter must be a fraction"),
         (["--transport", "gdb"], "--transport gdb needs --gdb"),
         (["--gdb", "h:1", "--transport", "qmp"], "--gdb needs --transport gdb"),
+        (["--connect", "qemu:///system"], "--connect needs --domain NAME"),
         (["--os", "linux"], "--os linux needs --kernel"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--format", "pdf", "-o", "x.pdf"], "unknown format 'pdf'"),

@@ -40,7 +40,7 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
     assert [len(c) for c in cells] == [len(ARM64_COLUMNS)] * 2
     assert cells[1][2].startswith("zboot (zstd22) (") and cells[1][3] == "4 KiB"
     assert cells[0][6] == "RELA 187 633"
-    assert "exception" not in cells[0][-1]
+    assert "exception model: pt_regs 336 bytes, record at 0x130: {x29, pc}" in cells[0][-1]
     unread = markdown_arm64([{"path": "x", **rows[0], "image": facts | {"exception_code": False}}])
     assert "no exception model" in unread
     assert cells[0][9].startswith("`_einittext+")  # __entry_task: 6.1's kallsyms name no data

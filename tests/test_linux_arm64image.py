@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import gzip
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import zstandard
 from aarch64vm import image
+from fakes import FakeTransport
 from test_linux_bzimage import COMPRESSORS, size_append
 
 from qmpprof.arch.aarch64 import AARCH64
@@ -26,10 +28,14 @@ from qmpprof.linux.aarch64 import kernelimage as arm64image
 from qmpprof.linux.aarch64 import relr as arm64relr
 from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_image, is_arm64_kernel
+from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
+from qmpprof.linux.aarch64.running import slide_by_vectors
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.linux.running.guest import Layouts
 from qmpprof.linux.running.offcpu import OffCpuLayout
 from qmpprof.linux.taskstates import task_state_array
+from qmpprof.model import Registers
+from qmpprof.pagecache import PAGE, page_of
 
 pytestmark = pytest.mark.linux
 
@@ -316,3 +322,48 @@ def test_a_huge_image_size_does_not_make_the_relr_search_long() -> None:
     struct.pack_into("<Q", data, 0x8010, 0x1234)
     with pytest.raises(KernelImageError, match="fit 0 link addresses"):
         elf_of_image(bytes(data), "bad")
+
+
+class VectorBase(FakeTransport):
+    """vCPUs at EL0 whose VBAR_EL1 is ``vbar`` (None: a transport without system registers),
+    the kernel's memory ``pages`` seen through them."""
+
+    def __init__(self, vbar: int | None, pages: dict[int, bytes]) -> None:
+        user = Registers(0, "aarch64", 0x40_1000, 0x7FFF_F000, 0, True, 0)
+        super().__init__({0: user, 1: replace(user, cpu=1)}, pages)
+        self.vbar = vbar
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        self.calls.append(f"system_registers:{cpu}")
+        return {} if self.vbar is None else {"VBAR_EL1": self.vbar}
+
+
+async def test_the_slide_of_a_guest_paused_at_el0_comes_from_its_vector_base() -> None:
+    # Issue 35: every vCPU at EL0, no pc in the kernel to find the banner from. VBAR_EL1 holds
+    # where the kernel put ``vectors`` in every mode; the banner there confirms it.
+    kernel = LinuxKernel.load(image("6.12"))
+    vectors = kernel.symbols.address_of("vectors")
+    found = bannerslide.banner(kernel.image)
+    assert vectors is not None and found is not None
+    link, text = found
+    slide = 0x3A3A_C120_0000
+    pages = {}
+    for page in range(page_of(link + slide), link + slide + len(text), PAGE):
+        data = bytearray(PAGE)
+        for at in range(max(page, link + slide), min(page + PAGE, link + slide + len(text))):
+            data[at - page] = text[at - link - slide]
+        pages[page] = bytes(data)
+    guest = VectorBase(vectors + slide, pages)
+    assert await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest) == slide
+    assert guest.calls.count("system_registers:0") == 1 and "registers:0" not in guest.calls
+    # A vCPU at EL0 that sees no kernel (E0PD, KPTI: nothing reads): the vector base alone.
+    unseen = VectorBase(vectors + slide, {})
+    assert await slide_by_vectors(unseen, unseen, kernel, AARCH64) == slide
+    # Another banner there, a base no slide gives (KPTI's trampoline alias), no register.
+    other_banner = {page: data.replace(b"Linux", b"Linus") for page, data in pages.items()}
+    for other in (
+        VectorBase(vectors + slide, other_banner),
+        VectorBase(0xFFFF_FFFF_FFFF_0800, pages),
+        VectorBase(None, pages),
+    ):
+        assert await slide_by_vectors(other, other, kernel, AARCH64) is None

@@ -345,7 +345,7 @@ async def test_a_failed_read_that_says_how_far_it_got_is_not_read_again() -> Non
     transport.calls.clear()
     del transport.pages[rsp_page + 0x1000]  # the upper page is gone (the mapping changed)
     again = make(transport, window=16 * 1024, duration=0.02)
-    again.stacks = sampler.stacks
+    again.capture.stacks = sampler.capture.stacks
     await again.run()
     reads = [c for c in transport.calls if c.startswith("read")]
     # The window fails past RSP's page but says how far it read: no second pass page by
@@ -378,7 +378,7 @@ async def test_the_window_is_cut_to_the_bytes_walks_needed_and_grows_on_demand()
     for expected_reads in (2, 1):  # on demand once, then within the window
         transport.calls.clear()
         again = make(transport, window=16 * 1024)
-        again.stacks = sampler.stacks
+        again.capture.stacks = sampler.capture.stacks
         outcome = await again.run(one_shot=True)
         assert outcome.last[0].stack.stop is StopReason.END
         reads = [c for c in transport.calls if c.startswith("read")]

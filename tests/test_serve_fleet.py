@@ -22,9 +22,9 @@ from linuxvm import ROOTFS, running_linux_guest
 from test_output_pprof import decode
 from test_serve import Served, filled_vm, get, parse_prometheus, serve_command, wait_until
 
+from qmpprof.budget import HEADROOM
 from qmpprof.cli import main
 from qmpprof.cli.serve import parse
-from qmpprof.sampler import HEADROOM
 from qmpprof.serve import views
 from qmpprof.session import RunSpec, load
 

@@ -78,6 +78,8 @@ def test_the_full_plan_still_sets_up_everything(tmp_path: Path) -> None:
     assert packages(lines) == DEMO_PACKAGES | {
         "qemu-system-arm", "gdb-multiarch", "gcc-aarch64-linux-gnu", "gdb", "golang-go",
         "dwarves", "bpftool", "qemu-system-misc", "debuginfod", "tmux",
+        "libvirt-daemon", "libvirt-clients", "pkg-config", "libvirt-dev",
+        "libvirt-daemon-driver-qemu",
     }  # fmt: skip
     series = ["6.12", "6.1", "5.10", "7", "arm64-6.1", "arm64-6.12", "riscv64-6.12"]
     assert [line.removeprefix("run: ") for line in lines if line.startswith("run: ")] == [
@@ -85,7 +87,9 @@ def test_the_full_plan_still_sets_up_everything(tmp_path: Path) -> None:
         ".venv/bin/pip install -q --disable-pip-version-check -e .[dev]",
         "scripts/setup-browser",
         "scripts/build-fixtures",
-        *(f"scripts/fetch-linux {s}" for s in series),
+        *(f"scripts/fetch-linux {s}" for s in series[:6]),
+        "scripts/fetch-linux arm64-7",  # read by the unit tests, not booted
+        "scripts/fetch-linux riscv64-6.12",
         # the guests' builds beside the downloads that follow (run in line under --dry-run)
         "scripts/build-aarch64-guest",
         "scripts/build-riscv64-guest",

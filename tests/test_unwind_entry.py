@@ -11,6 +11,7 @@ themselves), changed code giving none; and the Linux guest reading the exception
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 import pytest
@@ -61,7 +62,7 @@ OUTER = KSTACK + 0x800  # the outermost record: [0, 0]
 ARCH = AARCH64.translated({"TCR_EL1": TCR_48})
 
 
-def space(slide: int = 0) -> AddressSpace:
+def space(slide: int = 0, entry: EntryCode = ENTRY) -> AddressSpace:
     text = F + bytes(0x2000 - len(F))
     symbols = SymbolTable(
         [Symbol(BASE, len(F), "f"), Symbol(HANDLER, 0x68, "el1h_64_irq"),
@@ -69,16 +70,19 @@ def space(slide: int = 0) -> AddressSpace:
     )  # fmt: skip
     module = Module.build(
         Mapping("vmlinux", BASE + slide, BASE + slide + 0x2000, True, slide), ARCH, code=text,
-        code_addr=BASE, symbols=symbols, entry=ENTRY,
+        code_addr=BASE, symbols=symbols, entry=entry,
     )  # fmt: skip
     return AddressSpace([module])
 
 
-def walk(pc: int, sp: int, fp: int, words: dict[int, int], **gprs: int) -> RawStack:
+def walk(
+    pc: int, sp: int, fp: int, words: dict[int, int], entry: EntryCode = ENTRY, **gprs: int
+) -> RawStack:
     regs = kregs(pc, sp, fp)
     numbers = {"elr": ELR, "sp_el0": SP_EL0, "x30": LR}
     regs.gprs.update({numbers[name]: value for name, value in gprs.items()})
-    return Unwinder(ARCH).unwind(regs, memory(words | {OUTER: 0, OUTER + 8: 0}), space())
+    words |= {OUTER: 0, OUTER + 8: 0}
+    return Unwinder(ARCH).unwind(regs, memory(words), space(entry=entry))
 
 
 @pytest.mark.parametrize("pc", [VECTORS + 0x480, VECTORS + 0x600, BASE + 0x1300, BASE + 0x13FC])
@@ -151,6 +155,29 @@ def test_a_handler_s_record_leads_into_the_saved_registers() -> None:
     assert raw.stop is StopReason.END
 
 
+def test_a_handler_s_zeroed_record_leads_into_the_saved_registers() -> None:
+    # From 6.13 the kernel-mode handlers zero their record (EntryCode.linked False): pt_regs is
+    # found from the record's address, as above.
+    frame = KSTACK + 0x40
+    f_sp = frame + PT_REGS.size + 0x40
+    record = frame + PT_REGS.record
+    words = pt_regs(frame, BASE + 16, f_sp, OUTER, 0) | {record: 0, record + 8: 0}
+    words |= {f_sp: OUTER, f_sp + 8: CALLER}
+    words |= {KSTACK + 0x10: record, KSTACK + 0x18: HANDLER + 0x64}
+    zeroed = replace(ENTRY, linked=False)
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, zeroed, x30=BASE + 0x1000)
+    assert raw.pcs == (BASE + 0x1000, HANDLER + 0x64, BASE + 16, CALLER)
+    assert raw.via == (Via.REGS, Via.FRAME_POINTER, Via.ENTRY, Via.PROLOGUE)
+    # Read as a record holding the pc (6.12's model), the zeroed one is the stack's end: the
+    # stop at el1h_64_* of issue 35; a record not zeroed is no saved frame for 6.13's model.
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, x30=BASE + 0x1000)
+    assert raw.pcs == (BASE + 0x1000, HANDLER + 0x64) and raw.stop is StopReason.END
+    words |= {record: OUTER, record + 8: BASE + 16}
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, zeroed, x30=BASE + 0x1000)
+    assert raw.pcs[:3] == (BASE + 0x1000, HANDLER + 0x64, BASE + 16)
+    assert raw.via[2] is Via.FRAME_POINTER
+
+
 def test_interrupted_in_a_handler_before_its_record_the_registers_are_the_cpu_s() -> None:
     raw = walk(HANDLER, KSTACK, OUTER, {}, elr=BASE, x30=CALLER)
     assert raw.pcs == (HANDLER, BASE, CALLER) and raw.via[1] is Via.ENTRY
@@ -188,14 +215,18 @@ def test_a_user_mode_handler_s_saved_frame_hands_over_to_the_user_code() -> None
         assert raw.pcs == (BASE + 0x1000, BASE + 0x1310) and raw.stop is StopReason.END
 
 
-@pytest.mark.parametrize("series", ["6.1", "6.12"])
+@pytest.mark.parametrize("series", ["6.1", "6.12", "7"])
 def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None:
     # From 5.12 the handlers' names say what their code says: the model read from the code
     # is the one those names give (el1h_64_*, el0t_*, ret_to_user, ret_to_kernel).
     kernel = LinuxKernel.load(image(series))
     entry = entry_code(kernel)
-    assert entry is not None
-    assert entry.frame == PT_REGS  # pt_regs from BTF: the same in 6.1 and 6.12
+    assert isinstance(entry, EntryCode)
+    # pt_regs from BTF: the same in 6.1 and 6.12; 7.x's record (a zeroed one, then its type)
+    # moved 8 bytes down and the frame is 16 bytes smaller.
+    moved = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
+    assert entry.frame == (moved if series == "7" else PT_REGS)
+    assert entry.linked is (series != "7")  # 7.x's handlers zero the record (from 6.13)
     vectors = kernel.symbols.address_of("vectors")
     assert vectors is not None
     named = {name: (start, end) for start, end, name in kernel.functions.items()}
@@ -273,10 +304,13 @@ WORDS_510 = {
     0xFD4: 0x1400000B,  # el0_fiq_invalid_compat: b +0x130
     0x1028: 0x9104C3FD,  # el0_fiq_invalid_compat: add x29, sp, #0x130
     0x105C: 0xD4210000,  # el0_fiq_invalid_compat: brk #0x800
+    0x11E8: 0xA9135BFD,  # el1_fiq_invalid: stp x29, x22, [sp, #0x130]
     0x11EC: 0x9104C3FD,  # el1_fiq_invalid: add x29, sp, #0x130
     0x1218: 0xD4210000,  # el1_fiq_invalid: brk #0x800
+    0x1320: 0xA9135BFD,  # el1_sync: stp x29, x22, [sp, #0x130]
     0x1324: 0x9104C3FD,  # el1_sync: add x29, sp, #0x130
     0x13BC: 0xD69F03E0,  # el1_sync: eret
+    0x1460: 0xA9135BFD,  # el1_irq: stp x29, x22, [sp, #0x130]
     0x1464: 0x9104C3FD,  # el1_irq: add x29, sp, #0x130
     0x154C: 0xD69F03E0,  # el1_irq: eret
     0x1664: 0x14000007,  # el0_sync: b +0x100
@@ -299,6 +333,7 @@ WORDS_510 = {
     0x1D00: 0x1400000B,  # el0_irq: b +0x12c
     0x1D54: 0x9104C3FD,  # el0_irq: add x29, sp, #0x130
     0x1DC8: 0x140000AA,  # el0_irq_naked: b ret_to_user
+    0x1E2C: 0xA9135BFD,  # el1_error: stp x29, x22, [sp, #0x130]
     0x1E30: 0x9104C3FD,  # el1_error: add x29, sp, #0x130
     0x1ED0: 0xD69F03E0,  # el1_error: eret
     0x1FC0: 0x14000007,  # el0_error: b +0x100
@@ -360,6 +395,9 @@ def test_bullseye_510_s_exception_code_is_read_from_its_code() -> None:
         (0x218, NOP_WORD),  # el1_sync's entry without its branch
         (0x424, 0x14000458),  # el0_sync's entry branching to no function's start
         (0x1464, 0x910483FD),  # el1_irq: add x29, sp, #0x120, not pt_regs' record
+        (0x1320, NOP_WORD),  # el1_sync: nothing stored in its record
+        (0x1460, 0xA913FFFF),  # el1_irq: stp xzr, xzr (zeroed where the others link it)
+        (0x1460, 0xA9135BE0),  # el1_irq: stp x0, x22, not x29 and the pc
         (0x1DC8, 0x910003E0),  # el0_irq_naked: mov x0, sp, going on into el1_error
     ],
 )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import struct
 
+from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.running.image import target_kind
@@ -186,7 +188,7 @@ def test_runtime_addresses_under_a_slide() -> None:
     slide = 0x3A0_0000
     code = Code("caller", "t", "f")
     ra = code.put("caller", ("call", "ra", "t"), RET)["ra"]
-    site = code.put("t", ("jmp", "site", "f"))["site"]
+    site = code.put("t", PUSH_RBX, POP_RBX, ("jmp", "site", "f"))["site"]
     chain = code.finder(bias=slide).between(ra + slide, code.at("f") + slide)
     assert chain.pcs == (site + slide,)
 
@@ -196,7 +198,7 @@ def test_a_walked_stack_gets_its_tail_call_frames() -> None:
     caller (a trap frame's pc) nothing is searched: it called nothing."""
     code = Code("caller", "t", "f", "outer")
     ra = code.put("caller", ("call", "ra", "t"), RET)["ra"]
-    site = code.put("t", ("jmp", "site", "f"))["site"]
+    site = code.put("t", PUSH_RBX, POP_RBX, ("jmp", "site", "f"))["site"]
     code.put("f", RET)
     finder = code.finder()
     leaf = code.at("f")
@@ -206,6 +208,49 @@ def test_a_walked_stack_gets_its_tail_call_frames() -> None:
     assert pcs == (leaf, site, ra, code.at("outer") + 4)
     assert exact == (True, False, False, True)
     assert [c.outcome if c else None for c in chains] == [Outcome.FOUND, None, None]
+
+
+ENDBR64 = b"\xf3\x0f\x1e\xfa"  # endbr64
+NOP5 = b"\x0f\x1f\x44\x00\x00"  # nopl 0x0(%rax,%rax,1): ftrace's
+
+
+def test_a_function_that_is_only_a_jump_is_never_a_frame() -> None:
+    """arm64's memset is ``bti c; b __pi_memset_generic`` (issue 35): gdb has no frame for it,
+    called or jumped through; a jumper that does something before its jump stays one."""
+    code = Code("caller", "memset", "t", "f")
+    ra = code.put("caller", ("call", "ra", "memset"), RET)["ra"]
+    code.put("memset", ENDBR64, NOP5, ("jmp", "site", "f"))
+    chain = code.finder().between(ra, code.at("f"))
+    assert chain.pcs == () and chain.outcome is Outcome.FOUND
+    # Through it: caller -> t (its frame) -> memset (none) -> f.
+    code = Code("caller", "t", "memset", "f")
+    ra = code.put("caller", ("call", "ra", "t"), RET)["ra"]
+    site = code.put("t", PUSH_RBX, POP_RBX, ("jmp", "site", "memset"))["site"]
+    code.put("memset", ("jmp8", "site", "f"), PUSH_RBX, ("jmp", "after", "caller"))
+    assert code.finder().between(ra, code.at("f")).pcs == (site,)
+
+
+def test_jump_only_is_read_on_every_instruction_set() -> None:
+    def words(*insns: int) -> bytes:
+        return b"".join(i.to_bytes(4, "little") for i in insns)
+
+    # bti c; b .+0x40; then code that is not reached from the start
+    assert AARCH64.jump_only(words(0xD503245F, 0x14000010, 0xAA0003E8))
+    assert AARCH64.jump_only(words(0x14000010))  # b
+    assert not AARCH64.jump_only(words(0xAA0003E8, 0x14000010))  # mov x8, x0; b
+    assert not AARCH64.jump_only(words(0xD503245F, 0x94000010))  # bti c; bl
+    assert not AARCH64.jump_only(words(0xD503245F, 0xD61F0200))  # bti c; br x16
+    assert not AARCH64.jump_only(words(0xD503245F))
+    # nop; c.nop; j .; then c.j; addi a0, a0, 1 first; jal ra (a call)
+    assert RISCV64.jump_only(words(0x13) + b"\x01\x00" + words(0x6F))
+    assert RISCV64.jump_only(b"\x01\xa0")  # c.j .
+    assert not RISCV64.jump_only(words(0x00150513, 0x6F))
+    assert not RISCV64.jump_only(words(0x13, 0xEF))
+    assert X86_64.jump_only(ENDBR64 + NOP5 + jmp(0, 0x40) + b"\xcc")
+    assert X86_64.jump_only(jmp8(0, 0x10))
+    assert not X86_64.jump_only(PUSH_RBX + jmp(1, 0x40))
+    assert not X86_64.jump_only(ENDBR64 + b"\xff\xe0")  # jmp *%rax
+    assert not X86_64.jump_only(ENDBR64 + call(4, 0x40))
 
 
 def test_linux_names() -> None:

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.aarch64code import PROLOGUES, signed
+from qmpprof.arch.aarch64code import PROLOGUES, is_hint, signed
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
@@ -165,6 +165,11 @@ class AArch64:
             if target is not None:
                 out.append((here + 4, None if target < 0 else target & _MASK))
         return out
+
+    def jump_only(self, code: bytes) -> bool:
+        words = (int.from_bytes(code[at : at + 4], "little") for at in range(0, len(code) - 3, 4))
+        first = next((insn for insn in words if not is_hint(insn)), None)
+        return first is not None and first >> 26 == 0b000101  # B imm26
 
 
 def _branch_target(insn: int, here: int) -> int | None:

@@ -92,6 +92,13 @@ def sets_fp(insn: int) -> int | None:
     return add_imm(insn) if _is_add(insn, FP, SP) else None
 
 
+def pair_stored_at(insn: int, offset: int) -> tuple[int, int] | None:
+    """(Rt, Rt2) of ``stp xt, xt2, [sp, #offset]`` (31: xzr); None for any other instruction."""
+    if _pair(insn) != ("stp", offset):
+        return None
+    return insn & 0x1F, (insn >> 10) & 0x1F
+
+
 def _is_add(insn: int, rd: int, rn: int) -> bool:
     """ADD (immediate), 64-bit, ``rd`` from ``rn`` (``mov x29, sp`` is ``add x29, sp, #0``)."""
     return insn & 0xFF80_0000 == 0x9100_0000 and insn & 0x3FF == rn << 5 | rd

@@ -224,6 +224,12 @@ class InstructionSet(Protocol):
         indirect one); calls are not jumps."""
         ...
 
+    def jump_only(self, code: bytes) -> bool:
+        """Whether ``code`` (a function, from its start) does nothing but jump: landing pads
+        and no-ops, then an unconditional direct jump (arm64's ``memset``: ``bti c; b
+        __pi_memset_generic``); what follows the jump is not reached from the start."""
+        ...
+
 
 class RegisterFormats(Protocol):
     """How QEMU prints one target family's registers."""

@@ -186,5 +186,17 @@ class RiscV64:
             at += size
         return out
 
+    def jump_only(self, code: bytes) -> bool:
+        at = 0
+        while at + 2 <= len(code):
+            insn = word(code, at)
+            if insn is None:
+                return False
+            kind, rd, _, _ = decode(insn)
+            if kind not in ("addi", "write") or rd != 0:  # a write to x0 is a no-op (nop)
+                return kind == "jal" and rd == 0  # j: jal x0
+            at += length(code, at)
+        return False
+
 
 RISCV64 = RiscV64()

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
-from qmpprof.arch.x86code import analyzer, branches, scanner
+from qmpprof.arch.x86code import analyzer, branches, jump_only, scanner
 from qmpprof.arch.x86scan import function_starts, is_call_before
 from qmpprof.model import Registers
 
@@ -136,6 +136,9 @@ class X86:
 
     def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:
         return branches(self.address_size, code, addr)
+
+    def jump_only(self, code: bytes) -> bool:
+        return jump_only(self.address_size, code)
 
 
 # x86-64 psABI figure 3.36; i386 psABI (SCO numbering, as gcc and gdb use it).

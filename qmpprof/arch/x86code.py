@@ -199,6 +199,16 @@ def scanner(word: int) -> ReturnScanner:
 _CONDITIONS = ("a", "ae", "b", "be", "e", "ne", "g", "ge", "l", "le", "o", "no", "p", "np",
                "s", "ns")  # fmt: skip
 _JUMPS = frozenset(["jmp", *(f"j{c}" for c in _CONDITIONS)])
+_PADS = frozenset(["nop", "endbr64", "endbr32"])
+
+
+def jump_only(word: int, code: bytes) -> bool:
+    """Whether ``code`` starts with no-ops and landing pads (``endbr64``), then a direct
+    ``jmp``."""
+    for _, _, mnemonic, op_str in analyzer(word).disasm(code, 0):
+        if mnemonic not in _PADS:
+            return mnemonic == "jmp" and op_str.startswith("0x")
+    return False
 
 
 def branches(word: int, code: bytes, addr: int) -> list[tuple[int, int | None]]:

@@ -82,7 +82,7 @@ def _profile(args: list[str]) -> int:
     # the cheap checks first, and all before the guest is touched.
     opts = options.parse(args)
     spec = opts.spec
-    if spec.reach.transport != "gdb" and spec.reach.qmp_tcp is None:
+    if spec.reach.transport != "gdb" and spec.reach.qmp_tcp is None and spec.reach.domain is None:
         check_socket(spec.reach.qmp_socket)
     outputs.check(opts.outputs, opts.fmt)
     options.check_files(spec)

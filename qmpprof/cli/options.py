@@ -212,7 +212,11 @@ def parser() -> argparse.ArgumentParser:
         help="auto (the default): on a local QMP socket, a private gdbstub qmpprof opens over "
              "QMP and removes at the end (falls back to QMP, --verbose says why); private-gdb: "
              "as auto on a local QMP socket; qmp: QMP and HMP only; gdb: the gdbstub at "
-             "--gdb")  # fmt: skip
+             "--gdb; libvirt: --domain's monitor, through libvirt")  # fmt: skip
+    add("--domain", metavar="NAME",
+        help="a running libvirt domain, reached through libvirt's QEMU monitor passthrough "
+             "(libvirt marks the domain tainted: custom-monitor)")  # fmt: skip
+    add("--connect", metavar="URI", help="libvirt's URI for --domain (default: as virsh takes it)")
     add("--gdb", metavar="HOST:PORT",
         help="a gdbstub the VM already has (implies --transport gdb)")  # fmt: skip
     add("--memory", choices=("auto", "memsave", "hmp"), default="auto",
@@ -269,6 +273,8 @@ def options_of(ns: argparse.Namespace) -> Options:
         raise UsageError("--transport gdb needs --gdb HOST:PORT")
     if ns.gdb and transport != "gdb":
         raise UsageError(f"--gdb needs --transport gdb, not {transport}")
+    if ns.connect and not ns.domain:
+        raise UsageError("--connect needs --domain NAME")
     outputs = outputs_of(ns)
     # A saved profile keeps source lines, so that it can be rendered with --lines later; pprof
     # makes its own line views from them.
@@ -280,6 +286,8 @@ def options_of(ns: argparse.Namespace) -> Options:
             gdb=ns.gdb,
             transport=transport,
             memory=ns.memory,
+            domain=ns.domain,
+            connect=ns.connect,
         ),
         **guest_fields(ns),
         lines=ns.lines or with_lines,

@@ -77,3 +77,4 @@ def _described(addresses: frozenset[Address]) -> str:
 register(kinds.GdbKind())
 register(kinds.PrivateGdbKind())
 register(kinds.QmpKind())
+register(kinds.LibvirtKind())

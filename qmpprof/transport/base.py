@@ -88,6 +88,7 @@ class Address(enum.Enum):
     QMP_SOCKET = "a QMP Unix socket"
     QMP_TCP = "QMP over TCP"
     GDB = "a gdbstub address"
+    DOMAIN = "a libvirt domain"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +101,14 @@ class Reach:
     gdb: str | None = None  # a gdbstub's address
     transport: str = AUTO
     memory: MemoryPath = "auto"
+    domain: str | None = None  # a libvirt domain's name
+    connect: str | None = None  # libvirt's URI for it (None: the one virsh would take)
 
     @property
     def addresses(self) -> frozenset[Address]:
-        """The kinds of address given (a QMP socket is always, by default)."""
+        """The kinds of address given (a QMP socket is always, by default, unless a domain)."""
+        if self.domain is not None:
+            return frozenset({Address.DOMAIN})
         qmp = Address.QMP_SOCKET if self.qmp_tcp is None else Address.QMP_TCP
         return frozenset({qmp} if self.gdb is None else {qmp, Address.GDB})
 
@@ -112,6 +117,8 @@ class Reach:
         """Where the guest is, as the user named it."""
         if self.transport == "gdb" and self.gdb is not None:
             return self.gdb
+        if self.domain is not None:
+            return f"domain {self.domain}"
         if self.qmp_tcp is not None:
             return f"{self.qmp_tcp[0]}:{self.qmp_tcp[1]}"
         return str(self.qmp_socket)

@@ -9,7 +9,7 @@ from pathlib import Path
 from qmpprof.errors import QmpprofError
 from qmpprof.transport.base import Address, Opened, Reach
 from qmpprof.transport.gdb import GdbTransport
-from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast
+from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast, fast_over
 from qmpprof.transport.qmp import QmpTransport
 
 # HMP ``x`` is formatting-bound: one page up front there (memsave costs about the same for 4
@@ -75,6 +75,26 @@ class QmpKind:
             raise
         path = "QMP (--transport qmp)" if passed_over is None else f"QMP ({passed_over}: using QMP)"
         return _qmp_opened(transport, path)
+
+
+class LibvirtKind:
+    """A domain libvirt runs, by name: QMP through libvirt's monitor passthrough
+    (libvirtdomain.py), and over it a private gdbstub as on a local QMP socket."""
+
+    name = "libvirt"
+    needs = frozenset({Address.DOMAIN})
+
+    async def open(self, reach: Reach, passed_over: str | None) -> Opened:
+        # Imported here: libvirt's binding is needed by this kind alone.
+        from qmpprof.transport.libvirtdomain import DomainTransport
+
+        qmp = await DomainTransport.open(reach.connect, reach.domain or "", memory=reach.memory)
+        transport, why = await fast_over(qmp)
+        if isinstance(transport, PrivateGdbTransport):
+            notes = _mark_notes(qmp) + (() if transport.cleared is None else (transport.cleared,))
+            path = "a private gdbstub opened through libvirt's monitor passthrough"
+            return Opened(transport, path, notes, GDB_WINDOW)
+        return _qmp_opened(qmp, f"libvirt's monitor passthrough ({why})")
 
 
 def _qmp_opened(qmp: QmpTransport, path: str) -> Opened:

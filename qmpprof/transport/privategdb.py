@@ -62,6 +62,11 @@ async def connect_fast(
     VM's mark, vmmark.py: taken before anything else, removed when QMP closes).
     """
     qmp = await QmpTransport.connect(socket_path, memory=memory, timeout=timeout)
+    return await fast_over(qmp, timeout)
+
+
+async def fast_over(qmp: QmpTransport, timeout: float = 5.0) -> tuple[GuestTransport, str | None]:
+    """``connect_fast`` on a QMP connection already open (``qmp``: closed when this raises)."""
     try:
         await qmp.take_mark()  # VmBusyError: another run holds the VM
         cleared = None

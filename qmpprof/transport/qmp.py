@@ -15,9 +15,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from qemu.qmp import ConnectError as QmpConnectError
 from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMPError, StateError
@@ -47,12 +47,26 @@ _MARK_WITHIN = 1.0  # seconds the end of a run gives the removal of its mark
 MEMSAVES_AT_ONCE = 32
 
 
+class MonitorClient(Protocol):
+    """What QmpTransport needs of a QMP client: qemu.qmp's, or one that passes QMP commands
+    through another owner of the monitor (libvirt.py). ``stops``: STOP events seen so far."""
+
+    stops: int
+
+    async def execute(self, cmd: str, arguments: Mapping[str, object] | None = None) -> object:
+        """The command's reply; TransportError or GuestGoneError (qemu.qmp's own errors from
+        qemu.qmp's client, which ``_execute`` turns into those)."""
+        ...
+
+    async def disconnect(self) -> None: ...
+
+
 class QmpTransport:
     """An open QMP session with one QEMU. Create it with ``await QmpTransport.connect(...)``."""
 
     def __init__(
         self,
-        client: _QuietClient,
+        client: MonitorClient,
         memory: Literal["memsave", "hmp"],
         auto: bool,
         formats: RegisterFormats,
@@ -110,7 +124,7 @@ class QmpTransport:
         if memory != "auto":
             chosen = memory
         try:
-            formats = await _formats(client, where)
+            formats = await register_formats(client, where)
         except BaseException:
             await _quiet_disconnect(client)
             raise
@@ -369,7 +383,7 @@ class _MemsaveUnusable(Exception):
     """memsave failed for a reason other than an unmapped address."""
 
 
-async def _formats(client: QMPClient, where: str) -> RegisterFormats:
+async def register_formats(client: MonitorClient, where: str) -> RegisterFormats:
     """How this QEMU prints registers, by its target (``qemu-system-<target>``)."""
     try:
         reply = await client.execute("query-target")
@@ -385,7 +399,7 @@ async def _formats(client: QMPClient, where: str) -> RegisterFormats:
     return formats
 
 
-async def _quiet_disconnect(client: QMPClient) -> None:
+async def _quiet_disconnect(client: MonitorClient) -> None:
     # disconnect() re-raises the reader's EOFError when QEMU is already gone: nothing to do then.
     with contextlib.suppress(QMPError, OSError, EOFError):
         await client.disconnect()

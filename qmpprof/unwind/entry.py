@@ -18,9 +18,10 @@ its symbols and BTF, built by the guest OS); this step follows it:
 - the vector table's kernel half, at an entry point: the interrupted code's pc is the
   exception link register's (read for such samples only), the rest unchanged; elsewhere in the
   table the stack pointer is mid-adjustment: the walk stops (truncated, honestly);
-- a kernel-mode handler: once its record is set (x29 at it), the interrupted registers are read
-  from the saved frame, the pc exact (no return address: named as is, prologue analysis applies
-  to it); before, they are still the CPU's, sp lowered by the frame's size.
+- a kernel-mode handler: once its record is set (x29 at it; the interrupted pc in it, or
+  zeroed: ``EntryCode.linked``), the interrupted registers are read from the saved frame, the
+  pc exact (no return address: named as is, prologue analysis applies to it); before, they
+  are still the CPU's, sp lowered by the frame's size.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class EntryCode:
     ``link``: the DWARF number of the exception link register the guest OS reads.
     ``unsaved``: where, entered from user mode, nothing of the user's is saved or changed yet
     (the table's user half, the user-mode handlers' first instructions); ``user_sp``: the
-    number the guest OS gives the user stack pointer it reads for those (DWARF has none)."""
+    number the guest OS gives the user stack pointer it reads for those (DWARF has none).
+    ``linked``: the record a kernel-mode handler adds holds the interrupted code's fp and pc
+    (the walk checks that pc against the saved one); else it is zeroed, the saved frame found
+    from the record's address alone."""
 
     user: tuple[Span, ...]
     vectors: Span
@@ -74,6 +78,7 @@ class EntryCode:
     link: int
     unsaved: tuple[Span, ...] = ()
     user_sp: int | None = None
+    linked: bool = True
 
     def holds_link(self, pc: int) -> bool:
         """Whether at link address ``pc`` the interrupted pc may be only in the exception
@@ -190,10 +195,10 @@ class EntryStep:
         read = word_reader(memory, arch)
         values = [read((base + frame.regs + i * word) & mask) for i in range(frame.count)]
         sp, pc, status = (read((base + off) & mask) for off in (frame.sp, frame.pc, frame.status))
-        ra = read((fp + word) & mask)
-        if sp is None or pc is None or status is None or ra is None or None in values:
+        record = (read(fp), read((fp + word) & mask))
+        if sp is None or pc is None or status is None or None in record or None in values:
             return StopReason.READ_FAILED
-        if ra != pc:
+        if record[1] != pc if self.code.linked else any(record):
             return None  # no saved frame there: frame records then
         if (status >> 2) & 3 == 0:
             return StopReason.END  # it came from user mode: nothing of the kernel's below

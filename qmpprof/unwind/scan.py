@@ -83,9 +83,10 @@ class ReturnScanStep:
         ra_slot = (base + rule.ra_offset) & mask
         if rule.trap:
             return self._trap(rule, base, ra_slot, cur, memory)
-        ra = read(ra_slot)
-        if ra is None:
+        signed = read(ra_slot)
+        if signed is None:
             return StopReason.READ_FAILED
+        ra = arch.return_address(signed) or signed  # a pointer-authentication code taken off
         after_call = self._after_call(ra)
         if after_call is None:
             return None  # another module's code: not ours to check, frame pointers then

@@ -74,7 +74,15 @@ class CfiStep:
         rule = self.table.row_for(pc - self.bias)
         if rule is None:
             return None
-        return _fast_cfi(rule, cur, self.arch, memory) or _apply(rule, cur, memory, self.arch)
+        found = _fast_cfi(rule, cur, self.arch, memory) or _apply(rule, cur, memory, self.arch)
+        if not isinstance(found, tuple) or rule.signal or rule.ra == self.arch.pc:
+            return found  # a pc saved as such (a signal frame's) carries no code
+        new, flags = found
+        ra = new.get(self.arch.pc)
+        plain = None if ra is None else self.arch.return_address(ra)
+        if plain is not None and plain != ra:  # a pointer-authentication code taken off (aarch64)
+            new[self.arch.pc] = plain
+        return new, flags
 
 
 class PrologueStep:

@@ -16,6 +16,9 @@ from the code bytes and the function symbols (kallsyms) alone:
   used twice on one path). The candidates are intersected like ``chain_candidate``: the sites
   all paths share from the top (callers) and from the bottom (callees) are kept; nothing is
   left when the candidates share neither end, or a direct path competes with a longer one;
+- a function that is nothing but its jump (landing pads and no-ops before it:
+  ``InstructionSet.jump_only``; arm64's ``memset``, ``bti c; b __pi_memset_generic``) is
+  crossed but never made a frame: gdb has no call site in it to make one from;
 - a search that meets what gdb cannot follow gives up, as gdb's throws do: an indirect tail
   jump (through a thunk or a register), a jump to code without DWARF (a static-call trampoline).
 
@@ -79,6 +82,7 @@ class Chain:
 class _Site:
     pc: int  # the address after the jump (runtime)
     target: int  # the jump's target (runtime)
+    frame: bool = True  # False: the jumper is only this jump (``jump_only``), never a frame
 
 
 class _GiveUp(Exception):
@@ -228,14 +232,19 @@ class TailCallFinder:
         for part in parts:
             found = image.function(part)
             assert found is not None
-            for end_pc, target in image.arch.branches(image.code(part, found[1]), part):
+            code = image.code(part, found[1])
+            # gdb has no frame for a function that only jumps (no DWARF call site in it); what
+            # follows its jump is not its code.
+            frame = len(parts) > 1 or not image.arch.jump_only(code)
+            jumps = image.arch.branches(code, part)
+            for end_pc, target in jumps if frame else jumps[:1]:
                 if target is None:
                     return None  # an indirect jump: gdb cannot evaluate its target
                 kind = self._kind(target, parts)
                 if kind is TargetKind.OPAQUE or kind is TargetKind.INDIRECT:
                     return None
                 if kind is TargetKind.FUNCTION:
-                    sites.append(_Site(end_pc, target))
+                    sites.append(_Site(end_pc, target, frame))
         return tuple(sites)
 
     def _kind(self, target: int, parts: list[int]) -> TargetKind | None:
@@ -278,7 +287,7 @@ class _Search:
             kept = first
         else:
             kept = first[: self.callers] + first[length - self.callees :]
-        return Chain(tuple(site.pc for site in reversed(kept)), Outcome.FOUND)
+        return Chain(tuple(site.pc for site in reversed(kept) if site.frame), Outcome.FOUND)
 
     def _visit(self, target: int) -> bool:
         """False: the candidates so far share nothing, the search is over (gdb's early

@@ -10,9 +10,9 @@ what a reader returned (or the error it raised: a kernel that fails is a row, no
 
 Without paths: the kernels of the architecture (amd64 unless told) the tests boot
 (``fixtures/build/linux``, ``linux-6.1``, ``linux-5.10``, ``linux-7``; arm64:
-``linux-arm64-6.1``, ``linux-arm64``) and every one of it ``scripts/check-kernels`` fetched
-(``fixtures/build/kernels/<release>/``, arm64's releases ending in ``-arm64`` or
-``-arm64-16k``). An arm64 row
+``linux-arm64-6.1``, ``linux-arm64``, ``linux-arm64-7``: read, not booted) and every one of
+it ``scripts/check-kernels`` fetched (``fixtures/build/kernels/<release>/``, arm64's releases
+ending in ``-arm64`` or ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
 header names, the link address, relocations, data symbols, whether the walk gets an exception
 model: a note where not), the per-CPU area,
@@ -54,6 +54,7 @@ from qmpprof.linux.running.image import kernel_module, target_kind
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.linux.x86_64 import orctables as orc
 from qmpprof.linux.x86_64.idt import entry_text_symbols
+from qmpprof.unwind.entry import EntryCode
 from support.kerneltable import markdown, markdown_arm64
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ BUILD = ROOT / "fixtures" / "build"
 # The folders of the booted ones, and the flavours of each architecture's releases.
 TESTED = {
     "amd64": ("linux-5.10", "linux-6.1", "linux", "linux-7"),
-    "arm64": ("linux-arm64-6.1", "linux-arm64"),
+    "arm64": ("linux-arm64-6.1", "linux-arm64", "linux-arm64-7"),
 }
 FLAVOURS = {"amd64": ("cloud-amd64", "rt-amd64"), "arm64": ("cloud-arm64", "rt-arm64", "arm64-16k")}
 FETCHED = BUILD / "kernels"
@@ -152,7 +153,7 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
     """What the arm64 Image reader found: the form the file holds its Image in, the page size
     its header names, the link address, the relocations applied, the parts' alignment (a slide
     keeps it: ``bannerslide.ALIGN``), the symbols that are not code, whether its exception code
-    is the one the walk reads (``linux.running.entry``)."""
+    is the one the walk reads (``linux.running.entry``) and the model it derived."""
     data = path.read_bytes()
     image = arm64image.plain_image(data, str(path))
     symbols = kernel.symbols
@@ -173,8 +174,19 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
         "data_symbols": sum(kind not in text for kind in symbols.types),
         "thread_size": kernel.thread_size,
         "missing_symbols": [n for n in RUN_SYMBOLS[:2] if symbols.address_of(n) is None],
-        "exception_code": entry_code(kernel) is not None,
+        **_exception_model(kernel),
     }
+
+
+def _exception_model(kernel: LinuxKernel) -> Row:
+    """Whether the walk reads the kernel's exception code, and the model it derived: where a
+    kernel-mode handler's frame record leads (``EntryCode.linked``), or why there is none."""
+    entry = entry_code(kernel)
+    if not isinstance(entry, EntryCode):
+        return {"exception_code": False, "exception_model": entry or "no vector table"}
+    record = "{x29, pc}" if entry.linked else "zeroed (pt_regs by its address)"
+    model = f"pt_regs {entry.frame.size} bytes, record at {entry.frame.record:#x}: {record}"
+    return {"exception_code": True, "exception_model": model}
 
 
 def thunk_names(kernel: LinuxKernel) -> dict[str, str]:

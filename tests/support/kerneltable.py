@@ -82,6 +82,8 @@ def _arm64_cells(row: Row) -> list[str]:
         said.append("sections not 64 KiB-aligned")
     if image.get("exception_code") is False:  # rows from before it was read have none
         said.append("no exception model (exception frames not crossed)")
+    if "exception_model" in image:
+        said.append(f"exception model: {image['exception_model']}")
     said += row.get("warnings", [])
     return [
         kernel,

@@ -1,5 +1,6 @@
-"""arm64's running Linux (``running.platform.LinuxPlatform``): the slide from where the image's
-banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
+"""arm64's running Linux (``running.platform.LinuxPlatform``): the slide from the vector base
+(VBAR_EL1, in every mode: a guest paused with every vCPU at EL0 too), else from where the
+image's banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
 levels the user space's size needs), a task off CPU's ``thread.cpu_context`` (``cpucontext``)
 and the exception entry code as its vectors lead to it (``vectors``)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf
@@ -16,9 +18,11 @@ from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
-from qmpprof.memory import Reader
+from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
+
+_VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +30,14 @@ class Aarch64Platform:
     name: str = "aarch64"
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
-        return await slide_by_banner(control, kernel, arch)
+        found = await slide_by_vectors(control, transport, kernel, arch)
+        return await slide_by_banner(control, kernel, arch) if found is None else found
 
     async def kernel_page_tables(
         self, read: Reader, kernel: LinuxKernel, slide: int
@@ -49,8 +58,36 @@ class Aarch64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return CpuContext.from_btf(btf, arch)
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         return entry_code(kernel)
+
+
+async def slide_by_vectors(
+    control: GuestTransport, transport: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+) -> int | None:
+    """The slide the first vCPU's VBAR_EL1 gives (read through ``transport``: the control
+    channel has no system registers): where the kernel put its vector table (``vectors``)
+    less where the image links it, a slide's alignment (``bannerslide.ALIGN``), unless the
+    image's banner reads otherwise there through that vCPU (``control``). A vCPU at EL0 sees
+    no kernel (E0PD, KPTI): its banner does not read, and the vector base alone says it.
+    None: no such register over this transport, no ``vectors`` or banner, or a vector base
+    that is not the image's."""
+    vectors, banner = kernel.symbols.address_of("vectors"), bannerslide.banner(kernel.image)
+    cpus = await control.cpus()
+    if vectors is None or banner is None or not cpus:
+        return None
+    # QEMU's gdbstub names it VBAR (one register of both AArch32 and AArch64 in its tables;
+    # checked on QEMU 7.2), a stub that follows the Arm ARM VBAR_EL1.
+    found = await transport.system_registers(cpus[0], _VBAR)
+    vbar = next((found[name] for name in _VBAR if name in found), None)
+    if vbar is None:
+        return None
+    slide = (vbar - vectors) & arch.mask
+    if slide % bannerslide.ALIGN or kernel.span[1] + slide > arch.mask:
+        return None  # not where the kernel can be placed (KPTI's trampoline alias)
+    link, text = banner
+    (seen,) = await reader(control, cpus[0])([((link + slide) & arch.mask, len(text))])
+    return slide if seen in (text, None) else None
 
 
 AARCH64 = Aarch64Platform()

@@ -2,16 +2,20 @@
 read from the kernel itself: the code of its vector table and handlers, its function table
 (kallsyms) and the layout of ``pt_regs`` (BTF). No handler is known by its name.
 
-``arch/arm64/kernel/entry.S`` (5.10 to 6.12 at least): ``vectors`` is the 2 KiB table of 16
+``arch/arm64/kernel/entry.S`` (5.10 to 7.2 at least): ``vectors`` is the 2 KiB table of 16
 entries of 0x80 bytes, by where the exception came from: the kernel with SP_EL0 (unused by
 Linux), the kernel with SP_ELx (+0x200: sync, irq, fiq, error), 64-bit user code (+0x400),
 32-bit user code (+0x600). An entry lowers sp by ``sizeof(pt_regs)``, checks it for an overflow
 and branches to its handler: the entry's first ``b`` out of it (a user entry's first
 instruction branches inside it, past the trampoline's cleanup). The handler's ``kernel_entry``
 saves x0..x30, sp, ELR (the pc) and SPSR into ``pt_regs``, then stores the frame record
-``pt_regs.stackframe`` = {x29, ELR} (zeroed from user mode: the final record) and points x29
-at it (``add x29, sp, #offset``: every handler has it, at BTF's offset, or the code is not
-the one this module knows). Then the handlers come in two shapes:
+``pt_regs.stackframe`` and points x29 at it (``add x29, sp, #offset``: every handler has it,
+at BTF's offset, or the code is not the one this module knows). What the kernel-mode handlers
+store there (``stp`` to that offset just before) is read too: to 6.12 the record {x29, ELR}
+(``stp x29, x22``; zeroed from user mode: the final record); from 6.13 a zeroed record in all
+of them (``stp xzr, xzr``, then a type word after it the walk does not need), ``pt_regs``
+then found from the record's address alone (``EntryCode.linked``). Any other store there is
+not the code this module knows. Then the handlers come in two shapes:
 
 - from 5.12 (``el1h_64_irq``, ``el0t_64_sync`` and kin): a call, then a ``b`` to the way back
   (``ret_to_kernel``, ``ret_to_user``), whose ``kernel_exit`` loads it all back and ``eret``s;
@@ -37,7 +41,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from qmpprof.arch.aarch64code import branch_target, is_eret, is_hint, is_jump, sets_fp
+from qmpprof.arch.aarch64code import (
+    branch_target,
+    is_eret,
+    is_hint,
+    is_jump,
+    pair_stored_at,
+    sets_fp,
+)
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.linux.btf import BtfError
 from qmpprof.linux.kernel import LinuxKernel
@@ -49,16 +60,26 @@ _TRAMPOLINE_X30 = 4  # an entry's instruction at which x30 is a trampoline's ret
 _KERNEL_HALF = range(0x200, 0x400, 0x80)  # the vector table's entries from the kernel, SP_ELx
 _USER_HALF = range(0x400, 0x800, 0x80)  # 64-bit user code's four entries, then 32-bit's
 _REACH = 32  # functions followed from the handlers: more is not the code this module knows
+_XZR, _FP = 31, 29
 
 
-def entry_code(kernel: LinuxKernel) -> EntryCode | None:
-    """The kernel's exception code, None when its code, symbols or BTF do not describe it."""
+def entry_code(kernel: LinuxKernel) -> EntryCode | str | None:
+    """The kernel's exception code; None without a vector table (no such code to describe),
+    or one line saying why its BTF or code does not describe it."""
     vectors = kernel.symbols.address_of("vectors")
-    frame = _saved_frame(kernel)
-    if vectors is None or frame is None:
+    if vectors is None:
         return None
+    frame = _saved_frame(kernel)
+    if frame is None:
+        return "no pt_regs in this kernel's BTF: kernel stacks end at an exception's entry"
     code = Code(kernel.image.text_bytes, kernel.image.text_addr, kernel.functions)
-    return exception_code(code, vectors, frame)
+    found = exception_code(code, vectors, frame)
+    if found is None:
+        return (
+            "this kernel's exception entry code (from its vectors) is in no shape qmpprof"
+            " knows: kernel stacks end at an exception's entry"
+        )
+    return found
 
 
 def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | None:
@@ -74,6 +95,9 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
     kernel = {handler.span for handler in from_kernel}
     if user is None or back is None or user & (kernel | back):
         return None  # a way out of the code, or the same code from the kernel and from user mode
+    records = {handler.linked for handler in from_kernel}
+    if None in records or len(records) != 1:
+        return None  # a record this module does not know, or not the same in every handler
     user.add((vectors + _USER_HALF.start, vectors + _USER_HALF.stop))
     saving, restoring = set(), back
     for handler in from_kernel:
@@ -100,17 +124,28 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
         link=ELR,
         unsaved=tuple(sorted(unsaved)),
         user_sp=SP_EL0,
+        linked=records == {True},
     )
 
 
 @dataclass(frozen=True, slots=True)
 class _Handler:
     """A handler's function (``span``), where its frame record is set (``record``: just after
-    ``add x29, sp, #...``) and whether it ``eret``s itself (``returns``)."""
+    ``add x29, sp, #...``), whether it ``eret``s itself (``returns``) and what it stores in
+    the record (``linked``: x29 and a register, True; zeros, False; anything else, None)."""
 
     span: Span
     record: int
     returns: bool
+    linked: bool | None
+
+
+def _linked(stored: tuple[int, int] | None) -> bool | None:
+    """What a handler's ``stp`` of registers ``stored`` into its record makes of it: True for
+    {x29, the pc}, False for zeros, None for any other (or no) store."""
+    if stored == (_XZR, _XZR):
+        return False
+    return True if stored is not None and stored[0] == _FP and stored[1] != _XZR else None
 
 
 def _saved_frame(kernel: LinuxKernel) -> SavedFrame | None:
@@ -163,7 +198,11 @@ class Code:
         record = next((pc + 4 for pc, insn in words if sets_fp(insn) == frame.record), None)
         if record is None:
             return None
-        return _Handler((target, self.ends[at]), record, any(is_eret(i) for _, i in words))
+        stores = [pair_stored_at(insn, frame.record) for pc, insn in words if pc < record]
+        stored = next((pair for pair in reversed(stores) if pair is not None), None)
+        linked = _linked(stored)
+        returns = any(is_eret(insn) for _, insn in words)
+        return _Handler((target, self.ends[at]), record, returns, linked)
 
     def reach(self, starts: list[int]) -> set[Span] | None:
         """The functions run from those at ``starts``: through their ``b``s out of them and

@@ -180,11 +180,14 @@ class LinuxGuest:
                 " over this transport: stacks without process names (use the gdbstub)"
             )
         arch, platform = self.arch, self.platform
-        slide = await platform.slide(control, kernel, arch)
+        slide = await platform.slide(control, kernel, arch, transport)
         read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)
         entry = platform.entry_code(kernel)
+        if isinstance(entry, str):  # the walk then stops at an exception's entry
+            translation.append(entry)
+            entry = None
         modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines, debug=self.debug)]
         head = kernel.module_list
         module_list = None

@@ -28,10 +28,15 @@ class LinuxPlatform(Protocol):
         ...
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
         """The running kernel's KASLR slide (runtime - link address) against ``kernel``'s
-        image, read while the guest runs; KernelMismatchError when it cannot be told."""
+        image, read while the guest runs (``control``; ``transport``: the whole transport, for
+        system registers); KernelMismatchError when it cannot be told."""
         ...
 
     async def kernel_page_tables(
@@ -55,7 +60,8 @@ class LinuxPlatform(Protocol):
         KeyError naming what the BTF lacks."""
         ...
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         """The kernel's exception entry code as the walk needs it described, where the image's
-        unwinding tables do not cover it; None when not needed or not described."""
+        unwinding tables do not cover it; None when not needed, or one line saying why it is
+        not described."""
         ...

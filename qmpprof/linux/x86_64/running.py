@@ -54,7 +54,11 @@ class X86_64Platform:
     name: str = "x86_64"
 
     async def slide(
-        self, control: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+        self,
+        control: GuestTransport,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        transport: GuestTransport,
     ) -> int:
         return await idt_slide(control, kernel.symbols, arch, kernel=kernel)
 
@@ -75,7 +79,7 @@ class X86_64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return InactiveTaskFrame.from_btf(btf, arch)
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | None:
+    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         return None
 
 

@@ -1,0 +1,131 @@
+"""A guest libvirt runs, reached by its domain name (``--domain``, ``--connect``): QMP commands
+passed through libvirt's QEMU monitor (libvirt-qemu's virDomainQemuMonitorCommand, as ``virsh
+qemu-monitor-command`` sends them), and over them what a local QMP socket gets: the private
+gdbstub (privategdb.py) when QEMU can open one where qmpprof reaches it, else QMP alone. The only
+module importing libvirt's Python binding.
+
+libvirt owns the monitor and hears QEMU's STOP and RESUME events on it, so its domain state
+follows every pause and resume; qmpprof leaves the domain in the state it found it in, as on a
+socket. What libvirt records: the first passthrough taints the domain ``custom-monitor`` (a line
+in the domain's log, /var/log/libvirt/qemu/NAME.log on a system connection; ``virsh dominfo``
+does not show it), for the life of that QEMU process.
+
+Not covered here: the pause guard (guard.py) speaks QMP on a socket, which a libvirt domain has
+none of, so a qmpprof killed outright inside a pause leaves the domain paused (``virsh resume``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+
+import libvirt
+import libvirt_qemu
+
+from qmpprof.errors import ConnectError, GuestGoneError, TransportError
+from qmpprof.transport.base import MemoryPath
+from qmpprof.transport.qmp import QmpTransport, register_formats
+
+# libvirt's errors for a domain that is gone or no longer runs: QEMU went away.
+_GONE = (libvirt.VIR_ERR_NO_DOMAIN, libvirt.VIR_ERR_OPERATION_INVALID)
+
+
+class PassthroughClient:
+    """QMP commands through libvirt's monitor passthrough, as qmp.MonitorClient. Each call blocks
+    in libvirt, so it runs in a thread: libvirt takes them one at a time per domain."""
+
+    def __init__(self, connection: libvirt.virConnect, domain: libvirt.virDomain) -> None:
+        self._connection = connection
+        self._domain = domain
+        # No QMP events come through passthrough: a stop that found the guest running counts as
+        # the STOP event QEMU would have sent (``QmpTransport.stop`` tells its own stops so).
+        self.stops = 0
+
+    async def execute(self, cmd: str, arguments: Mapping[str, object] | None = None) -> object:
+        if cmd != "stop":
+            return await self._send(cmd, arguments)
+        before = await self._send("query-status", None)
+        reply = await self._send(cmd, arguments)
+        if isinstance(before, dict) and before.get("status") == "running":
+            self.stops += 1
+        return reply
+
+    async def _send(self, cmd: str, arguments: Mapping[str, object] | None) -> object:
+        message: dict[str, object] = {"execute": cmd}
+        if arguments:
+            message["arguments"] = dict(arguments)
+        try:
+            text = await asyncio.to_thread(
+                libvirt_qemu.qemuMonitorCommand, self._domain, json.dumps(message), 0
+            )
+        except libvirt.libvirtError as err:
+            if err.get_error_code() in _GONE or not self._connection.isAlive():
+                raise GuestGoneError(f"libvirt: {err.get_error_message()}") from err
+            raise TransportError(f"libvirt refused {cmd}: {err.get_error_message()}") from err
+        reply = json.loads(text)
+        if not isinstance(reply, dict):
+            raise TransportError(f"{cmd}: unexpected reply {text[:80]!r}")
+        error = reply.get("error")
+        if isinstance(error, dict):
+            raise TransportError(f"QEMU refused {cmd}: {error.get('desc', error)}")
+        return reply.get("return")
+
+    async def disconnect(self) -> None:
+        with contextlib.suppress(libvirt.libvirtError):
+            await asyncio.to_thread(self._connection.close)
+
+
+class DomainTransport(QmpTransport):
+    """QmpTransport over libvirt's monitor passthrough to the domain ``name`` at ``uri`` (None:
+    the URI virsh would take). Open it with ``await DomainTransport.open(...)``."""
+
+    uri: str | None = None
+    name = ""
+
+    @classmethod
+    async def open(
+        cls, uri: str | None, name: str, *, memory: MemoryPath = "auto"
+    ) -> DomainTransport:
+        """ConnectError (one line) when libvirt cannot be reached or the domain does not run."""
+        libvirt.registerErrorHandler(_silent, None)  # libvirt prints every error otherwise
+        try:
+            connection = await asyncio.to_thread(libvirt.open, uri)
+        except libvirt.libvirtError as err:
+            raise ConnectError(
+                f"libvirt {uri or '(default URI)'}: {err.get_error_message()}"
+            ) from err
+        try:
+            domain = connection.lookupByName(name)
+            if not domain.isActive():
+                raise ConnectError(f"domain {name} is not running")
+        except libvirt.libvirtError as err:
+            connection.close()
+            raise ConnectError(f"domain {name}: {err.get_error_message()}") from err
+        except BaseException:
+            connection.close()
+            raise
+        client = PassthroughClient(connection, domain)
+        where = f"domain {name}"
+        try:
+            formats = await register_formats(client, where)
+        except BaseException:
+            await client.disconnect()
+            raise
+        chosen = "memsave" if memory == "auto" else memory
+        transport = cls(client, chosen, auto=memory == "auto", formats=formats, address=where)
+        transport.uri, transport.name = uri, name
+        return transport
+
+    async def reconnect(self, *, timeout: float = 5.0) -> QmpTransport:
+        memory: MemoryPath = "auto" if self._auto else self.memory
+        async with asyncio.timeout(timeout):
+            return await DomainTransport.open(self.uri, self.name, memory=memory)
+
+    def guard_pauses(self) -> None:
+        """No guard: it resumes a guest through a QMP socket, which a libvirt domain has not."""
+
+
+def _silent(context: object, error: object) -> None:
+    """libvirt's error callback: its errors come back as exceptions, told once, by qmpprof."""

@@ -1,0 +1,126 @@
+"""``--domain`` end to end: the bundled guest as a domain of a real libvirtd (tests/libvirtvm.py),
+profiled by the real command line through libvirt's monitor passthrough, and through a QMP socket
+of the same QEMU for comparison. The processes sampled and their shares agree within sampling
+noise; libvirt reports the domain in the state it had (running, and a paused one paused); nothing
+of qmpprof's stays in QEMU (no gdbstub chardev, no qmpprof-run mark, asked through passthrough);
+a SIGINT or SIGTERM mid-run leaves the domain running.
+
+On the host's QEMU only: Debian 12's libvirt 9.0 cannot probe the capabilities of the unpacked
+QEMU 11.1 ("Unable to read from monitor: Connection reset by peer"), so it refuses to start a
+domain with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import libvirt
+import libvirt_qemu
+import pytest
+from libvirtvm import Domain, libvirt_daemon, running_domain
+
+from qmpprof.output import folded
+from qmpprof.transport.vmmark import MARK_ID
+
+pytestmark = [pytest.mark.qemu]
+
+DURATION = "1"  # seconds of guest run time: 100 ticks at the default 10 ms
+SHARE_NOISE = 0.25  # 100 samples: a share's standard error is at most 0.05, a difference's 0.07
+
+
+@pytest.fixture(scope="module")
+def uri() -> Iterator[str]:
+    with libvirt_daemon() as found:
+        yield found
+
+
+@pytest.fixture
+def domain(uri: str) -> Iterator[Domain]:
+    with running_domain(uri, shutil.which("qemu-system-x86_64") or "qemu-system-x86_64") as dom:
+        yield dom
+
+
+def qmpprof(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qmpprof", *args]
+
+
+def profile(domain: Domain, out: Path, *reach: str) -> dict[str, float]:
+    """A run of DURATION through ``reach``; each process's share of the samples."""
+    argv = qmpprof(*reach, "--duration", DURATION, "--kernel", str(domain.kernel),
+                   "--user-dir", str(domain.user_dir), "-o", str(out))  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    counts: Counter[str] = Counter()
+    for stack, count in folded.parse(out.read_text()):
+        counts[stack[0]] += count
+    total = sum(counts.values())
+    return {process: count / total for process, count in counts.items()}
+
+
+def passthrough(machine: libvirt.virDomain, command: str, **arguments: object) -> object:
+    text = json.dumps({"execute": command, "arguments": arguments})
+    return json.loads(libvirt_qemu.qemuMonitorCommand(machine, text, 0))["return"]
+
+
+def leftovers(machine: libvirt.virDomain) -> list[str]:
+    """What of qmpprof's QEMU holds: the mark object, a gdbstub chardev."""
+    objects = passthrough(machine, "qom-list", path="/objects")
+    chardevs = passthrough(machine, "query-chardev")
+    assert isinstance(objects, list) and isinstance(chardevs, list)
+    return [o["name"] for o in objects if o["name"] == MARK_ID] + [
+        c["label"] for c in chardevs if c["label"] == "gdb"
+    ]
+
+
+def test_a_domain_profiles_as_its_qmp_socket_and_is_left_as_found(
+    domain: Domain, tmp_path: Path
+) -> None:
+    connection = libvirt.open(domain.uri)
+    machine = connection.lookupByName(domain.name)
+    before = machine.state()
+    assert before[0] == libvirt.VIR_DOMAIN_RUNNING
+    by_domain = profile(domain, tmp_path / "domain.folded", "--domain", domain.name,
+                        "--connect", domain.uri)  # fmt: skip
+    assert machine.state()[0] == before[0]  # the reason: unpaused, after qmpprof's resumes
+    assert leftovers(machine) == []
+    machine.suspend()
+    paused = machine.state()
+    out = tmp_path / "paused.folded"
+    argv = qmpprof("--domain", domain.name, "--connect", domain.uri, "--one-shot", "-o", str(out))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert machine.state() == paused, done.stderr
+    status = passthrough(machine, "query-status")
+    assert isinstance(status, dict) and status["status"] == "paused"  # QEMU's word, not libvirt's
+    assert leftovers(machine) == []
+    machine.resume()
+
+    by_socket = profile(domain, tmp_path / "socket.folded", "--qmp-socket", str(domain.witness))
+    common = {p for p, share in by_domain.items() if share >= 0.1}
+    assert common == {p for p, share in by_socket.items() if share >= 0.1}, (by_domain, by_socket)
+    assert common, by_domain
+    for process in common:
+        assert abs(by_domain[process] - by_socket[process]) <= SHARE_NOISE, process
+
+    for cut in (signal.SIGINT, signal.SIGTERM):
+        with subprocess.Popen(
+            qmpprof("--domain", domain.name, "--connect", domain.uri, "--duration", "60", "-o",
+                    str(tmp_path / "cut.folded")),
+            stderr=subprocess.PIPE, text=True,
+        ) as run:  # fmt: skip
+            assert run.stderr is not None
+            for line in run.stderr:
+                if line.startswith("qmpprof: sampling"):
+                    break
+            os.kill(run.pid, cut)
+            assert run.wait(timeout=60) in (0, 128 + cut), run.stderr.read()
+        assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING, cut
+        assert leftovers(machine) == [], cut
+    connection.close()

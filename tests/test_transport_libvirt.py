@@ -1,0 +1,104 @@
+"""libvirt's monitor passthrough as a QMP client (transport/libvirtdomain.py), against a scripted
+stand-in for libvirt-qemu's qemuMonitorCommand: the JSON sent, replies and QEMU's refusals, the
+stops it counts as STOP events, and libvirt's errors as qmpprof's. The real libvirtd is
+test_libvirt_e2e.py's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import libvirt
+import pytest
+
+import qmpprof.transport.libvirtdomain as libvirtdomain
+from qmpprof.errors import GuestGoneError, TransportError
+from qmpprof.transport.libvirtdomain import PassthroughClient
+
+
+class Connection:
+    """What the client asks of a virConnect."""
+
+    def __init__(self, alive: bool = True) -> None:
+        self.alive = alive
+
+    def isAlive(self) -> int:  # libvirt's name
+        return int(self.alive)
+
+
+def scripted(
+    monkeypatch: pytest.MonkeyPatch, answer: Callable[[dict[str, object]], str]
+) -> list[dict[str, object]]:
+    """qemuMonitorCommand answering each command by ``answer``; the commands sent, in order."""
+    sent: list[dict[str, object]] = []
+
+    def command(domain: object, text: str, flags: int) -> str:
+        assert flags == 0
+        sent.append(json.loads(text))
+        return answer(sent[-1])
+
+    monkeypatch.setattr(libvirtdomain.libvirt_qemu, "qemuMonitorCommand", command)
+    return sent
+
+
+def client(alive: bool = True) -> PassthroughClient:
+    return PassthroughClient(Connection(alive), object())  # type: ignore[arg-type]
+
+
+async def test_a_command_goes_as_qmp_json_and_its_return_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent = scripted(monkeypatch, lambda _: '{"return": {"arch": "x86_64"}, "id": "libvirt-9"}')
+    assert await client().execute("query-target") == {"arch": "x86_64"}
+    assert await client().execute("memsave", {"val": 4096, "size": 8}) == {"arch": "x86_64"}
+    assert sent == [
+        {"execute": "query-target"},
+        {"execute": "memsave", "arguments": {"val": 4096, "size": 8}},
+    ]
+
+
+async def test_qemus_refusal_keeps_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    # memsave's "Invalid addr" is how QmpTransport tells an unmapped address from a failure.
+    refusal = {"error": {"class": "GenericError", "desc": "Invalid addr 0x0/8 specified"}}
+    scripted(monkeypatch, lambda _: json.dumps(refusal))
+    with pytest.raises(TransportError, match=r"^QEMU refused memsave: Invalid addr 0x0/8"):
+        await client().execute("memsave", {"val": 0, "size": 8})
+
+
+@pytest.mark.parametrize(("status", "counted"), [("running", 1), ("paused", 0)])
+async def test_a_stop_counts_as_a_stop_event_when_the_guest_ran(
+    monkeypatch: pytest.MonkeyPatch, status: str, counted: int
+) -> None:
+    def answer(message: dict[str, object]) -> str:
+        if message["execute"] == "query-status":
+            return json.dumps({"return": {"status": status}})
+        return '{"return": {}}'
+
+    sent = scripted(monkeypatch, answer)
+    passthrough = client()
+    await passthrough.execute("stop")
+    assert [m["execute"] for m in sent] == ["query-status", "stop"]
+    assert passthrough.stops == counted
+
+
+@pytest.mark.parametrize(
+    ("code", "alive", "error"),
+    [
+        (libvirt.VIR_ERR_OPERATION_INVALID, True, GuestGoneError),  # "domain is not running"
+        (libvirt.VIR_ERR_NO_DOMAIN, True, GuestGoneError),
+        (libvirt.VIR_ERR_INTERNAL_ERROR, False, GuestGoneError),  # the daemon went away
+        (libvirt.VIR_ERR_INTERNAL_ERROR, True, TransportError),
+    ],
+)
+async def test_libvirts_errors_become_qmpprofs(
+    monkeypatch: pytest.MonkeyPatch, code: int, alive: bool, error: type[Exception]
+) -> None:
+    def refuse(message: dict[str, object]) -> str:
+        err = libvirt.libvirtError("refused")
+        err.err = (code, 0, "it says no", 0, "", None, None, 0, 0)
+        raise err
+
+    scripted(monkeypatch, refuse)
+    with pytest.raises(error, match="it says no") as raised:
+        await client(alive).execute("cont")
+    assert type(raised.value) is error
