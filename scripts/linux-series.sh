@@ -25,7 +25,8 @@
 # private apt state of its suite with apt's architecture set to arm64 (series_arch).
 #
 # Only the generic amd64 flavour (not -cloud-amd64, -rt-amd64). A suite other than the host's is
-# read through a private apt state in <folder>/.apt: a sources list, package lists and a cache of
+# read through a private apt state, one per suite and architecture shared by every script
+# (fixtures/build/apt/<suite>-<arch>: apt_state): a sources list, package lists and a cache of
 # its own (apt checks the suite's signatures with the host's debian-archive-keyring as for any
 # source). The host's apt sources and lists are never changed by it, and nothing from another
 # suite is installed on the host: packages are only downloaded and unpacked into fixtures/build.
@@ -36,8 +37,9 @@ AARCH64_READ_SERIES="arm64-7"
 RISCV64_SERIES="riscv64-6.12"
 
 # series_use SERIES: sets series_dir, series_pattern (an ERE for the image package's name),
-# series_suite (empty: the host's own sources), series_arch (the Debian architecture) and apt_opts
-# (options for apt-get and apt-cache).
+# series_suite (empty: the host's own sources), series_arch (the Debian architecture), series_state
+# (its private apt state; empty for the host's sources) and apt_opts (options for apt-get and
+# apt-cache).
 series_use() {
     series_suite= series_arch=amd64
     case "$1" in
@@ -72,14 +74,19 @@ series_use() {
         ;;
     *) return 1 ;;
     esac
-    apt_private "${series_suite:+$PWD/$series_dir/.apt}" "$series_arch"
+    series_state=
+    [ -z "$series_suite" ] || series_state=$(apt_state "$series_suite" "$series_arch")
+    apt_private "$series_state" "$series_arch"
 }
+
+# apt_state SUITE ARCH: the private apt state folder of SUITE's lists for ARCH (an absolute path).
+apt_state() { echo "$PWD/fixtures/build/apt/$1-$2"; }
 
 # series_update: fetch the package lists apt_opts read. A private suite's into its own state
 # folder (any user); the host's own lists only as root.
 series_update() {
     if [ -n "$series_suite" ]; then
-        apt_private_update "$PWD/$series_dir/.apt" "$series_suite"
+        apt_private_update "$series_state" "$series_suite"
     elif [ "$(id -u)" = 0 ]; then
         DEBIAN_FRONTEND=noninteractive apt-get "${apt_opts[@]}" -qq update </dev/null
     else
@@ -104,19 +111,28 @@ apt_private() {
 
 # apt_private_update STATE SUITE: STATE's sources list reads SUITE (and its security suite), and
 # its lists are fetched (apt checks their signatures with the host's keyring). apt_opts must be
-# apt_private's for STATE.
+# apt_private's for STATE. Under scripts/setup (QMPPROF_APT_SINCE, the time it started) a state
+# is read once: lists fetched since then are kept, as several scripts read the same suite.
 apt_private_update() {
     local state=$1 suite=$2
     mkdir -p "$state/lists/partial" "$state/cache/archives/partial"
-    {
-        echo "deb http://deb.debian.org/debian $suite main"
-        # unstable, experimental and backports have no security suite (fixes land in them)
-        case "$suite" in
-        unstable | experimental | *-backports) ;;
-        *) echo "deb http://deb.debian.org/debian-security $suite-security main" ;;
-        esac
-    } >"$state/sources.list"
-    apt-get "${apt_opts[@]}" -qq update </dev/null
+    (
+        # Scripts run side by side under scripts/setup: one reads the lists, the others wait.
+        flock 8
+        since=${QMPPROF_APT_SINCE:-}
+        [ -n "$since" ] && [ "$(cat "$state/updated" 2>/dev/null || echo 0)" -ge "$since" ] && exit 0
+        {
+            echo "deb http://deb.debian.org/debian $suite main"
+            # unstable, experimental and backports have no security suite (fixes land in them)
+            case "$suite" in
+            unstable | experimental | *-backports) ;;
+            *) echo "deb http://deb.debian.org/debian-security $suite-security main" ;;
+            esac
+        } >"$state/sources.list"
+        rm -f "$state/updated"
+        apt-get "${apt_opts[@]}" -qq update </dev/null
+        date +%s >"$state/updated"
+    ) 8>"$state/.lock"
 }
 
 # kernel_unpack WORK DEB RELEASE: the boot files of kernel RELEASE (vmlinuz, config, System.map)
@@ -166,3 +182,66 @@ kernel_file() {
     done
     return 1
 }
+
+# Every package the build scripts download, once: one folder shared by them, each file under the
+# name apt gives it (NAME_VERSION_ARCH.deb, an epoch's ':' as %3a).
+DEBS=fixtures/build/debs
+declare -A deb_got=()
+
+# deb_get SPEC...: prints the paths (one a line) of the packages (NAME, the candidate of apt_opts'
+# lists, or NAME=VERSION) in $DEBS, each downloaded unless the file there has the SHA256 those
+# signed lists give. One apt-get to look them up and one to download (apt reads the lists anew at
+# each start: seconds on a loaded host). Messages go through the caller's `say`.
+deb_get() {
+    local lines=() line uri name size hash missing=() sums=()
+    # apt's lines: 'URI' FILENAME SIZE SHA256:HEX, from the lists whose signatures it checked.
+    mapfile -t lines < <(apt-get download --print-uris -q=2 "${apt_opts[@]}" "$@" </dev/null || echo failed)
+    ((${#lines[@]} == $#)) && [ "${lines[-1]}" != failed ] || return 1
+    mkdir -p "$DEBS"
+    (
+        # Scripts run side by side under scripts/setup: one downloads, the other finds the file.
+        flock 8
+        for line in "${lines[@]}"; do
+            read -r uri name size hash <<<"$line"
+            [[ "$hash" == SHA256:* ]] || exit 1
+            [ -e "$DEBS/$name" ] && sha256sum --quiet -c <<<"${hash#SHA256:}  $DEBS/$name" >/dev/null 2>&1 &&
+                continue
+            sums+=("${hash#SHA256:}  $name")
+            # NAME_VERSION_ARCH.deb, an epoch's ':' written %3a
+            name=${name%_*.deb}
+            missing+=("${name%%_*}=$(sed 's/%3a/:/' <<<"${name#*_}")")
+        done
+        ((${#missing[@]})) || exit 0
+        if ((${#missing[@]} > 3)); then
+            say "downloading ${#missing[@]} packages"
+        else
+            say "downloading ${missing[*]}"
+        fi
+        tmp=$(mktemp -d "$DEBS/.get.XXXXXX")
+        trap 'rm -rf "$tmp"' EXIT
+        (cd "$tmp" && apt-get download -q=2 "${apt_opts[@]}" "${missing[@]}" </dev/null) || exit 1
+        (cd "$tmp" && printf '%s\n' "${sums[@]}" | sha256sum --quiet -c) || exit 1
+        mv "$tmp"/*.deb "$DEBS/"
+    ) 8>"$DEBS/.lock" || return 1
+    for line in "${lines[@]}"; do
+        read -r uri name size hash <<<"$line"
+        echo "$DEBS/$name"
+    done
+}
+
+# deb_fetch SPEC...: deb_get, after reading the package lists again if it fails (empty or stale
+# lists), each remembered for deb_path under the current suite and architecture.
+deb_fetch() {
+    local files file name
+    files=$(deb_get "$@") || { series_update >&2 && files=$(deb_get "$@"); } || return 1
+    for file in $files; do
+        name=$(basename "$file" .deb)
+        name=${name%_*}
+        deb_got["$series_arch/$series_suite/${name%%_*}"]=$file
+        deb_got["$series_arch/$series_suite/${name%%_*}=$(sed 's/%3a/:/' <<<"${name#*_}")"]=$file
+    done
+}
+
+# deb_path NAME [VERSION]: the file deb_fetch got for NAME (at VERSION) in the current suite and
+# architecture.
+deb_path() { echo "${deb_got["$series_arch/$series_suite/$1${2:+=$2}"]:-}"; }
