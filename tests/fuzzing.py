@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import random
+import struct
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -161,26 +162,35 @@ class GuestMemory:
     def pointer(self) -> int:
         """An address inside one of the pages: 8-aligned, or one time in three a maple tree
         node's (256-aligned, its type in bits 3 to 6 and 2 in the low bits), or odd."""
-        rng = self.rng
-        page = rng.choice(self.pages)
-        kind = rng.randrange(6)
+        return self._pointer(self.rng.getrandbits(64))
+
+    def _pointer(self, bits: int) -> int:
+        """``pointer`` drawn from 64 random bits (each choice from bits of its own)."""
+        page = self.pages[bits % len(self.pages)]
+        kind, bits = (bits >> 8) % 6, bits >> 16
         if kind < 2:
-            return page + rng.randrange(0, self.PAGE, 256) | rng.randrange(4) << 3 | 2
-        return page + rng.randrange(0, self.PAGE, 8) | (rng.randrange(1, 8) if kind == 5 else 0)
+            return page + (bits & 0xF) * 256 | (bits >> 4 & 3) << 3 | 2
+        odd = (bits >> 9) % 7 + 1 if kind == 5 else 0
+        return page + (bits & 0x1FF) * 8 | odd
 
     def _page(self, page: int) -> bytes | None:
+        """A page of words: two in three a pointer, else 0 (half of these), a number below 64
+        or any word. Drawn in one call of the generator: a page is 512 words, and a walk of
+        loops reads thousands of pages."""
         if page not in self._memory:
             rng = self.rng
             if rng.randrange(10) == 0:
                 self._memory[page] = None
             else:
+                count = self.PAGE // 8
+                draws = struct.unpack(f"<{2 * count}Q", rng.randbytes(16 * count))
                 words = [
-                    rng.choice((0, 0, rng.randrange(64), rng.getrandbits(64)))
-                    if rng.randrange(3) == 0
-                    else self.pointer()
-                    for _ in range(self.PAGE // 8)
+                    self._pointer(choice >> 8)
+                    if choice % 3
+                    else (0, 0, value % 64, value)[choice >> 2 & 3]
+                    for choice, value in zip(draws[::2], draws[1::2], strict=True)
                 ]
-                self._memory[page] = b"".join(w.to_bytes(8, "little") for w in words)
+                self._memory[page] = struct.pack(f"<{count}Q", *words)
         return self._memory[page]
 
     def read_range(self, addr: int, size: int) -> bytes | None:

@@ -201,8 +201,9 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
     """The records of the structures a run reads (task, module, mm, maple tree), damaged with
     the index of the undamaged section, as a cached load has it; then the layouts as a run
     builds them. A damaged BTF may leave notes, never an exception."""
-    assert kernel.btf is not None
-    btf, data = kernel.btf, kernel.image.section(".BTF")
+    cached = LinuxKernel.load(kernel.path)  # the fixture's load filled the cache
+    assert cached.btf is not None and cached.btf.index.names  # names indexed, as cached
+    btf, data = cached.btf, cached.image.section(".BTF")
     assert data is not None
     spans = []
     for name in ("task_struct", "module", "mm_struct", "vm_area_struct", "maple_node", "file"):
@@ -214,7 +215,7 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
         damaged = cases.mutator.mutate(data, cases.rng.choice(spans), edits=6)
 
         def layouts(damaged: bytes = damaged) -> None:
-            Layouts.of(replace(kernel, btf=Btf(damaged, btf.index)))
+            Layouts.of(replace(cached, btf=Btf(damaged, btf.index)))
 
         cases.run(layouts, allowed=(BtfError,))  # Btf(...) itself: kernel._btf's note
     cases.verdict(400)
