@@ -6,8 +6,9 @@ ignores it where it promises to (the cache), or raises the project's own error; 
 exception fails the case, and the report names the seed that found it (run it again with
 QMPPROF_FUZZ_SEED=N). Each reader's cases must get past its first check often enough (a floor
 on ``Cases.deep``); the kallsyms search and the readers of files a user passes around must end
-each case within ``fuzzing.CPU_LIMIT`` (2 s of CPU) and ``fuzzing.MEMORY_LIMIT`` (128 MiB at
-its peak, tracemalloc's count). The walks of guest memory must end (``fuzzing.READ_LIMIT``)."""
+each case within ``fuzzing.CPU_LIMIT`` (2 s of CPU) and ``fuzzing.MEMORY_LIMIT`` (128 MiB: the
+rise of the resident set at its peak). The walks of guest memory must end
+(``fuzzing.READ_LIMIT``)."""
 
 from __future__ import annotations
 
