@@ -6,8 +6,9 @@ ignores it where it promises to (the cache), or raises the project's own error; 
 exception fails the case, and the report names the seed that found it (run it again with
 QMPPROF_FUZZ_SEED=N). Each reader's cases must get past its first check often enough (a floor
 on ``Cases.deep``); the kallsyms search and the readers of files a user passes around must end
-each case within ``fuzzing.CPU_LIMIT`` (2 s of CPU) and ``fuzzing.MEMORY_LIMIT`` (128 MiB at
-its peak, tracemalloc's count). The walks of guest memory must end (``fuzzing.READ_LIMIT``)."""
+each case within ``fuzzing.CPU_LIMIT`` (2 s of CPU) and ``fuzzing.MEMORY_LIMIT`` (128 MiB: the
+rise of the resident set at its peak). The walks of guest memory must end
+(``fuzzing.READ_LIMIT``)."""
 
 from __future__ import annotations
 
@@ -201,8 +202,9 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
     """The records of the structures a run reads (task, module, mm, maple tree), damaged with
     the index of the undamaged section, as a cached load has it; then the layouts as a run
     builds them. A damaged BTF may leave notes, never an exception."""
-    assert kernel.btf is not None
-    btf, data = kernel.btf, kernel.image.section(".BTF")
+    cached = LinuxKernel.load(kernel.path)  # the fixture's load filled the cache
+    assert cached.btf is not None and cached.btf.index.names  # names indexed, as cached
+    btf, data = cached.btf, cached.image.section(".BTF")
     assert data is not None
     spans = []
     for name in ("task_struct", "module", "mm_struct", "vm_area_struct", "maple_node", "file"):
@@ -214,7 +216,7 @@ def test_damaged_btf_under_the_cached_index_leaves_notes(kernel: LinuxKernel) ->
         damaged = cases.mutator.mutate(data, cases.rng.choice(spans), edits=6)
 
         def layouts(damaged: bytes = damaged) -> None:
-            Layouts.of(replace(kernel, btf=Btf(damaged, btf.index)))
+            Layouts.of(replace(cached, btf=Btf(damaged, btf.index)))
 
         cases.run(layouts, allowed=(BtfError,))  # Btf(...) itself: kernel._btf's note
     cases.verdict(400)

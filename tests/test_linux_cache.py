@@ -126,8 +126,10 @@ def cold_612(tmp_path_factory: pytest.TempPathFactory) -> Cold:
 
 
 def fill(cold: Cold, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of a cold load's cache made the cache of this test; its entry."""
-    shutil.copytree(cold[1], tmp_path / "cache")
+    """A copy of a cold load's cache made the cache of this test; its entry. The files are
+    links to the cold load's (a vmlinux is tens of MiB): the cache replaces a file whole, and
+    the damage below writes a new file in its place, so the cold load's stay as they were."""
+    shutil.copytree(cold[1], tmp_path / "cache", copy_function=os.link)
     monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path / "cache"))
     (entry,) = (tmp_path / "cache").glob("linux-*")
     return entry
@@ -144,13 +146,19 @@ def test_a_cached_load_equals_a_cold_one_and_computes_nothing(
     assert snapshot(kernel) == cold[2]
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """A new file at ``path`` (not the shared one a link of ``fill`` points to)."""
+    path.unlink()
+    path.write_bytes(data)
+
+
 def damage_junk(path: Path) -> None:
-    path.write_bytes(b"\x05\x00\x00\x00junk")
+    replace_file(path, b"\x05\x00\x00\x00junk")
 
 
 def damage_truncate(path: Path) -> None:
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    replace_file(path, data[: len(data) // 2])
 
 
 def damage_version(path: Path) -> None:
@@ -164,7 +172,7 @@ def damage_version(path: Path) -> None:
         head["version"] = cache.VERSION + 1
         text = json.dumps(head).encode().ljust(size)  # same length: only the version differs
         data[4 : 4 + size] = text[:size]
-    path.write_bytes(bytes(data))
+    replace_file(path, bytes(data))
 
 
 def damage_missing(path: Path) -> None:
