@@ -384,7 +384,7 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
     layouts, old = Layouts.of(kernel), Layouts.of(kernel_510)
     assert layouts.tasks and layouts.modules and layouts.vmas and old.vmas
     assert layouts.vmas.maple and not old.vmas.maple
-    for cases, memory in memory_cases("guest-memory", 200):
+    for cases, memory in memory_cases("guest-memory", 1000):
 
         async def walks(memory: GuestMemory = memory) -> None:
             read, start = memory.read, memory.pointer()
