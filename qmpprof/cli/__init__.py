@@ -30,12 +30,23 @@ def main(argv: list[str] | None = None) -> int:
     """``argv`` None: the program's own arguments, and signals stay ignored after it returns,
     while Python exits; a caller's ``argv`` (tests) gets its handlers back."""
     with installed(restore=argv is not None):
-        args = sys.argv[1:] if argv is None else list(argv)
-        if args and args[0] in SUBCOMMANDS:
-            return guarded(lambda rest: _command(args[0], rest), args[1:])
-        if args and not args[0].startswith("-"):  # the bare command takes no word of its own
-            return guarded(_unknown, args)
-        return guarded(_profile, args)
+        try:
+            return guarded(_dispatch, sys.argv[1:] if argv is None else list(argv))
+        except Interrupted as signal:  # between the handlers' start and guarded's own try
+            return _interrupted(signal)
+
+
+def _dispatch(args: list[str]) -> int:
+    if args and args[0] in SUBCOMMANDS:
+        return _command(args[0], args[1:])
+    if args and not args[0].startswith("-"):  # the bare command takes no word of its own
+        return _unknown(args)
+    return _profile(args)
+
+
+def _interrupted(signal: Interrupted) -> int:
+    print(f"qmpprof: interrupted by {signal}", file=sys.stderr)
+    return signal.exit_code
 
 
 def _command(name: str, args: list[str]) -> int:
@@ -51,8 +62,7 @@ def guarded(command: Command, args: list[str]) -> int:
     except Interrupted as signal:
         # A signal before the run touched QEMU (parsing, loading files), or a second one while
         # QEMU does not answer; one during sampling is a clean stop (cli/sample.py).
-        print(f"qmpprof: interrupted by {signal}", file=sys.stderr)
-        return signal.exit_code
+        return _interrupted(signal)
     except KeyboardInterrupt:
         print("qmpprof: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
