@@ -76,20 +76,26 @@ def _handlers() -> dict[signal.Signals, Handler]:
 def installed(*, restore: bool = True) -> Iterator[None]:
     """Within the block, SIGINT/SIGTERM raise ``Interrupted`` (stage 1); after it, the handlers
     found are restored, or (``restore`` False: the program itself, about to exit) ignored."""
+    # Both signals are held while handlers change, so that one arriving meanwhile is met by a
+    # whole set (it raises at the first line of the block, or reaches the handlers restored).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     previous, hook = _handlers(), sys.unraisablehook
     _early.clear()
     sys.unraisablehook = _quiet(hook)
-    for signum in SIGNALS:
-        signal.signal(signum, _raise)
     try:
+        for signum in SIGNALS:
+            signal.signal(signum, _raise)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         for signum, handler in previous.items():
             # SIG_IGN, not _ignore: Python resets its own handlers to the default while it exits.
             signal.signal(signum, handler if restore else signal.SIG_IGN)
         if restore:
             sys.unraisablehook = hook
         _early.clear()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class Caught:

@@ -94,3 +94,22 @@ def test_a_signal_while_parsing_or_loading_is_one_line(
     monkeypatch.setattr("qmpprof.session.check_socket", lambda path: None)  # told before load
     assert main(["--qmp-socket", "/nonexistent"]) == 143
     assert capsys.readouterr().err == "qmpprof: interrupted by SIGTERM\n"
+
+
+def test_a_signal_while_the_handlers_are_put_in_place_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CI met a SIGINT between two ``signal.signal`` calls of stage 1's start: the one that
+    arrives then is held and raised inside the command, not in ``installed`` itself."""
+    real = signal.signal
+
+    def install(signum: int, handler: object) -> object:
+        if signum == signal.SIGTERM and handler not in (signal.SIG_IGN, signal.SIG_DFL):
+            os.kill(os.getpid(), signal.SIGINT)  # after SIGINT's handler, before SIGTERM's
+        return real(signum, handler)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(signal, "signal", install)
+    before = signal.getsignal(signal.SIGINT)
+    assert main(["--version"]) == 130
+    assert capsys.readouterr().err == "qmpprof: interrupted by SIGINT\n"
+    assert signal.getsignal(signal.SIGINT) is before

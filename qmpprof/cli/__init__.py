@@ -29,11 +29,11 @@ Command = Callable[[list[str]], int]
 def main(argv: list[str] | None = None) -> int:
     """``argv`` None: the program's own arguments, and signals stay ignored after it returns,
     while Python exits; a caller's ``argv`` (tests) gets its handlers back."""
-    with installed(restore=argv is not None):
-        try:
+    try:
+        with installed(restore=argv is not None):
             return guarded(_dispatch, sys.argv[1:] if argv is None else list(argv))
-        except Interrupted as signal:  # between the handlers' start and guarded's own try
-            return _interrupted(signal)
+    except Interrupted as signal:  # between the handlers' start and guarded's own try
+        return _interrupted(signal)
 
 
 def _dispatch(args: list[str]) -> int:
