@@ -34,10 +34,16 @@ pytestmark = [pytest.mark.qemu, every_qemu]
 
 MOMENTS = 100
 REQUIRED = 0.97
-# Moments where gdb stopped at "??" past a frame qmpprof agrees on, in a system-call stub
-# (fixtures/hobby/user/usys.S: no CFI, no frame of its own), where qmpprof walks on to
-# _start: gdb lost, not judged. Seen 1-2 in 100 (at the stub's "int $64").
-GDB_LOST_CEILING = 0.05
+# Moments where gdb stopped at "??" right after a system-call stub (fixtures/hobby/user/usys.S:
+# no CFI, no frame of its own) while qmpprof walked on to _start: gdb lost. Two places: the
+# stub's "int $64" in user mode, and the trap vector's first instruction ("vector64", no CFI
+# either: gdb takes the eip the CPU pushed for a return address, lands in the stub and stops).
+# Not judged by gdb; their user frames must be one of the programs' own call chains
+# (USER_CHAINS). Seen 0-3 in 100 when written; 17-26 in 100 on both QEMUs since (TCG stopped
+# the guest at the vector far more often than its three instructions' share of the time, and
+# in none of 200 moments within the kernel's system-call work): at most 40 in 100, so that
+# gdb judges the majority.
+GDB_LOST_CEILING = 0.40
 # The programs' call chains (fixtures/hobby/user/*.c), outermost last: under a system call
 # the user frames qmpprof found must be one of these, from the leaf the trap frame gave.
 USER_CHAINS = (
@@ -114,7 +120,7 @@ async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int]]:
                 (sample,) = outcome.last
                 same, note = judge(sample, oracle)
                 counts[note] += 1
-                agree += same
+                agree += same and note != "gdb lost"  # those: judged by USER_CHAINS alone
                 if not same:
                     differences.append(f"moment {moment} ({note}): {describe(sample, oracle)}")
                 oracle.resume()
@@ -131,16 +137,25 @@ def judge(sample: Sample, oracle: HobbyOracle) -> tuple[bool, str]:
     """Whether qmpprof's stack is gdb's (see the module's docstring), and the kind of moment."""
     ours, theirs = [f.symbol or "??" for f in sample.stack.frames], oracle.stack()
     if gdb_lost(ours, theirs):
-        return False, "gdb lost"
+        return in_a_user_chain(sample), "gdb lost"
     if sample.mode is Mode.USER:
         return ours == theirs, "user"
     same = kernel_part(ours) == kernel_part(theirs)
     user = [f for f in sample.stack.frames if not f.kernel]
     if not user:
         return same, "kernel"
-    # Crossed into user code: exactly where the kernel says it was, then the whole chain.
+    # Crossed into user code: exactly where the kernel says it was, then the whole chain (one
+    # of the programs' own under a system call; any reaching _start after a preemption).
     same = same and user[0].pc == oracle.user_pc() and user[-1].symbol == "_start"
-    return same, "under a system call" if user[0].symbol in SYSTEM_CALLS else "kernel"
+    if user[0].symbol in SYSTEM_CALLS:
+        return same and in_a_user_chain(sample), "under a system call"
+    return same, "kernel"
+
+
+def in_a_user_chain(sample: Sample) -> bool:
+    """The user frames are one of the programs' call chains, from some leaf of it on."""
+    user = [f.symbol for f in sample.stack.frames if not f.kernel]
+    return any(chain[-len(user) :] == user for chain in USER_CHAINS if user)
 
 
 def gdb_lost(ours: list[str], theirs: list[str]) -> bool:
@@ -164,6 +179,8 @@ def test_stacks_agree_with_gdb(tmp_path: Path) -> None:
     print("\n".join(differences))
     assert sum(counts.values()) == MOMENTS
     assert counts["gdb lost"] <= GDB_LOST_CEILING * MOMENTS, "\n".join(differences)
+    lost_wrong = [d for d in differences if "(gdb lost)" in d]
+    assert not lost_wrong, "not a chain of the programs:\n" + "\n".join(lost_wrong)
     assert agree >= REQUIRED * judged, "\n".join(differences)
     # The moments reach user code and user code under a system call (kernel code alone, the
     # scheduler and the timer, is too brief to be caught every run).
