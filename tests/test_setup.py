@@ -110,6 +110,10 @@ def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:
     assert done.stderr.startswith("setup: unknown argument everything\n")
 
 
+UNIT = "pytest -ra -x -m not qemu"  # scripts/test's two tiers, as the stub pytest logs them
+QEMU = "pytest -ra --durations=25 -m qemu"
+
+
 def recording_checkout(tmp_path: Path) -> tuple[Path, Path]:
     """scripts/demo, scripts/test and .ci/run as they are, beside a scripts/setup, a
     scripts/mutate and a .venv/bin/{qmpprof,pytest} that only write their name and arguments to
@@ -139,10 +143,10 @@ def test_the_readme_commands_set_up_what_they_say(tmp_path: Path) -> None:
         assert done.returncode == 0, argv
     assert log.read_text().splitlines() == [
         "setup demo", "qmpprof demo",  # ./scripts/demo
-        "setup ", "pytest -ra -x -m not qemu", "mutate ", "pytest -ra -m qemu",  # ./scripts/test
-        "setup ", "pytest -ra -x -m not qemu", "mutate ", "pytest -ra -m qemu",  # .ci/run
+        "setup ", UNIT, "mutate ", QEMU,  # ./scripts/test
+        "setup ", UNIT, "mutate ", QEMU,  # .ci/run
         # ./scripts/test with tests chosen: no mutation check
-        "setup ", "pytest -ra -x -m not qemu -k x", "pytest -ra -m qemu -k x",
+        "setup ", f"{UNIT} -k x", f"{QEMU} -k x",
     ]  # fmt: skip
 
 
@@ -172,7 +176,7 @@ def test_the_unit_tier_runs_first_and_every_failure_is_the_exit_code(
     done = subprocess.run([copy / "scripts/test", "-k", "x"], cwd=copy, timeout=60, check=False)
     assert done.returncode == exit_code
     calls = [line for line in log.read_text().splitlines() if line.startswith("pytest")]
-    assert calls == ["pytest -ra -x -m not qemu -k x", "pytest -ra -m qemu -k x"][:runs]
+    assert calls == [f"{UNIT} -k x", f"{QEMU} -k x"][:runs]
 
 
 def stub(path: Path, log: Path) -> None:
