@@ -5,8 +5,10 @@ whose file is named ``qemu-system-x86_64`` (a link to sleep) stands for one."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,11 @@ def named_qemu(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     program = tmp_path / "qemu-system-x86_64"
     program.symlink_to(shutil.which("sleep") or "/bin/sleep")
     proc = subprocess.Popen([str(program), "60"])
+    # Popen may return before the kernel named the child after its new program (a vfork
+    # parent resumes mid-exec): its command name says QEMU's only from then on.
+    comm, deadline = Path(f"/proc/{proc.pid}/comm"), time.monotonic() + 10
+    while not comm.read_text().startswith("qemu-system") and time.monotonic() < deadline:
+        os.sched_yield()
     try:
         yield proc
     finally:
