@@ -195,7 +195,7 @@ def test_qemu_killed_mid_run_keeps_partial_output(
         f"qmpprof: error: QEMU closed the {channel} connection; the samples collected so far"
         f" are in {out}"
     )
-    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     assert f"`{err.splitlines()[-1].replace(str(out), 'FILE')}`" in readme  # as documented
     assert_collected_written(err, out)
 

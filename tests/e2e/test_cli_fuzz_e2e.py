@@ -27,7 +27,7 @@ from qmpprof.cli import main
 
 pytestmark = [pytest.mark.qemu, every_qemu]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LINES = 500
 PROCESSES = 5  # of them, run as real processes
 SLACK = 15.0  # seconds a line may take beyond its --duration: loading, connecting, writing

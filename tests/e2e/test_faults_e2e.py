@@ -57,7 +57,7 @@ STAGES = {"started": None, "connected": "qmpprof: samples travel through ",
 PAUSES = 12  # of the guest by a sampling run (0.2 s at 10 ms: ~20), drawn from below this
 POINT_TIMEOUT = 120.0  # a guard against a hung run, not a speed check
 SUMMARY = re.compile(r"^Samples: (\d+) ", re.MULTILINE)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Relay:

@@ -21,7 +21,7 @@ from witnessvm import Vm, vm
 pytestmark = pytest.mark.qemu
 
 KILLS = 8
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESUMED = "qmpprof: guard: qmpprof ended inside a pause"
 STOPPED = ("paused", "debug")
 

@@ -30,7 +30,7 @@ from linuxvm import ROOTFS, running_linux_guest
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.transport.qmp import QmpTransport
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ORACLE = re.compile(
     r"^qmpprof-linux: offcpu task (\d+) begin\r?\nState:\s+(\S) \(([^)]*)\)\r?\n(.*?)"
     r"^qmpprof-linux: offcpu task end",

@@ -24,7 +24,7 @@ from qmpprof.model import Registers, StopReason
 from qmpprof.unwind.chain import AddressSpace, Unwinder, Via
 from qmpprof.unwind.steps import CfiStep
 
-DATA = Path(__file__).parent / "data" / "hmp"
+DATA = Path(__file__).parents[1] / "data" / "hmp"
 FORMATS = AArch64Formats()
 # TCR_EL1 of bookworm's 6.1 under QEMU 7.2 -cpu max: T0SZ = T1SZ = 16 (48-bit halves).
 TCR_48 = 0x10 | 0x10 << 16

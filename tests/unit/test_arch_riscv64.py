@@ -21,7 +21,7 @@ from qmpprof.errors import TransportError
 from qmpprof.model import StopReason
 from qmpprof.unwind.chain import AddressSpace, Unwinder, Via
 
-DATA = Path(__file__).parent / "data" / "hmp"
+DATA = Path(__file__).parents[1] / "data" / "hmp"
 FORMATS = RiscV64Formats()
 RA = 1
 SV57 = 0xA001_9000_0008_38A5  # vCPU 0's satp in the capture: mode 10

@@ -15,7 +15,7 @@ from qmpprof.arch.x86regs import REGISTER_NAMES, X86Formats
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
 
-DATA = Path(__file__).parent / "data" / "hmp"
+DATA = Path(__file__).parents[1] / "data" / "hmp"
 FORMATS = X86Formats()
 
 

@@ -189,7 +189,7 @@ async def test_the_readme_quotes_what_qmpprof_says_when_qemu_goes_away() -> None
     reader.feed_eof()
     with pytest.raises(GuestGoneError) as over_gdbstub:
         await read_packet(reader)
-    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     for gone in (over_gdbstub.value, over_qmp.value):
         line = f"qmpprof: error: {gone}; the samples collected so far are in FILE"
         assert f"`{line}`" in readme, line

@@ -24,7 +24,7 @@ from qmpprof.errors import ConnectError, OutputError, UsageError
 from qmpprof.output import folded
 from qmpprof.serve.config import settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 GREETING = b'{"QMP": {"version": {}, "capabilities": []}}\r\n'
 
 

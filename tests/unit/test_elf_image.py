@@ -17,7 +17,7 @@ from qmpprof.arch.x86 import I386
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
 
-DATA = Path(__file__).parent / "data" / "unwind"
+DATA = Path(__file__).parents[1] / "data" / "unwind"
 
 
 @pytest.fixture(scope="module")

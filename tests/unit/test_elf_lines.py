@@ -14,7 +14,7 @@ from qmpprof.elf.lines import LineTable
 from qmpprof.model import StopReason
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 
-DATA = Path(__file__).parent / "data" / "unwind"
+DATA = Path(__file__).parents[1] / "data" / "unwind"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from qmpprof.errors import MemoryReadError, TransportError
 from qmpprof.transport import hmp
 
-DATA = Path(__file__).parent / "data" / "hmp"
+DATA = Path(__file__).parents[1] / "data" / "hmp"
 
 
 def capture(name: str) -> str:

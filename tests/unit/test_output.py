@@ -21,7 +21,7 @@ from qmpprof.naming import Naming
 from qmpprof.output import EXTENSIONS, FORMATS, folded, format_for, native, render, write_profile
 from qmpprof.profile import Profile
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 REGENERATE = os.environ.get("QMPPROF_REGEN_GOLDEN") == "1"
 GOLDEN_NAMES = {"folded": "profile.folded", "speedscope": "profile.speedscope.json"}
 

@@ -18,7 +18,6 @@ import qemumark
 from aarch64vm import running_aarch64_guest
 from guestvm import running_guest
 from linuxvm import running_linux_guest
-from qemumark import boots_qemu
 from witnessvm import vm
 
 
@@ -42,21 +41,6 @@ def named_qemu(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def running_qemus() -> set[int]:
     return {pid for pid, _name in qemumark.qemu_descendants()}
-
-
-@pytest.fixture
-@boots_qemu
-def fake_booted(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with named_qemu(tmp_path) as proc:
-        yield proc
-
-
-def test_a_test_using_a_booting_fixture_is_marked(
-    fake_booted: subprocess.Popen[bytes], request: pytest.FixtureRequest
-) -> None:
-    assert request.node.get_closest_marker("qemu") is not None
-    assert qemumark.marked
-    assert (fake_booted.pid, "qemu-system-x86") in qemumark.qemu_descendants()
 
 
 def test_a_test_using_none_is_not(request: pytest.FixtureRequest) -> None:

@@ -12,7 +12,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.model import StopReason
 from qmpprof.unwind.chain import Unwinder, Via
 
-DATA = Path(__file__).parent / "data" / "unwind"
+DATA = Path(__file__).parents[1] / "data" / "unwind"
 
 
 def test_synthetic_stack_unwinds_through_every_chosen_frame(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from qmpprof.model import Stack, StopReason
 from qmpprof.pagecache import PAGE, PageCache
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
-DATA = Path(__file__).parent / "data" / "unwind"
+DATA = Path(__file__).parents[1] / "data" / "unwind"
 
 
 def snapshot(binary: Path, location: str, caller: str = "") -> dict[str, object]:

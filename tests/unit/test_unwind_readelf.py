@@ -15,7 +15,7 @@ from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.dwarf.cfi import CfiTable, Kind, RegRule, Rule
 from qmpprof.elf.image import ElfImage
 
-DATA = Path(__file__).parent / "data" / "unwind"
+DATA = Path(__file__).parents[1] / "data" / "unwind"
 
 _SECTION = re.compile(r"^Contents of the (\.\w+) section")
 _CIE = re.compile(r"^([0-9a-f]+) [0-9a-f]+ [0-9a-f]+ CIE ")
@@ -158,7 +158,7 @@ def test_eh_frame_without_hdr_scans_the_same_rows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["cfi", "fp"])
 def test_bundled_guest_cfi_matches_readelf(variant: str, guest_build: None) -> None:
-    build_dir = Path(__file__).parent.parent / "fixtures" / "build" / variant
+    build_dir = Path(__file__).parents[2] / "fixtures" / "build" / variant
     section = ".eh_frame" if variant == "cfi" else ".debug_frame"  # fp: no .eh_frame at all
     elfs = [build_dir / "kernel.elf", *sorted((build_dir / "user").glob("*.elf"))]
     assert len(elfs) >= 3
@@ -186,7 +186,7 @@ def test_i386_guest_cfi_matches_readelf() -> None:
     """The i386 build (fixtures/build/i386): 4-byte addresses, i386 register numbers, the entry
     stubs' esp expressions, in the kernel and in both user programs."""
     build_fixtures(("i386",))
-    build_dir = Path(__file__).parent.parent / "fixtures" / "build" / "i386"
+    build_dir = Path(__file__).parents[2] / "fixtures" / "build" / "i386"
     for path in [build_dir / "kernel.elf", *sorted((build_dir / "user").glob("*.elf"))]:
         image = ElfImage.load(path)
         assert image.cfi is not None and image.cfi.address_size == 4

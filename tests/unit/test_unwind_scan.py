@@ -21,7 +21,7 @@ from qmpprof.model import StopReason
 from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 FLAGS = ["-O2", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables", "-fomit-frame-pointer"]
 
 

@@ -1,0 +1,33 @@
+"""scripts/check-kvm, the one command docs/kvm.md gives for booting every bundled variant under
+KVM: run with ``--accel tcg`` (the accelerator every test uses) both probes of the machine must
+print what a conforming x86 CPU prints and each variant reach its workload, and a QEMU that
+dies at once must be reported as a failure of each, with its status."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from qemus import every_qemu
+from test_check_kvm import CHECK, RUN_TIMEOUT
+
+VARIANTS = ("fp", "cfi", "i386", "i386-pae")
+
+
+@pytest.mark.qemu
+@every_qemu
+def test_every_variant_runs_its_workload_under_tcg() -> None:
+    done = subprocess.run(
+        [CHECK, "--accel", "tcg", "--timeout", "60"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert lines[:2] == [
+        "probe paging32: prints AB as a conforming x86 CPU does",
+        "probe syscall64: prints LU0 as a conforming x86 CPU does",
+    ], done.stdout
+    assert [line.split(":")[0] for line in lines[2:]] == list(VARIANTS), done.stdout
+    for line in lines[2:]:
+        assert re.fullmatch(r"[\w-]+: runs its workload \(\d+ s\)", line), line
+    assert done.returncode == 0, done.stderr
