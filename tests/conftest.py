@@ -1,8 +1,9 @@
-"""Shared pytest fixtures. The bundled guest: built once per session, booted per test. The
-Debian kernel of the linux tests: fetched and unpacked once per session. The Linux guests
-shared by several files (``kaslr_linux``, ``churn_linux``): booted once per kernel series and
-session, checked after each test (tests/sharedlinux.py). The ``qemu`` marker:
-given by the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
+"""Shared pytest fixtures, and the two tiers: tests/unit boots no QEMU, tests/e2e does. The
+bundled guest: built once per session, booted per test. The Debian kernel of the linux tests:
+fetched and unpacked once per session. The Linux guests shared by several files
+(``kaslr_linux``, ``churn_linux``): booted once per kernel series and session, checked after
+each test (tests/sharedlinux.py). The ``qemu`` marker: given to every test in tests/e2e and by
+the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,26 @@ from qmpprof.linux.bzimage import vmlinux_bytes
 
 BEFORE_SETUP = pytest.StashKey[set[int]]()
 
+# The two tiers, by folder: unit tests boot no QEMU, e2e tests do.
+UNIT = Path(__file__).resolve().parent / "unit"
+E2E = Path(__file__).resolve().parent / "e2e"
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test using a fixture that boots QEMU is a QEMU test."""
+    """Every test in tests/e2e, and every test using a fixture that boots QEMU, is a QEMU test;
+    a QEMU test in tests/unit is refused, so the folder a test sits in says which tier runs it."""
     for item in items:
-        if item.get_closest_marker("qemu") is None and qemumark.uses_booting_fixture(item):
+        if item.get_closest_marker("qemu") is None and (
+            E2E in item.path.parents or qemumark.uses_booting_fixture(item)
+        ):
             item.add_marker(pytest.mark.qemu)
+    misplaced = [
+        item.nodeid
+        for item in items
+        if UNIT in item.path.parents and item.get_closest_marker("qemu") is not None
+    ]
+    if misplaced:
+        raise pytest.UsageError(f"QEMU tests in tests/unit (move them to tests/e2e): {misplaced}")
 
 
 @pytest.hookimpl(wrapper=True)

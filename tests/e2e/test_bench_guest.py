@@ -1,5 +1,5 @@
-"""scripts/bench: its arithmetic and reports by hand, and every sampling method once against the
-bundled guest (that they sample and leave the guest running; speed is never asserted here)."""
+"""scripts/bench's sampling methods, each once against the bundled guest: that they sample and
+leave the guest running (speed is never asserted here; the arithmetic: tests/unit/test_bench.py)."""
 
 from __future__ import annotations
 

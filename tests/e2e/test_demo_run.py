@@ -1,6 +1,6 @@
-"""``qmpprof demo``: its arguments, finding and building the bundled guest, what it prints, and one
-real run (a subprocess in a fresh directory) that must leave demo.svg and demo.folded holding the
-bundled guest's workload functions (fixtures/guest/expected.json)."""
+"""``qmpprof demo`` run for real (a subprocess in a fresh directory): it must leave demo.svg and
+demo.folded holding the bundled guest's workload functions (fixtures/guest/expected.json), for
+the x86_64 build and the i386 ones."""
 
 from __future__ import annotations
 

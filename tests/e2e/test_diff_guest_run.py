@@ -1,5 +1,5 @@
-"""Differential output (``qmpprof diff``): two-column folded stacks as difffolded.pl writes them,
-and the differential SVG (AFTER's layout, colours by change in share, BEFORE-only stacks kept)."""
+"""``qmpprof diff`` on a real run of the bundled guest against its own kernel-only part: the user
+code is shown gone."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The bundled guest does what fixtures/guest/expected.json and its README claim.
-
-Static checks read the built ELF files; the QEMU checks boot each variant with one and two vCPUs
-(one boot per combination, shared by its tests) and look at the guest only through QMP
-(qemu.qmp's QMPClient, not qmpprof's transport, which these tests must not depend on).
+"""The bundled guest, booted, does what fixtures/guest/expected.json and its README claim: each
+variant with one and two vCPUs (one boot per combination, shared by its tests), and four vCPUs,
+looked at only through QMP (qemu.qmp's QMPClient, not qmpprof's transport, which these tests
+must not depend on).
 """
 
 from __future__ import annotations

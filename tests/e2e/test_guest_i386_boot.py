@@ -1,9 +1,8 @@
-"""The i386 builds of the bundled guest (fixtures/build/i386, and i386-pae with PAE paging): how
-they are built, that they boot under qemu-system-i386 and under qemu-system-x86_64, what each
-binary's HMP and gdbstub say about a 32-bit guest's registers (docs/i386.md), that every process
-has an address space (CR3) of its own, with or without PAE, and that gdb -- the oracle of the
-later stack comparisons -- unwinds them through int 0x80 and interrupts into user code under both
-binaries.
+"""The i386 builds of the bundled guest booted under qemu-system-i386 and under
+qemu-system-x86_64: what each binary's HMP and gdbstub say about a 32-bit guest's registers
+(docs/i386.md), that every process has an address space (CR3) of its own, with or without PAE,
+and that gdb -- the oracle of the later stack comparisons -- unwinds them through int 0x80 and
+interrupts into user code under both binaries.
 """
 
 from __future__ import annotations

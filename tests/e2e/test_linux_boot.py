@@ -3,8 +3,7 @@ on 2 vCPUs with KASLR (6.12 also without): the workload runs, the guest's /proc/
 over COM2 whole (module symbols included), and QEMU reports the VM running over QMP; every
 kernel fetched (5.10, 6.1, 6.12, 7.x) boots with KASLR, its test module loaded, Debian's xz
 running (its /proc/PID/maps on the console) and the churn workload starting processes in each of
-its reports (how many a second is scripts/bench's linux_churn_processes_per_s); the initramfs
-writer gives a cpio newc archive back as built."""
+its reports (how many a second is scripts/bench's linux_churn_processes_per_s)."""
 
 from __future__ import annotations
 

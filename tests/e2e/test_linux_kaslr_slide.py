@@ -1,8 +1,6 @@
-"""KASLR slide detection from IDT bytes built by hand: gate decoding, the vote, its refusals,
-and idt_slide over a fake guest; then end to end on the Linux test guest: the slide
-is 0 under nokaslr and, on several KASLR boots, (guest /proc/kallsyms _text) - (image _text);
-on every kernel booted, the slide and the image's kallsyms, ORC and BTF at that slide against
-the running kernel's."""
+"""KASLR slide detection end to end on the Linux test guest: the slide is 0 under nokaslr and,
+on several KASLR boots, (guest /proc/kallsyms _text) - (image _text); on every kernel booted,
+the slide and the image's kallsyms, ORC and BTF at that slide against the running kernel's."""
 
 from __future__ import annotations
 

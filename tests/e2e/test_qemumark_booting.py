@@ -1,6 +1,5 @@
 """The ``qemu`` marker told by use (tests/qemumark.py): a fixture declared as booting QEMU marks
-the tests using it, and an unmarked test that boots QEMU fails. No QEMU runs here: a program
-whose file is named ``qemu-system-x86_64`` (a link to sleep) stands for one."""
+the tests using it (the rest of the marker's checks: tests/unit/test_qemumark.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The QEMUs the end-to-end tests run on (tests/qemus.py): each test id names the version the
-binary prints, and a guest booted under ``every_qemu`` runs on that very QEMU."""
+"""The QEMUs the end-to-end tests run on (tests/qemus.py): a guest booted under ``every_qemu``
+runs on that very QEMU, and the newest runs on its own tree alone."""
 
 from __future__ import annotations
 

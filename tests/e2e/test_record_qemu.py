@@ -1,6 +1,6 @@
-"""``qmpprof record``: argument handling through main([...]), then real QEMU runs as
-subprocesses: the bundled guest's boot profiled from its first instruction, the end at
---duration, a guest that powers off by itself, SIGTERM and Ctrl-C mid-run, QEMU failing to start.
+"""``qmpprof record`` with real QEMU runs as subprocesses: the bundled guest's boot profiled from
+its first instruction, the end at --duration, a guest that powers off by itself, SIGTERM and
+Ctrl-C mid-run, QEMU failing to start, a kernel ELF it cannot use.
 
 Every recording runs in a session of its own, killed whole if the test fails half-way, and
 QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an orderly exit).

@@ -1,6 +1,5 @@
-"""``qmpprof report`` and ``qmpprof diff`` read pprof: the .pb.gz of a real run reports and
-diffs as its .qmpprof does; a minimal pprof written by hand reads as far as it carries; damage
-is one line."""
+"""``qmpprof report`` and ``qmpprof diff`` read pprof: the .pb.gz of a real run of the bundled
+guest reports and diffs as its .qmpprof does."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``qmpprof report``: a saved profile rendered again, in any format and naming, filtered.
-
-The unit tests use a hand-built profile; the end-to-end test profiles the real bundled guest
-once, with source lines, and re-renders that one run in every naming."""
+"""``qmpprof report`` on the real bundled guest: one run profiled, with source lines, and
+re-rendered in every naming with the same counts."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""qmpprof serve for a fleet: per-VM settings from TOML, the overhead budget, the loads shared
-between VMs of one kernel; then against real QEMUs: two Linux guests on two Debian kernels
-served side by side, each from its own settings, one under the default budget; and a real
-Prometheus server (Debian's, fixtures/build/prometheus) scraping serve's /metrics."""
+"""qmpprof serve for a fleet against real QEMUs: two Linux guests on two Debian kernels served
+side by side, each from its own settings, one under the default budget; a VM of a socket dir
+taking its name.toml; and a real Prometheus server (Debian's, fixtures/build/prometheus)
+scraping serve's /metrics."""
 
 from __future__ import annotations
 

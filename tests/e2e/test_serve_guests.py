@@ -1,6 +1,6 @@
-"""qmpprof serve: the ring, the flags, the pages by hand; then the daemon as a process of its own
-against real QEMUs running the bundled guest: go tool pprof on its endpoint, the pages in
-Chromium, a VM killed and started again on the same socket, SIGTERM."""
+"""qmpprof serve as a process of its own against real QEMUs running the bundled guest: go tool
+pprof on its endpoint, the pages in Chromium, a VM killed and started again on the same socket,
+a paused guest left paused, a socket dir followed."""
 
 from __future__ import annotations
 

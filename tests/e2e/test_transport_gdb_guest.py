@@ -1,6 +1,6 @@
-"""GdbTransport (and its pipelined channel): against a scripted stub, then end to end against a
-real QEMU's gdbstub, with QMP on a plain socket as the independent witness. The packet code has
-its own tests (test_transport_gdbpackets.py), whose captured packets serve here too."""
+"""GdbTransport end to end against a real QEMU's gdbstub, with QMP on a plain socket as the
+independent witness: registers, memory, stop/cont, vCPUs stopped behind its back, the target
+description, a unix socket and the guest going away."""
 
 from __future__ import annotations
 

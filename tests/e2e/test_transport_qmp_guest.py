@@ -1,6 +1,6 @@
-"""QmpTransport: connection errors against scripted sockets, then a real QEMU (SeaBIOS, no
-kernel: fast to start, no fixtures needed) for registers, both memory paths, the private
-memsave file, QMP over TCP, the memsave fallback and QEMU going away."""
+"""QmpTransport against a real QEMU (SeaBIOS, no kernel: fast to start, no fixtures needed) for
+registers, both memory paths, the private memsave file, QMP over TCP, the memsave fallback and
+QEMU going away; and both memory paths on the bundled guest."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""scripts/bench: its arithmetic and reports by hand, and every sampling method once against the
-bundled guest (that they sample and leave the guest running; speed is never asserted here)."""
+"""scripts/bench: its arithmetic and reports by hand (every sampling method against the bundled
+guest: tests/e2e/test_bench_guest.py)."""
 
 from __future__ import annotations
 

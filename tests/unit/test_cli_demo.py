@@ -1,6 +1,5 @@
-"""``qmpprof demo``: its arguments, finding and building the bundled guest, what it prints, and one
-real run (a subprocess in a fresh directory) that must leave demo.svg and demo.folded holding the
-bundled guest's workload functions (fixtures/guest/expected.json)."""
+"""``qmpprof demo``: its arguments, finding and building the bundled guest, and what it prints
+(real runs: tests/e2e/test_demo_run.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``qmpprof record``: argument handling through main([...]), then real QEMU runs as
-subprocesses: the bundled guest's boot profiled from its first instruction, the end at
---duration, a guest that powers off by itself, SIGTERM and Ctrl-C mid-run, QEMU failing to start.
-
-Every recording runs in a session of its own, killed whole if the test fails half-way, and
-QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an orderly exit).
-"""
+"""``qmpprof record``: argument handling through main([...]), the QEMU command line it builds and
+how it names a run (real QEMU runs: tests/e2e/test_record_qemu.py)."""
 
 from __future__ import annotations
 

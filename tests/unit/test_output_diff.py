@@ -1,5 +1,6 @@
 """Differential output (``qmpprof diff``): two-column folded stacks as difffolded.pl writes them,
-and the differential SVG (AFTER's layout, colours by change in share, BEFORE-only stacks kept)."""
+and the differential SVG (AFTER's layout, colours by change in share, BEFORE-only stacks kept);
+on a real run: tests/e2e/test_diff_guest_run.py."""
 
 from __future__ import annotations
 

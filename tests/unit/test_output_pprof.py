@@ -1,5 +1,6 @@
 """pprof output: the wire format (64-bit varints), the profile.proto message read back with a
-tiny protobuf reader, and Go's own ``go tool pprof`` reading the files (-raw, -top, -traces)."""
+tiny protobuf reader, and Go's own ``go tool pprof`` reading hand-built files (-raw, -top; a
+real run: tests/e2e/test_pprof_go_tool.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The ``qemu`` marker told by use (tests/qemumark.py): a fixture declared as booting QEMU marks
-the tests using it, and an unmarked test that boots QEMU fails. No QEMU runs here: a program
-whose file is named ``qemu-system-x86_64`` (a link to sleep) stands for one."""
+"""The ``qemu`` marker told by use (tests/qemumark.py): a test using no booting fixture is not
+marked, and an unmarked test that boots QEMU fails. No QEMU runs here: a program whose file is
+named ``qemu-system-x86_64`` (a link to sleep) stands for one."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The QEMUs the end-to-end tests run on (tests/qemus.py): each test id names the version the
-binary prints, and a guest booted under ``every_qemu`` runs on that very QEMU."""
+binary prints, and a missing build is named missing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``qmpprof report``: a saved profile rendered again, in any format and naming, filtered.
-
-The unit tests use a hand-built profile; the end-to-end test profiles the real bundled guest
-once, with source lines, and re-renders that one run in every naming."""
+"""``qmpprof report``: a saved profile rendered again, in any format and naming, filtered, on a
+hand-built profile (a real run: tests/e2e/test_report_rerender.py)."""
 
 from __future__ import annotations
 

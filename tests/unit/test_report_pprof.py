@@ -1,6 +1,6 @@
-"""``qmpprof report`` and ``qmpprof diff`` read pprof: the .pb.gz of a real run reports and
-diffs as its .qmpprof does; a minimal pprof written by hand reads as far as it carries; damage
-is one line."""
+"""``qmpprof report`` and ``qmpprof diff`` read pprof: a run-like profile read back names every
+frame as its .qmpprof does; a minimal pprof written by hand reads as far as it carries; damage
+is one line (a real run: tests/e2e/test_report_pprof_go.py)."""
 
 from __future__ import annotations
 

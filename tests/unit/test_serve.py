@@ -1,6 +1,5 @@
-"""qmpprof serve: the ring, the flags, the pages by hand; then the daemon as a process of its own
-against real QEMUs running the bundled guest: go tool pprof on its endpoint, the pages in
-Chromium, a VM killed and started again on the same socket, SIGTERM."""
+"""qmpprof serve: the ring, the flags, the pages and the metrics by hand (the daemon against real
+QEMUs: tests/e2e/test_serve_guests.py)."""
 
 from __future__ import annotations
 

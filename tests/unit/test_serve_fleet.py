@@ -1,7 +1,5 @@
 """qmpprof serve for a fleet: per-VM settings from TOML, the overhead budget, the loads shared
-between VMs of one kernel; then against real QEMUs: two Linux guests on two Debian kernels
-served side by side, each from its own settings, one under the default budget; and a real
-Prometheus server (Debian's, fixtures/build/prometheus) scraping serve's /metrics."""
+between VMs of one kernel (against real QEMUs: tests/e2e/test_serve_fleet_guests.py)."""
 
 from __future__ import annotations
 

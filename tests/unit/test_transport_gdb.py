@@ -1,6 +1,6 @@
-"""GdbTransport (and its pipelined channel): against a scripted stub, then end to end against a
-real QEMU's gdbstub, with QMP on a plain socket as the independent witness. The packet code has
-its own tests (test_transport_gdbpackets.py), whose captured packets serve here too."""
+"""GdbTransport (and its pipelined channel) against a scripted stub (a real QEMU's gdbstub:
+tests/e2e/test_transport_gdb_guest.py). The packet code has its own tests
+(test_transport_gdbpackets.py), whose captured packets serve here too."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""QmpTransport: connection errors against scripted sockets, then a real QEMU (SeaBIOS, no
-kernel: fast to start, no fixtures needed) for registers, both memory paths, the private
-memsave file, QMP over TCP, the memsave fallback and QEMU going away."""
+"""QmpTransport: connection errors and requests against scripted sockets (a real QEMU:
+tests/e2e/test_transport_qmp_guest.py)."""
 
 from __future__ import annotations
 
