@@ -333,3 +333,31 @@ def test_session_naming_a_concrete_transport_is_a_breach() -> None:
         assert breaches(rule) == ["qmpprof.session imports qmpprof.transport.qmp"]
     finally:
         g["qmpprof.session"].discard("qmpprof.transport.qmp")
+
+
+def tier_breaches(sources: dict[str, str], e2e: set[str]) -> list[str]:
+    """The imports of an e2e test module among ``sources`` (module name -> its source)."""
+    return sorted(
+        f"{name} imports {target}"
+        for name, source in sources.items()
+        for target in imports_of(source, name)
+        if target in e2e
+    )
+
+
+def test_no_unit_test_or_helper_imports_an_e2e_module() -> None:
+    """The unit tier is tests/unit with the helpers in tests/: if one of them imported a module
+    of tests/e2e, running tests/unit alone would fail or drag a QEMU test's code in."""
+    tests = ROOT / "tests"
+    e2e = {path.stem for path in (tests / "e2e").glob("*.py")}
+    sources = {
+        path.stem: path.read_text()
+        for path in sorted([*tests.glob("*.py"), *(tests / "unit").glob("*.py")])
+    }
+    assert "test_guest_boot" in e2e and "guestvm" in sources and "test_guest" in sources
+    assert not tier_breaches(sources, e2e)
+
+
+def test_the_tier_check_sees_a_breach() -> None:
+    sources = {"test_a": "import os\nfrom test_b_guest import helper\n", "test_c": "import d\n"}
+    assert tier_breaches(sources, {"test_b_guest"}) == ["test_a imports test_b_guest"]
