@@ -20,7 +20,7 @@ tried here), gdb 13.1 strips with the low half's mask only (``addr & ~pauth_cmas
 address to 0xffffb59af2090a20, signed, became 0x2f00b59af2090a20) and stops there. The guest
 boots with ``arm64.nopauth`` (``NOPAUTH``): the kernel signs nothing, gdb and qmpprof read
 plain return addresses. qmpprof's stripping is tested on signed stacks by
-tests/test_aarch64_e2e.py.
+tests/e2e/test_aarch64_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One moment of a stopped guest as qmpprof and gdb each saw it, compared vCPU by vCPU and
 counted: the kernel stack frame for frame (``stackverdict.judge``) and the current task
-(tests/test_linux_vs_gdb.py, tests/test_aarch64_vs_gdb.py)."""
+(tests/e2e/test_linux_vs_gdb.py, tests/e2e/test_aarch64_vs_gdb.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ costs a tenth of a QMP command), keeps QMP open as the control channel and the w
 run state, and removes the stub whichever way the run ends. ``connect_fast`` decides whether
 that path can be taken and, when it cannot, says why in one line.
 
-Facts about QEMU 7.2 this relies on (measured; tests/test_transport_privategdb.py):
+Facts about QEMU 7.2 this relies on (measured; tests/e2e/test_transport_privategdb.py):
 
 - HMP ``gdbserver unix:PATH,server=on,wait=off`` answers "Waiting for gdb connection on device
   ..." and adds a chardev labelled ``gdb``. A failure is a *successful* reply holding QEMU's

@@ -5,7 +5,7 @@ pointer-authentication code, aarch64gdb.py says why).
 
 gdb (``aarch64gdb.Aarch64KernelOracle``: one session on the kernel's -dbg vmlinux moved by the
 slide) interrupts the guest at each moment; qmpprof then samples the stopped guest over QMP (a
-paused guest is sampled without stop/cont), and for every vCPU, as tests/test_linux_vs_gdb.py
+paused guest is sampled without stop/cont), and for every vCPU, as tests/e2e/test_linux_vs_gdb.py
 does on x86_64:
 
 - in kernel mode, gdb's whole stack against qmpprof's, frame for frame (``stackverdict.judge``),

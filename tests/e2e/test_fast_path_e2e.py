@@ -220,7 +220,7 @@ def test_a_stub_that_is_not_a_dead_qmpprof_s_is_left_alone(
     tmp_path: Path, private_tmp: Path
 ) -> None:
     """A user's stub in a directory named as ours but not 0700 is left alone (the other ways a
-    stub is not a leftover: tests/test_transport_stubdir.py), and the run takes QMP."""
+    stub is not a leftover: tests/unit/test_transport_stubdir.py), and the run takes QMP."""
     with vm(tmp_path, smp=1) as machine:
         lookalike = private_tmp / "qmpprof-gdb-user1234"
         lookalike.mkdir(mode=0o755)

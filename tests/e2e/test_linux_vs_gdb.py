@@ -59,8 +59,8 @@ REQUIRED = 0.97
 # the moments' stacks. 2 % is asked; two kinds are more common than that whatever qmpprof
 # does, measured at 100 moments on x86_64 6.12 (KASLR, no KASLR), 6.1, 5.10, 7.x: gdb stopping
 # early, unable to leave an interrupt stack (sysvec_apic_timer_interrupt, "memory error while
-# unwinding"), 7, 5, 5, 0, 4 (arm64: tests/test_aarch64_vs_gdb.py); gdb's own log saying why it made
-# no tail-call frame, 0, 2, 5, 2, 6.
+# unwinding"), 7, 5, 5, 0, 4 (arm64: tests/e2e/test_aarch64_vs_gdb.py); gdb's own log saying
+# why it made no tail-call frame, 0, 2, 5, 2, 6.
 ALLOWANCE_CEILINGS = {**dict.fromkeys(KINDS, 0.02), STOPS_EARLY: 0.15, NO_TAILCALL: 0.12}
 # On a loaded host TCG can fail the kernel's IO-APIC timer check (a panic at boot: "IO-APIC +
 # timer doesn't work"): skip the check.

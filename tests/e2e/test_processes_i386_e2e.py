@@ -4,7 +4,8 @@ gdbstub, whose register layout differs between the binaries) against the split t
 itself in the same run (tests/guestphases.py), processes told apart by CR3, the system-call path
 stitched onto the calling user frames, and every output format written from the same run. The
 i386-pae build once, under qemu-system-x86_64 (its 64-bit register layout;
-tests/test_cli_demo.py profiles it under qemu-system-i386): its CR3s differ only in bits 5..11."""
+tests/e2e/test_demo_run.py profiles it under qemu-system-i386): its CR3s differ only in bits
+5..11."""
 
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ class Served:
 
 @contextmanager
 def serving(guest: Guest, *args: str) -> Iterator[Served]:
-    # These tests count on samples coming at --interval: no overhead budget (test_serve_fleet.py
-    # has the budget's).
+    # These tests count on samples coming at --interval: no overhead budget
+    # (test_serve_fleet_guests.py has the budget's).
     files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
     with serve_command(*files, "--max-overhead", "none", *args) as served:
         yield served

@@ -1,7 +1,7 @@
 """The debuginfod client (qmpprof/elf/debuginfod.py) against small HTTP servers of the test's
 own: the cache's place and use, a file fetched whole, 404s, a server that does not answer, a
 transfer broken off; and the build-id read from the note section a vmlinux keeps it in. The
-real server (elfutils' debuginfod) is tests/test_debuginfod_e2e.py's."""
+real server (elfutils' debuginfod) is tests/e2e/test_debuginfod_e2e.py's."""
 
 from __future__ import annotations
 

@@ -285,7 +285,7 @@ def test_a_missing_user_dir_is_a_usage_error(tmp_path: Path) -> None:
 
 
 # The Linux identifier's identity races, each as the churn test met it on 6.1, on fake guest
-# memory laid out as Debian's 6.12 (tests/test_guest_linux.py's fakes).
+# memory laid out as Debian's 6.12 (tests/unit/test_guest_linux.py's fakes).
 
 MM_A, MM_B = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0700_0000  # two mm_structs' addresses
 SHELL_CODE, XZ_CODE = 0x40_0000, 0x50_0000  # where each program's code is mapped

@@ -165,7 +165,7 @@ KWORKER, IDLE = 0xFFFF_8880_0200_0000, 0xFFFF_FFFF_82C1_0940
 
 
 def test_the_layout_of_debian_612(layout: TaskLayout, linux_vmlinux: ElfImage) -> None:
-    # pahole on the same image (tests/test_linux_btf.py checks the BTF reader against it).
+    # pahole on the same image (tests/unit/test_linux_btf.py checks the BTF reader against it).
     kernel = LinuxKernel.load(linuxkernel.linux_dir("6.12") / "vmlinuz")
     assert locate_current(kernel) == (PerCpuVariable(CURRENT, False), None)
     assert (layout.pid, layout.tgid, layout.comm, layout.comm_size) == (2432, 2436, 2976, 16)

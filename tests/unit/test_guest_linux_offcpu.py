@@ -1,7 +1,8 @@
 """The off-CPU reading of a Linux task: states decoded as /proc does, the state names read from
 the kernel's task_state_array, x86_64's pt_regs found atop a kernel stack with or without the
 padding above it and its context switch's frame, arm64's cpu_context and pt_regs. Inputs built
-by hand; tests/test_offcpu_e2e.py and tests/test_aarch64_e2e.py check them on real guests."""
+by hand; tests/e2e/test_offcpu_e2e.py and tests/e2e/test_aarch64_e2e.py check them on real
+guests."""
 
 from __future__ import annotations
 

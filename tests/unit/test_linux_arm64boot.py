@@ -1,6 +1,6 @@
 """init_task and THREAD_SIZE read from arm64's __primary_switched, and task_state_array found by
 its content: sequences built by hand from the instructions bookworm's 6.1 has there (the real
-Images are checked in tests/test_linux_arm64image.py)."""
+Images are checked in tests/unit/test_linux_arm64image.py)."""
 
 from __future__ import annotations
 

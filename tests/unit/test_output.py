@@ -1,7 +1,7 @@
 """Every writer against golden files on one hand-built profile, and format choice by file name.
 
 Regenerate the goldens after an intended change with ``QMPPROF_REGEN_GOLDEN=1 pytest
-tests/test_output.py`` and review the diff.
+tests/unit/test_output.py`` and review the diff.
 """
 
 from __future__ import annotations
