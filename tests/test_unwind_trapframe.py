@@ -9,6 +9,7 @@ import struct
 import pytest
 from fakes import x86
 
+from qmpprof.arch.base import PathToCall
 from qmpprof.arch.x86 import I386
 from qmpprof.elf.trapframe import TrapFrameLayout
 from qmpprof.model import Mapping, StopReason
@@ -145,3 +146,21 @@ def test_a_walk_stopped_after_pushal_crosses_into_the_user_chain() -> None:
     raw = Unwinder(I386, kernel_boundary=0x8000_0000).unwind(regs, cache, AddressSpace([kernel]))
     assert raw.pcs == (pc, USER_PC, USER_CALLER)
     assert raw.exact[:2] == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        # mov %ebx, %ebp; push %ebp; push %eax; push %esp: ebp written first, eax as it is.
+        ("89 dd 55 50 54", PathToCall(12, ((-8, 0),), ((-12, -8),))),
+        ("66 50 54", None),  # push %ax: two bytes, not modelled
+        ("83 c4 04 54", None),  # add $4, %esp: the stack moved otherwise
+        ("74 00 54", None),  # a conditional jump
+        ("9c 54", PathToCall(8, (), ((-8, -4),))),  # pushfd: a word of flags
+    ],
+)
+def test_the_way_to_the_call_and_what_it_pushes(code: str, expected: PathToCall | None) -> None:
+    body = bytes.fromhex(code)
+    end = CODE_ADDR + len(body) + 5
+    whole = body + b"\xe8" + rel32(HANDLER, end) + b"\x90" * (HANDLER - end + 1)
+    assert I386.path_to_call(whole, CODE_ADDR, CODE_ADDR, HANDLER) == expected

@@ -24,6 +24,7 @@ from qmpprof.arch.x86code import analyzer
 _BUDGET = 64  # instructions followed: an entry's way to its handler is a few dozen at most
 _CHUNK = 32  # bytes decoded at a time
 _PUSHAL = ("eax", "ecx", "edx", "ebx", "esp", "ebp", "esi", "edi")  # pushed in this order
+_FLAGS = {4: "pushfd", 8: "pushfq"}  # a word of flags (pushf alone: 16 bits)
 _SMALL = {"ax": ("al", "ah"), "bx": ("bl", "bh"), "cx": ("cl", "ch"), "dx": ("dl", "dh"),
           "si": ("sil",), "di": ("dil",), "bp": ("bpl",), "sp": ("spl",)}  # fmt: skip
 # Every name of a part of a general register -> the register (its stem: "ax" for al..rax).
@@ -76,7 +77,9 @@ def path_to_call(
 
 def _follow(way: _Way, mnemonic: str, ops: str, word: int, names: Sequence[str]) -> bool:
     """One instruction's pushes and writes; False: the way ends here, unanswered."""
-    if mnemonic == "push" or mnemonic.startswith("pushf") or mnemonic == "pushal":
+    if mnemonic == "push" and _PARTS.get(ops) == ops:
+        return False  # a 16-bit register: two bytes, not a stack word
+    if mnemonic in ("push", "pushal", _FLAGS[word]):
         before = -way.depth  # the stack pointer before the instruction, from the pc's
         for reg in _PUSHAL if mnemonic == "pushal" else (ops,) if mnemonic == "push" else ("",):
             way.depth += word

@@ -89,10 +89,9 @@ class TrapFrameStep:
         interrupted = arch.trap_return(slot, read)
         if interrupted is None:
             return StopReason.NO_CFI  # no frame the CPU pushed there
-        fp_at = frame + layout.fp
-        fp = read((sp + fp_at) & mask) if fp_at >= 0 else cur.get(dict(path.saved).get(fp_at, -1))
-        if fp is None:
-            return StopReason.NO_CFI if fp_at < 0 else StopReason.READ_FAILED
+        fp = self._frame_pointer(path, frame + layout.fp, cur, read)
+        if isinstance(fp, StopReason):
+            return fp
         new = dict(cur)
         new[arch.pc], new[arch.sp] = interrupted
         new[arch.fp] = fp
@@ -113,3 +112,15 @@ class TrapFrameStep:
             return StopReason.READ_FAILED
         offset = (frame - sp) & arch.mask
         return offset - (arch.mask + 1) if offset > arch.mask >> 1 else offset
+
+    def _frame_pointer(
+        self, path: PathToCall, at: int, cur: Regs, read: ReadWord
+    ) -> int | StopReason:
+        """The frame's frame-pointer member, ``at`` from the stack pointer: on the stack once
+        pushed, else the register the code will push there."""
+        if at >= 0:
+            fp = read((cur[self.arch.sp] + at) & self.arch.mask)
+            return StopReason.READ_FAILED if fp is None else fp
+        reg = dict(path.saved).get(at)
+        fp = None if reg is None else cur.get(reg)
+        return StopReason.NO_CFI if fp is None else fp  # pushed from nothing the walk knows
