@@ -143,6 +143,30 @@ class TextSymbols:
         return set(self.names[first : at + 1])
 
 
+# arch/arm64/kernel/entry.S's code for exceptions from user mode (from 5.12): a handler per
+# kind and register size, each calling a C function of its name + "_handler"
+# (el0t_64_irq_handler), an ordinary frame above it; and the way back to user mode.
+USER_ENTRIES = frozenset(
+    [f"el0t_{bits}_{kind}" for bits in (64, 32) for kind in ("sync", "irq", "fiq", "error")]
+    + ["ret_to_user"]
+)
+
+
+def from_user_entry(frame: dict[str, object]) -> bool:
+    """A frame in the vector table's user half, a user-mode handler or on the way back to user
+    mode: nothing of the kernel's lies below it. Not the C functions those handlers call."""
+    symbol, offset = frame.get("symbol"), frame.get("offset")
+    if symbol == "vectors":
+        return isinstance(offset, int) and offset >= 0x400
+    return symbol in USER_ENTRIES
+
+
+def past_user_entry(frames: Sequence[dict[str, object]]) -> bool:
+    """Whether a one-shot's kernel frames (leaf first) go on past an entry from user mode,
+    below which nothing of the kernel's lies."""
+    return any(from_user_entry(frame) for frame in frames[:-1])
+
+
 def from_kernel_entry(frame: dict[str, object]) -> bool:
     """A frame in a kernel-mode vector entry or handler (the exception came from the kernel)."""
     symbol, offset = frame.get("symbol"), frame.get("offset")

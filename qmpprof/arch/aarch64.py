@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.aarch64code import PROLOGUES, is_hint, signed
-from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
 from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
@@ -165,6 +165,9 @@ class AArch64:
             if target is not None:
                 out.append((here + 4, None if target < 0 else target & _MASK))
         return out
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        return None  # no trap entry that builds its frame by pushes: nothing to follow
 
     def jump_only(self, code: bytes) -> bool:
         words = (int.from_bytes(code[at : at + 4], "little") for at in range(0, len(code) - 3, 4))

@@ -57,6 +57,19 @@ class ReturnRule:
     trap: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PathToCall:
+    """Straight-line code from a pc to a direct call (a trap entry caught before it calls its
+    handler, say): ``depth`` bytes pushed on the way; ``saved``: each pushed word whose value is
+    a register's as it is at the pc (its offset from the stack pointer at the pc, the register's
+    DWARF number); ``addresses``: each pushed word that holds a stack address (its offset, and
+    the address's offset from the same stack pointer: ``push esp`` pushes its own word's end)."""
+
+    depth: int
+    saved: tuple[tuple[int, int], ...] = ()
+    addresses: tuple[tuple[int, int], ...] = ()
+
+
 class InstructionSet(Protocol):
     """One instruction set, as the walker, the sampler and the guest OSes need it."""
 
@@ -217,6 +230,12 @@ class InstructionSet(Protocol):
     def call_before(self, code: bytes, ra: int) -> int | None:
         """The target of the direct call that returns to ``ra`` (``code``: the bytes right
         before ``ra``), None when no direct call ends there."""
+        ...
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        """What the code at link address ``pc`` in ``code`` pushes on its straight way (direct
+        jumps followed) to a direct call of ``target``; None when it goes anywhere else first,
+        moves the stack pointer other than by pushes, or is code this cannot model."""
         ...
 
     def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:

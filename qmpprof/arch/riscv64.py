@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
 from qmpprof.arch.riscv64code import PROLOGUES, RA, decode, is_call, is_return, length, word
 from qmpprof.model import Registers
 
@@ -185,6 +185,9 @@ class RiscV64:
                 out.append((here + size, None))
             at += size
         return out
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        return None  # no trap entry that builds its frame by pushes: nothing to follow
 
     def jump_only(self, code: bytes) -> bool:
         at = 0

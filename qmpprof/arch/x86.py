@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.base import PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
 from qmpprof.arch.x86code import analyzer, branches, jump_only, scanner
+from qmpprof.arch.x86entry import path_to_call
 from qmpprof.arch.x86scan import function_starts, is_call_before
 from qmpprof.model import Registers
 
@@ -139,6 +140,9 @@ class X86:
 
     def jump_only(self, code: bytes) -> bool:
         return jump_only(self.address_size, code)
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        return path_to_call(self.address_size, self.names, code, code_addr, pc, target)
 
 
 # x86-64 psABI figure 3.36; i386 psABI (SCO numbering, as gcc and gdb use it).

@@ -4,8 +4,9 @@ neither CFI nor a symbol nor a frame pointer (stripped, static programs built wi
 From the frame's pc the scanner follows the instruction stream the way the function would run
 to its end: it falls through conditional jumps (the other way is kept and tried when the first
 dead-ends), follows direct unconditional jumps (a tail jump lands in a function that returns to
-the same caller), steps over calls, and tracks the stack pointer (push, pop, add/sub/lea rsp,
-``leave`` and ``mov rsp, rbp`` through the frame pointer) until a ``ret``: the return address is
+the same caller), steps over calls, and tracks the stack pointer (push, pop, i386's pushal and
+popal, add/sub/lea rsp, ``leave`` and ``mov rsp, rbp`` through the frame pointer) until a
+``ret``: the return address is
 then at the tracked stack pointer; at an ``iret`` the frame the CPU pushed on a trap is there
 (an interrupt entry's code: the caller is the interrupted code, its pc exact). It gives up
 (None) on what it cannot model: the stack pointer set any other way (realignment), a jump
@@ -204,6 +205,8 @@ class ReturnScanner:
             if ops == fp and state.fp_untouched and not state.sp_fp:
                 return replace(pushed, fp_saved=pushed.sp_off)
             return pushed
+        if mnemonic in ("pushal", "popal"):
+            return self._all_registers(state, mnemonic == "pushal")
         if mnemonic in ("pop", "popfq", "popfd"):
             if ops == sp:
                 return None
@@ -230,6 +233,22 @@ class ReturnScanner:
                 return replace(state, fp_kind="reg", fp_fp=state.sp_fp, fp_off=state.sp_off)
             return replace(state, fp_kind="unknown")
         return state
+
+    def _all_registers(self, state: _State, push: bool) -> _State:
+        """i386's ``pushal`` and ``popal``: eight words (eax, ecx, edx, ebx, esp, ebp, esi, edi
+        from the top), ebp two words above the lowest. A ``popal`` that takes back what a
+        ``pushal`` of the untouched frame pointer saved leaves it untouched."""
+        word = self._word
+        if push:
+            pushed = replace(state, sp_off=state.sp_off - 8 * word)
+            if state.fp_untouched and not state.sp_fp:
+                return replace(pushed, fp_saved=pushed.sp_off + 2 * word)
+            return pushed
+        at = state.sp_off + 2 * word
+        popped = replace(state, sp_off=state.sp_off + 8 * word)
+        if state.fp_untouched and not state.sp_fp and state.fp_saved == at:
+            return popped
+        return replace(popped, fp_kind="mem", fp_fp=state.sp_fp, fp_off=at)
 
     def _set_sp(self, state: _State, mnemonic: str, ops: str) -> _State | None:
         if mnemonic in ("add", "sub"):

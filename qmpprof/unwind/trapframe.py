@@ -1,21 +1,34 @@
 """Crossing a trap frame that no CFI describes (``elf/trapframe.py`` reads its layout from the
 kernel's DWARF): at the return address of a call to the trap handler, the caller's stack holds
-the frame's address, and the frame the interrupted registers. The interrupted pc is exact."""
+the frame's address, and the frame the interrupted registers. The interrupted pc is exact.
+
+A frame still being built (the CPU stopped in the entry code, between the vector it entered by
+and the handler's call) is read from the code: the pushes still to come before that call
+(``InstructionSet.path_to_call``) say where the handler's argument will lie and so where the
+frame starts, whose pc member is the slot the CPU pushed the interrupted pc to. The frame's
+frame-pointer member is read where it is already pushed, else taken from the register the code
+will push there. Where the code does not tell (the argument pushed from no stack address, the
+frame's pc slot below the stack pointer), the walk stops rather than read a frame not there.
+"""
 
 from __future__ import annotations
 
-from qmpprof.arch.base import InstructionSet
+from qmpprof.arch.base import InstructionSet, PathToCall, ReadWord
 from qmpprof.elf.trapframe import TrapFrameLayout
+from qmpprof.memo import Memo
 from qmpprof.model import StopReason
 from qmpprof.pagecache import PageCache
 from qmpprof.unwind.steps import EXACT, Outcome, Regs, Via, word_reader
 
+_CACHE_LIMIT = 1 << 14
+
 
 class TrapFrameStep:
-    """Applies only at a return address right after a direct call to the layout's handler."""
+    """Applies at a return address right after a direct call to the layout's handler, and at
+    an interrupted pc whose code goes straight on to that call (a frame still being built)."""
 
     via = Via.ENTRY
-    __slots__ = ("arch", "bias", "code", "code_addr", "layout")
+    __slots__ = ("_paths", "arch", "bias", "code", "code_addr", "layout")
 
     def __init__(
         self, layout: TrapFrameLayout, code: bytes, code_addr: int, bias: int, arch: InstructionSet
@@ -25,10 +38,11 @@ class TrapFrameStep:
         self.code_addr = code_addr  # link address of code[0]
         self.bias = bias
         self.arch = arch
+        self._paths: Memo[int, PathToCall | None] = Memo(_CACHE_LIMIT)  # link pc -> its way
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         if interrupted:
-            return None  # a trap frame is found from a return address, never at a leaf
+            return self._partial(cur, pc - self.bias, memory)
         arch, layout = self.arch, self.layout
         ra = pc + 1 - self.bias
         end = ra - self.code_addr
@@ -49,3 +63,64 @@ class TrapFrameStep:
         new = dict(cur)
         new[arch.pc], new[arch.sp], new[arch.fp] = new_pc, sp, fp
         return new, EXACT
+
+    def _partial(self, cur: Regs, link_pc: int, memory: PageCache) -> Outcome:
+        """The interrupted code's registers when the CPU stopped at ``link_pc`` on the way to
+        the handler's call; None when the code there does not go straight to it."""
+        try:
+            path = self._paths[link_pc]
+        except KeyError:
+            path = self._paths.put(
+                link_pc,
+                self.arch.path_to_call(self.code, self.code_addr, link_pc, self.layout.handler),
+            )
+        if path is None:
+            return None
+        arch, layout = self.arch, self.layout
+        mask, read, sp = arch.mask, word_reader(memory, arch), cur[arch.sp]
+        frame = self._frame(path, sp, read)  # from the stack pointer
+        if isinstance(frame, StopReason):
+            return frame
+        if frame + layout.pc < 0:
+            return StopReason.NO_CFI  # the CPU's part would lie below the stack: not this code
+        slot = (sp + frame + layout.pc) & mask
+        if read(slot) is None:
+            return StopReason.READ_FAILED
+        interrupted = arch.trap_return(slot, read)
+        if interrupted is None:
+            return StopReason.NO_CFI  # no frame the CPU pushed there
+        fp = self._frame_pointer(path, frame + layout.fp, cur, read)
+        if isinstance(fp, StopReason):
+            return fp
+        new = dict(cur)
+        new[arch.pc], new[arch.sp] = interrupted
+        new[arch.fp] = fp
+        return new, EXACT
+
+    def _frame(self, path: PathToCall, sp: int, read: ReadWord) -> int | StopReason:
+        """The frame's address less ``sp``: the handler's argument, pushed on the way as a
+        stack address, or already on the stack."""
+        argument = self.layout.argument - path.depth
+        address = dict(path.addresses).get(argument)
+        if address is not None:
+            return address
+        if argument < 0:
+            return StopReason.NO_CFI  # the argument is no stack address the code pushes
+        arch = self.arch
+        frame = read((sp + argument) & arch.mask)
+        if frame is None:
+            return StopReason.READ_FAILED
+        offset = (frame - sp) & arch.mask
+        return offset - (arch.mask + 1) if offset > arch.mask >> 1 else offset
+
+    def _frame_pointer(
+        self, path: PathToCall, at: int, cur: Regs, read: ReadWord
+    ) -> int | StopReason:
+        """The frame's frame-pointer member, ``at`` from the stack pointer: on the stack once
+        pushed, else the register the code will push there."""
+        if at >= 0:
+            fp = read((cur[self.arch.sp] + at) & self.arch.mask)
+            return StopReason.READ_FAILED if fp is None else fp
+        reg = dict(path.saved).get(at)
+        fp = None if reg is None else cur.get(reg)
+        return StopReason.NO_CFI if fp is None else fp  # pushed from nothing the walk knows

@@ -19,14 +19,18 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aarch64vm import (
     ROOT,
+    USER_ENTRIES,
     Aarch64Guest,
     TextSymbols,
     from_kernel_entry,
+    from_user_entry,
     named_at,
+    past_user_entry,
     running_aarch64_guest,
 )
 from guestvm import run_state
@@ -100,22 +104,26 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
         for i, frame in enumerate(frames):
             # A caller's frame is named at its call (return address - 1), a tail-call frame at
             # its jump; the interrupted code's under an exception taken in the kernel at its pc.
-            assert frame.get("symbol") in text.names_at(named_at(frames, i)), (frame, stack)
+            assert frame.get("symbol") in text.names_at(named_at(frames, i)), stacks_text([stack])
     # No walk ends at a return address it could not read: pointer-authentication codes are
     # stripped by the guest's TCR_EL1.
-    assert not [s for s in kernel if s["stop"] == "bad-return"]
+    bad = [s for s in kernel if s["stop"] == "bad-return"]
+    assert not bad, stacks_text(bad)
     ended = [s for s in kernel if s["stop"] == "end"]
     for stack in ended:
         root = stack["frames"][-1]
         # One frame: caught where the kernel was entered from user mode or leaves for it.
         alone = len(stack["frames"]) == 1 and from_user_entry(root)
-        assert root["symbol"].startswith("el0t_64_") or root["symbol"] in ROOTS or alone, stack
+        assert rooted(root["symbol"]) or alone, stacks_text([stack])
     # An exception caught at its vector (a third of one-shot stops) is whole: entered from
-    # user mode, one kernel frame (the user's frames follow, from ELR_EL1 and SP_EL0, or from
-    # what the handler saved); from the kernel, the interrupted code's frames (ELR_EL1).
-    entered = [s for s in kernel if from_user_entry(s["frames"][0])]
-    assert all(len(s["frames"]) == 1 for s in entered), entered
-    assert not [s for s in kernel if from_kernel_entry(s["frames"][-1])]
+    # user mode, its entry is the last kernel frame (the user's frames follow, from ELR_EL1 and
+    # SP_EL0, or from what the handler saved): caught there, the one kernel frame; in the C
+    # function its handler calls (el0t_64_irq_handler), two. From the kernel, the interrupted
+    # code's frames follow (ELR_EL1).
+    beyond = [s for s in kernel if past_user_entry(s["frames"])]
+    assert not beyond, stacks_text(beyond)
+    cut = [s for s in kernel if from_kernel_entry(s["frames"][-1])]
+    assert not cut, stacks_text(cut)
     # Deep walks down to a root (with -k the frames are the kernel's: the stop may be the user
     # part's, walked on from the registers the kernel saved).
     deep = [s for s in kernel if len(s["frames"]) >= 5 and rooted(s["frames"][-1]["symbol"])]
@@ -123,16 +131,32 @@ def test_kernel_stacks_named_as_the_guests_kallsyms(guest: Aarch64Guest) -> None
 
 
 def rooted(symbol: str | None) -> bool:
-    """Where a kernel stack begins: an entry from user mode, or one of ROOTS."""
-    return symbol is not None and (symbol.startswith("el0t_64_") or symbol in ROOTS)
+    """Where a kernel stack begins: a 64-bit user-mode handler, or one of ROOTS."""
+    return entered_64(symbol) or symbol in ROOTS
 
 
-def from_user_entry(frame: dict[str, object]) -> bool:
-    """A frame in a user-mode vector entry or handler, or on the way back to user mode."""
-    symbol, offset = frame.get("symbol"), frame.get("offset")
-    if symbol == "vectors":
-        return isinstance(offset, int) and offset >= 0x400
-    return isinstance(symbol, str) and (symbol.startswith("el0t_") or symbol == "ret_to_user")
+def entered_64(symbol: str | None) -> bool:
+    """A 64-bit user-mode handler (el0t_64_sync, not el0t_64_sync_handler, its callee)."""
+    return symbol in USER_ENTRIES and symbol is not None and symbol.startswith("el0t_64_")
+
+
+def stacks_text(stacks: Sequence[dict[str, Any]]) -> str:
+    """One-shot stacks whole, for a failure message: each one's vCPU, task and stop, then its
+    frames leaf first, each at its address (the leaf's: the pc the vCPU stopped at)."""
+    lines = []
+    for stack in stacks:
+        process = stack.get("process") or {}
+        lines.append(
+            f"vCPU {stack['cpu']} {process.get('program')} tid {process.get('tid')}"
+            f" mode {stack['mode']} stop {stack['stop']}:"
+        )
+        for i, frame in enumerate(stack["frames"]):
+            marks = [mark for mark in ("tail_call", "inlined") if frame.get(mark)]
+            lines.append(
+                f"  #{i} {frame['address']} {frame.get('symbol')}+{frame.get('offset') or 0:#x}"
+                + "".join(f" [{mark}]" for mark in marks)
+            )
+    return "\n".join(lines)
 
 
 ROOTFS = ROOT / "fixtures" / "build" / "aarch64-guest" / "rootfs"
@@ -222,7 +246,7 @@ def before_kernel_entry(frame: Frame) -> bool:
     first instruction: entered from user mode, nothing saved yet."""
     if frame.symbol == "vectors":
         return 0x400 <= frame.offset < 0x600
-    return (frame.symbol or "").startswith("el0t_64_") and frame.offset == 0
+    return entered_64(frame.symbol) and frame.offset == 0
 
 
 MODULE = "qmpprof_burn"
@@ -302,9 +326,9 @@ def kernel_part_whole(frames: Sequence[Frame], stop: StopReason, text: TextSymbo
         return True
     root = kernel[-1].symbol or ""
     if stop is StopReason.USER_GONE:  # a process exiting: no user code left beneath
-        return root.startswith("el0t_64_")
-    alone = len(kernel) == 1 and (root in ("vectors", "ret_to_user") or root.startswith("el0t_"))
-    return stop is StopReason.END and (root.startswith("el0t_64_") or root in ROOTS or alone)
+        return entered_64(root)
+    alone = len(kernel) == 1 and (root == "vectors" or root in USER_ENTRIES)
+    return stop is StopReason.END and (rooted(root) or alone)
 
 
 @dataclass

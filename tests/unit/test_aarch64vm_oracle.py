@@ -1,9 +1,11 @@
 """The aarch64 end-to-end tests' oracle: where the guest's kallsyms must name each frame of a
-one-shot's JSON stack (aarch64vm.named_at). Stacks as the 6.1 guest gave them."""
+one-shot's JSON stack (aarch64vm.named_at), and which frames are the exception code entered
+from user mode, where a kernel stack ends (aarch64vm.from_user_entry, past_user_entry). Stacks
+as the 6.1 and 6.12 guests gave them."""
 
 from __future__ import annotations
 
-from aarch64vm import TextSymbols, named_at
+from aarch64vm import TextSymbols, from_user_entry, named_at, past_user_entry
 
 from qmpprof.linux.symbols import parse_symbol_map
 
@@ -67,3 +69,30 @@ def test_a_tail_call_frame_is_named_at_its_jump() -> None:
         frame(0xFFFF80000838C100, "__schedule", 0xA0),
     ]
     assert named(frames) == [{"jumped_to"}, {"jumper"}, {"__schedule"}]
+
+
+# A 6.12 guest's exception code entered from user mode: the table's user half, the IRQ
+# handler, the C function it calls and what that calls (issue 35: caught in the C function,
+# the stack is that function's frame then its handler's, which the test took for a walk
+# going on past the entry).
+AT_VECTOR = frame(0xFFFF800080010C80, "vectors", 0x480)
+EL0_IRQ = frame(0xFFFF8000800116E8, "el0t_64_irq", 0x190)
+IRQ_HANDLER = frame(0xFFFF800080F296A8, "el0t_64_irq_handler", 0x10)
+COMMON = frame(0xFFFF800080F28E20, "__el0_irq_handler_common", 0x20)
+
+
+def test_the_c_function_a_user_mode_handler_calls_is_not_the_entry() -> None:
+    assert from_user_entry(AT_VECTOR) and from_user_entry(EL0_IRQ)
+    assert from_user_entry(frame(0xFFFF8000800120E8, "ret_to_user", 0))
+    assert not from_user_entry(IRQ_HANDLER)
+    assert not from_user_entry(frame(0xFFFF800080F295B8, "el0t_64_sync_handler", 0))
+    assert not from_user_entry(frame(0xFFFF800080010A80, "vectors", 0x280))  # from the kernel
+
+
+def test_a_kernel_stack_entered_from_user_mode_ends_at_its_entry() -> None:
+    assert not past_user_entry([AT_VECTOR])
+    assert not past_user_entry([IRQ_HANDLER, EL0_IRQ])
+    assert not past_user_entry([COMMON, IRQ_HANDLER, EL0_IRQ])
+    # A walk going on past the entry (into stale words, a previous stack): kernel frames below.
+    assert past_user_entry([AT_VECTOR, IRQ_HANDLER])
+    assert past_user_entry([IRQ_HANDLER, EL0_IRQ, COMMON])

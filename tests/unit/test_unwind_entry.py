@@ -1,6 +1,7 @@
 """The walk through a kernel's exception code (``unwind/entry.py``) over hand-made stacks: a
 sample entered from user mode is one whole frame, or goes on in user code from the exception
-link register and the user stack pointer before anything was saved, one at a kernel-mode vector
+link register and the user stack pointer before anything was saved (in the function a user-mode
+handler calls: its frame, the handler's, then user code), one at a kernel-mode vector
 entry continues at the exception link register, a handler's frame record leads into the saved
 registers (the interrupted pc exact, then analysed as the interrupted frame); and arm64 Linux's
 description read from its code (``linux/aarch64/vectors.py``): bookworm's 6.1 and 6.12 Images (what
@@ -213,6 +214,23 @@ def test_a_user_mode_handler_s_saved_frame_hands_over_to_the_user_code() -> None
     for changed in ({frame + PT_REGS.status: 0x10}, {record: 0x7FFF_F010}):
         raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words | changed, x30=BASE + 0x1000)
         assert raw.pcs == (BASE + 0x1000, BASE + 0x1310) and raw.stop is StopReason.END
+
+
+@pytest.mark.parametrize("index", [0, 3, 8, 9])
+def test_in_the_function_a_user_mode_handler_calls_the_kernel_stack_is_two_frames(
+    index: int,
+) -> None:
+    # el0t_64_irq (a user-mode span) called f (el0t_64_irq_handler) with sp at pt_regs and x29
+    # at its zeroed record; f caught before its record or after it loaded it back (its caller
+    # in x30): f, the handler, then the user's code from pt_regs. Nothing of the kernel's
+    # beyond the handler (issue 35).
+    frame = KSTACK + 0x40
+    words = pt_regs(frame, 0x40_1000, 0x7FFF_F000, 0x7FFF_F010, 0x40_2000, status=0)
+    record = frame + PT_REGS.record
+    words |= {record: 0, record + 8: 0, 0x7FFF_F010: 0, 0x7FFF_F018: 0}
+    raw = walk(BASE + 4 * index, frame, record, words, x30=BASE + 0x1310)
+    assert raw.pcs == (BASE + 4 * index, BASE + 0x1310, 0x40_1000)
+    assert raw.via == (Via.REGS, Via.PROLOGUE, Via.ENTRY) and raw.exact[2]
 
 
 @pytest.mark.parametrize("series", ["6.1", "6.12", "7"])

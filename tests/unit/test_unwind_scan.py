@@ -230,3 +230,28 @@ def test_i386_trap_frames_as_iret_pops_them(
 ) -> None:
     stack = {0x1000 + 4 * i: word for i, word in enumerate(words)}
     assert I386.trap_return(0x1000, stack.get) == expected
+
+
+# A teaching kernel's trap entry and exit (fixtures/hobby/entry.S): from alltraps (the vector
+# pushed two words) push %ds, %es, %fs, %gs; pushal; mov $0x10, %ax; push %esp; call trap;
+# add $4, %esp; then trapret: popal; pop %gs, %fs, %es, %ds; add $8, %esp; iret.
+ALLTRAPS = bytes.fromhex("1e 06 0f a0 0f a8 60 66 b8 10 00 54 e8 00 00 00 00 83 c4 04")
+TRAPRET = bytes.fromhex("61 0f a9 0f a1 07 1f 83 c4 08 cf")
+
+
+@pytest.mark.parametrize(
+    ("pc", "frame", "fp"),
+    [
+        (0, 8, None),  # alltraps's first instruction: trapno and err above
+        (6, 24, None),  # at pushal: the four segments pushed too
+        (7, 56, 8),  # after pushal: ebp saved two words above the lowest
+        (len(ALLTRAPS), 56, 8),  # trapret's popal
+        (len(ALLTRAPS) + 1, 24, None),  # after it: ebp is the interrupted code's again
+    ],
+)
+def test_pushal_and_popal_move_the_stack_eight_words(pc: int, frame: int, fp: int | None) -> None:
+    """The scan to the iret finds the frame the CPU pushed, wherever the stack is in between
+    (the call to the handler, e8 with displacement 0 here, stepped over)."""
+    rule = I386.return_scan(ALLTRAPS + TRAPRET, 0x1000, 0x1000 + pc)
+    assert rule is not None and rule.trap
+    assert (rule.ra_offset, rule.fp_offset) == (frame, fp)
