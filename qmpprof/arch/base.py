@@ -253,6 +253,39 @@ class InstructionSet(Protocol):
         ...
 
 
+class FrameRecordsOnly:
+    """What an instruction set that the walk crosses by prologues and frame records alone has
+    nothing for (aarch64, riscv64): its CPU pushes no frame on a trap (it keeps the interrupted
+    pc in a register, ELR or sepc, and the kernel saves the rest itself), qmpprof follows none of
+    its code to a return or to a call (its trap entries build no frame by pushes), and its few
+    instructions that matter are decoded by hand."""
+
+    __slots__ = ()
+
+    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
+        return None
+
+    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
+        return None
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        return None
+
+    def return_from_entry(
+        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
+    ) -> ReturnRule | None:
+        return None
+
+    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
+        return []
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        return None
+
+    def prepare(self) -> None:
+        return None
+
+
 class RegisterFormats(Protocol):
     """How QEMU prints one target family's registers."""
 
