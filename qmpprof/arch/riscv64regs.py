@@ -36,7 +36,7 @@ _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0 (RV64)
 def riscv64_registers(cpu: int, gprs: dict[int, int], special: dict[str, int]) -> Registers:
     """The model's registers of a riscv64 vCPU from its registers by DWARF number (the pc at
     ``RISCV64.pc``) and the CSRs read with them (``satp`` gives the page-table root)."""
-    # A missing pc fails in frame_registers: the default only puts that check off.
+    # frame_registers rejects a missing pc: the 0 only lets this line run before it does.
     user = gprs.get(RISCV64.pc, 0) < RISCV64.kernel_boundary
     space = (special.get("satp", 0) & _PPN) << 12
     return frame_registers(RISCV64, cpu, gprs, user=user, space=space, special=special)
