@@ -24,11 +24,11 @@ the interrupted pc: the frame-record walk crosses it as any other).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qmpprof.arch.aarch64code import PROLOGUES, is_hint, signed
-from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.base import FrameRecordsOnly, PrologueRule
 from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
@@ -46,7 +46,7 @@ def tnsz(tcr_el1: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True, slots=True)
-class AArch64:
+class AArch64(FrameRecordsOnly):
     """The aarch64 instruction set; ``t0sz``/``t1sz`` are the guest's translation settings
     (``translated``), None while they are not known."""
 
@@ -109,12 +109,6 @@ class AArch64:
         code_bits = (1 << (64 - size)) - 1
         return value | (_MASK ^ code_bits) if upper else value & code_bits
 
-    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
-        return None  # the CPU pushes no frame (the module's docstring)
-
-    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
-        return None  # an exception returns through ELR and SPSR, not a frame in memory
-
     def per_cpu_base(self, regs: Registers) -> int | None:
         return None  # TPIDR_EL1 holds it (per_cpu_registers), not among the sampled ones
 
@@ -122,17 +116,6 @@ class AArch64:
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         return PROLOGUES.analyze(code, code_addr, pc, func_start)
-
-    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
-        return None  # no code following yet: frame records only
-
-    def return_from_entry(
-        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
-    ) -> ReturnRule | None:
-        return None
-
-    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
-        return []
 
     def is_call_before(self, code: bytes, ra: int) -> bool:
         # BL and BLR: the two ways to call, each one 4-byte instruction.
@@ -143,9 +126,6 @@ class AArch64:
 
     def same_code(self, file: bytes, running: bytes) -> bool:
         return file == running
-
-    def prepare(self) -> None:
-        return None  # nothing to build: the few instructions that matter are decoded by hand
 
     def call_before(self, code: bytes, ra: int) -> int | None:
         # BL: 0b100101 and a signed 26-bit word offset from the instruction itself.
@@ -165,9 +145,6 @@ class AArch64:
             if target is not None:
                 out.append((here + 4, None if target < 0 else target & _MASK))
         return out
-
-    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
-        return None  # no trap entry that builds its frame by pushes: nothing to follow
 
     def jump_only(self, code: bytes) -> bool:
         words = (int.from_bytes(code[at : at + 4], "little") for at in range(0, len(code) - 3, 4))

@@ -19,7 +19,7 @@ import re
 import struct
 
 from qmpprof.arch.aarch64 import AARCH64
-from qmpprof.arch.base import per_cpu
+from qmpprof.arch.base import core_registers, frame_registers, gdb_reply, per_cpu
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
 
@@ -32,21 +32,9 @@ REGISTER_NAMES: tuple[str, ...] = (*AARCH64.names, "cpsr")
 def aarch64_registers(cpu: int, gprs: dict[int, int], pstate: int) -> Registers:
     """The model's registers of an aarch64 vCPU from its registers by DWARF number and its
     PSTATE (CPSR), whose bits 3..2 are the exception level."""
-    missing = [AARCH64.names[n] for n in (AARCH64.pc, AARCH64.sp, AARCH64.fp) if n not in gprs]
-    if missing:
-        raise TransportError(f"register {missing[0]} missing")
     el = (pstate >> 2) & 3
-    return Registers(
-        cpu=cpu,
-        isa=AARCH64.name,
-        pc=gprs[AARCH64.pc],
-        sp=gprs[AARCH64.sp],
-        fp=gprs[AARCH64.fp],
-        user=el == 0,
-        space=0,
-        halted=False,
-        gprs=gprs,
-        special={"el": el, "pstate": pstate},
+    return frame_registers(
+        AARCH64, cpu, gprs, user=el == 0, space=0, special={"el": el, "pstate": pstate}
     )
 
 
@@ -57,15 +45,7 @@ class AArch64Formats:
         return per_cpu(text, _monitor_block)
 
     def from_gdb(self, cpu: int, payload: bytes) -> Registers:
-        try:
-            raw = bytes.fromhex(payload.decode("ascii"))
-        except ValueError as err:
-            raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
-        if len(raw) < _CORE.size:
-            raise TransportError(
-                f"register packet of {len(raw)} bytes, expected at least {_CORE.size} (aarch64)"
-            )
-        *words, cpsr = _CORE.unpack_from(raw)
+        *words, cpsr = core_registers(gdb_reply(payload), _CORE, AARCH64.name)
         return aarch64_registers(cpu, dict(enumerate(words)), cpsr)
 
 

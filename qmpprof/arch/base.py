@@ -5,7 +5,9 @@ the address space between kernel and user, lays out the frames the CPU pushes on
 what a plausible return address is, and may analyse a function's prologue when code has no CFI.
 QEMU prints a target's registers in its own formats (the monitor's ``info registers`` text, the
 gdbstub's ``g`` packet): a ``RegisterFormats`` of the target's family turns them into the model's
-``Registers``, in the DWARF numbers of the instruction set the vCPU was running.
+``Registers``, in the DWARF numbers of the instruction set the vCPU was running; what every
+family reads alike (a ``g`` reply's bytes, the blocks of ``info registers``, the registers the
+walk cannot start without) is read here once.
 
 Each instruction set is one module of this package, registered in ``qmpprof.arch``; nothing
 outside this package names one (docs/architecture.md).
@@ -14,6 +16,7 @@ outside this package names one (docs/architecture.md).
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -250,6 +253,39 @@ class InstructionSet(Protocol):
         ...
 
 
+class FrameRecordsOnly:
+    """What an instruction set that the walk crosses by prologues and frame records alone has
+    nothing for (aarch64, riscv64): its CPU pushes no frame on a trap (it keeps the interrupted
+    pc in a register, ELR or sepc, and the kernel saves the rest itself), qmpprof follows none of
+    its code to a return or to a call (its trap entries build no frame by pushes), and its few
+    instructions that matter are decoded by hand."""
+
+    __slots__ = ()
+
+    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
+        return None
+
+    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
+        return None
+
+    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
+        return None
+
+    def return_from_entry(
+        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
+    ) -> ReturnRule | None:
+        return None
+
+    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
+        return []
+
+    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
+        return None
+
+    def prepare(self) -> None:
+        return None
+
+
 class RegisterFormats(Protocol):
     """How QEMU prints one target family's registers."""
 
@@ -273,3 +309,50 @@ def per_cpu(text: str, block: Callable[[int, str], Registers]) -> list[Registers
         end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
         blocks.append(block(int(match.group(1)), text[match.end() : end]))
     return blocks
+
+
+def frame_registers(
+    isa: InstructionSet,
+    cpu: int,
+    gprs: dict[int, int],
+    *,
+    user: bool,
+    space: int,
+    special: dict[str, int],
+    halted: bool = False,
+) -> Registers:
+    """The model's registers of a vCPU running ``isa``, from its registers by DWARF number;
+    TransportError naming the first of its pc, stack and frame pointer that is missing."""
+    missing = [isa.names[n] for n in (isa.pc, isa.sp, isa.fp) if n not in gprs]
+    if missing:
+        raise TransportError(f"register {missing[0]} missing")
+    return Registers(
+        cpu=cpu,
+        isa=isa.name,
+        pc=gprs[isa.pc],
+        sp=gprs[isa.sp],
+        fp=gprs[isa.fp],
+        user=user,
+        space=space,
+        halted=halted,
+        gprs=gprs,
+        special=special,
+    )
+
+
+def gdb_reply(payload: bytes) -> bytes:
+    """The bytes of a gdbstub ``g`` reply (hex text)."""
+    try:
+        return bytes.fromhex(payload.decode("ascii"))
+    except ValueError as err:
+        raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
+
+
+def core_registers(raw: bytes, layout: struct.Struct, isa: str) -> tuple[int, ...]:
+    """The registers ``layout`` (``isa``'s core registers) puts at the start of a ``g`` reply's
+    bytes, whatever follows them; TransportError for a reply too short to hold them."""
+    if len(raw) < layout.size:
+        raise TransportError(
+            f"register packet of {len(raw)} bytes, expected at least {layout.size} ({isa})"
+        )
+    return layout.unpack_from(raw)

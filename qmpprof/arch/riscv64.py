@@ -19,10 +19,10 @@ Linux's pt_regs), so there is no CPU trap frame to recognise.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
+from qmpprof.arch.base import FrameRecordsOnly, PrologueRule
 from qmpprof.arch.riscv64code import PROLOGUES, RA, decode, is_call, is_return, length, word
 from qmpprof.model import Registers
 
@@ -48,7 +48,7 @@ def va_bits(satp: int) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class RiscV64:
+class RiscV64(FrameRecordsOnly):
     """The riscv64 instruction set; ``bits`` is the virtual-address size the guest's satp sets
     (``translated``), None while it is not known."""
 
@@ -96,12 +96,6 @@ class RiscV64:
         half = 1 << ((self.bits or _WIDEST) - 1)
         return value if value < half or value >= (1 << 64) - half else None
 
-    def trap_frame_sp(self, after_pc: int, read: ReadWord) -> int | None:
-        return None  # the CPU pushes no frame (the module's docstring)
-
-    def trap_return(self, slot: int, read: ReadWord) -> tuple[int, int] | None:
-        return None  # sret returns through sepc, not a frame in memory
-
     def per_cpu_base(self, regs: Registers) -> int | None:
         return None
 
@@ -109,17 +103,6 @@ class RiscV64:
         self, code: bytes, code_addr: int, pc: int, func_start: int | None
     ) -> PrologueRule | None:
         return PROLOGUES.analyze(code, code_addr, pc, func_start)
-
-    def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
-        return None  # no code following yet: prologues and frame records only
-
-    def return_from_entry(
-        self, code: bytes, code_addr: int, pc: int, starts: Sequence[int], *, caller: bool
-    ) -> ReturnRule | None:
-        return None
-
-    def function_starts(self, code: bytes, code_addr: int, data: Sequence[bytes]) -> list[int]:
-        return []
 
     def is_call_before(self, code: bytes, ra: int) -> bool:
         # A call is 4 bytes (jal, jalr) or 2 (c.jalr): either may end right before ra.
@@ -150,9 +133,6 @@ class RiscV64:
             else:
                 return False
         return True
-
-    def prepare(self) -> None:
-        return None  # nothing to build: the few instructions that matter are decoded by hand
 
     def call_before(self, code: bytes, ra: int) -> int | None:
         # jal ra, offset; or the far call auipc ra, hi20 + jalr ra, lo12(ra).
@@ -185,9 +165,6 @@ class RiscV64:
                 out.append((here + size, None))
             at += size
         return out
-
-    def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
-        return None  # no trap entry that builds its frame by pushes: nothing to follow
 
     def jump_only(self, code: bytes) -> bool:
         at = 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import struct
 
-from qmpprof.arch.base import per_cpu
+from qmpprof.arch.base import core_registers, frame_registers, gdb_reply, per_cpu
 from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
@@ -36,22 +36,10 @@ _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0 (RV64)
 def riscv64_registers(cpu: int, gprs: dict[int, int], special: dict[str, int]) -> Registers:
     """The model's registers of a riscv64 vCPU from its registers by DWARF number (the pc at
     ``RISCV64.pc``) and the CSRs read with them (``satp`` gives the page-table root)."""
-    missing = [RISCV64.names[n] for n in (RISCV64.pc, RISCV64.sp, RISCV64.fp) if n not in gprs]
-    if missing:
-        raise TransportError(f"register {missing[0]} missing")
-    pc = gprs[RISCV64.pc]
-    return Registers(
-        cpu=cpu,
-        isa=RISCV64.name,
-        pc=pc,
-        sp=gprs[RISCV64.sp],
-        fp=gprs[RISCV64.fp],
-        user=pc < RISCV64.kernel_boundary,
-        space=(special.get("satp", 0) & _PPN) << 12,
-        halted=False,
-        gprs=gprs,
-        special=special,
-    )
+    # frame_registers rejects a missing pc: the 0 only lets this line run before it does.
+    user = gprs.get(RISCV64.pc, 0) < RISCV64.kernel_boundary
+    space = (special.get("satp", 0) & _PPN) << 12
+    return frame_registers(RISCV64, cpu, gprs, user=user, space=space, special=special)
 
 
 class RiscV64Formats:
@@ -61,15 +49,7 @@ class RiscV64Formats:
         return per_cpu(text, _monitor_block)
 
     def from_gdb(self, cpu: int, payload: bytes) -> Registers:
-        try:
-            raw = bytes.fromhex(payload.decode("ascii"))
-        except ValueError as err:
-            raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
-        if len(raw) < _CORE.size:
-            raise TransportError(
-                f"register packet of {len(raw)} bytes, expected at least {_CORE.size} (riscv64)"
-            )
-        *words, pc = _CORE.unpack_from(raw)
+        *words, pc = core_registers(gdb_reply(payload), _CORE, RISCV64.name)
         gprs = dict(enumerate(words))
         gprs[RISCV64.pc] = pc
         return riscv64_registers(cpu, gprs, {})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import struct
 
-from qmpprof.arch.base import per_cpu
+from qmpprof.arch.base import core_registers, frame_registers, gdb_reply, per_cpu
 from qmpprof.arch.x86 import I386, X86, X86_64
 from qmpprof.errors import TransportError
 from qmpprof.model import Registers
@@ -75,18 +75,7 @@ def x86_registers(
     special = {"cpl": cpl, "fs_base": fs_base, "gs_base": gs_base}
     if cr0 is not None:
         special["paging"] = cr0 >> 31 & 1
-    return Registers(
-        cpu=cpu,
-        isa=isa.name,
-        pc=gprs[isa.pc],
-        sp=gprs[isa.sp],
-        fp=gprs[isa.fp],
-        user=cpl == 3,
-        space=cr3,
-        halted=halted,
-        gprs=gprs,
-        special=special,
-    )
+    return frame_registers(isa, cpu, gprs, user=cpl == 3, space=cr3, special=special, halted=halted)
 
 
 def _numbered(isa: X86, named: dict[str, int]) -> dict[int, int]:
@@ -98,9 +87,6 @@ def _numbered(isa: X86, named: dict[str, int]) -> dict[int, int]:
             value = named.get("r" + name[1:])
         if value is not None:
             out[number] = value & isa.mask
-    missing = [isa.names[n] for n in (isa.pc, isa.sp, isa.fp) if n not in out]
-    if missing:
-        raise TransportError(f"register {missing[0]} missing")
     return out
 
 
@@ -126,17 +112,10 @@ class X86Formats:
     def gdb_named(self, payload: bytes) -> dict[str, int]:
         """The named registers of a ``g`` reply (hex text), in QEMU's x86_64 layout, or in the
         i386 layout for a reply of qemu-system-i386's size (its names: eax, eip, ...)."""
-        try:
-            raw = bytes.fromhex(payload.decode("ascii"))
-        except ValueError as err:
-            raise TransportError(f"malformed register packet from the gdbstub: {err}") from err
+        raw = gdb_reply(payload)
         if len(raw) == I386_REPLY_SIZE:
             return dict(zip(I386_REGISTER_NAMES, _I386_CORE.unpack_from(raw), strict=True))
-        if len(raw) < _CORE.size:
-            raise TransportError(
-                f"register packet of {len(raw)} bytes, expected at least {_CORE.size} (x86_64)"
-            )
-        return dict(zip(REGISTER_NAMES, _CORE.unpack_from(raw), strict=True))
+        return dict(zip(REGISTER_NAMES, core_registers(raw, _CORE, X86_64.name), strict=True))
 
 
 def _monitor_block(cpu: int, text: str) -> Registers:

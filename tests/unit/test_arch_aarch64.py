@@ -157,6 +157,9 @@ def test_without_translation_settings_only_plain_addresses_pass() -> None:
 def test_kernel_half_and_no_cpu_trap_frame() -> None:
     assert AARCH64.kernel_boundary == AARCH64.shared_from == 0xFF80_0000_0000_0000
     assert AARCH64.trap_frame_sp(0xFFFF_8000_0000_1000, lambda _: 0) is None
+    # Words x86 would take for a trap frame (pc, cs, flags, sp all 2): a return is through
+    # registers here.
+    assert AARCH64.trap_return(0xFFFF_8000_0000_1000, lambda _: 2) is None
 
 
 def insn(word: int) -> bytes:

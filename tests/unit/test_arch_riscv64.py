@@ -137,6 +137,9 @@ def test_satp_modes_set_the_halves() -> None:
 def test_kernel_half_and_no_cpu_trap_frame() -> None:
     assert RISCV64.kernel_boundary == RISCV64.shared_from == 1 << 63
     assert RISCV64.trap_frame_sp(0xFFFF_FFFF_8000_1000, lambda _: 0) is None
+    # Words x86 would take for a trap frame (pc, cs, flags, sp all 2): a return is through
+    # registers here.
+    assert RISCV64.trap_return(0xFFFF_FFFF_8000_1000, lambda _: 2) is None
     assert RISCV64.frame_record == (-16, -8, 0)
 
 
