@@ -46,6 +46,7 @@ from qmpprof.transport.base import Reach
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
 MOMENTS = 100
+WORKLOAD = {"head", "xz"}  # the programs of the workload's pipe
 REQUIRED = 0.97  # of the stacks compared whole (an allowed one is not), and of the processes
 # Each kind of allowance (stackverdict.KINDS: what gdb could not do) on at most this share of
 # the moments' stacks. 2 % is asked; gdb stopping early is more common than that whatever
@@ -119,7 +120,11 @@ async def compare(tmp_path: Path, series: str) -> tuple[Tally, Names, int]:
             linux = session.load(spec)
             run = await session.start(spec, guest=linux)
             try:
-                for moment in range(MOMENTS):
+                for moment in range(2 * MOMENTS):
+                    # MOMENTS, and more (MOMENTS at most) until the workload's programs were
+                    # met: `head` runs briefly, and a loaded host catches it less often.
+                    if moment >= MOMENTS and tally.names >= WORKLOAD:
+                        break
                     seen = await stopped_moment(oracle, run, rng)
                     compare_moment(oracle, seen, f"moment {moment}", starts, tally)
                     names.count(text, seen, f"moment {moment}")
@@ -148,14 +153,15 @@ def test_kernel_stacks_names_and_processes_agree_with_gdb(tmp_path: Path, series
     processes = tally.processes_equal / max(tally.processes, 1)
     named = names.right / max(names.frames, 1)
     print(
-        f"\narm64 {series} (KASLR on), {MOMENTS} moments in {time.monotonic() - started:.0f} s"
+        f"\narm64 {series} (KASLR on), {tally.moments} moments"
+        f" in {time.monotonic() - started:.0f} s"
         f"\nkernel frames named as kallsyms: {names.right}/{names.frames} ({named:.1%})"
         f"\nkernel stacks in the module's code: {in_module}"
         f"\n{summary(tally)}"
     )
     print(*(names.wrong or []), sep="\n")
     # The moments reach the workload (its pipe's programs) and both ways to the current task.
-    assert {"head", "xz"} <= tally.names, tally.names
+    assert tally.names >= WORKLOAD, tally.names
     assert {"SP_EL0", "__entry_task"} <= tally.variables, tally.variables
     # ... and the module's code, which gdb names from the .ko.
     assert in_module >= 3, in_module
