@@ -59,9 +59,12 @@ REQUIRED = 0.97
 # the moments' stacks. 2 % is asked; two kinds are more common than that whatever qmpprof
 # does, measured at 100 moments on x86_64 6.12 (KASLR, no KASLR), 6.1, 5.10, 7.x: gdb stopping
 # early, unable to leave an interrupt stack (sysvec_apic_timer_interrupt, "memory error while
-# unwinding"), 7, 5, 5, 0, 4 (arm64: tests/e2e/test_aarch64_vs_gdb.py); gdb's own log saying
-# why it made no tail-call frame, 0, 2, 5, 2, 6.
-ALLOWANCE_CEILINGS = {**dict.fromkeys(KINDS, 0.02), STOPS_EARLY: 0.15, NO_TAILCALL: 0.12}
+# unwinding"), 7, 5, 5, 0, 4 (arm64: tests/e2e/test_aarch64_vs_gdb.py), and 16 on 6.1 in a
+# fresh-clone CI run on a quiet host (more moments in the timer's interrupt); gdb's own log
+# saying why it made no tail-call frame, 0, 2, 5, 2, 6. All kinds together: at most a quarter
+# of the stacks (JUDGED_FLOOR), so that gdb judges most of them whole.
+ALLOWANCE_CEILINGS = {**dict.fromkeys(KINDS, 0.02), STOPS_EARLY: 0.25, NO_TAILCALL: 0.12}
+JUDGED_FLOOR = 0.75
 # On a loaded host TCG can fail the kernel's IO-APIC timer check (a panic at boot: "IO-APIC +
 # timer doesn't work"): skip the check.
 NO_TIMER_CHECK = "no_timer_check"
@@ -168,5 +171,6 @@ def test_kernel_stacks_and_processes_agree_with_gdb(
     # Not a vacuous prefix: gdb walks well past the leaf (the syscall path is 9 frames deep).
     assert tally.frames >= 4 * tally.stacks, tally.frames
     assert not tally.beyond(ALLOWANCE_CEILINGS), summary(tally)
+    assert tally.judged >= JUDGED_FLOOR * tally.stacks, summary(tally)
     assert tally.agreeing >= REQUIRED, "\n".join(tally.differences)
     assert processes >= REQUIRED, "\n".join(tally.wrong_processes)
