@@ -110,7 +110,7 @@ def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:
     assert done.stderr.startswith("setup: unknown argument everything\n")
 
 
-UNIT = "pytest -ra -x -m not qemu"  # scripts/test's two tiers, as the stub pytest logs them
+UNIT = "pytest -ra -x -n auto -m not qemu"  # scripts/test's two tiers, as the stub pytest logs them
 QEMU = "pytest -ra --durations=25 -m qemu"
 
 
