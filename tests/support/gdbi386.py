@@ -141,6 +141,10 @@ class I386GdbProxy:
             except (TimeoutError, OSError):
                 continue
             with client, socket.create_connection(("127.0.0.1", self._upstream_port)) as stub:
+                # Each reply here is an ack and then a small packet: with Nagle's algorithm on,
+                # the packet waits for the peer's delayed ACK of the ack (~40 ms a round trip).
+                for sock in (client, stub):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 upstream = _Stream(stub)
                 self._settle(upstream)
                 self._relay(_Stream(client), upstream)
