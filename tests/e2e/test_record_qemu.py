@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures, run_state
-from qemus import every_qemu
+from qemus import QEMU, every_qemu
 from qmpevents import wait_stops
-from test_cli_record import QEMU
 
 from qmpprof.cli import main
 from qmpprof.output import folded
