@@ -98,6 +98,7 @@ class LinuxGuest:
     process: subprocess.Popen[bytes]
     gdb_port: int | None
     boot_seconds: float = 0.0  # from QEMU's start to the workload line
+    witness_socket: Path | None = None  # a second QMP socket (``witness``)
 
     def console_text(self) -> str:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
@@ -205,13 +206,16 @@ def running_linux_guest(
     dump_kallsyms: bool = True,
     append: str = "",
     kernel: Path | None = None,
+    witness: bool = False,
 ) -> Iterator[LinuxGuest]:
     """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
     ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
     ``dump_kallsyms=False`` boots several seconds faster, with no ``symbols``. ``kernel``: a
     bzImage other than 6.12's (``linux_dir(series) / "vmlinuz"``: the same initramfs, with
     the test module built for every kernel fetched before the guest was built; for another,
-    init says "insmod failed" and runs a busybox loop in place of the ``sys`` workload)."""
+    init says "insmod failed" and runs a busybox loop in place of the ``sys`` workload).
+    ``witness``: a second QMP socket (``witness_socket``) to watch the guest while qmpprof holds
+    the first."""
     qemumark.booting("running_linux_guest")
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
@@ -228,6 +232,7 @@ def running_linux_guest(
         smp=smp,
         process=None,  # type: ignore[arg-type]  # set right below
         gdb_port=gdb_port,
+        witness_socket=sock_dir / "witness.sock" if witness else None,
     )
     cmd = [
         str(ROOT / "scripts" / "run-linux-guest"),
@@ -243,6 +248,8 @@ def running_linux_guest(
         cmd.append("--paused")
     if kernel is not None:
         cmd += ["--kernel", str(kernel)]
+    if guest.witness_socket is not None:
+        cmd += ["--witness-socket", str(guest.witness_socket)]
     if not dump_kallsyms:
         append = f"{append} qmpprof.nokallsyms".strip()
     if append:

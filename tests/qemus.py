@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 BUILD_ROOT = Path(__file__).resolve().parent.parent / "fixtures" / "build"
+# The x86_64 QEMU by name: what every_qemu puts first on PATH is the one that starts.
+QEMU = "qemu-system-x86_64"
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from aarch64vm import ROOT, Aarch64Guest, image, named_at, running_aarch64_guest
 from guestvm import run_state
+from kernelpack import PACK, zboot
 from qemumark import boots_qemu
 from test_aarch64_e2e import TextSymbols
-from test_linux_arm64image import PACK, zboot
 
 from qmpprof.linux.kernel import LinuxKernel
 

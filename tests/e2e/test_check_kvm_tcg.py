@@ -8,8 +8,8 @@ import re
 import subprocess
 
 import pytest
+from kvmcheck import CHECK, RUN_TIMEOUT
 from qemus import every_qemu
-from test_check_kvm import CHECK, RUN_TIMEOUT
 
 VARIANTS = ("fp", "cfi", "i386", "i386-pae")
 

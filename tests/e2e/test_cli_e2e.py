@@ -2,7 +2,8 @@
 
 Sample count of a 5 s run and each task's share of it against the guest's own count,
 SIGINT/SIGTERM mid-run, a paused guest, QEMU killed mid-run, --kernel-only/--user-only, two
-vCPUs. Every QEMU is killed by running_guest.
+vCPUs. Every QEMU is killed by running_guest or witnessvm.vm (a witness QMP socket that counts
+qmpprof's pauses before a test stops a run).
 """
 
 from __future__ import annotations
@@ -15,16 +16,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 from guestphases import bound, compare_tasks, kernel_mode_ticks, read_phase_ticks
 from guestvm import Guest, expected, free_tcp_port, running_guest
 from qemus import every_qemu
+from qmpevents import wait_stops
+from witnessvm import Vm, vm
 
 from qmpprof.cli import main
 from qmpprof.output import folded
@@ -33,15 +33,8 @@ from qmpprof.transport.qmp import QmpTransport
 pytestmark = [pytest.mark.qemu, every_qemu]
 
 KERNEL_BOUNDARY = int(expected()["kernel_boundary"], 16)
-
-
-def progress_addr(guest: Guest) -> int:
-    """The progress counter's address (a data symbol: qmpprof's tables hold only code)."""
-    with open(guest.kernel_elf, "rb") as f:
-        symtab = ELFFile(f).get_section_by_name(".symtab")
-        assert isinstance(symtab, SymbolTableSection)
-        (symbol,) = symtab.get_symbol_by_name(expected()["progress_symbol"])
-        return int(symbol["st_value"])
+PAUSES = 5  # qmpprof's pauses of the guest seen before a test stops the run: it has samples
+RUN_TIMEOUT = 120.0  # a loaded 2-core host runs TCG guests many times slower than usual
 
 
 async def _qmp(guest: Guest, what: str) -> object:
@@ -49,23 +42,14 @@ async def _qmp(guest: Guest, what: str) -> object:
     try:
         if what == "status":
             return await transport.status()
-        if what == "stop":
-            await transport.stop()
-            return None
-        data = await transport.read(0, progress_addr(guest), 8)
-        return int.from_bytes(data, "little")
+        await transport.stop()
+        return None
     finally:
         await transport.close()
 
 
 def qmp(guest: Guest, what: str) -> object:
     return asyncio.run(_qmp(guest, what))
-
-
-def progress(guest: Guest) -> int:
-    value = qmp(guest, "progress")
-    assert isinstance(value, int)
-    return value
 
 
 def cli_args(guest: Guest, *extra: str) -> list[str]:
@@ -81,12 +65,13 @@ def spawn(guest: Guest, *extra: str) -> subprocess.Popen[str]:
     )
 
 
-def wait_sampling(proc: subprocess.Popen[str], seconds: float = 1.0) -> None:
-    """Until qmpprof says it samples (under load, starting takes a while), then ``seconds``."""
+def wait_sampling(proc: subprocess.Popen[str], machine: Vm) -> None:
+    """Until qmpprof says it samples (under load, starting takes a while), then until it has
+    paused the guest PAUSES times (the witness socket's STOP events)."""
     assert proc.stderr is not None
     line = proc.stderr.readline()
     assert line.startswith("qmpprof: sampling "), line + proc.communicate()[1]
-    time.sleep(seconds)
+    wait_stops(machine.more[0], PAUSES, RUN_TIMEOUT)
     assert proc.poll() is None, proc.communicate()
 
 
@@ -142,16 +127,14 @@ def test_gdbstub_transport_keeps_samples_and_the_guest_running(tmp_path: Path) -
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_run_writes_output_and_guest_runs(tmp_path: Path, signum: int) -> None:
     out = tmp_path / "sig.folded"
-    with running_guest(tmp_path) as guest:
-        proc = spawn(guest, "--duration", "60", "-o", str(out))
-        wait_sampling(proc)
+    with vm(tmp_path, smp=1, more_sockets=1) as machine:
+        proc = spawn(machine.guest, "--duration", "60", "-o", str(out))
+        wait_sampling(proc, machine)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
-        assert qmp(guest, "status") == "running"
-        first = progress(guest)
-        time.sleep(0.3)
-        assert progress(guest) > first
+        assert qmp(machine.guest, "status") == "running"
+        assert machine.advances()
     assert "Traceback" not in err
     assert_collected_written(err, out)
     assert f"Wrote {out}" in err
@@ -184,10 +167,10 @@ def test_qemu_killed_mid_run_keeps_partial_output(
     tmp_path: Path, transport: str, channel: str
 ) -> None:
     out = tmp_path / "partial.folded"
-    with running_guest(tmp_path) as guest:
-        proc = spawn(guest, "--transport", transport, "--duration", "60", "-o", str(out))
-        wait_sampling(proc)
-        guest.process.kill()
+    with vm(tmp_path, smp=1, more_sockets=1) as machine:
+        proc = spawn(machine.guest, "--transport", transport, "--duration", "60", "-o", str(out))
+        wait_sampling(proc, machine)
+        machine.guest.process.kill()
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 4
     assert "Traceback" not in err

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from exitcodes import documented_codes
 from guestvm import Guest, run_state
 from qemus import every_qemu
-from test_cli_checks import Server, documented_codes
+from qmpgreeter import Server
 
 from qmpprof.cli import main
 

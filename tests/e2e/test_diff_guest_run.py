@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from guestvm import running_guest
 from qemus import every_qemu
-from test_output_diff import blue, legend_of, red, tooltips
+from svgdiff import blue, legend_of, red, tooltips
 
 from qmpprof.cli import main
 from qmpprof.model import Mode

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from guestelf import EXPECTED, KERNEL_BOUNDARY, elf_sections, elf_symbols
 from guestvm import (
     WORKLOAD_LINE,
     Guest,
@@ -29,7 +30,6 @@ from guestvm import (
 )
 from qemu.qmp import QMPClient
 from qemumark import boots_qemu
-from test_guest import EXPECTED, KERNEL_BOUNDARY, elf_sections, elf_symbols
 
 BOOTS = [("fp", 1), ("fp", 2), ("cfi", 1), ("cfi", 2)]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from guestelf import I386_BOUNDARY, I386_EXPECTED, I386_VARIANTS, sized_symbols
 from guestvm import (
     WORKLOAD_LINE,
     Guest,
@@ -31,12 +32,11 @@ from guestvm import (
 from qemu.qmp import QMPClient
 from qemumark import boots_qemu
 from support.gdbi386 import I386GdbProxy, i386_registers
-from test_guest_i386 import BOUNDARY, EXPECTED, VARIANTS, _symbols
 
 from qmpprof.transport.gdbpackets import encode_packet
 
-BINARIES = EXPECTED["qemu"]
-USER_TAIL = ["main", EXPECTED["outermost"]["user"]]
+BINARIES = I386_EXPECTED["qemu"]
+USER_TAIL = ["main", I386_EXPECTED["outermost"]["user"]]
 UCODE_CS, KCODE_CS = 0x23, 0x08
 # struct regs (kernel.h, i386): the pointer interrupt_dispatch gets; eip and cs offsets in it.
 REGS_EIP, REGS_CS = 36, 40
@@ -44,7 +44,7 @@ REGS_EIP, REGS_CS = 36, 40
 
 # ---- QEMU: one boot per build and binary ------------------------------------------------------
 
-BOOTS = [(variant, qemu) for variant in VARIANTS for qemu in BINARIES]
+BOOTS = [(variant, qemu) for variant in I386_VARIANTS for qemu in BINARIES]
 CR0_PG, CR4_PAE = 1 << 31, 1 << 5
 
 
@@ -63,7 +63,7 @@ def booted(
 def test_console_shows_the_workload(booted: Guest) -> None:
     text = booted.console_text()
     assert f"({booted.variant} build)" in text
-    assert f"protected mode, higher half at 0x{BOUNDARY >> 28:x}" in text
+    assert f"protected mode, higher half at 0x{I386_BOUNDARY >> 28:x}" in text
     assert WORKLOAD_LINE in text
 
 
@@ -181,7 +181,7 @@ def test_gdbstub_register_layout_of_each_binary(booted: Guest) -> None:
     assert cr3 and cr3 % want["cr3_alignment"] == 0 and bool(cr3 & 0xFFF) == want["cr3_same_page"]
     assert bool(cr4 & CR4_PAE) == want["pae"]
     assert cs in (UCODE_CS, KCODE_CS)
-    assert (eip >= BOUNDARY) == (cs == KCODE_CS)
+    assert (eip >= I386_BOUNDARY) == (cs == KCODE_CS)
 
 
 @pytest.mark.qemu
@@ -234,7 +234,7 @@ def _running(guest: Guest, program: str) -> str:
     """A gdb condition true only while ``program`` is the current process: a word of .text
     where the user programs (all linked at one address) differ."""
     texts = {}
-    for name in EXPECTED["programs"]:
+    for name in I386_EXPECTED["programs"]:
         with guest.user_elf(name).open("rb") as f:
             text = section(ELFFile(f), ".text")
             texts[name] = (text["sh_addr"], text.data())
@@ -259,12 +259,12 @@ def test_gdb_unwinds_the_syscall_path_into_user_code(booted: Guest) -> None:
         stack = gdb_stack(
             guest,
             guest.user_elf("sys"),
-            breakpoint=EXPECTED["syscall_path"][-1],
+            breakpoint=I386_EXPECTED["syscall_path"][-1],
             architecture="i386",
         )
-    assert stack.names == [*reversed(EXPECTED["syscall_path"]), "sys_call_kernel", *USER_TAIL]
-    kernel = [pc >= BOUNDARY for pc, _ in stack.frames]
-    assert kernel == [name in EXPECTED["syscall_path"] for name in stack.names]
+    assert stack.names == [*reversed(I386_EXPECTED["syscall_path"]), "sys_call_kernel", *USER_TAIL]
+    kernel = [pc >= I386_BOUNDARY for pc, _ in stack.frames]
+    assert kernel == [name in I386_EXPECTED["syscall_path"] for name in stack.names]
 
 
 def test_gdb_unwinds_a_timer_interrupt_into_user_code(booted: Guest) -> None:
@@ -276,15 +276,15 @@ def test_gdb_unwinds_a_timer_interrupt_into_user_code(booted: Guest) -> None:
             condition=_interrupted(UCODE_CS, _running(guest, "spin")),
             architecture="i386",
         )
-    valid = [s[i:] for s in EXPECTED["programs"]["spin"]["stacks"] for i in range(len(s))]
+    valid = [s[i:] for s in I386_EXPECTED["programs"]["spin"]["stacks"] for i in range(len(s))]
     assert stack.names[:2] == ["interrupt_dispatch", "isr_common"], stack.names
     assert stack.names[2:] in valid, stack.names
-    assert all(pc < BOUNDARY for pc, _ in stack.frames[2:])
+    assert all(pc < I386_BOUNDARY for pc, _ in stack.frames[2:])
 
 
 def test_gdb_unwinds_a_timer_interrupt_of_the_kernel_thread(booted: Guest) -> None:
     """Interrupted in ring 0 the CPU pushes no esp: the CFI's esp rule must take the other arm."""
-    leaf_start, leaf_size = _symbols(booted.kernel_elf)["checksum_leaf"]
+    leaf_start, leaf_size = sized_symbols(booted.kernel_elf)["checksum_leaf"]
     eip = f"*(unsigned int *)(*(unsigned int *)($esp + 4) + {REGS_EIP})"
     in_leaf = f"{eip} >= {leaf_start:#x} && {eip} < {leaf_start + leaf_size:#x}"
     with gdb_view(booted) as guest:
@@ -296,4 +296,4 @@ def test_gdb_unwinds_a_timer_interrupt_of_the_kernel_thread(booted: Guest) -> No
             architecture="i386",
         )
     assert stack.names[:2] == ["interrupt_dispatch", "isr_common"], stack.names
-    assert stack.names[2:] in EXPECTED["kernel_threads"]["kworker"]["stacks"], stack.names
+    assert stack.names[2:] in I386_EXPECTED["kernel_threads"]["kworker"]["stacks"], stack.names

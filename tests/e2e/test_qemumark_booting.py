@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import qemumark
+from namedqemu import named_qemu
 from qemumark import boots_qemu
-from test_qemumark import named_qemu
 
 
 @pytest.fixture

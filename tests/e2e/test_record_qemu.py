@@ -9,11 +9,9 @@ QEMU's -pidfile shows whether record stopped it (QEMU deletes the file on an ord
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,8 +21,8 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, WORKLOAD_LINE, build_fixtures, run_state
-from qemus import every_qemu
-from test_cli_record import QEMU
+from qemus import QEMU, every_qemu
+from qmpevents import wait_stops
 
 from qmpprof.cli import main
 from qmpprof.output import folded
@@ -96,23 +94,6 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen[str]) -> None:
 def user_qmp(folder: Path) -> list[str]:
     """A QMP socket of the user's own, next to qmpprof's (``folder``: a short path)."""
     return ["-qmp", f"unix:{folder / 'user.sock'},server=on,wait=off"]
-
-
-def wait_pauses(path: Path, count: int) -> None:
-    """Until QEMU has told the QMP socket at ``path`` of ``count`` stops from now on (STOP
-    events: each a pause of qmpprof's, the guest sampled), within RUN_TIMEOUT."""
-    deadline = time.monotonic() + RUN_TIMEOUT
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(RUN_TIMEOUT)
-        sock.connect(str(path))
-        with sock.makefile("rb") as replies:
-            assert b"QMP" in replies.readline()
-            sock.sendall(b'{"execute": "qmp_capabilities"}')
-            stops = 0
-            while stops < count:
-                line = replies.readline()
-                assert line and time.monotonic() < deadline, f"{stops} stops of {count} seen"
-                stops += json.loads(line).get("event") == "STOP"
 
 
 def samples(path: Path) -> dict[tuple[str, ...], int]:
@@ -195,7 +176,7 @@ def test_sigterm_stops_sampling_writes_output_and_quits_qemu(tmp_path: Path) -> 
             # It answers; "paused" when the question lands inside one of qmpprof's samples.
             assert run_state(user_dir / "user.sock") in ("running", "paused")
             pid = qemu_pid(tmp_path)
-            wait_pauses(user_dir / "user.sock", PAUSES)  # samples of the workload taken
+            wait_stops(user_dir / "user.sock", PAUSES, RUN_TIMEOUT)  # samples of the workload taken
             proc.send_signal(signal.SIGTERM)  # qmpprof only, not its QEMU
             _, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:
@@ -222,7 +203,7 @@ def test_ctrl_c_reaches_qmpprof_and_qemu_and_the_output_is_written(tmp_path: Pat
             wait_for(tmp_path / "console.txt", WORKLOAD_LINE, proc)
             pid = qemu_pid(tmp_path)
             # Samples of the workload taken before the signal: QEMU stops at once.
-            wait_pauses(user_dir / "user.sock", PAUSES)
+            wait_stops(user_dir / "user.sock", PAUSES, RUN_TIMEOUT)
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole process group
             _, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:

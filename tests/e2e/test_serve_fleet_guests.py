@@ -16,11 +16,11 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
+from gopprof import decode
 from guestvm import running_guest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS, running_linux_guest
-from test_output_pprof import decode
-from test_serve import get
+from servepages import get
 from test_serve_guests import Served, serve_command, wait_until
 
 from qmpprof.budget import HEADROOM

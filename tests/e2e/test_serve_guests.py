@@ -20,7 +20,7 @@ import pytest
 from gopprof import go_pprof
 from guestvm import Guest, expected, running_guest
 from qemus import every_qemu
-from test_serve import get, parse_prometheus, status
+from servepages import get, parse_prometheus, status
 
 # ---- the daemon against real QEMUs ----------------------------------------------------------
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from guestvm import BUILD_ROOT, Guest, build_fixtures, free_tcp_port, gdb_backtrace, running_guest
+from monitortext import monitor_fields
 from qemus import every_qemu
 from support.bench.rawqmp import RawQmp
-from test_arch_x86regs import monitor_fields
 
 from qmpprof.arch.x86regs import REGISTER_NAMES, X86Formats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from qemus import every_qemu
+from qmpevents import wait_stops
 from witnessvm import Vm, vm
 
 from qmpprof.errors import TransportError
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.qemu, every_qemu]
 PAIRS = 20
 DURATION = 0.5  # seconds of guest run time: 50 ticks at the default 10 ms
 TICKS = 50
+PAUSES = 5  # of the guest by a run, seen on a socket of the test's own before it acts
 LONGEST_STOP = 1.0  # seconds the guest may stand stopped at most (issue 30)
 PAUSED = re.compile(r"Pause per sample: .* max ([\d.]+) ms")
 REFUSED = re.compile(
@@ -195,12 +197,12 @@ def test_a_guest_another_client_stopped_ends_the_run_and_stays_stopped(
     says why in one line, writes what it collected and leaves the guest stopped. (A stop that
     lands inside one of qmpprof's pauses changes nothing in QEMU, and qmpprof's cont ends it: so
     the other client stops again until the run has ended.)"""
-    with vm(tmp_path, smp=1) as machine:
+    with vm(tmp_path, smp=1, more_sockets=1) as machine:
         run = Run(machine.socket, transport, tmp_path / "held.folded", duration=60)
         run.start()
         request.addfinalizer(run.kill)
         sampling(run)
-        time.sleep(0.3)  # some ticks first: the run has something to write
+        wait_stops(machine.more[0], PAUSES, 60)  # some ticks first: the run has something to write
         held_at = time.monotonic()
         while run.ended_at is None and time.monotonic() < held_at + 30:
             machine.witness.execute("stop")

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from monitortext import monitor_fields
 
 from qmpprof.arch.x86regs import REGISTER_NAMES, X86Formats
 from qmpprof.errors import TransportError
@@ -57,14 +58,6 @@ FS =0010 03f3d000 ffffffff 00cf9300 DPL=0 DS   [-WA]
 CR0=00000011 CR2=00000000 CR3=00000000 CR4=00000000
 EFER=0000000000000000
 """
-
-
-def monitor_fields(text: str) -> dict[str, int]:
-    """NAME=hex fields of `info registers`, first occurrence wins (the witness's own parser)."""
-    fields: dict[str, int] = {}
-    for name, value in re.findall(r"\b([A-Z][A-Z0-9]*) ?=([0-9a-f]+)\b", text):
-        fields.setdefault(name, int(value, 16))
-    return fields
 
 
 def test_long_mode_layout() -> None:

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from guestvm import ROOT
-
-CHECK = ROOT / "scripts" / "check-kvm"
-RUN_TIMEOUT = 300.0  # four boots of at most --timeout each, on a loaded 2-core host
+from kvmcheck import CHECK, RUN_TIMEOUT
 
 
 def test_a_qemu_that_exits_at_once_is_a_failure() -> None:

@@ -10,12 +10,13 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from exitcodes import documented_codes
+from qmpgreeter import GREETING, Server
 from test_cli import scripted_guest
 
 from qmpprof import bounds, errors, session
@@ -23,52 +24,6 @@ from qmpprof.cli import main
 from qmpprof.errors import ConnectError, OutputError, UsageError
 from qmpprof.output import folded
 from qmpprof.serve.config import settings
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-GREETING = b'{"QMP": {"version": {}, "capabilities": []}}\r\n'
-
-
-class Server:
-    """A Unix socket server in a thread: greets each client with ``hello`` (None: says
-    nothing) and closes, or with ``hold``, accepts one client, keeps it and accepts no other
-    (as QEMU does with a QMP client)."""
-
-    def __init__(self, path: Path, hello: bytes | None = GREETING, hold: bool = False) -> None:
-        self.path = path
-        self.hello, self.hold = hello, hold
-        self.accepted = 0
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(4)
-        self.listener.settimeout(0.05)
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        kept: list[socket.socket] = []
-        while not self.done.is_set():
-            if self.hold and kept:
-                self.done.wait(0.05)
-                continue
-            try:
-                peer, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            self.accepted += 1
-            if self.hello is not None:
-                peer.sendall(self.hello)
-            if self.hold or self.hello is None:
-                kept.append(peer)
-            else:
-                peer.close()
-        for peer in kept:
-            peer.close()
-
-    def close(self) -> None:
-        self.done.set()
-        self.thread.join()
-        self.listener.close()
 
 
 @pytest.fixture
@@ -356,12 +311,6 @@ def test_help_shows_the_commands_and_the_defaults(capsys: pytest.CaptureFixture[
     )
     assert "(default: ./qmp-socket)" in text and "(default: 10.0)" in text
     assert "(default: 5.0)" in text and "(default: False)" not in text
-
-
-def documented_codes() -> set[int]:
-    """The exit codes of README's table (### Exit codes)."""
-    section = README.read_text().split("### Exit codes", 1)[1].split("\n## ", 1)[0]
-    return {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.MULTILINE)}
 
 
 def test_the_exit_code_table_help_and_the_error_tree_agree(

@@ -6,12 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from qemus import QEMU
 
 from qmpprof.cli import main, record
 from qmpprof.errors import UsageError
-
-QEMU = "qemu-system-x86_64"
-
 
 # ---- arguments, no QEMU ---------------------------------------------------------------------
 

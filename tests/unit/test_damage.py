@@ -12,8 +12,9 @@ from pathlib import Path
 import linuxkernel
 import pytest
 import zstandard
+from kernelpack import COMPRESSORS
 from test_linux_btf import Blob
-from test_linux_bzimage import COMPRESSORS, bzimage
+from test_linux_bzimage import bzimage
 
 from qmpprof.errors import KernelImageError
 from qmpprof.linux import bzimage as bzimage_module

@@ -29,8 +29,9 @@ import linuxkernel
 import pytest
 from fuzzing import Cases, GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
-from test_linux_arm64image import PACK, ZBOOT_NAMES, relr_image, small_image, zboot
-from test_linux_bzimage import COMPRESSORS, FAKE_ELF, bzimage, size_append
+from kernelpack import COMPRESSORS, PACK, ZBOOT_NAMES, size_append, zboot
+from test_linux_arm64image import relr_image, small_image
+from test_linux_bzimage import FAKE_ELF, bzimage
 from test_report_pprof import run_like_profile
 
 from qmpprof.arch.x86 import X86_64

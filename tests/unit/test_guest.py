@@ -10,29 +10,10 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
-from guestvm import (
-    BUILD_ROOT,
-    expected,
-    section,
-)
-
-EXPECTED = expected()
-KERNEL_BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
-
+from guestelf import EXPECTED, KERNEL_BOUNDARY, elf_sections, elf_symbols
+from guestvm import BUILD_ROOT, section
 
 # ---- the ELF files ------------------------------------------------------------------------
-
-
-def elf_sections(path: Path) -> dict[str, tuple[int, int]]:
-    """Section name -> (address, size)."""
-    with path.open("rb") as f:
-        return {s.name: (s["sh_addr"], s["sh_size"]) for s in ELFFile(f).iter_sections()}
-
-
-def elf_symbols(path: Path) -> dict[str, int]:
-    with path.open("rb") as f:
-        symtab = section(ELFFile(f), ".symtab")
-        return {s.name: s["st_value"] for s in symtab.iter_symbols() if s.name}
 
 
 def test_build_fixtures_is_idempotent(guest_build: None) -> None:

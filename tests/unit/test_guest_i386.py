@@ -10,21 +10,12 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
-from guestvm import (
-    BUILD_ROOT,
-    build_fixtures,
-    expected,
-    section,
-)
+from guestelf import I386_BOUNDARY, I386_EXPECTED, I386_VARIANTS, sized_symbols
+from guestvm import BUILD_ROOT, build_fixtures, section
 from support.gdbi386 import I386_LAYOUT, i386_register, i386_registers
 
-# The workload and the layout are the same in both builds; paging differs (expected.json).
-VARIANTS = ("i386", "i386-pae")
-EXPECTED = expected("i386")
-BOUNDARY = int(EXPECTED["kernel_boundary"], 16)
 
-
-@pytest.fixture(scope="module", params=VARIANTS)
+@pytest.fixture(scope="module", params=I386_VARIANTS)
 def build(request: pytest.FixtureRequest) -> Path:
     variant: str = request.param
     build_fixtures((variant,))
@@ -37,32 +28,30 @@ def _elf_header(path: Path) -> tuple[int, str, int]:
         return elf.elfclass, elf["e_machine"], elf["e_entry"]
 
 
-def _symbols(path: Path) -> dict[str, tuple[int, int]]:
-    with path.open("rb") as f:
-        symtab = section(ELFFile(f), ".symtab")
-        return {s.name: (s["st_value"], s["st_size"]) for s in symtab.iter_symbols() if s.name}
-
-
 def test_kernel_is_a_multiboot_elf32_in_the_higher_half(build: Path) -> None:
     kernel = build / "kernel.elf"
     elfclass, machine, entry = _elf_header(kernel)
     assert (elfclass, machine) == (32, "EM_386")
-    symbols = _symbols(kernel)
+    symbols = sized_symbols(kernel)
     # The loader jumps to e_entry with paging off: the physical address of multiboot_entry.
-    assert entry == symbols["multiboot_entry"][0] - BOUNDARY
+    assert entry == symbols["multiboot_entry"][0] - I386_BOUNDARY
     head = kernel.read_bytes()[:8192]
     magic = head.find(struct.pack("<I", 0x1BADB002))
     assert magic >= 0 and magic % 4 == 0, "no multiboot header in the first 8 KiB"
     assert sum(struct.unpack_from("<3I", head, magic)) & 0xFFFFFFFF == 0
-    wanted = [*EXPECTED["syscall_path"], *EXPECTED["interrupt_path"], *EXPECTED["entry_stubs"]]
-    for name in [*wanted, EXPECTED["outermost"]["kernel_thread"], "checksum_leaf"]:
-        assert symbols[name][0] >= BOUNDARY, name
-    assert symbols[EXPECTED["progress_symbol"]][1] == EXPECTED["progress_symbol_bytes"]
+    wanted = [
+        *I386_EXPECTED["syscall_path"],
+        *I386_EXPECTED["interrupt_path"],
+        *I386_EXPECTED["entry_stubs"],
+    ]
+    for name in [*wanted, I386_EXPECTED["outermost"]["kernel_thread"], "checksum_leaf"]:
+        assert symbols[name][0] >= I386_BOUNDARY, name
+    assert symbols[I386_EXPECTED["progress_symbol"]][1] == I386_EXPECTED["progress_symbol_bytes"]
     with kernel.open("rb") as f:
         assert section(ELFFile(f), ".eh_frame").data_size > 0
 
 
-@pytest.mark.parametrize("program", sorted(EXPECTED["programs"]))
+@pytest.mark.parametrize("program", sorted(I386_EXPECTED["programs"]))
 def test_user_programs_are_elf32_at_the_shared_link_address(build: Path, program: str) -> None:
     path = build / "user" / f"{program}.elf"
     elfclass, machine, entry = _elf_header(path)
@@ -70,24 +59,27 @@ def test_user_programs_are_elf32_at_the_shared_link_address(build: Path, program
     with path.open("rb") as f:
         elf = ELFFile(f)
         loads = [s["p_vaddr"] for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
-        assert min(loads) == int(EXPECTED["user_link_address"], 16)
+        assert min(loads) == int(I386_EXPECTED["user_link_address"], 16)
         assert section(elf, ".eh_frame").data_size > 0
         assert section(elf, ".eh_frame_hdr").data_size > 0
-    assert entry == _symbols(path)["_start"][0]
+    assert entry == sized_symbols(path)["_start"][0]
 
 
 def test_c_functions_keep_frame_pointers(build: Path) -> None:
     """Every C function of the workload starts with push %ebp; mov %esp,%ebp (55 89 e5)."""
-    handwritten = {n for names in EXPECTED["frameless_leaf"].values() for n in names}
+    handwritten = {n for names in I386_EXPECTED["frameless_leaf"].values() for n in names}
     cases = [
-        (build / "kernel.elf", [*EXPECTED["syscall_path"][1:], "kwork_checksum", "kworker_main"]),
+        (
+            build / "kernel.elf",
+            [*I386_EXPECTED["syscall_path"][1:], "kwork_checksum", "kworker_main"],
+        ),
         *(
             (build / "user" / f"{p}.elf", [f for f in spec["shares"] if f not in handwritten])
-            for p, spec in EXPECTED["programs"].items()
+            for p, spec in I386_EXPECTED["programs"].items()
         ),
     ]
     for path, functions in cases:
-        symbols = _symbols(path)
+        symbols = sized_symbols(path)
         with path.open("rb") as f:
             text = section(ELFFile(f), ".text")
             data, base = text.data(), text["sh_addr"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from aarch64vm import image
+from kernelpack import zboot
 from support.kernelcheck import one
 from support.kerneltable import ARM64_COLUMNS, markdown_arm64
-from test_linux_arm64image import zboot
 
 pytestmark = pytest.mark.linux
 

@@ -335,14 +335,19 @@ def test_session_naming_a_concrete_transport_is_a_breach() -> None:
         g["qmpprof.session"].discard("qmpprof.transport.qmp")
 
 
-def tier_breaches(sources: dict[str, str], e2e: set[str]) -> list[str]:
-    """The imports of an e2e test module among ``sources`` (module name -> its source)."""
+def tier_breaches(sources: dict[str, str], banned: set[str]) -> list[str]:
+    """The imports of a module among ``banned`` by the modules of ``sources`` (module name ->
+    its source)."""
     return sorted(
         f"{name} imports {target}"
         for name, source in sources.items()
         for target in imports_of(source, name)
-        if target in e2e
+        if target in banned
     )
+
+
+def sources_of(paths: list[Path]) -> dict[str, str]:
+    return {path.stem: path.read_text() for path in sorted(paths)}
 
 
 def test_no_unit_test_or_helper_imports_an_e2e_module() -> None:
@@ -350,14 +355,24 @@ def test_no_unit_test_or_helper_imports_an_e2e_module() -> None:
     of tests/e2e, running tests/unit alone would fail or drag a QEMU test's code in."""
     tests = ROOT / "tests"
     e2e = {path.stem for path in (tests / "e2e").glob("*.py")}
-    sources = {
-        path.stem: path.read_text()
-        for path in sorted([*tests.glob("*.py"), *(tests / "unit").glob("*.py")])
-    }
+    sources = sources_of([*tests.glob("*.py"), *(tests / "unit").glob("*.py")])
     assert "test_guest_boot" in e2e and "guestvm" in sources and "test_guest" in sources
     assert not tier_breaches(sources, e2e)
+
+
+def test_no_e2e_test_or_helper_imports_a_unit_test_module() -> None:
+    """What both tiers use lives in a helper module of tests/ (the only folder on pytest's
+    pythonpath): an e2e test importing a unit test module finds it only when pytest collected
+    tests/unit in the same run."""
+    tests = ROOT / "tests"
+    unit = {path.stem for path in (tests / "unit").glob("test_*.py")}
+    sources = sources_of([*tests.glob("*.py"), *(tests / "e2e").glob("*.py")])
+    assert "test_guest" in unit and "test_guest_boot" in sources and "guestvm" in sources
+    assert not tier_breaches(sources, unit)
 
 
 def test_the_tier_check_sees_a_breach() -> None:
     sources = {"test_a": "import os\nfrom test_b_guest import helper\n", "test_c": "import d\n"}
     assert tier_breaches(sources, {"test_b_guest"}) == ["test_a imports test_b_guest"]
+    e2e = {"test_x_e2e": "def f() -> None:\n    from test_serve import get\n"}
+    assert tier_breaches(e2e, {"test_serve"}) == ["test_x_e2e imports test_serve"]

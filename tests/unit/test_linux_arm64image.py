@@ -15,10 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import zstandard
 from aarch64vm import image
 from fakes import FakeTransport
-from test_linux_bzimage import COMPRESSORS, size_append
+from kernelpack import PACK, ZBOOT_NAMES, ZBOOT_PAYLOAD_AT, zboot
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
@@ -142,35 +141,6 @@ def test_what_is_not_an_arm64_image_is_one_clear_error(data: bytes, message: str
     assert is_arm64_image(data) == (message != "not an arm64 Image")
     with pytest.raises(KernelImageError, match=message):
         elf_of_image(data, "bad")
-
-
-# Makefile.zboot's codec names for COMPRESSORS' codecs (bzip2 has none: zboot does not use it).
-ZBOOT_NAMES = {"gzip": "gzip", "xz": "xzkern", "lzma": "lzma", "zstd": "zstd22", "lz4": "lz4"}
-ZBOOT_PAYLOAD_AT = 0x1000
-
-
-def zboot(plain: bytes, codec: str = "gzip", name: str | None = None) -> bytes:
-    """An EFI zboot image of the Image ``plain`` as zboot-header.S lays it out: "MZ", "zimg",
-    the payload's offset and size, the codec's name, the Linux PE magic and the PE header's
-    offset; then at ZBOOT_PAYLOAD_AT the Image padded to its image_size, compressed, with its
-    unpacked size appended (left out of the header's size but for gzip, whose trailer it is)."""
-    image_size = struct.unpack_from("<Q", plain, 16)[0]
-    padded = plain + bytes(max(0, image_size - len(plain)))
-    payload = PACK[codec](padded)
-    header = bytearray(ZBOOT_PAYLOAD_AT)
-    struct.pack_into("<4s4sII", header, 0, b"MZ\0\0", b"zimg", ZBOOT_PAYLOAD_AT, len(payload))
-    header[24 : 24 + 8] = (name or ZBOOT_NAMES[codec]).encode().ljust(8, b"\0")
-    struct.pack_into("<II", header, 0x38, 0x818223CD, 0x40)  # LINUX_PE_MAGIC, the PE header
-    header[0x40:0x44] = b"PE\0\0"
-    trailer = b"" if codec == "gzip" else size_append(padded)
-    return bytes(header) + payload + trailer + bytes(0x200)  # the stub's code after it
-
-
-# Fast enough for a 30-40 MB Image (COMPRESSORS' zstd is level 19).
-PACK: dict[str, Callable[[bytes], bytes]] = COMPRESSORS | {
-    "gzip": lambda data: gzip.compress(data, compresslevel=1),
-    "zstd": zstandard.ZstdCompressor(level=3, write_content_size=False).compress,
-}
 
 
 def small_image() -> bytes:

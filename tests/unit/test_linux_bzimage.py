@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import bz2
 import gzip
-import lzma
 import os
 import re
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import linuxkernel
-import lz4.block
 import pytest
-import zstandard
+from kernelpack import COMPRESSORS, lz4_legacy, size_append
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
@@ -22,42 +18,6 @@ from qmpprof.linux.bzimage import bzimage_payload, payload_codec, vmlinux_bytes
 
 # A stand-in for vmlinux: the ELF magic, then enough varied bytes to need real compression.
 FAKE_ELF = b"\x7fELF\x02\x01\x01" + bytes(range(256)) * 64 + os.urandom(4096)
-
-
-def size_append(data: bytes) -> bytes:
-    """The four bytes the kernel's build appends to a compressed payload: the plain size."""
-    return struct.pack("<I", len(data) & 0xFFFFFFFF)
-
-
-def lz4_legacy(data: bytes) -> bytes:
-    """lz4 -l: magic 0x184C2102, then blocks of at most 8 MiB, each behind its u32 length."""
-    out = [struct.pack("<I", 0x184C2102)]
-    for at in range(0, len(data), 8 << 20):
-        block = lz4.block.compress(data[at : at + (8 << 20)], store_size=False)
-        out += [struct.pack("<I", len(block)), block]
-    return b"".join(out)
-
-
-def lzma_alone(data: bytes) -> bytes:
-    return lzma.compress(data, format=lzma.FORMAT_ALONE)
-
-
-def xz_kernel(data: bytes) -> bytes:
-    # As scripts/xz_wrap.sh does: CRC32 check, x86 BCJ filter, then LZMA2.
-    filters = [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 6}]
-    return lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, filters=filters)
-
-
-COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
-    "gzip": gzip.compress,
-    "xz": xz_kernel,
-    "lzma": lzma_alone,
-    "bzip2": bz2.compress,
-    "zstd": lambda data: zstandard.ZstdCompressor(level=19, write_content_size=False).compress(
-        data
-    ),
-    "lz4": lz4_legacy,
-}
 
 
 def bzimage(payload: bytes, *, setup_sects: int = 3, version: int = 0x020F) -> bytes:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from fakes import named_sample
+from svgdiff import NS, blue, legend_of, red, tooltips
 
 from qmpprof.cli import main
 from qmpprof.naming import Naming
@@ -17,7 +18,6 @@ from qmpprof.output import diff, folded, render, svg
 from qmpprof.profile import Profile
 from qmpprof.stats import few_samples_margin
 
-NS = {"s": "http://www.w3.org/2000/svg"}
 IDLE = ("kernel", "kmain", "idle_loop")
 COMPUTE = ("spin (pid 1)", "_start", "main", "compute")
 OLD = ("spin (pid 1)", "_start", "main", "old_path")
@@ -51,16 +51,6 @@ def test_folded_has_both_counts_for_the_union_of_stacks_sorted() -> None:
     ]
     # folded.parse reads the last column, as flamegraph.pl takes AFTER's counts for widths.
     assert sum(count for _, count in folded.parse(text)) == 12
-
-
-def red(fill: str) -> bool:
-    r, g, b = map(int, re.findall(r"\d+", fill))
-    return r == 255 and g == b < 220
-
-
-def blue(fill: str) -> bool:
-    r, g, b = map(int, re.findall(r"\d+", fill))
-    return b == 255 and r == g < 220
 
 
 def test_svg_is_laid_out_by_after_and_coloured_by_change_in_share() -> None:
@@ -102,10 +92,6 @@ def fills_and_legend(old: Profile, new: Profile) -> tuple[dict[str, str], list[s
     """Per frame name, its fill in the diff of ``old`` and ``new``; and the legend's texts."""
     text = diff.render_svg(old, new, Naming())
     return {name: fill for (name, _), (fill, _) in tooltips(text).items()}, legend_of(text)
-
-
-def legend_of(text: str) -> list[str]:
-    return [t.text or "" for t in ET.fromstring(text).iterfind("s:text", NS) if t.get("y") == "58"]
 
 
 def test_a_change_within_the_noise_is_never_full_colour() -> None:
@@ -196,14 +182,3 @@ def test_diff_command_errors_are_one_line(
     assert main(["diff", str(a), str(a), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
-
-
-def tooltips(text: str) -> dict[tuple[str, int], tuple[str, str]]:
-    """(fill, tooltip) per (frame name, depth)."""
-    out = {}
-    for g in ET.fromstring(text).iterfind(".//s:g[@class='f']", NS):
-        tip = g.findtext("s:title", namespaces=NS) or ""
-        rect = g.find("s:rect", NS)
-        assert rect is not None
-        out[tip[: tip.rindex(" (")], int(g.attrib["data-d"])] = (rect.attrib["fill"], tip)
-    return out

@@ -10,8 +10,8 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from gopprof import decode
 from test_output_native import KERNEL
-from test_output_pprof import decode
 
 from qmpprof.cli import report
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Sample, Stack

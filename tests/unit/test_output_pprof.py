@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import gzip
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gopprof import fields, go_pprof, one, packed, sub, top_flat
+from gopprof import decode, go_pprof, one, sub, top_flat
 from test_output import hand_built_profile
 from test_output_native import KERNEL, detailed_profile, threaded_profile
 
@@ -18,44 +17,6 @@ from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReas
 from qmpprof.naming import KERNEL_SUFFIX, Naming
 from qmpprof.output import folded, pprofread, protowire, render
 from qmpprof.profile import Profile
-
-
-@dataclass
-class Decoded:
-    strings: list[str]
-    root: dict[int, list[int | bytes]]
-    mappings: dict[int, dict[int, list[int | bytes]]]
-    locations: dict[int, tuple[int, int, list[tuple[str, str, int]]]]  # mapping, address, lines
-    samples: list[tuple[list[int], list[int], dict[str, str | int]]]
-
-    def leaf_function(self, sample: int) -> str:
-        return self.locations[self.samples[sample][0][0]][2][0][0]
-
-
-def decode(data: bytes) -> Decoded:
-    root = fields(gzip.decompress(data))
-    strings = [s.decode() for s in root[6] if isinstance(s, bytes)]
-    functions = {}
-    for raw in root[5]:
-        f = sub(raw)
-        functions[one(f, 1)] = (strings[one(f, 2)], strings[one(f, 4)])
-        assert one(f, 3) == one(f, 2)  # system_name
-    mappings = {one(sub(raw), 1): sub(raw) for raw in root[3]}
-    locations = {}
-    for raw in root[4]:
-        loc = sub(raw)
-        lines = [(*functions[one(sub(x), 1)], one(sub(x), 2)) for x in loc.get(4, [])]
-        locations[one(loc, 1)] = (one(loc, 2), one(loc, 3), lines)
-    samples = []
-    for raw in root[2]:
-        s = sub(raw)
-        labels: dict[str, str | int] = {}
-        for raw_label in s.get(3, []):
-            label = sub(raw_label)
-            key = strings[one(label, 1)]
-            labels[key] = strings[one(label, 2)] if one(label, 2) else one(label, 3)
-        samples.append((packed(s[1][0]), packed(s[2][0]), labels))
-    return Decoded(strings, root, mappings, locations, samples)
 
 
 @pytest.mark.parametrize(

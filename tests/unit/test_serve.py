@@ -3,18 +3,14 @@ QEMUs: tests/e2e/test_serve_guests.py)."""
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from guestvm import Guest, run_state
+from servepages import get, parse_prometheus
 from test_output import hand_built_profile
 
 from qmpprof.cli import main
@@ -142,45 +138,6 @@ def filled_vm(name: str, seconds: int = 3) -> Vm:
     return vm
 
 
-def parse_prometheus(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    """Samples per metric name and label set, holding the text format's rules: HELP and TYPE
-    before a family's samples, names and labels well formed, histograms cumulative with +Inf
-    equal to _count, and a final newline."""
-    assert text.endswith("\n")
-    types: dict[str, str] = {}
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    name_re = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-    for line in text.splitlines():
-        if line.startswith("#"):
-            kind = re.fullmatch(rf"# (HELP|TYPE) ({name_re}) (.+)", line)
-            assert kind, line
-            if kind[1] == "TYPE":
-                assert kind[3] in ("counter", "gauge", "histogram", "summary", "untyped"), line
-                types[kind[2]] = kind[3]
-            continue
-        sample = re.fullmatch(rf"({name_re})(?:\{{(.*)\}})? (\S+)", line)
-        assert sample, line
-        name, labels = sample[1], []
-        for label in re.finditer(r'([a-zA-Z_]\w*)="((?:[^"\\\n]|\\.)*)"(?:,|$)', sample[2] or ""):
-            labels.append((label[1], label[2]))
-        family = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert name in types or types.get(family) == "histogram", f"no TYPE before {line}"
-        value = float(sample[3])
-        assert not math.isnan(value), line
-        out.setdefault(name, {})[tuple(labels)] = value
-    for family in (f for f, kind in types.items() if kind == "histogram"):
-        for labels, count in out.get(f"{family}_count", {}).items():
-            buckets = [
-                (float(dict(key)["le"]), value)
-                for key, value in out[f"{family}_bucket"].items()
-                if [kv for kv in key if kv[0] != "le"] == list(labels)
-            ]
-            values = [value for _, value in sorted(buckets)]
-            assert values == sorted(values) and values[-1] == count
-            assert sorted(buckets)[-1][0] == math.inf
-    return out
-
-
 def test_metrics_are_prometheus_text_with_every_family() -> None:
     vms = [filled_vm("a"), filled_vm('we"ird\\name')]
     vms[1].state = "down"
@@ -207,14 +164,6 @@ def board_server(*vms: Vm) -> Iterator[str]:
         board.closing.set()
         server.shutdown()
         server.server_close()
-
-
-def get(url: str) -> tuple[int, str, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=60) as answer:
-            return answer.status, answer.headers["Content-Type"], answer.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers["Content-Type"], err.read()
 
 
 def test_endpoints_answer_and_refuse_in_one_line() -> None:
@@ -252,10 +201,6 @@ def test_a_bug_while_answering_is_a_one_line_500(monkeypatch: pytest.MonkeyPatch
             b"internal error: ValueError: no such luck\n",
         )
         assert get(f"{base}/healthz")[0] == 200
-
-
-def status(guest: Guest) -> str:
-    return run_state(guest.qmp_socket)
 
 
 # ---- one VM's bookkeeping, over the fake transport ------------------------------------------

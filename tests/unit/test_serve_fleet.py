@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS
-from test_serve import filled_vm, parse_prometheus
+from servepages import parse_prometheus
+from test_serve import filled_vm
 
 from qmpprof.cli import main
 from qmpprof.cli.serve import parse
