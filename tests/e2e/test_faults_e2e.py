@@ -14,13 +14,14 @@ The random point is a moment the run itself defines, not a time (under load one 
 takes from 0.5 to 5 s): its handlers in place (its SigCgt in /proc: before it, in the
 interpreter's own start, signals have their default actions, interrupts.py), its connection
 line (the transport chosen), or its start line and then a drawn number of its pauses of the
-guest, as the witness sees them (none on a paused guest, which it samples once unstopped).
+guest, as QEMU's events tell them (none on a paused guest, which it samples once unstopped).
 A point the run ended before is met at its end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from witnessvm import Vm, vm
@@ -117,6 +119,44 @@ class Relay:
         self.cut()
 
 
+class Pauses:
+    """A QMP connection of the test's own that hears the guest stop and resume: QEMU sends each
+    STOP and RESUME event to every negotiated monitor, in order, stamped with the host's wall
+    clock. Nothing is sent on it after the greeting, so all it receives then is events."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(path)
+        self.pending = b""
+        assert "QMP" in self._message()
+        self.sock.sendall(b'{"execute": "qmp_capabilities"}')
+        assert "return" in self._message()
+
+    def _message(self) -> dict[str, Any]:
+        while b"\n" not in self.pending:
+            more = self.sock.recv(65536)
+            assert more, "QEMU closed the events connection"
+            self.pending += more
+        line, _, self.pending = self.pending.partition(b"\n")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def events(self) -> Iterator[tuple[str, float]]:
+        """The events received by now (call when the socket is readable): name, time."""
+        self.pending += self.sock.recv(65536)
+        while b"\n" in self.pending:
+            event = self._message()
+            stamp = event["timestamp"]
+            yield event["event"], stamp["seconds"] + stamp["microseconds"] / 1e6
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def closing(*ends: socket.socket) -> Callable[[], None]:
     def close() -> None:
         for end in ends:
@@ -130,6 +170,7 @@ class Machine:
     vm: Vm
     relay: Relay
     socket: Path
+    pauses: Pauses
 
 
 @contextmanager
@@ -137,11 +178,13 @@ def machine(tmp_path: Path, n: int) -> Iterator[Machine]:
     sock_dir = Path(tempfile.mkdtemp(prefix="fi-", dir="/tmp"))
     (tmp_path / f"qemu{n}").mkdir()
     try:
-        with vm(tmp_path / f"qemu{n}", smp=2) as booted:
+        with vm(tmp_path / f"qemu{n}", smp=2, more_sockets=1) as booted:
             relay = Relay(sock_dir / "relay.sock", booted.socket)
+            pauses = Pauses(booted.more[0])
             try:
-                yield Machine(booted, relay, sock_dir / "relay.sock")
+                yield Machine(booted, relay, sock_dir / "relay.sock", pauses)
             finally:
+                pauses.close()
                 relay.close()
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -181,24 +224,39 @@ def unfaulted(target: Machine, out: Path, env: dict[str, str]) -> None:
 
 def reach(proc: subprocess.Popen[str], target: Machine, line: str | None, pauses: int) -> str:
     """Wait until the run writes a line starting with ``line`` (None: it has begun), then
-    until the witness has seen it pause the guest ``pauses`` times; or until it ends. What it
-    wrote meanwhile."""
+    until QEMU has told of ``pauses`` whole pauses of the guest (a STOP, then a RESUME) since
+    that line was read; or until it ends. What it wrote meanwhile."""
     assert proc.stderr is not None
+    err = proc.stderr.fileno()
     deadline = time.monotonic() + POINT_TIMEOUT
     seen = ""
+    since = time.time()
     while line is not None and not any(text.startswith(line) for text in seen.splitlines()):
-        ready, _, _ = select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([err], [], [], max(0.0, deadline - time.monotonic()))
         assert ready, f"no {line!r} line in {POINT_TIMEOUT} s:\n{seen}"
-        chunk = os.read(proc.stderr.fileno(), 4096).decode()
+        chunk = os.read(err, 4096).decode()
         if not chunk:
             return seen  # it ended before that point
         seen += chunk
+        since = time.time()
     stopped = False
-    while pauses and proc.poll() is None:
-        assert time.monotonic() < deadline, f"{pauses} pauses not seen in {POINT_TIMEOUT} s"
-        now = target.vm.witness.execute("query-status")["status"] in ("paused", "debug")
-        pauses -= stopped and not now  # one pause seen whole: stopped, then running again
-        stopped = now
+    while pauses:
+        wait = max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([err, target.pauses], [], [], wait)
+        assert ready, f"{pauses} pauses not seen in {POINT_TIMEOUT} s"
+        if err in ready:
+            chunk = os.read(err, 4096).decode()
+            if not chunk:
+                return seen  # it ended before that point
+            seen += chunk
+        if target.pauses in ready:
+            for event, stamp in target.pauses.events():
+                whole = stopped and event == "RESUME"  # one pause seen whole
+                # A stop before the line does not count: the attach's, an earlier run's.
+                stopped = event == "STOP" and stamp >= since
+                pauses -= whole
+                if not pauses:
+                    break
     return seen
 
 
@@ -247,7 +305,12 @@ def check(draw: str, kind: str, code: int, err: str, out: Path, private: Path) -
 def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     private = Path(tempfile.mkdtemp(prefix="fip-", dir="/tmp"))  # qmpprof's TMPDIR
-    env = {**os.environ, "TMPDIR": str(private), "PYTHONPATH": str(ROOT)}
+    # Each run is a new interpreter: where the environment turns bytecode writing off
+    # (PYTHONDONTWRITEBYTECODE), each compiled qmpprof's modules again, half of its start's
+    # CPU; the runs share a cache of the test's own instead.
+    inherited = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env = {**inherited, "TMPDIR": str(private), "PYTHONPATH": str(ROOT),
+           "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}  # fmt: skip
     outcomes: dict[str, int] = {}
     boots = 0
     with ExitStack() as stack:
