@@ -1,2 +1,2 @@
-"""DWARF call-frame information: the encodings, the CFA program interpreter, the CFI table of one
-image and the expression evaluator. Pure parsing over bytes; ``elf`` and ``unwind`` both use it."""
+"""DWARF from bytes: the encodings, the CFA program interpreter, the CFI table of one image, the
+expression evaluator and the line-number program. Pure parsing; ``elf`` and ``unwind`` use it."""

