@@ -101,8 +101,11 @@ class Reader:
 
     def uleb(self) -> int:
         data = self.data
-        result = shift = 0
         pos = self.pos
+        if 0 <= pos < len(data) and data[pos] < 0x80:  # most are one byte: no loop
+            self.pos = pos + 1
+            return data[pos]
+        result = shift = 0
         while True:
             if not 0 <= pos < len(data):
                 raise CfiDecodeError("truncated LEB128")

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from qmpprof.dwarf.encoding import CfiDecodeError, Reader
+
 _DW_AT_NAME, _DW_AT_TYPE = 0x03, 0x49
 _DW_FORM_STRING, _DW_FORM_STRP, _DW_FORM_IMPLICIT_CONST = 0x08, 0x0E, 0x21
 _LOCAL_REFS = frozenset((0x11, 0x12, 0x13, 0x14, 0x15))  # ref1, ref2, ref4, ref8, ref_udata
@@ -68,42 +70,26 @@ def _searchable(abbrev: bytes, offset: int) -> bool:
     """Whether the abbreviation table at ``offset`` names DIEs only by DW_FORM_string or
     DW_FORM_strp and refers to types only inside the unit (a truncated one: not known, no)."""
     try:
-        return _plain_forms(abbrev, offset)
-    except IndexError:
+        return _plain_forms(Reader(abbrev, offset))
+    except CfiDecodeError:
         return False
 
 
-def _plain_forms(abbrev: bytes, offset: int) -> bool:
-    at = offset
+def _plain_forms(r: Reader) -> bool:
     while True:
-        code, at = _uleb(abbrev, at)
+        code = r.uleb()
         if code == 0:
             return True
-        tag, at = _uleb(abbrev, at)
-        at += 1  # DW_CHILDREN_yes / no
+        tag = r.uleb()
+        r.u8()  # DW_CHILDREN_yes / no
         while True:
-            attr, at = _uleb(abbrev, at)
-            form, at = _uleb(abbrev, at)
+            attr, form = r.uleb(), r.uleb()
             if attr == 0 and form == 0:
                 break
             if form == _DW_FORM_IMPLICIT_CONST:
-                _, at = _uleb(abbrev, at)  # its value (signed: the same bytes to skip)
+                r.uleb()  # its value (signed: the same bytes to skip)
             if attr == _DW_AT_NAME and tag not in _UNIT_TAGS:
                 if form not in (_DW_FORM_STRING, _DW_FORM_STRP):
                     return False
             elif attr == _DW_AT_TYPE and form not in _LOCAL_REFS:
                 return False
-
-
-def _uleb(data: bytes, at: int) -> tuple[int, int]:
-    byte = data[at]
-    if byte < 0x80:  # most are one byte: a large kernel's tables read some 3 times as fast
-        return byte, at + 1
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, at
