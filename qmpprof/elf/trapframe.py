@@ -47,14 +47,15 @@ def trap_frame_layout(image: ElfImage) -> TrapFrameLayout | None:
         return None
     arch = image.arch
     wanted = (arch.names[arch.pc], arch.names[arch.sp], arch.names[arch.fp])
+    cus = list(dwarf.iter_CUs())
     units = [
         Unit(cu.cu_offset, cu.cu_offset + cu.size, cu["debug_abbrev_offset"],
              cu.structs.dwarf_format == 64)
-        for cu in dwarf.iter_CUs()
+        for cu in cus
     ]  # fmt: skip
     info, strings, abbrev = (image.section(name) or b"" for name in _SEARCHED)
     naming = units_naming(units, info, strings, abbrev, wanted)
-    for cu in dwarf.iter_CUs():
+    for cu in cus:
         if cu.cu_offset not in naming:
             continue
         for die in _functions(cu.get_top_DIE()):
