@@ -142,6 +142,14 @@ class ElfImage:
             return None
         return self._data[header.offset : header.offset + header.size]
 
+    def has_section(self, name: str) -> bool:
+        """Whether ``section(name)`` has bytes, without copying them (a debug vmlinux's
+        .debug_info is some 200 MB)."""
+        header = self._sections.get(name)
+        if header is None or header.nobits:
+            return False
+        return header.size > 0 and header.offset < len(self._data)
+
     def section_header(self, name: str) -> SectionHeader | None:
         return self._sections.get(name)
 
@@ -221,12 +229,12 @@ class ElfImage:
     @cached_property
     def lines(self) -> LineTable | None:
         """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
-        return LineTable(self._dwarf) if self.section(".debug_line") else None
+        return LineTable(self._dwarf) if self.has_section(".debug_line") else None
 
     def dwarf_info(self) -> Any:
         """pyelftools' DWARFInfo, for the readers of its DIEs in this package; None without
         DWARF."""
-        return self._dwarf() if self.section(".debug_info") else None
+        return self._dwarf() if self.has_section(".debug_info") else None
 
     def location_exprs(self, die: Any, attr: Any) -> list[bytes]:
         """The DWARF expressions of a location attribute of ``die``: the one of an exprloc, or
