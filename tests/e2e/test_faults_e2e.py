@@ -21,7 +21,6 @@ A point the run ended before is met at its end.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -38,9 +37,9 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
+from qmpevents import QmpEvents
 from witnessvm import Vm, vm
 
 from qmpprof.output import folded
@@ -119,44 +118,6 @@ class Relay:
         self.cut()
 
 
-class Pauses:
-    """A QMP connection of the test's own that hears the guest stop and resume: QEMU sends each
-    STOP and RESUME event to every negotiated monitor, in order, stamped with the host's wall
-    clock. Nothing is sent on it after the greeting, so all it receives then is events."""
-
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(path)
-        self.pending = b""
-        assert "QMP" in self._message()
-        self.sock.sendall(b'{"execute": "qmp_capabilities"}')
-        assert "return" in self._message()
-
-    def _message(self) -> dict[str, Any]:
-        while b"\n" not in self.pending:
-            more = self.sock.recv(65536)
-            assert more, "QEMU closed the events connection"
-            self.pending += more
-        line, _, self.pending = self.pending.partition(b"\n")
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def events(self) -> Iterator[tuple[str, float]]:
-        """The events received by now (call when the socket is readable): name, time."""
-        self.pending += self.sock.recv(65536)
-        while b"\n" in self.pending:
-            event = self._message()
-            stamp = event["timestamp"]
-            yield event["event"], stamp["seconds"] + stamp["microseconds"] / 1e6
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def closing(*ends: socket.socket) -> Callable[[], None]:
     def close() -> None:
         for end in ends:
@@ -170,7 +131,7 @@ class Machine:
     vm: Vm
     relay: Relay
     socket: Path
-    pauses: Pauses
+    pauses: QmpEvents
 
 
 @contextmanager
@@ -180,7 +141,7 @@ def machine(tmp_path: Path, n: int) -> Iterator[Machine]:
     try:
         with vm(tmp_path / f"qemu{n}", smp=2, more_sockets=1) as booted:
             relay = Relay(sock_dir / "relay.sock", booted.socket)
-            pauses = Pauses(booted.more[0])
+            pauses = QmpEvents(booted.more[0], 30)
             try:
                 yield Machine(booted, relay, sock_dir / "relay.sock", pauses)
             finally:
@@ -250,7 +211,7 @@ def reach(proc: subprocess.Popen[str], target: Machine, line: str | None, pauses
                 return seen  # it ended before that point
             seen += chunk
         if target.pauses in ready:
-            for event, stamp in target.pauses.events():
+            for event, stamp in target.pauses.received():
                 whole = stopped and event == "RESUME"  # one pause seen whole
                 # A stop before the line does not count: the attach's, an earlier run's.
                 stopped = event == "STOP" and stamp >= since
