@@ -69,12 +69,18 @@ def test_new_processes_are_named_and_placed_as_they_come(
     # Processes the run met that /init started during it (the long-lived ones have pids below
     # the long-lived xz's, which started last): by name, each its own task's.
     first_seen: dict[int, str] = {}
+    # Kernel threads the kernel started meanwhile (a worker pool grows when it needs: a
+    # kworker/N:M is new in some runs) are not /init's: named in brackets, never in user mode.
+    kernel_threads: Counter[Mode] = Counter()
     placed = Counter[bool]()  # user frames of new processes: in a file from --user-dir or not
     unplaced: Counter[str] = Counter()  # where those that are not are
     xz_elsewhere: Counter[str] = Counter()  # files an xz frame was placed in that xz lacks
     for record, count in zip(profile.stacks, profile.counts, strict=True):
         process = record.process
         if process is None or process.pid is None or process.pid <= xz_pid:
+            continue
+        if (process.program or "").startswith("["):
+            kernel_threads[record.mode] += count
             continue
         first_seen.setdefault(process.pid, process.program or "")
         if record.mode is not Mode.USER:
@@ -97,6 +103,8 @@ def test_new_processes_are_named_and_placed_as_they_come(
     names = Counter(first_seen.values())
     print("new processes by name", dict(names), "user frames placed", dict(placed))
     print("user frames in no file", dict(unplaced), "xz frames elsewhere", dict(xz_elsewhere))
+    print("new kernel threads' ticks by mode", dict(kernel_threads))
+    assert not kernel_threads[Mode.USER], kernel_threads
     assert len(first_seen) >= NEW_PROCESSES, names
     assert set(names) <= CHURN_PROGRAMS, names
     assert placed[True] >= PLACED * sum(placed.values()), (placed, unplaced)
