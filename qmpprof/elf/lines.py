@@ -3,9 +3,10 @@
 Reads DWARF (.debug_line, .debug_info) lazily: nothing is parsed until the first lookup, a
 compilation unit's line table and DIE tree are decoded the first time one of its pcs is asked
 for, and every answer is cached per pc. pyelftools finds the units and reads the headers; the
-line programs' opcodes are run by ``qmpprof.dwarf.lineprogram``, ten times faster. Broken or
-missing DWARF gives empty answers, never an exception: line numbers are a nicety, the profile
-must still come out.
+line programs' opcodes are run by ``qmpprof.dwarf.lineprogram``, ten times faster, and the
+scopes around a pc are found by ``qmpprof.dwarf.dies``' walk over the unit's bytes (with
+pyelftools' DIEs where that walk cannot read them). Broken or missing DWARF gives empty
+answers, never an exception: line numbers are a nicety, the profile must still come out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qmpprof.dwarf.dies import TAG_INLINED_SUBROUTINE, UnitShape, UnitWalk, abbrevs_at
+from qmpprof.dwarf.encoding import CfiDecodeError
 from qmpprof.dwarf.lineprogram import LineHeader, Row, line_rows
 from qmpprof.memo import Memo
 
@@ -32,9 +35,18 @@ class SourceFrame:
 
 
 class _Unit:
-    """The line table and the function DIEs of one compilation unit."""
+    """The line table of one compilation unit and the walk over its DIEs (None where the walk
+    cannot read its abbreviations)."""
 
-    def __init__(self, dwarf: Any, cu: Any) -> None:
+    def __init__(self, dwarf: Any, cu: Any, abbrev_data: bytes) -> None:
+        shape = UnitShape(cu["version"], 8 if cu.dwarf_format() == 64 else 4, cu["address_size"])
+        self.walk: UnitWalk | None = None
+        try:
+            abbrevs = abbrevs_at(abbrev_data, cu["debug_abbrev_offset"], shape)
+            info = _read(dwarf.debug_info_sec.stream, cu.cu_offset, cu.size)
+            self.walk = UnitWalk(info, abbrevs, shape)
+        except CfiDecodeError:  # forms the walk does not know: pyelftools' DIEs instead
+            pass
         self.files: list[str] = []
         self.file_base = 1
         self.rows: list[Row] = []
@@ -72,6 +84,7 @@ class LineTable:
         self._starts: list[int] = []
         self._aranges: Any = None
         self._units: dict[int, _Unit] = {}
+        self._abbrev_data = b""
         self._cache: Memo[int, tuple[SourceFrame, ...]] = Memo(_CACHE_LIMIT)
 
     def frames(self, pc: int) -> tuple[SourceFrame, ...]:
@@ -91,11 +104,10 @@ class LineTable:
             return ()
         unit = self._units.get(cu.cu_offset)
         if unit is None:
-            unit = self._units[cu.cu_offset] = _Unit(self._dwarf, cu)
+            unit = self._units[cu.cu_offset] = _Unit(self._dwarf, cu, self._abbrev_data)
         file, line = unit.line_at(pc)
-        chain = _inline_chain(cu.get_top_DIE(), pc, self._dwarf, cu)
         out: list[SourceFrame] = []
-        for die in reversed(chain):  # innermost inlined call first
+        for die in reversed(self._inline_chain(unit, cu, pc)):  # innermost inlined call first
             out.append(SourceFrame(_name(die), file, line))
             call_file = die.attributes.get("DW_AT_call_file")
             file = unit.file(call_file.value) if call_file is not None else None
@@ -104,12 +116,31 @@ class LineTable:
         out.append(SourceFrame(None, file, line))
         return tuple(out)
 
+    def _inline_chain(self, unit: _Unit, cu: Any, pc: int) -> list[Any]:
+        """The DW_TAG_inlined_subroutine DIEs containing pc, outermost first: found by the walk
+        over the unit's bytes, by pyelftools' DIEs where the walk cannot read them."""
+        if unit.walk is not None:
+
+            def ranges_of(offset: int) -> list[tuple[int, int]]:
+                return _die_ranges(cu.get_DIE_from_refaddr(cu.cu_offset + offset), self._dwarf, cu)
+
+            try:
+                scopes = unit.walk.scopes_at(cu.cu_die_offset - cu.cu_offset, pc, ranges_of)
+            except CfiDecodeError:
+                pass
+            else:
+                inlined = [s.offset for s in scopes if s.tag == TAG_INLINED_SUBROUTINE]
+                return [cu.get_DIE_from_refaddr(cu.cu_offset + offset) for offset in inlined]
+        return _dies_inline_chain(cu.get_top_DIE(), pc, self._dwarf, cu)
+
     def _cu_for(self, pc: int) -> Any:
         if self._ranges is None:
             self._ranges = []
             self._dwarf = self._open_dwarf()
             if self._dwarf is None:
                 return None
+            abbrev = self._dwarf.debug_abbrev_sec
+            self._abbrev_data = _read(abbrev.stream, 0, abbrev.size)
             self._aranges = self._dwarf.get_aranges()
             if self._aranges is None:
                 self._index_units()
@@ -133,12 +164,16 @@ class LineTable:
         self._starts = [r[0] for r in self._ranges]
 
 
+def _read(stream: Any, offset: int, size: int) -> bytes:
+    stream.seek(offset)
+    data: bytes = stream.read(size)
+    return data
+
+
 def _program_code(program: Any) -> bytes:
     """The opcodes of a pyelftools LineProgram, read from its section's stream."""
-    stream = program.stream
-    stream.seek(program.program_start_offset)
-    code: bytes = stream.read(program.program_end_offset - program.program_start_offset)
-    return code
+    start, end = program.program_start_offset, program.program_end_offset
+    return _read(program.stream, start, end - start)
 
 
 def _header(program: Any, cu: Any) -> LineHeader:
@@ -154,8 +189,8 @@ def _header(program: Any, cu: Any) -> LineHeader:
     )
 
 
-def _inline_chain(die: Any, pc: int, dwarf: Any, cu: Any) -> list[Any]:
-    """The DW_TAG_inlined_subroutine DIEs containing pc, outermost first."""
+def _dies_inline_chain(die: Any, pc: int, dwarf: Any, cu: Any) -> list[Any]:
+    """The DW_TAG_inlined_subroutine DIEs containing pc below ``die``, outermost first."""
     chain: list[Any] = []
     for child in die.iter_children():
         tag = child.tag
@@ -164,7 +199,7 @@ def _inline_chain(die: Any, pc: int, dwarf: Any, cu: Any) -> list[Any]:
         if any(low <= pc < high for low, high in _die_ranges(child, dwarf, cu)):
             if tag == "DW_TAG_inlined_subroutine":
                 chain.append(child)
-            return chain + _inline_chain(child, pc, dwarf, cu)
+            return chain + _dies_inline_chain(child, pc, dwarf, cu)
     return chain
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 from qmpprof.arch.x86 import X86_64
+from qmpprof.dwarf.dies import UnitWalk
+from qmpprof.dwarf.encoding import CfiDecodeError
+from qmpprof.elf import lines
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.lines import LineTable
 from qmpprof.model import StopReason
@@ -62,12 +66,67 @@ def addr2line(
     return out
 
 
+@pytest.fixture(scope="module", params=["-gdwarf-2", "-gdwarf-4", "-gdwarf-5"])
+def versioned_binary(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """inline.c with DWARF 2 (high_pc an address), 4 (a length, DW_AT_ranges in .debug_ranges),
+    5 (.debug_rnglists, line_strp)."""
+    out = tmp_path_factory.mktemp("lines") / "inline"
+    flags = ["-O2", "-g", request.param]
+    subprocess.run(["gcc", *flags, "-o", str(out), str(DATA / "inline.c")], check=True)
+    return out
+
+
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 def test_every_instruction_matches_addr2line(inline_binary: Path, mapped: bool) -> None:
-    image = ElfImage.load(inline_binary, mapped=mapped)
+    assert_matches_addr2line(inline_binary, ElfImage.load(inline_binary, mapped=mapped))
+
+
+def fail(*args: object) -> NoReturn:
+    raise CfiDecodeError("bytes the walk cannot read")
+
+
+@pytest.mark.parametrize("reader", ["walk", "no walk", "walk fails"])
+def test_every_dwarf_version_matches_addr2line_walked_or_not(
+    versioned_binary: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk over the unit's bytes answers (pyelftools' DIE tree is never read); where it
+    cannot read a unit's abbreviations or DIEs, pyelftools' DIEs give the same answers."""
+    if reader == "walk":
+        monkeypatch.setattr(lines, "_dies_inline_chain", fail)
+    elif reader == "no walk":
+        monkeypatch.setattr(lines, "abbrevs_at", fail)
+    else:
+        monkeypatch.setattr(UnitWalk, "scopes_at", fail)
+    assert_matches_addr2line(versioned_binary, ElfImage.load(versioned_binary))
+
+
+def test_a_skeleton_unit_gives_the_line_without_inlined_frames(
+    inline_binary: Path, tmp_path: Path
+) -> None:
+    """Split DWARF: the DIEs are in a .dwo file, which neither reader opens; the line table is
+    in the binary. Each pc gets its innermost position, as addr2line has it on the same code
+    built without -gsplit-dwarf."""
+    split = tmp_path / "split"
+    source = DATA / "inline.c"
+    flags = ["-O2", "-g", "-gsplit-dwarf"]
+    subprocess.run(["gcc", *flags, "-o", str(split), str(source)], check=True, cwd=tmp_path)
+    image = ElfImage.load(split)
+    assert image.lines is not None
+    split_addrs, plain_addrs = instructions(split, "outer"), instructions(inline_binary, "outer")
+    assert [a - split_addrs[0] for a in split_addrs] == [a - plain_addrs[0] for a in plain_addrs]
+    expected = addr2line(inline_binary, plain_addrs)
+    for addr, plain in zip(split_addrs, plain_addrs, strict=True):
+        got = [(f.function, f.file, f.line) for f in image.lines.frames(addr)]
+        assert got == [(None, *expected[plain][0][1:])], hex(addr)
+    assert max(len(expected[plain]) for plain in plain_addrs) == 3  # inlined calls not shown
+
+
+def assert_matches_addr2line(binary: Path, image: ElfImage) -> None:
     assert isinstance(image.lines, LineTable)
-    addrs = instructions(inline_binary, "outer") + instructions(inline_binary, "main")
-    expected = addr2line(inline_binary, addrs)
+    addrs = instructions(binary, "outer") + instructions(binary, "main")
+    expected = addr2line(binary, addrs)
     inlined_seen = 0
     for addr in addrs:
         frames = image.lines.frames(addr)
