@@ -126,19 +126,24 @@ def profile(qmp: Path, vmlinuz: Path, env: dict[str, str], out: Path) -> str:
     return done.stderr
 
 
-def chains(stack: list[Frame]) -> Iterator[tuple[int, list[Frame]]]:
-    """Per kernel pc of a stack (leaf first): the address looked up (a return address less
-    one) and its frames, inlined ones first, the real function's last."""
+def chains(stack: list[Frame], entry_text: range) -> Iterator[tuple[int, list[Frame]]]:
+    """Per kernel pc of a stack (leaf first): the address looked up and its frames, inlined ones
+    first, the real function's last. A return address is looked up less one; where the CPU was
+    is looked up as it is: the leaf, and the pc an interrupt or exception stopped, the frame
+    under an entry stub (``asm_sysvec_*``, ``asm_exc_*``: code in ``entry_text``) outside it."""
     group: list[Frame] = []
-    first = True
+    leaf, stub = True, False
     for frame in stack:
         group.append(frame)
         if frame.inlined:
             continue
+        link = None
         if frame.kernel and frame.module is not None and frame.module.name == "vmlinux":
-            looked = frame.pc - frame.module.bias - (0 if first else 1)
-            yield looked, group
-        group, first = [], False
+            link = frame.pc - frame.module.bias
+            interrupted = stub and link not in entry_text
+            yield link - (0 if leaf or interrupted else 1), group
+        stub = link is not None and link in entry_text
+        group, leaf = [], False
 
 
 def addr2line(dbg: Path, addresses: list[int]) -> dict[int, list[tuple[str, str, int]]]:
@@ -182,8 +187,11 @@ def test_kernel_lines_from_debuginfod_then_from_the_cache(
 ) -> None:
     folder = linux_dir(series)
     vmlinuz, dbg = folder / "vmlinuz", folder / "vmlinux-dbg"
-    build_id = ElfImage.load(dbg, mapped=True).build_id
+    image = ElfImage.load(dbg, mapped=True)
+    build_id = image.build_id
     assert build_id is not None
+    start, end = (image.symbols.address_of(f"__entry_text_{edge}") for edge in ("start", "end"))
+    assert start is not None and end is not None
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(serve(tmp_path / "served", [dbg]))
         empty = stack.enter_context(serve(tmp_path / "empty", []))
@@ -209,7 +217,8 @@ def test_kernel_lines_from_debuginfod_then_from_the_cache(
         profile(vm.qmp_socket, vmlinuz, env, tmp_path / "second.qmpprof")
         assert server.debuginfo_requests() == before + 1  # the cache, no request
     saved = native.load(tmp_path / "first.qmpprof")
-    groups = [g for record in saved.stacks for g in chains(saved.frames_of(record))]
+    entry_text = range(start, end)
+    groups = [g for record in saved.stacks for g in chains(saved.frames_of(record), entry_text)]
     truth = addr2line(dbg, sorted({looked for looked, _ in groups}))
     agree = [ours(group) == theirs(truth[looked]) for looked, group in groups]
     print(f"\n{series}: {sum(agree)} of {len(agree)} kernel pcs as addr2line has them")
