@@ -179,6 +179,10 @@ class LinuxIdentifier:
     ) -> Identity:
         if self.module_list is not None and not self.module_list.read_whole and not regs.user:
             await self._read_modules(self.module_list)
+        wanted = () if self.current is None else self.current.wants(regs)
+        if wanted:  # the current task in a system register the sample did not read
+            found = await transport.system_registers(regs.cpu, wanted)
+            regs = dataclasses.replace(regs, special={**regs.special, **found})
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)
