@@ -168,15 +168,17 @@ def parse_export_table(
 def _absolute_exports(
     entries: bytes, strings: bytes, strings_addr: int
 ) -> list[tuple[str, int]] | None:
-    """``parse_export_table``'s entries as three u64 each; None unless every name and
-    namespace (0: none) points at the start of a string."""
+    """``parse_export_table``'s entries as three u64 each; None unless every value is in the
+    upper half (the kernel's) and every name and namespace (0: none) points into the strings."""
     if not entries or len(entries) % 24:
         return None
     fields = struct.unpack(f"<{len(entries) // 8}Q", entries)
-    starts = {0, *(at + 1 for at, byte in enumerate(strings) if byte == 0)}
-    if any(at and at - strings_addr not in starts for at in fields[2::3]):
+    inside = range(strings_addr, strings_addr + len(strings))
+    if any(value < 1 << 63 for value in fields[::3]):
         return None
-    if any(at - strings_addr not in starts for at in fields[1::3]):
+    if any(at not in inside for at in fields[1::3]) or any(
+        at and at not in inside for at in fields[2::3]
+    ):
         return None
     names = [_string_at(strings, at - strings_addr) for at in fields[1::3]]
     return None if "" in names else list(zip(names, fields[::3], strict=True))
