@@ -55,10 +55,16 @@ class Memory:
         return out
 
 
+# struct kernel_mapping's members (6.12's BTF): their offsets
+MAPPING = {"page_offset": 0x0, "virt_addr": 0x8, "va_pa_offset": 0x28, "size": 0x38}
+MAPPING["va_kernel_pa_offset"] = 0x30
+
+
 class Btf:
     def offset_of(self, path: str) -> int:
-        assert path == "kernel_mapping.va_pa_offset"
-        return 0x28
+        struct_name, member = path.split(".")
+        assert struct_name == "kernel_mapping"
+        return MAPPING[member]
 
 
 @dataclass
@@ -182,3 +188,23 @@ def test_exports_of_absolute_entries_are_read_and_relative_ones_not_taken_for_th
         ("init_task", relative_addr - 0x40),
         ("schedule", relative_addr + 12 - 0x80),
     ]
+
+
+async def test_the_linear_map_and_the_image_are_placed_from_kernel_map() -> None:
+    page_offset, virt_addr, phys_addr = 0xFF60_0000_0000_0000, 0xFFFF_FFFF_8000_0000, 0x8020_0000
+    fields = {
+        "page_offset": page_offset,
+        "va_pa_offset": VA_PA_OFFSET,
+        "virt_addr": virt_addr,
+        "size": 0x1C0_0000,
+        "va_kernel_pa_offset": virt_addr - phys_addr,
+    }
+    memory = Memory({KERNEL_MAP + MAPPING[name]: value for name, value in fields.items()})
+    linear = await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0)  # type: ignore[arg-type]
+    assert linear is not None
+    task = 0xFF60_0000_0391_2AC0  # a task_struct (slab memory)
+    assert linear.physical(task, 8) == task - VA_PA_OFFSET
+    assert linear.physical(virt_addr + 0x1000, 8) == phys_addr + 0x1000  # the image's data
+    assert linear.physical(0xFF20_0000_0000_3F00, 8) is None  # a vmalloc'd stack: not there
+    del memory.words[KERNEL_MAP + MAPPING["size"]]
+    assert await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0) is None  # type: ignore[arg-type]

@@ -68,6 +68,9 @@ class Aarch64Platform:
     ) -> CurrentTask | None:
         return None
 
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        return None
+
 
 async def slide_by_vectors(
     control: GuestTransport, transport: GuestTransport, kernel: LinuxKernel, arch: InstructionSet

@@ -30,6 +30,8 @@ _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel
 RISCV64_ENTRIES = EntryFormat(((1 << 44) - 1) << 10, 0b1110, True, shift=2)
 TP = 4  # x4: the thread pointer, ``current`` in the kernel (arch/riscv/include/asm/current.h)
 SCRATCH = "sscratch"
+# struct kernel_mapping's members the linear map is read from, in Riscv64Platform.linear_map's order
+_MAPPING = ("page_offset", "va_pa_offset", "virt_addr", "size", "va_kernel_pa_offset")
 ENTRY_NOTE = "riscv64's exception entry is not described yet: kernel stacks end at it"
 
 
@@ -115,6 +117,26 @@ class Riscv64Platform:
         self, arch: InstructionSet, clock: Callable[[], float], recheck: float
     ) -> CurrentTask | None:
         return RegisterTask(arch, clock, recheck)
+
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        """From ``kernel_map`` (arch/riscv/mm/init.c): RAM at ``page_offset``, ``va_pa_offset``
+        above its physical address, up to the modules' 2 GiB below the image; the image at
+        ``virt_addr``, ``va_kernel_pa_offset`` above its own. A vCPU in user mode reads no
+        supervisor page, one in M-mode firmware translates nothing: such samples read the
+        kernel's data physically through it."""
+        mapping = kernel.address("kernel_map", slide)
+        if kernel.btf is None or mapping is None:
+            return None
+        try:
+            offsets = [kernel.btf.offset_of(f"kernel_mapping.{name}") for name in _MAPPING]
+        except KeyError:
+            return None
+        found = await read_ints(read, [(mapping + offset, 8) for offset in offsets])
+        if None in found:
+            return None
+        page_offset, va_pa_offset, virt_addr, size, image_offset = (v or 0 for v in found)
+        image = (virt_addr, virt_addr + size, image_offset)
+        return LinearMap(page_offset, virt_addr - (1 << 31), va_pa_offset, image)
 
 
 RISCV64 = Riscv64Platform()

@@ -213,6 +213,8 @@ class LinuxGuest:
         slotted = None if in_registers is not None else current
         if slotted is not None:
             linear = await find_linear_map(control, _slots(slotted), arch.shared_from, top, image)
+        else:
+            linear = await platform.linear_map(read, kernel, slide)
         tables = await platform.kernel_page_tables(read, kernel, slide)
         if tables is None and linear is not None:
             tables = platform.linear_page_tables(read, linear, arch)

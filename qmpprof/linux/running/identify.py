@@ -261,6 +261,14 @@ class LinuxIdentifier:
         memory = None
         if seen is None:
             found = await read_task(read, task, layout, self.arch.shared_from)
+            if found is None and regs.user and not viewed and linear is not None:
+                # The task held in the registers of a vCPU that reads no kernel data (riscv64:
+                # user mode reads no supervisor page, M-mode firmware translates nothing):
+                # through the linear map, as every user-mode sample from now on.
+                view = linear_reader(transport, linear, regs.cpu)
+                found = await read_task(view, task, layout, self.arch.shared_from)
+                if found is not None:
+                    self.hidden, read, cache = True, view, PageCache()
             identity = self.kernel
             if found is not None:
                 space, memory = await self._placed(read, found, regs)

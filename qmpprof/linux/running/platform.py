@@ -74,3 +74,8 @@ class LinuxPlatform(Protocol):
         """Where no per-CPU variable holds the current task, how the vCPU's registers say it
         (riscv64's tp); None: the per-CPU variable does (``current.locate_current``)."""
         ...
+
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        """The linear map as the kernel's variables describe it, where the current task's
+        per-CPU slots do not measure it (``current_task``: no such slots); None otherwise."""
+        ...

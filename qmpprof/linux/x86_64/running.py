@@ -89,5 +89,8 @@ class X86_64Platform:
     ) -> CurrentTask | None:
         return None
 
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        return None
+
 
 X86_64 = X86_64Platform()
