@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from qmpprof.linux.symbols import parse_export_table
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 
+TRIXIE_IMAGE = Path(__file__).parents[2] / "fixtures" / "build" / "linux-riscv64" / "vmlinuz"
 VA_PA_OFFSET = 0xFF5F_FFFF_8000_0000  # PAGE_OFFSET (Sv57's) less where RAM starts (0x80000000)
 SATP_MODE, KERNEL_MAP = 0xFFFF_FFFF_8140_A980, 0xFFFF_FFFF_8140_A938  # trixie 6.12's
 V, R, W, X, U = 1, 2, 4, 8, 16
@@ -96,6 +98,8 @@ def test_the_registries_choose_riscv64_and_its_image_by_its_header() -> None:
     head[0x30:0x38] = b"RISCV\0\0\0"  # the deprecated magic
     head[0x38:0x3C] = b"RSC\x05"
     assert is_riscv64_image(bytes(head)) and boot_image(bytes(head)) is RISCV64_FILE
+    with open(TRIXIE_IMAGE, "rb") as image:  # the PE/EFI Image Debian ships
+        assert boot_image(image.read(64)) is RISCV64_FILE
     head[0x38:0x3C] = b"ARM\x64"
     assert not is_riscv64_image(bytes(head)) and boot_image(bytes(head)) is not RISCV64_FILE
 

@@ -32,7 +32,10 @@ TP = 4  # x4: the thread pointer, ``current`` in the kernel (arch/riscv/include/
 SCRATCH = "sscratch"
 # struct kernel_mapping's members the linear map is read from, in Riscv64Platform.linear_map's order
 _MAPPING = ("page_offset", "va_pa_offset", "virt_addr", "size", "va_kernel_pa_offset")
-ENTRY_NOTE = "riscv64's exception entry is not described yet: kernel stacks end at it"
+ENTRY_NOTE = (
+    "riscv64's exception entry is not described yet: a kernel stack is not followed across it"
+    " into the interrupted code"
+)
 
 
 class RegisterTask(CurrentTask):
