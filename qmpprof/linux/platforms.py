@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from qmpprof.linux.aarch64.kernelfile import AARCH64_FILE
 from qmpprof.linux.platform import KernelFilePlatform
+from qmpprof.linux.riscv64.kernelfile import RISCV64_FILE
 from qmpprof.linux.x86_64.kernelfile import X86_64_FILE
 
-KERNEL_FILES: tuple[KernelFilePlatform, ...] = (X86_64_FILE, AARCH64_FILE)
+KERNEL_FILES: tuple[KernelFilePlatform, ...] = (X86_64_FILE, AARCH64_FILE, RISCV64_FILE)
 
 
 def kernel_file(name: str) -> KernelFilePlatform | None:

@@ -145,7 +145,11 @@ def parse_export_table(
     """(name, address) of each exported symbol in a ``__ksymtab`` section: with
     CONFIG_HAVE_ARCH_PREL32_RELOCATIONS (x86_64) three s32 (value, name, namespace), each
     relative to its own address, the names in ``__ksymtab_strings``. None when the entries are
-    not of that form (a name outside the strings)."""
+    not of that form (a name outside the strings). Without it (riscv64) three u64 (value,
+    name, namespace) hold addresses: taken where every name points into the strings."""
+    absolute = _absolute_exports(entries, strings, strings_addr)
+    if absolute is not None:
+        return absolute
     if len(entries) % 12:
         return None
     fields = struct.unpack(f"<{len(entries) // 4}i", entries)
@@ -159,6 +163,25 @@ def parse_export_table(
         return None
     addrs = map(operator.add, fields[::3], range(entries_addr, END, 12))
     return list(zip(names, (addr % END for addr in addrs), strict=True))
+
+
+def _absolute_exports(
+    entries: bytes, strings: bytes, strings_addr: int
+) -> list[tuple[str, int]] | None:
+    """``parse_export_table``'s entries as three u64 each; None unless every value is in the
+    upper half (the kernel's) and every name and namespace (0: none) points into the strings."""
+    if not entries or len(entries) % 24:
+        return None
+    fields = struct.unpack(f"<{len(entries) // 8}Q", entries)
+    inside = range(strings_addr, strings_addr + len(strings))
+    if any(value < 1 << 63 for value in fields[::3]):
+        return None
+    if any(at not in inside for at in fields[1::3]) or any(
+        at and at not in inside for at in fields[2::3]
+    ):
+        return None
+    names = [_string_at(strings, at - strings_addr) for at in fields[1::3]]
+    return None if "" in names else list(zip(names, fields[::3], strict=True))
 
 
 def _string_at(data: bytes, pos: int) -> str:

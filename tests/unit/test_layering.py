@@ -200,7 +200,8 @@ def test_an_instruction_set_named_outside_its_platform_is_a_breach() -> None:
     g = graph()
     platform = "nothing but qmpprof.linux.aarch64, qmpprof.linux.platforms,"
     platform += " qmpprof.linux.running.platforms imports qmpprof.linux.aarch64"
-    concrete = "nothing but qmpprof.arch, qmpprof.linux.x86_64, qmpprof.linux.aarch64"
+    concrete = "nothing but qmpprof.arch, qmpprof.linux.x86_64, qmpprof.linux.aarch64,"
+    concrete += " qmpprof.linux.riscv64"
     concrete += " imports from qmpprof.arch other than qmpprof.arch, qmpprof.arch.base"
     assert not breaches(platform) and not breaches(concrete)
     added = ("qmpprof.linux.aarch64.vectors", "qmpprof.arch.aarch64code")

@@ -6,6 +6,7 @@ and the exception entry code as its vectors lead to it (``vectors``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
@@ -14,6 +15,7 @@ from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
 from qmpprof.linux.running.slide import slide_by_banner
@@ -60,6 +62,14 @@ class Aarch64Platform:
 
     def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         return entry_code(kernel)
+
+    def current_task(
+        self, arch: InstructionSet, clock: Callable[[], float], recheck: float
+    ) -> CurrentTask | None:
+        return None
+
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        return None
 
 
 async def slide_by_vectors(

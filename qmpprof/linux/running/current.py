@@ -111,6 +111,11 @@ class CurrentTask:
         )
         return {task: cpu for cpu, task in zip(cpus, found, strict=True) if task}
 
+    def wants(self, regs: Registers) -> tuple[str, ...]:
+        """The system registers ``pointer`` needs beyond ``regs`` (none: the pointer is in
+        memory)."""
+        return ()
+
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         base = self.bases.get(regs.cpu)
         if base is None:

@@ -62,7 +62,11 @@ class Layouts:
             return cls(None, None, None, None, tuple(notes))
         names = "stacks without process names"
         tasks = _from_btf(btf, TaskLayout.from_btf, names, notes)
-        located = _from_btf(btf, lambda _: locate_current(kernel), names, notes)
+        arch = kernel.image.arch
+        platform = linux_platform(arch.name)
+        located = None
+        if platform is None or platform.current_task(arch, time.monotonic, RECHECK) is None:
+            located = _from_btf(btf, lambda _: locate_current(kernel), names, notes)
         current = None if located is None else located[0]
         if located is not None and located[1] is not None:
             notes.append(located[1])
@@ -70,8 +74,6 @@ class Layouts:
             notes.append("no init_stack's end in kallsyms: a task's stack size is not known")
         modules = _from_btf(btf, ModuleLayout.from_btf, "module frames unnamed", notes)
         vmas = _from_btf(btf, VmaLayout.from_btf, "user code is not placed", notes)
-        arch = kernel.image.arch
-        platform = linux_platform(arch.name)
         offcpu: OffCpuLayout | str = f"Linux on {arch.name}: no switch frame known"
         try:
             if platform is not None:
@@ -194,8 +196,9 @@ class LinuxGuest:
         if layouts.modules is not None and head is not None:
             module_list = ModuleList(read, head + slide, layouts.modules, kernel.orc, arch)
             modules += await module_list.refresh() or []
-        current = None
-        if layouts.current is not None:
+        in_registers = platform.current_task(arch, self.clock, RECHECK)
+        current = in_registers
+        if in_registers is None and layouts.current is not None:
             per_cpu_offset = None if offsets is None else offsets + slide
             place = layouts.current.at(slide)
             current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
@@ -206,20 +209,24 @@ class LinuxGuest:
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
         top = image[0] if arch.linear_map_end is None else min(image[0], arch.linear_map_end)
-        if current is not None:
-            linear = await find_linear_map(control, _slots(current), arch.shared_from, top, image)
+        # The linear map is measured at the per-CPU slots of the current task's pointer.
+        slotted = None if in_registers is not None else current
+        if slotted is not None:
+            linear = await find_linear_map(control, _slots(slotted), arch.shared_from, top, image)
+        else:
+            linear = await platform.linear_map(read, kernel, slide)
         tables = await platform.kernel_page_tables(read, kernel, slide)
         if tables is None and linear is not None:
             tables = platform.linear_page_tables(read, linear, arch)
         end = arch.user_space_end
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
         late = None
-        if current is not None and linear is None:  # no vCPU in the kernel yet (a paused guest)
+        if slotted is not None and linear is None:  # no vCPU in the kernel yet (a paused guest)
 
             async def late() -> LinearMap | None:
-                assert current is not None
+                assert slotted is not None
                 found = await find_linear_map(
-                    control, _slots(current), arch.shared_from, top, image, tries=1
+                    control, _slots(slotted), arch.shared_from, top, image, tries=1
                 )
                 if found is not None and spaces.tables is None:
                     spaces.tables = platform.linear_page_tables(read, found, arch)

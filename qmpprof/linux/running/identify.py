@@ -179,6 +179,10 @@ class LinuxIdentifier:
     ) -> Identity:
         if self.module_list is not None and not self.module_list.read_whole and not regs.user:
             await self._read_modules(self.module_list)
+        wanted = () if self.current is None else self.current.wants(regs)
+        if wanted:  # the current task in a system register the sample did not read
+            found = await transport.system_registers(regs.cpu, wanted)
+            regs = dataclasses.replace(regs, special={**regs.special, **found})
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)
@@ -257,6 +261,14 @@ class LinuxIdentifier:
         memory = None
         if seen is None:
             found = await read_task(read, task, layout, self.arch.shared_from)
+            if found is None and regs.user and not viewed and linear is not None:
+                # The task held in the registers of a vCPU that reads no kernel data (riscv64:
+                # user mode reads no supervisor page, M-mode firmware translates nothing):
+                # through the linear map, as every user-mode sample from now on.
+                view = linear_reader(transport, linear, regs.cpu)
+                found = await read_task(view, task, layout, self.arch.shared_from)
+                if found is not None:
+                    self.hidden, read, cache = True, view, PageCache()
             identity = self.kernel
             if found is not None:
                 space, memory = await self._placed(read, found, regs)

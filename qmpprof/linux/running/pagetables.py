@@ -32,13 +32,15 @@ _PAGE = 4096
 
 @dataclass(frozen=True, slots=True)
 class EntryFormat:
-    """What a page-table entry says: its output address bits, and the bit that in a level-2
-    or level-3 entry tells a block (a page of 1 GiB or 2 MiB) from a table, when ``block`` is
-    its value there."""
+    """What a page-table entry says: its output address bits (shifted left by ``shift``: 0
+    where they sit at the address's own place), and the bits that in a level-2 or level-3 entry
+    tell a block (a page of 1 GiB or 2 MiB) from a table, when ``block`` is whether any is set
+    there."""
 
     address: int
     block_bit: int
     block: bool
+    shift: int = 0
 
 
 X86_64_ENTRIES = EntryFormat(_ADDRESS, 1 << 7, True)  # PS set: the entry maps the page itself
@@ -112,7 +114,7 @@ class PageTables:
             entry = await self._entry(table, (va >> shift) & 511, guess)
             if entry is None or not entry & _PRESENT:
                 return None
-            base = entry & entries.address
+            base = (entry & entries.address) << entries.shift
             if level in (2, 3) and bool(entry & entries.block_bit) == entries.block:
                 return (base & ~((1 << shift) - 1)) + (va & ((1 << shift) - 1))
             if level == 1:

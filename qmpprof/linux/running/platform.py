@@ -5,11 +5,13 @@ instruction set: it asks the platform."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import PageTables
 from qmpprof.linux.running.switch import SwitchLayout
@@ -64,4 +66,16 @@ class LinuxPlatform(Protocol):
         """The kernel's exception entry code as the walk needs it described, where the image's
         unwinding tables do not cover it; None when not needed, or one line saying why it is
         not described."""
+        ...
+
+    def current_task(
+        self, arch: InstructionSet, clock: Callable[[], float], recheck: float
+    ) -> CurrentTask | None:
+        """Where no per-CPU variable holds the current task, how the vCPU's registers say it
+        (riscv64's tp); None: the per-CPU variable does (``current.locate_current``)."""
+        ...
+
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+        """The linear map as the kernel's variables describe it, where the current task's
+        per-CPU slots do not measure it (``current_task``: no such slots); None otherwise."""
         ...

@@ -5,10 +5,11 @@ line below."""
 from __future__ import annotations
 
 from qmpprof.linux.aarch64.running import AARCH64
+from qmpprof.linux.riscv64.running import RISCV64
 from qmpprof.linux.running.platform import LinuxPlatform
 from qmpprof.linux.x86_64.running import X86_64
 
-PLATFORMS: tuple[LinuxPlatform, ...] = (X86_64, AARCH64)
+PLATFORMS: tuple[LinuxPlatform, ...] = (X86_64, AARCH64, RISCV64)
 
 
 def linux_platform(name: str) -> LinuxPlatform | None:

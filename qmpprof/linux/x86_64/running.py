@@ -5,12 +5,14 @@ description, its ORC tables cover it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import PageTables, page_tables
 from qmpprof.linux.running.slide import slide_by_banner
@@ -80,6 +82,14 @@ class X86_64Platform:
         return InactiveTaskFrame.from_btf(btf, arch)
 
     def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
+        return None
+
+    def current_task(
+        self, arch: InstructionSet, clock: Callable[[], float], recheck: float
+    ) -> CurrentTask | None:
+        return None
+
+    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
         return None
 
 
