@@ -61,12 +61,12 @@ def debug_file(kernel: LinuxKernel) -> tuple[ElfImage | None, tuple[str, ...]]:
     """Where the kernel's source lines come from when its image has no DWARF (a vmlinuz):
     the debug file debuginfod servers have for its build-id (``DEBUGINFOD_URLS``); and what
     to tell when none does."""
-    # Imported here: its HTTP client (http.client, email) is needed by --lines runs alone.
-    from qmpprof.elf import debuginfod
-
     image = kernel.image
     if image.lines is not None or image.build_id is None:
         return None, ()
+    # Imported here: its HTTP client (http.client, email) serves this case alone.
+    from qmpprof.elf import debuginfod
+
     found = debuginfod.debuginfo(image.build_id, "the kernel")
     notes = () if found.note is None else (found.note,)
     if found.path is None:

@@ -3,7 +3,7 @@ from its files, then a ``guest.LinuxGuest`` for the run (``kernels``).
 
 Every run imports the guest OS registry, and with it this: Linux's readers are imported when a
 run asks about a kernel file or chooses Linux, so that a run of another guest OS starts without
-them (they are a third of the command's start-up).
+them (about 60 ms of CPU at every start, by python -X importtime on a loaded 2-core host).
 """
 
 from __future__ import annotations
