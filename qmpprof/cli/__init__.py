@@ -11,7 +11,6 @@ Nothing heavy is imported before the handlers are in place.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from collections.abc import Callable
@@ -72,6 +71,8 @@ def guarded(command: Command, args: list[str]) -> int:
 
 
 def _unknown(args: list[str]) -> int:
+    import difflib  # imported here: only a mistyped command needs it
+
     near = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
     hint = f": did you mean {near[0]}?" if near else ""
     raise UsageError(

@@ -1,6 +1,10 @@
 """The output formats, one registry entry each (renderer, file extensions, text or binary, how
 to view the file), and atomic file output. A new format is a module with ``render`` and one
-entry in FORMATS."""
+entry in FORMATS.
+
+Each renderer imports its writer's module when called: a run imports the writers of the formats
+it writes, not every one (a start-up every command pays).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import qmpprof.output.folded as folded
-import qmpprof.output.native as native
-import qmpprof.output.pprof as pprof
-import qmpprof.output.speedscope as speedscope
-import qmpprof.output.svg as svg
 from qmpprof.errors import OutputError, UsageError
 from qmpprof.naming import Naming
 from qmpprof.profile import Profile
@@ -32,17 +31,47 @@ class Format:
     lines: bool = False  # holds source lines whatever the naming: the sampler resolves them
 
 
+def _folded(profile: Profile, naming: Naming) -> str:
+    import qmpprof.output.folded as folded
+
+    return folded.render(profile, naming)
+
+
+def _svg(profile: Profile, naming: Naming) -> str:
+    import qmpprof.output.svg as svg
+
+    return svg.render(profile, naming)
+
+
+def _speedscope(profile: Profile, naming: Naming) -> str:
+    import qmpprof.output.speedscope as speedscope
+
+    return speedscope.render(profile, naming)
+
+
+def _native(profile: Profile, naming: Naming) -> bytes:
+    import qmpprof.output.native as native
+
+    return native.render(profile, naming)
+
+
+def _pprof(profile: Profile, naming: Naming) -> bytes:
+    import qmpprof.output.pprof as pprof
+
+    return pprof.render(profile, naming)
+
+
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("folded", folded.render, (".folded", ".txt"), False,
+        Format("folded", _folded, (".folded", ".txt"), False,
                "flamegraph.pl {path} > flame.svg (or load it at https://www.speedscope.app)"),
-        Format("svg", svg.render, (".svg",), False, "open {path} in a web browser"),
-        Format("speedscope", speedscope.render, (".speedscope.json", ".json"), False,
+        Format("svg", _svg, (".svg",), False, "open {path} in a web browser"),
+        Format("speedscope", _speedscope, (".speedscope.json", ".json"), False,
                "load {path} at https://www.speedscope.app"),
-        Format("qmpprof", native.render, (".qmpprof",), True,
+        Format("qmpprof", _native, (".qmpprof",), True,
                "qmpprof report {path} -o flame.svg (any format, any naming)", lines=True),
-        Format("pprof", pprof.render, (".pb.gz", ".pprof"), True,
+        Format("pprof", _pprof, (".pb.gz", ".pprof"), True,
                "go tool pprof -http=: {path} (or -top, -traces)", lines=True),
     )
 }  # fmt: skip

@@ -8,7 +8,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from support.bench import report
+from support.bench import report, startup
 from support.bench import run as bench_run
 from support.bench.methods import (
     Paced,
@@ -115,3 +115,8 @@ def test_the_churn_targets_are_a_floor_and_a_ceiling() -> None:
     assert report.targets({})["Linux churn: rate in run time vs asked"]["met"] is None
     table = report.table({"runs": [], "baseline_progress_per_s": [1, 1], "targets": low})
     assert "rate in run time vs asked: 0.90x (at least 0.95x): NOT met" in table
+
+
+def test_startup_is_the_ratio_of_the_medians() -> None:
+    found = startup.summary([200.0, 180.0, 400.0], [30.0, 20.0, 40.0])
+    assert found == {"startup_ms": 200.0, "startup_python_ms": 30.0, "startup_ratio": 6.67}

@@ -42,6 +42,7 @@ from support.bench.offline import offline
 from support.bench.qmpprof_run import QmpprofSampler, first_pause_ms
 from support.bench.serve_soak import serve_soak
 from support.bench.soak import soak
+from support.bench.startup import startup
 
 ROOT = Path(__file__).resolve().parents[3]
 _SEGMENT = 0.5  # seconds of one sampled (and one unsampled) stretch
@@ -316,6 +317,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     result.update(linux)
     result["targets"] = report.targets(result)
     result.update(offline(fixture.kernel, log))
+    result.update(startup(ROOT, log))
     return result
 
 
