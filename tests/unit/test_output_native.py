@@ -101,10 +101,10 @@ def write_gz(path: Path, doc: object) -> Path:
     ("content", "message"),
     [
         (b"not gzip", "not gzipped JSON"),
-        (gzip.compress(b"{"), "not gzipped JSON"),
-        (gzip.compress(b'{"kind": "other"}'), "no qmpprof profile header"),
-        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 9}'), "version 9"),
-        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 1}'), "malformed"),
+        (gzip.compress(b"{", mtime=0), "not gzipped JSON"),
+        (gzip.compress(b'{"kind": "other"}', mtime=0), "no qmpprof profile header"),
+        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 9}', mtime=0), "version 9"),
+        (gzip.compress(b'{"kind": "qmpprof-profile", "version": 1}', mtime=0), "malformed"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path: Path, content: bytes, message: str) -> None:
