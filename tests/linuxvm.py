@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -99,6 +100,14 @@ class LinuxGuest:
     gdb_port: int | None
     boot_seconds: float = 0.0  # from QEMU's start to the workload line
     witness_socket: Path | None = None  # a second QMP socket (``witness``)
+    go_socket: Path | None = None  # COM3, where ``send_go`` writes (``go``)
+
+    def send_go(self) -> None:
+        """Write the line init's ``qmpprof.late_module`` waits on before it loads the module."""
+        assert self.go_socket is not None, "booted without go=True"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as go:
+            go.connect(str(self.go_socket))
+            go.sendall(b"go\n")
 
     def console_text(self) -> str:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
@@ -207,6 +216,7 @@ def running_linux_guest(
     append: str = "",
     kernel: Path | None = None,
     witness: bool = False,
+    go: bool = False,
 ) -> Iterator[LinuxGuest]:
     """Boot the guest and yield it once QMP accepts connections and, unless ``paused`` or
     ``wait_workload`` is False, the workload runs and the kallsyms dump is unpacked.
@@ -215,7 +225,7 @@ def running_linux_guest(
     the test module built for every kernel fetched before the guest was built; for another,
     init says "insmod failed" and runs a busybox loop in place of the ``sys`` workload).
     ``witness``: a second QMP socket (``witness_socket``) to watch the guest while qmpprof holds
-    the first."""
+    the first. ``go``: COM3 on a Unix socket (``send_go``), for ``qmpprof.late_module``."""
     qemumark.booting("running_linux_guest")
     build_linux_guest()
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
@@ -233,6 +243,7 @@ def running_linux_guest(
         process=None,  # type: ignore[arg-type]  # set right below
         gdb_port=gdb_port,
         witness_socket=sock_dir / "witness.sock" if witness else None,
+        go_socket=sock_dir / "go.sock" if go else None,
     )
     cmd = [
         str(ROOT / "scripts" / "run-linux-guest"),
@@ -250,6 +261,8 @@ def running_linux_guest(
         cmd += ["--kernel", str(kernel)]
     if guest.witness_socket is not None:
         cmd += ["--witness-socket", str(guest.witness_socket)]
+    if guest.go_socket is not None:
+        cmd += ["--go-socket", str(guest.go_socket)]
     if not dump_kallsyms:
         append = f"{append} qmpprof.nokallsyms".strip()
     if append:

@@ -81,6 +81,11 @@ class SymbolTable:
                 return start
         return None
 
+    def columns(self) -> tuple[list[int], list[int], list[str]]:
+        """Starts, strict ends and names, in address order: the table's own lists (not to be
+        changed), for an index over 10^5 symbols built without a tuple per symbol."""
+        return self._starts, self._strict_ends, self._names
+
     def items(self) -> list[tuple[int, int, str]]:
         """(start, strict end, name) triples in address order."""
         return list(zip(self._starts, self._strict_ends, self._names, strict=True))

@@ -35,7 +35,7 @@ import linuxkernel
 import pytest
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
 from linuxkernel import linux_dir
-from linuxvm import ROOTFS, Mapping, running_linux_guest
+from linuxvm import ROOTFS, Mapping, running_linux_guest, wait_console
 from qmpevents import wait_stops
 from sharedlinux import Shared, lent
 
@@ -53,6 +53,10 @@ PLACED = 0.95  # of xz's user frames, in the right file at the right offset
 # qmpprof's ticks after the late module's load before the run is stopped: what a fixed 10 s gave
 # at 32 Hz wall (measured on a loaded 2-core host); a slower host waits longer, not checks less.
 LATE_TICKS = 320
+# qmpprof's ticks before the test tells the guest to load the module: it samples a guest
+# without it first (its module list is read at attach; the ticks show it past that).
+EARLY_TICKS = 32
+LATE_WAITING = "qmpprof-linux: waiting for the word to load the module"
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,26 +237,37 @@ def test_xz_frames_in_their_files_named_by_their_dynsym(profiled: Profiled) -> N
 
 
 def test_a_module_loaded_during_the_run_is_named(tmp_path: Path) -> None:
-    """The guest loads the module (and starts the workload reading it) 20 s after the rest of
-    its workload (init's ``qmpprof.late_module``): qmpprof, started before that, must name the
-    module's frames once it is loaded. Stopped by SIGINT once it has sampled LATE_TICKS times
-    after the load (the witness socket's STOP events)."""
+    """The guest loads the module (and starts the workload reading it) when the test says so,
+    after the rest of its workload (init's ``qmpprof.late_module``, told over COM3): once
+    qmpprof has sampled EARLY_TICKS times without it. qmpprof must name the module's frames
+    once it is loaded. Stopped by SIGINT once it has sampled LATE_TICKS times after the load
+    (the witness socket's STOP events)."""
     saved = tmp_path / "late.qmpprof"
     kernel = linux_dir("6.12") / "vmlinuz"
     with running_linux_guest(
-        tmp_path, kaslr=True, smp=2, dump_kallsyms=False, append="qmpprof.late_module", witness=True
+        tmp_path,
+        kaslr=True,
+        smp=2,
+        dump_kallsyms=False,
+        append="qmpprof.late_module",
+        witness=True,
+        go=True,
     ) as guest:
+        assert guest.witness_socket is not None
+        wait_console(guest, LATE_WAITING, 60)  # init holds COM3 open: the word cannot be lost
         cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
         cmd += ["--kernel", str(kernel), "--user-dir", str(ROOTFS), "--duration", "600"]
         cmd += ["--interval", "20", "-v", "-o", str(saved)]
         run = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 180
+            wait_stops(guest.witness_socket, EARLY_TICKS, 180)
+            assert run.poll() is None, run.communicate()[1]
+            guest.send_go()
+            deadline = time.monotonic() + 60
             while "module loaded late" not in guest.console_text():
                 assert time.monotonic() < deadline, guest.console_text()[-2000:]
                 assert run.poll() is None, run.communicate()[1]
-                time.sleep(0.5)
-            assert guest.witness_socket is not None
+                time.sleep(0.1)
             wait_stops(guest.witness_socket, LATE_TICKS, 180)
             run.send_signal(signal.SIGINT)
             _, err = run.communicate(timeout=120)
@@ -275,5 +290,6 @@ def test_a_module_loaded_during_the_run_is_named(tmp_path: Path) -> None:
     # From the first sample that names the module on, its frames are named: unnamed kernel
     # frames there would be the module's, unknown (or an unwinding fault; the 6.12 run has none).
     first = min(t for t, named, _ in samples if named)
+    assert any(t < first for t, _, _ in samples)  # sampled before the load too
     after = [unnamed for t, _, unnamed in samples if t > first]
     assert sum(after) <= 0.02 * len(after), (sum(after), len(after))

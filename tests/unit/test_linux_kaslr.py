@@ -152,3 +152,21 @@ async def test_the_slide_is_found_with_one_read_of_the_idt() -> None:
 async def test_no_slide_before_the_kernel_runs() -> None:
     with pytest.raises(KernelMismatchError, match="IDT at 0x0 is not in kernel space"):
         await idt_slide(monitored(0, idt(0)), image_symbols(), X86_64)
+
+
+def test_entry_text_symbols_are_the_image_text_symbols_from_start_to_end() -> None:
+    """Text symbols of the image in [__entry_text_start, __entry_text_end): not data, not a
+    module's, not the end symbol's address or anything past it."""
+    rows = [
+        (0x1000, "T", "before", None),
+        (0x2000, "T", "__entry_text_start", None),
+        (0x2000, "T", "asm_exc_divide_error", None),
+        (0x2040, "d", "entry_data", None),
+        (0x2080, "t", "asm_sysvec_apic_timer_interrupt", "[mod]"),
+        (0x20C0, "t", "entry_SYSCALL_64", None),
+        (0x3000, "T", "__entry_text_end", None),
+        (0x3000, "T", "after", None),
+    ]
+    addrs, types, names, modules = (list(column) for column in zip(*rows, strict=True))
+    symbols = KernelSymbols(addrs, types, names, modules)
+    assert kaslr.entry_text_symbols(symbols) == [0x2000, 0x2000, 0x20C0]

@@ -184,6 +184,21 @@ def test_a_cold_part_belongs_to_its_function() -> None:
     assert code.finder().between(ra, code.at("f.cold") + 2).pcs == (site,)
 
 
+def test_a_cold_part_is_matched_only_to_a_name_one_function_has() -> None:
+    """``t.cold.1`` (gcc numbers a second part) is t's; ``f.cold`` beside two functions named f
+    (two static functions of one name) is nobody's but its own."""
+    names = ["t", "f", "f", "t.cold.1", "f.cold", "g"]
+    at = [TEXT + SIZE * i for i in range(len(names))]
+    table = SymbolTable(Symbol(addr, SIZE, name) for addr, name in zip(at, names, strict=True))
+    image = CodeImage(TEXT, b"\xcc" * SIZE * len(names), table, target_kind, X86_64)
+    t, f, other_f, t_cold, f_cold, g = at
+    assert image.owner(t_cold) == t
+    assert image.parts(t) == [t, t_cold]
+    assert image.owner(f_cold) == f_cold
+    assert image.parts(f) == [f] and image.parts(other_f) == [other_f]
+    assert image.owner(g) == g
+
+
 def test_runtime_addresses_under_a_slide() -> None:
     slide = 0x3A0_0000
     code = Code("caller", "t", "f")
