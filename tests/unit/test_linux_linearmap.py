@@ -13,6 +13,7 @@ import pytest
 from fakes import FakeTransport, regs
 
 from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.errors import TransportError
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.identify import LINEAR_TRIES, LinuxIdentifier
@@ -98,7 +99,7 @@ class Measure:
 async def test_the_linear_map_attach_could_not_measure_is_measured_between_samples() -> None:
     """Measured by housekeeping (the guest running), never in a pause: not before a vCPU's
     per-CPU base is known, then once a call until found, at most LINEAR_TRIES times."""
-    current = cast(CurrentTask, SimpleNamespace(bases={}))
+    current = cast(CurrentTask, SimpleNamespace(bases={}, per_cpu=True))
     measure = Measure(3)
     identifier = LinuxIdentifier([], AARCH64, current=current, find_linear=measure)
     await identifier.housekeep()
@@ -112,3 +113,13 @@ async def test_the_linear_map_attach_could_not_measure_is_measured_between_sampl
     for _ in range(LINEAR_TRIES + 3):
         await identifier.housekeep()
     assert never.calls == LINEAR_TRIES and identifier.linear is None
+
+
+async def test_a_task_in_registers_needs_no_base_to_measure_the_map_by() -> None:
+    """riscv64: the current task in a register, the map in a kernel variable that attach could
+    not read (no vCPU in the kernel then): measured at the next housekeeping."""
+    current = cast(CurrentTask, SimpleNamespace(bases={}, per_cpu=False))
+    measure = Measure(1)
+    identifier = LinuxIdentifier([], RISCV64, current=current, find_linear=measure)
+    await identifier.housekeep()
+    assert measure.calls == 1 and identifier.linear == LinearMap(START, END, OFFSET)

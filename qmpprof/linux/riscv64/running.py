@@ -49,6 +49,7 @@ class RegisterTask(CurrentTask):
 
     def __init__(self, arch: InstructionSet, clock: Callable[[], float], recheck: float) -> None:
         super().__init__(0, None, arch, clock, recheck)
+        self.per_cpu = False
 
     def wants(self, regs: Registers) -> tuple[str, ...]:
         if self._kernel(regs.gprs.get(TP)) is not None or SCRATCH in regs.special:

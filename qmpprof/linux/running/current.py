@@ -92,6 +92,7 @@ class CurrentTask:
         self.clock = clock
         self.recheck = recheck
         self.bases: dict[int, int] = {}  # vCPU -> its per-CPU base
+        self.per_cpu = True  # the pointer is in a per-CPU slot (not in a register)
         # (0 or the address space, stack page) -> the task whose stack it is, when the pointer
         # said so
         self._owners: Memo[tuple[int, int], tuple[int, float]] = Memo(_OWNERS_LIMIT)

@@ -232,6 +232,14 @@ class LinuxGuest:
                     spaces.tables = platform.linear_page_tables(read, found, arch)
                 return found
 
+        elif linear is None:  # the kernel's variable unread: no vCPU in the kernel at attach
+
+            async def late() -> LinearMap | None:
+                found = await platform.linear_map(read, kernel, slide)
+                if found is not None and spaces.tables is None:
+                    spaces.tables = platform.linear_page_tables(read, found, arch)
+                return found
+
         self.identifier = LinuxIdentifier(
             modules,
             arch,

@@ -162,8 +162,10 @@ class LinuxIdentifier:
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
 
     def _bases_known(self) -> bool:
-        """Whether a vCPU's per-CPU base is known (its current-task slot measures the map)."""
-        return self.current is not None and bool(self.current.bases)
+        """Whether the linear map can be measured: a vCPU's per-CPU base known (its current-task
+        slot measures the map), or no slot needed (riscv64: the task in a register, the map in
+        a kernel variable, read through a vCPU in the kernel)."""
+        return self.current is not None and (bool(self.current.bases) or not self.current.per_cpu)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
         if self.current is None or (regs.user and self.hidden):
