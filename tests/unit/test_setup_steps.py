@@ -37,7 +37,8 @@ STEPS = {
 
 # A step: logs its start and end, and between them runs $STEPS/<step>.sh if the test wrote one.
 # waitfor FILE waits for it to exist (a 30 s deadline: the step fails); hold records the
-# step's process and a child of it, then waits on the child (until stopped).
+# step's process and a child of it (the file whole once there), then waits on the child (until
+# stopped).
 STUB = """#!/bin/sh
 step="$(basename "$0")${1:+ $1}"
 waitfor() {
@@ -47,7 +48,11 @@ waitfor() {
         sleep 0.05
     done
 }
-hold() { sleep 600 & echo "$$ $!" >"$STEPS/pids $step"; wait; }
+hold() {
+    sleep 600 &
+    echo "$$ $!" >"$STEPS/.pids $step" && mv "$STEPS/.pids $step" "$STEPS/pids $step"
+    wait
+}
 echo "start $step" >>"$STEPS/events"
 : >"$STEPS/started $step"
 echo "$step: starts"
