@@ -75,9 +75,13 @@ def started(machine: Vm, folder: Path, *flags: str) -> Iterator[Pane]:
     top = [sys.executable, "-m", "qmpprof", "top", "--qmp-socket", machine.socket,
            "--kernel", str(kernel), "-o", str(folder / "window.folded"), *flags]  # fmt: skip
     f = shlex.quote
+    rc, after = f(str(folder / "rc")), f(str(folder / "after"))
+    # rc and after are written aside and moved into place: ended() waits for both to exist,
+    # and a file the shell has created but stty not yet written reads empty.
     script = (
         f"stty -g > {f(str(folder / 'before'))}; {shlex.join(top)} 2> {f(str(folder / 'err'))}; "
-        f"echo $? > {f(str(folder / 'rc'))}; stty -g > {f(str(folder / 'after'))}; sleep 600"
+        f"echo $? > {rc}.part; stty -g > {after}.part; mv {after}.part {after}; "
+        f"mv {rc}.part {rc}; sleep 600"
     )
     pane = Pane(f"qmpprof-top-{folder.name}", folder)
     pane.tmux("new-session", "-d", "-s", "top", "-x", "220", "-y", "60", script)
