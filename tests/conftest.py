@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import linuxkernel
+import linuxvm
 import pytest
 import qemumark
 import sharedlinux
@@ -67,6 +68,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if qemumark.BOOTS:
         counts = ", ".join(f"{what} {n}" for what, n in sorted(qemumark.BOOTS.items()))
         terminalreporter.write_line(f"QEMU boots: {counts}")
+    if (over := linuxvm.stale_int3_over_ceiling()) is not None:
+        terminalreporter.write_line(f"FAILED: {over}", red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Boots made again for a stale int3 (tests/linuxvm.py) past their ceiling fail the run."""
+    if linuxvm.stale_int3_over_ceiling() is not None:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(wrapper=True)
