@@ -17,7 +17,14 @@ disassembler needed:
   from sp) still ahead say where the caller's stack pointer is.
 
 A branch, a call or any other write to sp on the way forward leaves the epilogue unknown, and the
-prologue's state decides. Answers are cached per (code, pc).
+prologue's state decides.
+
+Code no function symbol covers may be a veneer: what a linker (or Linux's module loader, for a
+call out of a module's reach, in the module's PLT) puts between a call and its target. The
+procedure call standard (AAPCS64, 6.4) lets a veneer change only the intra-procedure-call
+registers x16 and x17: code that from the pc writes only those (ADRP, ADD, LDR, MOVZ/MOVN/MOVK)
+and jumps through one of them (``br x16``) made no frame, and its caller is in x30. Answers are
+cached per (code, pc).
 """
 
 from __future__ import annotations
@@ -162,9 +169,43 @@ def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> Pr
     if isinstance(ahead, int):
         # The record was loaded back (or never saved): x29 is the caller's, x30 the return.
         return PrologueRule(ahead, ra_register=LR)
-    if func_start is None or not 0 <= pc - func_start <= _MAX_SCAN or func_start < code_addr:
+    if func_start is None:
+        return PrologueRule(0, ra_register=LR) if _veneer(code, off) else None
+    if not 0 <= pc - func_start <= _MAX_SCAN or func_start < code_addr:
         return None
     return _prologue(code, func_start - code_addr, off)
+
+
+_IP0, _IP1 = 16, 17
+_VENEER_WORDS = 6  # the longest: four moves, a BTI, the jump
+
+
+def _veneer(code: bytes, off: int) -> bool:
+    """Whether the code from ``off`` writes only x16/x17 and then jumps through one of them."""
+    end = min(len(code), off + 4 * _VENEER_WORDS)
+    for at in range(off, end - 3, 4):
+        insn = int.from_bytes(code[at : at + 4], "little")
+        rd, rn = _fields(insn)
+        if insn & 0xFFFF_FC1F == 0xD61F_0000:  # BR Xn
+            return rn in (_IP0, _IP1)
+        if is_hint(insn) or (
+            rd in (_IP0, _IP1)
+            and (
+                is_adrp(insn)
+                or insn & 0xFF00_0000 == 0x5800_0000  # LDR Xt, literal
+                or insn & 0x9F80_0000 == 0x9280_0000  # MOVN, MOVZ, MOVK (64-bit)
+                or (
+                    rn in (_IP0, _IP1)
+                    and (
+                        insn & 0xFF80_0000 == 0x9100_0000  # ADD Xd, Xn, #imm
+                        or insn & 0xFFC0_0000 == 0xF940_0000  # LDR Xt, [Xn, #imm]
+                    )
+                )
+            )
+        ):
+            continue
+        return False
+    return False
 
 
 def _epilogue(code: bytes, off: int) -> int | object | None:

@@ -24,11 +24,13 @@ from typing import Any
 import pytest
 from aarch64vm import (
     ROOT,
+    SERIES,
     USER_ENTRIES,
     Aarch64Guest,
     TextSymbols,
     from_kernel_entry,
     from_user_entry,
+    module_ko,
     named_at,
     past_user_entry,
     running_aarch64_guest,
@@ -38,6 +40,7 @@ from linuxframes import shared_object
 from qemumark import boots_qemu
 
 from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.elf.image import ElfImage
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Frame, Mode, StopReason
 from qmpprof.output import native
@@ -263,24 +266,42 @@ class ModuleTally:
     read_whole: int = 0
     kwork: int = 0
     kwork_whole: int = 0
+    veneers: int = 0  # leaves in the module's PLT
     wrong: Counter[str] = field(default_factory=Counter)
 
     def __str__(self) -> str:
         return (
             f"module: qb_read in {self.read} samples ({self.read_whole} down to qb_burn_leaf),"
-            f" qb_kwork_fn in {self.kwork} ({self.kwork_whole} down to qb_kwork_leaf)"
+            f" qb_kwork_fn in {self.kwork} ({self.kwork_whole} down to qb_kwork_leaf),"
+            f" {self.veneers} leaves in its PLT"
+        )
+
+    def in_plt(self, frame: Frame, caller: str | None, text: int) -> bool:
+        """A leaf in the module's PLT (past its .text: a veneer the loader made for a call out
+        of its reach), unnamed, called by one of the module's functions (x30)."""
+        assert frame.module is not None
+        return (
+            frame.symbol is None
+            and frame.pc - frame.module.start >= text
+            and (caller or "").startswith("qb_")
         )
 
     @classmethod
     def of(cls, profile: Profile, guest: Aarch64Guest) -> ModuleTally:
         tally = cls()
+        # The module's .text, first in its text as loaded (the .ko's own section headers).
+        series = next(name for name, folder in SERIES.items() if folder == guest.kernel.parent)
+        header = ElfImage.load(module_ko(series)).section_header(".text")
+        assert header is not None
+        text = header.size
         for record, count in zip(profile.stacks, profile.counts, strict=True):
             frames = profile.frames_of(record)[::-1]  # root first
             names = [f.symbol for f in frames]
-            for frame in frames:
-                if (frame.module is not None and frame.module.name == f"[{MODULE}]") != (
-                    frame.symbol or ""
-                ).startswith("qb_"):
+            for at, frame in enumerate(frames):
+                ours = frame.module is not None and frame.module.name == f"[{MODULE}]"
+                if ours and at == len(frames) - 1 and tally.in_plt(frame, names[at - 1], text):
+                    tally.veneers += count
+                elif ours != (frame.symbol or "").startswith("qb_"):
                     tally.wrong[f"{frame.symbol} in {frame.module}"] += count
                 elif frame.symbol and frame.symbol.startswith("qb_"):
                     start = guest.symbols.address_of(frame.symbol, MODULE)

@@ -96,6 +96,42 @@ def test_no_function_start_and_no_epilogue_ahead_is_no_answer() -> None:
     assert PROLOGUES.analyze(F, BASE, BASE + len(F), BASE) is None  # past the code
 
 
+ADRP_X16, ADD_X16, BR_X16 = 0x90000010, 0x91004210, 0xD61F0200  # adrp; add x16, x16, #0x10
+LDR_X17_X16, ADD_X16_24, BR_X17 = 0xF9400E11, 0x91006210, 0xD61F0220  # ldr x17, [x16, #0x18]
+BTI_C = 0xD503245F
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        code(ADRP_X16, ADD_X16, BR_X16),  # Linux's module PLT entry
+        code(BTI_C, ADRP_X16, ADD_X16, BR_X16),
+        code(ADRP_X16, LDR_X17_X16, ADD_X16_24, BR_X17),  # a glibc PLT entry
+        code(0x92800010, 0xF2A00010, 0xF2C00010, BR_X16),  # movn x16; movk x16 x2: Linux 4.x
+    ],
+    ids=["module-plt", "bti", "glibc-plt", "moves"],
+)
+def test_a_veneer_no_function_covers_keeps_the_return_address_in_x30(body: bytes) -> None:
+    for index in range(len(body) // 4):
+        assert PROLOGUES.analyze(body, BASE, BASE + 4 * index, None) == IN_X30
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        code(0x90000000, BR_X16),  # adrp x0: a register a veneer may not change
+        code(0x91000410, BR_X16),  # add x16, x0, #1: no veneer reads another register
+        code(ADRP_X16, ADD_X16, 0xD61F0020),  # br x1
+        code(0xF94003F0, BR_X16),  # ldr x16, [sp]
+        code(ADRP_X16, ADD_X16, 0xD63F0200),  # blr x16: a call, not a veneer
+        code(ADRP_X16, ADD_X16),  # no jump within the code
+    ],
+    ids=["adrp-x0", "add-from-x0", "br-x1", "ldr-from-sp", "blr", "no-jump"],
+)
+def test_other_code_no_function_covers_is_no_answer(body: bytes) -> None:
+    assert PROLOGUES.analyze(body, BASE, BASE, None) is None
+
+
 KSTACK = 0xFFFF_8000_0800_4000
 CALLER = BASE + 0x1004  # in another function of the module
 OUTER = KSTACK + 0x200  # the caller's record: [0, 0] ends the walk
@@ -125,6 +161,25 @@ def test_walk_takes_the_caller_from_x30_where_records_would_skip_it() -> None:
     assert walk(BASE + 16, KSTACK - 32, OUTER, 0, words) == (BASE + 16, CALLER)
     # At autiasp after the ldp: the same as at the start.
     assert walk(BASE + 32, KSTACK, OUTER, signed, {}) == (BASE + 32, CALLER)
+
+
+def test_walk_from_a_module_s_plt_veneer_takes_its_caller_from_x30() -> None:
+    # Caught in a module's PLT (past its functions, on the way out of the module's reach):
+    # x29 is the calling function's record, whose x30 slot is that function's caller.
+    arch = AARCH64.translated({"TCR_EL1": TCR_48})
+    plt = BASE + 0x1800
+    text = bytearray(0x2000)
+    text[0x1800:0x180C] = code(ADRP_X16, ADD_X16, BR_X16)
+    module = Module.build(
+        Mapping("[m]", BASE, BASE + 0x2000, True), arch, code=bytes(text), code_addr=BASE,
+        symbols=SymbolTable([Symbol(BASE + 0x1000, 0x100, "caller")]),
+    )  # fmt: skip
+    record = KSTACK + 0x40  # the caller's: its caller's x29, then a return past the module
+    regs = kregs(plt, KSTACK, record)
+    regs.gprs[LR] = CALLER
+    mem = memory({record: OUTER, record + 8: BASE + 0x1F00, OUTER: 0, OUTER + 8: 0})
+    raw = Unwinder(arch).unwind(regs, mem, AddressSpace([module]))
+    assert raw.pcs[:3] == (plt, CALLER, BASE + 0x1F00)
 
 
 def test_the_caller_of_a_link_register_frame_may_share_its_stack_pointer() -> None:
