@@ -20,8 +20,9 @@ its symbols and BTF, built by the guest OS); this step follows it:
   table the stack pointer is mid-adjustment: the walk stops (truncated, honestly);
 - a kernel-mode handler: once its record is set (x29 at it; the interrupted pc in it, or
   zeroed: ``EntryCode.linked``), the interrupted registers are read from the saved frame, the
-  pc exact (no return address: named as is, prologue analysis applies to it); before, they
-  are still the CPU's, sp lowered by the frame's size.
+  pc exact (no return address: named as is, prologue analysis applies to it), from the
+  exception link register until the handler stored it (``EntryCode.pc_unsaved``); before the
+  record, they are still the CPU's, sp lowered by the frame's size.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from qmpprof.unwind.steps import EXACT, NEW_STACK, Outcome, Regs, Via, word_read
 
 Span = tuple[int, int]  # [start, end) at link addresses
 _AARCH32 = 1 << 4  # in a saved status, PSTATE.nRW: the exception came from 32-bit code
+_EL1 = 1 << 2  # a status's exception level (bits 3..2): the kernel's
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,9 @@ class EntryCode:
     number the guest OS gives the user stack pointer it reads for those (DWARF has none).
     ``linked``: the record a kernel-mode handler adds holds the interrupted code's fp and pc
     (the walk checks that pc against the saved one); else it is zeroed, the saved frame found
-    from the record's address alone."""
+    from the record's address alone. ``pc_unsaved``: where in a kernel-mode or 64-bit user
+    handler the record is set but the saved frame holds no pc and status yet (the pc is the
+    exception link register's)."""
 
     user: tuple[Span, ...]
     vectors: Span
@@ -79,12 +83,15 @@ class EntryCode:
     unsaved: tuple[Span, ...] = ()
     user_sp: int | None = None
     linked: bool = True
+    pc_unsaved: tuple[Span, ...] = ()
 
     def holds_link(self, pc: int) -> bool:
         """Whether at link address ``pc`` the interrupted pc may be only in the exception
-        link register: the vector table's kernel half, a kernel-mode handler's first part."""
+        link register: the vector table's kernel half, a kernel-mode handler's first part, a
+        handler before it saved the pc."""
         low, high = self.vectors
-        return low <= pc < high or any(start <= pc < end for start, end in self.saving)
+        spans = (*self.saving, *self.pc_unsaved)
+        return low <= pc < high or any(start <= pc < end for start, end in spans)
 
     def holds_user(self, pc: int) -> bool:
         """Whether at link address ``pc`` the user's pc and stack pointer are only in the
@@ -110,7 +117,7 @@ class EntryStep:
     """The walk through exception entry and exit code (``Via.ENTRY``)."""
 
     via = Via.ENTRY
-    __slots__ = ("arch", "bias", "code", "restoring", "saving", "unsaved", "user")
+    __slots__ = ("arch", "bias", "code", "pc_unsaved", "restoring", "saving", "unsaved", "user")
 
     def __init__(self, code: EntryCode, bias: int, arch: InstructionSet) -> None:
         self.code = code
@@ -119,13 +126,14 @@ class EntryStep:
         self.user, self.saving = _Spans(code.user), _Spans(code.saving)
         self.restoring = _Spans(code.restoring)
         self.unsaved = _Spans(code.unsaved)
+        self.pc_unsaved = _Spans(code.pc_unsaved)
 
     def step(self, cur: Regs, pc: int, interrupted: bool, memory: PageCache) -> Outcome:
         code, link = self.code, pc - self.bias
         if link in self.user:
             if interrupted and link in self.unsaved:
                 return self._from_user(cur)
-            return self._user(cur, interrupted, memory)
+            return self._user(cur, interrupted, memory, interrupted and link in self.pc_unsaved)
         low, high = code.vectors
         if low <= link < high:
             if not interrupted:
@@ -139,16 +147,22 @@ class EntryStep:
         arch, frame = self.arch, code.frame
         fp = cur.get(arch.fp, 0)
         if fp and (not interrupted or fp == (cur[arch.sp] + frame.record) & arch.mask):
-            return self._saved((fp - frame.record) & arch.mask, fp, memory)
+            elr = None
+            if interrupted and link in self.pc_unsaved:
+                elr = cur.get(code.link)
+                if elr is None:
+                    return StopReason.NO_CFI  # not read (a transport without system registers)
+            return self._saved((fp - frame.record) & arch.mask, fp, memory, elr)
         if in_saving and interrupted:  # no record yet: x29, x30 still the interrupted code's
             return self._in_registers(cur, (cur[arch.sp] + frame.size) & arch.mask)
         if interrupted:
             return StopReason.NO_CFI  # on the way back, the record loaded again: not modelled
         return None
 
-    def _user(self, cur: Regs, interrupted: bool, memory: PageCache) -> Outcome:
+    def _user(self, cur: Regs, interrupted: bool, memory: PageCache, pc_unsaved: bool) -> Outcome:
         """Nothing of the kernel's below this frame: the user code's registers where the entry
-        saved them (its record set and zeroed), else the stack's end."""
+        saved them (its record set and zeroed; the pc in the exception link register where
+        ``pc_unsaved``), else the stack's end."""
         arch, frame = self.arch, self.code.frame
         fp = cur.get(arch.fp, 0)
         if not fp or (interrupted and fp != (cur[arch.sp] + frame.record) & arch.mask):
@@ -159,6 +173,8 @@ class EntryStep:
         record = [read(fp), read((fp + word) & mask)]
         values = [read((base + frame.regs + i * word) & mask) for i in range(frame.count)]
         sp, pc, status = (read((base + off) & mask) for off in (frame.sp, frame.pc, frame.status))
+        if pc_unsaved:  # a 64-bit user handler's: from 64-bit user code
+            pc, status = cur.get(self.code.link, 0), 0
         if None in record or None in values or sp is None or pc is None or status is None:
             return StopReason.READ_FAILED
         if any(record) or (status >> 2) & 3 or status & _AARCH32 or not pc:
@@ -188,13 +204,16 @@ class EntryStep:
         new[self.arch.pc], new[self.arch.sp] = elr, sp
         return new, EXACT
 
-    def _saved(self, base: int, fp: int, memory: PageCache) -> Outcome:
-        """The interrupted registers from the frame at ``base``, whose record is at ``fp``."""
+    def _saved(self, base: int, fp: int, memory: PageCache, elr: int | None = None) -> Outcome:
+        """The interrupted registers from the frame at ``base``, whose record is at ``fp``; the
+        pc ``elr`` where the frame holds none yet (a kernel-mode handler's: from the kernel)."""
         arch, frame = self.arch, self.code.frame
         word, mask = arch.address_size, arch.mask
         read = word_reader(memory, arch)
         values = [read((base + frame.regs + i * word) & mask) for i in range(frame.count)]
         sp, pc, status = (read((base + off) & mask) for off in (frame.sp, frame.pc, frame.status))
+        if elr is not None:
+            pc, status = elr, _EL1
         record = (read(fp), read((fp + word) & mask))
         if sp is None or pc is None or status is None or None in record or None in values:
             return StopReason.READ_FAILED

@@ -44,7 +44,7 @@ from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64 import kernelimage as arm64image
 from qmpprof.linux.aarch64.percpu import entry_task_link, per_cpu_layout
-from qmpprof.linux.aarch64.vectors import entry_code
+from qmpprof.linux.aarch64.vectors import entry_code, entry_shapes
 from qmpprof.linux.bzimage import bzimage_payload, is_bzimage, payload_codec
 from qmpprof.linux.kallsyms import check_kallsyms
 from qmpprof.linux.kernel import LinuxKernel
@@ -180,13 +180,19 @@ def arm64_image_facts(path: Path, kernel: LinuxKernel) -> Row:
 
 def _exception_model(kernel: LinuxKernel) -> Row:
     """Whether the walk reads the kernel's exception code, and the model it derived: where a
-    kernel-mode handler's frame record leads (``EntryCode.linked``), or why there is none."""
+    kernel-mode handler's frame record leads (``EntryCode.linked``), or why there is none; and
+    each vector entry's handler: whether its shape is one qmpprof knows, and which."""
+    entries = [
+        {"offset": f"{off:#x}", "known": known, "shape": shape}
+        for off, known, shape in entry_shapes(kernel)
+    ]
     entry = entry_code(kernel)
     if not isinstance(entry, EntryCode):
-        return {"exception_code": False, "exception_model": entry or "no vector table"}
+        model = entry or "no vector table"
+        return {"exception_code": False, "exception_model": model, "exception_entries": entries}
     record = "{x29, pc}" if entry.linked else "zeroed (pt_regs by its address)"
     model = f"pt_regs {entry.frame.size} bytes, record at {entry.frame.record:#x}: {record}"
-    return {"exception_code": True, "exception_model": model}
+    return {"exception_code": True, "exception_model": model, "exception_entries": entries}
 
 
 def thunk_names(kernel: LinuxKernel) -> dict[str, str]:

@@ -84,6 +84,7 @@ def _arm64_cells(row: Row) -> list[str]:
         said.append("no exception model (exception frames not crossed)")
     if "exception_model" in image:
         said.append(f"exception model: {image['exception_model']}")
+    said += _entries(image.get("exception_entries", []))
     said += row.get("warnings", [])
     return [
         kernel,
@@ -102,6 +103,21 @@ def _arm64_cells(row: Row) -> list[str]:
         btf.get("module") or "-",
         btf.get("vma") or "-",
         _escape("; ".join(said)) or "-",
+    ]
+
+
+def _entries(entries: list[dict[str, Any]]) -> list[str]:
+    """The vector entries' handlers, runs of entries of one shape together: ``vectors+0x200-0x380
+    known: record zeroed, ...``; an entry whose shape qmpprof does not know says so."""
+    runs: list[tuple[str, str, str]] = []  # (first, last, what)
+    for entry in entries:
+        what = f"{'known' if entry['known'] else 'UNKNOWN'}: {entry['shape']}"
+        if runs and runs[-1][2] == what:
+            runs[-1] = (runs[-1][0], entry["offset"], what)
+        else:
+            runs.append((entry["offset"], entry["offset"], what))
+    return [
+        f"vectors+{first}{'' if first == last else '-' + last} {what}" for first, last, what in runs
     ]
 
 

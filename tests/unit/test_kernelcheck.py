@@ -41,8 +41,23 @@ def test_the_arm64_row_of_bookworms_61(tmp_path: Path) -> None:
     assert cells[1][2].startswith("zboot (zstd22) (") and cells[1][3] == "4 KiB"
     assert cells[0][6] == "RELA 187 633"
     assert "exception model: pt_regs 336 bytes, record at 0x130: {x29, pc}" in cells[0][-1]
-    unread = markdown_arm64([{"path": "x", **rows[0], "image": facts | {"exception_code": False}}])
+    shape = "pc saved after it, returns through a branch"
+    assert f"vectors+0x200-0x380 known: record {{x29, pc}}, {shape}" in cells[0][-1]
+    assert f"vectors+0x400-0x780 known: record zeroed, {shape}" in cells[0][-1]
+    entries = [dict(e) for e in facts["exception_entries"]]
+    entries[1] |= {"known": False, "shape": "no add x29, sp, #0x130 (pt_regs' record)"}
+    unread = markdown_arm64(
+        [
+            {
+                "path": "x",
+                **rows[0],
+                "image": facts | {"exception_code": False, "exception_entries": entries},
+            }
+        ]
+    )
     assert "no exception model" in unread
+    assert "vectors+0x200 known" in unread and "vectors+0x280 UNKNOWN: no add x29" in unread
+    assert f"vectors+0x300-0x380 known: record {{x29, pc}}, {shape}" in unread
     assert cells[0][9].startswith("`_einittext+")  # __entry_task: 6.1's kallsyms name no data
     # The per-CPU symbols read in the code, and those the run takes, are the kernel's own (its
     # debug vmlinux's, scripts/fetch-linux-dbg; the zboot image's folder has none).

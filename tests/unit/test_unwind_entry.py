@@ -24,7 +24,14 @@ from test_unwind_chain import memory
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.aarch64code import LR
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.linux.aarch64.vectors import ELR, SP_EL0, Code, entry_code, exception_code
+from qmpprof.linux.aarch64.vectors import (
+    ELR,
+    SP_EL0,
+    Code,
+    entry_code,
+    entry_shapes,
+    exception_code,
+)
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.identify import LinuxIdentifier
 from qmpprof.model import Mapping, StopReason
@@ -131,12 +138,14 @@ def test_a_vector_entry_without_the_link_register_is_truncated() -> None:
     assert raw.pcs == (VECTORS + 0x284,) and raw.stop is StopReason.NO_CFI
 
 
-def pt_regs(base: int, pc: int, sp: int, fp: int, lr: int, status: int = 0x3C5) -> dict[int, int]:
+def pt_regs(
+    base: int, pc: int, sp: int, fp: int, lr: int, status: int = 0x3C5, frame: SavedFrame = PT_REGS
+) -> dict[int, int]:
     """A saved frame at ``base``: x29, x30, sp, pc, pstate, and its record {x29, pc}."""
-    record = base + PT_REGS.record
+    record = base + frame.record
     return {
-        base + 29 * 8: fp, base + 30 * 8: lr, base + PT_REGS.sp: sp, base + PT_REGS.pc: pc,
-        base + PT_REGS.status: status, record: fp, record + 8: pc,
+        base + 29 * 8: fp, base + 30 * 8: lr, base + frame.sp: sp, base + frame.pc: pc,
+        base + frame.status: status, record: fp, record + 8: pc,
     }  # fmt: skip
 
 
@@ -177,6 +186,66 @@ def test_a_handler_s_zeroed_record_leads_into_the_saved_registers() -> None:
     raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, zeroed, x30=BASE + 0x1000)
     assert raw.pcs[:3] == (BASE + 0x1000, HANDLER + 0x64, BASE + 16)
     assert raw.via[2] is Via.FRAME_POINTER
+
+
+# 7.2's pt_regs (its BTF) and handlers (objdump of its Image): the record zeroed at +0x128, x29
+# set at el1h_64_*+0x5c, the pc and status stored at +0x60; an el0t_64_* handler (here the user
+# span at BASE + 0x1300) the same.
+PT_REGS_7 = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
+USER_HANDLER_PC_UNSAVED = BASE + 0x1384
+ENTRY_7 = replace(
+    ENTRY, frame=PT_REGS_7, linked=False,
+    pc_unsaved=((HANDLER + 0x60, HANDLER + 0x64), (BASE + 0x1384, BASE + 0x1388)),
+)  # fmt: skip
+
+
+def zeroed(base: int, frame: SavedFrame = PT_REGS_7) -> dict[int, int]:
+    """A 6.13+ record in the saved frame at ``base``: zeros."""
+    return {base + frame.record: 0, base + frame.record + 8: 0}
+
+
+def test_a_7x_handler_s_frame_leads_into_its_saved_registers() -> None:
+    # el1h_64_irq's call into its handler, which called the leaf we are in: the record inside
+    # pt_regs is zeroed and only its address leads to pt_regs (7.2's layout).
+    frame = KSTACK + 0x40
+    f_sp = frame + PT_REGS_7.size + 0x40
+    record = frame + PT_REGS_7.record
+    words = pt_regs(frame, BASE + 16, f_sp, OUTER, 0, frame=PT_REGS_7) | zeroed(frame)
+    words |= {f_sp: OUTER, f_sp + 8: CALLER}  # f's record, stored by its stp
+    words |= {KSTACK + 0x10: record, KSTACK + 0x18: HANDLER + 0x64}
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words, ENTRY_7, x30=BASE + 0x1000)
+    assert raw.pcs == (BASE + 0x1000, HANDLER + 0x64, BASE + 16, CALLER)
+    assert raw.via == (Via.REGS, Via.FRAME_POINTER, Via.ENTRY, Via.PROLOGUE)
+    assert raw.exact[2] and raw.stop is StopReason.END
+
+
+def test_between_a_handler_s_record_and_its_pc_store_the_pc_is_the_link_register_s() -> None:
+    # Interrupted at el1h_64_irq+0x60: x29 at the zeroed record, pt_regs whole but its pc and
+    # pstate (still last use's: a stale pc from user mode here). The pc is ELR_EL1's.
+    words = pt_regs(KSTACK, 0x40_1000, KSTACK + 0x400, OUTER, CALLER, 0, PT_REGS_7)
+    words |= zeroed(KSTACK)
+    fp = KSTACK + PT_REGS_7.record
+    assert ENTRY_7.holds_link(HANDLER + 0x60)
+    raw = walk(HANDLER + 0x60, KSTACK, fp, words, ENTRY_7, elr=BASE)
+    assert raw.pcs == (HANDLER + 0x60, BASE, CALLER) and raw.via[1] is Via.ENTRY
+    assert raw.exact[:2] == (True, True)
+    raw = walk(HANDLER + 0x60, KSTACK, fp, words, ENTRY_7)  # ELR_EL1 not read
+    assert raw.pcs == (HANDLER + 0x60,) and raw.stop is StopReason.NO_CFI
+    # Once the pc is stored (+0x64) it is read from pt_regs: from user mode here, the end.
+    raw = walk(HANDLER + 0x64, KSTACK, fp, words, ENTRY_7, elr=BASE)
+    assert raw.pcs == (HANDLER + 0x64,) and raw.stop is StopReason.END
+
+
+def test_between_a_user_handler_s_record_and_its_pc_store_the_user_pc_is_the_link_register_s(
+) -> None:  # fmt: skip
+    words = pt_regs(KSTACK, 0x40_9999, USER_SP, USER_FP, 0x40_2000, 0, PT_REGS_7)
+    words |= zeroed(KSTACK) | {USER_FP: 0, USER_FP + 8: 0}
+    fp = KSTACK + PT_REGS_7.record
+    assert ENTRY_7.holds_link(USER_HANDLER_PC_UNSAVED)
+    raw = walk(USER_HANDLER_PC_UNSAVED, KSTACK, fp, words, ENTRY_7, elr=USER_PC)
+    assert raw.pcs == (USER_HANDLER_PC_UNSAVED, USER_PC) and raw.exact == (True, True)
+    raw = walk(USER_HANDLER_PC_UNSAVED, KSTACK, fp, words, ENTRY_7)  # ELR_EL1 not read
+    assert raw.pcs == (USER_HANDLER_PC_UNSAVED,) and raw.stop is StopReason.END
 
 
 def test_interrupted_in_a_handler_before_its_record_the_registers_are_the_cpu_s() -> None:
@@ -245,6 +314,10 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     moved = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
     assert entry.frame == (moved if series == "7" else PT_REGS)
     assert entry.linked is (series != "7")  # 7.x's handlers zero the record (from 6.13)
+    # x29 set, then the pc stored (objdump of each Image): the four el1h_64_* and el0t_64_*.
+    kernel_mode, user_mode = {"6.1": (0x58, 0x178), "6.12": (0x58, 0x17C), "7": (0x60, 0x184)}[
+        series
+    ]
     vectors = kernel.symbols.address_of("vectors")
     assert vectors is not None
     named = {name: (start, end) for start, end, name in kernel.functions.items()}
@@ -253,17 +326,14 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     assert set(entry.user) == {named[n] for n in user} | {(vectors + 0x400, vectors + 0x800)}
     assert set(entry.saving) == {named[f"el1h_64_{kind}"] for kind in kinds}
     assert entry.restoring == (named["ret_to_kernel"],)
-    assert entry.entries == tuple(vectors + off for off in (0x200, 0x280, 0x300, 0x380))
-    assert entry.holds_link(vectors + 0x280) and entry.holds_link(named["el1h_64_irq"][0])
-    assert not entry.holds_link(vectors + 0x480)
-    irq = named["el1h_64_irq"][0]
-    sync = named["el0t_64_sync"][0]
-    # The user's registers still the CPU's: an entry's user half but its second instruction, the
-    # 64-bit user handlers' first.
-    assert entry.holds_user(sync) and not entry.holds_user(sync + 4)
-    assert entry.holds_user(vectors + 0x480) and entry.holds_user(vectors + 0x488)
-    for pc in (vectors + 0x484, vectors + 0x680, vectors + 0x280, irq):
-        assert not entry.holds_user(pc), hex(pc - vectors)
+    unsaved = [(named[f"el1h_64_{kind}"][0], kernel_mode) for kind in kinds]
+    unsaved += [(named[f"el0t_64_{kind}"][0], user_mode) for kind in kinds]
+    assert set(entry.pc_unsaved) == {(start + off, start + off + 4) for start, off in unsaved}
+    # check-kernels' account: every entry's handler of a shape it knows.
+    way = "pc saved after it, returns through a branch"
+    record = "zeroed" if series == "7" else "{x29, pc}"
+    shapes = [f"record {record}, {way}"] * 4 + [f"record zeroed, {way}"] * 8
+    assert entry_shapes(kernel) == [(0x200 + 0x80 * i, True, s) for i, s in enumerate(shapes)]
 
 
 # Bullseye's 5.10.0-30-arm64 (not fetched in CI), at offsets from its ``vectors``
@@ -408,19 +478,20 @@ def test_bullseye_510_s_exception_code_is_read_from_its_code() -> None:
 
 
 @pytest.mark.parametrize(
-    ("off", "word"),
+    ("off", "word", "said"),
     [
-        (0x218, NOP_WORD),  # el1_sync's entry without its branch
-        (0x424, 0x14000458),  # el0_sync's entry branching to no function's start
-        (0x1464, 0x910483FD),  # el1_irq: add x29, sp, #0x120, not pt_regs' record
-        (0x1320, NOP_WORD),  # el1_sync: nothing stored in its record
-        (0x1460, 0xA913FFFF),  # el1_irq: stp xzr, xzr (zeroed where the others link it)
-        (0x1460, 0xA9135BE0),  # el1_irq: stp x0, x22, not x29 and the pc
-        (0x1DC8, 0x910003E0),  # el0_irq_naked: mov x0, sp, going on into el1_error
+        (0x218, NOP_WORD, "vectors+0x200: no branch out"),  # el1_sync's entry
+        (0x424, 0x14000458, "vectors+0x400: a branch to"),  # el0_sync's: to no function's start
+        (0x1464, 0x910483FD, "vectors+0x280: no add x29, sp, #0x130"),  # el1_irq: #0x120
+        (0x1320, NOP_WORD, "records"),  # el1_sync: nothing stored in its record
+        (0x1460, 0xA913FFFF, "records"),  # el1_irq: stp xzr, xzr (the others link it)
+        (0x1460, 0xA9135BE0, "records"),  # el1_irq: stp x0, x22, not x29 and the pc
+        (0x1DC8, 0x910003E0, "lead out"),  # el0_irq_naked: mov x0, sp, on into el1_error
     ],
 )
-def test_bullseye_510_s_code_changed_gives_no_model(off: int, word: int) -> None:
-    assert exception_code(code_510(WORDS_510 | {off: word}), V510, PT_REGS) is None
+def test_bullseye_510_s_code_changed_gives_no_model(off: int, word: int, said: str) -> None:
+    found = exception_code(code_510(WORDS_510 | {off: word}), V510, PT_REGS)
+    assert isinstance(found, str) and said in found, found
 
 
 class SystemRegisters:

@@ -15,7 +15,9 @@ store there (``stp`` to that offset just before) is read too: to 6.12 the record
 (``stp x29, x22``; zeroed from user mode: the final record); from 6.13 a zeroed record in all
 of them (``stp xzr, xzr``, then a type word after it the walk does not need), ``pt_regs``
 then found from the record's address alone (``EntryCode.linked``). Any other store there is
-not the code this module knows. Then the handlers come in two shapes:
+not the code this module knows. The pc and status go into ``pt_regs`` after x29 is set (``stp
+x22, x23``, 5.10 to 7.2): until that store the interrupted pc is only in ELR_EL1
+(``EntryCode.pc_unsaved``). Then the handlers come in two shapes:
 
 - from 5.12 (``el1h_64_irq``, ``el0t_64_sync`` and kin): a call, then a ``b`` to the way back
   (``ret_to_kernel``, ``ret_to_user``), whose ``kernel_exit`` loads it all back and ``eret``s;
@@ -74,37 +76,61 @@ def entry_code(kernel: LinuxKernel) -> EntryCode | str | None:
         return "no pt_regs in this kernel's BTF: kernel stacks end at an exception's entry"
     code = Code(kernel.image.text_bytes, kernel.image.text_addr, kernel.functions)
     found = exception_code(code, vectors, frame)
-    if found is None:
+    if isinstance(found, str):
         return (
-            "this kernel's exception entry code (from its vectors) is in no shape qmpprof"
-            " knows: kernel stacks end at an exception's entry"
+            f"this kernel's exception entry code is in no shape qmpprof knows ({found}):"
+            " kernel stacks end at an exception's entry"
         )
     return found
 
 
-def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | None:
+def entry_shapes(kernel: LinuxKernel) -> list[tuple[int, bool, str]]:
+    """Each entry of the vector table's kernel and 64/32-bit user halves: its offset, whether
+    its handler is of a shape this module knows, and that shape in a few words or why it is
+    none it knows; none without a vector table or ``pt_regs`` in BTF."""
+    vectors, frame = kernel.symbols.address_of("vectors"), _saved_frame(kernel)
+    if vectors is None or frame is None:
+        return []
+    code = Code(kernel.image.text_bytes, kernel.image.text_addr, kernel.functions)
+    shapes = []
+    for off in (*_KERNEL_HALF, *_USER_HALF):
+        handler = code.handler(vectors + off, frame)
+        if isinstance(handler, str):
+            shapes.append((off, False, handler))
+        else:
+            shapes.append((off, handler.linked is not None, handler.shape()))
+    return shapes
+
+
+def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | str:
     """The exception code ``code`` holds, its vector table at ``vectors``, ``frame`` its
-    ``pt_regs``; None when its code is not the one this module knows."""
-    found = [code.handler(vectors + off, frame) for off in (*_KERNEL_HALF, *_USER_HALF)]
-    if None in found:
-        return None  # not the entry code this module knows
-    handlers = [handler for handler in found if handler is not None]
+    ``pt_regs``; else what in its code is not the one this module knows."""
+    handlers = []
+    for off in (*_KERNEL_HALF, *_USER_HALF):
+        handler = code.handler(vectors + off, frame)
+        if isinstance(handler, str):
+            return f"vectors+{off:#x}: {handler}"
+        handlers.append(handler)
     from_kernel, from_user = handlers[: len(_KERNEL_HALF)], handlers[len(_KERNEL_HALF) :]
     user = code.reach([handler.span[0] for handler in from_user])
     back = code.reach([to for handler in from_kernel for to in code.branches_out(*handler.span)])
     kernel = {handler.span for handler in from_kernel}
     if user is None or back is None or user & (kernel | back):
-        return None  # a way out of the code, or the same code from the kernel and from user mode
+        return "its handlers lead out of the entry code, or into the same code from both modes"
     records = {handler.linked for handler in from_kernel}
     if None in records or len(records) != 1:
-        return None  # a record this module does not know, or not the same in every handler
+        return "its kernel-mode handlers' records are not of one shape it knows"
     user.add((vectors + _USER_HALF.start, vectors + _USER_HALF.stop))
     saving, restoring = set(), back
+    # Where the record is set and the pc not yet saved: in the kernel-mode and 64-bit user
+    # handlers (a 32-bit one's pc and status are not the walk's to guess).
+    saves = [*from_kernel, *from_user[: len(_USER_HALF) // 2]]
+    pc_unsaved = {(h.record, h.pc_saved) for h in saves if h.pc_saved > h.record}
     for handler in from_kernel:
         start, end = handler.span
-        if handler.returns:  # 5.10: the way back from the record on
-            saving.add((start, handler.record))
-            restoring.add((handler.record, end))
+        if handler.returns:  # 5.10: the way back once pt_regs is whole
+            saving.add((start, handler.pc_saved))
+            restoring.add((handler.pc_saved, end))
         else:  # from 5.12: the way back is another function
             saving.add(handler.span)
     # The user's registers still the CPU's: the 64-bit user entries and their handlers' first
@@ -125,19 +151,30 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | N
         unsaved=tuple(sorted(unsaved)),
         user_sp=SP_EL0,
         linked=records == {True},
+        pc_unsaved=tuple(sorted(pc_unsaved)),
     )
 
 
 @dataclass(frozen=True, slots=True)
 class _Handler:
     """A handler's function (``span``), where its frame record is set (``record``: just after
-    ``add x29, sp, #...``), whether it ``eret``s itself (``returns``) and what it stores in
-    the record (``linked``: x29 and a register, True; zeros, False; anything else, None)."""
+    ``add x29, sp, #...``) and where ``pt_regs`` holds the pc (``pc_saved``: after the first
+    store to it from the record on; the record's address when there is none), whether it
+    ``eret``s itself (``returns``) and what it stores in the record (``linked``: x29 and a
+    register, True; zeros, False; anything else, None)."""
 
     span: Span
     record: int
+    pc_saved: int
     returns: bool
     linked: bool | None
+
+    def shape(self) -> str:
+        """The handler's shape in a few words, as check-kernels reports it."""
+        stored = {True: "record {x29, pc}", False: "record zeroed", None: "record unknown"}
+        pc = ", pc saved after it" if self.pc_saved > self.record else ""
+        way_back = "erets itself" if self.returns else "returns through a branch"
+        return f"{stored[self.linked]}{pc}, {way_back}"
 
 
 def _linked(stored: tuple[int, int] | None) -> bool | None:
@@ -187,22 +224,28 @@ class Code:
         words = range(0, len(data) - 3, 4)
         return [(start + i, int.from_bytes(data[i : i + 4], "little")) for i in words]
 
-    def handler(self, entry: int, frame: SavedFrame) -> _Handler | None:
+    def handler(self, entry: int, frame: SavedFrame) -> _Handler | str:
         """The handler the vector entry at ``entry`` branches to (its first ``b`` out of the
-        entry), read; None: no branch, no function there, or no record at BTF's offset."""
+        entry), read; else why not: no branch, no function there, or no record at BTF's
+        offset."""
         target = next(iter(self.branches_out(entry, entry + _KERNEL_HALF.step)), None)
-        at = None if target is None else self.function(target)
-        if target is None or at is None:
-            return None
+        if target is None:
+            return "no branch out of the entry"
+        at = self.function(target)
+        if at is None:
+            return f"a branch to {target:#x}, no function's start"
         words = self.words(target, self.ends[at])
         record = next((pc + 4 for pc, insn in words if sets_fp(insn) == frame.record), None)
         if record is None:
-            return None
+            return f"no add x29, sp, #{frame.record:#x} (pt_regs' record) in its handler"
         stores = [pair_stored_at(insn, frame.record) for pc, insn in words if pc < record]
         stored = next((pair for pair in reversed(stores) if pair is not None), None)
-        linked = _linked(stored)
+        pc_saved = next(
+            (pc + 4 for pc, insn in words if pc >= record and pair_stored_at(insn, frame.pc)),
+            record,
+        )
         returns = any(is_eret(insn) for _, insn in words)
-        return _Handler((target, self.ends[at]), record, returns, linked)
+        return _Handler((target, self.ends[at]), record, pc_saved, returns, _linked(stored))
 
     def reach(self, starts: list[int]) -> set[Span] | None:
         """The functions run from those at ``starts``: through their ``b``s out of them and
