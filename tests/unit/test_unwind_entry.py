@@ -336,6 +336,27 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     assert entry_shapes(kernel) == [(0x200 + 0x80 * i, True, s) for i, s in enumerate(shapes)]
 
 
+@pytest.mark.parametrize(
+    ("off", "word", "said"),
+    [
+        # el1h_64_irq+0x5c: add x29, sp, #0x120, not at pt_regs' record (0x128)
+        (0x5C, 0x910483FD, "vectors+0x280: no add x29, sp, #0x128 (pt_regs' record)"),
+        (0x50, 0xA9128BE1, "records are not of one shape"),  # +0x50: stp x1, x2, not zeros
+    ],
+)
+def test_7x_code_changed_gives_no_model_and_says_where(off: int, word: int, said: str) -> None:
+    kernel = LinuxKernel.load(image("7"))
+    text, text_addr = bytearray(kernel.image.text_bytes), kernel.image.text_addr
+    irq = kernel.symbols.address_of("el1h_64_irq")
+    vectors = kernel.symbols.address_of("vectors")
+    assert irq is not None and vectors is not None
+    at = irq + off - text_addr
+    text[at : at + 4] = word.to_bytes(4, "little")
+    frame = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
+    found = exception_code(Code(bytes(text), text_addr, kernel.functions), vectors, frame)
+    assert isinstance(found, str) and said in found, found
+
+
 # Bullseye's 5.10.0-30-arm64 (not fetched in CI), at offsets from its ``vectors``
 # (0xffff800010010800): its functions (kallsyms) from el0_fiq_invalid to finish_ret_to_user,
 # and the words of its code the model reads, as its Image has them (every other word a nop
