@@ -14,8 +14,8 @@ Without paths: the kernels of the architecture (amd64 unless told) the tests boo
 it ``scripts/check-kernels`` fetched (``fixtures/build/kernels/<release>/``, arm64's releases
 ending in ``-arm64`` or ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its
-header names, the link address, relocations, data symbols, whether the walk gets an exception
-model: a note where not), the per-CPU area,
+header names, the link address, relocations, data symbols, the exception model the walk
+derived (or why none) and each vector entry's handler shape, known or not), the per-CPU area,
 ``__per_cpu_offset`` and ``__entry_task`` read in its code beside the kernel's own symbols
 (``per_cpu_oracle``: its System.map, else its debug vmlinux) and its own table
 (``kerneltable.markdown_arm64``). A kernel's folder says its release, package version
