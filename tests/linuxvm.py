@@ -1,7 +1,8 @@
 """Run the Linux test guest (Debian's kernel + fixtures/linux-guest) under QEMU for tests.
 
 ``running_linux_guest`` boots it through scripts/run-linux-guest, waits for the workload line on
-the console, unpacks the guest's own /proc/kallsyms (sent gzipped over COM2) and kills QEMU
+the console, reads the guest's own /proc/kallsyms (which init copied into reserved RAM) over QMP
+and kills QEMU
 afterwards, whatever happens. Any kernel scripts/fetch-linux fetched boots with the same
 initramfs (``kernel=linux_dir(series) / "vmlinuz"``), the test module built for each.
 """
@@ -9,7 +10,6 @@ initramfs (``kernel=linux_dir(series) / "vmlinuz"``), the test module built for 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import re
 import shutil
 import socket
@@ -17,7 +17,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import qemumark
 from guestvm import _check_alive, _die_with_parent, _wait_qmp
+from support.bench.rawqmp import RawQmp
 
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 
@@ -92,8 +92,7 @@ class LinuxGuest:
 
     qmp_socket: Path
     console: Path
-    kallsyms_gz: Path  # what the guest sent over COM2
-    kallsyms: Path  # its text, unpacked once the workload runs
+    kallsyms: Path  # the guest's /proc/kallsyms, read once the workload runs
     kaslr: bool
     smp: int
     process: subprocess.Popen[bytes]
@@ -162,13 +161,24 @@ def parse_maps_line(line: str) -> Mapping:
     return Mapping(start, end, fields[1], int(fields[2], 16), path)
 
 
-def _unpack_kallsyms(guest: LinuxGuest) -> None:
-    try:
-        text = gzip.decompress(guest.kallsyms_gz.read_bytes())
-    except (OSError, EOFError, zlib.error) as err:
-        raise RuntimeError(f"{guest.kallsyms_gz}: not a whole gzip stream: {err}") from err
-    if not text.rstrip().endswith(KALLSYMS_END.encode()):
-        raise RuntimeError(f"{guest.kallsyms_gz}: the dump lacks its end line")
+_DUMPED = re.compile(r"qmpprof-linux: kallsyms (\d+) bytes at (0x[0-9a-f]+)")
+
+
+def _read_kallsyms(guest: LinuxGuest) -> None:
+    """Copy the dump init left in reserved RAM (its console line says where) into ``kallsyms``."""
+    console = guest.console_text()
+    found = _DUMPED.search(console)
+    if found is None:
+        said = [line for line in console.splitlines() if "qmpprof-linux: kallsyms" in line]
+        raise RuntimeError(f"the guest made no kallsyms dump: {said or 'no line about it'}")
+    size, at = int(found[1]), int(found[2], 16)
+    raw = guest.kallsyms.with_suffix(".mem")
+    with RawQmp(str(guest.qmp_socket)) as qmp:
+        qmp.execute("pmemsave", {"val": at, "size": size, "filename": str(raw)})
+    text = raw.read_bytes()
+    raw.unlink()
+    if len(text) != size or not text.rstrip().endswith(KALLSYMS_END.encode()):
+        raise RuntimeError(f"the kallsyms dump at {at:#x} lacks its end line")
     guest.kallsyms.write_bytes(text)
 
 
@@ -272,7 +282,6 @@ def running_linux_guest(
     guest = LinuxGuest(
         qmp_socket=sock_dir / "qmp.sock",
         console=boot_dir / "console.txt",
-        kallsyms_gz=boot_dir / "kallsyms.gz",
         kallsyms=boot_dir / "kallsyms.txt",
         kaslr=kaslr,
         smp=smp,
@@ -287,7 +296,6 @@ def running_linux_guest(
         "--smp", str(smp),
         "--qmp-socket", str(guest.qmp_socket),
         "--console", str(guest.console),
-        "--kallsyms", str(guest.kallsyms_gz),
     ]  # fmt: skip
     if gdb_port is not None:
         cmd += ["--gdb", str(gdb_port)]
@@ -313,7 +321,7 @@ def running_linux_guest(
                 if attempt == STALE_INT3_BOOTS or not stale_int3(panic.console):
                     raise
                 qemumark.BOOTS[STALE_INT3] += 1
-                for made in (guest.console, guest.kallsyms_gz, guest.qmp_socket):
+                for made in (guest.console, guest.qmp_socket):
                     made.unlink(missing_ok=True)
         yield guest
     finally:
@@ -330,7 +338,7 @@ def _boot(guest: LinuxGuest, cmd: list[str], wait_workload: bool, dump_kallsyms:
         wait_console(guest, WORKLOAD_LINE, max(deadline - time.monotonic(), 0.1))
         guest.boot_seconds = time.monotonic() - start
         if dump_kallsyms:
-            _unpack_kallsyms(guest)
+            _read_kallsyms(guest)
 
 
 def _stop(guest: LinuxGuest) -> None:
