@@ -3,7 +3,9 @@ TCG) as Linux, chosen by itself from ``--kernel`` (the -dbg vmlinux, no ``--os``
 random moments gdb-multiarch stops the guest and qmpprof samples it as it is (a paused guest is
 sampled without stop/cont, over QMP: gdb holds the gdbstub), and each vCPU's process, as
 qmpprof names it, is compared with what gdb reads of the current task at the same stop: its
-comm, tgid and pid.
+comm, tgid and pid. Then, the guest paused by gdb with both vCPUs in user mode (where no vCPU
+reads the kernel's variables), qmpprof attaches and samples once: its page tables found, each
+vCPU's process named as gdb reads it.
 
 gdb's reading: the task is tp where tp holds a kernel address, else sscratch (Linux's riscv64
 entry code swaps them: arch/riscv/kernel/entry.S), read through DWARF's ``struct task_struct``,
@@ -22,19 +24,21 @@ import asyncio
 import json
 import random
 import shutil
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gdbmoments import Observed, stopped_moment
+from gdbmoments import Observed, observed, stopped_moment
 from guestvm import free_tcp_port, run_state
 from riscv64vm import Riscv64Guest, running_riscv64_guest, vmlinux_dbg
 from support.bench.gdbcli import GdbMi
 
 from qmpprof import session
 from qmpprof.linux.running.guest import LinuxGuest
+from qmpprof.sampler import Sampler
 from qmpprof.transport.base import Reach
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
@@ -43,6 +47,7 @@ MOMENTS = 100
 REQUIRED = 0.97  # of the vCPUs' processes compared: equal to gdb's
 UNREAD = 0.1  # at most this share of the vCPUs' tasks unread by gdb (every vCPU in firmware)
 WORKLOAD = {"xz", "init"}  # the workload's compressor and its shell loops (PID 1's children)
+USER_PAUSE_WAIT = 60.0  # seconds of stops until one finds both vCPUs in user mode
 
 SCRIPT = r"""
 import gdb, json
@@ -95,6 +100,13 @@ def qg_riscv64_layout(count):
             continue
     print("QGRV %d" % (QG_VA_PA is not None))
 
+def qg_riscv64_modes(count):
+    modes = []
+    for thread in range(1, count + 1):
+        gdb.execute("thread %d" % thread, to_string=True)
+        modes.append(_reg("priv"))
+    print("QGRV " + json.dumps(modes).encode().hex())
+
 def qg_riscv64(count):
     threads = range(1, count + 1)
     held = []
@@ -136,6 +148,11 @@ class Riscv64TaskOracle(GdbMi):
         lines = self.command(f'-interpreter-exec console "python {call}"')
         return next(line[7:-3] for line in lines if line.startswith('~"QGRV '))
 
+    def modes(self, count: int) -> list[int]:
+        """Each vCPU's privilege mode (QEMU's ``priv`` register: 0 user, 1 supervisor, 3
+        machine)."""
+        return list(json.loads(bytes.fromhex(self._answer(f"qg_riscv64_modes({count})"))))
+
     def tasks(self, count: int) -> list[tuple[int, tuple[int, int, str] | None]]:
         """Each vCPU's current task: its address, and (pid, tgid, comm) or None (unread)."""
         found = json.loads(bytes.fromhex(self._answer(f"qg_riscv64({count})")))
@@ -153,6 +170,11 @@ class Processes:
     kernel_mode: int = 0  # of the compared, in kernel mode
     names: Counter[str] = field(default_factory=Counter)  # gdb's comms, compared
     wrong: list[str] = field(default_factory=list)
+    # The one-shot attached with every vCPU in user mode: ours and gdb's, each vCPU
+    user_paused: list[tuple[Observed, tuple[int, tuple[int, int, str] | None]]] = field(
+        default_factory=list
+    )
+    user_paused_tables: bool = False  # whether that attach found the page tables
 
     def add(self, ours: Observed, theirs: tuple[int, tuple[int, int, str] | None]) -> None:
         task, read = theirs
@@ -207,9 +229,39 @@ async def compare(guest: Riscv64Guest, port: int, script: Path) -> Processes:
                 await linux.housekeep()
         finally:
             await run.transport.close()
+        await one_shot_in_user_mode(oracle, spec, linux, tally)
     finally:
         oracle.close()
     return tally
+
+
+async def one_shot_in_user_mode(
+    oracle: Riscv64TaskOracle, spec: session.RunSpec, linux: LinuxGuest, tally: Processes
+) -> None:
+    """Attached to the guest paused with every vCPU in user mode (no vCPU reads the kernel's
+    variables then: no housekeeping comes before a one-shot's sample), a one-shot names each
+    vCPU's process as gdb reads it (``tally.user_paused``)."""
+    deadline = time.monotonic() + USER_PAUSE_WAIT
+    while True:  # stop, look, go on: no sleep (the workload is in user mode most of the time)
+        oracle.stop_guest()
+        if all(mode == 0 for mode in oracle.modes(2)):
+            break
+        oracle.resume()
+        assert time.monotonic() < deadline, "never paused with both vCPUs in user mode"
+    run = await session.start(spec, guest=linux)
+    try:
+        spaces = linux.identifier.spaces
+        tally.user_paused_tables = spaces is not None and spaces.tables is not None
+        outcome = await Sampler(run.transport, run.unwinder, run.identifier, run.config).run(
+            one_shot=True
+        )
+        assert not outcome.was_running
+        ours = [observed(sample) for sample in outcome.last]
+        for one, theirs in zip(ours, oracle.tasks(len(ours)), strict=True):
+            tally.user_paused.append((one, theirs))
+    finally:
+        await run.transport.close()
+        oracle.resume()
 
 
 def test_processes_are_the_current_task_gdb_reads(
@@ -229,3 +281,16 @@ def test_processes_are_the_current_task_gdb_reads(
     assert 0 < tally.kernel_mode < tally.compared, tally.kernel_mode  # both modes compared
     assert set(tally.names) >= WORKLOAD, tally.names
     assert tally.equal >= REQUIRED * tally.compared, "\n".join(tally.wrong)
+    # Attached paused with both vCPUs in user mode: the page tables found, and each vCPU's
+    # process named as gdb reads the current task.
+    paused = [(ours.kernel_mode, ours.process, theirs) for ours, theirs in tally.user_paused]
+    print(f"attached in user mode: {paused}, page tables {tally.user_paused_tables}")
+    assert tally.user_paused_tables
+    assert len(paused) == 2 and not any(kernel for kernel, _, _ in paused), paused
+    for _, process, (_, read) in paused:
+        assert read is not None, paused  # gdb reads it physically (the map read at the start)
+        assert process is not None and (process[3], process[0], process[2]) == (
+            read[2],
+            read[1],
+            read[0],
+        ), paused

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from fakes import FakeTransport
 
 from qmpprof.arch.riscv64 import RISCV64 as RISCV64_ARCH
 from qmpprof.arch.riscv64regs import riscv64_registers
 from qmpprof.linux.platforms import boot_image, kernel_file
 from qmpprof.linux.riscv64.kernelfile import RISCV64_FILE, is_riscv64_image
 from qmpprof.linux.riscv64.running import RISCV64, RegisterTask
+from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.platforms import linux_platform
 from qmpprof.linux.symbols import parse_export_table
 from qmpprof.model import Registers
@@ -40,6 +42,7 @@ class Memory:
 
     words: dict[int, int] = field(default_factory=dict)
     physical: dict[int, bytearray] = field(default_factory=dict)
+    requests: list[list[int]] = field(default_factory=list)  # the addresses of each read
 
     def put(self, phys: int, data: bytes) -> None:
         page = self.physical.setdefault(phys & ~0xFFF, bytearray(4096))
@@ -47,6 +50,7 @@ class Memory:
 
     async def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         out: list[bytes | None] = []
+        self.requests.append([addr for addr, _ in ranges])
         for addr, size in ranges:
             if addr in self.words:
                 out.append(self.words[addr].to_bytes(8, "little")[:size])
@@ -86,6 +90,11 @@ class Kernel:
         return {"satp_mode": SATP_MODE, "kernel_map": KERNEL_MAP}.get(name)
 
 
+def vcpus(satp: int = 0) -> FakeTransport:
+    """One vCPU in user mode whose satp is ``satp`` (0: bare, translating nothing)."""
+    return FakeTransport({0: registers(True, TLS, {"satp": satp})})
+
+
 def elf_header(e_type: int) -> bytes:
     return b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HH", e_type, 243)
 
@@ -109,13 +118,16 @@ async def test_the_slide_is_0_for_a_kernel_linked_at_fixed_addresses() -> None:
     assert await RISCV64.slide(None, kernel, RISCV64_ARCH, None) == 0  # type: ignore[arg-type]
 
 
+LINEAR = LinearMap(0xFF60_0000_0000_0000, 0xFFFF_FFFF_0000_0000, VA_PA_OFFSET)
+
+
 @pytest.mark.parametrize(("mode", "levels"), [(8, 3), (9, 4), (10, 5)])
 async def test_page_tables_have_the_levels_of_the_kernel_s_satp_mode(
     mode: int, levels: int
 ) -> None:
-    memory = Memory({SATP_MODE: mode << 60, KERNEL_MAP + 0x28: VA_PA_OFFSET})
+    memory = Memory({SATP_MODE: mode << 60})
     kernel = Kernel(Image(elf_header(2)))
-    tables = await RISCV64.kernel_page_tables(memory.read, kernel, 0)  # type: ignore[arg-type]
+    tables = await RISCV64.page_tables(memory.read, kernel, 0, LINEAR, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
     assert tables is not None
     bits = 12 + 9 * levels
     assert (tables.levels, tables.direct_map, tables.user_end) == (
@@ -126,8 +138,9 @@ async def test_page_tables_have_the_levels_of_the_kernel_s_satp_mode(
 
 
 async def test_an_sv39_walk_reads_riscv_entries_pages_and_megapages() -> None:
-    memory = Memory({SATP_MODE: 8 << 60, KERNEL_MAP + 0x28: VA_PA_OFFSET})
-    tables = await RISCV64.kernel_page_tables(memory.read, Kernel(Image(b"")), 0)  # type: ignore[arg-type]
+    memory = Memory({SATP_MODE: 8 << 60})
+    kernel = Kernel(Image(b""))
+    tables = await RISCV64.page_tables(memory.read, kernel, 0, LINEAR, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
     assert tables is not None
     root, middle, leaf = 0x8200_0000, 0x8200_1000, 0x8200_2000
     code = 0x2A_AAAA_B000  # a PIE's text under Sv39 (user space below 2^38)
@@ -204,11 +217,66 @@ async def test_the_linear_map_and_the_image_are_placed_from_kernel_map() -> None
         "va_kernel_pa_offset": virt_addr - phys_addr,
     }
     memory = Memory({KERNEL_MAP + MAPPING[name]: value for name, value in fields.items()})
-    linear = await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0)  # type: ignore[arg-type]
+    linear = await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0, vcpus())  # type: ignore[arg-type]
     assert linear is not None
     task = 0xFF60_0000_0391_2AC0  # a task_struct (slab memory)
     assert linear.physical(task, 8) == task - VA_PA_OFFSET
     assert linear.physical(virt_addr + 0x1000, 8) == phys_addr + 0x1000  # the image's data
     assert linear.physical(0xFF20_0000_0000_3F00, 8) is None  # a vmalloc'd stack: not there
     del memory.words[KERNEL_MAP + MAPPING["size"]]
-    assert await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0) is None  # type: ignore[arg-type]
+    assert await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0, vcpus()) is None  # type: ignore[arg-type]
+
+
+async def test_the_page_tables_come_with_the_linear_map_read_once() -> None:
+    """Walked in the linear map: none before it is found (attach met no vCPU in the kernel, whose
+    variables a vCPU in user mode does not read), then from the map measured late; ``kernel_map``
+    read once, ``satp_mode`` after it."""
+    fields = {"page_offset": 0xFF60_0000_0000_0000, "va_pa_offset": VA_PA_OFFSET, "size": 1 << 26}
+    fields |= {"virt_addr": 0xFFFF_FFFF_8000_0000, "va_kernel_pa_offset": 0x7FFF_FFFF_0000_0000}
+    words = {KERNEL_MAP + MAPPING[name]: value for name, value in fields.items()}
+    memory = Memory({**words, SATP_MODE: 9 << 60})
+    kernel = Kernel(Image(elf_header(2)))
+    assert await RISCV64.page_tables(memory.read, kernel, 0, None, RISCV64_ARCH, vcpus()) is None  # type: ignore[arg-type]
+    assert memory.requests == []
+    linear = await RISCV64.linear_map(memory.read, kernel, 0, vcpus())  # type: ignore[arg-type]
+    assert linear is not None
+    tables = await RISCV64.page_tables(memory.read, kernel, 0, linear, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
+    assert tables is not None and (tables.levels, tables.direct_map) == (4, VA_PA_OFFSET)
+    first, second = memory.requests  # two requests: the map, then the mode
+    assert sorted(first) == sorted(words) and second == [SATP_MODE]
+
+
+async def test_with_no_vcpu_in_the_kernel_its_variables_are_read_through_a_vcpu_s_satp() -> None:
+    """Every vCPU in user mode (a guest paused so): QEMU reads no supervisor page through them,
+    so the map and the mode are read through the root satp gives, walked physically (Sv39: a
+    gigapage table, then the image's 2 MiB megapage)."""
+    kernel = Kernel(Image(elf_header(2)))
+    fields = {"page_offset": 0xFF60_0000_0000_0000, "va_pa_offset": VA_PA_OFFSET, "size": 1 << 26}
+    root, middle, image = 0x8100_0000, 0x8100_1000, 0x8160_0000  # physical
+    # The image's megapage at 0xffffffff81400000 holds kernel_map and satp_mode.
+    image_offset = 0xFFFF_FFFF_8140_0000 - image
+    fields |= {"virt_addr": 0xFFFF_FFFF_8000_0000, "va_kernel_pa_offset": image_offset}
+    pages: dict[int, bytearray] = {}
+
+    def put(phys: int, value: int) -> None:
+        page = pages.setdefault(phys & ~0xFFF, bytearray(4096))
+        page[phys & 0xFFF : (phys & 0xFFF) + 8] = value.to_bytes(8, "little")
+
+    put(root + 8 * ((KERNEL_MAP >> 30) & 511), pte(middle, V))
+    put(middle + 8 * ((KERNEL_MAP >> 21) & 511), pte(image, V | R | W))  # a megapage
+    for name, value in fields.items():
+        put(image + (KERNEL_MAP + MAPPING[name]) % (1 << 21), value)
+    put(image + SATP_MODE % (1 << 21), 8 << 60)
+    transport = vcpus(8 << 60 | 0x1234 << 44 | root >> 12)  # Sv39, ASID 0x1234
+    transport.physical = {at: bytes(page) for at, page in pages.items()}
+    unreadable = Memory()  # user mode: no kernel address reads through the vCPU
+    linear = await RISCV64.linear_map(unreadable.read, kernel, 0, transport)  # type: ignore[arg-type]
+    assert linear is not None and linear.offset == VA_PA_OFFSET
+    assert linear.physical(KERNEL_MAP, 8) == image + KERNEL_MAP % (1 << 21)
+    tables = await RISCV64.page_tables(unreadable.read, kernel, 0, linear, RISCV64_ARCH, transport)  # type: ignore[arg-type]
+    assert tables is not None and tables.levels == 3
+    # A bare satp (firmware before the kernel's MMU) translates nothing: nothing is read.
+    bare = vcpus()
+    bare.physical = transport.physical
+    assert await RISCV64.linear_map(unreadable.read, kernel, 0, bare) is None  # type: ignore[arg-type]
+    assert "read_physical" not in bare.calls

@@ -41,18 +41,20 @@ class Aarch64Platform:
         found = await slide_by_vectors(control, transport, kernel, arch)
         return await slide_by_banner(control, kernel, arch) if found is None else found
 
-    async def kernel_page_tables(
-        self, read: Reader, kernel: LinuxKernel, slide: int
+    async def page_tables(
+        self,
+        read: Reader,
+        kernel: LinuxKernel,
+        slide: int,
+        linear: LinearMap | None,
+        arch: InstructionSet,
+        control: GuestTransport,
     ) -> PageTables | None:
-        return None
-
-    def linear_page_tables(
-        self, read: Reader, linear: LinearMap, arch: InstructionSet
-    ) -> PageTables | None:
-        """4 KiB pages under a user space of ``arch.user_space_end`` bytes: 9 bits of address a
-        level above the page's 12 (four levels for 48 bits)."""
+        """4 KiB pages under a user space of ``arch.user_space_end`` bytes, walked in the linear
+        map (a vCPU in kernel mode reads no user memory, PAN): 9 bits of address a level above
+        the page's 12 (four levels for 48 bits)."""
         end = arch.user_space_end
-        if end is None:
+        if linear is None or end is None:
             return None
         bits = end.bit_length() - 1
         return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
@@ -68,7 +70,9 @@ class Aarch64Platform:
     ) -> CurrentTask | None:
         return None
 
-    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+    async def linear_map(
+        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
+    ) -> LinearMap | None:
         return None
 
 

@@ -1,7 +1,9 @@
 """riscv64's running Linux (``running.platform.LinuxPlatform``): where the kernel was loaded
 (none of its own choosing unless its ELF says it is relocatable), the processes' page tables
 (Sv39, Sv48 or Sv57, as the kernel set satp's mode) walked through its linear map, and the
-current task in the vCPU's registers (``RegisterTask``)."""
+current task in the vCPU's registers (``RegisterTask``). The kernel's variables that say the
+linear map are read through a vCPU's own page tables when no vCPU runs the kernel
+(``read_kernel``)."""
 
 from __future__ import annotations
 
@@ -17,17 +19,15 @@ from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
-from qmpprof.memory import Reader, read_ints
+from qmpprof.memory import Reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
+_PPN = (1 << 44) - 1  # satp's root page number, bits 43..0
+_PAGE = 4096
 _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel is ET_DYN)
-# A page-table entry (privileged ISA, Sv39/48/57): V at bit 0, R/W/X at bits 1..3 (any of them
-# set: a leaf, which maps a page of its level's size), the PPN at bits 10..53: the physical
-# address is the PPN shifted left by 12, the masked entry by 2.
-RISCV64_ENTRIES = EntryFormat(((1 << 44) - 1) << 10, 0b1110, True, shift=2)
 TP = 4  # x4: the thread pointer, ``current`` in the kernel (arch/riscv/include/asm/current.h)
 SCRATCH = "sscratch"
 # struct kernel_mapping's members the linear map is read from, in Riscv64Platform.linear_map's order
@@ -36,6 +36,75 @@ ENTRY_NOTE = (
     "riscv64's exception entry is not described yet: a kernel stack is not followed across it"
     " into the interrupted code"
 )
+# A page-table entry (privileged ISA, Sv39/48/57): V at bit 0, R/W/X at bits 1..3 (any of them
+# set: a leaf, which maps a page of its level's size), the PPN at bits 10..53: the physical
+# address is the PPN shifted left by 12, the masked entry by 2.
+RISCV64_ENTRIES = EntryFormat(((1 << 44) - 1) << 10, 0b1110, True, shift=2)
+
+
+def levels(bits: int) -> int:
+    """The levels of tables a virtual-address size takes (Sv39: 3, Sv48: 4, Sv57: 5)."""
+    return (bits - 12) // 9
+
+
+async def read_kernel(
+    read: Reader, control: GuestTransport, ranges: Sequence[tuple[int, int]]
+) -> list[bytes | None]:
+    """``ranges`` of kernel memory through the vCPUs (``read``); what none of them read (each in
+    user mode or in M-mode firmware: a guest paused so, or one whose vCPUs were there at each
+    try), through a vCPU's own page tables walked in physical memory. QEMU translates a read as
+    the vCPU's privilege would (user mode reads no supervisor page, M-mode translates nothing),
+    but the tables are the same: riscv64 Linux maps the kernel in every process's tables
+    (``pgd_alloc`` copies swapper_pg_dir's kernel half, arch/riscv/include/asm/pgalloc.h; no
+    page-table isolation), and the satp of a vCPU in firmware is the one the kernel left."""
+    found = await read(ranges)
+    if all(data is not None for data in found):
+        return found
+    through = await satp_reader(control)
+    if through is None:
+        return found
+    missing = [i for i, data in enumerate(found) if data is None]
+    for i, data in zip(missing, await through([ranges[i] for i in missing]), strict=True):
+        found[i] = data
+    return found
+
+
+async def satp_reader(control: GuestTransport) -> Reader | None:
+    """Reads translated through the tables of the first vCPU whose satp translates (its
+    registers' satp: ``info registers`` prints it), each range within one page; None when none
+    does."""
+    for cpu in await control.cpus():
+        satp = (await control.registers(cpu)).special.get("satp", 0)
+        bits = va_bits(satp)
+        if bits is not None:
+            break
+    else:
+        return None
+    physical = physical_reader(control)
+    tables = PageTables(physical, 0, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1))
+    root = (satp & _PPN) << 12
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        places = []
+        for addr, size in ranges:
+            whole = addr % _PAGE + size <= _PAGE
+            places.append(await tables.physical(root, addr) if whole else None)
+        pairs = list(zip(places, ranges, strict=True))
+        wanted = [(at, size) for at, (_, size) in pairs if at is not None]
+        found = iter(await physical(wanted) if wanted else [])
+        return [None if at is None else next(found) for at in places]
+
+    return read
+
+
+def physical_reader(control: GuestTransport) -> Reader:
+    """Reads of physical memory."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        found = await control.read_physical(ranges)
+        return [data if isinstance(data, bytes) else None for data in found]
+
+    return read
 
 
 class RegisterTask(CurrentTask):
@@ -86,30 +155,26 @@ class Riscv64Platform:
         e_type = int.from_bytes(kernel.image.file_bytes(16, 2), "little")
         return 0 if e_type == _ET_EXEC else await slide_by_banner(control, kernel, arch)
 
-    async def kernel_page_tables(
-        self, read: Reader, kernel: LinuxKernel, slide: int
+    async def page_tables(
+        self,
+        read: Reader,
+        kernel: LinuxKernel,
+        slide: int,
+        linear: LinearMap | None,
+        arch: InstructionSet,
+        control: GuestTransport,
     ) -> PageTables | None:
-        """The levels of the mode the kernel writes in satp (``satp_mode``: satp's MODE in its
-        top 4 bits), through the linear map at ``kernel_map.va_pa_offset`` above physical
-        memory (``linear_mapping_pa_to_va``, arch/riscv/include/asm/page.h)."""
-        mode_at, mapping = kernel.address("satp_mode", slide), kernel.address("kernel_map", slide)
-        if kernel.btf is None or mode_at is None or mapping is None:
+        """Walked in the linear map (``kernel_map.va_pa_offset`` above physical memory:
+        ``linear_mapping_pa_to_va``, arch/riscv/include/asm/page.h), with the levels of the mode
+        the kernel writes in satp (``satp_mode``: satp's MODE in its top 4 bits)."""
+        mode_at = kernel.address("satp_mode", slide)
+        if linear is None or mode_at is None:
             return None
-        try:
-            offset = mapping + kernel.btf.offset_of("kernel_mapping.va_pa_offset")
-        except KeyError:
+        (raw,) = await read_kernel(read, control, [(mode_at, 8)])
+        bits = None if raw is None else va_bits(int.from_bytes(raw, "little"))
+        if bits is None:
             return None
-        mode, va_pa_offset = await read_ints(read, [(mode_at, 8), (offset, 8)])
-        bits = None if mode is None else va_bits(mode)
-        if bits is None or va_pa_offset is None:
-            return None
-        levels = (bits - 12) // 9
-        return PageTables(read, va_pa_offset, levels, RISCV64_ENTRIES, 1 << (bits - 1))
-
-    def linear_page_tables(
-        self, read: Reader, linear: LinearMap, arch: InstructionSet
-    ) -> PageTables | None:
-        return None
+        return PageTables(read, linear.offset, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1))
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         raise KeyError("nothing: riscv64's switch frame (thread_struct) is not read yet")
@@ -122,12 +187,15 @@ class Riscv64Platform:
     ) -> CurrentTask | None:
         return RegisterTask(arch, clock, recheck)
 
-    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+    async def linear_map(
+        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
+    ) -> LinearMap | None:
         """From ``kernel_map`` (arch/riscv/mm/init.c): RAM at ``page_offset``, ``va_pa_offset``
         above its physical address, up to the modules' 2 GiB below the image; the image at
         ``virt_addr``, ``va_kernel_pa_offset`` above its own. A vCPU in user mode reads no
         supervisor page, one in M-mode firmware translates nothing: such samples read the
-        kernel's data physically through it."""
+        kernel's data physically through it (and it is read so too when every vCPU is there,
+        ``read_kernel``)."""
         mapping = kernel.address("kernel_map", slide)
         if kernel.btf is None or mapping is None:
             return None
@@ -135,10 +203,11 @@ class Riscv64Platform:
             offsets = [kernel.btf.offset_of(f"kernel_mapping.{name}") for name in _MAPPING]
         except KeyError:
             return None
-        found = await read_ints(read, [(mapping + offset, 8) for offset in offsets])
-        if None in found:
+        raws = await read_kernel(read, control, [(mapping + offset, 8) for offset in offsets])
+        if None in raws:
             return None
-        page_offset, va_pa_offset, virt_addr, size, image_offset = (v or 0 for v in found)
+        found = [int.from_bytes(raw or b"", "little") for raw in raws]
+        page_offset, va_pa_offset, virt_addr, size, image_offset = found
         image = (virt_addr, virt_addr + size, image_offset)
         return LinearMap(page_offset, virt_addr - (1 << 31), va_pa_offset, image)
 

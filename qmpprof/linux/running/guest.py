@@ -214,31 +214,25 @@ class LinuxGuest:
         if slotted is not None:
             linear = await find_linear_map(control, _slots(slotted), arch.shared_from, top, image)
         else:
-            linear = await platform.linear_map(read, kernel, slide)
-        tables = await platform.kernel_page_tables(read, kernel, slide)
-        if tables is None and linear is not None:
-            tables = platform.linear_page_tables(read, linear, arch)
+            linear = await platform.linear_map(read, kernel, slide, control)
+        tables = await platform.page_tables(read, kernel, slide, linear, arch, control)
         end = arch.user_space_end
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
-        late = None
-        if slotted is not None and linear is None:  # no vCPU in the kernel yet (a paused guest)
 
-            async def late() -> LinearMap | None:
-                assert slotted is not None
+        async def measured() -> LinearMap | None:
+            """The linear map measured between samples (no vCPU was in the kernel at attach),
+            and the page tables walked in it, where they are."""
+            if slotted is not None:
                 found = await find_linear_map(
                     control, _slots(slotted), arch.shared_from, top, image, tries=1
                 )
-                if found is not None and spaces.tables is None:
-                    spaces.tables = platform.linear_page_tables(read, found, arch)
-                return found
-
-        elif linear is None:  # the kernel's variable unread: no vCPU in the kernel at attach
-
-            async def late() -> LinearMap | None:
-                found = await platform.linear_map(read, kernel, slide)
-                if found is not None and spaces.tables is None:
-                    spaces.tables = platform.linear_page_tables(read, found, arch)
-                return found
+            else:  # the kernel's variable
+                found = await platform.linear_map(read, kernel, slide, control)
+            if found is not None and spaces.tables is None:
+                spaces.tables = await platform.page_tables(
+                    read, kernel, slide, found, arch, control
+                )
+            return found
 
         self.identifier = LinuxIdentifier(
             modules,
@@ -250,7 +244,7 @@ class LinuxGuest:
             control=control,
             thread_size=kernel.thread_size,
             linear=linear,
-            find_linear=late,
+            find_linear=measured if linear is None else None,
             cpus=cpus,
             clock=self.clock,
             entry=entry,

@@ -41,20 +41,19 @@ class LinuxPlatform(Protocol):
         system registers); KernelMismatchError when it cannot be told."""
         ...
 
-    async def kernel_page_tables(
-        self, read: Reader, kernel: LinuxKernel, slide: int
+    async def page_tables(
+        self,
+        read: Reader,
+        kernel: LinuxKernel,
+        slide: int,
+        linear: LinearMap | None,
+        arch: InstructionSet,
+        control: GuestTransport,
     ) -> PageTables | None:
-        """The processes' page tables as the kernel's variables describe them (x86_64: its
-        direct map's base and paging levels); None where they are read through the linear map
-        instead (``linear_page_tables``)."""
-        ...
-
-    def linear_page_tables(
-        self, read: Reader, linear: LinearMap, arch: InstructionSet
-    ) -> PageTables | None:
-        """The processes' page tables, walked in the kernel's linear map once it is found
-        (arm64: a vCPU in kernel mode reads no user memory, PAN); None where
-        ``kernel_page_tables`` gives them."""
+        """The processes' page tables, as the kernel's variables describe them (x86_64: its
+        direct map's base and paging levels) or walked in its linear map (``linear``, once
+        found: arm64, riscv64), the variables read through ``read`` (kernel memory) or where
+        the platform knows how through ``control``; None while they cannot be told."""
         ...
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
@@ -75,7 +74,10 @@ class LinuxPlatform(Protocol):
         (riscv64's tp); None: the per-CPU variable does (``current.locate_current``)."""
         ...
 
-    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
-        """The linear map as the kernel's variables describe it, where the current task's
+    async def linear_map(
+        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
+    ) -> LinearMap | None:
+        """The linear map as the kernel's variables describe it (read through ``read``, kernel
+        memory, or where the platform knows how through ``control``), where the current task's
         per-CPU slots do not measure it (``current_task``: no such slots); None otherwise."""
         ...

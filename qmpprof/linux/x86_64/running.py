@@ -64,19 +64,20 @@ class X86_64Platform:
     ) -> int:
         return await idt_slide(control, kernel.symbols, arch, kernel=kernel)
 
-    async def kernel_page_tables(
-        self, read: Reader, kernel: LinuxKernel, slide: int
+    async def page_tables(
+        self,
+        read: Reader,
+        kernel: LinuxKernel,
+        slide: int,
+        linear: LinearMap | None,
+        arch: InstructionSet,
+        control: GuestTransport,
     ) -> PageTables | None:
         return await page_tables(
             read,
             kernel.address("page_offset_base", slide),
             kernel.address("__pgtable_l5_enabled", slide),
         )
-
-    def linear_page_tables(
-        self, read: Reader, linear: LinearMap, arch: InstructionSet
-    ) -> PageTables | None:
-        return None
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return InactiveTaskFrame.from_btf(btf, arch)
@@ -89,7 +90,9 @@ class X86_64Platform:
     ) -> CurrentTask | None:
         return None
 
-    async def linear_map(self, read: Reader, kernel: LinuxKernel, slide: int) -> LinearMap | None:
+    async def linear_map(
+        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
+    ) -> LinearMap | None:
         return None
 
 
