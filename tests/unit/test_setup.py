@@ -112,7 +112,7 @@ def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:
 
 
 UNIT = "pytest -ra -x -n auto -m not qemu"  # scripts/test's two tiers, as the stub pytest logs them
-QEMU = "pytest -ra --durations=25 -m qemu"
+QEMU = "pytest -ra --durations=25 --junitxml=.cache/qemu-tier.xml -m qemu"
 
 
 def recording_checkout(tmp_path: Path) -> tuple[Path, Path]:
