@@ -146,10 +146,14 @@ class AArch64(FrameRecordsOnly):
                 out.append((here + 4, None if target < 0 else target & _MASK))
         return out
 
-    def jump_only(self, code: bytes) -> bool:
-        words = (int.from_bytes(code[at : at + 4], "little") for at in range(0, len(code) - 3, 4))
-        first = next((insn for insn in words if not is_hint(insn)), None)
-        return first is not None and first >> 26 == 0b000101  # B imm26
+    def lone_jump(self, code: bytes, addr: int) -> tuple[int, int] | None:
+        for at in range(0, len(code) - 3, 4):
+            insn = int.from_bytes(code[at : at + 4], "little")
+            if not is_hint(insn):
+                if insn >> 26 != 0b000101:  # B imm26
+                    return None
+                return addr + at + 4, (addr + at + signed(insn & 0x3FF_FFFF, 26) * 4) & _MASK
+        return None
 
 
 def _branch_target(insn: int, here: int) -> int | None:

@@ -246,10 +246,11 @@ class InstructionSet(Protocol):
         indirect one); calls are not jumps."""
         ...
 
-    def jump_only(self, code: bytes) -> bool:
-        """Whether ``code`` (a function, from its start) does nothing but jump: landing pads
-        and no-ops, then an unconditional direct jump (arm64's ``memset``: ``bti c; b
-        __pi_memset_generic``); what follows the jump is not reached from the start."""
+    def lone_jump(self, code: bytes, addr: int) -> tuple[int, int] | None:
+        """(address after, target) of the jump that ``code`` (a function, from its start at
+        ``addr``) begins with: landing pads and no-ops, then an unconditional direct jump
+        (arm64's ``memset``: ``bti c; b __pi_memset_generic``); None when it begins otherwise.
+        What follows the jump is not reached from the start."""
         ...
 
 

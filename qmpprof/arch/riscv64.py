@@ -166,17 +166,19 @@ class RiscV64(FrameRecordsOnly):
             at += size
         return out
 
-    def jump_only(self, code: bytes) -> bool:
+    def lone_jump(self, code: bytes, addr: int) -> tuple[int, int] | None:
         at = 0
         while at + 2 <= len(code):
             insn = word(code, at)
             if insn is None:
-                return False
-            kind, rd, _, _ = decode(insn)
+                return None
+            kind, rd, _, imm = decode(insn)
+            if kind == "jal" and rd == 0:  # j, c.j
+                return addr + at + length(code, at), (addr + at + imm) & _MASK
             if kind not in ("addi", "write") or rd != 0:  # a write to x0 is a no-op (nop)
-                return kind == "jal" and rd == 0  # j: jal x0
+                return None
             at += length(code, at)
-        return False
+        return None
 
 
 RISCV64 = RiscV64()

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
-from qmpprof.arch.x86code import analyzer, branches, jump_only, scanner
+from qmpprof.arch.x86code import analyzer, branches, lone_jump, scanner
 from qmpprof.arch.x86entry import path_to_call
 from qmpprof.arch.x86scan import function_starts, is_call_before
 from qmpprof.model import Registers
@@ -138,8 +138,8 @@ class X86:
     def branches(self, code: bytes, addr: int) -> list[tuple[int, int | None]]:
         return branches(self.address_size, code, addr)
 
-    def jump_only(self, code: bytes) -> bool:
-        return jump_only(self.address_size, code)
+    def lone_jump(self, code: bytes, addr: int) -> tuple[int, int] | None:
+        return lone_jump(self.address_size, code, addr)
 
     def path_to_call(self, code: bytes, code_addr: int, pc: int, target: int) -> PathToCall | None:
         return path_to_call(self.address_size, self.names, code, code_addr, pc, target)

@@ -202,13 +202,14 @@ _JUMPS = frozenset(["jmp", *(f"j{c}" for c in _CONDITIONS)])
 _PADS = frozenset(["nop", "endbr64", "endbr32"])
 
 
-def jump_only(word: int, code: bytes) -> bool:
-    """Whether ``code`` starts with no-ops and landing pads (``endbr64``), then a direct
-    ``jmp``."""
-    for _, _, mnemonic, op_str in analyzer(word).disasm(code, 0):
+def lone_jump(word: int, code: bytes, addr: int) -> tuple[int, int] | None:
+    """(address after, target) of the direct ``jmp`` that ``code`` (at ``addr``) starts with
+    after no-ops and landing pads (``endbr64``); None when it starts otherwise."""
+    for insn_addr, size, mnemonic, op_str in analyzer(word).disasm(code, addr):
         if mnemonic not in _PADS:
-            return mnemonic == "jmp" and op_str.startswith("0x")
-    return False
+            target = _target(op_str) if mnemonic == "jmp" else None
+            return None if target is None else (insn_addr + size, target)
+    return None
 
 
 def branches(word: int, code: bytes, addr: int) -> list[tuple[int, int | None]]:
@@ -217,9 +218,14 @@ def branches(word: int, code: bytes, addr: int) -> list[tuple[int, int | None]]:
     out: list[tuple[int, int | None]] = []
     for insn_addr, size, mnemonic, op_str in analyzer(word).disasm(code, addr):
         if mnemonic in _JUMPS:
-            try:
-                target: int | None = int(op_str, 16)
-            except ValueError:
-                target = None
-            out.append((insn_addr + size, target))
+            out.append((insn_addr + size, _target(op_str)))
     return out
+
+
+def _target(op_str: str) -> int | None:
+    """A direct jump's target as capstone prints it (hex, or decimal below 10); None for one
+    through a register or memory."""
+    try:
+        return int(op_str, 16)
+    except ValueError:
+        return None

@@ -6,8 +6,13 @@ same code, chosen the way its ``call_site_find_chain`` chooses them."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
 
 from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.arch.base import InstructionSet
 from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
@@ -40,25 +45,30 @@ def je(at: int, to: int) -> bytes:
     return b"\x0f\x84" + struct.pack("<i", to - (at + 6))
 
 
-class Code:
-    """Functions laid out one after another from TEXT, SIZE bytes each."""
+Encode = Callable[[int, int], bytes]  # (address, target) -> the instruction's bytes
 
-    def __init__(self, *names: str) -> None:
-        self.names = names
-        self.data = bytearray(b"\xcc" * SIZE * len(names))
+
+class Code:
+    """Functions laid out one after another from TEXT, SIZE bytes each, filled with ``fill``
+    (x86's int3 unless told) after their code."""
+
+    def __init__(self, *names: str, arch: InstructionSet = X86_64, fill: bytes = b"\xcc") -> None:
+        self.names, self.arch = names, arch
+        self.data = bytearray(fill * (SIZE * len(names) // len(fill)))
 
     def at(self, name: str) -> int:
         return TEXT + SIZE * self.names.index(name)
 
-    def put(self, name: str, *parts: bytes | tuple[str, str, str]) -> dict[str, int]:
+    def put(self, name: str, *parts: bytes | tuple[str | Encode, str, str]) -> dict[str, int]:
         """Lay out ``name``'s instructions: bytes as they are, or (kind, label, target) for a
-        call/jmp/jmp8/je to a function; returns the address after each labelled one."""
+        call/jmp/jmp8/je (or an encoder) to a function; returns the address after each
+        labelled one."""
         addr, ends = self.at(name), {}
         encode = {"call": call, "jmp": jmp, "jmp8": jmp8, "je": je}
         for part in parts:
             if isinstance(part, tuple):
                 kind, label, target = part
-                part = encode[kind](addr, self.at(target))
+                part = (encode[kind] if isinstance(kind, str) else kind)(addr, self.at(target))
                 ends[label] = addr + len(part)
             offset = addr - TEXT
             self.data[offset : offset + len(part)] = part
@@ -67,7 +77,7 @@ class Code:
 
     def finder(self, bias: int = 0) -> TailCallFinder:
         table = SymbolTable(Symbol(self.at(n), SIZE, n) for n in self.names)
-        image = CodeImage(TEXT, bytes(self.data), table, target_kind, X86_64, bias)
+        image = CodeImage(TEXT, bytes(self.data), table, target_kind, self.arch, bias)
         return TailCallFinder([image])
 
 
@@ -229,43 +239,102 @@ ENDBR64 = b"\xf3\x0f\x1e\xfa"  # endbr64
 NOP5 = b"\x0f\x1f\x44\x00\x00"  # nopl 0x0(%rax,%rax,1): ftrace's
 
 
-def test_a_function_that_is_only_a_jump_is_never_a_frame() -> None:
-    """arm64's memset is ``bti c; b __pi_memset_generic`` (issue 35): gdb has no frame for it,
-    called or jumped through; a jumper that does something before its jump stays one."""
-    code = Code("caller", "memset", "t", "f")
-    ra = code.put("caller", ("call", "ra", "memset"), RET)["ra"]
-    code.put("memset", ENDBR64, NOP5, ("jmp", "site", "f"))
+def words(*insns: int) -> bytes:
+    return b"".join(i.to_bytes(4, "little") for i in insns)
+
+
+def a64(opcode: int) -> Encode:
+    """An aarch64 B/BL-like instruction: ``opcode`` and a 26-bit word offset."""
+    return lambda at, to: (opcode | (to - at) >> 2 & 0x3FF_FFFF).to_bytes(4, "little")
+
+
+def rv_jal(rd: int) -> Encode:
+    """riscv64 ``jal rd, offset`` (rd 0: ``j``, 1: a call)."""
+
+    def encode(at: int, to: int) -> bytes:
+        imm = (to - at) & 0x1F_FFFF
+        insn = (imm >> 20 << 31 | (imm >> 1 & 0x3FF) << 21 | (imm >> 11 & 1) << 20
+                | (imm >> 12 & 0xFF) << 12 | rd << 7 | 0x6F)  # fmt: skip
+        return insn.to_bytes(4, "little")
+
+    return encode
+
+
+@dataclass(frozen=True)
+class Isa:
+    """What the tests below write in each instruction set."""
+
+    arch: InstructionSet
+    fill: bytes  # a trap: what follows a function's code
+    call: Encode
+    jump: Encode  # a direct unconditional jump
+    pad: bytes  # a landing pad or no-op
+    body: bytes  # an instruction that does something
+    ret: bytes
+
+
+ISAS = {
+    "x86_64": Isa(X86_64, b"\xcc", call, jmp, ENDBR64 + NOP5, TEST + PUSH_RBX + POP_RBX, RET),
+    # brk #0; bl; b; bti c; mov x8, x0; ret
+    "aarch64": Isa(AARCH64, words(0xD4200000), a64(0x9400_0000), a64(0x1400_0000),
+                   words(0xD503245F), words(0xAA0003E8), words(0xD65F03C0)),
+    # ebreak; jal ra; j; nop; addi a0, a0, 1; ret
+    "riscv64": Isa(RISCV64, words(0x00100073), rv_jal(1), rv_jal(0), words(0x13),
+                     words(0x00150513), words(0x8067)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS.values(), ids=ISAS.keys())
+def test_a_function_that_only_jumps_out_is_crossed_never_made_a_frame(isa: Isa) -> None:
+    """arm64's memset is ``bti c; b __pi_memset_generic``, then code only boot-time patching
+    makes its own (issue 35): gdb has no frame for it, called or jumped through, and its
+    frame would name an instruction it never ran; a jumper that does something before its
+    jump stays one."""
+    code = Code("caller", "other", "t", "memset", "f", arch=isa.arch, fill=isa.fill)
+    ra = code.put("caller", (isa.call, "ra", "memset"), isa.ret)["ra"]
+    code.put("memset", isa.pad, (isa.jump, "site", "f"), isa.body, (isa.jump, "x", "caller"))
     chain = code.finder().between(ra, code.at("f"))
-    assert chain.pcs == () and chain.outcome is Outcome.FOUND
-    # Through it: caller -> t (its frame) -> memset (none) -> f.
-    code = Code("caller", "t", "memset", "f")
-    ra = code.put("caller", ("call", "ra", "t"), RET)["ra"]
-    site = code.put("t", PUSH_RBX, POP_RBX, ("jmp", "site", "memset"))["site"]
-    code.put("memset", ("jmp8", "site", "f"), PUSH_RBX, ("jmp", "after", "caller"))
+    assert chain.outcome is Outcome.FOUND and chain.pcs == ()
+    # Through it: other -> t (its frame) -> memset (none) -> f.
+    ra = code.put("other", (isa.call, "ra", "t"), isa.ret)["ra"]
+    site = code.put("t", isa.body, (isa.jump, "site", "memset"))["site"]
     assert code.finder().between(ra, code.at("f")).pcs == (site,)
 
 
-def test_jump_only_is_read_on_every_instruction_set() -> None:
-    def words(*insns: int) -> bytes:
-        return b"".join(i.to_bytes(4, "little") for i in insns)
+@pytest.mark.parametrize("isa", ISAS.values(), ids=ISAS.keys())
+def test_a_first_jump_into_itself_leaves_the_function_whole(isa: Isa) -> None:
+    """A static key's or an alternative's jump at a function's start (481 functions of arm64's
+    7.2 Image begin with one) passes over code the function has: its tail jump further on
+    makes it a frame."""
+    code = Code("caller", "t", "f", arch=isa.arch, fill=isa.fill)
+    ra = code.put("caller", (isa.call, "ra", "t"), isa.ret)["ra"]
+    t = code.at("t")
+    skip = isa.jump(t, t + len(isa.jump(0, 0)) + len(isa.body))
+    site = code.put("t", skip, isa.body, (isa.jump, "site", "f"))["site"]
+    assert code.finder().between(ra, code.at("f")).pcs == (site,)
 
+
+def test_the_lone_jump_is_read_on_every_instruction_set() -> None:
+    """(address after, target) of the jump a function begins with, after landing pads and
+    no-ops; None for anything else first."""
     # bti c; b .+0x40; then code that is not reached from the start
-    assert AARCH64.jump_only(words(0xD503245F, 0x14000010, 0xAA0003E8))
-    assert AARCH64.jump_only(words(0x14000010))  # b
-    assert not AARCH64.jump_only(words(0xAA0003E8, 0x14000010))  # mov x8, x0; b
-    assert not AARCH64.jump_only(words(0xD503245F, 0x94000010))  # bti c; bl
-    assert not AARCH64.jump_only(words(0xD503245F, 0xD61F0200))  # bti c; br x16
-    assert not AARCH64.jump_only(words(0xD503245F))
-    # nop; c.nop; j .; then c.j; addi a0, a0, 1 first; jal ra (a call)
-    assert RISCV64.jump_only(words(0x13) + b"\x01\x00" + words(0x6F))
-    assert RISCV64.jump_only(b"\x01\xa0")  # c.j .
-    assert not RISCV64.jump_only(words(0x00150513, 0x6F))
-    assert not RISCV64.jump_only(words(0x13, 0xEF))
-    assert X86_64.jump_only(ENDBR64 + NOP5 + jmp(0, 0x40) + b"\xcc")
-    assert X86_64.jump_only(jmp8(0, 0x10))
-    assert not X86_64.jump_only(PUSH_RBX + jmp(1, 0x40))
-    assert not X86_64.jump_only(ENDBR64 + b"\xff\xe0")  # jmp *%rax
-    assert not X86_64.jump_only(ENDBR64 + call(4, 0x40))
+    assert AARCH64.lone_jump(words(0xD503245F, 0x14000010, 0xAA0003E8), 0x1000) == (0x1008, 0x1044)
+    assert AARCH64.lone_jump(words(0x17FFFFFF), 0x1000) == (0x1004, 0xFFC)  # b .-4
+    assert AARCH64.lone_jump(words(0xAA0003E8, 0x14000010), 0) is None  # mov x8, x0; b
+    assert AARCH64.lone_jump(words(0xD503245F, 0x94000010), 0) is None  # bti c; bl
+    assert AARCH64.lone_jump(words(0xD503245F, 0xD61F0200), 0) is None  # bti c; br x16
+    assert AARCH64.lone_jump(words(0xD503245F), 0) is None
+    # nop; c.nop; j .; then c.j .; addi a0, a0, 1 first; jal ra (a call)
+    assert RISCV64.lone_jump(words(0x13) + b"\x01\x00" + words(0x6F), 0x1000) == (0x100A, 0x1006)
+    assert RISCV64.lone_jump(b"\x01\xa0", 0x1000) == (0x1002, 0x1000)
+    assert RISCV64.lone_jump(words(0x00150513, 0x6F), 0) is None
+    assert RISCV64.lone_jump(words(0x13, 0xEF), 0) is None
+    assert X86_64.lone_jump(ENDBR64 + NOP5 + jmp(9, 0x40) + b"\xcc", 0) == (14, 0x40)
+    assert X86_64.lone_jump(jmp8(0x10, 0x20), 0x10) == (0x12, 0x20)
+    assert X86_64.lone_jump(jmp8(0, 6), 0) == (2, 6)  # capstone writes "jmp 6"
+    assert X86_64.lone_jump(PUSH_RBX + jmp(1, 0x40), 0) is None
+    assert X86_64.lone_jump(ENDBR64 + b"\xff\xe0", 0) is None  # jmp *%rax
+    assert X86_64.lone_jump(ENDBR64 + call(4, 0x40), 0) is None
 
 
 def test_linux_names() -> None:
