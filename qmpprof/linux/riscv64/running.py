@@ -26,7 +26,6 @@ from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
 _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0
-_PAGE = 4096
 _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel is ET_DYN)
 TP = 4  # x4: the thread pointer, ``current`` in the kernel (arch/riscv/include/asm/current.h)
 SCRATCH = "sscratch"
@@ -80,21 +79,9 @@ async def satp_reader(control: GuestTransport) -> Reader | None:
             break
     else:
         return None
-    physical = physical_reader(control)
-    tables = PageTables(physical, 0, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1))
-    root = (satp & _PPN) << 12
-
-    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        places = []
-        for addr, size in ranges:
-            whole = addr % _PAGE + size <= _PAGE
-            places.append(await tables.physical(root, addr) if whole else None)
-        pairs = list(zip(places, ranges, strict=True))
-        wanted = [(at, size) for at, (_, size) in pairs if at is not None]
-        found = iter(await physical(wanted) if wanted else [])
-        return [None if at is None else next(found) for at in places]
-
-    return read
+    # Physical memory is the tables' "direct map" at 0: the root is satp's page, as it stands.
+    tables = PageTables(physical_reader(control), 0, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1))
+    return tables.reader((satp & _PPN) << 12)
 
 
 def physical_reader(control: GuestTransport) -> Reader:
