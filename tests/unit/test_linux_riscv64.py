@@ -19,8 +19,10 @@ from qmpprof.linux.platforms import boot_image, kernel_file
 from qmpprof.linux.riscv64.kernelfile import RISCV64_FILE, is_riscv64_image
 from qmpprof.linux.riscv64.running import RISCV64, RegisterTask
 from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.platforms import linux_platform
 from qmpprof.linux.symbols import parse_export_table
+from qmpprof.memory import Reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 
@@ -95,6 +97,11 @@ def vcpus(satp: int = 0) -> FakeTransport:
     return FakeTransport({0: registers(True, TLS, {"satp": satp})})
 
 
+def loaded(read: Reader, kernel: Kernel, transport: FakeTransport) -> LoadedKernel:
+    """The fake kernel, unslid, as the platform reads it through ``read`` and ``transport``."""
+    return LoadedKernel(read, kernel, 0, RISCV64_ARCH, transport)  # type: ignore[arg-type]
+
+
 def elf_header(e_type: int) -> bytes:
     return b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HH", e_type, 243)
 
@@ -127,7 +134,7 @@ async def test_page_tables_have_the_levels_of_the_kernel_s_satp_mode(
 ) -> None:
     memory = Memory({SATP_MODE: mode << 60})
     kernel = Kernel(Image(elf_header(2)))
-    tables = await RISCV64.page_tables(memory.read, kernel, 0, LINEAR, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
+    tables = await RISCV64.page_tables(loaded(memory.read, kernel, vcpus()), LINEAR)
     assert tables is not None
     bits = 12 + 9 * levels
     assert (tables.levels, tables.direct_map, tables.user_end) == (
@@ -140,7 +147,7 @@ async def test_page_tables_have_the_levels_of_the_kernel_s_satp_mode(
 async def test_an_sv39_walk_reads_riscv_entries_pages_and_megapages() -> None:
     memory = Memory({SATP_MODE: 8 << 60})
     kernel = Kernel(Image(b""))
-    tables = await RISCV64.page_tables(memory.read, kernel, 0, LINEAR, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
+    tables = await RISCV64.page_tables(loaded(memory.read, kernel, vcpus()), LINEAR)
     assert tables is not None
     root, middle, leaf = 0x8200_0000, 0x8200_1000, 0x8200_2000
     code = 0x2A_AAAA_B000  # a PIE's text under Sv39 (user space below 2^38)
@@ -217,14 +224,14 @@ async def test_the_linear_map_and_the_image_are_placed_from_kernel_map() -> None
         "va_kernel_pa_offset": virt_addr - phys_addr,
     }
     memory = Memory({KERNEL_MAP + MAPPING[name]: value for name, value in fields.items()})
-    linear = await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0, vcpus())  # type: ignore[arg-type]
+    linear = await RISCV64.linear_map(loaded(memory.read, Kernel(Image(b"")), vcpus()))
     assert linear is not None
     task = 0xFF60_0000_0391_2AC0  # a task_struct (slab memory)
     assert linear.physical(task, 8) == task - VA_PA_OFFSET
     assert linear.physical(virt_addr + 0x1000, 8) == phys_addr + 0x1000  # the image's data
     assert linear.physical(0xFF20_0000_0000_3F00, 8) is None  # a vmalloc'd stack: not there
     del memory.words[KERNEL_MAP + MAPPING["size"]]
-    assert await RISCV64.linear_map(memory.read, Kernel(Image(b"")), 0, vcpus()) is None  # type: ignore[arg-type]
+    assert await RISCV64.linear_map(loaded(memory.read, Kernel(Image(b"")), vcpus())) is None
 
 
 async def test_the_page_tables_come_with_the_linear_map_read_once() -> None:
@@ -236,11 +243,11 @@ async def test_the_page_tables_come_with_the_linear_map_read_once() -> None:
     words = {KERNEL_MAP + MAPPING[name]: value for name, value in fields.items()}
     memory = Memory({**words, SATP_MODE: 9 << 60})
     kernel = Kernel(Image(elf_header(2)))
-    assert await RISCV64.page_tables(memory.read, kernel, 0, None, RISCV64_ARCH, vcpus()) is None  # type: ignore[arg-type]
+    assert await RISCV64.page_tables(loaded(memory.read, kernel, vcpus()), None) is None
     assert memory.requests == []
-    linear = await RISCV64.linear_map(memory.read, kernel, 0, vcpus())  # type: ignore[arg-type]
+    linear = await RISCV64.linear_map(loaded(memory.read, kernel, vcpus()))
     assert linear is not None
-    tables = await RISCV64.page_tables(memory.read, kernel, 0, linear, RISCV64_ARCH, vcpus())  # type: ignore[arg-type]
+    tables = await RISCV64.page_tables(loaded(memory.read, kernel, vcpus()), linear)
     assert tables is not None and (tables.levels, tables.direct_map) == (4, VA_PA_OFFSET)
     first, second = memory.requests  # two requests: the map, then the mode
     assert sorted(first) == sorted(words) and second == [SATP_MODE]
@@ -270,13 +277,13 @@ async def test_with_no_vcpu_in_the_kernel_its_variables_are_read_through_a_vcpu_
     transport = vcpus(8 << 60 | 0x1234 << 44 | root >> 12)  # Sv39, ASID 0x1234
     transport.physical = {at: bytes(page) for at, page in pages.items()}
     unreadable = Memory()  # user mode: no kernel address reads through the vCPU
-    linear = await RISCV64.linear_map(unreadable.read, kernel, 0, transport)  # type: ignore[arg-type]
+    linear = await RISCV64.linear_map(loaded(unreadable.read, kernel, transport))
     assert linear is not None and linear.offset == VA_PA_OFFSET
     assert linear.physical(KERNEL_MAP, 8) == image + KERNEL_MAP % (1 << 21)
-    tables = await RISCV64.page_tables(unreadable.read, kernel, 0, linear, RISCV64_ARCH, transport)  # type: ignore[arg-type]
+    tables = await RISCV64.page_tables(loaded(unreadable.read, kernel, transport), linear)
     assert tables is not None and tables.levels == 3
     # A bare satp (firmware before the kernel's MMU) translates nothing: nothing is read.
     bare = vcpus()
     bare.physical = transport.physical
-    assert await RISCV64.linear_map(unreadable.read, kernel, 0, bare) is None  # type: ignore[arg-type]
+    assert await RISCV64.linear_map(loaded(unreadable.read, kernel, bare)) is None
     assert "read_physical" not in bare.calls

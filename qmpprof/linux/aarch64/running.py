@@ -18,9 +18,10 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
+from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
-from qmpprof.memory import Reader, reader
+from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
@@ -42,22 +43,16 @@ class Aarch64Platform:
         return await slide_by_banner(control, kernel, arch) if found is None else found
 
     async def page_tables(
-        self,
-        read: Reader,
-        kernel: LinuxKernel,
-        slide: int,
-        linear: LinearMap | None,
-        arch: InstructionSet,
-        control: GuestTransport,
+        self, loaded: LoadedKernel, linear: LinearMap | None
     ) -> PageTables | None:
         """4 KiB pages under a user space of ``arch.user_space_end`` bytes, walked in the linear
         map (a vCPU in kernel mode reads no user memory, PAN): 9 bits of address a level above
         the page's 12 (four levels for 48 bits)."""
-        end = arch.user_space_end
+        end = loaded.arch.user_space_end
         if linear is None or end is None:
             return None
         bits = end.bit_length() - 1
-        return PageTables(read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
+        return PageTables(loaded.read, linear.offset, -(-(bits - 12) // 9), AARCH64_ENTRIES, end)
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return CpuContext.from_btf(btf, arch)
@@ -70,9 +65,7 @@ class Aarch64Platform:
     ) -> CurrentTask | None:
         return None
 
-    async def linear_map(
-        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
-    ) -> LinearMap | None:
+    async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
         return None
 
 

@@ -17,6 +17,7 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
+from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader
@@ -143,25 +144,21 @@ class Riscv64Platform:
         return 0 if e_type == _ET_EXEC else await slide_by_banner(control, kernel, arch)
 
     async def page_tables(
-        self,
-        read: Reader,
-        kernel: LinuxKernel,
-        slide: int,
-        linear: LinearMap | None,
-        arch: InstructionSet,
-        control: GuestTransport,
+        self, loaded: LoadedKernel, linear: LinearMap | None
     ) -> PageTables | None:
         """Walked in the linear map (``kernel_map.va_pa_offset`` above physical memory:
         ``linear_mapping_pa_to_va``, arch/riscv/include/asm/page.h), with the levels of the mode
         the kernel writes in satp (``satp_mode``: satp's MODE in its top 4 bits)."""
-        mode_at = kernel.address("satp_mode", slide)
+        mode_at = loaded.address("satp_mode")
         if linear is None or mode_at is None:
             return None
-        (raw,) = await read_kernel(read, control, [(mode_at, 8)])
+        (raw,) = await read_kernel(loaded.read, loaded.control, [(mode_at, 8)])
         bits = None if raw is None else va_bits(int.from_bytes(raw, "little"))
         if bits is None:
             return None
-        return PageTables(read, linear.offset, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1))
+        return PageTables(
+            loaded.read, linear.offset, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1)
+        )
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         raise KeyError("nothing: riscv64's switch frame (thread_struct) is not read yet")
@@ -174,23 +171,22 @@ class Riscv64Platform:
     ) -> CurrentTask | None:
         return RegisterTask(arch, clock, recheck)
 
-    async def linear_map(
-        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
-    ) -> LinearMap | None:
+    async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
         """From ``kernel_map`` (arch/riscv/mm/init.c): RAM at ``page_offset``, ``va_pa_offset``
         above its physical address, up to the modules' 2 GiB below the image; the image at
         ``virt_addr``, ``va_kernel_pa_offset`` above its own. A vCPU in user mode reads no
         supervisor page, one in M-mode firmware translates nothing: such samples read the
         kernel's data physically through it (and it is read so too when every vCPU is there,
         ``read_kernel``)."""
-        mapping = kernel.address("kernel_map", slide)
-        if kernel.btf is None or mapping is None:
+        mapping, btf = loaded.address("kernel_map"), loaded.kernel.btf
+        if btf is None or mapping is None:
             return None
         try:
-            offsets = [kernel.btf.offset_of(f"kernel_mapping.{name}") for name in _MAPPING]
+            offsets = [btf.offset_of(f"kernel_mapping.{name}") for name in _MAPPING]
         except KeyError:
             return None
-        raws = await read_kernel(read, control, [(mapping + offset, 8) for offset in offsets])
+        places = [(mapping + offset, 8) for offset in offsets]
+        raws = await read_kernel(loaded.read, loaded.control, places)
         if None in raws:
             return None
         found = [int.from_bytes(raw or b"", "little") for raw in raws]

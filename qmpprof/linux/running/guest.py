@@ -26,7 +26,7 @@ from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode, k
 from qmpprof.linux.running.linearmap import LinearMap, find_linear_map
 from qmpprof.linux.running.modules import ModuleLayout, ModuleList
 from qmpprof.linux.running.offcpu import OffCpuLayout, TaskListReader, read_states
-from qmpprof.linux.running.platform import LinuxPlatform
+from qmpprof.linux.running.platform import LinuxPlatform, LoadedKernel
 from qmpprof.linux.running.platforms import linux_platform
 from qmpprof.linux.running.spaces import Spaces
 from qmpprof.linux.running.tasks import RECHECK, TaskLayout, task_list
@@ -205,6 +205,7 @@ class LinuxGuest:
             current.bases.update(bases)
             await current.preload(read, cpus)
         linear = None
+        loaded = LoadedKernel(read, kernel, slide, arch, control)
         low, high = kernel.image.load_range  # the whole image, its data too
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
@@ -214,8 +215,8 @@ class LinuxGuest:
         if slotted is not None:
             linear = await find_linear_map(control, _slots(slotted), arch.shared_from, top, image)
         else:
-            linear = await platform.linear_map(read, kernel, slide, control)
-        tables = await platform.page_tables(read, kernel, slide, linear, arch, control)
+            linear = await platform.linear_map(loaded)
+        tables = await platform.page_tables(loaded, linear)
         end = arch.user_space_end
         spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
 
@@ -227,11 +228,9 @@ class LinuxGuest:
                     control, _slots(slotted), arch.shared_from, top, image, tries=1
                 )
             else:  # the kernel's variable
-                found = await platform.linear_map(read, kernel, slide, control)
+                found = await platform.linear_map(loaded)
             if found is not None and spaces.tables is None:
-                spaces.tables = await platform.page_tables(
-                    read, kernel, slide, found, arch, control
-                )
+                spaces.tables = await platform.page_tables(loaded, found)
             return found
 
         self.identifier = LinuxIdentifier(

@@ -6,6 +6,7 @@ instruction set: it asks the platform."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
@@ -18,6 +19,23 @@ from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedKernel:
+    """The running kernel as a platform reads it once its slide is known: its memory through
+    a vCPU that can read it (``read``), the kernel file and its slide, the instruction set, and
+    the guest's control channel for what a platform reads its own way (``control``)."""
+
+    read: Reader
+    kernel: LinuxKernel
+    slide: int
+    arch: InstructionSet
+    control: GuestTransport
+
+    def address(self, name: str) -> int | None:
+        """Where the running kernel put the symbol ``name``; None: the file has no such symbol."""
+        return self.kernel.address(name, self.slide)
 
 
 class LinuxPlatform(Protocol):
@@ -42,18 +60,12 @@ class LinuxPlatform(Protocol):
         ...
 
     async def page_tables(
-        self,
-        read: Reader,
-        kernel: LinuxKernel,
-        slide: int,
-        linear: LinearMap | None,
-        arch: InstructionSet,
-        control: GuestTransport,
+        self, loaded: LoadedKernel, linear: LinearMap | None
     ) -> PageTables | None:
         """The processes' page tables, as the kernel's variables describe them (x86_64: its
         direct map's base and paging levels) or walked in its linear map (``linear``, once
-        found: arm64, riscv64), the variables read through ``read`` (kernel memory) or where
-        the platform knows how through ``control``; None while they cannot be told."""
+        found: arm64, riscv64), the variables read through ``loaded.read`` (kernel memory) or
+        where the platform knows how through ``loaded.control``; None while they cannot be told."""
         ...
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
@@ -74,10 +86,8 @@ class LinuxPlatform(Protocol):
         (riscv64's tp); None: the per-CPU variable does (``current.locate_current``)."""
         ...
 
-    async def linear_map(
-        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
-    ) -> LinearMap | None:
-        """The linear map as the kernel's variables describe it (read through ``read``, kernel
-        memory, or where the platform knows how through ``control``), where the current task's
-        per-CPU slots do not measure it (``current_task``: no such slots); None otherwise."""
+    async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
+        """The linear map as the kernel's variables describe it (read as ``page_tables``
+        reads), where the current task's per-CPU slots do not measure it (``current_task``:
+        no such slots); None otherwise."""
         ...

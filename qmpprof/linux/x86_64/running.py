@@ -15,12 +15,13 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import PageTables, page_tables
+from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.linux.x86_64.idt import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
-from qmpprof.memory import Reader, reader
+from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
@@ -65,18 +66,12 @@ class X86_64Platform:
         return await idt_slide(control, kernel.symbols, arch, kernel=kernel)
 
     async def page_tables(
-        self,
-        read: Reader,
-        kernel: LinuxKernel,
-        slide: int,
-        linear: LinearMap | None,
-        arch: InstructionSet,
-        control: GuestTransport,
+        self, loaded: LoadedKernel, linear: LinearMap | None
     ) -> PageTables | None:
         return await page_tables(
-            read,
-            kernel.address("page_offset_base", slide),
-            kernel.address("__pgtable_l5_enabled", slide),
+            loaded.read,
+            loaded.address("page_offset_base"),
+            loaded.address("__pgtable_l5_enabled"),
         )
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
@@ -90,9 +85,7 @@ class X86_64Platform:
     ) -> CurrentTask | None:
         return None
 
-    async def linear_map(
-        self, read: Reader, kernel: LinuxKernel, slide: int, control: GuestTransport
-    ) -> LinearMap | None:
+    async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
         return None
 
 
