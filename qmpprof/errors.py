@@ -15,7 +15,8 @@ Every error a user can cause or meet maps to one line on stderr and an exit code
     │   └── SymbolMapError       exit 6   a System.map or /proc/kallsyms text that cannot be read
     ├── ProfileError             exit 7   a saved profile that cannot be read back
     ├── OutputError              exit 8   an output file that cannot be written
-    └── KernelMismatchError      exit 9   the running kernel cannot be matched with its image
+    ├── KernelMismatchError      exit 9   the running kernel cannot be matched with its image
+    └── DescribeError            exit 10  a kernel description (--describe) that does not fit
 
 Each class that brings an exit code says what it means in a few words (``meaning``):
 ``exit_codes`` lists them for ``--help``; README.md's exit-code table says the same to users at
@@ -153,6 +154,17 @@ class KernelMismatchError(QmpprofError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"running kernel does not match the image: {detail}")
+
+
+class DescribeError(QmpprofError):
+    """A kernel description (``--describe``) that cannot be read, or whose expressions do not
+    fit the kernel's DWARF: the message names the key and the term."""
+
+    exit_code = 10
+    meaning = "a bad kernel description"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"kernel description {detail}")
 
 
 def exit_codes() -> dict[int, str]:

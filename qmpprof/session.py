@@ -49,6 +49,8 @@ class RunSpec:
     # The Emerald page's address and layout (None: its defaults).
     metadata_addr: int | None = None
     metadata_layout: tuple[str, ...] | None = None
+    # A kernel description (--describe): its tasks told by C expressions over its DWARF.
+    describe: Path | None = None
     # Resolve source lines and inlined frames where DWARF has them (for --lines, and for saved
     # profiles, which any naming may render later); off, frames carry no lines (cheaper).
     lines: bool = False
@@ -61,8 +63,12 @@ def load(spec: RunSpec) -> Guest:
     """The run's guest OS, its files read and indexed (before the guest is touched): the
     registry's choice for ``spec.os`` and the kernel file."""
     kernel = None if spec.kernel is None else KernelFile.open(spec.kernel)
-    kind = guests.choose(spec.os, kernel)
-    options = {"metadata_addr": spec.metadata_addr, "metadata_layout": spec.metadata_layout}
+    kind = guests.choose(spec.os, kernel, described=spec.describe is not None)
+    options = {
+        "metadata_addr": spec.metadata_addr,
+        "metadata_layout": spec.metadata_layout,
+        "describe": spec.describe,
+    }
     guest_spec = GuestSpec(
         arch=(kernel.arch if kernel is not None else None) or arches.default(),
         kernel=kernel,

@@ -116,12 +116,16 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
         help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
     add("--no-metadata", action="store_true", help="the same as --os cr3")
+    add("--describe", metavar="FILE",
+        help="a kernel description (TOML: C expressions over the kernel's DWARF globals that "
+             "say each vCPU's current task, its pid and name; docs/describe.md)")  # fmt: skip
     add(
         "--os",
         choices=guests.names(),
         default=guests.AUTO,
         help="how the guest tells its processes apart: Linux's current task (linux), the "
-        "Emerald metadata page (emerald), page-table roots alone (cr3), or auto (the default): "
+        "Emerald metadata page (emerald), page-table roots alone (cr3), a kernel description "
+        "(described, with --describe), or auto (the default): described with --describe, "
         "linux for a Linux --kernel, else the page when it is there",
     )
 
@@ -135,6 +139,7 @@ class GuestFields(TypedDict):
     os: str
     metadata_addr: int
     metadata_layout: tuple[str, ...]
+    describe: Path | None
 
 
 def guest_fields(ns: argparse.Namespace) -> GuestFields:
@@ -145,6 +150,7 @@ def guest_fields(ns: argparse.Namespace) -> GuestFields:
         "os": "cr3" if ns.no_metadata else ns.os,
         "metadata_addr": parse_address(ns.metadata_addr, "--metadata-addr"),
         "metadata_layout": _layout(ns.metadata_layout),
+        "describe": Path(ns.describe) if ns.describe else None,
     }
 
 
@@ -169,7 +175,7 @@ def check_files(spec: RunSpec) -> None:
     """The files the flags name are there: a missing one is a UsageError for every flag alike;
     what they hold is read later (ElfError, exit 6, for one that is not what it should be)."""
     named = (("--kernel", spec.kernel, False), ("--kallsyms", spec.kallsyms, False),
-             ("--user-dir", spec.user_dir, True))  # fmt: skip
+             ("--user-dir", spec.user_dir, True), ("--describe", spec.describe, False))  # fmt: skip
     for flag, path, folder in named:
         if path is None:
             continue

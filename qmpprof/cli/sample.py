@@ -20,7 +20,7 @@ import qmpprof.cli.outputs as outputs
 import qmpprof.cli.text as text
 from qmpprof.cli.options import Options
 from qmpprof.errors import GuestGoneError, OutputError, UsageError
-from qmpprof.guest.base import Guest, TaskLister
+from qmpprof.guest.base import Guest, TaskLister, Warns
 from qmpprof.interrupts import interrupts, name
 from qmpprof.model import TaskView
 from qmpprof.offcpu import every_task
@@ -191,6 +191,8 @@ def _finish(
     scanned = sampler.unwinder.scanned if isinstance(sampler.unwinder, Unwinder) else 0
     if scanned:
         lines.append(f"Frames found by following code with no CFI to its return: {scanned}")
+    if isinstance(sampler.identifier, Warns):
+        lines += sampler.identifier.warnings()
     if opts.verbose:
         lines += stats.detail_lines()
     unwritten = []

@@ -234,6 +234,15 @@ class TaskLister(Protocol):
         ...
 
 
+@runtime_checkable
+class Warns(Protocol):
+    """A guest OS with something to tell at the end of a run (what it could not read)."""
+
+    def warnings(self) -> list[str]:
+        """One line each, said once for the run."""
+        ...
+
+
 class GuestOs(Protocol):
     """A kind of guest OS: one registry entry, chosen by ``--os NAME``."""
 

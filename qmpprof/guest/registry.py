@@ -7,9 +7,11 @@ from __future__ import annotations
 from qmpprof.errors import UsageError
 from qmpprof.guest import cr3, emerald
 from qmpprof.guest.base import GuestOs, KernelFile
+from qmpprof.guest.describe.guest import DescribedOs
 from qmpprof.linux.running.linuxos import LINUX
 
 AUTO = "auto"
+DESCRIBED = DescribedOs.name
 _OSES: dict[str, GuestOs] = {}
 
 
@@ -34,9 +36,13 @@ def names() -> list[str]:
     return [AUTO, *_OSES]
 
 
-def choose(name: str, kernel: KernelFile | None) -> GuestOs:
+def choose(name: str, kernel: KernelFile | None, *, described: bool = False) -> GuestOs:
     """The guest OS ``--os NAME`` means for a run with ``kernel`` (``auto``: the first that
-    recognises it)."""
+    recognises it, or the described kernel's for a run with a description)."""
+    if described and name not in (AUTO, DESCRIBED):
+        raise UsageError(f"--describe goes with --os auto or {DESCRIBED}, not --os {name}")
+    if name == AUTO and described:
+        return _OSES[DESCRIBED]
     if name == AUTO:
         for kind in _OSES.values():
             if kind.recognises(kernel):
@@ -51,3 +57,4 @@ def choose(name: str, kernel: KernelFile | None) -> GuestOs:
 register(LINUX)
 register(emerald.EmeraldOs())
 register(cr3.Cr3Os())
+register(DescribedOs())

@@ -1,0 +1,1 @@
+"""A kernel described in a few lines of C expressions (``--describe``): who runs on a vCPU."""

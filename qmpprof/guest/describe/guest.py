@@ -1,0 +1,151 @@
+"""A guest OS told by its kernel description (``--describe FILE``, ``--os described``): pids and
+names read in the pause through the description's expressions, the rest (user programs by their
+code under the page-table root, the firmware, the kernel file's check) as ``cr3.py`` does.
+
+A pause reads the description's fixed words (the current-task pointer of ``cpus[$cpu]``) with
+the stack, in the same request (``reads_for``), then the current task's fields in one read (the
+span of its bytes the keys read), then whatever else an expression needs, one read each. An
+expression that reads unmapped memory leaves that sample with no pid (named by its address
+space, as without a description); the run goes on and ends with one warning line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from qmpprof.elf.dwarftypes import DwarfTypes
+from qmpprof.errors import DescribeError, UsageError
+from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
+from qmpprof.guest.cr3 import Cr3Identifier, load_files
+from qmpprof.guest.describe import description
+from qmpprof.guest.describe.compile import Env, Unreadable
+from qmpprof.guest.describe.description import Description
+from qmpprof.memory import Reader, fetch_piece, reader
+from qmpprof.model import Process, Registers
+from qmpprof.pagecache import PageCache
+from qmpprof.transport.base import GuestTransport
+
+T = TypeVar("T")
+# Reads one evaluation may make one after the other (each a pointer followed): more is a
+# description that walks a list, which these keys do not.
+MAX_ROUNDS = 16
+
+
+class DescribedOs:
+    """``--os described``; ``auto`` takes it whenever ``--describe`` is given."""
+
+    name = "described"
+
+    def recognises(self, kernel: KernelFile | None) -> bool:
+        return False  # only by --describe (registry.choose)
+
+    def load(self, spec: GuestSpec) -> DescribedIdentifier:
+        path = spec.options.get("describe")
+        if not isinstance(path, Path):
+            raise UsageError("--os described needs --describe FILE")
+        modules, programs, image = load_files(spec)
+        if image is None:
+            raise UsageError("--describe needs --kernel: the kernel's DWARF types its expressions")
+        types = DwarfTypes(image)
+        if not types.has_dwarf:
+            raise DescribeError(
+                f"{path}: {image.name} has no DWARF (.debug_info): build it with -g"
+            )
+        described = description.load(path, types, spec.arch)
+        by_cr3 = Cr3Identifier(modules, programs, spec.arch, kernel_file=image)
+        return DescribedIdentifier(by_cr3, described)
+
+
+class _Missing(Exception):
+    def __init__(self, addr: int, size: int) -> None:
+        super().__init__(f"{size} bytes at {addr:#x} not fetched")
+        self.addr, self.size = addr, size
+
+
+class _Fetched:
+    """The sample's page cache as the expressions read it: what is not fetched yet raises
+    _Missing with its whole range (PageMissing knows only the address)."""
+
+    def __init__(self, cache: PageCache) -> None:
+        self.cache = cache
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        if not self.cache.has(addr, size):
+            raise _Missing(addr, size)
+        return self.cache.read(addr, size)
+
+
+class _NoMemory:
+    def read(self, addr: int, size: int) -> bytes | None:
+        raise AssertionError("a fixed read reads no memory")
+
+
+class DescribedIdentifier:
+    """A Guest by its description, beside ``Cr3Identifier`` (programs, firmware, checks)."""
+
+    def __init__(self, by_cr3: Cr3Identifier, described: Description) -> None:
+        self.by_cr3 = by_cr3
+        self.description = described
+        self.arch = by_cr3.arch
+        self.unreadable = 0  # samples an expression left without a pid
+        self.first_unreadable: Unreadable | None = None
+
+    async def attach(self, transport: GuestTransport) -> Attached:
+        attached = await self.by_cr3.attach(transport)
+        said = f"tasks as {self.description.path.name} describes them"
+        return Attached((*attached.detail, said), attached.notes)
+
+    async def housekeep(self) -> None:
+        return None
+
+    def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
+        if self.by_cr3.firmware.runs(regs):
+            return ()
+        env = Env(regs.cpu, regs, _NoMemory())
+        return [(code(env), size) for code, size in self.description.fixed_reads]
+
+    async def identify(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        base = await self.by_cr3.identify(transport, regs, cache)
+        if self.by_cr3.firmware.runs(regs):
+            return base
+        read, env = reader(transport, regs.cpu), Env(regs.cpu, regs, _Fetched(cache))
+        try:
+            task = await _settled(lambda: self.description.current_task(env), read, cache)
+            if task is None:
+                return base if regs.user else self.by_cr3.kernel  # idle, or the kernel alone
+            span = self.description.task_span
+            if span is not None:
+                await fetch_piece(read, cache, task + span[0], span[1] - span[0])
+            found = await _settled(lambda: self.description.about(env, task), read, cache)
+        except Unreadable as err:
+            self.unreadable += 1
+            self.first_unreadable = self.first_unreadable or err
+            return base
+        space = self.arch.space_register
+        process = Process(found.pid, found.name, regs.space, space_name=space)
+        return Identity(process, base.space, base.memory, base.registers, base.reread_mappings)
+
+    def warnings(self) -> list[str]:
+        """The run's one line on what the description could not read, if anything."""
+        first = self.first_unreadable
+        if first is None:
+            return []
+        return [
+            f"Warning: {self.description.path.name}: '{first.key}' read unmapped memory"
+            f" (first at {first.addr:#x}) in {self.unreadable} samples, which have no pid"
+        ]
+
+
+async def _settled(evaluate: Callable[[], T], read: Reader, cache: PageCache) -> T:
+    """``evaluate()`` once everything it reads is fetched: each range it misses is read (one
+    request) and it runs again."""
+    for _ in range(MAX_ROUNDS):
+        try:
+            return evaluate()
+        except _Missing as missing:
+            await fetch_piece(read, cache, missing.addr, missing.size)
+    raise Unreadable(0)
