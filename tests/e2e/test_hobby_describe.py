@@ -1,0 +1,130 @@
+"""The teaching-kernel-shaped guest (fixtures/hobby) profiled with its shipped description
+(fixtures/hobby/describe.toml) and no flag but --kernel, --user-dir and --describe, on every QEMU.
+
+At MOMENTS random moments gdb stops the guest and qmpprof samples it stopped: the sample's pid
+and name must be the guest's own table's, ``cpus[0].proc->pid`` and ``->name``, as gdb reads
+them at that moment (no process when ``cpus[0].proc`` is 0: the CPU idles, or the kernel runs
+alone). Then a run from the command line labels its samples ``name (pid N)`` from that table;
+and a description whose pid reads unmapped memory still runs, with one warning line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from guestvm import ROOT, free_tcp_port
+from hobbyvm import running_hobby
+from qemus import every_qemu
+from test_hobby_vs_gdb import HobbyOracle
+
+from qmpprof import session
+from qmpprof.cli import main
+from qmpprof.sampler import Sampler, SamplerConfig
+from qmpprof.session import RunSpec
+from qmpprof.transport.qmp import QmpTransport
+
+pytestmark = [pytest.mark.qemu, every_qemu]
+
+DESCRIPTION = ROOT / "fixtures" / "hobby" / "describe.toml"
+MOMENTS = 100
+REQUIRED = 0.99
+# fixtures/hobby/proc.c spawns these, in this order (test_hobby_guest.py reads them with gdb).
+TABLE = {(1, "crunch"), (2, "chatter"), (3, "chatter")}
+_TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*))\\n"')
+_SCRIPT = r"""
+def qg_task():
+    proc = gdb.parse_and_eval("cpus[0].proc")
+    if int(proc) == 0:
+        print("QGTASK none")
+    else:
+        name = proc["name"].string(length=16).split("\0")[0]
+        print("QGTASK %d %s" % (int(proc["pid"]), name))
+"""
+
+
+class TaskOracle(HobbyOracle):
+    def __init__(self, kernel: Path, user_dir: Path, port: int, scripts: Path) -> None:
+        super().__init__(kernel, user_dir, port, scripts)
+        (scripts / "qgtask.py").write_text(_SCRIPT)
+        self.command(f'-interpreter-exec console "source {scripts / "qgtask.py"}"')
+
+    def task(self) -> tuple[int, str] | None:
+        """The pid and name of the process the guest's CPU runs, None when none does."""
+        lines = self.command('-interpreter-exec console "python qg_task()"')
+        found = [m for line in lines for m in [_TASK.match(line)] if m]
+        assert found, lines
+        return None if found[0][1] == "none" else (int(found[0][2]), found[0][3])
+
+
+async def compare(tmp_path: Path) -> tuple[list[tuple[int, str] | None], list[str]]:
+    """gdb's task at each moment, and the moments where qmpprof's differs."""
+    port = free_tcp_port()
+    rng = random.Random("qmpprof-hobby-describe")
+    truths: list[tuple[int, str] | None] = []
+    differences = []
+    with running_hobby(tmp_path, gdb_port=port) as guest:
+        spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir, describe=DESCRIPTION)
+        identifier = session.load(spec)
+        unwinder = session.unwinder(spec, identifier)
+        oracle = TaskOracle(guest.kernel_elf, guest.user_dir, port, tmp_path)
+        transport = await QmpTransport.connect(guest.qmp_socket)
+        try:
+            for moment in range(MOMENTS):
+                time.sleep(rng.uniform(0.002, 0.03))  # spreads the moments; no synchronisation
+                oracle.stop()
+                sampler = Sampler(transport, unwinder, identifier, SamplerConfig())
+                outcome = await sampler.run(one_shot=True)
+                (sample,) = outcome.last
+                truth = oracle.task()
+                process = sample.process
+                ours = None if process is None else (process.pid, process.program)
+                truths.append(truth)
+                if ours != truth:
+                    differences.append(f"moment {moment}: gdb {truth}, qmpprof {ours}")
+                oracle.resume()
+        finally:
+            oracle.close()
+            await transport.close()
+    return truths, differences
+
+
+def test_pids_and_names_are_the_guests_own(tmp_path: Path) -> None:
+    truths, differences = asyncio.run(compare(tmp_path))
+    counts = Counter(truths)
+    print(f"{MOMENTS - len(differences)} of {MOMENTS} moments agree; gdb's tasks: {counts}")
+    print("\n".join(differences))
+    assert len(differences) <= (1 - REQUIRED) * MOMENTS, "\n".join(differences)
+    seen = {truth for truth in truths if truth is not None}
+    assert seen <= TABLE, seen
+    assert len(seen) >= 2, truths  # crunch's loops and a chatter's system calls, at least
+
+
+def test_a_run_labels_its_samples_by_pid_and_goes_on_past_unmapped_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.folded"
+    unmapped = tmp_path / "unmapped.toml"
+    # 0x40000000: neither the user's 4 MiB nor the kernel's map (fixtures/hobby/kernel.h).
+    unmapped.write_text('current = "cpus[$cpu].proc"\npid = "*(int *)0x40000000"\n')
+    with running_hobby(tmp_path) as guest:
+        files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
+        run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5"]
+        code = main([*run, "--describe", str(DESCRIPTION), "-o", str(out)])
+        said = capsys.readouterr().err
+        unreadable = main([*run, "--describe", str(unmapped)])
+        warned = capsys.readouterr().err
+    assert code == 0, said
+    assert "unmapped" not in said, said
+    labels = {line.split(";", 1)[0] for line in out.read_text().splitlines()}
+    with_pids = {label for label in labels if "(pid " in label}
+    assert with_pids and with_pids <= {f"{name} (pid {pid})" for pid, name in TABLE}, labels
+    assert unreadable == 0, warned
+    lines = [line for line in warned.splitlines() if "unmapped" in line]
+    assert len(lines) == 1 and "'pid' read unmapped memory (first at 0x40000000)" in lines[0]
+    assert "Traceback" not in warned
