@@ -216,7 +216,7 @@ def test_unmapped_memory_is_unreadable_and_names_its_key(tmp_path: Path) -> None
     assert task == 0x9000_0000
     with pytest.raises(Unreadable) as err:
         found.about(env, task)
-    assert (err.value.key, err.value.addr) == ("pid", 0x9000_0000)
+    assert (err.value.key, err.value.what) == ("pid", "unmapped memory at 0x90000000")
 
 
 # ---- the identifier in a pause -----------------------------------------------------------------
@@ -250,8 +250,8 @@ def test_the_identifier_reads_the_task_once_and_warns_once(tmp_path: Path) -> No
     for _ in range(3):
         assert asyncio.run(sample(0x9000_0000)) == (None, ["read:0x90000000+0xc"])
     assert identifier.warnings() == [
-        "Warning: kernel.toml: 'pid' read unmapped memory (first at 0x90000000) in 3 samples,"
-        " which have no pid"
+        "Warning: kernel.toml: 'pid' could not be read in 3 samples, which have no pid (first:"
+        " unmapped memory at 0x90000000)"
     ]
 
 
@@ -290,3 +290,17 @@ def test_a_wrong_member_is_told_before_the_guest_is_touched(
         " 'tid'\n"
     )
     assert server.accepted == 1  # the greeting read by the socket's check, nothing sent
+
+
+def test_a_tasks_root_is_its_process_space(tmp_path: Path) -> None:
+    found = described(tmp_path, HOBBY + 'root = "(uint *)$task->next"\n')
+    identifier = DescribedIdentifier(Cr3Identifier([], ProgramIndex([]), I386), found)
+    transport = FakeTransport({1: regs()}, dict([page({TASK_AT: task_bytes(7, b"chatter")})]))
+    struct_next = struct.pack("<I", 0x8020_0000)  # task_bytes leaves next 0: a root of its own
+    transport.pages[TASK_AT] = transport.pages[TASK_AT][:12] + struct_next + bytes(PAGE - 16)
+    cache = PageCache()
+    ((addr, size),) = identifier.reads_for(regs())
+    cache.pieces[addr] = (size, struct.pack("<I", TASK_AT))
+    process = asyncio.run(identifier.identify(transport, regs(), cache)).process
+    assert process is not None and (process.space, process.space_name) == (0x8020_0000, "root")
+    assert process.label == "chatter (pid 7)" and found.task_span == (0, 16)

@@ -31,11 +31,12 @@ class Problem(ValueError):
 
 
 class Unreadable(Exception):
-    """Guest memory an expression read is not mapped."""
+    """What an expression needed could not be read in this sample: guest memory not mapped
+    (``what``: where), or a register the sample lacks."""
 
-    def __init__(self, addr: int) -> None:
-        super().__init__(f"{addr:#x}")
-        self.addr = addr
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
         self.key: str | None = None  # the description's key that read it, once known
 
 
@@ -125,12 +126,12 @@ class Compiler:
         if read is None:
             known = ", ".join(sorted(self.registers))
             raise Problem(node.text, f"no such register (these are: {known}, cpu, task)")
-        name = node.text
+        missing = f"no {node.text} in this sample"
 
         def register(env: Env) -> int:
             value = read(env.regs)
             if value is None:
-                raise Unreadable(0) from Problem(name, "not read in this sample")
+                raise Unreadable(missing)
             return value
 
         return Term(register, None)
@@ -281,7 +282,7 @@ def load(address: Code, size: int, signed: bool) -> Code:
         addr = address(env)
         data = env.memory.read(addr, size)
         if data is None:
-            raise Unreadable(addr)
+            raise Unreadable(f"unmapped memory at {addr:#x}")
         return int.from_bytes(data, "little", signed=signed)
 
     return loaded

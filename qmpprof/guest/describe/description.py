@@ -7,8 +7,9 @@ Its keys, each a string holding one expression (syntax.py):
              vCPU idles, or runs the kernel alone), the sample is the kernel's
     pid      the task's pid, an integer
     name     its name: a char array, or a pointer to a NUL-terminated string
-    root     the root of its address space (its page tables), a pointer or an integer: kept
-             with the pid, so a pid reused with another address space is told apart
+    root     the root of its address space as the kernel keeps it (its page tables), a
+             pointer or an integer: the process's space in the profile (saved with it; its
+             label when there is no pid), in place of the vCPU's page-table register
 
 ``current`` is required; the others use ``$task``, current's value. Everything is checked when
 the file is loaded, before the guest is touched (DescribeError: one line naming the key and the
@@ -62,7 +63,8 @@ class Description:
 
     def current_task(self, env: Env) -> int | None:
         """The address of the task on ``env``'s vCPU, None when none runs (``current`` is 0).
-        Unreadable when an expression read unmapped memory; the memory's own exception for
+        Unreadable when an expression read unmapped memory (or a register the sample lacks);
+        the memory's own exception for
         memory not fetched yet."""
         return _keyed("current", self.current, env) or None
 
@@ -193,7 +195,7 @@ def _string(address: Code, size: int) -> Callable[[Env], str]:
         addr = address(env)
         data = env.memory.read(addr, size)
         if data is None:
-            raise Unreadable(addr)
+            raise Unreadable(f"unmapped memory at {addr:#x}")
         return data.split(b"\0", 1)[0].decode(errors="replace")
 
     return read
@@ -202,8 +204,14 @@ def _string(address: Code, size: int) -> Callable[[Env], str]:
 def register_readers(arch: InstructionSet) -> dict[str, Callable[[Registers], int | None]]:
     """``$NAME`` for each register of the instruction set by its name (DWARF's numbering), and
     its page-table root (``$cr3``, ``$satp``, ...)."""
-    readers: dict[str, Callable[[Registers], int | None]] = {}
-    for number, name in enumerate(arch.names):
-        readers[name] = lambda regs, n=number: regs.gprs.get(n)  # type: ignore[misc]
-    readers[arch.space_register] = lambda regs: regs.space
+    readers = {name: _gpr(number) for number, name in enumerate(arch.names)}
+    readers[arch.space_register] = _space
     return readers
+
+
+def _gpr(number: int) -> Callable[[Registers], int | None]:
+    return lambda regs: regs.gprs.get(number)
+
+
+def _space(regs: Registers) -> int | None:
+    return regs.space

@@ -6,7 +6,8 @@ A pause reads the description's fixed words (the current-task pointer of ``cpus[
 the stack, in the same request (``reads_for``), then the current task's fields in one read (the
 span of its bytes the keys read), then whatever else an expression needs, one read each. An
 expression that reads unmapped memory leaves that sample with no pid (named by its address
-space, as without a description); the run goes on and ends with one warning line.
+space, as without a description); the run goes on and ends with one warning line. A task's
+``root`` (as the kernel keeps it) is its process's space; without one, the vCPU's register's.
 """
 
 from __future__ import annotations
@@ -125,8 +126,12 @@ class DescribedIdentifier:
             self.unreadable += 1
             self.first_unreadable = self.first_unreadable or err
             return base
-        space = self.arch.space_register
-        process = Process(found.pid, found.name, regs.space, space_name=space)
+        if found.root is None:
+            process = Process(
+                found.pid, found.name, regs.space, space_name=self.arch.space_register
+            )
+        else:
+            process = Process(found.pid, found.name, found.root, space_name="root")
         return Identity(process, base.space, base.memory, base.registers, base.reread_mappings)
 
     def warnings(self) -> list[str]:
@@ -135,8 +140,8 @@ class DescribedIdentifier:
         if first is None:
             return []
         return [
-            f"Warning: {self.description.path.name}: '{first.key}' read unmapped memory"
-            f" (first at {first.addr:#x}) in {self.unreadable} samples, which have no pid"
+            f"Warning: {self.description.path.name}: '{first.key}' could not be read in"
+            f" {self.unreadable} samples, which have no pid (first: {first.what})"
         ]
 
 
@@ -148,4 +153,4 @@ async def _settled(evaluate: Callable[[], T], read: Reader, cache: PageCache) ->
             return evaluate()
         except _Missing as missing:
             await fetch_piece(read, cache, missing.addr, missing.size)
-    raise Unreadable(0)
+    raise Unreadable(f"more than {MAX_ROUNDS} reads one after the other")
