@@ -26,6 +26,7 @@ from qmpprof.guest.describe import description, syntax
 from qmpprof.guest.describe.compile import Env, Unreadable
 from qmpprof.guest.describe.guest import DescribedIdentifier
 from qmpprof.guest.programs import ProgramIndex
+from qmpprof.memory import fetch_piece, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PAGE, PageCache
 
@@ -230,25 +231,33 @@ def page(words: dict[int, bytes]) -> tuple[int, bytes]:
     return base, bytes(data)
 
 
-def test_the_identifier_reads_the_task_once_and_warns_once(tmp_path: Path) -> None:
+def test_the_identifier_reads_a_new_task_once_and_warns_once(tmp_path: Path) -> None:
     found = described(tmp_path, HOBBY)
     identifier = DescribedIdentifier(Cr3Identifier([], ProgramIndex([]), I386), found)
     transport = FakeTransport({1: regs()}, dict([page({TASK_AT: task_bytes(7, b"chatter")})]))
 
-    async def sample(current: int) -> tuple[str | None, list[str]]:
-        cache = PageCache()
-        ((addr, size),) = identifier.reads_for(regs())
-        cache.pieces[addr] = (size, struct.pack("<I", current))  # read with the stack
+    async def sample(current: int) -> tuple[str | None, list[str], list[tuple[int, int]]]:
+        """The label, the reads identify made, and those made with the stack before it."""
+        transport.pages.update([page({CPUS_AT + 12: struct.pack("<I", current)})])
+        cache, early = PageCache(), list(identifier.reads_for(regs()))
+        for addr, size in early:  # with the stack, in its request
+            await fetch_piece(reader(transport, 1), cache, addr, size)
         transport.calls.clear()
         identity = await identifier.identify(transport, regs(), cache)
         process = identity.process
-        return (None if process is None else process.label), transport.calls
+        return (None if process is None else process.label), transport.calls, early
 
-    assert asyncio.run(sample(TASK_AT)) == ("chatter (pid 7)", [f"read:{TASK_AT:#x}+0xc"])
-    assert asyncio.run(sample(0)) == (None, [])  # idle in the kernel
+    current = (CPUS_AT + 12, 4)
+    first = ("chatter (pid 7)", [f"read:{TASK_AT:#x}+0xc"], [current])
+    assert asyncio.run(sample(TASK_AT)) == first
+    # The same task again: its fields were read with the stack, where it was last time.
+    again = ("chatter (pid 7)", [], [current, (TASK_AT, 12)])
+    assert asyncio.run(sample(TASK_AT)) == again
+    assert asyncio.run(sample(0)) == (None, [], [current, (TASK_AT, 12)])  # idle in the kernel
     assert identifier.warnings() == []
-    for _ in range(3):
-        assert asyncio.run(sample(0x9000_0000)) == (None, ["read:0x90000000+0xc"])
+    assert asyncio.run(sample(0x9000_0000))[:2] == (None, ["read:0x90000000+0xc"])
+    for _ in range(2):
+        assert asyncio.run(sample(0x9000_0000)) == (None, [], [current, (0x9000_0000, 12)])
     assert identifier.warnings() == [
         "Warning: kernel.toml: 'pid' could not be read in 3 samples, which have no pid (first:"
         " unmapped memory at 0x90000000)"

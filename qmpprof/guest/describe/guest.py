@@ -3,8 +3,9 @@ names read in the pause through the description's expressions, the rest (user pr
 code under the page-table root, the firmware, the kernel file's check) as ``cr3.py`` does.
 
 A pause reads the description's fixed words (the current-task pointer of ``cpus[$cpu]``) with
-the stack, in the same request (``reads_for``), then the current task's fields in one read (the
-span of its bytes the keys read), then whatever else an expression needs, one read each. An
+the stack, in the same request (``reads_for``), and there too the fields (the span of its bytes
+the keys read) of the task the vCPU ran at its last sample; a task that is not that one has its
+fields read in one more request; then whatever else an expression needs, one read each. An
 expression that reads unmapped memory leaves that sample with no pid (named by its address
 space, as without a description); the run goes on and ends with one warning line. A task's
 ``root`` (as the kernel keeps it) is its process's space; without one, the vCPU's register's.
@@ -91,6 +92,7 @@ class DescribedIdentifier:
         self.description = described
         self.arch = by_cr3.arch
         self.unreadable = 0  # samples an expression left without a pid
+        self._last_task: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self.first_unreadable: Unreadable | None = None
 
     async def attach(self, transport: GuestTransport) -> Attached:
@@ -105,7 +107,11 @@ class DescribedIdentifier:
         if self.by_cr3.firmware.runs(regs):
             return ()
         env = Env(regs.cpu, regs, _NoMemory())
-        return [(code(env), size) for code, size in self.description.fixed_reads]
+        reads = [(code(env), size) for code, size in self.description.fixed_reads]
+        task, span = self._last_task.get(regs.cpu), self.description.task_span
+        if task is not None and span is not None:
+            reads.append((task + span[0], span[1] - span[0]))
+        return reads
 
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
@@ -118,6 +124,7 @@ class DescribedIdentifier:
             task = await _settled(lambda: self.description.current_task(env), read, cache)
             if task is None:
                 return base if regs.user else self.by_cr3.kernel  # idle, or the kernel alone
+            self._last_task[regs.cpu] = task
             span = self.description.task_span
             if span is not None:
                 await fetch_piece(read, cache, task + span[0], span[1] - span[0])
