@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 from qmpprof.elf.dwarfunits import Unit, units_naming
@@ -151,15 +152,20 @@ class DwarfTypes(TypeTable):
             self.put(key, self._read(self._dwarf.get_DIE_from_refaddr(key)))
         return super().type(key)
 
-    def _units(self, name: str) -> Iterator[Any]:
-        if self._dwarf is None:
-            return
-        cus = list(self._dwarf.iter_CUs())
+    @cached_property
+    def _cus(self) -> tuple[list[Any], list[Unit]]:
+        """The image's units, as pyelftools reads them and as ``units_naming`` searches them."""
+        cus = [] if self._dwarf is None else list(self._dwarf.iter_CUs())
         units = [
             Unit(cu.cu_offset, cu.cu_offset + cu.size, cu["debug_abbrev_offset"],
                  cu.structs.dwarf_format == 64)
             for cu in cus
         ]  # fmt: skip
+        return cus, units
+
+    def _units(self, name: str) -> Iterator[Any]:
+        """The units that may hold a DIE named ``name`` (a byte search first: see above)."""
+        cus, units = self._cus
         info, strings, abbrev = (self._image.section(s) or b"" for s in _SEARCHED)
         naming = units_naming(units, info, strings, abbrev, [name])
         yield from (cu for cu in cus if cu.cu_offset in naming)

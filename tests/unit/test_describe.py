@@ -1,7 +1,7 @@
 """Kernel descriptions (--describe): the expression parser, the checker's one-line messages (a
 wrong name, member or type, naming the key and the term), evaluation against hand-made memory,
-and the identifier's reads and its one warning for unmapped memory. Types are built by hand
-here; test_describe_dwarf.py reads them from the hobby kernel's DWARF."""
+and the identifier's reads and its one warning for unmapped memory, with types built by hand;
+then the shipped description against the hobby kernel's DWARF, and the command line's checks."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from guestvm import BUILD_ROOT, ROOT, build_fixtures
 from qmpgreeter import Server
 from test_elf_dwarftypes import hobby_types
 
+from qmpprof import session
 from qmpprof.arch.x86 import I386
 from qmpprof.cli import main
 from qmpprof.elf.dwarftypes import CType, Member, TypeTable, Variable
-from qmpprof.errors import DescribeError
+from qmpprof.errors import DescribeError, UsageError
 from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.describe import description, syntax
 from qmpprof.guest.describe.compile import Env, Unreadable
@@ -29,8 +30,9 @@ from qmpprof.guest.programs import ProgramIndex
 from qmpprof.memory import fetch_piece, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PAGE, PageCache
+from qmpprof.session import RunSpec
 
-INT, CHAR, UINT, NAME, TASK, TASK_P, CPU, CPUS, FLAGS = range(1, 10)
+INT, CHAR, UINT, NAME, TASK, TASK_P, CPU, CPUS = range(1, 9)
 CPUS_AT, COUNT_AT, TASK_AT = 0x8000_1000, 0x8000_2000, 0x8000_3000
 
 
@@ -313,3 +315,29 @@ def test_a_tasks_root_is_its_process_space(tmp_path: Path) -> None:
     process = asyncio.run(identifier.identify(transport, regs(), cache)).process
     assert process is not None and (process.space, process.space_name) == (0x8020_0000, "root")
     assert process.label == "chatter (pid 7)" and found.task_span == (0, 16)
+
+
+@pytest.mark.parametrize(
+    ("os", "kernel", "message"),
+    [
+        ("cr3", True, "--describe goes with --os auto or described, not --os cr3"),
+        ("auto", False, "--describe needs --kernel: the kernel's DWARF types its expressions"),
+    ],
+)
+def test_a_description_needs_its_kernel_and_its_guest_os(
+    os: str, kernel: bool, message: str
+) -> None:
+    build_fixtures(("hobby",))
+    spec = RunSpec(
+        kernel=BUILD_ROOT / "hobby" / "kernel.elf" if kernel else None,
+        os=os,
+        describe=ROOT / "fixtures" / "hobby" / "describe.toml",
+    )
+    with pytest.raises(UsageError) as found:
+        session.load(spec)
+    assert str(found.value) == message
+
+
+def test_the_described_guest_os_needs_a_description() -> None:
+    with pytest.raises(UsageError, match=r"^--os described needs --describe FILE$"):
+        session.load(RunSpec(os="described"))
