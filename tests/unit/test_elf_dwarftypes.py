@@ -1,8 +1,12 @@
-"""DwarfTypes on the hobby kernel's DWARF: its globals and types as fixtures/hobby/kernel.h lays
-them out (i386, gcc -ggdb)."""
+"""DwarfTypes on the hobby kernel's DWARF (its globals and types as fixtures/hobby/kernel.h lays
+them out: i386, gcc -ggdb), and on a small program built with each DWARF version gcc writes."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
+import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from guestvm import BUILD_ROOT, build_fixtures
@@ -61,3 +65,38 @@ def test_a_global_declared_extern_is_found_by_its_definition() -> None:
     ticks = types.variable("ticks")
     assert ticks is not None and ticks.addr == data_symbol(image, "ticks")
     assert (types.type(ticks.type).kind, types.type(ticks.type).size) == ("int", 4)
+
+
+SOURCE = """
+struct task { int pid; char name[8]; struct task *next; unsigned flags : 3; };
+struct cpu { int id; struct task *cur; };
+struct cpu cpus[2];
+struct task tasks[4];
+void _start(void) { for (;;) cpus[0].cur = &tasks[cpus[1].id]; }
+"""
+
+
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
+def test_every_dwarf_version_gcc_writes_gives_the_same_types(tmp_path: Path, version: int) -> None:
+    """DWARF 2 gives a member's offset as an expression (DW_OP_plus_uconst), later versions as
+    a constant; a bit field is told as one whichever way its bits are placed."""
+    source, program = tmp_path / "k.c", tmp_path / "k"
+    source.write_text(SOURCE)
+    flags = ["-m32", "-O1", f"-gdwarf-{version}", "-ffreestanding", "-nostdlib", "-static"]
+    subprocess.run(["gcc", *flags, "-fno-pie", "-no-pie", "-o", str(program), str(source)],
+                   check=True)  # fmt: skip
+    image = ElfImage.load(program)
+    types = DwarfTypes(image)
+    cpus = types.variable("cpus")
+    assert cpus is not None and cpus.addr == data_symbol(image, "cpus")
+    array = types.type(cpus.type)
+    assert array.target is not None and array.count == 2
+    cur = types.type(array.target).member("cur")
+    assert cur is not None
+    pointer = types.type(cur.type)
+    assert pointer.target is not None
+    task = types.type(pointer.target)
+    assert [(m.name, m.offset) for m in task.members if not m.bits] == [
+        ("pid", 0), ("name", 4), ("next", 12),
+    ]  # fmt: skip
+    assert [m.name for m in task.members if m.bits] == ["flags"]
