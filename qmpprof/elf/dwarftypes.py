@@ -5,7 +5,8 @@ A type is a ``CType`` value; the types it refers to (a pointer's target, an arra
 member's type) are keys of the ``TypeTable`` that made it, read when first asked for: a kernel's
 types refer to each other in cycles (a list node's pointer to its own struct). Typedefs and
 qualifiers (const, volatile) are stepped through, the typedef's name kept for messages.
-A global is found by name among the units whose bytes name it (``dwarfunits``); its address is
+A global is found by its plain name (at a unit's top level or in a namespace: Rust's modules)
+among the units whose bytes name it (``dwarfunits``); its address is
 its ``DW_OP_addr`` location, on its definition (a C ``extern`` declared in a header and defined
 in one file has its location on a DIE that points back by ``DW_AT_specification``).
 
@@ -172,7 +173,7 @@ class DwarfTypes(TypeTable):
 
     def _find_variable(self, name: str) -> Variable | None:
         for cu in self._units(name):
-            for die in cu.get_top_DIE().iter_children():
+            for die in _declared(cu.get_top_DIE()):
                 if die.tag != "DW_TAG_variable":
                     continue
                 named = die
@@ -190,7 +191,7 @@ class DwarfTypes(TypeTable):
         wanted = tags or ["DW_TAG_typedef", "DW_TAG_base_type"]
         plain = plain or name
         for cu in self._units(plain):
-            for die in cu.get_top_DIE().iter_children():
+            for die in _declared(cu.get_top_DIE()):
                 declared = "DW_AT_declaration" in die.attributes
                 if die.tag in wanted and not declared and _name(die) == plain:
                     return int(die.offset)
@@ -233,6 +234,16 @@ class DwarfTypes(TypeTable):
         if tag == "DW_TAG_subroutine_type":
             return CType("function", name or "function", 0)
         return CType("void", name or "void", 0)
+
+
+def _declared(top: Any) -> Iterator[Any]:
+    """The DIEs declared at a unit's top level and in its namespaces (C++'s, Rust's modules:
+    a Rust global or type is in its crate's namespace), by their plain names."""
+    for die in top.iter_children():
+        if die.tag == "DW_TAG_namespace":
+            yield from _declared(die)
+        else:
+            yield die
 
 
 def _renamed(found: CType, name: str) -> CType:

@@ -153,7 +153,7 @@ def test_the_parser_says_where_an_expression_stops_making_sense(source: str, mes
         ('current = "cpus[$cpu].cur"\npid = "$task->name"',
          "pid: $task->name: type char *, not an integer"),
         ('current = "cpus[$cpu].cur"\nname = "$task->pid"',
-         "name: $task->pid: type int, not a char array or a pointer to char"),
+         "name: $task->pid: type int, not an array of bytes or a pointer to them"),
         ('current = "cpus[$cpu]"', "current: cpus[$cpu]: type struct cpu: not a value this "
          "language reads"),
         ('current = "cpus[$cpu].cur"\npid = "$task->flags"',

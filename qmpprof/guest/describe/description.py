@@ -6,7 +6,7 @@ Its keys, each a string holding one expression (syntax.py):
     current  the task running on the vCPU: a pointer (or an address); 0 or null: none (the
              vCPU idles, or runs the kernel alone), the sample is the kernel's
     pid      the task's pid, an integer
-    name     its name: a char array, or a pointer to a NUL-terminated string
+    name     its name: an array of bytes (char, u8), or a pointer to a NUL-terminated string
     root     the root of its address space as the kernel keeps it (its page tables), a
              pointer or an integer: the process's space in the profile (saved with it; its
              label when there is no pid), in place of the vCPU's page-table register
@@ -182,12 +182,13 @@ def _name(compiler: Compiler, table: dict[str, object]) -> Callable[[Env], str] 
     except (Problem, SyntaxProblem) as err:
         raise KeyProblem("name", str(err)) from None
     shown = "an integer" if ctype is None else f"type {ctype.name}"
-    raise KeyProblem("name", f"{source}: {shown}, not a char array or a pointer to char")
+    raise KeyProblem("name", f"{source}: {shown}, not an array of bytes or a pointer to them")
 
 
 def _chars(compiler: Compiler, key: int | None) -> bool:
+    """A byte: C's char (signed or not), or any integer of one byte (Rust's names are u8)."""
     element = compiler.ctype(key)
-    return element is not None and element.char and element.size == 1
+    return element is not None and element.kind == "int" and element.size == 1
 
 
 def _string(address: Code, size: int) -> Callable[[Env], str]:
