@@ -1,6 +1,7 @@
 """``qmpprof serve``: the flags of the continuous-profiling daemon (qmpprof/serve/ does the rest).
 
-A VM that is not there yet is only "down"; a malformed --qmp-socket or --listen, a missing
+A VM that is not there yet is only "down"; a URI libvirt refuses (--libvirt) ends serve at
+start (exit 3) before any guest is touched; a malformed --qmp-socket or --listen, a missing
 --qmp-dir, a bad --config file or a bad ELF file ends serve at start with one line and the exit
 code of its class. The flags are every VM's defaults; --config overrides them per VM.
 """
@@ -53,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     add("--qmp-dir", metavar="DIR",
         help="a directory of QMP sockets, one per VM named by its file name; rescanned "
              "every second")  # fmt: skip
+    add("--libvirt", metavar="URI",
+        help="every domain running at this libvirt URI, each named by its domain name, "
+             "followed as it starts and dropped as it stops (not with --qmp-socket, --qmp-dir "
+             "or sockets in --config; [vm.NAME] tables give a domain its settings)")  # fmt: skip
     add("--listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
         help="where to serve HTTP (default %(default)s; port 0 picks a free one). The "
              "profiles show what runs inside the guests: keep it on localhost")  # fmt: skip
@@ -101,9 +106,15 @@ def parse(args: list[str]) -> ServeConfig:
         ),
     )
     sockets = with_configured(parse_sockets(ns.qmp_socket), settings)
-    if not sockets and qmp_dir is None:
+    if ns.libvirt is not None and (sockets or qmp_dir is not None):
+        # A domain and a socket of the same name would be two VMs under one name.
         raise UsageError(
-            "give --qmp-socket [NAME=]PATH (repeatable), --qmp-dir DIR, or sockets in --config"
+            "--libvirt names every VM: not with --qmp-socket, --qmp-dir or sockets in --config"
+        )
+    if not sockets and qmp_dir is None and ns.libvirt is None:
+        raise UsageError(
+            "give --qmp-socket [NAME=]PATH (repeatable), --qmp-dir DIR, --libvirt URI, or "
+            "sockets in --config"
         )
     return ServeConfig(
         spec=spec,
@@ -114,6 +125,7 @@ def parse(args: list[str]) -> ServeConfig:
         window=ns.window,
         naming=naming_of(ns),
         settings=settings,
+        libvirt=ns.libvirt,
     )
 
 

@@ -2,9 +2,12 @@
 
 VMs come from the sockets given (followed for good, down while nothing listens) and from a
 directory rescanned every RESCAN seconds (one socket per VM, named by its file name, its
-settings in ``NAME.toml`` beside it; a VM whose socket file goes away is dropped). Each VM's
-run is the command line's with its ``--config`` table applied (``config.py``); every distinct
-run of the VMs given loads at start, so that a bad file ends serve before any VM is touched.
+settings in ``NAME.toml`` beside it; a VM whose socket file goes away is dropped), or from a
+libvirt connection (``--libvirt URI``): every domain that runs there, named by its domain name,
+followed as it starts and dropped as it stops, looked up again at each of libvirt's domain
+lifecycle events (not polled). Each VM's run is the command line's with its ``--config`` table
+applied (``config.py``); every distinct run of the VMs given loads at start, so that a bad file
+(or a URI libvirt refuses) ends serve before any VM is touched.
 The first SIGINT/SIGTERM stops every sampler after its tick in progress and closes its
 transport (the guest runs on, or stays paused), stops the HTTP server and returns 0; a second
 one cancels what is left.
@@ -23,13 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from qmpprof.errors import UsageError
+from qmpprof import transport
+from qmpprof.errors import ConnectError, UsageError
 from qmpprof.interrupts import interrupts
 from qmpprof.naming import Naming
 from qmpprof.serve.config import VmSettings
 from qmpprof.serve.endpoints import ServeState, listen
 from qmpprof.serve.vm import Vm, in_thread
 from qmpprof.session import RunSpec, load
+from qmpprof.transport import DomainSet
 
 RESCAN = 1.0  # seconds between looks at --qmp-dir
 # The most a VM's thread waits for the interpreter while another thread computes (Python's
@@ -47,6 +52,7 @@ class ServeConfig:
     window: int  # seconds kept
     naming: Naming
     settings: dict[str, VmSettings] = dataclasses.field(default_factory=dict)  # --config
+    libvirt: str | None = None  # --libvirt URI: its running domains are the VMs
 
     def spec_of(self, name: str) -> RunSpec:
         """The run of the VM ``name``, its --config table applied (its NAME.toml is not)."""
@@ -61,9 +67,18 @@ class Daemon:
         self.tasks: dict[str, tuple[Vm, asyncio.Future[None]]] = {}  # each in its thread
         self.leaving: set[asyncio.Future[None]] = set()  # dropped VMs finishing their tick
         self.stopping = asyncio.Event()
+        self.news = asyncio.Event()  # a look is due: a domain's lifecycle event, or stopping
+        self.domains: DomainSet | None = None  # --libvirt's, once open
 
-    def add(self, name: str, socket: Path, beside: Path | None = None) -> None:
-        vm = Vm(name, socket, self.config.spec_of(name), self.config.window, beside)
+    def add(self, name: str, where: Path | str, beside: Path | None = None) -> None:
+        """Follow the VM ``name`` at ``where``: its QMP socket, or the libvirt URI its domain
+        runs at."""
+        reach = self.config.spec.reach
+        if isinstance(where, str):
+            reach = dataclasses.replace(reach, domain=name, connect=where)
+        else:
+            reach = dataclasses.replace(reach, qmp_socket=where)
+        vm = Vm(name, reach, self.config.spec_of(name), self.config.window, beside)
         self.tasks[name] = (vm, in_thread(vm))
         self._publish()
 
@@ -90,9 +105,58 @@ class Daemon:
             if name not in self.tasks:
                 self.add(name, path, path.with_name(f"{name}.toml"))
 
+    def follow_domains(self) -> None:
+        """Follow the domains that run now (paused ones too), drop those that no longer do."""
+        if self.domains is None:
+            return
+        running = self.domains.running()
+        for name in sorted(set(self.tasks) - running):
+            self.drop(name)
+        for name in sorted(running - set(self.tasks)):
+            self.add(name, self.config.libvirt or "")
+
+    def _wake(self) -> None:
+        self.news.set()
+
+    async def _look(self) -> None:
+        """Until a domain's lifecycle event, a signal, or (with --qmp-dir) RESCAN seconds; then
+        the VMs brought up to date."""
+        timeout = RESCAN if self.config.qmp_dir is not None else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.news.wait(), timeout)
+        self.news.clear()  # before the look: an event during it makes another
+        if self.stopping.is_set():
+            return
+        self.rescan()
+        if self.domains is not None:
+            with contextlib.suppress(ConnectError):  # libvirtd went away: its VMs show down
+                self.follow_domains()
+
+    def _watch(self) -> None:
+        """--libvirt's connection, its events waking ``_look`` (ConnectError: a URI libvirt
+        refuses, before any guest is touched)."""
+        uri = self.config.libvirt
+        if uri is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def changed() -> None:  # in libvirt's event thread
+            with contextlib.suppress(RuntimeError):  # serve's loop has closed
+                loop.call_soon_threadsafe(self._wake)
+
+        self.domains = transport.watch_domains(uri, changed)
+
     async def run(self, announce: Callable[[str], None]) -> int:
-        for spec in self._given():
-            load(spec)  # a bad file fails now, not once per VM (the loads are kept: shared)
+        self._watch()
+        try:
+            for spec in self._given():
+                load(spec)  # a bad file fails now, not once per VM (the loads are kept: shared)
+            return await self._serve(announce)
+        finally:
+            if self.domains is not None:
+                self.domains.close()
+
+    async def _serve(self, announce: Callable[[str], None]) -> int:
         try:
             server = listen(self.config.host, self.config.port, self.board)
         except OSError as err:
@@ -103,18 +167,17 @@ class Daemon:
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH)
         try:
-            with interrupts(lambda signum: self.stopping.set()):
+            with interrupts(lambda signum: self._stop()):
                 try:
                     for name, socket in self.config.sockets:
                         self.add(name, socket)
                     self.rescan()
+                    self.follow_domains()
                     host, port = server.server_address[:2]
                     names = ", ".join(vm.name for vm in self.board.vms) or "none yet"
                     announce(f"qmpprof: serving http://{host!s}:{port}/ (VMs: {names})")
                     while not self.stopping.is_set():
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self.stopping.wait(), RESCAN)
-                        self.rescan()
+                        await self._look()
                 finally:
                     self.board.closing.set()
                     for vm, _ in self.tasks.values():
@@ -125,6 +188,10 @@ class Daemon:
             await asyncio.to_thread(server.shutdown)
             server.server_close()
         return 0
+
+    def _stop(self) -> None:
+        self.stopping.set()
+        self.news.set()
 
     def _given(self) -> list[RunSpec]:
         """The distinct runs known at start: the VMs given, and the defaults for --qmp-dir."""

@@ -8,8 +8,8 @@ in the middle of a run is undone by the run's next tick: QMP's stop succeeds on 
 so the sampler cannot tell its own stop from theirs.) After each run the sampler's profile and
 statistics are taken out of it into the ring (``Ring.push``) and the totals, so nothing grows
 with the uptime; ``request_stop`` ends a run after the tick in progress, so the guest is never
-left stopped. A VM that is not there (no socket, nobody listening, QEMU killed) is "down" and
-tried again every RETRY seconds.
+left stopped. A VM that is not there (no socket, nobody listening, QEMU killed, a libvirt domain
+that no longer runs) is "down" and tried again every RETRY seconds.
 
 Each VM has its own run: the command line's, with its ``--config`` table applied, and with the
 ``NAME.toml`` beside its socket read again at each connection (a bad one leaves the VM down,
@@ -38,6 +38,7 @@ from qmpprof.serve.config import read_beside
 from qmpprof.serve.ring import Ring, SecondSlice
 from qmpprof.session import Run, RunSpec
 from qmpprof.stats import SamplerStats
+from qmpprof.transport import Reach
 
 RETRY = 1.0  # seconds between connection attempts, and between looks at a paused guest
 FLUSH = 1.0  # seconds of guest run time per sampler run, and per entry of the ring
@@ -71,12 +72,13 @@ class Vm:
     """One followed VM: its ring, its totals since serve started, and whether it is up."""
 
     def __init__(
-        self, name: str, socket: Path, spec: RunSpec, window: int, beside: Path | None = None
+        self, name: str, reach: Reach, spec: RunSpec, window: int, beside: Path | None = None
     ) -> None:
-        """``spec``: this VM's run but for its socket; ``beside``: a NAME.toml that may be
-        there, read at each connection."""
+        """``reach``: where the VM is (its QMP socket, or its libvirt domain); ``spec``: this
+        VM's run but for where; ``beside``: a NAME.toml that may be there, read at each
+        connection."""
         self.name = name
-        self.socket = socket
+        self.reach = reach
         self.base = spec
         self.beside = beside
         self.spec = self._spec(spec)
@@ -100,8 +102,7 @@ class Vm:
 
     def _spec(self, spec: RunSpec) -> RunSpec:
         sampling = dataclasses.replace(spec.sampling, duration=FLUSH)
-        reach = dataclasses.replace(spec.reach, qmp_socket=self.socket)
-        return dataclasses.replace(spec, reach=reach, sampling=sampling)
+        return dataclasses.replace(spec, reach=self.reach, sampling=sampling)
 
     def settings(self) -> RunSpec:
         """This VM's run now: the NAME.toml beside its socket read again, if there is one."""
@@ -156,7 +157,8 @@ class Vm:
 
     async def _session(self) -> None:
         self.spec = spec = self.settings()
-        await _listening(self.socket)  # cheap, before the files load
+        if self.reach.domain is None:
+            await _listening(self.reach.qmp_socket)  # cheap, before the files load
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
         sampler = session.sampler(spec, guest, connection, self._on_tick)

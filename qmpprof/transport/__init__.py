@@ -5,13 +5,24 @@ transport is a module of this package and a ``register`` line below."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import qmpprof.transport.kinds as kinds
 from qmpprof.errors import UsageError
-from qmpprof.transport.base import AUTO, Address, GuestTransport, Opened, Reach, TransportKind
+from qmpprof.transport.base import (
+    AUTO,
+    Address,
+    DomainSet,
+    GuestTransport,
+    Opened,
+    Reach,
+    TransportKind,
+)
 from qmpprof.transport.kinds import quit_qemu
 
 __all__ = [
     "AUTO",
+    "DomainSet",
     "GuestTransport",
     "Opened",
     "Reach",
@@ -19,6 +30,7 @@ __all__ = [
     "connect",
     "names",
     "quit_qemu",
+    "watch_domains",
 ]
 
 _KINDS: dict[str, TransportKind] = {}
@@ -68,6 +80,15 @@ async def connect(reach: Reach) -> Opened:
     """A transport to the guest at ``reach``, of the kind ``choose`` picks, opened."""
     kind, passed_over = choose(reach)
     return await kind.open(reach, passed_over)
+
+
+def watch_domains(uri: str, changed: Callable[[], None]) -> DomainSet:
+    """The running domains at libvirt's ``uri``, ``changed`` called (in another thread) at each
+    lifecycle event; ConnectError when libvirt refuses ``uri``."""
+    # Imported here: libvirt's binding is needed by serve --libvirt and the libvirt kind alone.
+    from qmpprof.transport.libvirtwatch import DomainWatch
+
+    return DomainWatch.open(uri, changed)
 
 
 def _described(addresses: frozenset[Address]) -> str:

@@ -136,6 +136,15 @@ class Opened:
     window: int | None = None
 
 
+class DomainSet(Protocol):
+    """The running domains of a libvirt connection, as ``serve --libvirt`` follows them
+    (libvirtwatch.py)."""
+
+    def running(self) -> frozenset[str]: ...
+
+    def close(self) -> None: ...
+
+
 class TransportKind(Protocol):
     """A kind of transport, as the registry (``qmpprof.transport``) knows it: its ``--transport``
     name and the kinds of address it can use (any one of ``needs``)."""

@@ -1,8 +1,8 @@
 """A guest libvirt runs, reached by its domain name (``--domain``, ``--connect``): QMP commands
 passed through libvirt's QEMU monitor (libvirt-qemu's virDomainQemuMonitorCommand, as ``virsh
 qemu-monitor-command`` sends them), and over them what a local QMP socket gets: the private
-gdbstub (privategdb.py) when QEMU can open one where qmpprof reaches it, else QMP alone. The only
-module importing libvirt's Python binding.
+gdbstub (privategdb.py) when QEMU can open one where qmpprof reaches it, else QMP alone. With
+libvirtwatch.py, the only modules importing libvirt's Python binding.
 
 libvirt owns the monitor and hears QEMU's STOP and RESUME events on it, so its domain state
 follows every pause and resume; qmpprof leaves the domain in the state it found it in, as on a

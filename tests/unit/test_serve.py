@@ -21,6 +21,7 @@ from qmpprof.serve.endpoints import ServeState, listen
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
 from qmpprof.session import RunSpec
+from qmpprof.transport import Reach
 
 # ---- the ring -------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ def test_socket_names_default_to_the_file_stem() -> None:
 
 
 def filled_vm(name: str, seconds: int = 3) -> Vm:
-    vm = Vm(name, Path(f"/tmp/{name}.sock"), RunSpec(), window=60)
+    vm = Vm(name, Reach(qmp_socket=Path(f"/tmp/{name}.sock")), RunSpec(), window=60)
     vm.state = "up"
     now = time.monotonic()
     for i in range(seconds):
@@ -211,7 +212,7 @@ async def test_what_the_sampler_collected_moves_into_the_ring_and_its_counters_e
     from test_sampler import kernel_cpu, make
 
     r0, pages = kernel_cpu(0)
-    vm = Vm("fake", Path("/tmp/fake.sock"), RunSpec(), window=2)
+    vm = Vm("fake", Reach(qmp_socket=Path("/tmp/fake.sock")), RunSpec(), window=2)
     for second in range(3):
         sampler = make(FakeTransport({0: r0}, pages), duration=0.05, interval=0.01)
         sampler.stats.errors["MemoryReadError: at 0x1000"] += 2  # as a failed read leaves it

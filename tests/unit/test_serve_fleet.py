@@ -15,6 +15,7 @@ from qmpprof.cli import main
 from qmpprof.cli.serve import parse
 from qmpprof.serve import views
 from qmpprof.session import RunSpec, load
+from qmpprof.transport import Reach
 
 # ---- settings ---------------------------------------------------------------------------------
 
@@ -63,7 +64,9 @@ def test_name_toml_beside_a_socket_overrides_the_config(tmp_path: Path) -> None:
     config = tmp_path / "fleet.toml"
     config.write_text('[vm.vm7]\nkernel = "/k/from-config"\ninterval = 30\n')
     served = parse(["--config", str(config), "--qmp-dir", str(tmp_path)])
-    vm = Vm("vm7", tmp_path / "vm7", served.spec_of("vm7"), 60, tmp_path / "vm7.toml")
+    vm = Vm(
+        "vm7", Reach(qmp_socket=tmp_path / "vm7"), served.spec_of("vm7"), 60, tmp_path / "vm7.toml"
+    )
     assert (vm.settings().kernel, vm.settings().sampling.interval) == (Path("/k/from-config"), 0.03)
     (tmp_path / "vm7.toml").write_text('kernel = "vmlinuz-7"\nmax_overhead = 0\n')
     spec = vm.settings()
