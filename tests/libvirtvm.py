@@ -136,13 +136,16 @@ def domain_xml(name: str, emulator: str, kernel: Path, console: Path, witness: P
 
 
 @contextlib.contextmanager
-def running_domain(uri: str, emulator: str, variant: str = "cfi") -> Iterator[Domain]:
-    """The bundled guest as a libvirt domain, running its workload; destroyed at the end."""
+def running_domain(
+    uri: str, emulator: str, variant: str = "cfi", name: str = "qmpprof-guest"
+) -> Iterator[Domain]:
+    """The bundled guest as the libvirt domain ``name``, running its workload; destroyed and
+    undefined at the end."""
     build_fixtures((variant,))
     where = Path(tempfile.mkdtemp(prefix="lvd-", dir="/tmp"))
     build = BUILD_ROOT / variant
     domain = Domain(
-        "qmpprof-guest", uri, where / "console.txt", where / "witness.sock",
+        name, uri, where / "console.txt", where / "witness.sock",
         build / "kernel.elf", build / "user",
     )  # fmt: skip
     xml = domain_xml(domain.name, emulator, domain.kernel, domain.console, domain.witness)

@@ -1,0 +1,134 @@
+"""``serve --libvirt URI`` end to end: a real libvirtd (tests/libvirtvm.py) running the bundled
+guest as domains, serve as a process of its own. A domain paused before serve is followed and
+stays paused; a domain started during serve gets its profile under its domain name (the metrics
+and the flame graph serve answers), leaves the list when destroyed and comes back when started
+again; SIGTERM leaves each domain in the state it had (one running, one paused) with nothing of
+qmpprof's in QEMU. What libvirt and QEMU report is the truth compared against.
+
+On the host's QEMU only, as test_libvirt_e2e.py (Debian 12's libvirt 9.0 cannot probe QEMU 11.1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import libvirt
+import libvirt_qemu
+import pytest
+from guestvm import expected
+from libvirtvm import Domain, libvirt_daemon, running_domain
+from servepages import get, parse_prometheus
+
+from qmpprof.transport.vmmark import MARK_ID
+
+pytestmark = [pytest.mark.qemu]
+
+EMULATOR = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
+FOLLOW_TIMEOUT = 60.0  # seconds for serve to see a domain start or stop and sample it
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str
+
+    def samples(self) -> dict[str, float]:
+        return self.per_vm("qmpprof_samples_total")
+
+    def per_vm(self, metric: str) -> dict[str, float]:
+        status, _, body = get(self.url + "metrics")
+        assert status == 200
+        found = parse_prometheus(body.decode()).get(metric, {})
+        return {dict(labels)["vm"]: value for labels, value in found.items()}
+
+
+@contextmanager
+def serving(uri: str, guest: Domain) -> Iterator[Served]:
+    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0",
+            "--libvirt", uri, "--kernel", str(guest.kernel), "--user-dir", str(guest.user_dir),
+            "--max-overhead", "none", "--interval", "20"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, line + proc.communicate(timeout=30)[1]
+        yield Served(proc, found[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_until(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + FOLLOW_TIMEOUT
+    while not check():
+        assert time.monotonic() < deadline, f"not within {FOLLOW_TIMEOUT:g} s: {what}"
+        time.sleep(0.2)
+
+
+def passthrough(machine: libvirt.virDomain, command: str, **arguments: object) -> object:
+    text = json.dumps({"execute": command, "arguments": arguments})
+    return json.loads(libvirt_qemu.qemuMonitorCommand(machine, text, 0))["return"]
+
+
+def qemu_state(machine: libvirt.virDomain) -> str:
+    """QEMU's own word (query-status), beside libvirt's ``state()``."""
+    status = passthrough(machine, "query-status")
+    assert isinstance(status, dict)
+    return str(status["status"])
+
+
+def leftovers(machine: libvirt.virDomain) -> list[str]:
+    """What of qmpprof's QEMU holds: the mark object, a gdbstub chardev."""
+    objects = passthrough(machine, "qom-list", path="/objects")
+    chardevs = passthrough(machine, "query-chardev")
+    assert isinstance(objects, list) and isinstance(chardevs, list)
+    return [o["name"] for o in objects if o["name"] == MARK_ID] + [
+        c["label"] for c in chardevs if c["label"] == "gdb"
+    ]
+
+
+def test_serve_follows_the_domains_as_they_start_and_stop_and_leaves_each_as_it_was() -> None:
+    functions = set(expected()["programs"]["spin"]["shares"])
+    with (
+        libvirt_daemon() as uri,
+        running_domain(uri, EMULATOR, name="held") as held,
+    ):
+        connection = libvirt.open(uri)
+        held_machine = connection.lookupByName("held")
+        held_machine.suspend()
+        with serving(uri, held) as served:
+            wait_until("held followed", lambda: served.per_vm("qmpprof_vm_up") == {"held": 0})
+            with running_domain(uri, EMULATOR, name="came") as came:
+                wait_until("came sampled", lambda: served.samples().get("came", 0) > 0)
+                status, kind, svg = get(served.url + "flamegraph.svg?vm=came&seconds=5")
+                assert (status, kind) == (200, "image/svg+xml"), svg[:200]
+                assert functions & set(re.findall(r"\w+", svg.decode())), svg[:2000]
+                came_machine = connection.lookupByName(came.name)
+                came_machine.destroy()
+                wait_until("came dropped", lambda: "came" not in served.samples())
+                assert get(served.url + "flamegraph.svg?vm=came")[0] == 404
+                came_machine.create()  # the same domain again: followed afresh
+                wait_until("came back", lambda: served.samples().get("came", 0) > 0)
+                assert served.samples()["held"] == 0
+                assert held_machine.state()[0] == libvirt.VIR_DOMAIN_PAUSED
+                served.proc.send_signal(signal.SIGTERM)
+                _, err = served.proc.communicate(timeout=60)
+                assert served.proc.returncode == 0, err
+                assert came_machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+                assert qemu_state(came_machine) == "running"
+                assert leftovers(came_machine) == []
+        assert held_machine.state()[0] == libvirt.VIR_DOMAIN_PAUSED
+        assert qemu_state(held_machine) == "paused"
+        assert leftovers(held_machine) == []
+        connection.close()
