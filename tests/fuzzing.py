@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from protowire import fields, varint
+
 from qmpprof.errors import QmpprofError
-from qmpprof.output.pprofread import fields
-from qmpprof.output.protowire import varint
 
 SEED_VARIABLE = "QMPPROF_FUZZ_SEED"
 SEED = int(os.environ.get(SEED_VARIABLE) or random.SystemRandom().randrange(1 << 32))

@@ -37,7 +37,7 @@ def parse_prometheus(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], f
         assert name in types or types.get(family) == "histogram", f"no TYPE before {line}"
         value = float(sample[3])
         assert not math.isnan(value), line
-        out.setdefault(name, {})[tuple(labels)] = value
+        out.setdefault(name, {})[tuple(sorted(labels))] = value  # their order means nothing
     for family in (f for f, kind in types.items() if kind == "histogram"):
         for labels, count in out.get(f"{family}_count", {}).items():
             buckets = [

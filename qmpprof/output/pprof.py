@@ -29,16 +29,11 @@ from __future__ import annotations
 
 import gzip
 from collections import Counter
-from dataclasses import dataclass
 
 from qmpprof.model import NO_CPU, Frame, Mapping
 from qmpprof.naming import Naming, context_name, plain_name, stop_marker
-from qmpprof.output.protowire import Message
+from qmpprof.output.pprofproto import profile_pb2 as pb
 from qmpprof.profile import Profile, StackRecord
-
-# profile.proto field numbers
-P_SAMPLE_TYPE, P_SAMPLE, P_MAPPING, P_LOCATION, P_FUNCTION, P_STRINGS = 1, 2, 3, 4, 5, 6
-P_DURATION, P_PERIOD_TYPE, P_PERIOD, P_COMMENT = 10, 11, 12, 13
 
 
 def render(profile: Profile, naming: Naming) -> bytes:
@@ -49,9 +44,9 @@ def encode(profile: Profile, naming: Naming) -> bytes:
     """The profile.proto message, before compression."""
     out = _Builder(naming)
     interval_ns = round(profile.interval_ms * 1e6)
-    root = Message()
+    root = out.root
     for kind, unit in (("samples", "count"), ("cpu", "nanoseconds")):
-        root.message(P_SAMPLE_TYPE, out.value_type(kind, unit))
+        root.sample_type.append(out.value_type(kind, unit))
     per_cpu = Counter(zip(profile.stack_of, profile.cpus_of, strict=True))
     stack_locations: dict[int, list[int]] = {}
     for (sid, cpu), count in sorted(per_cpu.items()):
@@ -59,66 +54,49 @@ def encode(profile: Profile, naming: Naming) -> bytes:
         locations = stack_locations.get(sid)
         if locations is None:
             locations = stack_locations[sid] = out.locations(record, profile.frames_of(record))
-        sample = Message().packed(1, locations).packed(2, (count, count * interval_ns))
-        for label in out.labels(record, cpu):
-            sample.message(3, label)
-        root.message(P_SAMPLE, sample)
+        root.sample.add(
+            location_id=locations,
+            value=(count, count * interval_ns),
+            label=out.labels(record, cpu),
+        )
     for mapping in out.mappings.values():
-        root.message(P_MAPPING, mapping.encode(out))
-    for location in out.location_messages:
-        root.message(P_LOCATION, location)
-    for function in out.function_messages:
-        root.message(P_FUNCTION, function)
+        root.mapping.append(mapping)
     if len(profile):
-        root.u64(P_DURATION, round(max(profile.times) * 1e9))
-    root.message(P_PERIOD_TYPE, out.value_type("cpu", "nanoseconds"))
-    root.u64(P_PERIOD, interval_ns)
-    for fact, value in profile.facts.items():
-        root.u64(P_COMMENT, out.string(f"{fact}: {value}"))
-    for text in out.strings:  # last: every message above has added its strings
-        root.string(P_STRINGS, text)
-    return root.encode()
-
-
-@dataclass(slots=True)
-class _MappingInfo:
-    id: int
-    mapping: Mapping
-    lines: bool = False  # some location of it has a source file and line
-
-    def encode(self, out: _Builder) -> Message:
-        m = self.mapping
-        msg = Message().u64(1, self.id).u64(2, m.start).u64(3, m.end).u64(4, m.file_offset)
-        msg.u64(5, out.string(m.path or m.name)).u64(6, out.string(m.build_id or ""))
-        return msg.u64(7, 1).u64(8, self.lines).u64(9, self.lines).u64(10, self.lines)
+        root.duration_nanos = round(max(profile.times) * 1e9)
+    root.period_type.CopyFrom(out.value_type("cpu", "nanoseconds"))
+    root.period = interval_ns
+    root.comment.extend(out.string(f"{fact}: {value}") for fact, value in profile.facts.items())
+    root.string_table.extend(out.strings)  # last: every message above has added its strings
+    return root.SerializeToString()
 
 
 class _Builder:
-    """The string table and the interned mappings, locations and functions (ids from 1)."""
+    """The string table and the interned mappings, locations and functions (ids from 1), the
+    locations and functions added to the profile message as they are first met."""
 
     def __init__(self, naming: Naming) -> None:
         # Symbol-less frames are named as folded names them; the rest of the naming is pprof's.
         self.naming = Naming(show_addresses=naming.show_addresses)
+        self.root = pb.Profile()
         self.strings: list[str] = [""]
         self._string_ids: dict[str, int] = {"": 0}
-        self.mappings: dict[Mapping, _MappingInfo] = {}
+        self.mappings: dict[Mapping, pb.Mapping] = {}
         self._location_ids: dict[tuple[int, tuple[Frame, ...]], int] = {}
-        self.location_messages: list[Message] = []
         self._function_ids: dict[tuple[str, str], int] = {}
-        self.function_messages: list[Message] = []
         self._markers: dict[str, int] = {}  # location ids of [truncated], [user space gone]
 
     def string(self, text: str) -> int:
         sid = self._string_ids.get(text)
         if sid is None:
             sid = self._string_ids[text] = len(self.strings)
-            self.strings.append(text)
+            # Names come from guest bytes: a lone surrogate becomes "?", never an error.
+            self.strings.append(text.encode("utf-8", "replace").decode())
         return sid
 
-    def value_type(self, kind: str, unit: str) -> Message:
-        return Message().u64(1, self.string(kind)).u64(2, self.string(unit))
+    def value_type(self, kind: str, unit: str) -> pb.ValueType:
+        return pb.ValueType(type=self.string(kind), unit=self.string(unit))
 
-    def labels(self, record: StackRecord, cpu: int) -> list[Message]:
+    def labels(self, record: StackRecord, cpu: int) -> list[pb.Label]:
         process = record.process
         out = [] if cpu == NO_CPU else [self._label("cpu", num=cpu, unit="vcpu")]
         out.append(self._label("cpu_state", "oncpu" if record.state is None else "offcpu"))
@@ -136,12 +114,11 @@ class _Builder:
             out.append(self._label("truncated", "true"))
         return out
 
-    def _label(self, key: str, text: str = "", num: int = 0, unit: str = "") -> Message:
-        msg = Message().u64(1, self.string(key))
+    def _label(self, key: str, text: str = "", num: int = 0, unit: str = "") -> pb.Label:
         if text:
-            return msg.u64(2, self.string(text))
+            return pb.Label(key=self.string(key), str=self.string(text))
         # pprof drops a numeric label of 0 that has no unit: cpu 0 and pid 0 need theirs.
-        return msg.i64(3, num).u64(4, self.string(unit))
+        return pb.Label(key=self.string(key), num=num, num_unit=self.string(unit))
 
     def locations(self, record: StackRecord, frames: list[Frame]) -> list[int]:
         """Location ids of a stack, leaf first: one per pc, its inlined frames as its lines."""
@@ -165,21 +142,31 @@ class _Builder:
         lid = self._location_ids.get((address, group))
         if lid is not None:
             return lid
-        lid = self._location_ids[(address, group)] = len(self.location_messages) + 1
-        msg = Message().u64(1, lid)
+        lid = self._location_ids[(address, group)] = len(self.root.location) + 1
+        location = self.root.location.add(id=lid, address=address)
         module = group[-1].module
         if module is not None:
-            info = self.mappings.get(module)
-            if info is None:
-                info = self.mappings[module] = _MappingInfo(len(self.mappings) + 1, module)
-            info.lines = info.lines or any(f.line is not None for f in group)
-            msg.u64(2, info.id)
-        msg.u64(3, address)
+            mapping = self.mappings.get(module)
+            if mapping is None:
+                mapping = self.mappings[module] = self._mapping(module)
+            if not mapping.has_line_numbers and any(f.line is not None for f in group):
+                mapping.has_filenames = mapping.has_line_numbers = True
+                mapping.has_inline_frames = True
+            location.mapping_id = mapping.id
         for frame in group:
-            line = Message().u64(1, self._function(frame)).i64(2, frame.line or 0)
-            msg.message(4, line)
-        self.location_messages.append(msg)
+            location.line.add(function_id=self._function(frame), line=frame.line or 0)
         return lid
+
+    def _mapping(self, module: Mapping) -> pb.Mapping:
+        return pb.Mapping(
+            id=len(self.mappings) + 1,
+            memory_start=module.start,
+            memory_limit=module.end,
+            file_offset=module.file_offset,
+            filename=self.string(module.path or module.name),
+            build_id=self.string(module.build_id or ""),
+            has_functions=True,
+        )
 
     def _function(self, frame: Frame) -> int:
         # The bare symbol, no _[k]: pprof matches functions by name itself (naming.py's rule).
@@ -189,16 +176,18 @@ class _Builder:
     def _function_id(self, name: str, file: str) -> int:
         fid = self._function_ids.get((name, file))
         if fid is None:
-            fid = self._function_ids[(name, file)] = len(self.function_messages) + 1
-            msg = Message().u64(1, fid).u64(2, self.string(name)).u64(3, self.string(name))
-            self.function_messages.append(msg.u64(4, self.string(file)))
+            fid = self._function_ids[(name, file)] = len(self.root.function) + 1
+            name_id = self.string(name)
+            self.root.function.add(
+                id=fid, name=name_id, system_name=name_id, filename=self.string(file)
+            )
         return fid
 
     def _marker_location(self, name: str) -> int:
         """The root location of every stack whose walk ended as ``name`` says."""
         lid = self._markers.get(name)
         if lid is None:
-            lid = self._markers[name] = len(self.location_messages) + 1
-            line = Message().u64(1, self._function_id(name, ""))
-            self.location_messages.append(Message().u64(1, lid).message(4, line))
+            lid = self._markers[name] = len(self.root.location) + 1
+            function_id = self._function_id(name, "")
+            self.root.location.add(id=lid, line=[pb.Line(function_id=function_id)])
         return lid

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
 
 from qmpprof.model import NO_CPU, Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import TRUNCATED, UNKNOWN, USER_GONE
+from qmpprof.output.pprofproto import profile_pb2 as pb
 from qmpprof.profile import Profile
 
 _UPPER_HALF = 1 << 63
@@ -36,73 +38,14 @@ _NO_SYMBOL = re.compile(r"(?:\[unknown\]|0x[0-9a-f]+)(?: \[(.*?)(?:\+0x[0-9a-f]+
 # Counts summed: more is damage, not a profile (each sample is kept: 14 bytes, 56 MiB in all).
 _MAX_SAMPLES = 1 << 22
 _MAX_PERIOD = 60 * 10**9  # ns: an interval of a minute, as the .qmpprof reader takes
-_U64 = 1 << 64
 
 
 class PprofError(ValueError):
     """Bytes that are not a profile.proto message."""
 
 
-def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) of each field of a message: varints as ints,
-    length-delimited fields as bytes, fixed-size ones as ints."""
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(data, pos)
-            yield number, wire, value
-        elif wire == 2:
-            size, pos = _varint(data, pos)
-            if pos + size > end:
-                raise PprofError(f"field {number} runs past the end")
-            yield number, wire, data[pos : pos + size]
-            pos += size
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            if pos + size > end:
-                raise PprofError(f"field {number} runs past the end")
-            yield number, wire, int.from_bytes(data[pos : pos + size], "little")
-            pos += size
-        else:
-            raise PprofError(f"wire type {wire} of field {number}")
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise PprofError("a varint runs past the end")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            if value >= _U64:
-                raise PprofError("a varint past 64 bits")
-            return value, pos
-
-
-def _ints(wire: int, value: int | bytes) -> list[int]:
-    """A repeated integer field's values: packed, or one unpacked value."""
-    if isinstance(value, int):
-        return [value]
-    out, pos = [], 0
-    while pos < len(value):
-        item, pos = _varint(value, pos)
-        out.append(item)
-    return out
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >> 63 else value
-
-
-def _message(value: int | bytes) -> bytes:
-    if not isinstance(value, bytes):
-        raise PprofError("a message field holds a number")
-    return value
+# A sample's location ids, values and labels (key, str, num, num_unit).
+_RawSample = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int, int, int], ...]]
 
 
 @dataclass(slots=True)
@@ -111,9 +54,7 @@ class _Raw:
 
     strings: list[str] = field(default_factory=list)
     sample_types: list[tuple[int, int]] = field(default_factory=list)
-    samples: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = field(
-        default_factory=list
-    )
+    samples: list[_RawSample] = field(default_factory=list)
     mappings: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)
     locations: dict[int, tuple[int, int, list[tuple[int, int]]]] = field(default_factory=dict)
     functions: dict[int, tuple[int, int]] = field(default_factory=dict)  # name, file
@@ -177,75 +118,32 @@ def decode(data: bytes) -> Profile:
 
 
 def _parse(data: bytes) -> _Raw:
-    raw = _Raw()
-    samples: dict[bytes, tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = {}
-    for number, wire, value in fields(data):
-        if number == 6:
-            raw.strings.append(_message(value).decode("utf-8", "replace"))
-        elif number == 1:
-            raw.sample_types.append(_pair(_message(value)))
-        elif number == 2:
-            message = _message(value)
-            sample = samples.get(message)
-            if sample is None:
-                sample = samples[message] = _sample(message)
-            raw.samples.append(sample)
-        elif number == 3:
-            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
-            raw.mappings[found.get(1, 0)] = (
-                found.get(2, 0), found.get(3, 0), found.get(4, 0), found.get(5, 0), found.get(6, 0)
-            )  # fmt: skip
-        elif number == 4:
-            location_id, location = _location(_message(value))
-            raw.locations[location_id] = location
-        elif number == 5:
-            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
-            raw.functions[found.get(1, 0)] = (found.get(2, 0), found.get(4, 0))
-        elif number == 11:
-            raw.period_type = _pair(_message(value))
-        elif number == 12 and isinstance(value, int):
-            raw.period = value
-        elif number == 10 and isinstance(value, int):
-            raw.duration = value
-        elif number == 13:
-            raw.comments += _ints(wire, value)
+    try:
+        message = pb.Profile.FromString(data)
+    except DecodeError as err:
+        raise PprofError(f"not a profile.proto message: {err}") from err
+    raw = _Raw(
+        strings=list(message.string_table),
+        sample_types=[(t.type, t.unit) for t in message.sample_type],
+        period_type=(message.period_type.type, message.period_type.unit),
+        period=message.period,
+        duration=message.duration_nanos,
+        comments=list(message.comment),
+    )
+    # Identical samples (a stack on one vCPU, written once per run of it) share one tuple.
+    samples: dict[_RawSample, _RawSample] = {}
+    for sample in message.sample:
+        labels = tuple((lb.key, lb.str, lb.num, lb.num_unit) for lb in sample.label)
+        found = (tuple(sample.location_id), tuple(sample.value), labels)
+        raw.samples.append(samples.setdefault(found, found))
+    for m in message.mapping:
+        raw.mappings[m.id] = (m.memory_start, m.memory_limit, m.file_offset, m.filename, m.build_id)
+    for loc in message.location:
+        lines = [(line.function_id, line.line) for line in loc.line]
+        raw.locations[loc.id] = (loc.mapping_id, loc.address, lines)
+    for f in message.function:
+        raw.functions[f.id] = (f.name, f.filename)
     return raw
-
-
-def _pair(data: bytes) -> tuple[int, int]:
-    found = {n: v for n, _, v in fields(data) if isinstance(v, int)}
-    return found.get(1, 0), found.get(2, 0)
-
-
-def _sample(data: bytes) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
-    ids: list[int] = []
-    values: list[int] = []
-    labels = []
-    for number, wire, value in fields(data):
-        if number == 1:
-            ids += _ints(wire, value)
-        elif number == 2:
-            values += [_signed(v) for v in _ints(wire, value)]
-        elif number == 3:
-            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
-            labels.append((found.get(1, 0), found.get(2, 0), found.get(3, 0), found.get(4, 0)))
-    return ids, values, labels
-
-
-def _location(data: bytes) -> tuple[int, tuple[int, int, list[tuple[int, int]]]]:
-    location_id = mapping_id = address = 0
-    lines = []
-    for number, _, value in fields(data):
-        if number == 1 and isinstance(value, int):
-            location_id = value
-        elif number == 2 and isinstance(value, int):
-            mapping_id = value
-        elif number == 3 and isinstance(value, int):
-            address = value
-        elif number == 4:
-            found = {n: v for n, _, v in fields(_message(value)) if isinstance(v, int)}
-            lines.append((found.get(1, 0), _signed(found.get(2, 0))))
-    return location_id, (mapping_id, address, lines)
 
 
 def _module_names(raw: _Raw) -> dict[int, str]:
@@ -279,13 +177,13 @@ def _stack(
     raw: _Raw,
     mappings: dict[int, Mapping],
     boundary: int,
-    ids: list[int],
-    labels: list[tuple[int, int, int, int]],
+    ids: tuple[int, ...],
+    labels: tuple[tuple[int, int, int, int], ...],
 ) -> tuple[int, Mode, Stack, Process | None, str | None]:
     """A sample's vCPU, mode, stack, process and, off CPU, state (qmpprof's ``cpu_state``
     and ``state`` labels)."""
     text = {raw.string(key): raw.string(value) for key, value, _, _ in labels if value}
-    numbers = {raw.string(key): _signed(num) for key, value, num, _ in labels if not value}
+    numbers = {raw.string(key): num for key, value, num, _ in labels if not value}
     frames: list[Frame] = []
     truncated = text.get("truncated") == "true"
     gone = False

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from qmpprof.naming import Naming
 from qmpprof.output import render
 from qmpprof.profile import Profile
-from qmpprof.serve import views
+from qmpprof.serve import metrics, views
 from qmpprof.serve.ring import SecondSlice, merge
 from qmpprof.serve.vm import FLUSH, Vm
 
@@ -47,6 +47,10 @@ class ServeState:
     naming: Naming
     vms: tuple[Vm, ...] = ()
     closing: threading.Event = field(default_factory=threading.Event)  # serve is stopping
+    scrape: Callable[[], bytes] = field(init=False)  # the metrics of ``vms``, as text
+
+    def __post_init__(self) -> None:
+        self.scrape = metrics.scraper(lambda: self.vms)
 
     def pick(self, query: dict[str, list[str]]) -> Vm:
         vms = self.vms
@@ -79,10 +83,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         route: dict[str, Callable[[dict[str, list[str]]], tuple[str, bytes]]] = {
             "/": lambda q: ("text/html; charset=utf-8", self._index()),
             "/healthz": lambda q: ("text/plain; charset=utf-8", b"ok\n"),
-            "/metrics": lambda q: (
-                "text/plain; version=0.0.4; charset=utf-8",
-                views.metrics(self.board.vms).encode(),
-            ),
+            "/metrics": lambda q: (metrics.CONTENT_TYPE, self.board.scrape()),
             "/flamegraph.svg": self._flamegraph,
             "/debug/pprof/profile": self._pprof,
         }

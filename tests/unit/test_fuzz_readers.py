@@ -30,6 +30,7 @@ import pytest
 from fuzzing import Cases, GuestMemory, Mutator, seed
 from guestvm import BUILD_ROOT as BUILD
 from kernelpack import COMPRESSORS, PACK, ZBOOT_NAMES, size_append, zboot
+from protowire import Message, fields
 from test_linux_arm64image import relr_image, small_image
 from test_linux_bzimage import FAKE_ELF, bzimage
 from test_report_pprof import run_like_profile
@@ -57,8 +58,6 @@ from qmpprof.model import NO_CPU, Frame, Mode, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import FORMATS, diff, native, render
 from qmpprof.output.pprof import encode
-from qmpprof.output.pprofread import fields
-from qmpprof.output.protowire import Message
 from qmpprof.profile import Profile
 from qmpprof.serve import config
 

@@ -8,13 +8,13 @@ import gzip
 from pathlib import Path
 
 import pytest
+from protowire import Message
 
 from qmpprof.cli import main
 from qmpprof.cli.text import top_stacks
 from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import native, render
-from qmpprof.output.protowire import Message
 from qmpprof.profile import Profile
 
 KERNEL = 0xFFFF_FFFF_8100_0000

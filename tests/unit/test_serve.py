@@ -16,7 +16,7 @@ from test_output import hand_built_profile
 from qmpprof.cli import main
 from qmpprof.naming import Naming
 from qmpprof.profile import Profile
-from qmpprof.serve import views
+from qmpprof.serve import metrics
 from qmpprof.serve.endpoints import ServeState, listen
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
@@ -142,12 +142,12 @@ def filled_vm(name: str, seconds: int = 3) -> Vm:
 def test_metrics_are_prometheus_text_with_every_family() -> None:
     vms = [filled_vm("a"), filled_vm('we"ird\\name')]
     vms[1].state = "down"
-    parsed = parse_prometheus(views.metrics(vms))
+    parsed = parse_prometheus(metrics.scraper(lambda: vms)().decode())
     assert parsed["qmpprof_samples_total"][(("vm", "a"),)] == 24
     assert parsed["qmpprof_vm_up"] == {(("vm", "a"),): 1, (("vm", 'we\\"ird\\\\name'),): 0}
     assert parsed["qmpprof_pause_seconds_count"][(("vm", "a"),)] == 5
-    assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.002"))] == 0
-    assert parsed["qmpprof_pause_seconds_bucket"][(("vm", "a"), ("le", "0.005"))] == 5
+    assert parsed["qmpprof_pause_seconds_bucket"][(("le", "0.002"), ("vm", "a"))] == 0
+    assert parsed["qmpprof_pause_seconds_bucket"][(("le", "0.005"), ("vm", "a"))] == 5
     assert parsed["qmpprof_offcpu_samples_total"][(("vm", "a"),)] == 0
     for family in ("errors_total", "truncated_total", "stopped_ratio", "pause_seconds_sum"):
         assert len(parsed[f"qmpprof_{family}"]) == 2

@@ -13,7 +13,7 @@ from test_serve import filled_vm
 
 from qmpprof.cli import main
 from qmpprof.cli.serve import parse
-from qmpprof.serve import views
+from qmpprof.serve import metrics, views
 from qmpprof.session import RunSpec, load
 from qmpprof.transport import Reach
 
@@ -132,7 +132,7 @@ def test_the_budget_and_the_interval_in_force_are_on_the_pages() -> None:
     budgeted.interval = 0.2
     free.spec = RunSpec()  # no budget
     budgeted.spec = parse(["--qmp-socket", "/x"]).spec
-    parsed = parse_prometheus(views.metrics([budgeted, free]))
+    parsed = parse_prometheus(metrics.scraper(lambda: [budgeted, free])().decode())
     assert parsed["qmpprof_interval_seconds"][(("vm", "a"),)] == 0.2
     assert parsed["qmpprof_overhead_budget_ratio"] == {(("vm", "a"),): 0.01}
     assert parsed["qmpprof_rate_hz"][(("vm", "a"),)] > 0

@@ -1,5 +1,7 @@
-"""The protobuf wire format, as much of it as profile.proto needs: varints, length-delimited
-fields (strings, bytes, nested messages) and packed repeated integers.
+"""The protobuf wire format at the level of fields, for tests that build profile.proto bytes by
+hand or take them apart to damage them (the ``protobuf`` runtime writes only well-formed
+messages): varints, length-delimited fields (strings, bytes, nested messages) and packed
+repeated integers.
 
 A message is built field by field into a ``Message`` and turned into bytes once; a nested
 message is added as the bytes of its own ``Message``. Fields equal to their default (0, "")
@@ -10,7 +12,7 @@ an address is never passed as an int64.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cache
 
 VARINT = 0
@@ -85,3 +87,42 @@ class Message:
 
     def encode(self) -> bytes:
         return b"".join(self._parts)
+
+
+def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of a message: varints as ints,
+    length-delimited fields as bytes, fixed-size ones as ints. Raises ValueError."""
+    pos, end = 0, len(data)
+    while pos < end:
+        field, pos = _read_varint(data, pos)
+        number, wire = field >> 3, field & 7
+        if wire == VARINT:
+            value, pos = _read_varint(data, pos)
+            yield number, wire, value
+        elif wire == LEN:
+            size, pos = _read_varint(data, pos)
+            if pos + size > end:
+                raise ValueError(f"field {number} runs past the end")
+            yield number, wire, data[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            if pos + size > end:
+                raise ValueError(f"field {number} runs past the end")
+            yield number, wire, int.from_bytes(data[pos : pos + size], "little")
+            pos += size
+        else:
+            raise ValueError(f"wire type {wire} of field {number}")
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("a varint runs past the end")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
