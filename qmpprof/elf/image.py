@@ -39,6 +39,7 @@ _SHDR = {64: struct.Struct("<IIQQQQII16x"), 32: struct.Struct("<IIIIIIII8x")}
 # Program headers: (type, offset, vaddr, memsz, paddr) at these field indexes of each class's order.
 _PHDR = {64: struct.Struct("<IIQQQQQQ"), 32: struct.Struct("<IIIIIIII")}
 _PHDR_FIELDS = {64: (0, 2, 3, 6, 4), 32: (0, 1, 2, 5, 3)}
+_ET_EXEC = 2
 _PT_LOAD, _SHT_NOTE, _SHT_NOBITS = 1, 7, 8
 _SHF_ALLOC, _SHF_EXECINSTR = 0x2, 0x4
 _STT_NOTYPE, _STT_FUNC = 0, 2
@@ -68,7 +69,7 @@ class SectionHeader:
 @dataclass(frozen=True, slots=True)
 class _Headers:
     arch: InstructionSet
-    entry: int
+    entry: int | None  # e_entry, None where the file names no entry point
     sections: list[SectionHeader]
     loads: list[tuple[int, int, int]]  # PT_LOAD segments: (vaddr, file offset, memsz)
     physical: list[tuple[int, int]]  # PT_LOAD segments' physical ranges: (start, end)
@@ -97,7 +98,7 @@ class ElfImage:
         # Where the segments are loaded in physical memory (p_paddr): a kernel's code runs
         # there before it turns paging on.
         self.physical_ranges: tuple[tuple[int, int], ...] = tuple(headers.physical)
-        self.entry: int = headers.entry
+        self.entry: int | None = headers.entry
         text = self._sections.get(".text")
         self.text_addr: int = text.addr if text is not None else 0
         self.text_size: int = text.size if text is not None else 0
@@ -347,7 +348,7 @@ def _headers(path: str, data: Data) -> _Headers:
     if len(data) < 16 + ehdr.size:
         raise ElfError(path, "truncated (shorter than its ELF header)")
     fields = ehdr.unpack_from(data, 16)
-    _type, machine, _version, entry, phoff, shoff = fields[:6]
+    kind, machine, _version, entry, phoff, shoff = fields[:6]
     phentsize, phnum, shentsize, shnum, shstrndx = fields[8:]
     arch = arches.by_elf(machine, bits)
     if arch is None:
@@ -378,7 +379,9 @@ def _headers(path: str, data: Data) -> _Headers:
             if ph[t] == _PT_LOAD:
                 loads.append((ph[v], ph[o], ph[m]))
                 physical.append((ph[p], ph[p] + ph[m]))
-    return _Headers(arch, entry, sections, loads, physical)
+    # An executable's entry may be 0 (a program linked at 0); a shared object's 0 means none.
+    named = kind == _ET_EXEC or entry != 0
+    return _Headers(arch, entry if named else None, sections, loads, physical)
 
 
 def _table(

@@ -74,6 +74,14 @@ class SymbolTable:
                 return self._names[j], addr - self._starts[j]
         return (self._names[i], addr - self._starts[i]) if lenient else None
 
+    def extent(self, addr: int) -> tuple[int, int] | None:
+        """[start, end) of the symbol covering ``addr`` (as ``lookup`` finds it), or None."""
+        hit = self.lookup(addr)
+        if hit is None:
+            return None
+        i = bisect_right(self._starts, addr - hit[1]) - 1
+        return self._starts[i], self._strict_ends[i]
+
     def address_of(self, name: str) -> int | None:
         """Start address of the first symbol with this (demangled) name."""
         for start, sym_name in zip(self._starts, self._names, strict=True):

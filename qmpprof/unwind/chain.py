@@ -93,6 +93,10 @@ class Unwinder:
             vias.append(via)
             lookup = pc if exact else pc - 1
             module = find(lookup)
+            if module is not None and module.outermost is not None:
+                start, end = module.outermost
+                if start <= lookup < end:  # a program's entry function: nothing called it
+                    return RawStack(tuple(pcs), StopReason.END, tuple(exacts), tuple(vias))
             outcome: Found | StopReason | None = None
             for step in no_module if module is None else module.steps or no_module:
                 outcome = step.step(cur, lookup, exact and not sp_guessed, memory)

@@ -33,13 +33,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True, eq=False)
 class Module:
     """Code loaded in the guest at [start, end), with what it offers for unwinding and naming.
-    No steps: frame pointers, in the walker's instruction set."""
+    No steps: frame pointers, in the walker's instruction set. ``outermost``: the runtime
+    [start, end) of a program's entry function (its ELF's ``e_entry``), which nothing calls: a
+    walk that reaches it is whole."""
 
     mapping: Mapping
     steps: tuple[UnwindStep, ...] = ()
     symbols: SymbolTable | None = None
     lines: LineTable | None = None  # DWARF source lines and inlined functions
     calls: CodeImage | None = None  # its code and functions, searched for tail-call frames
+    outermost: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -77,6 +80,7 @@ class Module:
         starts: Callable[[], Sequence[int]] | None = None,
         entry: EntryCode | None = None,
         trap: TrapFrameLayout | None = None,
+        outermost: tuple[int, int] | None = None,
     ) -> Module:
         """A module with the unwinding steps what it provides allows (``code`` starts at link
         address ``code_addr``; ``starts`` guesses where its functions start, asked the first
@@ -87,7 +91,7 @@ class Module:
             mapping.bias, arch, cfi=cfi, code=code, code_addr=code_addr, symbols=symbols, own=own,
             starts=starts, entry=entry, trap=trap,
         )  # fmt: skip
-        return cls(mapping, steps, symbols, lines, calls)
+        return cls(mapping, steps, symbols, lines, calls, outermost)
 
     @classmethod
     def from_image(
@@ -102,7 +106,15 @@ class Module:
             # Kernel code does not end in calls that never return often enough to pay for a
             # guess over all of a kernel's text (over a second for a vmlinux) in a pause.
             starts=None if kernel else lambda: image.function_starts, trap=trap,
+            outermost=None if kernel else _entry_function(image, bias),
         )  # fmt: skip
+
+
+def _entry_function(image: ElfImage, bias: int) -> tuple[int, int] | None:
+    """The runtime [start, end) of the function at the program's entry point (``e_entry``,
+    where the loader jumps: ``_start``), by its symbol; None without one."""
+    found = None if image.entry is None else image.symbols.extent(image.entry)
+    return None if found is None else (found[0] + bias, found[1] + bias)
 
 
 class AddressSpace:

@@ -1,7 +1,7 @@
 """The teaching-kernel-shaped guest (fixtures/hobby) on every QEMU: its own tables say what its
 sources promise (three processes, crunch, chatter, chatter, with pids 1-3, the CPU's current
 process one of them or none), and a run with no flag but --kernel and --user-dir splits kernel
-from user where the kernel's ELF says."""
+from user where the kernel's ELF says, each stack whole down to its program's ``_start``."""
 
 from __future__ import annotations
 
@@ -58,3 +58,10 @@ def test_the_kernel_boundary_is_read_from_the_elf(
     assert profile.facts["kernel boundary"] == "0x80100000"
     # chatter's system calls and crunch's loops: both sides are sampled.
     assert len(profile.select(Mode.KERNEL)) > 0 and len(profile.select(Mode.USER)) > 0
+    # A stack that reaches a program's entry point (_start, which nothing calls) is whole.
+    at_start = [
+        record.truncated
+        for record, count in zip(profile.stacks, profile.counts, strict=True)
+        if count and record.frames and profile.frames[record.frames[-1]].symbol == "_start"
+    ]
+    assert at_start and not any(at_start), at_start

@@ -16,6 +16,7 @@ from elftools.elf.enums import ENUM_SH_TYPE_BASE
 from qmpprof.arch.x86 import I386
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
+from qmpprof.unwind.space import Module
 
 DATA = Path(__file__).parents[1] / "data" / "unwind"
 
@@ -119,7 +120,9 @@ def test_assembly_labels_without_a_type_are_symbols(tmp_path: Path) -> None:
     assert image.symbols.address_of("data_label") is None  # not code
 
 
-def pyelftools_headers(data: bytes) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int]:
+def pyelftools_headers(
+    data: bytes,
+) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int | None]:
     """Sections (name, type number, flags, addr, offset, size, link), PT_LOAD segments (vaddr,
     offset, memsz) and the entry point, as pyelftools reads them."""
     elf = ELFFile(io.BytesIO(data))
@@ -133,10 +136,14 @@ def pyelftools_headers(data: bytes) -> tuple[list[tuple[object, ...]], list[tupl
         for p in elf.iter_segments()
         if p["p_type"] == "PT_LOAD"
     ]
-    return sections, loads, elf.header["e_entry"]
+    # An executable's e_entry is its entry point even at 0; another file's 0 names none.
+    entry = elf.header["e_entry"]
+    return sections, loads, entry if entry or elf.header["e_type"] == "ET_EXEC" else None
 
 
-def own_headers(image: ElfImage) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int]:
+def own_headers(
+    image: ElfImage,
+) -> tuple[list[tuple[object, ...]], list[tuple[int, ...]], int | None]:
     sections = [
         (h.name, h.type, h.flags, h.addr, h.offset, h.size, h.link) for h in image._section_list
     ]
@@ -197,6 +204,25 @@ def i386_object(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source.write_text("nop\n")
     subprocess.run(["as", "--32", "-o", str(obj), str(source)], check=True)
     return obj
+
+
+def test_a_program_linked_at_0_has_its_entry_function_as_outermost(tmp_path: Path) -> None:
+    """A program's entry (e_entry 0 here, as teaching kernels link them) is a function nothing
+    calls: its module's walk ends there. A shared object whose e_entry is 0 names none."""
+    source, program, lib = tmp_path / "start.s", tmp_path / "prog", tmp_path / "lib.so"
+    source.write_text(".text\n.globl _start\n_start:\n xor %ebp, %ebp\n call main\n"
+                      "1: jmp 1b\n.globl main\nmain:\n ret\n")  # fmt: skip
+    subprocess.run(["gcc", "-m32", "-nostdlib", "-static", "-Wl,-Ttext=0", "-Wl,-e,_start",
+                    "-o", str(program), str(source)], check=True)  # fmt: skip
+    image = ElfImage.load(program)
+    start, main = image.symbols.address_of("_start"), image.symbols.address_of("main")
+    assert image.entry == start == 0
+    assert Module.from_image(image, kernel=False, bias=0x1000).outermost == (0x1000, main + 0x1000)
+    subprocess.run(["gcc", "-m32", "-shared", "-nostdlib", "-Wl,-e,0", "-o", str(lib),
+                    str(source)], check=True)  # fmt: skip
+    shared = ElfImage.load(lib)
+    assert shared.entry is None
+    assert Module.from_image(shared, kernel=False).outermost is None
 
 
 def test_32_bit_i386_elf_loads(i386_object: Path) -> None:

@@ -12,7 +12,7 @@ from test_cfi import PLT_EXPR, cie, fde, sleb, uleb
 from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.model import Registers, StopReason
+from qmpprof.model import Mapping, Registers, StopReason
 from qmpprof.pagecache import PAGE, PageCache, PageMissing, page_of
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder, Via
 
@@ -480,3 +480,21 @@ def test_a_process_whose_user_space_is_gone_ends_at_the_kernel_entry_whole() -> 
     assert raw.stop is StopReason.USER_GONE and raw.stop.whole
     stack = Unwinder(X86_64).resolve(raw, space)
     assert not stack.truncated
+
+
+def test_a_walk_that_reaches_a_programs_entry_function_is_whole() -> None:
+    """Nothing calls a program's entry function (``_start`` at e_entry, here 0x400000-0x400009):
+    whatever its frame pointer holds (a word the kernel left), the walk ends there, whole."""
+    # main (ebp 0x7FF010) was called from _start (0x400005), whose ebp points at junk.
+    words = {0x7FF010: 0x7FF020, 0x7FF014: 0x400005, 0x7FF020: 0x7FF030, 0x7FF024: 0x401300,
+             0x7FF030: 0x10}  # fmt: skip
+    in_main = x86(0, 0x401100, 0x7FF000, 0x7FF010, cpl=3, cr3=0, long_mode=False)
+    in_start = x86(0, 0x400004, 0x7FF018, 0x7FF020, cpl=3, cr3=0, long_mode=False)
+    mapping = Mapping("prog", 0x400000, 0x402000, False)
+    whole = AddressSpace([Module(mapping, outermost=(0x400000, 0x400009))])
+    for r, pcs in ((in_main, (0x401100, 0x400005)), (in_start, (0x400004,))):
+        raw = Unwinder(I386).unwind(r, _memory32(words), whole)
+        assert (raw.pcs, raw.stop) == (pcs, StopReason.END)
+    # The control: without the entry function known, the junk makes up a caller of _start.
+    raw = Unwinder(I386).unwind(in_main, _memory32(words), AddressSpace([Module(mapping)]))
+    assert raw.pcs[:3] == (0x401100, 0x400005, 0x401300)
