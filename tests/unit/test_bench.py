@@ -8,7 +8,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from support.bench import report, startup
+from support.bench import intervals, report, startup
 from support.bench import run as bench_run
 from support.bench.methods import (
     Paced,
@@ -120,3 +120,20 @@ def test_the_churn_targets_are_a_floor_and_a_ceiling() -> None:
 def test_startup_is_the_ratio_of_the_medians() -> None:
     found = startup.summary([200.0, 180.0, 400.0], [30.0, 20.0, 40.0])
     assert found == {"startup_ms": 200.0, "startup_python_ms": 30.0, "startup_ratio": 6.67}
+
+
+def test_the_interval_ratios_are_of_the_medians() -> None:
+    found = intervals.summary([1.0, 2.0, 9.0], [3.0, 4.0, 5.0, 6.0], [4.0])
+    assert found["pause_10ms_ms"] == 2.0 and found["pause_1s_ms"] == 4.5
+    assert found["pause_interval_ratio"] == 2.25 and found["serve_pause_ratio"] == 2.0
+    missing = intervals.summary([2.0], [], [])
+    assert missing["pause_interval_ratio"] is None and missing["serve_pause_ratio"] is None
+
+
+def test_the_pause_ratios_come_from_keys_of_the_same_run() -> None:
+    result = {"default_pause_ms": 1.2, "gdbstub_pause_ms": 1.0, "first_pause_ms": 3.0}
+    assert intervals.ratios(result) == {"default_pause_ratio": 1.2, "first_pause_ratio": 2.5}
+    assert intervals.ratios({"default_pause_ms": 1.2, "gdbstub_pause_ms": None}) == {
+        "default_pause_ratio": None,
+        "first_pause_ratio": None,
+    }

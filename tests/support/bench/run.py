@@ -24,6 +24,7 @@ from qmpprof.transport.base import Reach
 from support.bench import report
 from support.bench.aarch64run import aarch64_run
 from support.bench.guest import Fixture, Guest, boot
+from support.bench.intervals import pause_intervals, ratios
 from support.bench.linuxbig import linux_big
 from support.bench.linuxchurn import linux_churn
 from support.bench.linuxoffcpu import linux_offcpu
@@ -285,6 +286,9 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
         log(f"unsampled guest progress: {before:.0f}/s")
         runs = await _measure_all(cfg.methods, guest, fixture, cfg, cfg.intervals, log)
         first = await _first_pause(guest, fixture, log)
+        by_interval: dict[str, object] = {}
+        if "qmpprof-default" in cfg.methods:  # issue 36: 1 s vs 10 ms, and serve's
+            by_interval = await pause_intervals(guest, fixture, log)
         after = await baseline(guest, cfg.duration)
         log(f"unsampled guest progress: {after:.0f}/s (again, at the end)")
     if cfg.smp2_methods:
@@ -314,6 +318,8 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
         "first_pauses_ms": first,
     }
     result.update(report.headline(runs, cfg.intervals[0] * 1e3))
+    result.update(by_interval)
+    result.update(ratios(result))
     result.update(linux)
     result["targets"] = report.targets(result)
     result.update(offline(fixture.kernel, log))

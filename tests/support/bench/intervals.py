@@ -1,0 +1,107 @@
+"""Issue 36: whether a sample costs the same at every rate, on the bundled guest.
+
+- ``pause_interval_ratio``: qmpprof's default path samples at a 10 ms and at a 1 s interval in
+  turn (``ROUNDS`` times each, the host being shared), over one connection: ``pause_10ms_ms``
+  and ``pause_1s_ms`` (median pauses), the second over the first. A stretch is one run of the
+  sampler, and the first pause of each is left out of both (a run's first pause is
+  ``first_pause_ratio``'s).
+- ``serve_pause_ratio``: ``qmpprof serve`` at its defaults (its command line parsed, no flags but
+  the socket) follows the same guest for ``SERVE_SECONDS``, in a thread as serve does, between
+  the stretches: ``serve_pause_ms`` (its median pause) over ``pause_10ms_ms``.
+- ``default_pause_ratio`` (the default path over the bare gdbstub loop) and
+  ``first_pause_ratio`` (a fresh run's first pause over the default path's median): ratios of
+  keys the bench measures elsewhere in the same run (``ratios``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qmpprof.cli import serve as serve_cli
+from qmpprof.serve.vm import Vm, in_thread
+from support.bench.guest import Fixture, Guest
+from support.bench.qmpprof_run import QmpprofSampler
+
+ROUNDS = 3
+SHORT, LONG = 0.010, 1.0
+_SHORT_SECONDS, _LONG_SECONDS = 0.5, 5.0  # per stretch: ~40 and ~5 samples
+SERVE_SECONDS = 10.0  # its budget may stretch the interval to seconds: a few ticks, at least
+_WINDOW = 60  # seconds serve's ring keeps: all of a round's
+
+
+async def pause_intervals(
+    guest: Guest, fixture: Fixture, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """The medians and their ratios, the guest running."""
+    user_dir = fixture.kernel.parent / "user"
+    sampler = QmpprofSampler("qmpprof-default", fixture.kernel, user_dir, qmp=guest.qmp_path)
+    pauses: dict[float, list[float]] = {SHORT: [], LONG: []}
+    served: list[float] = []
+    await sampler.setup()
+    try:
+        for _ in range(ROUNDS):
+            for interval, seconds in ((SHORT, _SHORT_SECONDS), (LONG, _LONG_SECONDS)):
+                paced = await sampler.run(interval, seconds)
+                pauses[interval] += [p * 1e3 for p in paced.pauses[1:]]
+    finally:
+        await sampler.teardown()
+    served = await serve_pauses(guest, fixture, SERVE_SECONDS)
+    found = summary(pauses[SHORT], pauses[LONG], served)
+    log(
+        f"pause by interval: {found['pause_10ms_ms']} ms at 10 ms ({len(pauses[SHORT])}), "
+        f"{found['pause_1s_ms']} ms at 1 s ({len(pauses[LONG])}), serve "
+        f"{found['serve_pause_ms']} ms ({len(served)}): {found['pause_interval_ratio']}x, "
+        f"serve {found['serve_pause_ratio']}x"
+    )
+    return found
+
+
+async def serve_pauses(guest: Guest, fixture: Fixture, seconds: float) -> list[float]:
+    """Every pause (ms) of ``qmpprof serve`` at its defaults following ``guest`` for
+    ``seconds``, its VM in a thread of its own as serve runs it."""
+    argv = ["--kernel", str(fixture.kernel), "--user-dir", str(fixture.kernel.parent / "user")]
+    config = serve_cli.parse([*argv, "--qmp-socket", guest.qmp_path])
+    vm = Vm("bench", Path(guest.qmp_path), config.spec, _WINDOW)
+    done = in_thread(vm)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        vm.stop()
+        await done
+    return [p * 1e3 for second in vm.ring.last(_WINDOW) for p in second.pauses]
+
+
+def summary(short_ms: list[float], long_ms: list[float], serve_ms: list[float]) -> dict[str, Any]:
+    """The median pause at each interval and serve's, and theirs over the short one's (None
+    where a side has no pause)."""
+    short, long, serve = (_median(v) for v in (short_ms, long_ms, serve_ms))
+    return {
+        "pause_10ms_ms": short,
+        "pause_1s_ms": long,
+        "serve_pause_ms": serve,
+        "pause_interval_ratio": _ratio(long, short),
+        "serve_pause_ratio": _ratio(serve, short),
+    }
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float | None]:
+    """Ratios of pauses the bench measured in this run."""
+    default, first = result.get("default_pause_ms"), result.get("first_pause_ms")
+    return {
+        "default_pause_ratio": _ratio(default, result.get("gdbstub_pause_ms")),
+        "first_pause_ratio": _ratio(first, default),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _ratio(top: object, bottom: object) -> float | None:
+    if isinstance(top, float) and isinstance(bottom, float) and bottom > 0:
+        return round(top / bottom, 2)
+    return None
