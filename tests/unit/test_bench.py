@@ -137,3 +137,7 @@ def test_the_pause_ratios_come_from_keys_of_the_same_run() -> None:
         "default_pause_ratio": None,
         "first_pause_ratio": None,
     }
+    met = report.targets({"pause_interval_ratio": 1.6, "first_pause_ratio": 2.0})
+    assert met["pause at a 1 s interval vs 10 ms"]["met"] is False
+    assert met["a run's first pause vs the default's median"]["met"] is True
+    assert met["serve's pause vs the command's at 10 ms"]["met"] is None

@@ -50,6 +50,11 @@ BOUNDS: tuple[tuple[str, str, float | None, float | None], ...] = (
     ("Linux pause with --off-cpu vs without", "offcpu_pause_ratio", None, 1.5),
     # Issue 38's (linuxbig.py): p95 pause with 65,530 mappings and 30,000 functions vs without.
     ("Linux p95 pause, big guest vs plain", "big_guest_pause_ratio", None, 2.0),
+    # Issue 36's (intervals.py): a sample's cost at every rate.
+    ("pause at a 1 s interval vs 10 ms", "pause_interval_ratio", None, 1.5),
+    ("serve's pause vs the command's at 10 ms", "serve_pause_ratio", None, 1.5),
+    ("default pause vs the bare gdbstub loop's", "default_pause_ratio", None, 1.1),
+    ("a run's first pause vs the default's median", "first_pause_ratio", None, 2.0),
 )
 
 
