@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from guestvm import free_tcp_port, running_guest
 from support.bench.guest import symbol_address
+from support.bench.intervals import serve_pauses
 from support.bench.methods import (
     EmeraldHmp,
     FloorQmp,
@@ -61,3 +62,14 @@ async def test_every_method_samples_the_guest_and_leaves_it_running(tmp_path: Pa
             while _progress(qmp, addr) == first:
                 assert time.monotonic() < deadline, "the guest makes no progress after the bench"
                 time.sleep(0.02)
+
+
+@pytest.mark.qemu
+async def test_serve_as_the_bench_runs_it_samples_and_leaves_the_guest_running(
+    tmp_path: Path,
+) -> None:
+    with running_guest(tmp_path, "cfi", 1) as guest:
+        pauses = await serve_pauses(str(guest.qmp_socket), guest.kernel_elf, 2.0)
+        assert pauses and all(p > 0 for p in pauses)
+        with RawQmp(str(guest.qmp_socket)) as qmp:
+            assert qmp.running(), "serve left the guest paused"

@@ -49,7 +49,7 @@ async def pause_intervals(
                 pauses[interval] += [p * 1e3 for p in paced.pauses[1:]]
     finally:
         await sampler.teardown()
-    served = await serve_pauses(guest, fixture, SERVE_SECONDS)
+    served = await serve_pauses(guest.qmp_path, fixture.kernel, SERVE_SECONDS)
     found = summary(pauses[SHORT], pauses[LONG], served)
     log(
         f"pause by interval: {found['pause_10ms_ms']} ms at 10 ms ({len(pauses[SHORT])}), "
@@ -60,12 +60,12 @@ async def pause_intervals(
     return found
 
 
-async def serve_pauses(guest: Guest, fixture: Fixture, seconds: float) -> list[float]:
-    """Every pause (ms) of ``qmpprof serve`` at its defaults following ``guest`` for
-    ``seconds``, its VM in a thread of its own as serve runs it."""
-    argv = ["--kernel", str(fixture.kernel), "--user-dir", str(fixture.kernel.parent / "user")]
-    config = serve_cli.parse([*argv, "--qmp-socket", guest.qmp_path])
-    vm = Vm("bench", Path(guest.qmp_path), config.spec, _WINDOW)
+async def serve_pauses(qmp_path: str, kernel: Path, seconds: float) -> list[float]:
+    """Every pause (ms) of ``qmpprof serve`` at its defaults following the guest at
+    ``qmp_path`` for ``seconds``, its VM in a thread of its own as serve runs it."""
+    argv = ["--kernel", str(kernel), "--user-dir", str(kernel.parent / "user")]
+    config = serve_cli.parse([*argv, "--qmp-socket", qmp_path])
+    vm = Vm("bench", Path(qmp_path), config.spec, _WINDOW)
     done = in_thread(vm)
     try:
         await asyncio.sleep(seconds)
