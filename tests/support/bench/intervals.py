@@ -23,6 +23,7 @@ from typing import Any
 
 from qmpprof.cli import serve as serve_cli
 from qmpprof.serve.vm import Vm, in_thread
+from qmpprof.transport import Reach
 from support.bench.guest import Fixture, Guest
 from support.bench.qmpprof_run import QmpprofSampler
 
@@ -65,7 +66,7 @@ async def serve_pauses(qmp_path: str, kernel: Path, seconds: float) -> list[floa
     ``qmp_path`` for ``seconds``, its VM in a thread of its own as serve runs it."""
     argv = ["--kernel", str(kernel), "--user-dir", str(kernel.parent / "user")]
     config = serve_cli.parse([*argv, "--qmp-socket", qmp_path])
-    vm = Vm("bench", Path(qmp_path), config.spec, _WINDOW)
+    vm = Vm("bench", Reach(Path(qmp_path)), config.spec, _WINDOW)
     done = in_thread(vm)
     try:
         await asyncio.sleep(seconds)
