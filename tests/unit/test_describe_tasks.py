@@ -4,18 +4,24 @@ memory, for an array of tasks with empty slots and for a linked list, with types
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 
 import pytest
+from fakes import FakeTransport
 
 from qmpprof.arch.x86 import I386
 from qmpprof.elf.dwarftypes import CType, Member, TypeTable, Variable
 from qmpprof.errors import DescribeError
+from qmpprof.guest.cr3 import Cr3Identifier
 from qmpprof.guest.describe import description
 from qmpprof.guest.describe.compile import Env, Unreadable
+from qmpprof.guest.describe.guest import DescribedIdentifier
 from qmpprof.guest.describe.tasks import Switched, TaskKeys
+from qmpprof.guest.programs import ProgramIndex
 from qmpprof.model import Registers
+from qmpprof.pagecache import PAGE
 
 INT, UINT, CTX, CTX_P, PROC, PROC_P, PROCS = range(1, 8)
 PROCS_AT, HEAD_AT, STACKS = 0x8000_1000, 0x8000_2000, 0x8000_4000
@@ -74,10 +80,14 @@ ARRAY = CURRENT + 'tasks = "procs"\n' + SWITCH + STATES
 LIST = CURRENT + 'tasks = "head"\nnext = "$task->next"\n' + SWITCH + STATES
 
 
-def keys(tmp_path: Path, text: str) -> TaskKeys:
+def loaded(tmp_path: Path, text: str) -> description.Description:
     path = tmp_path / "kernel.toml"
     path.write_text(text)
-    found = description.load(path, Table(), I386).tasks
+    return description.load(path, Table(), I386)
+
+
+def keys(tmp_path: Path, text: str) -> TaskKeys:
+    found = loaded(tmp_path, text).tasks
     assert found is not None
     return found
 
@@ -138,6 +148,39 @@ def test_unmapped_context_is_unreadable_and_names_its_key(tmp_path: Path) -> Non
     with pytest.raises(Unreadable) as err:
         found.switched(env(memory), PROCS_AT)
     assert (err.value.key, err.value.what) == ("pc", "unmapped memory at 0x90000010")
+
+
+def pages(memory: dict[int, bytes]) -> dict[int, bytes]:
+    """Each range of ``memory`` in a page of its own."""
+    out = {}
+    for addr, data in memory.items():
+        base = addr & ~(PAGE - 1)
+        out[base] = bytes(addr - base) + data + bytes(PAGE - (addr - base) - len(data))
+    return out
+
+
+def test_the_described_guest_lists_its_switched_out_tasks_for_off_cpu(tmp_path: Path) -> None:
+    identifier = DescribedIdentifier(
+        Cr3Identifier([], ProgramIndex([]), I386), loaded(tmp_path, ARRAY)
+    )
+    transport = FakeTransport({0: env({}).regs}, pages(MEMORY))
+    found = asyncio.run(identifier.every_task(transport))
+    assert [(t.at, t.state, t.cpu, t.version) for t in found] == [
+        (PROCS_AT, "S", None, (0x8010_1234, STACKS + 20))
+    ]  # the empty slot and the running task are not there
+    kernel = found[0].kernel
+    assert kernel is not None
+    assert (kernel.pc, kernel.sp, kernel.fp, kernel.user) == (
+        0x8010_1234, STACKS + 20, 0x8000_4f00, False
+    )  # fmt: skip
+    assert asyncio.run(identifier.versions(transport, found)) == [(0x8010_1234, STACKS + 20)]
+    # Its context unmapped: the task is left out, the run goes on and says so once.
+    transport.pages.update(pages({PROCS_AT: proc(1, 0x9000_0000) + MEMORY[PROCS_AT][12:]}))
+    assert asyncio.run(identifier.every_task(transport)) == []
+    assert identifier.warnings() == [
+        "Warning: kernel.toml: 'pc' could not be read for --off-cpu, tasks left out (first:"
+        " unmapped memory at 0x90000010)"
+    ]
 
 
 @pytest.mark.parametrize(
