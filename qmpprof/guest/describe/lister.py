@@ -95,7 +95,9 @@ class SwitchedTasks:
         process = None
         try:
             about = await settled(lambda: self.description.about(env, switched.task), read, cache)
-            process = Process(about.pid, about.name, about.root or 0, space_name="root")
+            # One thread a task: the description tells no threads apart (yet).
+            root = about.root or 0
+            process = Process(about.pid, about.name, root, space_name="root", tid=about.pid)
         except Unreadable as err:
             self.first_unreadable = self.first_unreadable or err
         kernel = _registers(regs, switched, self.arch)
