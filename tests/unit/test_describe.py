@@ -166,7 +166,7 @@ def test_the_parser_says_where_an_expression_stops_making_sense(source: str, mes
         ('current = "cpus[$cpu].cur +"', "current: ends early: a term expected"),
         ('pid = "$task->pid"', "no 'current' (the expression of the running task)"),
         ('current = "cpus[$cpu].cur"\npids = "1"', "unknown key 'pids' (keys: current, pid, "
-         "name, root)"),
+         "name, root, tasks, next, state, states, unused, pc, sp, fp)"),
         ('current = 3', "current: a string holding an expression, not 3"),
     ],
 )  # fmt: skip
@@ -278,6 +278,8 @@ def test_the_shipped_hobby_description_fits_its_kernel() -> None:
     fixed = [(code(Env(1, regs(), Memory({}))), n) for code, n in shipped.fixed_reads]
     assert fixed == [(cpus.addr + 172 + 164, 4)]
     assert shipped.task_span == (0, 28)  # pid, name[16], state, pgdir: one read
+    assert shipped.tasks is not None and shipped.tasks.count == 8  # procs[NPROC]
+    assert shipped.tasks.states == {1: "S", 2: "R", 3: "R"}
 
 
 def test_a_wrong_member_is_told_before_the_guest_is_touched(

@@ -13,8 +13,8 @@ Its keys, each a string holding one expression (syntax.py):
 
 ``current`` is required; the others use ``$task``, current's value. Everything is checked when
 the file is loaded, before the guest is touched (DescribeError: one line naming the key and the
-term). What a description does not say yet (all tasks, kernel threads, a task's state and saved
-context for --off-cpu) is for keys to come.
+term). Every task, its state and its saved context (for --off-cpu) are tasks.py's keys; kernel
+threads are for keys to come.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from typing import TypeVar
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.dwarftypes import TypeSource
 from qmpprof.errors import DescribeError
+from qmpprof.guest.describe import tasks
 from qmpprof.guest.describe.compile import Code, Compiler, Env, Problem, Term, Unreadable
 from qmpprof.guest.describe.syntax import SyntaxProblem
+from qmpprof.guest.describe.tasks import TaskKeys, TaskProblem
 from qmpprof.model import Registers
 
-KEYS = ("current", "pid", "name", "root")
+KEYS = ("current", "pid", "name", "root", *tasks.KEYS)
 NAME_LIMIT = 64  # bytes of a name read through a pointer (a char array: its own size)
 
 
@@ -60,6 +62,7 @@ class Description:
     root: Code | None
     fixed_reads: tuple[tuple[Code, int], ...]
     task_span: tuple[int, int] | None
+    tasks: TaskKeys | None = None  # every task and where each was switched out (--off-cpu)
 
     def current_task(self, env: Env) -> int | None:
         """The address of the task on ``env``'s vCPU, None when none runs (``current`` is 0).
@@ -103,12 +106,12 @@ def load(path: Path, types: TypeSource, arch: InstructionSet) -> Description:
     if "current" not in table:
         raise DescribeError(f"{path}: no 'current' (the expression of the running task)")
     for key, value in table.items():
-        if not isinstance(value, str):
+        if not isinstance(value, str) and key not in ("states", "unused"):
             raise DescribeError(f"{path}: {key}: a string holding an expression, not {value!r}")
     compiler = Compiler(types, register_readers(arch))
     try:
         return _compiled(path, table, compiler)
-    except KeyProblem as err:
+    except (KeyProblem, TaskProblem) as err:
         raise DescribeError(f"{path}: {err.key}: {err.detail}") from None
 
 
@@ -127,9 +130,11 @@ def _compiled(path: Path, table: dict[str, object], compiler: Compiler) -> Descr
     name = _name(compiler, table)
     reads = compiler.task_reads
     span = (min(o for o, _ in reads), max(o + n for o, n in reads)) if reads else None
+    # The task keys' $task is any task, not the current one: a compiler of their own.
+    every = tasks.compiled(Compiler(compiler.types, compiler.registers), table)
     return Description(
         path, current.code, None if pid is None else pid.code, name,
-        None if root is None else root.code, tuple(compiler.fixed_reads), span,
+        None if root is None else root.code, tuple(compiler.fixed_reads), span, every,
     )  # fmt: skip
 
 

@@ -13,23 +13,22 @@ space, as without a description); the run goes on and ends with one warning line
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from qmpprof.elf.dwarftypes import DwarfTypes
 from qmpprof.errors import DescribeError, UsageError
-from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
+from qmpprof.guest.base import Attached, FoundTask, GuestSpec, Identity, KernelFile
 from qmpprof.guest.cr3 import Cr3Identifier, load_files
 from qmpprof.guest.describe import description
 from qmpprof.guest.describe.compile import Env, Unreadable
 from qmpprof.guest.describe.description import Description
-from qmpprof.memory import Reader, fetch_piece, reader
+from qmpprof.guest.describe.lister import Fetched, SwitchedTasks, settled
+from qmpprof.memory import fetch_piece, reader
 from qmpprof.model import Process, Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
 
-T = TypeVar("T")
 # Reads one evaluation may make one after the other (each a pointer followed): more is a
 # description that walks a list, which these keys do not.
 MAX_ROUNDS = 16
@@ -60,25 +59,6 @@ class DescribedOs:
         return DescribedIdentifier(by_cr3, described)
 
 
-class _Missing(Exception):
-    def __init__(self, addr: int, size: int) -> None:
-        super().__init__(f"{size} bytes at {addr:#x} not fetched")
-        self.addr, self.size = addr, size
-
-
-class _Fetched:
-    """The sample's page cache as the expressions read it: what is not fetched yet raises
-    _Missing with its whole range (PageMissing knows only the address)."""
-
-    def __init__(self, cache: PageCache) -> None:
-        self.cache = cache
-
-    def read(self, addr: int, size: int) -> bytes | None:
-        if not self.cache.has(addr, size):
-            raise _Missing(addr, size)
-        return self.cache.read(addr, size)
-
-
 class _NoMemory:
     def read(self, addr: int, size: int) -> bytes | None:
         raise AssertionError("a fixed read reads no memory")
@@ -94,6 +74,22 @@ class DescribedIdentifier:
         self.unreadable = 0  # samples an expression left without a pid
         self._last_task: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
         self.first_unreadable: Unreadable | None = None
+        keys, space = described.tasks, by_cr3.kernel.space
+        self.switched = None if keys is None else SwitchedTasks(described, keys, space, self.arch)
+
+    async def every_task(self, transport: GuestTransport) -> list[FoundTask]:
+        """Every task switched out (--off-cpu), as the description's task keys tell them."""
+        if self.switched is None:
+            raise UsageError(
+                f"--off-cpu: {self.description.path.name} says no 'tasks' (docs/describe.md)"
+            )
+        return await self.switched.every_task(transport)
+
+    async def versions(
+        self, transport: GuestTransport, tasks: Sequence[FoundTask]
+    ) -> list[tuple[int, ...] | None]:
+        assert self.switched is not None  # every_task came first
+        return await self.switched.versions(transport, tasks)
 
     async def attach(self, transport: GuestTransport) -> Attached:
         attached = await self.by_cr3.attach(transport)
@@ -119,16 +115,20 @@ class DescribedIdentifier:
         base = await self.by_cr3.identify(transport, regs, cache)
         if self.by_cr3.firmware.runs(regs):
             return base
-        read, env = reader(transport, regs.cpu), Env(regs.cpu, regs, _Fetched(cache))
+        read, env = reader(transport, regs.cpu), Env(regs.cpu, regs, Fetched(cache))
         try:
-            task = await _settled(lambda: self.description.current_task(env), read, cache)
+            task = await settled(
+                lambda: self.description.current_task(env), read, cache, MAX_ROUNDS
+            )
             if task is None:
                 return base if regs.user else self.by_cr3.kernel  # idle, or the kernel alone
             self._last_task[regs.cpu] = task
             span = self.description.task_span
             if span is not None:
                 await fetch_piece(read, cache, task + span[0], span[1] - span[0])
-            found = await _settled(lambda: self.description.about(env, task), read, cache)
+            found = await settled(
+                lambda: self.description.about(env, task), read, cache, MAX_ROUNDS
+            )
         except Unreadable as err:
             self.unreadable += 1
             self.first_unreadable = self.first_unreadable or err
@@ -142,22 +142,19 @@ class DescribedIdentifier:
         return Identity(process, base.space, base.memory, base.registers, base.reread_mappings)
 
     def warnings(self) -> list[str]:
-        """The run's one line on what the description could not read, if anything."""
+        """The run's lines on what the description could not read (samples, --off-cpu tasks)."""
         first = self.first_unreadable
+        lines: list[str] = []
+        if self.switched is not None and self.switched.first_unreadable is not None:
+            off = self.switched.first_unreadable
+            lines.append(
+                f"Warning: {self.description.path.name}: '{off.key}' could not be read for"
+                f" --off-cpu, tasks left out (first: {off.what})"
+            )
         if first is None:
-            return []
+            return lines
         return [
             f"Warning: {self.description.path.name}: '{first.key}' could not be read in"
-            f" {self.unreadable} samples, which have no pid (first: {first.what})"
+            f" {self.unreadable} samples, which have no pid (first: {first.what})",
+            *lines,
         ]
-
-
-async def _settled(evaluate: Callable[[], T], read: Reader, cache: PageCache) -> T:
-    """``evaluate()`` once everything it reads is fetched: each range it misses is read (one
-    request) and it runs again."""
-    for _ in range(MAX_ROUNDS):
-        try:
-            return evaluate()
-        except _Missing as missing:
-            await fetch_piece(read, cache, missing.addr, missing.size)
-    raise Unreadable(f"more than {MAX_ROUNDS} reads one after the other")
