@@ -32,11 +32,9 @@ MODULE_FUNCTIONS = (
 )
 
 
-@pytest.mark.qemu
 @pytest.mark.linux
-async def test_boots_without_kaslr_with_workload_and_kallsyms(tmp_path: Path) -> None:
-    with running_linux_guest(tmp_path, kaslr=False, smp=2) as guest:
-        await check_booted(guest, kaslr=False)
+async def test_boots_without_kaslr_with_workload_and_kallsyms(nokaslr_linux: Shared) -> None:
+    await check_booted(nokaslr_linux.guest, kaslr=False)
 
 
 @pytest.mark.linux
