@@ -1,9 +1,9 @@
-"""Shared pytest fixtures, and the two tiers: tests/unit boots no QEMU, tests/e2e does. The
-bundled guest: built once per session, booted per test. The Debian kernel of the linux tests:
-fetched and unpacked once per session. The Linux guests shared by several files
-(``kaslr_linux``, ``churn_linux``): booted once per kernel series and session, checked after
-each test (tests/sharedlinux.py). The ``qemu`` marker: given to every test in tests/e2e and by
-the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
+"""Shared pytest fixtures, and the two tiers: tests/unit boots no QEMU, tests/e2e does. The bundled
+guest: built once per session, booted per test. The Debian kernel of the linux tests: fetched
+and unpacked once per session. The Linux guests shared by several files (``kaslr_linux``,
+``churn_linux``): booted once per kernel series and session (``nokaslr_linux``: once), checked
+after each test (tests/sharedlinux.py). The ``qemu`` marker: given to every test in tests/e2e
+and by the fixtures a test uses, and checked against what the test boots (tests/qemumark.py)."""
 
 from __future__ import annotations
 
@@ -159,6 +159,22 @@ def kaslr_boot(
 def kaslr_linux(kaslr_boot: Shared) -> Iterator[Shared]:
     """The shared KASLR guest, running for this test and checked afterwards."""
     with sharedlinux.lent(kaslr_boot) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session")
+@qemumark.boots_qemu
+def nokaslr_boot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """The shared 6.12 Linux guest booted with nokaslr, its kallsyms dumped."""
+    tmp = tmp_path_factory.mktemp("nokaslr")
+    with sharedlinux.booted(tmp, sharedlinux.NOKASLR, "6.12") as shared:
+        yield shared
+
+
+@pytest.fixture
+def nokaslr_linux(nokaslr_boot: Shared) -> Iterator[Shared]:
+    """The shared nokaslr guest, running for this test and checked afterwards."""
+    with sharedlinux.lent(nokaslr_boot) as shared:
         yield shared
 
 

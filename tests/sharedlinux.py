@@ -1,12 +1,12 @@
-"""Linux test guests shared by the test files that need one: one boot per kind and kernel.
-
-Each kind (``KASLR``, ``CHURN``) is a session fixture in conftest, parametrized by kernel
-series: pytest runs the tests of one series together, from whatever file, and shuts the guest
-of a series down when it boots the next. Between tests the guest is paused, so an idle shared
-guest costs no CPU. ``lent`` hands it to one test and checks what the test left: running, no
-QMP client still connected, no qmpprof mark. A test that leaves it otherwise fails in its own
-teardown (and the guest is shut down, so the next test of the series fails at once, saying so).
-A test that stops the guest by gdb, or needs another command line, boots its own."""
+"""Linux test guests shared by the test files that need one: one boot per kind and kernel. Each
+kind (``KASLR``, ``CHURN``) is a session fixture in conftest, parametrized by kernel series
+(``NOKASLR``: 6.12 only, kept to the session's end): pytest runs the tests of one series
+together, from whatever file, and shuts the guest of a series down when it boots the next.
+Between tests the guest is paused, so an idle shared guest costs no CPU. ``lent`` hands it to
+one test and checks what the test left: running, no QMP client still connected, no qmpprof mark.
+A test that leaves it otherwise fails in its own teardown (and the guest is shut down, so the
+next test of the series fails at once, saying so). A test that stops the guest by gdb, or needs
+another command line, boots its own."""
 
 from __future__ import annotations
 
@@ -31,16 +31,18 @@ GREETING_TIMEOUT = 30.0
 
 @dataclass(frozen=True)
 class Kind:
-    """A shared guest's command line, besides its kernel: always KASLR on and 2 vCPUs."""
+    """A shared guest's command line, besides its kernel: always 2 vCPUs."""
 
     append: str
     dump_kallsyms: bool
+    kaslr: bool = True
 
 
 # scripts/run-linux-guest boots every guest with no_timer_check (the timer check can fail under
 # TCG on a loaded host): the profile tests' own "no_timer_check" was a second copy.
 KASLR = Kind("", dump_kallsyms=True)
 CHURN_KIND = Kind(CHURN, dump_kallsyms=False)
+NOKASLR = Kind("", dump_kallsyms=True, kaslr=False)
 
 
 @dataclass
@@ -62,7 +64,7 @@ def booted(tmp_path: Path, kind: Kind, series: str) -> Iterator[Shared]:
     kernel = linux_dir(series) / "vmlinuz"
     with running_linux_guest(
         tmp_path,
-        kaslr=True,
+        kaslr=kind.kaslr,
         smp=2,
         append=kind.append,
         dump_kallsyms=kind.dump_kallsyms,

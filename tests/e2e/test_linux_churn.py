@@ -7,6 +7,10 @@ it maps (busybox; xz, liblzma, libc and the dynamic loader), the ticks all taken
 busybox's stacks walked whole in good part though it has neither frame pointers nor full CFI.
 How fast (the rate in guest run time, the wall time) is ``scripts/bench``'s
 ``linux_churn_rate_share`` and ``linux_churn_wall_ratio``, not a timed assertion here.
+That guest also shows every kernel fetched (5.10, 6.1, 6.12, 7.x) booting with KASLR, its test
+module loaded, Debian's xz running (its /proc/PID/maps on the console) and the churn workload
+starting processes in each of its reports (how many a second is scripts/bench's
+linux_churn_processes_per_s).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from linuxvm import ROOTFS, wait_churn
+from linuxkernel import linux_dir
+from linuxvm import ROOT, ROOTFS, module_ko, wait_churn
 from sharedlinux import Shared
 
 from qmpprof.cli import main
@@ -120,3 +125,40 @@ def test_new_processes_are_named_and_placed_as_they_come(
     print("user space gone: in do_exit or not", dict(gone))
     assert gone[True] > 0 and not gone[False], gone
     assert re.search(r"Frames found by following code with no CFI to its return: \d+", err), err
+
+
+# The boot checks of the churn guest come after the profile above, on the same shared guest of
+# the series (pytest keeps this order within a series): the reports they wait for mostly came
+# during the profile, so they wait for about one more report, not all three.
+IMAGE_TEXT = 0xFFFFFFFF81000000  # _text in Debian's vmlinux (its first LOAD)
+IMAGE_KERNEL_TEXT = 0xFFFFFFFF80000000  # KASLR keeps _text in [this, +1 GiB)
+REPORTS_TIMEOUT = 120.0  # 15 s of guest time: a guard against a hung guest, not a speed check
+
+
+@pytest.mark.linux
+def test_every_kernel_boots_with_module_xz_and_churn(churn_linux: Shared) -> None:
+    guest = churn_linux.guest
+    release = (linux_dir(churn_linux.series) / "version").read_text().strip()
+    # The first report overlaps the boot: the next two are the workload's own rate.
+    rates = wait_churn(guest, 3, REPORTS_TIMEOUT)
+    console = guest.console_text()
+    xz_pid, maps = guest.xz_maps()
+    print(f"{release}: boot {guest.boot_seconds:.1f} s, text {guest.text_address:#x}, {rates}")
+    # KASLR moved the kernel by a multiple of 2 MiB, within the kernel's 1 GiB.
+    assert guest.text_address != IMAGE_TEXT
+    assert (guest.text_address - IMAGE_TEXT) % (2 << 20) == 0
+    assert IMAGE_KERNEL_TEXT <= guest.text_address < IMAGE_KERNEL_TEXT + (1 << 30)
+    # The module built for this kernel loaded, unsigned and out of tree (taint O + E).
+    assert module_ko(release).exists()
+    assert "insmod failed" not in console, console
+    assert guest.module_address >= 0xFFFFFFFFC0000000
+    assert "qmpprof-linux: tainted 12288" in console
+    # xz runs, its program and liblzma mapped from the initramfs, code executable.
+    paths = {m.path for m in maps}
+    assert {"/usr/bin/xz", "/lib/x86_64-linux-gnu/liblzma.so.5.4.1"} <= paths, maps
+    for path in ("/usr/bin/xz", "/lib/x86_64-linux-gnu/liblzma.so.5.4.1"):
+        assert any(m.path == path and m.perms == "r-xp" for m in maps), maps
+        assert (ROOT / "fixtures/build/linux-guest/rootfs" / path.lstrip("/")).is_file()
+    assert xz_pid > 1
+    # The churn workload starts processes all the time: in each report past the boot's.
+    assert all(r.processes > 0 and r.seconds > 0 for r in rates[1:3]), rates

@@ -43,11 +43,10 @@ def true_slide(guest: LinuxGuest, series: str = "6.12") -> int:
     return guest.text_address - image
 
 
-@pytest.mark.qemu
 @pytest.mark.linux
-async def test_slide_is_zero_without_kaslr(tmp_path: Path) -> None:
-    with running_linux_guest(tmp_path, kaslr=False, dump_kallsyms=False) as guest:
-        assert await slide_of(guest) == 0 == true_slide(guest)
+async def test_slide_is_zero_without_kaslr(nokaslr_linux: Shared) -> None:
+    guest = nokaslr_linux.guest
+    assert await slide_of(guest) == 0 == true_slide(guest)
 
 
 @pytest.mark.qemu
