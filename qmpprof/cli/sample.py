@@ -24,6 +24,7 @@ from qmpprof.guest.base import Guest, TaskLister, Warns
 from qmpprof.interrupts import interrupts, name
 from qmpprof.model import TaskView
 from qmpprof.offcpu import every_task
+from qmpprof.output.facts import BOUNDARY_KEY
 from qmpprof.sampler import RunOutcome
 from qmpprof.session import Connection, Run, start
 from qmpprof.stats import SamplerStats
@@ -170,7 +171,7 @@ def _finish(
             "interval": f"{opts.spec.sampling.interval * 1e3:g} ms",
             "guest run time": f"{stats.run_time:.2f} s",
             "rate": f"{stats.rate_hz():.1f} Hz",
-            "kernel boundary": f"{sampler.boundary:#x}",
+            BOUNDARY_KEY: f"{sampler.boundary:#x}",
         }
     )
     if opts.spec.kernel is not None:

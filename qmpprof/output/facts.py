@@ -8,6 +8,8 @@ from __future__ import annotations
 from qmpprof.profile import Profile
 
 NAME_KEY = "guest"
+# Where the run put kernel code (``0x…``): a profile read back (a pprof) tells kernel frames by it.
+BOUNDARY_KEY = "kernel boundary"
 
 
 def title(profile: Profile) -> str:

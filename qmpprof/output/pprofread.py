@@ -9,8 +9,10 @@ lines) with function name, file and line; its mapping (range, file offset, path 
 build-id); the period and the comments (the run's facts). Not carried by pprof, so not given
 back: a frame's offset into its function (``--offsets`` names +0x0), the per-sample times
 (samples are spread evenly over the duration), why a truncated walk stopped (``depth``), a
-mapping's bias. A frame is kernel code when its address is in the upper half (above 2^63, or
-above 0xc0000000 in a profile whose addresses all fit 32 bits). A pprof from elsewhere has
+mapping's bias. A frame is kernel code at or above the run's kernel boundary (its fact,
+``facts.BOUNDARY_KEY``: a teaching kernel linked at 0x80100000 keeps its own); without it, in
+the upper half (above 2^63, or above 0xc0000000 in a profile whose addresses all fit 32 bits:
+a pprof written before the fact was, or by serve). A pprof from elsewhere has
 no such labels: its samples are kernel-less user stacks of no process, counted by its first
 sample type (``samples``/``count`` when it has one).
 """
@@ -25,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from qmpprof.model import NO_CPU, Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import TRUNCATED, UNKNOWN, USER_GONE
+from qmpprof.output.facts import BOUNDARY_KEY
 from qmpprof.output.pprofproto import profile_pb2 as pb
 from qmpprof.profile import Profile
 
@@ -87,7 +90,7 @@ def decode(data: bytes) -> Profile:
             facts[key] = value
     profile = Profile(interval_ms, facts)
     addresses = [address for _, address, _ in raw.locations.values()]
-    boundary = _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
+    boundary = _boundary(facts.get(BOUNDARY_KEY), addresses)
     mappings = _mappings(raw, boundary, _module_names(raw))
     # Identical sample messages share one parsed sample (``_parse``): each is read once.
     made: dict[int, tuple[int, Mode, Stack, Process | None, str | None]] = {}
@@ -144,6 +147,18 @@ def _parse(data: bytes) -> _Raw:
     for f in message.function:
         raw.functions[f.id] = (f.name, f.filename)
     return raw
+
+
+def _boundary(written: str | None, addresses: list[int]) -> int:
+    """Where kernel code starts: as the run wrote it (``0x…``), else the upper half of the
+    addresses' width."""
+    try:
+        value = int(written or "", 16)
+    except ValueError:
+        value = 0
+    if 0 < value < 1 << 64:
+        return value
+    return _I386_KERNEL if addresses and max(addresses) >> 32 == 0 else _UPPER_HALF
 
 
 def _module_names(raw: _Raw) -> dict[int, str]:

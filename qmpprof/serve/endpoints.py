@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from qmpprof.naming import Naming
 from qmpprof.output import render
+from qmpprof.output.facts import BOUNDARY_KEY
 from qmpprof.profile import Profile
 from qmpprof.serve import metrics, views
 from qmpprof.serve.ring import SecondSlice, merge
@@ -134,6 +135,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             "interval": f"{interval_ms:.3g} ms",
             "seconds": f"last {seconds} s",
         }
+        if vm.boundary is not None:
+            facts[BOUNDARY_KEY] = f"{vm.boundary:#x}"
         return merge(picked, interval_ms, facts)
 
     def _send(self, status: int, kind: str, body: bytes) -> None:

@@ -83,6 +83,7 @@ class Vm:
         self.beside = beside
         self.spec = self._spec(spec)
         self.interval = self.spec.sampling.interval  # in force (seconds of guest run time)
+        self.boundary: int | None = None  # where its kernel's code starts, once attached
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
@@ -162,7 +163,7 @@ class Vm:
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
         sampler = session.sampler(spec, guest, connection, self._on_tick)
-        self.interval = sampler.interval
+        self.interval, self.boundary = sampler.interval, sampler.boundary
         try:
             self._sampler = sampler
             self._since = time.monotonic()

@@ -15,6 +15,7 @@ from qmpprof.cli.text import top_stacks
 from qmpprof.model import Frame, Mapping, Mode, Process, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import native, render
+from qmpprof.output.facts import BOUNDARY_KEY
 from qmpprof.profile import Profile
 
 KERNEL = 0xFFFF_FFFF_8100_0000
@@ -113,3 +114,40 @@ def test_damaged_pprof_is_one_line(
     assert main(["report", str(path)]) == 7
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a pprof profile either" in err
+
+
+def teaching_kernel_profile(facts: dict[str, str]) -> Profile:
+    """An i386 teaching kernel linked at 0x80100000 (below the usual 0xc0000000 split) under a
+    program linked at 0: a system call's stack, kernel frames over the program's."""
+    kernel = Mapping("kernel.elf", 0x8010_0000, 0x8020_0000, True, 0, "/k/kernel.elf")
+    program = Mapping("crunch", 0, 0x2000, False, 0, "/u/crunch")
+    frames = (
+        Frame(0x8010_1234, True, "sys_write", 0x34, kernel),
+        Frame(0x8010_2000, True, "trap", 0x10, kernel),
+        Frame(0x0_0456, False, "main", 0x56, program),
+    )
+    profile = Profile(10.0, facts)
+    stack = Stack(frames, StopReason.END)
+    profile.add(Sample(0.0, 0, Mode.KERNEL, False, 0, stack, Process(1, "crunch", 0x2000)))
+    return profile
+
+
+@pytest.mark.parametrize(
+    ("written", "kernel"),
+    [
+        ("0x80100000", [True, True, False]),  # the run's own boundary
+        (None, [False, False, False]),  # no fact (serve's older pprof): the 32-bit half
+        ("0xzz", [False, False, False]),  # damaged: the same
+    ],
+)
+def test_kernel_frames_are_told_by_the_runs_own_boundary(
+    written: str | None, kernel: list[bool], tmp_path: Path
+) -> None:
+    facts = {"guest": "hobby"} | ({} if written is None else {BOUNDARY_KEY: written})
+    path = tmp_path / "run.pb.gz"
+    path.write_bytes(render(teaching_kernel_profile(facts), "pprof"))
+    back = native.load(path)
+    (record,) = back.stacks
+    assert [f.kernel for f in back.frames_of(record)] == kernel
+    kept = back.select(Mode.KERNEL)
+    assert [f.kernel for f in kept.frames_of(kept.stacks[0])] == [k for k in kernel if k]
