@@ -17,6 +17,7 @@ gdbstub's 0700 directory and memsave's files are its to use, as for a root user'
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -29,7 +30,10 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import libvirt
+import libvirt_qemu
 from guestvm import BOOT_TIMEOUT, BUILD_ROOT, WORKLOAD_LINE, build_fixtures
+
+from qmpprof.transport.vmmark import MARK_ID
 
 _DIRS = {
     "run": "/run/libvirt",
@@ -166,3 +170,26 @@ def running_domain(
         machine.undefine()
         connection.close()
         shutil.rmtree(where, ignore_errors=True)
+
+
+def passthrough(machine: libvirt.virDomain, command: str, **arguments: object) -> object:
+    """A QMP command through libvirt's monitor passthrough; its ``return``."""
+    text = json.dumps({"execute": command, "arguments": arguments})
+    return json.loads(libvirt_qemu.qemuMonitorCommand(machine, text, 0))["return"]
+
+
+def qemu_state(machine: libvirt.virDomain) -> str:
+    """QEMU's own word (query-status), beside libvirt's ``state()``."""
+    status = passthrough(machine, "query-status")
+    assert isinstance(status, dict)
+    return str(status["status"])
+
+
+def leftovers(machine: libvirt.virDomain) -> list[str]:
+    """What of qmpprof's QEMU holds: the mark object, a gdbstub chardev."""
+    objects = passthrough(machine, "qom-list", path="/objects")
+    chardevs = passthrough(machine, "query-chardev")
+    assert isinstance(objects, list) and isinstance(chardevs, list)
+    return [o["name"] for o in objects if o["name"] == MARK_ID] + [
+        c["label"] for c in chardevs if c["label"] == "gdb"
+    ]

@@ -1,15 +1,70 @@
-"""qmpprof serve read back as a client does: a page fetched over HTTP (its status, type and
-body, errors included), the Prometheus text format parsed and held to its rules, and a guest's
-run state."""
+"""qmpprof serve run and read back as a client does: the daemon started (``serve_command``,
+``Served``), a page fetched over HTTP (its status, type and body, errors included), the
+Prometheus text format parsed and held to its rules, and a guest's run state."""
 
 from __future__ import annotations
 
 import math
 import re
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 from guestvm import Guest, run_state
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str  # ends with "/"
+
+    def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        status, _, body = get(self.url + "metrics")
+        assert status == 200
+        return parse_prometheus(body.decode())
+
+    def per_vm(self, name: str) -> dict[str, float]:
+        """The metric ``name`` by its ``vm`` label."""
+        return {dict(labels)["vm"]: value for labels, value in self.metrics().get(name, {}).items()}
+
+    def samples(self) -> dict[str, float]:
+        """Each VM's samples so far."""
+        return self.per_vm("qmpprof_samples_total")
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+@contextmanager
+def serve_command(*args: str, cwd: Path | None = None) -> Iterator[Served]:
+    """``qmpprof serve --listen 127.0.0.1:0 ARGS`` running, once it says where it listens;
+    stopped by SIGTERM after."""
+    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0", *args]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert found, line + proc.communicate(timeout=30)[1]
+        yield Served(proc, found[0])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def parse_prometheus(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:

@@ -11,7 +11,6 @@ domain with it."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,12 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import libvirt
-import libvirt_qemu
 import pytest
-from libvirtvm import Domain, libvirt_daemon, running_domain
+from libvirtvm import Domain, leftovers, libvirt_daemon, passthrough, running_domain
 
 from qmpprof.output import folded
-from qmpprof.transport.vmmark import MARK_ID
 
 pytestmark = [pytest.mark.qemu]
 
@@ -62,21 +59,6 @@ def profile(domain: Domain, out: Path, *reach: str) -> dict[str, float]:
         counts[stack[0]] += count
     total = sum(counts.values())
     return {process: count / total for process, count in counts.items()}
-
-
-def passthrough(machine: libvirt.virDomain, command: str, **arguments: object) -> object:
-    text = json.dumps({"execute": command, "arguments": arguments})
-    return json.loads(libvirt_qemu.qemuMonitorCommand(machine, text, 0))["return"]
-
-
-def leftovers(machine: libvirt.virDomain) -> list[str]:
-    """What of qmpprof's QEMU holds: the mark object, a gdbstub chardev."""
-    objects = passthrough(machine, "qom-list", path="/objects")
-    chardevs = passthrough(machine, "query-chardev")
-    assert isinstance(objects, list) and isinstance(chardevs, list)
-    return [o["name"] for o in objects if o["name"] == MARK_ID] + [
-        c["label"] for c in chardevs if c["label"] == "gdb"
-    ]
 
 
 def test_a_domain_profiles_as_its_qmp_socket_and_is_left_as_found(

@@ -20,8 +20,8 @@ from gopprof import decode
 from guestvm import running_guest
 from linuxkernel import linux_dir
 from linuxvm import ROOTFS, running_linux_guest
-from servepages import get
-from test_serve_guests import Served, serve_command, wait_until
+from servepages import Served, get, serve_command
+from test_serve_guests import wait_until
 
 from qmpprof.budget import HEADROOM
 

@@ -6,42 +6,19 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from gopprof import go_pprof
 from guestvm import Guest, expected, running_guest
 from qemus import every_qemu
-from servepages import get, parse_prometheus, status
+from servepages import Served, get, serve_command, status
 
 # ---- the daemon against real QEMUs ----------------------------------------------------------
-
-
-@dataclass
-class Served:
-    proc: subprocess.Popen[str]
-    url: str  # ends with "/"
-
-    def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        status, _, body = get(self.url + "metrics")
-        assert status == 200
-        return parse_prometheus(body.decode())
-
-    def per_vm(self, name: str) -> dict[str, float]:
-        return {label[0][1]: v for label, v in self.metrics().get(name, {}).items()}
-
-    def stop(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=30)
-        return self.proc.returncode, err
 
 
 @contextmanager
@@ -51,30 +28,6 @@ def serving(guest: Guest, *args: str) -> Iterator[Served]:
     files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
     with serve_command(*files, "--max-overhead", "none", *args) as served:
         yield served
-
-
-@contextmanager
-def serve_command(*args: str, cwd: Path | None = None) -> Iterator[Served]:
-    """``qmpprof serve --listen 127.0.0.1:0 ARGS`` running, once it says where it listens;
-    stopped by SIGTERM after."""
-    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0", *args]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd
-    )
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
-        assert found, line + proc.communicate(timeout=30)[1]
-        yield Served(proc, found[0])
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -10,25 +10,18 @@ On the host's QEMU only, as test_libvirt_e2e.py (Debian 12's libvirt 9.0 cannot 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import libvirt
-import libvirt_qemu
 import pytest
 from guestvm import expected
-from libvirtvm import Domain, libvirt_daemon, running_domain
-from servepages import get, parse_prometheus
-
-from qmpprof.transport.vmmark import MARK_ID
+from libvirtvm import Domain, leftovers, libvirt_daemon, qemu_state, running_domain
+from servepages import Served, get, serve_command
 
 pytestmark = [pytest.mark.qemu]
 
@@ -36,37 +29,13 @@ EMULATOR = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
 FOLLOW_TIMEOUT = 60.0  # seconds for serve to see a domain start or stop and sample it
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen[str]
-    url: str
-
-    def samples(self) -> dict[str, float]:
-        return self.per_vm("qmpprof_samples_total")
-
-    def per_vm(self, metric: str) -> dict[str, float]:
-        status, _, body = get(self.url + "metrics")
-        assert status == 200
-        found = parse_prometheus(body.decode()).get(metric, {})
-        return {dict(labels)["vm"]: value for labels, value in found.items()}
-
-
 @contextmanager
 def serving(uri: str, guest: Domain) -> Iterator[Served]:
-    argv = [sys.executable, "-m", "qmpprof", "serve", "--listen", "127.0.0.1:0",
-            "--libvirt", uri, "--kernel", str(guest.kernel), "--user-dir", str(guest.user_dir),
-            "--max-overhead", "none", "--interval", "20"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
-        assert found, line + proc.communicate(timeout=30)[1]
-        yield Served(proc, found[0])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    with serve_command(
+        "--libvirt", uri, "--kernel", str(guest.kernel), "--user-dir", str(guest.user_dir),
+        "--max-overhead", "none", "--interval", "20",
+    ) as served:  # fmt: skip
+        yield served
 
 
 def wait_until(what: str, check: Callable[[], bool]) -> None:
@@ -74,28 +43,6 @@ def wait_until(what: str, check: Callable[[], bool]) -> None:
     while not check():
         assert time.monotonic() < deadline, f"not within {FOLLOW_TIMEOUT:g} s: {what}"
         time.sleep(0.2)
-
-
-def passthrough(machine: libvirt.virDomain, command: str, **arguments: object) -> object:
-    text = json.dumps({"execute": command, "arguments": arguments})
-    return json.loads(libvirt_qemu.qemuMonitorCommand(machine, text, 0))["return"]
-
-
-def qemu_state(machine: libvirt.virDomain) -> str:
-    """QEMU's own word (query-status), beside libvirt's ``state()``."""
-    status = passthrough(machine, "query-status")
-    assert isinstance(status, dict)
-    return str(status["status"])
-
-
-def leftovers(machine: libvirt.virDomain) -> list[str]:
-    """What of qmpprof's QEMU holds: the mark object, a gdbstub chardev."""
-    objects = passthrough(machine, "qom-list", path="/objects")
-    chardevs = passthrough(machine, "query-chardev")
-    assert isinstance(objects, list) and isinstance(chardevs, list)
-    return [o["name"] for o in objects if o["name"] == MARK_ID] + [
-        c["label"] for c in chardevs if c["label"] == "gdb"
-    ]
 
 
 def test_serve_follows_the_domains_as_they_start_and_stop_and_leaves_each_as_it_was() -> None:
