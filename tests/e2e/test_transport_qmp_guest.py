@@ -53,8 +53,11 @@ def bios_qemu(
 
 
 def _listening(sock: Path, port: int | None) -> bool:
+    """Whether QEMU accepts on its QMP socket: a connection, not the file (QEMU binds the
+    socket's file before it listens: a connection between is refused)."""
     if port is None:
-        return sock.exists()
+        with socket.socket(socket.AF_UNIX) as s:
+            return s.connect_ex(str(sock)) == 0
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
