@@ -242,6 +242,22 @@ deb_fetch() {
     done
 }
 
+# kbuild_version PACKAGE VERSION: the version of the kbuild PACKAGE (read with apt_opts, for the
+# host's architecture) to build against kernel headers at VERSION: VERSION itself when apt_opts'
+# suites have it, else their newest of the same upstream release. kbuild's programs (modpost,
+# fixdep, ...) follow the upstream release, and Debian's security suite does not keep every
+# package at one revision: on 2026-11-28 bookworm-security had linux-headers-6.1.0-56-amd64 and
+# -arm64 at 6.1.192-2 and linux-kbuild-6.1 only at 6.1.192-3.
+kbuild_version() {
+    local package=$1 version=$2 found
+    found=$(apt-cache "${apt_opts[@]}" madison "$package" | awk -v up="${version%-*}-" \
+        -v exact="$version" '$3 == exact {print $3; exit} index($3, up) == 1 && !any {any = $3}
+        END {if (any) print any}' | head -1)
+    [ -n "$found" ] || die "$package has no version of ${version%-*} in apt_opts' suites"
+    [ "$found" = "$version" ] || say "$package $version is gone from apt_opts' suites: taking $found"
+    echo "$found"
+}
+
 # deb_path NAME [VERSION]: the file deb_fetch got for NAME (at VERSION) in the current suite and
 # architecture.
 deb_path() { echo "${deb_got["$series_arch/$series_suite/$1${2:+=$2}"]:-}"; }
