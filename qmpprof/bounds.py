@@ -65,3 +65,15 @@ def overhead(percent: object) -> float:
     if not 0 < value < 100:
         raise OutOfBounds("a percentage in (0, 100)")
     return value / 100
+
+
+def address(text: str) -> int:
+    """A guest address written in C's way (``0x...``, ``0o...``, decimal; ``_`` allowed), in
+    (0, 2^64); OutOfBounds saying what it should be."""
+    try:
+        value = int(text.replace("_", ""), 0)
+    except ValueError:
+        raise OutOfBounds(f"not an address: {text!r}") from None
+    if not 0 < value < 1 << 64:
+        raise OutOfBounds(f"out of range: {text!r}")
+    return value

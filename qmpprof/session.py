@@ -41,16 +41,14 @@ class RunSpec:
     # Where the guest is and which transport the user asked for (qmpprof.transport chooses).
     reach: Reach = dataclasses.field(default_factory=Reach)
     kernel: Path | None = None
-    kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
     user_dir: Path | None = None
     # How the guest tells its processes apart: a name of qmpprof.guest's registry, or "auto"
     # (the first guest OS that recognises the kernel file).
     os: str = guests.AUTO
-    # The Emerald page's address and layout (None: its defaults).
-    metadata_addr: int | None = None
-    metadata_layout: tuple[str, ...] | None = None
-    # A kernel description (--describe): its tasks told by C expressions over its DWARF.
-    describe: Path | None = None
+    # The guest OSes' options given (guest.base.GuestOption) as (key, value) pairs: passed
+    # through untouched to the OS chosen (Linux's kallsyms, the Emerald page's address, a
+    # kernel description). Pairs, not a dict: a RunSpec is a value (serve keeps distinct ones).
+    os_options: tuple[tuple[str, object], ...] = ()
     # Resolve source lines and inlined frames where DWARF has them (for --lines, and for saved
     # profiles, which any naming may render later); off, frames carry no lines (cheaper).
     lines: bool = False
@@ -63,20 +61,15 @@ def load(spec: RunSpec) -> Guest:
     """The run's guest OS, its files read and indexed (before the guest is touched): the
     registry's choice for ``spec.os`` and the kernel file."""
     kernel = None if spec.kernel is None else KernelFile.open(spec.kernel)
-    kind = guests.choose(spec.os, kernel, described=spec.describe is not None)
-    options = {
-        "metadata_addr": spec.metadata_addr,
-        "metadata_layout": spec.metadata_layout,
-        "describe": spec.describe,
-    }
+    options = dict(spec.os_options)
+    kind = guests.choose(spec.os, kernel, given=options)
     guest_spec = GuestSpec(
         arch=(kernel.arch if kernel is not None else None) or arches.default(),
         kernel=kernel,
-        kallsyms=spec.kallsyms,
         user_dir=spec.user_dir,
         lines=spec.lines,
         auto=spec.os == guests.AUTO,
-        options={name: value for name, value in options.items() if value is not None},
+        options=options,
     )
     return kind.load(guest_spec)
 
@@ -259,12 +252,13 @@ def sampler(
     transport = connection.transport
     waiting = None
     if spec.off_cpu:
-        if not isinstance(guest, TaskLister) or transport.control is None:
-            raise UsageError("--off-cpu needs a guest OS that tells its tasks (--os linux)")
+        lister = task_lister(guest)
+        if transport.control is None:
+            raise UsageError("--off-cpu needs QEMU's monitor, which --transport gdb has not")
         boundary = (
             walker.kernel_boundary if config.kernel_boundary is None else config.kernel_boundary
         )
-        waiting = OffCpuTasks(transport.control, guest, walker, boundary)
+        waiting = OffCpuTasks(transport.control, lister, walker, boundary)
     return Sampler(
         transport,
         walker,
@@ -274,6 +268,16 @@ def sampler(
         housekeeping=guest.housekeep,
         off_cpu=waiting,
     )
+
+
+def task_lister(guest: Guest) -> TaskLister:
+    """``guest`` as one that tells every task (for ``--off-cpu``); UsageError when it cannot."""
+    if not isinstance(guest, TaskLister):
+        raise UsageError(
+            "--off-cpu needs a guest OS that tells its tasks (--os linux, or a --describe file"
+            " with 'tasks')"
+        )
+    return guest
 
 
 NO_KERNEL = (
@@ -300,7 +304,7 @@ async def start(
         await connection.transport.close()
         raise
     connection = await attach(guest, connection)
-    if spec.kernel is None and spec.kallsyms is None:
+    if spec.kernel is None and not any(guests.option(k).symbols for k, _ in spec.os_options):
         notes = (*connection.notes, NO_KERNEL)
         connection = dataclasses.replace(connection, notes=notes)
     if on_connect is not None:

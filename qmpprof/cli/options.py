@@ -17,7 +17,6 @@ from qmpprof import arch as arches
 from qmpprof import transport as transports
 from qmpprof.cli.commands import SUBCOMMANDS
 from qmpprof.errors import UsageError, exit_codes
-from qmpprof.guest import metadata
 from qmpprof.guest import registry as guests
 from qmpprof.model import Mode
 from qmpprof.naming import Naming
@@ -99,9 +98,6 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
     add("--user-dir", metavar="DIR",
         help="the guest's user program ELF files (for Linux: a copy of its root filesystem, or "
              "a folder with its programs and libraries)")  # fmt: skip
-    add("--kallsyms", metavar="FILE",
-        help="a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the "
-             "kallsyms tables inside --kernel)")  # fmt: skip
     defaults = ", ".join(
         f"{arches.by_name(name).kernel_boundary:#x} on {name}" for name in arches.names()
     )
@@ -111,14 +107,9 @@ def add_guest_flags(p: argparse.ArgumentParser) -> None:
         help="lowest kernel address (default: where the --kernel ELF's segments say, for a kernel "
         f"linked below its instruction set's split, else that split: {defaults})",
     )
-    add("--metadata-addr", metavar="ADDR", default=f"{metadata.METADATA_ADDR:#x}",
-        help="address of the guest's process-metadata page (default %(default)s)")  # fmt: skip
-    add("--metadata-layout", metavar="FIELDS", default=",".join(metadata.FIELDS),
-        help="its u64 words in order, _ to skip one (default %(default)s)")  # fmt: skip
+    for option in guests.options():  # each guest OS's own (guest.base.GuestOption)
+        add(option.flag, metavar=option.metavar, help=option.help)
     add("--no-metadata", action="store_true", help="the same as --os cr3")
-    add("--describe", metavar="FILE",
-        help="a kernel description (TOML: C expressions over the kernel's DWARF globals that "
-             "say each vCPU's current task, its pid and name; docs/describe.md)")  # fmt: skip
     add(
         "--os",
         choices=guests.names(),
@@ -134,24 +125,32 @@ class GuestFields(TypedDict):
     """The RunSpec fields add_guest_flags sets (kernel_boundary goes to the SamplerConfig)."""
 
     kernel: Path | None
-    kallsyms: Path | None
     user_dir: Path | None
     os: str
-    metadata_addr: int
-    metadata_layout: tuple[str, ...]
-    describe: Path | None
+    os_options: tuple[tuple[str, object], ...]
 
 
 def guest_fields(ns: argparse.Namespace) -> GuestFields:
     return {
         "kernel": Path(ns.kernel) if ns.kernel else None,
-        "kallsyms": Path(ns.kallsyms) if ns.kallsyms else None,
         "user_dir": Path(ns.user_dir) if ns.user_dir else None,
         "os": "cr3" if ns.no_metadata else ns.os,
-        "metadata_addr": parse_address(ns.metadata_addr, "--metadata-addr"),
-        "metadata_layout": _layout(ns.metadata_layout),
-        "describe": Path(ns.describe) if ns.describe else None,
+        "os_options": os_options_of(ns),
     }
+
+
+def os_options_of(ns: argparse.Namespace) -> tuple[tuple[str, object], ...]:
+    """The guest OSes' options given on the command line, each read by its own rule."""
+    found: list[tuple[str, object]] = []
+    for option in guests.options():
+        text = getattr(ns, option.key, None)
+        if text is None:
+            continue
+        try:
+            found.append((option.key, option.value(text)))
+        except ValueError as err:
+            raise UsageError(f"{option.flag}: {err}") from None
+    return tuple(found)
 
 
 def kernel_boundary_of(ns: argparse.Namespace) -> int | None:
@@ -174,8 +173,11 @@ def outputs_of(ns: argparse.Namespace) -> tuple[Path, ...]:
 def check_files(spec: RunSpec) -> None:
     """The files the flags name are there: a missing one is a UsageError for every flag alike;
     what they hold is read later (ElfError, exit 6, for one that is not what it should be)."""
-    named = (("--kernel", spec.kernel, False), ("--kallsyms", spec.kallsyms, False),
-             ("--user-dir", spec.user_dir, True), ("--describe", spec.describe, False))  # fmt: skip
+    named = [("--kernel", spec.kernel, False), ("--user-dir", spec.user_dir, True)]
+    for key, value in spec.os_options:
+        option = guests.option(key)
+        if option.kind != "value" and isinstance(value, Path):
+            named.append((option.flag, value, option.kind == "folder"))
     for flag, path, folder in named:
         if path is None:
             continue
@@ -337,13 +339,6 @@ def checked(rule: Callable[[object], T], value: object, flag: str) -> T:
         raise UsageError(f"{flag} must be {err}, not {shown}") from None
 
 
-def _layout(text: str) -> tuple[str, ...]:
-    try:
-        return metadata.parse_layout(text)
-    except ValueError as err:
-        raise UsageError(f"--metadata-layout: {err}") from None
-
-
 def parse_cpus(text: str) -> tuple[int, ...]:
     """``0,2-3`` -> (0, 2, 3)."""
     cpus: set[int] = set()
@@ -370,9 +365,6 @@ def parse_host_port(text: str) -> tuple[str, int]:
 
 def parse_address(text: str, flag: str) -> int:
     try:
-        value = int(text.replace("_", ""), 0)
-    except ValueError:
-        raise UsageError(f"{flag}: not an address: {text!r}") from None
-    if not 0 < value < 1 << 64:
-        raise UsageError(f"{flag}: out of range: {text!r}")
-    return value
+        return bounds.address(text)
+    except bounds.OutOfBounds as err:
+        raise UsageError(f"{flag}: {err}") from None

@@ -19,14 +19,14 @@ from typing import TextIO
 import qmpprof.cli.outputs as outputs
 import qmpprof.cli.text as text
 from qmpprof.cli.options import Options
-from qmpprof.errors import GuestGoneError, OutputError, UsageError
+from qmpprof.errors import GuestGoneError, OutputError
 from qmpprof.guest.base import Guest, TaskLister, Warns
 from qmpprof.interrupts import interrupts, name
 from qmpprof.model import TaskView
 from qmpprof.offcpu import every_task
 from qmpprof.output.facts import BOUNDARY_KEY
 from qmpprof.sampler import RunOutcome
-from qmpprof.session import Connection, Run, start
+from qmpprof.session import Connection, Run, start, task_lister
 from qmpprof.stats import SamplerStats
 from qmpprof.unwind.chain import Unwinder
 
@@ -89,9 +89,7 @@ async def run(
         elif task is not None:
             task.cancel()
 
-    lister = guest if isinstance(guest, TaskLister) else None
-    if opts.off_cpu and lister is None:
-        raise UsageError("--off-cpu needs a guest OS that tells its tasks (--os linux)")
+    lister = task_lister(guest) if opts.off_cpu else None
     with interrupts(first_signal) as caught:
         sampler = await start(opts.spec, on_tick=progress, on_connect=connected, guest=guest)
         try:

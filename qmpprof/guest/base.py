@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
@@ -91,17 +91,51 @@ def _image_in(folder: Path) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class GuestOption:
+    """A setting a guest OS takes, declared by the OS (``GuestOs.options``): the flag ``--KEY``
+    (dashes for underscores) of the profiling command and of serve, and ``KEY`` in serve's
+    TOML files; cli, session and serve pass its value through by key. ``kind``: a file's or a
+    folder's path (there before the guest is touched; in a TOML file, from that file's folder),
+    or a value ``read`` from its text (ValueError: what it should be). ``chooses``: given, it
+    makes ``--os auto`` this OS, and another ``--os`` refuses it. ``symbols``: it names the
+    kernel's symbols, so a run with it and no ``--kernel`` still names kernel code."""
+
+    key: str
+    metavar: str
+    help: str
+    kind: Literal["file", "folder", "value"] = "file"
+    read: Callable[[str], object] | None = None
+    chooses: bool = False
+    symbols: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    def value(self, text: str, folder: Path | None = None) -> object:
+        """``text`` as this option's value (a path from ``folder``, when given and the path is
+        relative); ValueError naming what it should be."""
+        if self.kind != "value":
+            return Path(text) if folder is None else folder / text
+        return text if self.read is None else self.read(text)
+
+
+@dataclass(frozen=True, slots=True)
 class GuestSpec:
-    """What a guest OS is told of a run. ``options``: settings of one OS by name (the Emerald
-    page's address and layout), each OS reading its own."""
+    """What a guest OS is told of a run. ``options``: the values of the guest OSes' options
+    given (``GuestOption``), by key, each OS reading its own."""
 
     arch: InstructionSet  # the run's: the kernel file's, else the registry's default
     kernel: KernelFile | None = None
-    kallsyms: Path | None = None  # a Linux kernel's System.map or /proc/kallsyms text
     user_dir: Path | None = None
     lines: bool = False  # resolve source lines and inlined frames where DWARF has them
     auto: bool = False  # chosen by --os auto, not named: fall back where the guest says nothing
     options: dict[str, object] = field(default_factory=dict)
+
+    def path(self, key: str) -> Path | None:
+        """The path option ``key``'s value, None when not given."""
+        value = self.options.get(key)
+        return value if isinstance(value, Path) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +278,14 @@ class Warns(Protocol):
 
 
 class GuestOs(Protocol):
-    """A kind of guest OS: one registry entry, chosen by ``--os NAME``."""
+    """A kind of guest OS: one registry entry, chosen by ``--os NAME``, with the settings it
+    takes (``options``)."""
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def options(self) -> Sequence[GuestOption]: ...
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         """Whether ``--os auto`` takes this OS for a run with this kernel file (or none)."""

@@ -34,6 +34,7 @@ class Cr3Os:
     """``--os cr3``; ``auto`` takes it when no other guest OS recognises the kernel file."""
 
     name = "cr3"
+    options = ()
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         return True

@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from qmpprof import bounds
 from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.image import ElfImage
 from qmpprof.guest import metadata
-from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
+from qmpprof.guest.base import Attached, GuestOption, GuestSpec, Identity, KernelFile
 from qmpprof.guest.cr3 import Cr3Identifier, load_files
 from qmpprof.guest.metadata import ProcessInfo
 from qmpprof.guest.programs import ProgramIndex
@@ -43,6 +44,22 @@ class EmeraldOs:
     Its options: ``metadata_addr`` (where the page is) and ``metadata_layout`` (its fields)."""
 
     name = "emerald"
+    options = (
+        GuestOption(
+            "metadata_addr",
+            "ADDR",
+            f"address of the guest's process-metadata page (default {metadata.METADATA_ADDR:#x})",
+            kind="value",
+            read=bounds.address,
+        ),
+        GuestOption(
+            "metadata_layout",
+            "FIELDS",
+            f"its u64 words in order, _ to skip one (default {','.join(metadata.FIELDS)})",
+            kind="value",
+            read=metadata.parse_layout,
+        ),
+    )
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         return kernel is None or (kernel.arch is not None and kernel.arch.address_size == 8)

@@ -1,17 +1,20 @@
 """The guest OSes qmpprof reads, each behind ``base.GuestOs``: this is their registry. ``--os
-auto`` takes the first, in registry order, that recognises the kernel file; a new guest OS is a
-module (or package) of its own and a ``register`` line below."""
+auto`` takes the first, in registry order, that recognises the kernel file, or the OS whose
+choosing option was given (``--describe``); a new guest OS is a module (or package) of its own
+and a ``register`` line below. Each OS's options (``GuestOption``) become the flags of the
+profiling command and serve and serve's TOML keys (``options``)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from qmpprof.errors import UsageError
 from qmpprof.guest import cr3, emerald
-from qmpprof.guest.base import GuestOs, KernelFile
+from qmpprof.guest.base import GuestOption, GuestOs, KernelFile
 from qmpprof.guest.describe.guest import DescribedOs
 from qmpprof.linux.running.linuxos import LINUX
 
 AUTO = "auto"
-DESCRIBED = DescribedOs.name
 _OSES: dict[str, GuestOs] = {}
 
 
@@ -36,13 +39,35 @@ def names() -> list[str]:
     return [AUTO, *_OSES]
 
 
-def choose(name: str, kernel: KernelFile | None, *, described: bool = False) -> GuestOs:
-    """The guest OS ``--os NAME`` means for a run with ``kernel`` (``auto``: the first that
-    recognises it, or the described kernel's for a run with a description)."""
-    if described and name not in (AUTO, DESCRIBED):
-        raise UsageError(f"--describe goes with --os auto or {DESCRIBED}, not --os {name}")
-    if name == AUTO and described:
-        return _OSES[DESCRIBED]
+def options() -> list[GuestOption]:
+    """Every guest OS's options, once each by key, in registry order."""
+    found: dict[str, GuestOption] = {}
+    for kind in _OSES.values():
+        for option in kind.options:
+            found.setdefault(option.key, option)
+    return list(found.values())
+
+
+def option(key: str) -> GuestOption:
+    """The option ``key`` a registered guest OS declares (KeyError: none does)."""
+    for found in options():
+        if found.key == key:
+            return found
+    raise KeyError(key)
+
+
+def choose(name: str, kernel: KernelFile | None, given: Collection[str] = ()) -> GuestOs:
+    """The guest OS ``--os NAME`` means for a run with ``kernel`` and the guest OSes' options
+    ``given`` (keys): ``auto``, the OS whose choosing option was given, else the first that
+    recognises the kernel file; a choosing option with another ``--os`` is a UsageError."""
+    for kind in _OSES.values():
+        chosen = [o for o in kind.options if o.chooses and o.key in given]
+        if not chosen:
+            continue
+        if name not in (AUTO, kind.name):
+            flag = chosen[0].flag
+            raise UsageError(f"{flag} goes with --os auto or {kind.name}, not --os {name}")
+        return kind
     if name == AUTO:
         for kind in _OSES.values():
             if kind.recognises(kernel):

@@ -31,6 +31,7 @@ from typing import Any
 from qmpprof import bounds
 from qmpprof.errors import UsageError
 from qmpprof.guest import registry as guests
+from qmpprof.guest.base import GuestOption
 from qmpprof.session import RunSpec
 
 # The longest interval serve's budget may ask for (pauses of up to 45 ms still fit in 1 %), and
@@ -50,10 +51,13 @@ class VmSettings:
     # (field, value): each value read by its key's reader, of the field's type
     run: tuple[tuple[str, Any], ...] = ()
     sampling: tuple[tuple[str, Any], ...] = ()
+    # (key, value): the guest OSes' options (guest.base.GuestOption), over the flags' ones
+    os_options: tuple[tuple[str, object], ...] = ()
 
     def apply(self, spec: RunSpec) -> RunSpec:
         sampling = dataclasses.replace(spec.sampling, **dict(self.sampling))
-        return dataclasses.replace(spec, **dict(self.run), sampling=sampling)
+        options = tuple({**dict(spec.os_options), **dict(self.os_options)}.items())
+        return dataclasses.replace(spec, **dict(self.run), sampling=sampling, os_options=options)
 
 
 def _path(folder: Path) -> Callable[[object], Path]:
@@ -65,6 +69,23 @@ def _path(folder: Path) -> Callable[[object], Path]:
         except RuntimeError:  # "~user" of no such user
             raise _Bad(f"a path whose ~ names a user here, not {value!r}") from None
         return path if path.is_absolute() else folder / path
+
+    return read
+
+
+def _option(option: GuestOption, folder: Path) -> Callable[[object], object]:
+    """A guest OS's option as a TOML value: a path from the file's folder, or a value read
+    from its text (a number or a string: an address past 2^63 is no TOML integer)."""
+    if option.kind != "value":
+        return _path(folder)
+
+    def read(value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise _Bad("a string")
+        try:
+            return option.value(str(value))
+        except ValueError as err:
+            raise _Bad(str(err)) from None
 
     return read
 
@@ -119,23 +140,26 @@ def parse_overhead(text: str) -> float | None:
 
 
 def _keys(folder: Path) -> dict[str, tuple[str, str, Callable[[object], object]]]:
-    """TOML key -> (where it goes: run or sampling, field, its reader)."""
+    """TOML key -> (where it goes: run, sampling or os_options; field; its reader): serve's
+    own keys, then each guest OS's options (guest.base.GuestOption) by their keys."""
     path = _path(folder)
-    return {
+    keys = {
         "kernel": ("run", "kernel", path),
-        "kallsyms": ("run", "kallsyms", path),
         "user_dir": ("run", "user_dir", path),
         "os": ("run", "os", _os),
         "off_cpu": ("run", "off_cpu", _bool),
         "interval": ("sampling", "interval", _interval),
         "max_overhead": ("sampling", "max_overhead", _overhead),
     }
+    for option in guests.options():
+        keys[option.key] = ("os_options", option.key, _option(option, folder))
+    return keys
 
 
 def settings(table: Mapping[str, object], where: str, folder: Path, *, socket: bool) -> VmSettings:
     """One VM's table; ``where`` goes before a key in errors (``FILE: vm.NAME.``)."""
     keys = _keys(folder)
-    found: dict[str, list[tuple[str, object]]] = {"run": [], "sampling": []}
+    found: dict[str, list[tuple[str, object]]] = {"run": [], "sampling": [], "os_options": []}
     at: Path | None = None
     for key, value in table.items():
         try:
@@ -149,7 +173,8 @@ def settings(table: Mapping[str, object], where: str, folder: Path, *, socket: b
             found[part].append((field, read(value)))
         except _Bad as bad:
             raise UsageError(f"{where}{key}: {bad}") from None
-    return VmSettings(at, tuple(found["run"]), tuple(found["sampling"]))
+    parts = (tuple(found[part]) for part in ("run", "sampling", "os_options"))
+    return VmSettings(at, *parts)
 
 
 def _toml(path: Path) -> dict[str, object]:

@@ -69,7 +69,11 @@ async def compare(tmp_path: Path) -> tuple[list[tuple[int, str] | None], list[st
     truths: list[tuple[int, str] | None] = []
     differences = []
     with running_hobby(tmp_path, gdb_port=port) as guest:
-        spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir, describe=DESCRIPTION)
+        spec = RunSpec(
+            kernel=guest.kernel_elf,
+            user_dir=guest.user_dir,
+            os_options=(("describe", DESCRIPTION),),
+        )
         identifier = session.load(spec)
         unwinder = session.unwinder(spec, identifier)
         oracle = TaskOracle(guest.kernel_elf, guest.user_dir, port, tmp_path)

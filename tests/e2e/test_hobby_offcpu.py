@@ -51,7 +51,11 @@ async def compare(tmp_path: Path) -> tuple[int, list[str]]:
     """The tasks gdb found asleep over the moments, and where qmpprof differs."""
     port, counted, differences = free_tcp_port(), 0, []
     with running_hobby(tmp_path, gdb_port=port) as guest:
-        spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir, describe=DESCRIPTION)
+        spec = RunSpec(
+            kernel=guest.kernel_elf,
+            user_dir=guest.user_dir,
+            os_options=(("describe", DESCRIPTION),),
+        )
         identifier = session.load(spec)
         unwinder = session.unwinder(spec, identifier)
         boundary = unwinder.kernel_boundary

@@ -24,7 +24,7 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.arch.x86regs import X86Formats
 from qmpprof.errors import MemoryReadError
 from qmpprof.guest import registry as guest
-from qmpprof.guest.base import Attached, GuestSpec, Identity, KernelFile
+from qmpprof.guest.base import Attached, GuestOption, GuestSpec, Identity, KernelFile
 from qmpprof.model import Mode, Process, Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.sampler import SamplerConfig
@@ -88,10 +88,12 @@ class ToyFormats:
 
 
 class ToyGuest:
-    """Every user-mode sample is process 7, "toy"; kernel ones the kernel's."""
+    """Every user-mode sample is process ``pid`` (its OS's option), "toy"; kernel ones the
+    kernel's."""
 
-    def __init__(self, isa: InstructionSet, kernel: Module) -> None:
+    def __init__(self, isa: InstructionSet, kernel: Module, pid: int) -> None:
         self.arch = isa
+        self.pid = pid
         self.space = AddressSpace([kernel])
         self.attached = self.housekept = 0
 
@@ -109,12 +111,13 @@ class ToyGuest:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
-        process = Process(7, "toy", regs.space, space_name=self.arch.space_register)
+        process = Process(self.pid, "toy", regs.space, space_name=self.arch.space_register)
         return Identity(process if regs.user else None, self.space)
 
 
 class ToyOs:
     name = "toy"
+    options = (GuestOption("toy_pid", "PID", "the toy's process id", kind="value", read=int),)
 
     def __init__(self) -> None:
         self.loaded: list[ToyGuest] = []
@@ -129,7 +132,9 @@ class ToyOs:
     def load(self, spec: GuestSpec) -> ToyGuest:
         assert spec.kernel is not None and spec.kernel.elf is not None and spec.auto
         image = spec.kernel.elf.prepare()
-        self.loaded.append(ToyGuest(spec.arch, Module.from_image(image, kernel=True)))
+        pid = spec.options["toy_pid"]
+        assert isinstance(pid, int)
+        self.loaded.append(ToyGuest(spec.arch, Module.from_image(image, kernel=True), pid))
         return self.loaded[-1]
 
 
@@ -196,6 +201,7 @@ async def test_a_run_uses_the_guest_os_instruction_set_and_transport_registered_
         spec = session.RunSpec(
             reach=Reach(booted.qmp_socket),
             kernel=booted.kernel_elf,
+            os_options=(("toy_pid", 7),),  # the toy OS's own option, passed through untouched
             sampling=SamplerConfig(interval=0.01, duration=1.0),
         )
         run = await session.start(spec, on_connect=lambda connection: paths.append(connection.path))

@@ -333,7 +333,7 @@ def test_a_description_needs_its_kernel_and_its_guest_os(
     spec = RunSpec(
         kernel=BUILD_ROOT / "hobby" / "kernel.elf" if kernel else None,
         os=os,
-        describe=ROOT / "fixtures" / "hobby" / "describe.toml",
+        os_options=(("describe", ROOT / "fixtures" / "hobby" / "describe.toml"),),
     )
     with pytest.raises(UsageError) as found:
         session.load(spec)

@@ -50,9 +50,9 @@ max_overhead = 2.5
         False,
         True,
     )
-    assert (db.kernel, db.kallsyms) == (
+    assert (db.kernel, dict(db.os_options)) == (
         tmp_path / "kernels/vmlinuz-6.1",
-        tmp_path / "kernels/System.map-6.1",
+        {"kallsyms": tmp_path / "kernels/System.map-6.1"},
     )
     assert (db.os, db.sampling.interval, db.sampling.max_overhead) == ("linux", 0.040, 0.025)
     assert (other.kernel, other.sampling.max_overhead) == (Path("/k/default"), 0.01)  # the flags

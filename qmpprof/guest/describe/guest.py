@@ -14,11 +14,10 @@ space, as without a description); the run goes on and ends with one warning line
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from qmpprof.elf.dwarftypes import DwarfTypes
 from qmpprof.errors import DescribeError, UsageError
-from qmpprof.guest.base import Attached, FoundTask, GuestSpec, Identity, KernelFile
+from qmpprof.guest.base import Attached, FoundTask, GuestOption, GuestSpec, Identity, KernelFile
 from qmpprof.guest.cr3 import Cr3Identifier, load_files
 from qmpprof.guest.describe import description
 from qmpprof.guest.describe.compile import Env, Unreadable
@@ -38,13 +37,22 @@ class DescribedOs:
     """``--os described``; ``auto`` takes it whenever ``--describe`` is given."""
 
     name = "described"
+    options = (
+        GuestOption(
+            "describe",
+            "FILE",
+            "a kernel description (TOML: C expressions over the kernel's DWARF globals that say"
+            " each vCPU's current task, its pid and name; docs/describe.md)",
+            chooses=True,
+        ),
+    )
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         return False  # only by --describe (registry.choose)
 
     def load(self, spec: GuestSpec) -> DescribedIdentifier:
-        path = spec.options.get("describe")
-        if not isinstance(path, Path):
+        path = spec.path("describe")
+        if path is None:
             raise UsageError("--os described needs --describe FILE")
         modules, programs, image = load_files(spec)
         if image is None:

@@ -51,7 +51,7 @@ def linux_guest(spec: GuestSpec) -> LinuxGuest:
     """The guest of a run with ``--os linux``, its kernel loaded (or found loaded)."""
     if spec.kernel is None:
         raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
-    kernel = load_kernel(spec.kernel.path, spec.kallsyms)
+    kernel = load_kernel(spec.kernel.path, spec.path("kallsyms"))
     files = UserFiles(spec.user_dir)
     debug, notes = debug_file(kernel) if spec.lines else (None, ())
     return LinuxGuest(kernel, kernel.image.arch, files, lines=spec.lines, debug=debug, notes=notes)

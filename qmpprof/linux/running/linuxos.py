@@ -8,13 +8,22 @@ them (about 60 ms of CPU at every start, by python -X importtime on a loaded 2-c
 
 from __future__ import annotations
 
-from qmpprof.guest.base import Guest, GuestSpec, KernelFile
+from qmpprof.guest.base import Guest, GuestOption, GuestSpec, KernelFile
+
+KALLSYMS = GuestOption(
+    "kallsyms",
+    "FILE",
+    "a Linux kernel's symbols as System.map or /proc/kallsyms text (default: the kallsyms"
+    " tables inside --kernel)",
+    symbols=True,
+)
 
 
 class LinuxOs:
     """``--os linux``; ``auto`` takes it for a kernel file that is a Linux image."""
 
     name = "linux"
+    options = (KALLSYMS,)
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         if kernel is None:
