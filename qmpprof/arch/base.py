@@ -10,7 +10,7 @@ family reads alike (a ``g`` reply's bytes, the blocks of ``info registers``, the
 walk cannot start without) is read here once.
 
 Each instruction set is one module of this package, registered in ``qmpprof.arch``; nothing
-outside this package names one (docs/architecture.md).
+outside this package names one (docs/layering.md).
 """
 
 from __future__ import annotations

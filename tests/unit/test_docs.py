@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "qmpprof"
 MAP = ROOT / "docs" / "architecture.md"
+MAP_LINES = 150  # a one-page map (issue 32); depth goes to the modules' docstrings
 
 
 def mapped_modules(text: str) -> list[str]:
@@ -51,6 +52,11 @@ def test_the_map_names_every_module_and_only_modules() -> None:
     assert not missing, f"modules of qmpprof/ that docs/architecture.md does not name: {missing}"
     assert not extra, f"docs/architecture.md names modules qmpprof/ does not have: {extra}"
     assert not twice, f"docs/architecture.md names these modules twice: {twice}"
+
+
+def test_the_map_is_one_page() -> None:
+    lines = len(MAP.read_text().splitlines())
+    assert lines <= MAP_LINES, f"docs/architecture.md has {lines} lines: the map is one page"
 
 
 def test_every_docs_page_the_readme_and_the_docs_name_exists() -> None:

@@ -1,4 +1,4 @@
-"""The package's imports against the layering rules declared in docs/architecture.md.
+"""The package's imports against the layering rules declared in docs/layering.md.
 
 The rules are read from the ```layering block of that page, so the page and the check cannot
 drift apart. Imports are read with ast (top-level and inside functions alike), never executed.
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "qmpprof"
-DOC = ROOT / "docs" / "architecture.md"
+DOC = ROOT / "docs" / "layering.md"
 
 
 def module_name(path: Path) -> str:
