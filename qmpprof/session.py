@@ -57,6 +57,19 @@ class RunSpec:
     sampling: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
 
 
+def with_boot_files(spec: RunSpec) -> tuple[RunSpec, tuple[str, ...]]:
+    """``spec`` with the kernel the VM boots directly where no ``--kernel`` was given, as
+    whoever runs it names it (a libvirt domain's ``<kernel>``: ``transport.boot_files``), and
+    what the user should be told of it, one line each."""
+    if spec.kernel is not None:
+        return spec, ()
+    booted = transports.boot_files(spec.reach)
+    if booted.kernel is None:
+        return spec, booted.notes
+    said = f"--kernel {booted.kernel}: the kernel {spec.reach.where} boots"
+    return dataclasses.replace(spec, kernel=booted.kernel), (*booted.notes, said)
+
+
 def load(spec: RunSpec) -> Guest:
     """The run's guest OS, its files read and indexed (before the guest is touched): the
     registry's choice for ``spec.os`` and the kernel file."""

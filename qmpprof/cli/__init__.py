@@ -83,11 +83,12 @@ def _unknown(args: list[str]) -> int:
 
 def _profile(args: list[str]) -> int:
     import asyncio
+    import dataclasses
 
     import qmpprof.cli.options as options
     import qmpprof.cli.outputs as outputs
     import qmpprof.cli.sample as sample
-    from qmpprof.session import check_socket, load
+    from qmpprof.session import check_socket, load, with_boot_files
 
     # The order a mistake is told in: the flags' values, the socket, the outputs, the files;
     # the cheap checks first, and all before the guest is touched.
@@ -97,5 +98,9 @@ def _profile(args: list[str]) -> int:
         check_socket(spec.reach.qmp_socket)
     outputs.check(opts.outputs, opts.fmt)
     options.check_files(spec)
+    spec, notes = with_boot_files(spec)
+    for note in notes:
+        sys.stderr.write(f"qmpprof: note: {note}\n")
+    opts = dataclasses.replace(opts, spec=spec)
     guest = load(spec)  # before the loop: a signal now has nothing to undo
     return asyncio.run(sample.run(opts, guest))

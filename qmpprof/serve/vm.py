@@ -157,9 +157,10 @@ class Vm:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _session(self) -> None:
-        self.spec = spec = self.settings()
         if self.reach.domain is None:
             await _listening(self.reach.qmp_socket)  # cheap, before the files load
+        # A domain's own <kernel> where none is given (its notes are the command's, not shown)
+        self.spec = spec = session.with_boot_files(self.settings())[0]
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
         sampler = session.sampler(spec, guest, connection, self._on_tick)

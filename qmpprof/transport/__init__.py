@@ -12,6 +12,7 @@ from qmpprof.errors import UsageError
 from qmpprof.transport.base import (
     AUTO,
     Address,
+    BootFiles,
     DomainSet,
     GuestTransport,
     Opened,
@@ -22,11 +23,13 @@ from qmpprof.transport.kinds import quit_qemu
 
 __all__ = [
     "AUTO",
+    "BootFiles",
     "DomainSet",
     "GuestTransport",
     "Opened",
     "Reach",
     "TransportKind",
+    "boot_files",
     "connect",
     "names",
     "quit_qemu",
@@ -80,6 +83,17 @@ async def connect(reach: Reach) -> Opened:
     """A transport to the guest at ``reach``, of the kind ``choose`` picks, opened."""
     kind, passed_over = choose(reach)
     return await kind.open(reach, passed_over)
+
+
+def boot_files(reach: Reach) -> BootFiles:
+    """The kernel and initrd the VM at ``reach`` boots directly, as far as whoever runs it
+    names them (a libvirt domain's XML); none for a VM reached by its sockets, whose command
+    line qmpprof does not see. Read before the guest is touched: it asks libvirt, not QEMU."""
+    if reach.domain is None:
+        return BootFiles()
+    from qmpprof.transport.libvirtdomain import domain_boot_files  # libvirt: see watch_domains
+
+    return domain_boot_files(reach.connect, reach.domain)
 
 
 def watch_domains(uri: str, changed: Callable[[], None]) -> DomainSet:

@@ -125,6 +125,17 @@ class Reach:
 
 
 @dataclass(frozen=True, slots=True)
+class BootFiles:
+    """The files a VM boots directly as whoever runs it names them (a libvirt domain's XML:
+    ``<kernel>``, ``<initrd>``), each None when not named or not readable on this host;
+    ``notes``: why one named is not taken, one line each."""
+
+    kernel: Path | None = None
+    initrd: Path | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Opened:
     """An open transport, how samples travel through it (``path``, for ``--verbose``), what the
     user should be told in any case (``notes``, one line each), and its tuning: ``window``, the

@@ -19,13 +19,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import libvirt
 import libvirt_qemu
 
 from qmpprof.errors import ConnectError, GuestGoneError, TransportError
-from qmpprof.transport.base import MemoryPath
+from qmpprof.transport.base import BootFiles, MemoryPath
 from qmpprof.transport.qmp import QmpTransport, register_formats
 
 # libvirt's errors for a domain that is gone or no longer runs: QEMU went away.
@@ -125,6 +129,47 @@ class DomainTransport(QmpTransport):
 
     def guard_pauses(self) -> None:
         """No guard: it resumes a guest through a QMP socket, which a libvirt domain has not."""
+
+
+def domain_boot_files(uri: str | None, name: str) -> BootFiles:
+    """The ``<kernel>`` and ``<initrd>`` of the running domain ``name``'s XML (libvirt's live
+    definition, read-only), each where this host can read it: a domain on another host
+    (``qemu+ssh://``) names files there, and a file this user cannot read is said, not taken.
+    Nothing when libvirt cannot tell (the transport then says why, once connecting)."""
+    libvirt.registerErrorHandler(_silent, None)
+    try:
+        connection = libvirt.openReadOnly(uri)
+    except libvirt.libvirtError:
+        return BootFiles()
+    try:
+        text = connection.lookupByName(name).XMLDesc(0)
+        host = urlsplit(connection.getURI()).hostname
+    except libvirt.libvirtError:
+        return BootFiles()
+    finally:
+        connection.close()
+    named = {tag: _os_file(text, tag) for tag in ("kernel", "initrd")}
+    if host and any(named.values()):
+        return BootFiles(notes=(f"domain {name} boots files on {host}: give --kernel",))
+    found, notes = {}, []
+    for tag, path in named.items():
+        if path is None:
+            continue
+        if os.access(path, os.R_OK):
+            found[tag] = path
+        else:
+            notes.append(f"domain {name} boots {path} (its <{tag}>), which this user cannot read")
+    return BootFiles(found.get("kernel"), found.get("initrd"), tuple(notes))
+
+
+def _os_file(xml: str, tag: str) -> Path | None:
+    """The path in the domain XML's ``<os><TAG>``, None when it has none."""
+    try:
+        element = ElementTree.fromstring(xml).find(f"os/{tag}")
+    except ElementTree.ParseError:
+        return None
+    text = None if element is None else (element.text or "").strip()
+    return Path(text) if text else None
 
 
 def _silent(context: object, error: object) -> None:

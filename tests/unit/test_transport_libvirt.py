@@ -1,18 +1,21 @@
 """libvirt's monitor passthrough as a QMP client (transport/libvirtdomain.py), against a scripted
 stand-in for libvirt-qemu's qemuMonitorCommand: the JSON sent, replies and QEMU's refusals, the
-stops it counts as STOP events, and libvirt's errors as qmpprof's. The real libvirtd is
-test_libvirt_e2e.py's."""
+stops it counts as STOP events, and libvirt's errors as qmpprof's; the files a domain boots, read
+from its XML through libvirt's test driver. The real libvirtd is test_libvirt_e2e.py's."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import libvirt
 import pytest
 
 import qmpprof.transport.libvirtdomain as libvirtdomain
 from qmpprof.errors import GuestGoneError, TransportError
+from qmpprof.transport import BootFiles, boot_files
+from qmpprof.transport.base import Reach
 from qmpprof.transport.libvirtdomain import PassthroughClient
 
 
@@ -102,3 +105,39 @@ async def test_libvirts_errors_become_qmpprofs(
     with pytest.raises(error, match="it says no") as raised:
         await client(alive).execute("cont")
     assert type(raised.value) is error
+
+
+def node(folder: Path, kernel: str | None, initrd: str | None = None) -> str:
+    """A libvirt test-driver URI whose node holds one running domain, "vm", booting ``kernel``
+    and ``initrd`` directly (None: not named)."""
+    files = "".join(
+        f"<{tag}>{path}</{tag}>" for tag, path in (("kernel", kernel), ("initrd", initrd)) if path
+    )
+    xml = folder / "node.xml"
+    xml.write_text(
+        "<node><domain type='test'><name>vm</name><memory>65536</memory>"
+        f"<os><type>hvm</type>{files}</os></domain></node>"
+    )
+    return f"test://{xml}"
+
+
+def test_a_domain_names_the_kernel_and_initrd_it_boots(tmp_path: Path) -> None:
+    kernel, initrd = tmp_path / "vmlinuz", tmp_path / "initrd.img"
+    kernel.write_bytes(b"k")
+    initrd.write_bytes(b"i")
+    found = boot_files(Reach(domain="vm", connect=node(tmp_path, str(kernel), str(initrd))))
+    assert found == BootFiles(kernel, initrd)
+
+
+def test_a_file_this_host_cannot_read_is_said_not_taken(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    found = boot_files(Reach(domain="vm", connect=node(tmp_path, str(gone))))
+    assert found == BootFiles(
+        notes=(f"domain vm boots {gone} (its <kernel>), which this user cannot read",)
+    )
+
+
+def test_a_domain_booting_from_its_disk_names_nothing(tmp_path: Path) -> None:
+    assert boot_files(Reach(domain="vm", connect=node(tmp_path, None))) == BootFiles()
+    assert boot_files(Reach(domain="other", connect=node(tmp_path, None))) == BootFiles()
+    assert boot_files(Reach(qmp_socket=tmp_path / "qmp")) == BootFiles()  # no domain: no XML
