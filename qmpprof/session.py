@@ -58,16 +58,27 @@ class RunSpec:
 
 
 def with_boot_files(spec: RunSpec) -> tuple[RunSpec, tuple[str, ...]]:
-    """``spec`` with the kernel the VM boots directly where no ``--kernel`` was given, as
-    whoever runs it names it (a libvirt domain's ``<kernel>``: ``transport.boot_files``), and
+    """``spec`` with the files the VM boots directly where the user gave none, as whoever runs
+    it names them (a libvirt domain's ``<kernel>`` and ``<initrd>``: ``transport.boot_files``):
+    the kernel, and each guest OS option that takes a boot file (``GuestOption.booted``); and
     what the user should be told of it, one line each."""
-    if spec.kernel is not None:
+    given = dict(spec.os_options)
+    # The initrd holds the user programs, which a --user-dir given names already.
+    takers = [o for o in guests.options() if o.booted is not None and o.key not in given]
+    takers = [] if spec.user_dir is not None else takers
+    if spec.kernel is not None and not takers:
         return spec, ()
     booted = transports.boot_files(spec.reach)
-    if booted.kernel is None:
-        return spec, booted.notes
-    said = f"--kernel {booted.kernel}: the kernel {spec.reach.where} boots"
-    return dataclasses.replace(spec, kernel=booted.kernel), (*booted.notes, said)
+    notes = list(booted.notes)
+    if spec.kernel is None and booted.kernel is not None:
+        spec = dataclasses.replace(spec, kernel=booted.kernel)
+        notes.append(f"--kernel {booted.kernel}: the kernel {spec.reach.where} boots")
+    for option in takers:
+        path = booted.initrd if option.booted == "initrd" else None
+        if path is not None:
+            given[option.key] = path
+            notes.append(f"{option.flag} {path}: the {option.booted} {spec.reach.where} boots")
+    return dataclasses.replace(spec, os_options=tuple(given.items())), tuple(notes)
 
 
 def load(spec: RunSpec) -> Guest:

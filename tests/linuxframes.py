@@ -151,14 +151,19 @@ def user_frames(profile: Profile, pid: int) -> Iterator[tuple[Frame, bool, int]]
             yield frame, depth == 0, count
 
 
-def check_user_frames(profile: Profile, pid: int, maps: list[Mapping], rootfs: Path) -> UserFrames:
+def check_user_frames(
+    profile: Profile, pid: int, maps: list[Mapping], rootfs: Path, taken_from: Path | None = None
+) -> UserFrames:
     """Each user frame of process ``pid``: the maps line covering its address (a return
     address's call is at pc - 1) names the file the frame's Mapping must have (its path, and
     the file's name as its name) and the offset in it (pc - start + file_offset on both
     sides), and a frame's symbol must be a .dynsym symbol of
     that file whose [value, value + size) holds the address: never the nearest exported symbol
-    below an internal function of a stripped file."""
+    below an internal function of a stripped file. ``taken_from``: the folder qmpprof took the
+    files from when not ``rootfs`` (an initramfs it unpacked): the file there must hold the
+    same bytes as ``rootfs``'s."""
     tally = UserFrames()
+    same: dict[Path, bool] = {}
     for frame, exact, count in user_frames(profile, pid):
         tally.total += count
         lookup = frame.pc if exact else frame.pc - 1
@@ -169,9 +174,15 @@ def check_user_frames(profile: Profile, pid: int, maps: list[Mapping], rootfs: P
             tally.wrong[f"{where}: maps has no file there ({line})"] += count
             continue
         file = (rootfs / line.path.lstrip("/")).resolve()
+        taken = file if taken_from is None else (taken_from / line.path.lstrip("/")).resolve()
         offset = frame.pc - line.start + line.offset
-        if mapping is None or mapping.path is None or Path(mapping.path).resolve() != file:
+        if mapping is None or mapping.path is None or Path(mapping.path).resolve() != taken:
             tally.wrong[f"{where}: maps says {line.path}"] += count
+            continue
+        if taken not in same:
+            same[taken] = taken.read_bytes() == file.read_bytes()
+        if not same[taken]:
+            tally.wrong[f"{where}: {taken} is not {file}"] += count
             continue
         if mapping.name != file.name:
             tally.wrong[f"{where}: named {mapping.name}, the file is {file.name}"] += count

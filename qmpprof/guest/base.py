@@ -98,7 +98,9 @@ class GuestOption:
     folder's path (there before the guest is touched; in a TOML file, from that file's folder),
     or a value ``read`` from its text (ValueError: what it should be). ``chooses``: given, it
     makes ``--os auto`` this OS, and another ``--os`` refuses it. ``symbols``: it names the
-    kernel's symbols, so a run with it and no ``--kernel`` still names kernel code."""
+    kernel's symbols, so a run with it and no ``--kernel`` still names kernel code.
+    ``booted``: the file of ``transport.BootFiles`` (``initrd``) it takes when not given and
+    whoever runs the VM names one (a libvirt domain's XML)."""
 
     key: str
     metavar: str
@@ -107,6 +109,7 @@ class GuestOption:
     read: Callable[[str], object] | None = None
     chooses: bool = False
     symbols: bool = False
+    booted: Literal["initrd"] | None = None
 
     @property
     def flag(self) -> str:

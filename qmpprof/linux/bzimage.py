@@ -64,9 +64,10 @@ def vmlinux_bytes(data: bytes, path: str = "<kernel>") -> bytes:
     return elf
 
 
-def unpacked(payload: bytes, path: str, what: str) -> tuple[bytes, str]:
+def unpacked(payload: bytes, path: str, what: str, limit: int | None = None) -> tuple[bytes, str]:
     """``payload`` unpacked by the codec its magic names, and that codec's name; ``what`` names
-    the payload in the errors (KernelImageError: unknown or unread codec, damage, too large)."""
+    the payload in the errors (KernelImageError: unknown or unread codec, damage, more than
+    ``limit`` bytes: a kernel's by default)."""
     codec = payload_codec(payload)
     if codec is None:
         raise KernelImageError(path, f"{what} of unknown kind (starts {payload[:6].hex()})")
@@ -74,10 +75,11 @@ def unpacked(payload: bytes, path: str, what: str) -> tuple[bytes, str]:
     if unpack is None:
         raise KernelImageError(path, f"{what} is {codec}-compressed, which is not read")
     try:
-        return _bounded(unpack(payload)), codec
+        return _bounded(unpack(payload), MAX_VMLINUX if limit is None else limit), codec
     except _TooLarge:
+        most, kernel = (MAX_VMLINUX, ": not a kernel") if limit is None else (limit, "")
         raise KernelImageError(
-            path, f"{codec} payload unpacks to more than {MAX_VMLINUX >> 20} MiB: not a kernel"
+            path, f"{codec} payload unpacks to more than {most >> 20} MiB{kernel}"
         ) from None
     except Exception as err:  # each codec has its own error classes; all mean bad data here
         detail = " ".join(str(err).split()) or type(err).__name__
@@ -114,15 +116,15 @@ def payload_codec(payload: bytes) -> str | None:
 
 
 class _TooLarge(Exception):
-    """A payload that unpacks to more than MAX_VMLINUX bytes."""
+    """A payload that unpacks to more than its limit."""
 
 
-def _bounded(pieces: Iterator[bytes]) -> bytes:
-    """The pieces joined, stopped as soon as they pass MAX_VMLINUX bytes."""
+def _bounded(pieces: Iterator[bytes], limit: int) -> bytes:
+    """The pieces joined, stopped as soon as they pass ``limit`` bytes."""
     out = bytearray()
     for piece in pieces:
         out += piece
-        if len(out) > MAX_VMLINUX:
+        if len(out) > limit:
             raise _TooLarge
     return bytes(out)
 

@@ -11,7 +11,8 @@ default transport, saved as a .qmpprof; then checked against the guest's own wor
 - the run: the KASLR slide (the guest's ``_text`` - the image's), the kernel's vmcoreinfo
   line, no notes; the ticks sampled on both vCPUs; kernel stacks whole and named; the module's
   frames named; system calls stitched to the user code that made them; user frames named
-  from --user-dir; processes and threads named;
+  from --user-dir (on 6.12 from --initrd, the initramfs the guest booted); processes and
+  threads named;
 - every kernel frame named as the guest's /proc/kallsyms names it;
 - xz's user frames: in the file its /proc/PID/maps maps there, at that file's offset, and
   named only by a .dynsym symbol of that file covering the address.
@@ -35,10 +36,11 @@ import linuxkernel
 import pytest
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
 from linuxkernel import linux_dir
-from linuxvm import ROOTFS, Mapping, running_linux_guest, wait_console
+from linuxvm import BUILD, ROOTFS, Mapping, running_linux_guest, wait_console
 from qmpevents import wait_stops
 from sharedlinux import Shared, lent
 
+from qmpprof.linux import initramfs
 from qmpprof.model import Mode
 from qmpprof.output import native
 from qmpprof.profile import Profile
@@ -57,6 +59,8 @@ LATE_TICKS = 320
 # without it first (its module list is read at attach; the ticks show it past that).
 EARLY_TICKS = 32
 LATE_WAITING = "qmpprof-linux: waiting for the word to load the module"
+
+INITRD = BUILD / "initramfs.cpio.gz"  # what the guest boots (scripts/run-linux-guest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,10 @@ def profiled(kaslr_boot: Shared, tmp_path_factory: pytest.TempPathFactory) -> Pr
     with lent(kaslr_boot) as shared:
         guest = shared.guest
         cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
-        cmd += ["--kernel", str(vmlinuz), "--user-dir", str(ROOTFS)]
+        # The user programs: the rootfs folder, or on 6.12 the initramfs the guest booted
+        # (the same files, which qmpprof unpacks itself), so that both ways are checked.
+        files = ["--initrd", str(INITRD)] if series == "6.12" else ["--user-dir", str(ROOTFS)]
+        cmd += ["--kernel", str(vmlinuz), *files]
         cmd += ["--duration", "5", "--interval", "10", "-v", "-o", str(saved)]
         started = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -220,7 +227,9 @@ def test_xz_frames_in_their_files_named_by_their_dynsym(profiled: Profiled) -> N
     must be in the file its /proc/PID/maps has there, at that file's offset; and with neither
     file keeping a .symtab, a frame is named only by a .dynsym symbol covering its address
     (liblzma's internal functions are ``[unknown]``, not the exported one below them)."""
-    found = check_user_frames(profiled.profile, profiled.xz_pid, profiled.xz_maps, ROOTFS)
+    # On 6.12 qmpprof took the files from the initramfs, unpacked where this finds it again.
+    taken = initramfs.unpacked(INITRD) if profiled.series == "6.12" else None
+    found = check_user_frames(profiled.profile, profiled.xz_pid, profiled.xz_maps, ROOTFS, taken)
     placed = found.placed / max(found.total, 1)
     print(
         f"\n{profiled.series}: xz's user frames in the right file at the right offset"

@@ -17,6 +17,8 @@ from qmpprof.errors import UsageError
 from qmpprof.guest import registry
 from qmpprof.guest.base import Guest, GuestOption, GuestSpec, KernelFile
 from qmpprof.serve.config import settings
+from qmpprof.transport import BootFiles
+from qmpprof.transport.base import Reach
 
 
 class ToyOs:
@@ -106,3 +108,23 @@ def test_unregistered_its_options_are_gone(toy: ToyOs) -> None:
     with pytest.raises(KeyError):
         registry.option("toy_depth")
     assert registry.option("kallsyms").symbols  # Linux's names the kernel's symbols
+
+
+def test_a_domain_s_boot_files_fill_what_was_not_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    kernel, initrd, mine = tmp_path / "vmlinuz", tmp_path / "initrd.img", tmp_path / "my.img"
+    booted = BootFiles(kernel, initrd, notes=("a note",))
+    monkeypatch.setattr(session.transports, "boot_files", lambda reach: booted)
+    reach = Reach(domain="vm")
+    spec, notes = session.with_boot_files(session.RunSpec(reach=reach))
+    assert (spec.kernel, dict(spec.os_options)) == (kernel, {"initrd": initrd})
+    assert notes == (
+        "a note",
+        f"--kernel {kernel}: the kernel domain vm boots",
+        f"--initrd {initrd}: the initrd domain vm boots",
+    )
+    given = session.RunSpec(reach=reach, kernel=mine, os_options=(("initrd", mine),))
+    assert session.with_boot_files(given) == (given, ())
+    folder = session.RunSpec(reach=reach, kernel=mine, user_dir=tmp_path)
+    assert session.with_boot_files(folder) == (folder, ())  # its programs are there already

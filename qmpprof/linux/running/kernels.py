@@ -14,6 +14,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError, UsageError
 from qmpprof.guest.base import GuestSpec
 from qmpprof.guest.userfiles import UserFiles
+from qmpprof.linux import initramfs
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.guest import LinuxGuest
 from qmpprof.memo import Memo
@@ -52,9 +53,17 @@ def linux_guest(spec: GuestSpec) -> LinuxGuest:
     if spec.kernel is None:
         raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
     kernel = load_kernel(spec.kernel.path, spec.path("kallsyms"))
-    files = UserFiles(spec.user_dir)
+    files = UserFiles(user_dir(spec))
     debug, notes = debug_file(kernel) if spec.lines else (None, ())
     return LinuxGuest(kernel, kernel.image.arch, files, lines=spec.lines, debug=debug, notes=notes)
+
+
+def user_dir(spec: GuestSpec) -> Path | None:
+    """Where the guest's user programs are: ``--user-dir``, else the ``--initrd`` unpacked."""
+    initrd = spec.path("initrd")
+    if spec.user_dir is not None or initrd is None:
+        return spec.user_dir
+    return initramfs.unpacked(initrd)
 
 
 def debug_file(kernel: LinuxKernel) -> tuple[ElfImage | None, tuple[str, ...]]:

@@ -17,13 +17,20 @@ KALLSYMS = GuestOption(
     " tables inside --kernel)",
     symbols=True,
 )
+INITRD = GuestOption(
+    "initrd",
+    "FILE",
+    "the initramfs the guest booted (QEMU's -initrd): its programs and libraries, unpacked"
+    " into qmpprof's cache, when no --user-dir is given",
+    booted="initrd",
+)
 
 
 class LinuxOs:
     """``--os linux``; ``auto`` takes it for a kernel file that is a Linux image."""
 
     name = "linux"
-    options = (KALLSYMS,)
+    options = (KALLSYMS, INITRD)
 
     def recognises(self, kernel: KernelFile | None) -> bool:
         if kernel is None:
