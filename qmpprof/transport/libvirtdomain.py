@@ -2,7 +2,8 @@
 passed through libvirt's QEMU monitor (libvirt-qemu's virDomainQemuMonitorCommand, as ``virsh
 qemu-monitor-command`` sends them), and over them what a local QMP socket gets: the private
 gdbstub (privategdb.py) when QEMU can open one where qmpprof reaches it, else QMP alone. With
-libvirtwatch.py, the only modules importing libvirt's Python binding.
+libvirtwatch.py and the guard's process (guard.py), the only modules importing libvirt's Python
+binding.
 
 libvirt owns the monitor and hears QEMU's STOP and RESUME events on it, so its domain state
 follows every pause and resume; qmpprof leaves the domain in the state it found it in, as on a
@@ -10,8 +11,8 @@ socket. What libvirt records: the first passthrough taints the domain ``custom-m
 in the domain's log, /var/log/libvirt/qemu/NAME.log on a system connection; ``virsh dominfo``
 does not show it), for the life of that QEMU process.
 
-Not covered here: the pause guard (guard.py) speaks QMP on a socket, which a libvirt domain has
-none of, so a qmpprof killed outright inside a pause leaves the domain paused (``virsh resume``).
+A qmpprof killed outright inside a pause: its guard (guard.py) resumes the domain through
+libvirt.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ import libvirt_qemu
 
 from qmpprof.errors import ConnectError, GuestGoneError, TransportError
 from qmpprof.transport.base import BootFiles, MemoryPath
+from qmpprof.transport.guard import PauseGuard
 from qmpprof.transport.qmp import QmpTransport, register_formats
 
-# libvirt's errors for a domain that is gone or no longer runs: QEMU went away.
-_GONE = (libvirt.VIR_ERR_NO_DOMAIN, libvirt.VIR_ERR_OPERATION_INVALID)
+# libvirt's errors for a domain that is gone or no longer runs: QEMU went away. A system error
+# from a monitor command is its connection to QEMU failing ("Unable to read from monitor:
+# Connection reset by peer", seen on libvirt 9.0 when the domain was destroyed mid-command).
+_GONE = (libvirt.VIR_ERR_NO_DOMAIN, libvirt.VIR_ERR_OPERATION_INVALID, libvirt.VIR_ERR_SYSTEM_ERROR)
 
 
 class PassthroughClient:
@@ -65,7 +69,10 @@ class PassthroughClient:
                 libvirt_qemu.qemuMonitorCommand, self._domain, json.dumps(message), 0
             )
         except libvirt.libvirtError as err:
-            if err.get_error_code() in _GONE or not self._connection.isAlive():
+            # A domain destroyed during the command fails it in several ways (no domain, not
+            # running, the monitor's end of file): asked after, the domain says it is gone.
+            gone = err.get_error_code() in _GONE or not self._connection.isAlive()
+            if gone or not await asyncio.to_thread(_active, self._domain):
                 raise GuestGoneError(f"libvirt: {err.get_error_message()}") from err
             raise TransportError(f"libvirt refused {cmd}: {err.get_error_message()}") from err
         reply = json.loads(text)
@@ -128,7 +135,10 @@ class DomainTransport(QmpTransport):
             return await DomainTransport.open(self.uri, self.name, memory=memory)
 
     def guard_pauses(self) -> None:
-        """No guard: it resumes a guest through a QMP socket, which a libvirt domain has not."""
+        """A guard (guard.py) that resumes the domain through libvirt should this process die
+        inside a pause."""
+        if self.guard is None:
+            self.guard = PauseGuard.for_domain(self.uri, self.name)
 
 
 def domain_boot_files(uri: str | None, name: str) -> BootFiles:
@@ -170,6 +180,14 @@ def _os_file(xml: str, tag: str) -> Path | None:
         return None
     text = None if element is None else (element.text or "").strip()
     return Path(text) if text else None
+
+
+def _active(domain: libvirt.virDomain) -> bool:
+    """Whether ``domain`` still runs (paused or not); False when libvirt cannot say."""
+    try:
+        return bool(domain.isActive())
+    except libvirt.libvirtError:
+        return False
 
 
 def _silent(context: object, error: object) -> None:

@@ -3,7 +3,8 @@ profiled by the real command line through libvirt's monitor passthrough, and thr
 of the same QEMU for comparison. The processes sampled and their shares agree within sampling
 noise; libvirt reports the domain in the state it had (running, and a paused one paused); nothing
 of qmpprof's stays in QEMU (no gdbstub chardev, no qmpprof-run mark, asked through passthrough);
-a SIGINT or SIGTERM mid-run leaves the domain running.
+runs ended at random instants by SIGINT, SIGTERM, SIGKILL (inside a pause: the guard resumes the
+domain through libvirt) and virsh destroy leave it as libvirt had it.
 
 On the host's QEMU only: Debian 12's libvirt 9.0 cannot probe the capabilities of the unpacked
 QEMU 11.1 ("Unable to read from monitor: Connection reset by peer"), so it refuses to start a
@@ -12,10 +13,12 @@ domain with it."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +34,9 @@ from qmpprof.output import folded
 pytestmark = [pytest.mark.qemu]
 
 DURATION = "1"  # seconds of guest run time: 100 ticks at the default 10 ms
+RUNS = 20  # ended at random instants: by each signal in turn, the last by virsh destroy
+LATEST = 0.5  # seconds after sampling began: the latest random instant
+FREEZES = 400  # tries at freezing qmpprof inside a pause (at a 1 ms interval, most do)
 SHARE_NOISE = 0.25  # 100 samples: a share's standard error is at most 0.05, a difference's 0.07
 
 
@@ -112,18 +118,80 @@ def test_a_domain_profiles_as_its_qmp_socket_and_is_left_as_found(
     # Kernel code named by the domain's own kernel as by the one given: some in both runs
     assert by_domain.kernel and by_socket.kernel, (by_domain.kernel, by_socket.kernel)
 
-    for cut in (signal.SIGINT, signal.SIGTERM):
-        with subprocess.Popen(
-            qmpprof("--domain", domain.name, "--connect", domain.uri, "--duration", "60", "-o",
-                    str(tmp_path / "cut.folded")),
-            stderr=subprocess.PIPE, text=True,
-        ) as run:  # fmt: skip
-            assert run.stderr is not None
-            for line in run.stderr:
-                if line.startswith("qmpprof: sampling"):
-                    break
+    connection.close()
+
+
+def sampling(run: subprocess.Popen[str]) -> None:
+    """Read ``run``'s standard error up to the line saying it samples; fail with what it said
+    instead when it ends first."""
+    assert run.stderr is not None
+    said = []
+    for line in run.stderr:
+        if line.startswith("qmpprof: sampling"):
+            return
+        said.append(line)
+    raise AssertionError(f"qmpprof ended before sampling: {''.join(said)}")
+
+
+def in_a_pause(run: subprocess.Popen[str], machine: libvirt.virDomain) -> bool:
+    """Freeze qmpprof (SIGSTOP) at instants until one finds the guest stopped: qmpprof is then
+    inside one of its pauses; it stays frozen there. False when FREEZES found none."""
+    for _ in range(FREEZES):
+        if run.poll() is not None:
+            return False  # it ended: what it said tells why
+        os.kill(run.pid, signal.SIGSTOP)
+        status = passthrough(machine, "query-status")
+        if isinstance(status, dict) and status.get("status") in ("paused", "debug"):
+            return True
+        os.kill(run.pid, signal.SIGCONT)
+    return False
+
+
+def test_runs_ended_at_random_instants_leave_the_domain_as_found(
+    domain: Domain, tmp_path: Path
+) -> None:
+    """RUNS runs ended by SIGINT, SIGTERM and SIGKILL in turn at random instants once sampling,
+    each SIGKILL inside a pause (qmpprof frozen where the guest stands stopped: the pause guard
+    must resume it), and one by ``virsh destroy``: libvirt reports the domain running after
+    each, nothing of qmpprof's left in QEMU, and the destroyed run ends in one line, exit 4."""
+    seed = random.randrange(1 << 32)
+    print(f"seed {seed}")
+    instants = random.Random(seed)
+    connection = libvirt.open(domain.uri)
+    machine = connection.lookupByName(domain.name)
+    # A 1 ms interval: the guest stands stopped much of the time, so that the instants land
+    # inside pauses as often as between them.
+    argv = qmpprof("--domain", domain.name, "--connect", domain.uri, "--duration", "60",
+                   "--interval", "1", "-o", str(tmp_path / "cut.folded"))  # fmt: skip
+    cuts = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
+    resumed = 0
+    for run_number in range(RUNS - 1):
+        cut = cuts[run_number % len(cuts)]
+        with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as run:
+            sampling(run)
+            if cut == signal.SIGKILL:
+                if not in_a_pause(run, machine):
+                    raise AssertionError(f"no freeze found the guest stopped: {run.stderr.read()}")
+            else:
+                time.sleep(instants.uniform(0, LATEST))  # the random instant, not a wait
             os.kill(run.pid, cut)
-            assert run.wait(timeout=60) in (0, 128 + cut), run.stderr.read()
-        assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING, cut
+            # To the end of qmpprof's standard error: its guard's too, which holds it open
+            # until it has resumed the guest (or found nothing to do) and exited.
+            said = run.stderr.read()
+            code = run.wait()
+        assert code in (0, 128 + cut, -signal.SIGKILL), (cut, code, said)
+        assert "Traceback" not in said, said
+        resumed += "the guest (" in said and "runs again" in said
+        assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING, (cut, said)
         assert leftovers(machine) == [], cut
+    assert resumed == len(range(2, RUNS - 1, len(cuts)))  # the guard, after every SIGKILL
+
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as run:
+        sampling(run)
+        machine.destroy()
+        said = run.stderr.read()
+        code = run.wait(timeout=60)
+    errors = [line for line in said.splitlines() if line.startswith("qmpprof: error")]
+    assert code == 4 and len(errors) == 1 and "Traceback" not in said, said
+    assert machine.state()[0] == libvirt.VIR_DOMAIN_SHUTOFF
     connection.close()

@@ -44,8 +44,18 @@ def scripted(
     return sent
 
 
-def client(alive: bool = True) -> PassthroughClient:
-    return PassthroughClient(Connection(alive), object())  # type: ignore[arg-type]
+class Domain:
+    """What the client asks of a virDomain."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def isActive(self) -> int:  # libvirt's name
+        return int(self.active)
+
+
+def client(alive: bool = True, active: bool = True) -> PassthroughClient:
+    return PassthroughClient(Connection(alive), Domain(active))  # type: ignore[arg-type]
 
 
 async def test_a_command_goes_as_qmp_json_and_its_return_comes_back(
@@ -91,10 +101,12 @@ async def test_a_stop_counts_as_a_stop_event_when_the_guest_ran(
         (libvirt.VIR_ERR_NO_DOMAIN, True, GuestGoneError),
         (libvirt.VIR_ERR_INTERNAL_ERROR, False, GuestGoneError),  # the daemon went away
         (libvirt.VIR_ERR_INTERNAL_ERROR, True, TransportError),
+        # the monitor's end of file as the domain is destroyed: the domain says it is gone
+        (libvirt.VIR_ERR_INTERNAL_ERROR, None, GuestGoneError),
     ],
 )
 async def test_libvirts_errors_become_qmpprofs(
-    monkeypatch: pytest.MonkeyPatch, code: int, alive: bool, error: type[Exception]
+    monkeypatch: pytest.MonkeyPatch, code: int, alive: bool | None, error: type[Exception]
 ) -> None:
     def refuse(message: dict[str, object]) -> str:
         err = libvirt.libvirtError("refused")
@@ -103,7 +115,7 @@ async def test_libvirts_errors_become_qmpprofs(
 
     scripted(monkeypatch, refuse)
     with pytest.raises(error, match="it says no") as raised:
-        await client(alive).execute("cont")
+        await client(alive is not False, active=alive is not None).execute("cont")
     assert type(raised.value) is error
 
 
