@@ -103,6 +103,10 @@ class ElfImage:
         self.text_addr: int = text.addr if text is not None else 0
         self.text_size: int = text.size if text is not None else 0
         self.build_id = self._build_id()
+        # A separate debug file of this one (debuginfod's, by build-id), set before the first
+        # use of ``symbols`` or ``lines``: its DWARF and symbol table stand in for those the
+        # file lacks (stripped).
+        self.debug: ElfImage | None = None
 
     @classmethod
     def load(cls, path: str | Path, *, mapped: bool = False) -> ElfImage:
@@ -206,10 +210,10 @@ class ElfImage:
 
     @cached_property
     def symbols(self) -> SymbolTable:
-        symbols: list[Symbol] = []
-        for name in (".symtab", ".dynsym"):
-            symbols += self._read_symbols(name)
-        return SymbolTable(symbols)
+        symbols = self._read_symbols(".symtab")
+        if not symbols and self.debug is not None:
+            symbols = self.debug._read_symbols(".symtab")
+        return SymbolTable(symbols + self._read_symbols(".dynsym"))
 
     @cached_property
     def cfi(self) -> CfiTable | None:
@@ -229,8 +233,11 @@ class ElfImage:
 
     @cached_property
     def lines(self) -> LineTable | None:
-        """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
-        return LineTable(self._dwarf) if self.has_section(".debug_line") else None
+        """Source lines and inlined frames (DWARF: the file's own, else its ``debug`` file's),
+        decoded on first lookup; None without DWARF."""
+        if self.has_section(".debug_line"):
+            return LineTable(self._dwarf)
+        return None if self.debug is None else self.debug.lines
 
     def dwarf_info(self) -> Any:
         """pyelftools' DWARFInfo, for the readers of its DIEs in this package; None without

@@ -1,11 +1,15 @@
 """debuginfod end to end: elfutils' own server (Debian's ``debuginfod``) on localhost, indexing
-the -dbg vmlinux files the tests fetch, and a Linux test guest profiled from its vmlinuz alone
-with ``--lines``: qmpprof fetches the kernel's debug file by the build-id its image carries.
+the -dbg vmlinux files the tests fetch and the guest's test program as built (with DWARF), and
+a Linux test guest profiled from its vmlinuz alone with ``--lines`` and a ``--user-dir`` whose
+program is stripped: qmpprof fetches the kernel's and the program's debug files by the
+build-ids their files carry.
 
-Truth from outside qmpprof: binutils' ``addr2line -i`` on the local -dbg vmlinux, for every
-kernel frame of the run (its function's inline chain and file:line). Then a second run finds
-the file in the client's cache (the server's request counter does not move); and servers that
-hang or lack the file give one line and a run without source lines.
+Truth from outside qmpprof: binutils' ``addr2line -i`` on the local -dbg vmlinux and the
+unstripped program, for every kernel frame and every frame in the program of the run (its
+function's inline chain and file:line). The files land in the client's cache where elfutils'
+``debuginfod-find`` finds them, and a second run finds them there (the server's request counter
+does not move); servers that hang or lack the files give one line a file and a run without
+source lines.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import pytest
 from guestvm import free_tcp_port
 from linuxkernel import linux_dir
-from linuxvm import running_linux_guest
+from linuxvm import WORK_ELF, running_linux_guest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import Frame
@@ -39,6 +43,7 @@ START = 120.0  # the server's start and first scan, on a loaded host
 # Of kernel pcs: the same inline chain and lines as addr2line's (the issue's figure). Seen on
 # 6.12: 264 of 265; the one apart, a pc in page_alloc.c where the two read different rows.
 AGREE = 0.99
+PROGRAM = WORK_ELF.name  # its frames' module name
 
 
 @dataclass
@@ -116,9 +121,9 @@ def hanging() -> Iterator[str]:
     listener.close()
 
 
-def profile(qmp: Path, vmlinuz: Path, env: dict[str, str], out: Path) -> str:
+def profile(qmp: Path, vmlinuz: Path, user_dir: Path, env: dict[str, str], out: Path) -> str:
     cmd = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(qmp), "--kernel", str(vmlinuz),
-           "--lines", "--duration", "2", "-o", str(out)]  # fmt: skip
+           "--user-dir", str(user_dir), "--lines", "--duration", "2", "-o", str(out)]  # fmt: skip
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **env}, check=False
     )
@@ -144,6 +149,49 @@ def chains(stack: list[Frame], entry_text: range) -> Iterator[tuple[int, list[Fr
             yield link - (0 if leaf or interrupted else 1), group
         stub = link is not None and link in entry_text
         group, leaf = [], False
+
+
+def user_chains(stack: list[Frame], name: str) -> Iterator[tuple[int, list[Frame]]]:
+    """Per pc of a stack in the user file ``name``: the address looked up and its frames, as
+    ``chains`` gives them. Where the CPU was is looked up as it is: the leaf, and the user pc
+    under kernel frames (where the process entered the kernel); a return address less one."""
+    group: list[Frame] = []
+    below: bool | None = None  # whether the frame before was the kernel's (None: the leaf)
+    for frame in stack:
+        group.append(frame)
+        if frame.inlined:
+            continue
+        if not frame.kernel and frame.module is not None and frame.module.name == name:
+            link = frame.pc - frame.module.bias
+            yield link - (0 if below is None or below else 1), group
+        below, group = frame.kernel, []
+
+
+def stripped_user_dir(folder: Path) -> Path:
+    """A --user-dir with the guest's test program stripped of its DWARF and symbol table."""
+    (folder / "bin").mkdir(parents=True)
+    out = folder / "bin" / PROGRAM
+    subprocess.run(["strip", "--strip-all", "-o", str(out), str(WORK_ELF)], check=True)
+    return folder
+
+
+def cached_by_debuginfod_find(build_id: str, env: dict[str, str]) -> Path:
+    """Where elfutils' own client finds the debug file of ``build_id``."""
+    done = subprocess.run(
+        ["debuginfod-find", "debuginfo", build_id], capture_output=True, text=True,
+        env={**os.environ, **env}, timeout=60, check=True,
+    )  # fmt: skip
+    return Path(done.stdout.strip())
+
+
+def agreement(dbg: Path, groups: list[tuple[int, list[Frame]]], what: str) -> None:
+    """Of the pcs looked up, those whose chain is addr2line's: at least AGREE of them."""
+    truth = addr2line(dbg, sorted({looked for looked, _ in groups}))
+    agree = [ours(group) == theirs(truth[looked]) for looked, group in groups]
+    print(f"\n{what}: {sum(agree)} of {len(agree)} pcs as addr2line has them")
+    assert sum(agree) >= AGREE * len(agree), [
+        (ours(g), theirs(truth[a])) for (a, g), ok in zip(groups, agree, strict=True) if not ok
+    ][:5]
 
 
 def addr2line(dbg: Path, addresses: list[int]) -> dict[int, list[tuple[str, str, int]]]:
@@ -182,47 +230,52 @@ def theirs(chain: list[tuple[str, str, int]]) -> list[tuple[str | None, str, int
 
 
 @pytest.mark.parametrize("series", SERIES)
-def test_kernel_lines_from_debuginfod_then_from_the_cache(
+def test_kernel_and_user_lines_from_debuginfod_then_from_the_cache(
     series: str, tmp_path: Path, hanging: str
 ) -> None:
     folder = linux_dir(series)
     vmlinuz, dbg = folder / "vmlinuz", folder / "vmlinux-dbg"
     image = ElfImage.load(dbg, mapped=True)
-    build_id = image.build_id
-    assert build_id is not None
+    build_id, program_id = image.build_id, ElfImage.load(WORK_ELF).build_id
+    assert build_id is not None and program_id is not None
     start, end = (image.symbols.address_of(f"__entry_text_{edge}") for edge in ("start", "end"))
     assert start is not None and end is not None
+    user_dir = stripped_user_dir(tmp_path / "root")
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(serve(tmp_path / "served", [dbg]))
+        server = stack.enter_context(serve(tmp_path / "served", [dbg, WORK_ELF]))
         empty = stack.enter_context(serve(tmp_path / "empty", []))
         cache = tmp_path / "cache"
         vm = stack.enter_context(
             running_linux_guest(tmp_path, kaslr=True, kernel=vmlinuz, dump_kallsyms=False)
         )
-        # Servers that hang and lack the file: one line each reason, the run goes on.
+        # Servers that hang and lack the files: one line each file, the run goes on.
         urls = f"{hanging} {empty.url}"
         env = {"DEBUGINFOD_URLS": urls, "DEBUGINFOD_CACHE_PATH": str(cache),
                "DEBUGINFOD_TIMEOUT": "2"}  # fmt: skip
-        err = profile(vm.qmp_socket, vmlinuz, env, tmp_path / "none.qmpprof")
-        (line,) = [x for x in err.splitlines() if "debuginfod" in x]
-        assert f"no debug file for the kernel ({build_id})" in line
-        assert f"{hanging}: no answer within 2 s" in line and f"{empty.url}: 404" in line
+        err = profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "none.qmpprof")
+        kernel_line, program_line = [x for x in err.splitlines() if "debuginfod" in x]
+        assert f"no debug file for the kernel ({build_id})" in kernel_line
+        assert f"no debug file for {user_dir / 'bin' / PROGRAM} ({program_id})" in program_line
+        for line in (kernel_line, program_line):
+            assert f"{hanging}: no answer within 2 s" in line and f"{empty.url}: 404" in line
         unlined = native.load(tmp_path / "none.qmpprof")
-        assert len(unlined) and not any(f.kernel and f.line for f in unlined.frames)
+        assert len(unlined) and not any(f.line for f in unlined.frames)
         env = {"DEBUGINFOD_URLS": server.url, "DEBUGINFOD_CACHE_PATH": str(cache)}
         before = server.debuginfo_requests()
-        profile(vm.qmp_socket, vmlinuz, env, tmp_path / "first.qmpprof")
-        assert server.debuginfo_requests() == before + 1
+        profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "first.qmpprof")
+        assert server.debuginfo_requests() == before + 2
         assert (cache / build_id / "debuginfo").stat().st_size == dbg.stat().st_size
-        profile(vm.qmp_socket, vmlinuz, env, tmp_path / "second.qmpprof")
-        assert server.debuginfo_requests() == before + 1  # the cache, no request
+        for each in (build_id, program_id):  # where gdb and debuginfod-find look first
+            assert cached_by_debuginfod_find(each, env) == cache / each / "debuginfo"
+        assert server.debuginfo_requests() == before + 2
+        profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "second.qmpprof")
+        assert server.debuginfo_requests() == before + 2  # the cache, no request
     saved = native.load(tmp_path / "first.qmpprof")
     entry_text = range(start, end)
-    groups = [g for record in saved.stacks for g in chains(saved.frames_of(record), entry_text)]
-    truth = addr2line(dbg, sorted({looked for looked, _ in groups}))
-    agree = [ours(group) == theirs(truth[looked]) for looked, group in groups]
-    print(f"\n{series}: {sum(agree)} of {len(agree)} kernel pcs as addr2line has them")
-    assert len(agree) >= 50
-    assert sum(agree) >= AGREE * len(agree), [
-        (ours(g), theirs(truth[a])) for (a, g), ok in zip(groups, agree, strict=True) if not ok
-    ][:5]
+    stacks = [saved.frames_of(record) for record in saved.stacks]
+    kernel = [g for frames in stacks for g in chains(frames, entry_text)]
+    assert len(kernel) >= 50
+    agreement(dbg, kernel, f"{series}: kernel")
+    user = [g for frames in stacks for g in user_chains(frames, PROGRAM)]
+    assert len(user) >= 20
+    agreement(WORK_ELF, user, f"{series}: {PROGRAM}")
