@@ -158,6 +158,10 @@ class ElfImage:
     def section_header(self, name: str) -> SectionHeader | None:
         return self._sections.get(name)
 
+    def section_headers(self) -> list[SectionHeader]:
+        """Every section header, by its index (a symbol's ``st_shndx``)."""
+        return list(self._section_list)
+
     def file_bytes(self, offset: int, size: int) -> bytes:
         """The file's bytes at ``offset`` (fewer at its end)."""
         return self._data[offset : offset + size]
@@ -304,13 +308,13 @@ class ElfImage:
         in programs, Linux's ``.notes`` (beside its Xen notes) in a vmlinux."""
         for header in self._sections.values():
             if header.type == _SHT_NOTE and not header.nobits:
-                found = _gnu_build_id(self._data[header.offset : header.offset + header.size])
+                found = gnu_build_id(self._data[header.offset : header.offset + header.size])
                 if found is not None:
                     return found
         return None
 
 
-def _gnu_build_id(notes: bytes) -> str | None:
+def gnu_build_id(notes: bytes) -> str | None:
     """The descriptor of the first NT_GNU_BUILD_ID note named "GNU" in a run of notes."""
     at = 0
     while at + 12 <= len(notes):

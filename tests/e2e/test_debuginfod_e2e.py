@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from guestvm import free_tcp_port
 from linuxkernel import linux_dir
-from linuxvm import WORK_ELF, running_linux_guest
+from linuxvm import MODULE, WORK_ELF, module_ko, running_linux_guest
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.model import Frame
@@ -131,11 +131,14 @@ def profile(qmp: Path, vmlinuz: Path, user_dir: Path, env: dict[str, str], out: 
     return done.stderr
 
 
-def chains(stack: list[Frame], entry_text: range) -> Iterator[tuple[int, list[Frame]]]:
-    """Per kernel pc of a stack (leaf first): the address looked up and its frames, inlined ones
-    first, the real function's last. A return address is looked up less one; where the CPU was
-    is looked up as it is: the leaf, and the pc an interrupt or exception stopped, the frame
-    under an entry stub (``asm_sysvec_*``, ``asm_exc_*``: code in ``entry_text``) outside it."""
+def chains(
+    stack: list[Frame], entry_text: range, name: str = "vmlinux"
+) -> Iterator[tuple[int, list[Frame]]]:
+    """Per pc of a stack in the kernel's code ``name`` (the image or a ``[module]``), leaf
+    first: the address looked up (a module's: runtime) and its frames, inlined ones first, the
+    real function's last. A return address is looked up less one; where the CPU was is looked
+    up as it is: the leaf, and the pc an interrupt or exception stopped, the frame under an
+    entry stub (``asm_sysvec_*``, ``asm_exc_*``: code in ``entry_text``) outside it."""
     group: list[Frame] = []
     leaf, stub = True, False
     for frame in stack:
@@ -143,10 +146,13 @@ def chains(stack: list[Frame], entry_text: range) -> Iterator[tuple[int, list[Fr
         if frame.inlined:
             continue
         link = None
-        if frame.kernel and frame.module is not None and frame.module.name == "vmlinux":
+        if frame.kernel and frame.module is not None:
             link = frame.pc - frame.module.bias
-            interrupted = stub and link not in entry_text
-            yield link - (0 if leaf or interrupted else 1), group
+            if frame.module.name == name:
+                interrupted = stub and link not in entry_text
+                yield link - (0 if leaf or interrupted else 1), group
+            if frame.module.name != "vmlinux":
+                link = None
         stub = link is not None and link in entry_text
         group, leaf = [], False
 
@@ -184,9 +190,11 @@ def cached_by_debuginfod_find(build_id: str, env: dict[str, str]) -> Path:
     return Path(done.stdout.strip())
 
 
-def agreement(dbg: Path, groups: list[tuple[int, list[Frame]]], what: str) -> None:
+def agreement(
+    dbg: Path, groups: list[tuple[int, list[Frame]]], what: str, section: tuple[str, ...] = ()
+) -> None:
     """Of the pcs looked up, those whose chain is addr2line's: at least AGREE of them."""
-    truth = addr2line(dbg, sorted({looked for looked, _ in groups}))
+    truth = addr2line(dbg, sorted({looked for looked, _ in groups}), section)
     agree = [ours(group) == theirs(truth[looked]) for looked, group in groups]
     print(f"\n{what}: {sum(agree)} of {len(agree)} pcs as addr2line has them")
     assert sum(agree) >= AGREE * len(agree), [
@@ -194,11 +202,14 @@ def agreement(dbg: Path, groups: list[tuple[int, list[Frame]]], what: str) -> No
     ][:5]
 
 
-def addr2line(dbg: Path, addresses: list[int]) -> dict[int, list[tuple[str, str, int]]]:
-    """binutils' answer per link address: (function, file's name, line), innermost first."""
+def addr2line(
+    dbg: Path, addresses: list[int], section: tuple[str, ...] = ()
+) -> dict[int, list[tuple[str, str, int]]]:
+    """binutils' answer per link address (``section``: ``-j NAME``, offsets in a relocatable
+    file's section): (function, file's name, line), innermost first."""
     text = "".join(f"{a:#x}\n" for a in addresses)
     out = subprocess.run(
-        ["addr2line", "-a", "-f", "-i", "-e", str(dbg)],
+        ["addr2line", "-a", "-f", "-i", *section, "-e", str(dbg)],
         input=text, capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
     found: dict[int, list[tuple[str, str, int]]] = {}
@@ -212,7 +223,8 @@ def addr2line(dbg: Path, addresses: list[int]) -> dict[int, list[tuple[str, str,
             continue
         where = out[i + 1].split(" (discriminator")[0]
         file, _, line = where.rpartition(":")
-        found[at].append((out[i], Path(file).name, int(line) if line.isdigit() else 0))
+        name = "?" if file == "??" else Path(file).name  # no line known: as ``ours`` says it
+        found[at].append((out[i], name, int(line) if line.isdigit() else 0))
         i += 2
     return found
 
@@ -241,8 +253,12 @@ def test_kernel_and_user_lines_from_debuginfod_then_from_the_cache(
     start, end = (image.symbols.address_of(f"__entry_text_{edge}") for edge in ("start", "end"))
     assert start is not None and end is not None
     user_dir = stripped_user_dir(tmp_path / "root")
+    ko = module_ko((folder / "version").read_text().strip())
+    module_id = ElfImage.load(ko).build_id
+    text = ElfImage.load(ko).section_header(".text")
+    assert module_id is not None and text is not None
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(serve(tmp_path / "served", [dbg, WORK_ELF]))
+        server = stack.enter_context(serve(tmp_path / "served", [dbg, WORK_ELF, ko]))
         empty = stack.enter_context(serve(tmp_path / "empty", []))
         cache = tmp_path / "cache"
         vm = stack.enter_context(
@@ -253,29 +269,44 @@ def test_kernel_and_user_lines_from_debuginfod_then_from_the_cache(
         env = {"DEBUGINFOD_URLS": urls, "DEBUGINFOD_CACHE_PATH": str(cache),
                "DEBUGINFOD_TIMEOUT": "2"}  # fmt: skip
         err = profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "none.qmpprof")
-        kernel_line, program_line = [x for x in err.splitlines() if "debuginfod" in x]
-        assert f"no debug file for the kernel ({build_id})" in kernel_line
-        assert f"no debug file for {user_dir / 'bin' / PROGRAM} ({program_id})" in program_line
-        for line in (kernel_line, program_line):
+        told = [x for x in err.splitlines() if "debuginfod" in x]
+        whats = (
+            f"the kernel ({build_id})", f"module {MODULE} ({module_id})",
+            f"{user_dir / 'bin' / PROGRAM} ({program_id})",
+        )  # fmt: skip
+        assert len(told) == len(whats), told
+        for what in whats:
+            (line,) = [x for x in told if f"no debug file for {what}" in x]
             assert f"{hanging}: no answer within 2 s" in line and f"{empty.url}: 404" in line
         unlined = native.load(tmp_path / "none.qmpprof")
         assert len(unlined) and not any(f.line for f in unlined.frames)
         env = {"DEBUGINFOD_URLS": server.url, "DEBUGINFOD_CACHE_PATH": str(cache)}
         before = server.debuginfo_requests()
         profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "first.qmpprof")
-        assert server.debuginfo_requests() == before + 2
+        assert server.debuginfo_requests() == before + 3
         assert (cache / build_id / "debuginfo").stat().st_size == dbg.stat().st_size
-        for each in (build_id, program_id):  # where gdb and debuginfod-find look first
+        for each in (build_id, module_id, program_id):  # where gdb and debuginfod-find look
             assert cached_by_debuginfod_find(each, env) == cache / each / "debuginfo"
-        assert server.debuginfo_requests() == before + 2
+        assert server.debuginfo_requests() == before + 3
         profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "second.qmpprof")
-        assert server.debuginfo_requests() == before + 2  # the cache, no request
+        assert server.debuginfo_requests() == before + 3  # the cache, no request
+        # The .ko's .text is the first of its code: where /proc/modules puts the module.
+        text_at = vm.module_address()
     saved = native.load(tmp_path / "first.qmpprof")
     entry_text = range(start, end)
     stacks = [saved.frames_of(record) for record in saved.stacks]
     kernel = [g for frames in stacks for g in chains(frames, entry_text)]
     assert len(kernel) >= 50
     agreement(dbg, kernel, f"{series}: kernel")
+    in_text = range(text_at, text_at + text.size)
+    module = [
+        (looked - text_at, g)
+        for frames in stacks
+        for looked, g in chains(frames, entry_text, f"[{MODULE}]")
+        if looked in in_text
+    ]
+    assert len(module) >= 20
+    agreement(ko, module, f"{series}: {MODULE}", ("-j", ".text"))
     user = [g for frames in stacks for g in user_chains(frames, PROGRAM)]
     assert len(user) >= 20
     agreement(WORK_ELF, user, f"{series}: {PROGRAM}")

@@ -18,7 +18,7 @@ from typing import ClassVar
 import pytest
 
 from qmpprof.elf import debuginfod
-from qmpprof.elf.image import ElfImage, _gnu_build_id
+from qmpprof.elf.image import ElfImage, gnu_build_id
 from qmpprof.guest.userfiles import UserFiles
 
 ID = "764949bbe8b7a9241512fbf3b0d66d0ba34686a8"
@@ -144,13 +144,13 @@ def note(name: bytes, kind: int, desc: bytes) -> bytes:
         kind.to_bytes(4, "little") + pad(name) + pad(desc)  # fmt: skip
 
 
-def test_the_gnu_build_id_among_other_notes() -> None:
+def test_thegnu_build_id_among_other_notes() -> None:
     """A vmlinux's .notes: Xen's notes first, then GNU's build-id (type 3)."""
     xen = note(b"Xen\0", 3, b"\x01\x02\x03")  # type 3 too, but not GNU's
     gnu = note(b"GNU\0", 3, bytes.fromhex(ID))
-    assert _gnu_build_id(xen + note(b"GNU\0", 1, b"abcd") + gnu) == ID
-    assert _gnu_build_id(xen) is None
-    assert _gnu_build_id(gnu[:-4]) is None  # cut short
+    assert gnu_build_id(xen + note(b"GNU\0", 1, b"abcd") + gnu) == ID
+    assert gnu_build_id(xen) is None
+    assert gnu_build_id(gnu[:-4]) is None  # cut short
 
 
 @pytest.fixture(scope="module")
