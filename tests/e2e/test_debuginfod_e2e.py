@@ -1,15 +1,15 @@
 """debuginfod end to end: elfutils' own server (Debian's ``debuginfod``) on localhost, indexing
-the -dbg vmlinux files the tests fetch and the guest's test program as built (with DWARF), and
-a Linux test guest profiled from its vmlinuz alone with ``--lines`` and a ``--user-dir`` whose
-program is stripped: qmpprof fetches the kernel's and the program's debug files by the
-build-ids their files carry.
+the -dbg vmlinux files the tests fetch, the test module's .ko and the guest's test program as
+built (with DWARF), and a Linux test guest profiled from its vmlinuz alone with ``--lines`` and
+a ``--user-dir`` whose program is stripped: qmpprof fetches the kernel's, the module's (its
+build-id read from guest memory) and the program's debug files by build-id.
 
-Truth from outside qmpprof: binutils' ``addr2line -i`` on the local -dbg vmlinux and the
-unstripped program, for every kernel frame and every frame in the program of the run (its
-function's inline chain and file:line). The files land in the client's cache where elfutils'
-``debuginfod-find`` finds them, and a second run finds them there (the server's request counter
-does not move); servers that hang or lack the files give one line a file and a run without
-source lines.
+Truth from outside qmpprof: binutils' ``addr2line -i`` on the local -dbg vmlinux, the .ko (at
+offsets in its .text, placed where the guest's /proc/modules says) and the unstripped program,
+for every frame of the run in each (its function's inline chain and file:line). The files
+land in the client's cache where elfutils' ``debuginfod-find`` finds them, and a second run
+finds them there (the server's request counter does not move); servers that hang or lack the
+files give one line a file and a run without source lines.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def test_kernel_and_user_lines_from_debuginfod_then_from_the_cache(
         profile(vm.qmp_socket, vmlinuz, user_dir, env, tmp_path / "second.qmpprof")
         assert server.debuginfo_requests() == before + 3  # the cache, no request
         # The .ko's .text is the first of its code: where /proc/modules puts the module.
-        text_at = vm.module_address()
+        text_at = vm.module_address
     saved = native.load(tmp_path / "first.qmpprof")
     entry_text = range(start, end)
     stacks = [saved.frames_of(record) for record in saved.stacks]
