@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from qmpprof.elf.image import ElfImage
+from qmpprof.errors import ElfError
+
 DEFAULT_TIMEOUT = 90.0  # elfutils' own default
 CHUNK = 1 << 20
 BAR_FROM = 8 << 20  # files this large get a progress bar
@@ -80,6 +83,22 @@ def debuginfo(build_id: str, what: str) -> Fetched:
             # broken off, a bad URL or reply
             why.append(f"{server}: {_reason(err)}")
     return Fetched(None, f"debuginfod: no debug file for {what} ({build_id}): {'; '.join(why)}")
+
+
+def debug_image(build_id: str, what: str) -> tuple[ElfImage | None, str | None]:
+    """The debug file of ``build_id`` (``debuginfo``), loaded (mapped: a debug vmlinux is
+    hundreds of MB) and checked to carry that build-id; else None and what to tell (None:
+    nothing, no server being set)."""
+    found = debuginfo(build_id, what)
+    if found.path is None:
+        return None, found.note
+    try:
+        debug = ElfImage.load(found.path, mapped=True)
+    except ElfError as err:
+        return None, f"debuginfod: the debug file of {what} is not usable: {err}"
+    if debug.build_id != build_id.lower():
+        return None, f"debuginfod: {found.path} is not the debug file of {what} ({debug.build_id})"
+    return debug, None
 
 
 def _reason(err: BaseException) -> str:

@@ -103,6 +103,10 @@ class ElfImage:
         self.text_addr: int = text.addr if text is not None else 0
         self.text_size: int = text.size if text is not None else 0
         self.build_id = self._build_id()
+        # A separate debug file of this one (debuginfod's, by build-id), set before the first
+        # use of ``symbols`` or ``lines``: its DWARF and symbol table stand in for those the
+        # file lacks (stripped).
+        self.debug: ElfImage | None = None
 
     @classmethod
     def load(cls, path: str | Path, *, mapped: bool = False) -> ElfImage:
@@ -153,6 +157,10 @@ class ElfImage:
 
     def section_header(self, name: str) -> SectionHeader | None:
         return self._sections.get(name)
+
+    def section_headers(self) -> list[SectionHeader]:
+        """Every section header, by its index (a symbol's ``st_shndx``)."""
+        return list(self._section_list)
 
     def file_bytes(self, offset: int, size: int) -> bytes:
         """The file's bytes at ``offset`` (fewer at its end)."""
@@ -206,10 +214,10 @@ class ElfImage:
 
     @cached_property
     def symbols(self) -> SymbolTable:
-        symbols: list[Symbol] = []
-        for name in (".symtab", ".dynsym"):
-            symbols += self._read_symbols(name)
-        return SymbolTable(symbols)
+        symbols = self._read_symbols(".symtab")
+        if not symbols and self.debug is not None:
+            symbols = self.debug._read_symbols(".symtab")
+        return SymbolTable(symbols + self._read_symbols(".dynsym"))
 
     @cached_property
     def cfi(self) -> CfiTable | None:
@@ -229,8 +237,11 @@ class ElfImage:
 
     @cached_property
     def lines(self) -> LineTable | None:
-        """Source lines and inlined frames (DWARF), decoded on first lookup; None without DWARF."""
-        return LineTable(self._dwarf) if self.has_section(".debug_line") else None
+        """Source lines and inlined frames (DWARF: the file's own, else its ``debug`` file's),
+        decoded on first lookup; None without DWARF."""
+        if self.has_section(".debug_line"):
+            return LineTable(self._dwarf)
+        return None if self.debug is None else self.debug.lines
 
     def dwarf_info(self) -> Any:
         """pyelftools' DWARFInfo, for the readers of its DIEs in this package; None without
@@ -297,13 +308,13 @@ class ElfImage:
         in programs, Linux's ``.notes`` (beside its Xen notes) in a vmlinux."""
         for header in self._sections.values():
             if header.type == _SHT_NOTE and not header.nobits:
-                found = _gnu_build_id(self._data[header.offset : header.offset + header.size])
+                found = gnu_build_id(self._data[header.offset : header.offset + header.size])
                 if found is not None:
                     return found
         return None
 
 
-def _gnu_build_id(notes: bytes) -> str | None:
+def gnu_build_id(notes: bytes) -> str | None:
     """The descriptor of the first NT_GNU_BUILD_ID note named "GNU" in a run of notes."""
     at = 0
     while at + 12 <= len(notes):

@@ -7,11 +7,18 @@ a name seen then is only noted (``unread``) and read between samples (``read_one
 candidate is taken when its bytes at the mapping's file offset equal what the guest has there
 (user code is not patched at run time), or, when the guest's page is not resident, by name
 alone.
+
+With ``lines`` (source lines wanted), a file without DWARF gets its debug file by build-id
+from debuginfod servers (``DEBUGINFOD_URLS``, the client's cache first) when it is read: so
+between samples too, never inside a pause. A server that lacks it or does not answer is told
+in one line (``tell``); the file is used without lines.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
@@ -20,8 +27,17 @@ from qmpprof.errors import ElfError, UsageError
 MAX_FILES = 500_000
 
 
+def _note(line: str) -> None:
+    """A line for the user, told as the run goes (a file is read between samples too)."""
+    print(f"qmpprof: note: {line}", file=sys.stderr)
+
+
 class UserFiles:
-    def __init__(self, root: Path | None) -> None:
+    def __init__(
+        self, root: Path | None, *, lines: bool = False, tell: Callable[[str], None] = _note
+    ) -> None:
+        self.lines = lines  # fetch the debug files of files without DWARF
+        self.tell = tell
         self._by_name: dict[str, list[Path]] = {}
         self._images: dict[Path, ElfImage | None] = {}
         self.unread: set[str] = set()  # names a pause met whose files are not read yet
@@ -42,14 +58,25 @@ class UserFiles:
         out = []
         for path in self._by_name.get(name, ()):
             if path not in self._images:
-                try:
-                    self._images[path] = _prepared(ElfImage.load(path))
-                except ElfError:
-                    self._images[path] = None
+                self._images[path] = self._load(path)
             image = self._images[path]
             if image is not None:
                 out.append(image)
         return out
+
+    def _load(self, path: Path) -> ElfImage | None:
+        try:
+            image = ElfImage.load(path)
+        except ElfError:
+            return None
+        if self.lines and image.build_id and not image.has_section(".debug_line"):
+            # Imported here: its HTTP client (http.client, email) serves this case alone.
+            from qmpprof.elf import debuginfod
+
+            image.debug, note = debuginfod.debug_image(image.build_id, str(path))
+            if note is not None:
+                self.tell(note)
+        return _prepared(image)
 
     def read(self, name: str) -> bool:
         """Whether every file of this name was read already (or there is none)."""

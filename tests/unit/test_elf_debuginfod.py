@@ -1,12 +1,15 @@
 """The debuginfod client (qmpprof/elf/debuginfod.py) against small HTTP servers of the test's
 own: the cache's place and use, a file fetched whole, 404s, a server that does not answer, a
-transfer broken off; and the build-id read from the note section a vmlinux keeps it in. The
-real server (elfutils' debuginfod) is tests/e2e/test_debuginfod_e2e.py's."""
+transfer broken off; and the build-id read from the note section a vmlinux keeps it in. A
+stripped program of --user-dir gets its lines and symbols from the debug file fetched by its
+build-id, as the unstripped one has them (``UserFiles``). The real server (elfutils'
+debuginfod) is tests/e2e/test_debuginfod_e2e.py's."""
 
 from __future__ import annotations
 
 import http.server
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +18,12 @@ from typing import ClassVar
 import pytest
 
 from qmpprof.elf import debuginfod
-from qmpprof.elf.image import _gnu_build_id
+from qmpprof.elf.image import ElfImage, gnu_build_id
+from qmpprof.guest.userfiles import UserFiles
 
 ID = "764949bbe8b7a9241512fbf3b0d66d0ba34686a8"
 BODY = b"\x7fELF debug file" * 1000
+INLINE_C = Path(__file__).parents[1] / "data" / "unwind" / "inline.c"
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -139,10 +144,73 @@ def note(name: bytes, kind: int, desc: bytes) -> bytes:
         kind.to_bytes(4, "little") + pad(name) + pad(desc)  # fmt: skip
 
 
-def test_the_gnu_build_id_among_other_notes() -> None:
+def test_thegnu_build_id_among_other_notes() -> None:
     """A vmlinux's .notes: Xen's notes first, then GNU's build-id (type 3)."""
     xen = note(b"Xen\0", 3, b"\x01\x02\x03")  # type 3 too, but not GNU's
     gnu = note(b"GNU\0", 3, bytes.fromhex(ID))
-    assert _gnu_build_id(xen + note(b"GNU\0", 1, b"abcd") + gnu) == ID
-    assert _gnu_build_id(xen) is None
-    assert _gnu_build_id(gnu[:-4]) is None  # cut short
+    assert gnu_build_id(xen + note(b"GNU\0", 1, b"abcd") + gnu) == ID
+    assert gnu_build_id(xen) is None
+    assert gnu_build_id(gnu[:-4]) is None  # cut short
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A program with DWARF and a build-id (gcc's, as Debian's packages are built)."""
+    out = tmp_path_factory.mktemp("program") / "inline"
+    subprocess.run(
+        ["gcc", "-O2", "-g", "-Wl,--build-id", "-o", str(out), str(INLINE_C)], check=True
+    )
+    return out
+
+
+def stripped_into(program: Path, folder: Path) -> Path:
+    """``program`` stripped of its DWARF and symbol table, in ``folder`` (a --user-dir)."""
+    folder.mkdir()
+    subprocess.run(["strip", "--strip-all", "-o", str(folder / program.name), str(program)],
+                   check=True)  # fmt: skip
+    return folder / program.name
+
+
+def test_a_stripped_user_file_gets_lines_and_symbols_from_its_debug_file(
+    program: Path,
+    server: tuple[str, type[_Handler]],
+    environment: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    full = ElfImage.load(program)
+    assert full.build_id is not None and full.lines is not None
+    debug = tmp_path / "inline.debug"
+    subprocess.run(["objcopy", "--only-keep-debug", str(program), str(debug)], check=True)
+    url, handler = server
+    handler.files[f"/buildid/{full.build_id}/debuginfo"] = debug.read_bytes()
+    monkeypatch.setenv("DEBUGINFOD_URLS", url)
+    stripped = stripped_into(program, tmp_path / "root")
+    told: list[str] = []
+    assert UserFiles(tmp_path / "root", tell=told.append).candidates("inline")[0].lines is None
+    assert not (environment / full.build_id).exists()  # no lines asked: nothing fetched
+    (image,) = UserFiles(tmp_path / "root", lines=True, tell=told.append).candidates("inline")
+    assert told == [] and image.path == str(stripped)
+    assert (environment / full.build_id / "debuginfo").read_bytes() == debug.read_bytes()
+    assert image.lines is not None
+    assert image.symbols.items() == full.symbols.items()
+    pcs = range(full.text_addr, full.text_addr + full.text_size)
+    assert [image.lines.frames(pc) for pc in pcs] == [full.lines.frames(pc) for pc in pcs]
+
+
+def test_a_user_file_whose_debug_file_no_server_has_is_told_once_and_used_without(
+    program: Path,
+    server: tuple[str, type[_Handler]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    url, _handler = server
+    monkeypatch.setenv("DEBUGINFOD_URLS", url)
+    stripped = stripped_into(program, tmp_path / "root")
+    told: list[str] = []
+    files = UserFiles(tmp_path / "root", lines=True, tell=told.append)
+    (image,) = files.candidates("inline")
+    assert image.lines is None
+    build_id = image.build_id
+    assert told == [f"debuginfod: no debug file for {stripped} ({build_id}): {url}: 404 Not Found"]
+    assert files.candidates("inline") == [image] and len(told) == 1  # read once

@@ -24,6 +24,7 @@ from qmpprof.linux.running.identify import LinuxIdentifier
 from qmpprof.linux.running.image import kernel_module
 from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode, kernel_root
 from qmpprof.linux.running.linearmap import LinearMap, find_linear_map
+from qmpprof.linux.running.moduledebug import DebugLayout, debuginfod_asked
 from qmpprof.linux.running.modules import ModuleLayout, ModuleList
 from qmpprof.linux.running.offcpu import OffCpuLayout, TaskListReader, read_states
 from qmpprof.linux.running.platform import LinuxPlatform, LoadedKernel
@@ -194,7 +195,8 @@ class LinuxGuest:
         head = kernel.module_list
         module_list = None
         if layouts.modules is not None and head is not None:
-            module_list = ModuleList(read, head + slide, layouts.modules, kernel.orc, arch)
+            debug = self._module_debug(translation)
+            module_list = ModuleList(read, head + slide, layouts.modules, kernel.orc, arch, debug)
             modules += await module_list.refresh() or []
         in_registers = platform.current_task(arch, self.clock, RECHECK)
         current = in_registers
@@ -274,6 +276,14 @@ class LinuxGuest:
             detail.append(f"vmcoreinfo: Linux {release}, {checks.confirmed} symbols confirmed")
             notes += checks.notes
         return Attached(tuple(detail), tuple(f"{kernel.path}: {note}" for note in notes))
+
+    def _module_debug(self, notes: list[str]) -> DebugLayout | None:
+        """Where modules' build-ids and sections are, where lines are wanted and a debuginfod
+        server may give their debug files."""
+        btf = self.kernel.btf
+        if not self.lines or btf is None or not debuginfod_asked():
+            return None
+        return _from_btf(btf, DebugLayout.from_btf, "module frames without source lines", notes)
 
     async def _task_reader(
         self, read: Reader, slide: int, current: CurrentTask | None, spaces: Spaces

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import ElfError, UsageError
+from qmpprof.errors import UsageError
 from qmpprof.guest.base import GuestSpec
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux import initramfs
@@ -53,7 +53,7 @@ def linux_guest(spec: GuestSpec) -> LinuxGuest:
     if spec.kernel is None:
         raise UsageError("--os linux needs --kernel (the vmlinuz or vmlinux the guest booted)")
     kernel = load_kernel(spec.kernel.path, spec.path("kallsyms"))
-    files = UserFiles(user_dir(spec))
+    files = UserFiles(user_dir(spec), lines=spec.lines)
     debug, notes = debug_file(kernel) if spec.lines else (None, ())
     return LinuxGuest(kernel, kernel.image.arch, files, lines=spec.lines, debug=debug, notes=notes)
 
@@ -76,14 +76,5 @@ def debug_file(kernel: LinuxKernel) -> tuple[ElfImage | None, tuple[str, ...]]:
     # Imported here: its HTTP client (http.client, email) serves this case alone.
     from qmpprof.elf import debuginfod
 
-    found = debuginfod.debuginfo(image.build_id, "the kernel")
-    notes = () if found.note is None else (found.note,)
-    if found.path is None:
-        return None, notes
-    try:
-        debug = ElfImage.load(found.path, mapped=True)
-    except ElfError as err:
-        return None, (f"debuginfod: the kernel's debug file is not usable: {err}",)
-    if debug.build_id != image.build_id:
-        return None, (f"debuginfod: {found.path} is not the kernel's ({debug.build_id})",)
-    return debug, ()
+    debug, note = debuginfod.debug_image(image.build_id, "the kernel")
+    return debug, () if note is None else (note,)

@@ -17,6 +17,9 @@ the guest runs (``ModuleList``: the list's links, then only the modules not seen
 A guest may be hostile or damaged: what it claims is read up to a ceiling per module (its
 name, its symbols, its text) and across modules (their text), and a ceiling that cuts is told
 in one line (``ModuleList.notes``); the rest of the run goes on.
+
+With source lines wanted (``debug``: where sysfs's view of a module is), a module's lines come
+from its debug file by build-id (``moduledebug``), fetched when the module is first read.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf, Kind
+from qmpprof.linux.running.moduledebug import DebugLayout, module_lines
 from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
 from qmpprof.linux.x86_64.orctables import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
@@ -123,9 +127,11 @@ class ModuleList:
         layout: ModuleLayout,
         kernel_orc: OrcTable | None,
         arch: InstructionSet,
+        debug: DebugLayout | None = None,
     ) -> None:
         self.read, self.head, self.layout, self.kernel_orc = read, head, layout, kernel_orc
         self.arch = arch
+        self.debug = debug  # where modules' build-ids and sections are: lines wanted
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
         self.notes: list[str] = []
         self._text: dict[int, int] = {}  # struct module -> bytes of its text kept
@@ -182,20 +188,23 @@ class ModuleList:
         named = symbols.table if len(symbols.table) else None
         table = await _orc(read, at, layout, self.kernel_orc)
         mapping = Mapping(f"[{name}]", base, base + size, True)
+        lines = None
+        if self.debug is not None:
+            lines = await module_lines(read, at, name, self.debug, self.notes)
         if table is not None:
             own = (OrcStep(OrcCode(table), mapping.bias, arch),)
-            return Module.build(mapping, arch, symbols=named, own=own)
+            return Module.build(mapping, arch, symbols=named, lines=lines, own=own)
         if size > min(MAX_TEXT, text_left):
             self.notes.append(
                 f"module {name}: {size:,} bytes of text not read (at most {MAX_TEXT:,} a module,"
                 f" {TEXT_BUDGET:,} in all): its frames without prologue analysis"
             )
-            return Module.build(mapping, arch, symbols=named)
+            return Module.build(mapping, arch, symbols=named, lines=lines)
         code = await read_one(read, base, size)
         if code is None:
             return None
         self._text[at] = size
-        return Module.build(mapping, arch, symbols=named, code=code, code_addr=base)
+        return Module.build(mapping, arch, symbols=named, lines=lines, code=code, code_addr=base)
 
 
 @dataclass(frozen=True, slots=True)
