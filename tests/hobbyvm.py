@@ -1,8 +1,9 @@
 """Run the teaching-kernel-shaped guest (fixtures/hobby) under qemu-system-i386 for tests.
 
-``running_hobby`` boots it on two vCPUs with a QMP socket (and a gdbstub on ``gdb_port`` for the oracle),
-waits until every user program said it runs, and kills QEMU whatever happens. The guest is a
-``Guest`` of tests/guestvm.py (variant ``hobby``), so its oracles (gdb_backtrace, ...) apply.
+``running_hobby`` boots it on SMP (two) vCPUs with a QMP socket (and a gdbstub on ``gdb_port``
+for the oracle), waits until every CPU and every user program said it runs, and kills QEMU
+whatever happens. The guest is a ``Guest`` of tests/guestvm.py (variant ``hobby``), so its
+oracles (gdb_backtrace, ...) apply.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def running_hobby(tmp_path: Path, *, gdb_port: int | None = None) -> Iterator[Gu
     console = tmp_path / f"console-hobby-{time.monotonic_ns()}.txt"
     cmd = [
         "qemu-system-i386", "-kernel", str(BUILD_DIR / "kernel.elf"),
-        "-accel", "tcg", "-smp", str(SMP), "-m", "64M", "-display", "none", "-no-reboot", "-monitor", "none",
+        "-accel", "tcg", "-smp", str(SMP), "-m", "64M",
+        "-display", "none", "-no-reboot", "-monitor", "none",
         "-qmp", f"unix:{sock_dir / 'qmp.sock'},server=on,wait=off",
         "-serial", f"file:{console}",
     ]  # fmt: skip
