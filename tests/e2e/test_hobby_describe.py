@@ -80,13 +80,14 @@ class TaskOracle(HobbyOracle):
 Task = tuple[int, str] | None
 
 
-async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str]]:
-    """gdb's task on each vCPU at each moment, the vCPUs where qmpprof's differs, and those
-    where the process in CR3 is not ``cpus[i]``'s."""
+async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str], Counter[int]]:
+    """gdb's task on each vCPU at each moment, the vCPUs where qmpprof's differs, those where
+    the process in CR3 is not ``cpus[i]``'s, and how often each vCPU had a process's CR3."""
     port = free_tcp_port()
     rng = random.Random("qmpprof-hobby-describe")
     truths: list[Task] = []
     differences, strangers = [], []
+    loaded_on: Counter[int] = Counter()
     with running_hobby(tmp_path, gdb_port=port) as guest:
         spec = RunSpec(
             kernel=guest.kernel_elf,
@@ -112,23 +113,26 @@ async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str]]:
                     where = f"moment {moment} cpu {sample.cpu}"
                     if ours != truth:
                         differences.append(f"{where}: gdb {truth}, qmpprof {ours}")
+                    loaded_on[sample.cpu] += loaded is not None
                     if loaded is not None and (truth is None or truth[0] != loaded):
                         strangers.append(f"{where}: CR3 of pid {loaded}, cpus[] says {truth}")
                 oracle.resume()
         finally:
             oracle.close()
             await transport.close()
-    return truths, differences, strangers
+    return truths, differences, strangers, loaded_on
 
 
 def test_pids_and_names_are_the_guests_own(tmp_path: Path) -> None:
-    truths, differences, strangers = asyncio.run(compare(tmp_path))
+    truths, differences, strangers, loaded_on = asyncio.run(compare(tmp_path))
     counts, samples = Counter(truths), SMP * MOMENTS
     print(f"{samples - len(differences)} of {samples} samples agree; gdb's tasks: {counts}")
     print("\n".join(differences))
     assert len(truths) == samples
     # vCPU i is cpus[i]: a process's CR3 is only ever loaded where cpus[] says it runs.
+    print(f"samples with a process's CR3, by vCPU: {dict(loaded_on)}")
     assert not strangers, "\n".join(strangers)
+    assert all(loaded_on[cpu] for cpu in range(SMP)), loaded_on
     assert len(differences) <= (1 - REQUIRED) * samples, "\n".join(differences)
     seen = {truth for truth in truths if truth is not None}
     assert seen <= TABLE, seen
