@@ -115,10 +115,10 @@ class HobbyOracle(I386Oracle):
     def trap_eip(self, esp: int) -> tuple[int, int]:
         """The eip and cs the CPU pushed for the trap whose entry a vCPU stopped in with stack
         pointer ``esp``: the guest runs on to the call of ``trap`` with that frame, the one
-        whose CPU part lies just above ``esp`` (a trap taken inside the entry pushes its frame
-        below; one taken by another process after a switch, or on the other vCPU, on another
-        stack), where gdb reads ``tf``."""
-        self.run_to(f'-c "(unsigned int)&tf->eip - {esp}u < 4096" trap')
+        whose CPU part lies just above ``esp``, closer than a whole frame (a trap taken inside
+        the entry pushes its frame below; one taken by another process after a switch, or on
+        the other vCPU, on another stack, which may be the next page), where gdb reads ``tf``."""
+        self.run_to(f'-c "(unsigned int)&tf->eip - {esp}u < sizeof(*tf)" trap')
         return self.value("tf->eip"), self.value("tf->cs")
 
     def value(self, expression: str) -> int:
