@@ -1,11 +1,15 @@
 """The teaching-kernel-shaped guest (fixtures/hobby) profiled with its shipped description
 (fixtures/hobby/describe.toml) and no flag but --kernel, --user-dir and --describe, on every QEMU.
 
-At MOMENTS random moments gdb stops the guest and qmpprof samples it stopped: the sample's pid
-and name must be the guest's own table's, ``cpus[0].proc->pid`` and ``->name``, as gdb reads
-them at that moment (no process when ``cpus[0].proc`` is 0: the CPU idles, or the kernel runs
-alone). Then a run from the command line labels its samples ``name (pid N)`` from that table;
-and a description whose pid reads unmapped memory still runs, with one warning line.
+At MOMENTS random moments gdb stops the guest and qmpprof samples it stopped: each vCPU's
+sample's pid and name must be the guest's own table's, ``cpus[i].proc->pid`` and ``->name`` for
+vCPU i, as gdb reads them at that moment (no process when ``cpus[i].proc`` is 0: the CPU idles,
+or the kernel runs alone). That vCPU i is ``cpus[i]`` is the guest's own doing (mycpu() finds
+the CPU by its local APIC id, cpus[] is in the MADT's order) and the description's (``$cpu`` is
+QEMU's CPU index), so it is checked apart: whenever gdb's thread i + 1 (vCPU i) has a process's
+page directory in CR3, that process is ``cpus[i].proc``. Then a run from the command line labels
+its samples ``name (pid N)`` from that table; and a description whose pid reads unmapped memory
+still runs, with one warning line.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from guestvm import ROOT, free_tcp_port
-from hobbyvm import running_hobby
+from hobbyvm import SMP, running_hobby
 from qemus import every_qemu
 from test_hobby_vs_gdb import HobbyOracle
 
@@ -36,15 +40,24 @@ MOMENTS = 100
 REQUIRED = 0.99
 # fixtures/hobby/proc.c spawns these, in this order (test_hobby_guest.py reads them with gdb).
 TABLE = {(1, "crunch"), (2, "chatter"), (3, "chatter")}
-_TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*))\\n"')
+_TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*)) (\w+)\\n"')
+# qg_task(i): cpus[i]'s process, and the pid of the process whose page directory vCPU i's CR3
+# holds ("kernel": none's). KERNBASE: fixtures/hobby/kernel.h (CR3 holds V2P(pgdir)).
 _SCRIPT = r"""
-def qg_task():
-    proc = gdb.parse_and_eval("cpus[0].proc")
+def qg_task(cpu):
+    proc = gdb.parse_and_eval("cpus[%d].proc" % cpu)
     if int(proc) == 0:
-        print("QGTASK none")
+        task = "none"
     else:
         name = proc["name"].string(length=16).split("\0")[0]
-        print("QGTASK %d %s" % (int(proc["pid"]), name))
+        task = "%d %s" % (int(proc["pid"]), name)
+    gdb.execute("thread %d" % (cpu + 1), to_string=True)
+    cr3, owner = int(gdb.parse_and_eval("$cr3")), "kernel"
+    for i in range(int(gdb.parse_and_eval("sizeof(procs) / sizeof(procs[0])"))):
+        p = gdb.parse_and_eval("procs[%d]" % i)
+        if int(p["state"]) != 0 and int(p["pgdir"]) - 0x80000000 == cr3:
+            owner = str(int(p["pid"]))
+    print("QGTASK %s %s" % (task, owner))
 """
 
 
@@ -54,20 +67,27 @@ class TaskOracle(HobbyOracle):
         (scripts / "qgtask.py").write_text(_SCRIPT)
         self.command(f'-interpreter-exec console "source {scripts / "qgtask.py"}"')
 
-    def task(self) -> tuple[int, str] | None:
-        """The pid and name of the process the guest's CPU runs, None when none does."""
-        lines = self.command('-interpreter-exec console "python qg_task()"')
+    def task(self, cpu: int) -> tuple[tuple[int, str] | None, int | None]:
+        """The pid and name of ``cpus[cpu]``'s process (None: none), and the pid of the process
+        whose page directory vCPU ``cpu`` has loaded (None: the kernel's)."""
+        lines = self.command(f'-interpreter-exec console "python qg_task({cpu})"')
         found = [m for line in lines for m in [_TASK.match(line)] if m]
         assert found, lines
-        return None if found[0][1] == "none" else (int(found[0][2]), found[0][3])
+        task = None if found[0][1] == "none" else (int(found[0][2]), found[0][3])
+        return task, None if found[0][4] == "kernel" else int(found[0][4])
 
 
-async def compare(tmp_path: Path) -> tuple[list[tuple[int, str] | None], list[str]]:
-    """gdb's task at each moment, and the moments where qmpprof's differs."""
+Task = tuple[int, str] | None
+
+
+async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str], Counter[int]]:
+    """gdb's task on each vCPU at each moment, the vCPUs where qmpprof's differs, those where
+    the process in CR3 is not ``cpus[i]``'s, and how often each vCPU had a process's CR3."""
     port = free_tcp_port()
     rng = random.Random("qmpprof-hobby-describe")
-    truths: list[tuple[int, str] | None] = []
-    differences = []
+    truths: list[Task] = []
+    differences, strangers = [], []
+    loaded_on: Counter[int] = Counter()
     with running_hobby(tmp_path, gdb_port=port) as guest:
         spec = RunSpec(
             kernel=guest.kernel_elf,
@@ -84,26 +104,36 @@ async def compare(tmp_path: Path) -> tuple[list[tuple[int, str] | None], list[st
                 oracle.stop()
                 sampler = Sampler(transport, unwinder, identifier, SamplerConfig())
                 outcome = await sampler.run(one_shot=True)
-                (sample,) = outcome.last
-                truth = oracle.task()
-                process = sample.process
-                ours = None if process is None else (process.pid, process.program)
-                truths.append(truth)
-                if ours != truth:
-                    differences.append(f"moment {moment}: gdb {truth}, qmpprof {ours}")
+                assert sorted(s.cpu for s in outcome.last) == list(range(SMP))
+                for sample in outcome.last:
+                    truth, loaded = oracle.task(sample.cpu)
+                    process = sample.process
+                    ours = None if process is None else (process.pid, process.program)
+                    truths.append(truth)
+                    where = f"moment {moment} cpu {sample.cpu}"
+                    if ours != truth:
+                        differences.append(f"{where}: gdb {truth}, qmpprof {ours}")
+                    loaded_on[sample.cpu] += loaded is not None
+                    if loaded is not None and (truth is None or truth[0] != loaded):
+                        strangers.append(f"{where}: CR3 of pid {loaded}, cpus[] says {truth}")
                 oracle.resume()
         finally:
             oracle.close()
             await transport.close()
-    return truths, differences
+    return truths, differences, strangers, loaded_on
 
 
 def test_pids_and_names_are_the_guests_own(tmp_path: Path) -> None:
-    truths, differences = asyncio.run(compare(tmp_path))
-    counts = Counter(truths)
-    print(f"{MOMENTS - len(differences)} of {MOMENTS} moments agree; gdb's tasks: {counts}")
+    truths, differences, strangers, loaded_on = asyncio.run(compare(tmp_path))
+    counts, samples = Counter(truths), SMP * MOMENTS
+    print(f"{samples - len(differences)} of {samples} samples agree; gdb's tasks: {counts}")
     print("\n".join(differences))
-    assert len(differences) <= (1 - REQUIRED) * MOMENTS, "\n".join(differences)
+    assert len(truths) == samples
+    # vCPU i is cpus[i]: a process's CR3 is only ever loaded where cpus[] says it runs.
+    print(f"samples with a process's CR3, by vCPU: {dict(loaded_on)}")
+    assert not strangers, "\n".join(strangers)
+    assert all(loaded_on[cpu] for cpu in range(SMP)), loaded_on
+    assert len(differences) <= (1 - REQUIRED) * samples, "\n".join(differences)
     seen = {truth for truth in truths if truth is not None}
     assert seen <= TABLE, seen
     assert len(seen) >= 2, truths  # crunch's loops and a chatter's system calls, at least

@@ -1,7 +1,8 @@
 """The teaching-kernel-shaped guest (fixtures/hobby) on every QEMU: its own tables say what its
-sources promise (three processes, crunch, chatter, chatter, with pids 1-3, the CPU's current
-process one of them or none), and a run with no flag but --kernel and --user-dir splits kernel
-from user where the kernel's ELF says, each stack whole down to its program's ``_start``."""
+sources promise (three processes, crunch, chatter, chatter, with pids 1-3; both CPUs found and
+started, each one's current process one of them or none, never the same on both), and a run
+with no flag but --kernel and --user-dir splits kernel from user where the kernel's ELF says,
+each stack whole down to its program's ``_start``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from guestvm import free_tcp_port, run_gdb
-from hobbyvm import running_hobby
+from hobbyvm import SMP, running_hobby
 from qemus import every_qemu
 
 from qmpprof.cli import main
@@ -20,7 +21,7 @@ from qmpprof.output import native
 pytestmark = [pytest.mark.qemu, every_qemu]
 
 _PROC = re.compile(r'^proc (\d+) "(\w*)" (\w+)$', re.MULTILINE)
-_CURRENT = re.compile(r"^current (-?\d+)$", re.MULTILINE)
+_CURRENT = re.compile(r"^current (\d+) (-?\d+) (\d+)$", re.MULTILINE)
 
 
 def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
@@ -29,13 +30,22 @@ def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
             f'printf "proc %d \\"%s\\" %d\\n", procs[{i}].pid, procs[{i}].name, procs[{i}].state'
             for i in range(4)
         ]
-        commands.append('printf "current %d\\n", cpus[0].proc ? cpus[0].proc - procs : -1')
+        commands += [
+            f'printf "current {i} %d %d\\n", cpus[{i}].proc ? cpus[{i}].proc - procs : -1, '
+            f"cpus[{i}].started"
+            for i in range(SMP)
+        ]
+        commands.append('printf "ncpu %d\\n", ncpu')
         output = run_gdb(guest, None, commands)
     procs = _PROC.findall(output)
     assert [(pid, name) for pid, name, _ in procs] == [
         ("1", "crunch"), ("2", "chatter"), ("3", "chatter"), ("0", ""),
     ], output  # fmt: skip
-    assert _CURRENT.findall(output) in (["-1"], ["0"], ["1"], ["2"]), output
+    assert f"ncpu {SMP}\n" in output, output
+    current = _CURRENT.findall(output)
+    assert [(cpu, started) for cpu, _, started in current] == [(str(i), "1") for i in range(SMP)]
+    running = [int(proc) for _, proc, _ in current if proc != "-1"]
+    assert set(running) <= {0, 1, 2} and len(set(running)) == len(running), output
 
 
 def test_the_kernel_boundary_is_read_from_the_elf(

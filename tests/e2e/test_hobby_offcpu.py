@@ -1,6 +1,7 @@
 """--off-cpu on the teaching-kernel-shaped guest (fixtures/hobby) by its shipped description
-(fixtures/hobby/describe.toml), on every QEMU: gdb stops the guest at timer ticks (before it
-wakes the sleepers) until WANTED sleeping tasks were seen; at each, qmpprof lists every task
+(fixtures/hobby/describe.toml), on every QEMU and two vCPUs: gdb stops the guest where a CPU's
+scheduler wakes the sleepers (holding the process table's lock: no task on the other CPU
+changes state meanwhile) until WANTED sleeping tasks were seen; at each, qmpprof lists every task
 switched out, and they must be the tasks the guest's own table holds asleep (``procs[i].state``
 = SLEEPING, by pid, as many), each kernel stack = the frame-pointer chain gdb reads by hand from
 ``procs[i].context`` (eip, then each saved ebp's return address), frame for frame.

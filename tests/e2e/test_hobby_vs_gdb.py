@@ -1,18 +1,27 @@
 """qmpprof's stacks on the teaching-kernel-shaped guest (fixtures/hobby) against gdb's, at 100
 random moments on every QEMU, loaded as a run loads them: no flag but --kernel and --user-dir.
 
-gdb interrupts the guest; qmpprof samples it stopped. A user-mode moment: the whole stack,
-frame for frame (gdb has the program's CFI from -g). A kernel-mode moment: the kernel frames
-up to the trap entry ``alltraps``, which no CFI describes: gdb cannot go past it, so its frames
-beyond are not compared; nor are the tail-call frames gdb makes up from DWARF call sites.
-There qmpprof crosses the trap frame (its layout from the kernel's DWARF) into user code: its
-first user frame must be the interrupted pc the kernel itself kept (``cpus[0].proc->tf->eip``,
-read by gdb), and the walk must reach the program's outermost frame (``_start``).
+gdb interrupts the guest; qmpprof samples it stopped, each of its two vCPUs (vCPU i: gdb's
+thread i + 1), and each vCPU's stack is judged against gdb's for that thread. A user-mode
+moment: the whole stack, frame for frame (gdb has the program's CFI from -g). A kernel-mode
+moment: the kernel frames up to the trap entry ``alltraps``, which no CFI describes: gdb cannot
+go past it, so its frames beyond are not compared; nor are the tail-call frames gdb makes up
+from DWARF call sites. There qmpprof crosses the trap frame (its layout from the kernel's
+DWARF) into user code: its first user frame must be the interrupted pc the kernel itself kept
+(``cpus[i].proc->tf->eip`` on vCPU i, read by gdb; test_hobby_describe checks that vCPU i is
+``cpus[i]``), and the walk must reach the program's outermost frame (``_start``).
 
 A moment stopped inside the trap entry (a vector stub, or ``alltraps`` before its call of
 ``trap``) has its trap frame half built: the frame after the leaf must be at the eip the CPU
 pushed, which gdb reads by running the guest on to ``trap`` and reading ``tf->eip`` there (the
-entry code's own instructions run in between: nothing changes the interrupted pc).
+entry code's own instructions run in between: nothing changes the interrupted pc). gdb's stack,
+kept pc and stack pointer are read on every vCPU before the guest runs on so.
+
+The second CPU's scheduler was called by ``mpenter``, which the start code (entryother.S,
+copied to 0x7000: in no ELF) called: gdb ends those stacks in "??" and so does qmpprof, frame
+for frame, but qmpprof draws that frame as user code (below the kernel boundary, reached by a
+frame pointer: an open point of issue 34). Those moments are counted apart ("from the start
+code") and judged by the names alone.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ import asyncio
 import random
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import capstone
 import pytest
 from guestvm import free_tcp_port
-from hobbyvm import running_hobby
+from hobbyvm import SMP, running_hobby
 from qemus import every_qemu
 from test_unwind_vs_gdb_i386 import I386Oracle
 
@@ -47,7 +57,8 @@ REQUIRED = 0.97
 # is left: the stub's "int $64" in user mode. Not judged by gdb; their user frames must be one
 # of the programs' own call chains (USER_CHAINS). 17-26 in 100 on both QEMUs with the vector's
 # first instruction counted in (TCG stopped the guest there far more often than its three
-# instructions' share of the time): at most 40 in 100, so that gdb judges the majority.
+# instructions' share of the time) on one vCPU; none in 232 vCPU moments, six runs, on two: at
+# most 40 in 100 vCPU moments, so that gdb judges the majority.
 GDB_LOST_CEILING = 0.40
 # The programs' call chains (fixtures/hobby/user/*.c), outermost last: under a system call
 # the user frames qmpprof found must be one of these, from the leaf the trap frame gave.
@@ -77,9 +88,10 @@ def qg_frames():
             frame = frame.older()
         except gdb.error:
             break
-def qg_tf():
+def qg_tf(cpu):
     try:
-        print("QGTF %x" % int(gdb.parse_and_eval("cpus[0].proc ? cpus[0].proc->tf->eip : 0")))
+        proc = "cpus[%d].proc" % cpu
+        print("QGTF %x" % int(gdb.parse_and_eval("%s ? %s->tf->eip : 0" % (proc, proc))))
     except gdb.error:
         print("QGTF -1")
 """
@@ -98,13 +110,16 @@ class HobbyOracle(I386Oracle):
         if not any(line.startswith("*stopped") for line in lines):
             self._until(lambda line: line.startswith("*stopped"))
 
-    def trap_eip(self) -> tuple[int, int]:
-        """The eip and cs the CPU pushed for the trap whose entry the guest stopped in: the
-        guest runs on to the call of ``trap`` with that frame, the one whose CPU part lies just
-        above the stack pointer now (a trap taken inside the entry pushes its frame below; one
-        taken by another process after a switch, on another stack), where gdb reads ``tf``."""
-        esp = self.value("$esp")
-        self.run_to(f'-c "(unsigned int)&tf->eip - {esp}u < 4096" trap')
+    def select(self, cpu: int) -> None:
+        self.command(f"-thread-select {cpu + 1}")
+
+    def trap_eip(self, esp: int) -> tuple[int, int]:
+        """The eip and cs the CPU pushed for the trap whose entry a vCPU stopped in with stack
+        pointer ``esp``: the guest runs on to the call of ``trap`` with that frame, the one
+        whose CPU part lies just above ``esp``, closer than a whole frame (a trap taken inside
+        the entry pushes its frame below; one taken by another process after a switch, or on
+        the other vCPU, on another stack, which may be the next page), where gdb reads ``tf``."""
+        self.run_to(f'-c "(unsigned int)&tf->eip - {esp}u < sizeof(*tf)" trap')
         return self.value("tf->eip"), self.value("tf->cs")
 
     def value(self, expression: str) -> int:
@@ -113,12 +128,26 @@ class HobbyOracle(I386Oracle):
         assert found, lines
         return found[0]
 
-    def user_pc(self) -> int:
-        """The user pc the kernel kept for the running process (0: none runs)."""
-        lines = self.command('-interpreter-exec console "python qg_tf()"')
+    def user_pc(self, cpu: int) -> int:
+        """The user pc the kernel kept for the process ``cpu`` runs (0: none runs)."""
+        lines = self.command(f'-interpreter-exec console "python qg_tf({cpu})"')
         found = [int(m.group(1), 16) for line in lines for m in [_TF.match(line)] if m]
         assert found and found[0] >= 0, lines
         return found[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What gdb read on one vCPU at a moment, before any of them ran on."""
+
+    theirs: list[str]
+    user_pc: int
+    esp: int
+
+
+def seen_on(oracle: HobbyOracle, cpu: int) -> Seen:
+    oracle.select(cpu)
+    return Seen(oracle.stack(), oracle.user_pc(cpu), oracle.value("$esp"))
 
 
 def kernel_part(names: list[str]) -> list[str]:
@@ -134,7 +163,7 @@ async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int], int]:
     rng = random.Random("qmpprof-hobby")
     agree, differences = 0, []
     counts = {"user": 0, "kernel": 0, "under a system call": 0, "in the trap entry": 0}
-    counts["gdb lost"] = 0
+    counts["gdb lost"] = counts["from the start code"] = 0
     with running_hobby(tmp_path, gdb_port=port) as guest:
         entry = entry_code(guest.kernel_elf)
         spec = RunSpec(kernel=guest.kernel_elf, user_dir=guest.user_dir)
@@ -154,13 +183,17 @@ async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int], int]:
                 sampler = Sampler(transport, unwinder, identifier, SamplerConfig())
                 outcome = await sampler.run(one_shot=True)
                 assert not outcome.was_running
-                (sample,) = outcome.last
-                theirs = oracle.stack()  # before judge: it may run the guest on to ``trap``
-                same, note = judge(sample, theirs, oracle, entry)
-                counts[note] += 1
-                agree += same and note != "gdb lost"  # those: judged by USER_CHAINS alone
-                if not same:
-                    differences.append(f"moment {moment} ({note}): {describe(sample, theirs)}")
+                samples = sorted(outcome.last, key=lambda s: s.cpu)
+                assert [s.cpu for s in samples] == list(range(SMP))
+                # Before judge: it may run the guest on to ``trap``.
+                seen = [seen_on(oracle, cpu) for cpu in range(SMP)]
+                for sample, truth in zip(samples, seen, strict=True):
+                    same, note = judge(sample, truth, oracle, entry)
+                    counts[note] += 1
+                    agree += same and note != "gdb lost"  # those: judged by USER_CHAINS alone
+                    if not same:
+                        where = f"moment {moment} cpu {sample.cpu} ({note})"
+                        differences.append(f"{where}: {describe(sample, truth.theirs)}")
                 oracle.resume()
         finally:
             oracle.close()
@@ -204,14 +237,17 @@ def entry_stops(kernel: Path, entry: range) -> list[int]:
     return found
 
 
-def judge(sample: Sample, theirs: list[str], oracle: HobbyOracle, entry: range) -> tuple[bool, str]:
+def judge(sample: Sample, seen: Seen, oracle: HobbyOracle, entry: range) -> tuple[bool, str]:
     """Whether qmpprof's stack is gdb's (see the module's docstring), and the kind of moment."""
-    frames = sample.stack.frames
+    frames, theirs = sample.stack.frames, seen.theirs
     ours = [f.symbol or "??" for f in frames]
     if sample.mode is Mode.KERNEL and frames[0].pc in entry:
-        eip, cs = oracle.trap_eip()
+        oracle.select(sample.cpu)
+        eip, cs = oracle.trap_eip(seen.esp)
         crossed = len(frames) > 1 and frames[1].pc == eip and frames[1].kernel == (cs & 3 == 0)
         return crossed and whole_user_chain(sample), "in the trap entry"
+    if from_start_code(sample):
+        return ours == theirs, "from the start code"
     if gdb_lost(ours, theirs):
         return in_a_user_chain(sample), "gdb lost"
     if sample.mode is Mode.USER:
@@ -222,17 +258,27 @@ def judge(sample: Sample, theirs: list[str], oracle: HobbyOracle, entry: range) 
         return same, "kernel"
     # Crossed into user code: exactly where the kernel says it was, then the whole chain (one
     # of the programs' own under a system call; any reaching _start after a preemption).
-    same = same and user[0].pc == oracle.user_pc() and user[-1].symbol == "_start"
+    same = same and user[0].pc == seen.user_pc and user[-1].symbol == "_start"
     if user[0].symbol in SYSTEM_CALLS:
         return same and in_a_user_chain(sample), "under a system call"
     return same, "kernel"
 
 
+def from_start_code(sample: Sample) -> bool:
+    """The stack ends in ``mpenter``'s caller, the start code in no ELF (fixtures/hobby/main.c
+    copies entryother.S to 0x7000), which qmpprof takes for user code."""
+    frames = sample.stack.frames
+    return (
+        len(frames) >= 2 and frames[-2].symbol == "mpenter" and frames[-1].module is None
+        and not frames[-1].kernel and all(f.kernel for f in frames[:-1])
+    )  # fmt: skip
+
+
 def whole_user_chain(sample: Sample) -> bool:
     """The user frames, if any: a program's call chain under a system call, else down to
-    ``_start``."""
+    ``_start``; none after a trap in the second CPU's scheduler (``from_start_code``)."""
     user = [f for f in sample.stack.frames if not f.kernel]
-    if not user:
+    if not user or from_start_code(sample):
         return True
     return (
         in_a_user_chain(sample) if user[0].symbol in SYSTEM_CALLS else user[-1].symbol == "_start"
@@ -261,11 +307,11 @@ def describe(sample: Sample, theirs: list[str]) -> str:
 
 def test_stacks_agree_with_gdb(tmp_path: Path) -> None:
     agree, differences, counts, stops = asyncio.run(compare(tmp_path))
-    judged = MOMENTS + stops - counts["gdb lost"]
-    print(f"equal to gdb at {agree} of the {judged} moments judged; {counts}")
+    judged = SMP * (MOMENTS + stops) - counts["gdb lost"]
+    print(f"equal to gdb at {agree} of the {judged} vCPU moments judged; {counts}")
     print("\n".join(differences))
-    assert sum(counts.values()) == MOMENTS + stops
-    assert counts["gdb lost"] <= GDB_LOST_CEILING * MOMENTS, "\n".join(differences)
+    assert sum(counts.values()) == SMP * (MOMENTS + stops)
+    assert counts["gdb lost"] <= GDB_LOST_CEILING * SMP * MOMENTS, "\n".join(differences)
     lost_wrong = [d for d in differences if "(gdb lost)" in d]
     assert not lost_wrong, "not a chain of the programs:\n" + "\n".join(lost_wrong)
     assert agree >= REQUIRED * judged, "\n".join(differences)

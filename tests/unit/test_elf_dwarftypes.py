@@ -52,7 +52,11 @@ def test_the_hobby_kernels_globals_and_types_as_its_source_says() -> None:
     assert (name.kind, name.count, name.size) == ("array", 16, 16)
     assert name.target is not None and types.type(name.target).char
     assert (state.kind, state.name) == ("int", "enum procstate")
-    assert types.named("struct proc") == pointer.target
+    # By name: struct proc as the first unit using it has it (each unit has its own copy).
+    named = types.named("struct proc")
+    assert named is not None
+    layout = [(m.name, m.offset) for m in types.type(named).members]
+    assert layout == [(m.name, m.offset) for m in proc.members]
     uint = types.named("uint")  # a typedef: its name kept, its type the base type's
     assert uint is not None and (types.type(uint).name, types.type(uint).signed) == ("uint", False)
     assert types.variable("no_such_global") is None and types.named("struct nothing") is None
