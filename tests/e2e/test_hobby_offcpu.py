@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.qemu, every_qemu]
 
 DESCRIPTION = ROOT / "fixtures" / "hobby" / "describe.toml"
 WANTED = 3  # sleeping tasks compared, at least
-MAX_TICKS = 40  # ticks stopped at, at most, to find them
+MAX_TICKS = 120  # ticks stopped at, at most, to find them (it stops once WANTED were seen)
 NPROC, SLEEPING = 8, 1  # fixtures/hobby/kernel.h: procs[NPROC], enum procstate
 
 
