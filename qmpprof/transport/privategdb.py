@@ -75,8 +75,7 @@ async def fast_over(qmp: QmpTransport, timeout: float = 5.0) -> tuple[GuestTrans
         if stub is not None:
             left = leftover(stub)
             if left is None:
-                reason = "the VM already has a gdbstub (chardev gdb): using QMP; pass --gdb"
-                return qmp, reason + " ADDRESS to use it"
+                return qmp, f"the VM already has a gdbstub (chardev gdb): using QMP; {_own(stub)}"
             await _remove_leftover(qmp, left)
             cleared = f"removed the gdbstub a qmpprof killed outright had left ({left.socket})"
         transport = await PrivateGdbTransport._open(qmp, timeout)
@@ -87,6 +86,25 @@ async def fast_over(qmp: QmpTransport, timeout: float = 5.0) -> tuple[GuestTrans
     except BaseException:
         await qmp.close()
         raise
+
+
+def _own(filename: str) -> str:
+    """What to pass to sample through the VM's own gdbstub, whose query-chardev ``filename``
+    is given: ``tcp:HOST:PORT,server=on``, ``unix:PATH,server=on``, ``disconnected:`` before
+    either while no client is on it, a connected one's peer after a comma (QEMU 7.2's and 11.1's
+    char-socket filenames)."""
+    free = filename.startswith("disconnected:")
+    kind, _, rest = filename.removeprefix("disconnected:").partition(":")
+    where = rest.split(",")[0]
+    if kind == "tcp" and ":" in where:
+        host, _, port = where.rpartition(":")
+        host = "localhost" if host.strip("[]") in ("", "0.0.0.0", "::") else host
+        address = f"{host}:{port}"
+    elif kind == "unix" and where:
+        address = f"unix:{where}"
+    else:
+        return "pass --gdb ADDRESS to use it"
+    return f"pass --gdb {address} to use it" + ("" if free else " once its client leaves")
 
 
 async def _remove_leftover(qmp: QmpTransport, left: StubDir) -> None:

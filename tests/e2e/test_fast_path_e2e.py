@@ -170,6 +170,7 @@ def test_an_existing_gdbstub_is_not_taken_over(tmp_path: Path, private_tmp: Path
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert "the VM already has a gdbstub (chardev gdb): using QMP" in err
+        assert f"pass --gdb 127.0.0.1:{port} to use it)" in err  # its own address, as QEMU says
         assert FAST not in err
         assert " 100 ticks" in err
         # The user's stub is where it was, unused, and still takes a client.
@@ -194,18 +195,33 @@ def test_transport_qmp_keeps_the_hmp_path(tmp_path: Path, private_tmp: Path) -> 
     assert "qmpprof: samples travel through QMP (--transport qmp)\n" in head
 
 
-def test_a_stub_left_by_a_killed_qmpprof_is_removed_by_the_next_run(
+def guard_of(proc: subprocess.Popen[str]) -> int:
+    """The pid of ``proc``'s pause guard (transport/guard.py): its one child process."""
+    (child,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return int(child)
+
+
+def test_a_stub_left_by_a_killed_qmpprof_is_removed_by_its_guard_or_the_next_run(
     tmp_path: Path, private_tmp: Path
 ) -> None:
+    """SIGKILL: qmpprof's guard takes away the stub it left; with the guard killed first (a
+    container torn down), the next run removes it."""
     with vm(tmp_path, smp=1) as machine:
         proc = spawn(machine, private_tmp, "--duration", "60")
         wait_sampling(proc)
-        proc.kill()  # SIGKILL: no clean-up at all
+        proc.kill()  # SIGKILL: no clean-up at all in qmpprof
+        proc.communicate(timeout=30)  # to the end of stderr: the guard's exit too
+        assert_left_clean(machine, private_tmp)
+
+        proc = spawn(machine, private_tmp, "--duration", "60")
+        wait_sampling(proc)
+        os.kill(guard_of(proc), signal.SIGKILL)
+        proc.kill()
         proc.communicate(timeout=30)
         (left,) = private_tmp.iterdir()
         assert machine.stub().startswith(f"disconnected:unix:{left}/gdb.sock")
         if machine.witness.execute("query-status")["status"] != "running":
-            machine.witness.execute("cont")  # killed inside a pause: see README
+            machine.witness.execute("cont")  # killed inside a pause, guard and all
         out = tmp_path / "next.folded"
         proc = spawn(machine, private_tmp, "--duration", "0.5", "-o", str(out))
         _, err = proc.communicate(timeout=60)
@@ -230,6 +246,7 @@ def test_a_stub_that_is_not_a_dead_qmpprof_s_is_left_alone(
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert "the VM already has a gdbstub (chardev gdb): using QMP" in err
+        assert f"pass --gdb unix:{lookalike}/gdb.sock to use it" in err
         assert machine.stub().startswith(f"disconnected:unix:{lookalike}/gdb.sock")
         assert (lookalike / "gdb.sock").exists()
         machine.witness.hmp("gdbserver none")
