@@ -4,6 +4,7 @@ worth reading at SP in one go over it)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from qmpprof.errors import QmpprofError
@@ -89,6 +90,16 @@ class LibvirtKind:
         from qmpprof.transport.libvirtdomain import DomainTransport
 
         qmp = await DomainTransport.open(reach.connect, reach.domain or "", memory=reach.memory)
+        if qmp.host is not None:  # no gdbstub socket of its QEMU's is reachable from here
+            try:
+                await qmp.take_mark()
+            except BaseException:
+                await qmp.close()
+                raise
+            opened = _qmp_opened(qmp, "libvirt's monitor passthrough")
+            said = (f"domain {qmp.name} runs on {qmp.host}: sampled through libvirt's monitor"
+                    " passthrough alone, memory by HMP x (slower than a local domain)")  # fmt: skip
+            return dataclasses.replace(opened, notes=(*opened.notes, said))
         transport, why = await fast_over(qmp)
         if isinstance(transport, PrivateGdbTransport):
             notes = _mark_notes(qmp) + (() if transport.cleared is None else (transport.cleared,))

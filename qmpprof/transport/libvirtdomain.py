@@ -21,9 +21,11 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 import libvirt
@@ -94,6 +96,7 @@ class DomainTransport(QmpTransport):
 
     uri: str | None = None
     name = ""
+    host: str | None = None  # the host the domain runs on, when not this one (qemu+ssh://)
 
     @classmethod
     async def open(
@@ -121,12 +124,15 @@ class DomainTransport(QmpTransport):
         where = f"domain {name}"
         try:
             formats = await register_formats(client, where)
+            host = remote_host(await asyncio.to_thread(connection.getURI))
         except BaseException:
             await client.disconnect()
             raise
-        chosen = "memsave" if memory == "auto" else memory
+        # memsave writes a file where QEMU runs: on another host, memory comes by HMP x.
+        chosen: Literal["memsave", "hmp"] = "memsave" if host is None else "hmp"
+        chosen = chosen if memory == "auto" else memory
         transport = cls(client, chosen, auto=memory == "auto", formats=formats, address=where)
-        transport.uri, transport.name = uri, name
+        transport.uri, transport.name, transport.host = uri, name, host
         return transport
 
     async def reconnect(self, *, timeout: float = 5.0) -> QmpTransport:
@@ -141,6 +147,13 @@ class DomainTransport(QmpTransport):
             self.guard = PauseGuard.for_domain(self.uri, self.name)
 
 
+def remote_host(uri: str) -> str | None:
+    """The host a libvirt URI reaches when it is not this one (``qemu+ssh://HOST/system``),
+    None for a local driver (``qemu:///system``, ``test:///default``)."""
+    host = urlsplit(uri).hostname
+    return None if not host or host in ("localhost", socket.gethostname()) else host
+
+
 def domain_boot_files(uri: str | None, name: str) -> BootFiles:
     """The ``<kernel>`` and ``<initrd>`` of the running domain ``name``'s XML (libvirt's live
     definition, read-only), each where this host can read it: a domain on another host
@@ -153,7 +166,7 @@ def domain_boot_files(uri: str | None, name: str) -> BootFiles:
         return BootFiles()
     try:
         text = connection.lookupByName(name).XMLDesc(0)
-        host = urlsplit(connection.getURI()).hostname
+        host = remote_host(connection.getURI())
     except libvirt.libvirtError:
         return BootFiles()
     finally:

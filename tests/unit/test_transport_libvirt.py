@@ -153,3 +153,39 @@ def test_a_domain_booting_from_its_disk_names_nothing(tmp_path: Path) -> None:
     assert boot_files(Reach(domain="vm", connect=node(tmp_path, None))) == BootFiles()
     assert boot_files(Reach(domain="other", connect=node(tmp_path, None))) == BootFiles()
     assert boot_files(Reach(qmp_socket=tmp_path / "qmp")) == BootFiles()  # no domain: no XML
+
+
+@pytest.mark.parametrize(
+    ("uri", "host"),
+    [
+        ("qemu:///system", None),
+        ("qemu:///system?socket=/tmp/lv/run/libvirt-sock", None),
+        ("test:///default", None),
+        ("qemu+ssh://root@kvm7.example.org/system", "kvm7.example.org"),
+        ("qemu+tcp://10.0.0.2:16509/system", "10.0.0.2"),
+        ("qemu+ssh://localhost/system", None),
+    ],
+)
+def test_a_domain_on_another_host_is_told_by_its_uri(uri: str, host: str | None) -> None:
+    assert libvirtdomain.remote_host(uri) == host
+
+
+def test_a_domain_on_another_host_names_no_file_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = node(tmp_path, "/boot/vmlinuz")
+    real_open = libvirt.openReadOnly
+
+    class Remote:
+        def __init__(self) -> None:
+            self.connection = real_open(uri)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.connection, name)
+
+        def getURI(self) -> str:  # libvirt's name
+            return "qemu+ssh://kvm7.example.org/system"
+
+    monkeypatch.setattr(libvirtdomain.libvirt, "openReadOnly", lambda _: Remote())
+    found = boot_files(Reach(domain="vm", connect=uri))
+    assert found == BootFiles(notes=("domain vm boots files on kvm7.example.org: give --kernel",))
