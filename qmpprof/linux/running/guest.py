@@ -218,7 +218,9 @@ class LinuxGuest:
             linear = await platform.linear_map(loaded)
         tables = await platform.page_tables(loaded, linear)
         end = arch.user_space_end
-        spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
+        spaces = Spaces(
+            AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end, arch=arch
+        )
 
         async def measured() -> LinearMap | None:
             """The linear map measured between samples (no vCPU was in the kernel at attach),
