@@ -22,7 +22,7 @@ from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.program import RegRule
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import TransportError
-from qmpprof.model import Registers, StopReason
+from qmpprof.model import Mapping, Registers, StopReason
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
 from qmpprof.unwind.steps import CfiStep
 
@@ -267,3 +267,19 @@ def test_a_user_image_is_walked_with_the_guests_translation_settings() -> None:
     other = SimpleNamespace(**{**vars(image), "arch": arch.by_name("x86_64")})
     kept = Module.from_image(cast(ElfImage, other), kernel=False, bias=bias, arch=a48)
     assert all(getattr(step, "arch", None) is not a48 for step in kept.steps)
+
+
+def test_a_leaf_whose_cfi_keeps_the_return_address_in_x30_has_its_caller() -> None:
+    # A leaf function's row (CFA = sp, x30 not saved): its caller's stack pointer is its own,
+    # which was taken for a loop: pacspin's leaf (fixtures/aarch64-guest) ended 142 of 156
+    # samples so. A caller's frame whose row says the same is still one.
+    leaf = Rule(0, 1 << 48, 31, 0, None, (), 30, False)
+    bias, sp, ra = 0xAAAA_C000_0000, 0xFFFF_E2A0_1000, 0xAAAA_C000_2004
+    mapping = Mapping("prog", bias, bias + 0x1_0000, False, bias)
+    module = Module(mapping, (CfiStep(cast(CfiTable, OneRow(leaf)), bias, AARCH64),))
+    regs = aarch64_registers(
+        0, {AARCH64.pc: bias + 0x1000, AARCH64.sp: sp, AARCH64.fp: 0, 30: ra}, 0
+    )
+    raw = Unwinder(AARCH64).unwind(regs, memory({}), AddressSpace([module]))
+    assert raw.pcs == (bias + 0x1000, ra)
+    assert raw.via == (Via.REGS, Via.CFI) and raw.stop is StopReason.LOOP
