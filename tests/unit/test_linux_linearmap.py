@@ -143,6 +143,14 @@ def test_with_every_vcpu_in_user_mode_the_kernels_own_tables_measure_it() -> Non
     )
     assert asked == slots and not any(c.startswith("translate") for c in fake.calls)
 
+    async def nowhere(addr: int) -> int | None:
+        asked.append(addr)
+        return None  # KPTI: TTBR1_EL1 holds the trampoline's tables at EL0
+
+    asked.clear()
+    assert asyncio.run(find_linear_map(fake, slots, START, END, tries=3, walk=nowhere)) is None
+    assert asked == slots * 3  # every pass tried again: a vCPU may enter the kernel meanwhile
+
 
 def test_arm64_walks_the_kernels_tables_at_ttbr1_physically() -> None:
     fake = transport(user=(True, True))

@@ -82,11 +82,12 @@ async def find_linear_map(
                         if found is not None:
                             offsets[slot] = slot - found
             if not in_kernel and walk is not None:
+                # Where the walk cannot (KPTI leaves EL0 the trampoline's tables alone), a vCPU
+                # entering the kernel still can: the passes go on.
                 for slot in probes:
-                    found = await walk(slot)
+                    found = None if slot in offsets else await walk(slot)
                     if found is not None:
                         offsets[slot] = slot - found
-                break
             if len(offsets) == len(probes) or tries == 1:
                 break
             await asyncio.sleep(_PAUSE)
