@@ -35,6 +35,9 @@ QG_LAYOUT = None  # PAGE_OFFSET, memstart_addr, kimage_voffset, _text, _end, per
 def _el():
     return (int(gdb.parse_and_eval("$cpsr")) >> 2) & 3
 
+def qg_el():
+    print("QGINT %d" % _el())
+
 def _kernel_sp_el0():
     # Bit 55 selects the kernel's half, whatever its size (6.12's linear map is at
     # 0xfff0000000000000: 52-bit addresses).
@@ -86,3 +89,15 @@ class Aarch64KernelOracle(KernelOracle):
         """Read what user-mode moments need while some vCPU of the stopped guest runs the
         kernel; False if none does."""
         return self._python("qg_arm64_layout()", "QGINT") == "1"
+
+    def levels(self, count: int) -> list[int]:
+        """Each vCPU's exception level (PSTATE's), the guest stopped."""
+        found = []
+        for cpu in range(count):
+            self.command(f"-thread-select {cpu + 1}")
+            found.append(int(self._python("qg_el()", "QGINT")))
+        return found
+
+    def let_go(self) -> None:
+        """Disconnect, the guest left stopped: QEMU resumes a guest on a detach only."""
+        self.command("-target-disconnect")

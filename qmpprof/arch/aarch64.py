@@ -68,7 +68,8 @@ class AArch64(FrameRecordsOnly):
 
     @property
     def translation_registers(self) -> tuple[str, ...]:
-        return ("TCR_EL1",)
+        # TTBR1_EL1: the kernel's tables, walked where no vCPU runs the kernel to translate.
+        return ("TCR_EL1", "TTBR1_EL1")
 
     @property
     def user_space_end(self) -> int | None:

@@ -95,13 +95,23 @@ class Module:
 
     @classmethod
     def from_image(
-        cls, image: ElfImage, kernel: bool, bias: int = 0, trap: TrapFrameLayout | None = None
+        cls,
+        image: ElfImage,
+        kernel: bool,
+        bias: int = 0,
+        trap: TrapFrameLayout | None = None,
+        arch: InstructionSet | None = None,
     ) -> Module:
+        """``arch``: the walker's instruction set under the guest's translation settings (its
+        pointer-authentication sizes, aarch64's ``translated``), taken where it is the image's
+        own; else the image's, which knows none."""
+        if arch is None or arch.name != image.arch.name:
+            arch = image.arch
         low, high = image.load_range
         mapping = Mapping(image.name, low + bias, high + bias, kernel, bias, image.path,
                           image.build_id, image.load_offset)  # fmt: skip
         return cls.build(
-            mapping, image.arch, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
+            mapping, arch, cfi=image.cfi, code=image.text_bytes, code_addr=image.text_addr,
             symbols=image.symbols, lines=image.lines,
             # Kernel code does not end in calls that never return often enough to pay for a
             # guess over all of a kernel's text (over a second for a vmlinux) in a pause.

@@ -82,6 +82,10 @@ class CfiStep:
         plain = None if ra is None else self.arch.return_address(ra)
         if plain is not None and plain != ra:  # a pointer-authentication code taken off (aarch64)
             new[self.arch.pc] = plain
+        if interrupted and _in_register(rule):
+            # Still in its link register (a leaf, a prologue: aarch64's x30, riscv64's ra), the
+            # caller's stack pointer may be the frame's own.
+            flags |= LINK
         return new, flags
 
 
@@ -200,6 +204,13 @@ def caller(
             return StopReason.READ_FAILED
         new[arch.fp] = fp
     return new, False
+
+
+def _in_register(rule: Rule) -> bool:
+    """Whether the row leaves the return address in a register (its column a register of
+    its own kept, or copied from another), not saved in memory."""
+    found = rule.reg(rule.ra)
+    return found is None or found.kind in (Kind.SAME, Kind.REGISTER)
 
 
 def word_reader(memory: PageCache, arch: InstructionSet) -> Callable[[int], int | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -19,9 +20,10 @@ from qmpprof.arch.aarch64 import AARCH64, tnsz
 from qmpprof.arch.aarch64regs import AArch64Formats, aarch64_registers
 from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.program import RegRule
+from qmpprof.elf.image import ElfImage
 from qmpprof.errors import TransportError
-from qmpprof.model import Registers, StopReason
-from qmpprof.unwind.chain import AddressSpace, Unwinder, Via
+from qmpprof.model import Mapping, Registers, StopReason
+from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
 from qmpprof.unwind.steps import CfiStep
 
 DATA = Path(__file__).parents[1] / "data" / "hmp"
@@ -243,3 +245,41 @@ def test_the_linear_map_ends_below_the_modules_vmalloc_and_image() -> None:
     assert AARCH64.translated({"TCR_EL1": TCR_48}).linear_map_end == 0xFFFF_8000_0000_0000
     assert AARCH64.translated({"TCR_EL1": 12 | 12 << 16}).linear_map_end == 0xFFFF_8000_0000_0000
     assert AARCH64.translated({"TCR_EL1": 25 | 25 << 16}).linear_map_end == 0xFFFF_FFC0_0000_0000
+
+
+def test_a_user_image_is_walked_with_the_guests_translation_settings() -> None:
+    # Issue 35: a user program's module took its ELF's instruction set, which knows no TCR_EL1:
+    # its signed return addresses were kept, and the walk went on into [stack] and [heap].
+    a48 = AARCH64.translated({"TCR_EL1": TCR_48})
+    image = SimpleNamespace(
+        name="xz", path="/usr/bin/xz", build_id=None, load_offset=0, load_range=(0, 0x1_0000),
+        arch=AARCH64, cfi=None, text_bytes=b"", text_addr=0, symbols=None, lines=None,
+        entry=None,
+    )  # fmt: skip
+    bias, fp = 0xAAAA_C000_0000, 0xFFFF_E2A0_1000
+    module = Module.from_image(cast(ElfImage, image), kernel=False, bias=bias, arch=a48)
+    mem = memory({fp: 0, fp + 8: 0x0010_AAAA_C000_2004})  # signed: a PAC in bits 54..48
+    regs = aarch64_registers(0, {AARCH64.pc: bias + 0x1000, AARCH64.sp: fp, AARCH64.fp: fp}, 0)
+    raw = Unwinder(a48).unwind(regs, mem, AddressSpace([module]))
+    assert raw.pcs == (bias + 0x1000, bias + 0x2004)
+    assert raw.stop is StopReason.END
+    # An image of another instruction set keeps its own.
+    other = SimpleNamespace(**{**vars(image), "arch": arch.by_name("x86_64")})
+    kept = Module.from_image(cast(ElfImage, other), kernel=False, bias=bias, arch=a48)
+    assert all(getattr(step, "arch", None) is not a48 for step in kept.steps)
+
+
+def test_a_leaf_whose_cfi_keeps_the_return_address_in_x30_has_its_caller() -> None:
+    # A leaf function's row (CFA = sp, x30 not saved): its caller's stack pointer is its own,
+    # which was taken for a loop: pacspin's leaf (fixtures/aarch64-guest) ended 142 of 156
+    # samples so. A caller's frame whose row says the same is still one.
+    leaf = Rule(0, 1 << 48, 31, 0, None, (), 30, False)
+    bias, sp, ra = 0xAAAA_C000_0000, 0xFFFF_E2A0_1000, 0xAAAA_C000_2004
+    mapping = Mapping("prog", bias, bias + 0x1_0000, False, bias)
+    module = Module(mapping, (CfiStep(cast(CfiTable, OneRow(leaf)), bias, AARCH64),))
+    regs = aarch64_registers(
+        0, {AARCH64.pc: bias + 0x1000, AARCH64.sp: sp, AARCH64.fp: 0, 30: ra}, 0
+    )
+    raw = Unwinder(AARCH64).unwind(regs, memory({}), AddressSpace([module]))
+    assert raw.pcs == (bias + 0x1000, ra)
+    assert raw.via == (Via.REGS, Via.CFI) and raw.stop is StopReason.LOOP

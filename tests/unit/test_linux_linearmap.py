@@ -15,9 +15,11 @@ from fakes import FakeTransport, regs
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.errors import TransportError
+from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.identify import LINEAR_TRIES, LinuxIdentifier
 from qmpprof.linux.running.linearmap import LinearMap, find_linear_map, linear_reader
+from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.transport.hmp import parse_gva2gpa
 
 START, END = 0xFFFF_0000_0000_0000, 0xFFFF_8000_0000_0000
@@ -123,3 +125,47 @@ async def test_a_task_in_registers_needs_no_base_to_measure_the_map_by() -> None
     identifier = LinuxIdentifier([], RISCV64, current=current, find_linear=measure)
     await identifier.housekeep()
     assert measure.calls == 1 and identifier.linear == LinearMap(START, END, OFFSET)
+
+
+def test_with_every_vcpu_in_user_mode_the_kernels_own_tables_measure_it() -> None:
+    # Issue 35: a guest paused with each vCPU at EL0 translates no kernel address; the walk
+    # the platform gives (arm64's TTBR1_EL1 tables) does, at once.
+    fake = transport(user=(True, True))
+    asked: list[int] = []
+
+    async def walk(addr: int) -> int | None:
+        asked.append(addr)
+        return addr - OFFSET
+
+    slots = [START + 0x1000, START + 0x9000]
+    assert asyncio.run(find_linear_map(fake, slots, START, END, walk=walk)) == LinearMap(
+        START, END, OFFSET
+    )
+    assert asked == slots and not any(c.startswith("translate") for c in fake.calls)
+
+    async def nowhere(addr: int) -> int | None:
+        asked.append(addr)
+        return None  # KPTI: TTBR1_EL1 holds the trampoline's tables at EL0
+
+    asked.clear()
+    assert asyncio.run(find_linear_map(fake, slots, START, END, tries=3, walk=nowhere)) is None
+    assert asked == slots * 3  # every pass tried again: a vCPU may enter the kernel meanwhile
+
+
+def test_arm64_walks_the_kernels_tables_at_ttbr1_physically() -> None:
+    fake = transport(user=(True, True))
+    va, page = START + 0x12_3456_7000 + 0x9A8, 0x4123_4000
+    tables = [0x4000_0000, 0x4000_1000, 0x4000_2000, 0x4000_3000]  # levels 4..1
+    for level, (table, below) in enumerate(zip(tables, [*tables[1:], page], strict=True)):
+        index = (va >> (39 - 9 * level)) & 511
+        data = bytearray(4096)
+        data[8 * index : 8 * index + 8] = (below | 0b11).to_bytes(8, "little")  # table, page
+        fake.physical[table] = bytes(data)
+    ttbr1 = 0x0042 << 48 | tables[0] | 1  # an ASID and CnP around the table's address
+    loaded = SimpleNamespace(registers={"TCR_EL1": 16 | 16 << 16, "TTBR1_EL1": ttbr1},
+                             control=fake)  # fmt: skip
+    walk = AARCH64_LINUX.kernel_walk(cast(LoadedKernel, loaded))
+    assert walk is not None
+    assert asyncio.run(walk(va)) == page + 0x9A8
+    assert asyncio.run(walk(va + 0x1000)) is None  # not mapped
+    assert AARCH64_LINUX.kernel_walk(cast(LoadedKernel, SimpleNamespace(registers={}))) is None

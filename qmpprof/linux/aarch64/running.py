@@ -6,9 +6,10 @@ and the exception entry code as its vectors lead to it (``vectors``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from qmpprof.arch.aarch64 import tnsz
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
@@ -21,11 +22,12 @@ from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
 from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
-from qmpprof.memory import reader
+from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.entry import EntryCode
 
 _VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
+_BADDR = 0x0000_FFFF_FFFF_FFFE  # TTBR1_EL1's table address (48-bit physical addresses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,26 @@ class Aarch64Platform:
     async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
         return None
 
+    def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
+        """The kernel's tables at TTBR1_EL1 (its BADDR, bits 47..1: the ASID above, CnP in bit
+        0), walked in physical memory with 4 KiB pages over the 64 - T1SZ bits of the kernel's
+        half: a vCPU at EL0 translates no kernel address (E0PD, KPTI), yet its TTBR1_EL1 holds
+        the kernel's tables where E0PD rather than KPTI hides them (QEMU 7.2's -cpu max, seen
+        on bookworm's 6.12)."""
+        ttbr1, tcr = loaded.registers.get("TTBR1_EL1"), loaded.registers.get("TCR_EL1")
+        if ttbr1 is None or tcr is None:
+            return None
+        bits = 64 - tnsz(tcr)[1]
+        tables = PageTables(
+            _physical(loaded.control), 0, -(-(bits - 12) // 9), AARCH64_ENTRIES, 1 << bits
+        )
+        root = ttbr1 & _BADDR
+
+        async def walk(addr: int) -> int | None:
+            return await tables.physical(root, addr & ((1 << bits) - 1))
+
+        return walk
+
 
 async def slide_by_vectors(
     control: GuestTransport, transport: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
@@ -95,6 +117,16 @@ async def slide_by_vectors(
     link, text = banner
     (seen,) = await reader(control, cpus[0])([((link + slide) & arch.mask, len(text))])
     return slide if seen in (text, None) else None
+
+
+def _physical(control: GuestTransport) -> Reader:
+    """Guest-physical memory as a Reader (None where a range does not read)."""
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        found = await control.read_physical(ranges)
+        return [data if isinstance(data, bytes) else None for data in found]
+
+    return read
 
 
 AARCH64 = Aarch64Platform()

@@ -7,7 +7,7 @@ linear map are read through a vCPU's own page tables when no vCPU runs the kerne
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
@@ -193,6 +193,9 @@ class Riscv64Platform:
         page_offset, va_pa_offset, virt_addr, size, image_offset = found
         image = (virt_addr, virt_addr + size, image_offset)
         return LinearMap(page_offset, virt_addr - (1 << 31), va_pa_offset, image)
+
+    def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
+        return None
 
 
 RISCV64 = Riscv64Platform()

@@ -207,7 +207,7 @@ class LinuxGuest:
             current.bases.update(bases)
             await current.preload(read, cpus)
         linear = None
-        loaded = LoadedKernel(read, kernel, slide, arch, control)
+        loaded = LoadedKernel(read, kernel, slide, arch, control, values)
         low, high = kernel.image.load_range  # the whole image, its data too
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
@@ -215,12 +215,17 @@ class LinuxGuest:
         # The linear map is measured at the per-CPU slots of the current task's pointer.
         slotted = None if in_registers is not None else current
         if slotted is not None:
-            linear = await find_linear_map(control, _slots(slotted), arch.shared_from, top, image)
+            walk = platform.kernel_walk(loaded)
+            linear = await find_linear_map(
+                control, _slots(slotted), arch.shared_from, top, image, walk=walk
+            )
         else:
             linear = await platform.linear_map(loaded)
         tables = await platform.page_tables(loaded, linear)
         end = arch.user_space_end
-        spaces = Spaces(AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end)
+        spaces = Spaces(
+            AddressSpace(()), layouts.vmas, self.files, tables, self.clock, end, arch=arch
+        )
 
         async def measured() -> LinearMap | None:
             """The linear map measured between samples (no vCPU was in the kernel at attach),

@@ -16,7 +16,7 @@ addresses of that region physically, user addresses still through the vCPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.errors import TransportError
@@ -54,12 +54,14 @@ async def find_linear_map(
     end: int,
     image: tuple[int, int, int] | None = None,
     tries: int = _TRIES,
+    walk: Callable[[int], Awaitable[int | None]] | None = None,
 ) -> LinearMap | None:
     """The linear map's offset, from ``slots`` (linear addresses: the vCPUs' current-task
     slots) translated through a vCPU in kernel mode, and the ``image``'s (its runtime span and
     an address of it surely mapped: 6.1 does not map its head, before ``_stext``) from that
-    address; None when no vCPU was in kernel mode in ``tries`` passes, the transport cannot
-    translate, or the slots disagree."""
+    address, or by ``walk`` (the platform's ``kernel_walk``) in a pass where no vCPU is in
+    kernel mode; None when no vCPU was in kernel mode in ``tries`` passes and there is no
+    ``walk``, the transport cannot translate, or the slots disagree."""
     wanted = [slot for slot in slots if start <= slot < end]
     if not wanted:
         return None
@@ -68,15 +70,24 @@ async def find_linear_map(
     offsets: dict[int, int] = {}
     try:
         for _ in range(tries):
+            in_kernel = False
             for cpu in cpus:
                 regs = await control.registers(cpu)
                 if regs.user:
                     continue
+                in_kernel = True
                 for slot in probes:
                     if slot not in offsets:
                         found = await control.translate(cpu, slot)
                         if found is not None:
                             offsets[slot] = slot - found
+            if not in_kernel and walk is not None:
+                # Where the walk cannot (KPTI leaves EL0 the trampoline's tables alone), a vCPU
+                # entering the kernel still can: the passes go on.
+                for slot in probes:
+                    found = None if slot in offsets else await walk(slot)
+                    if found is not None:
+                        offsets[slot] = slot - found
             if len(offsets) == len(probes) or tries == 1:
                 break
             await asyncio.sleep(_PAUSE)

@@ -5,8 +5,8 @@ instruction set: it asks the platform."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from qmpprof.arch.base import InstructionSet
@@ -32,6 +32,9 @@ class LoadedKernel:
     slide: int
     arch: InstructionSet
     control: GuestTransport
+    # The first vCPU's translation registers as the whole transport read them (arm64's
+    # TCR_EL1 and TTBR1_EL1; empty over a transport without system registers).
+    registers: Mapping[str, int] = field(default_factory=dict)
 
     def address(self, name: str) -> int | None:
         """Where the running kernel put the symbol ``name``; None: the file has no such symbol."""
@@ -90,4 +93,10 @@ class LinuxPlatform(Protocol):
         """The linear map as the kernel's variables describe it (read as ``page_tables``
         reads), where the current task's per-CPU slots do not measure it (``current_task``:
         no such slots); None otherwise."""
+        ...
+
+    def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
+        """Where a kernel address is in physical memory with no vCPU in kernel mode to
+        translate it (arm64: the kernel's own tables, at TTBR1_EL1, walked physically); None
+        where the platform has no such way."""
         ...

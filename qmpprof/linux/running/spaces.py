@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.running.pagetables import PageTables, user_end
 from qmpprof.linux.running.tasks import LIMIT, Task
@@ -77,10 +78,14 @@ class Spaces:
         tables: PageTables | None,
         clock: Callable[[], float],
         end: int | None = None,
+        arch: InstructionSet | None = None,
     ) -> None:
         """``tables``: the page tables, walked in kernel memory (None: not walked; then user
-        space ends at ``end``, or where four levels of x86_64 tables put it)."""
+        space ends at ``end``, or where four levels of x86_64 tables put it); ``arch``: the
+        walker's instruction set, under the guest's translation settings (``translated``),
+        which user code is walked in too (aarch64: its return addresses signed)."""
         self.vmas = vmas
+        self.arch = arch
         self.files = files
         self.tables = tables
         if tables is not None:
@@ -214,7 +219,7 @@ class Spaces:
             # What ``code`` does not show (an arm64 vCPU in kernel mode reads no user page:
             # PAN) is read through the process's own tables, walked by ``code`` too.
             code = _or_else(seen, lambda: tables.over(seen).reader(pgd))
-        user = await user_modules(code, vmas, self.files, load=load)
+        user = await user_modules(code, vmas, self.files, load=load, arch=self.arch)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
         self._placed.put(key, Placed(space, self.clock(), vmas, waiting, pgd=pgd, partial=partial))
@@ -314,11 +319,17 @@ def _holds(placed: Placed, pcs: Sequence[int]) -> bool:
 
 
 async def user_modules(
-    read: Reader, vmas: Sequence[Vma], files: UserFiles, *, load: bool = True
+    read: Reader,
+    vmas: Sequence[Vma],
+    files: UserFiles,
+    *,
+    load: bool = True,
+    arch: InstructionSet | None = None,
 ) -> list[Module]:
     """A Module per mapped file (an ELF from ``files`` at its load bias, when one matches the
-    guest's bytes) and per anonymous executable mapping (frame pointers, named by mapping);
-    ``load=False``: files not read yet are not read (those mappings are named alone)."""
+    guest's bytes, walked in ``arch`` where it is the file's) and per anonymous executable
+    mapping (frame pointers, named by mapping); ``load=False``: files not read yet are not read
+    (those mappings are named alone)."""
     codes = await read([(v.start, _PROBE) for v in vmas])
     modules: list[Module] = []
     placed: set[str] = set()
@@ -329,7 +340,7 @@ async def user_modules(
             if image.path not in placed:
                 placed.add(image.path)
                 bias = vma.start - offset - (image.load_range[0] - image.load_offset)
-                modules.append(Module.from_image(image, kernel=False, bias=bias))
+                modules.append(Module.from_image(image, kernel=False, bias=bias, arch=arch))
             continue
         name = f"[{vma.name or 'anon'}]"
         modules.append(Module(Mapping(name, vma.start, vma.end, False, file_offset=offset)))

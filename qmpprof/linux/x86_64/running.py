@@ -5,7 +5,7 @@ description, its ORC tables cover it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
@@ -86,6 +86,9 @@ class X86_64Platform:
         return None
 
     async def linear_map(self, loaded: LoadedKernel) -> LinearMap | None:
+        return None
+
+    def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
         return None
 
 
