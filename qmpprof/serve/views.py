@@ -22,7 +22,8 @@ def index(vms: Sequence[Vm], window: int) -> str:
 body {{ font-family: sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; }}
 th, td {{ border-bottom: 1px solid #ccc; padding: 0.3em 0.8em; text-align: right; }}
-th:first-child, td:first-child, td.links {{ text-align: left; }}
+th:first-child, td:first-child, td.links, tr.note td {{ text-align: left; }}
+tr.note td {{ border-bottom: none; color: #555; font-size: 90%; }}
 .down, .paused {{ color: #b00; }}
 </style></head>
 <body>
@@ -46,6 +47,10 @@ def _row(vm: Vm, seconds: int) -> str:
     state = html.escape(vm.state)
     if vm.problem:
         state = f'<span title="{html.escape(vm.problem)}">{state}</span>'
+    notes = "".join(
+        f'<tr class="note"><td></td><td colspan="9">note: {html.escape(note)}</td></tr>'
+        for note in vm.notes
+    )
     return (
         f'<tr class="vm"><td>{name}</td><td class="{html.escape(vm.state)}">{state}</td>'
         f"<td>{live.rate_hz:.1f}</td><td>{vm.interval * 1e3:.0f}</td>"
@@ -54,5 +59,5 @@ def _row(vm: Vm, seconds: int) -> str:
         f'<td class="stopped">{live.stopped:.2%}</td>'
         f"<td>{'none' if vm.budget is None else f'{vm.budget:.2%}'}</td>"
         f'<td class="links"><a href="/flamegraph.svg?{query}">flame graph ({seconds} s)</a> '
-        f'<a href="/debug/pprof/profile?{query}">pprof (collects {seconds} s)</a></td></tr>'
+        f'<a href="/debug/pprof/profile?{query}">pprof (collects {seconds} s)</a></td></tr>' + notes
     )

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from qmpprof import session
 from qmpprof.errors import ConnectError, QmpprofError
+from qmpprof.guest.base import Warns
 from qmpprof.serve.config import read_beside
 from qmpprof.serve.ring import Ring, SecondSlice
 from qmpprof.session import Run, RunSpec
@@ -87,6 +88,7 @@ class Vm:
         self.ring = Ring(window)
         self.state = "down"  # up, down, paused
         self.problem = ""  # why it is down, or the most frequent sample error of late
+        self.notes: tuple[str, ...] = ()  # what the user should be told of its run, one line each
         self.samples_total = 0
         self.off_cpu_total = 0  # samples of tasks off CPU (--off-cpu)
         self.errors_total = 0
@@ -159,10 +161,12 @@ class Vm:
     async def _session(self) -> None:
         if self.reach.domain is None:
             await _listening(self.reach.qmp_socket)  # cheap, before the files load
-        # A domain's own <kernel> where none is given (its notes are the command's, not shown)
-        self.spec = spec = session.with_boot_files(self.settings())[0]
+        # A domain's own <kernel> and <initrd> where none is given.
+        self.spec, booted = session.with_boot_files(self.settings())
+        spec = self.spec
         guest = session.load(spec)  # in this VM's own thread
         connection = await session.attach(guest, await session.connect(spec))
+        self.notes = (*booted, *connection.notes)  # shown on the index, as the command says them
         sampler = session.sampler(spec, guest, connection, self._on_tick)
         self.interval, self.boundary = sampler.interval, sampler.boundary
         try:
@@ -180,6 +184,8 @@ class Vm:
         finally:
             self._sampler = None
             self.take(sampler, keep=True)
+            if isinstance(guest, Warns):  # what the guest OS could not read, said once
+                self.notes = (*self.notes, *guest.warnings())
             await sampler.transport.close()
 
     def _on_tick(self, stats: SamplerStats) -> None:

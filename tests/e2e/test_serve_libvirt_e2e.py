@@ -10,6 +10,7 @@ On the host's QEMU only, as test_libvirt_e2e.py (Debian 12's libvirt 9.0 cannot 
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import signal
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 
 import libvirt
 import pytest
+from guestelf import elf_symbols
 from guestvm import expected
 from libvirtvm import Domain, leftovers, libvirt_daemon, qemu_state, running_domain
 from servepages import Served, get, serve_command
@@ -31,8 +33,9 @@ FOLLOW_TIMEOUT = 60.0  # seconds for serve to see a domain start or stop and sam
 
 @contextmanager
 def serving(uri: str, guest: Domain) -> Iterator[Served]:
+    # No --kernel: each domain's own, as its XML names it.
     with serve_command(
-        "--libvirt", uri, "--kernel", str(guest.kernel), "--user-dir", str(guest.user_dir),
+        "--libvirt", uri, "--user-dir", str(guest.user_dir),
         "--max-overhead", "none", "--interval", "20",
     ) as served:  # fmt: skip
         yield served
@@ -60,7 +63,13 @@ def test_serve_follows_the_domains_as_they_start_and_stop_and_leaves_each_as_it_
                 wait_until("came sampled", lambda: served.samples().get("came", 0) > 0)
                 status, kind, svg = get(served.url + "flamegraph.svg?vm=came&seconds=5")
                 assert (status, kind) == (200, "image/svg+xml"), svg[:200]
-                assert functions & set(re.findall(r"\w+", svg.decode())), svg[:2000]
+                words = set(re.findall(r"\w+", svg.decode()))
+                assert functions & words, svg[:2000]
+                # Its kernel named by the kernel its XML boots, which the index says it took.
+                assert set(elf_symbols(came.kernel)) & words, svg[:2000]
+                page = get(served.url)[2].decode()
+                note = f"note: --kernel {came.kernel}: the kernel domain came boots"
+                assert html.escape(note) in page, page
                 came_machine = connection.lookupByName(came.name)
                 came_machine.destroy()
                 wait_until("came dropped", lambda: "came" not in served.samples())
