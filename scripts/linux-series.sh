@@ -12,9 +12,8 @@
 #   arm64-6.1   fixtures/build/linux-arm64-6.1  linux-image-6.1.0-N-arm64          bookworm (arm64)
 #   arm64-6.12  fixtures/build/linux-arm64      linux-image-6.12.N+deb12-arm64     bookworm (arm64)
 #
-# and the arm64 kernel the aarch64 tests boot without the test module (AARCH64_READ_SERIES: no
-# module is built for it, as bookworm's cross compiler and host kbuild are not its own; the unit
-# tests read its code too):
+# and the arm64 kernel whose code the unit tests read but no test boots yet (AARCH64_READ_SERIES:
+# no test module is built for it, and bookworm's cross compiler and host kbuild are not its own):
 #
 #   arm64-7     fixtures/build/linux-arm64-7    linux-image-7.M.N+debNN-arm64      unstable (arm64)
 #
