@@ -14,6 +14,19 @@ The current task of a vCPU (``qg_task_arm64``), by its exception level (PSTATE's
   virtual - ``kimage_voffset``); those, PAGE_OFFSET (from TCR_EL1.T1SZ) and each CPU's
   ``__entry_task`` address are read once while some vCPU runs the kernel (``layout``).
 
+An exception taken in the kernel (``_interrupted``): where gdb's walk reaches a handler of the
+vector table's kernel half (not as the leaf), the kernel's own unwinder goes on from the
+``pt_regs`` the handler's frame record is in (6.13+: that record zeroed, typed
+FRAME_META_TYPE_PT_REGS; to 6.12: {x29, ELR}): gdb goes on from the registers saved there (the
+frame's sp is ``pt_regs``, its x29 the record's address, its saved PSTATE at EL1), put in the
+vCPU for that and put back after (``linuxgdb.qg_stack``), so that gdb unwinds the interrupted
+code by its CFI at its own pc, as the innermost frame. A vCPU stopped in the entry code itself
+(at a vector, in a handler before its record) is compared down to there: its interrupted pc
+is in ELR_EL1 only, which qmpprof cannot read over QMP, the transport of the oracle tests (gdb
+holds the gdbstub); given gdb's walk from ELR_EL1 there, 10 of 157 stacks of a 7.2 run
+differed, all of them that. tests/e2e/test_aarch64_e2e.py checks qmpprof's walk on from
+ELR_EL1 (over its private gdbstub) against the guest's kallsyms.
+
 Pointer authentication: gdb 13.1 cannot strip a kernel return address's code. QEMU 7.2's stub
 offers no ``org.gnu.gdb.aarch64.pauth`` registers; given them (a relay adding the feature,
 tried here), gdb 13.1 strips with the low half's mask only (``addr & ~pauth_cmask``: a return
@@ -62,6 +75,24 @@ def qg_arm64_layout():
 def _physical(addr):
     page_offset, memstart, voffset, start, end, _ = QG_LAYOUT
     return addr - voffset if start <= addr < end else addr - page_offset + memstart
+
+QG_REGISTERS = tuple("x%d" % i for i in range(31)) + ("sp", "pc")
+QG_PT_REGS = None  # struct pt_regs *
+
+def _interrupted(frame):
+    global QG_PT_REGS
+    if QG_PT_REGS is None:
+        QG_PT_REGS = gdb.lookup_type("struct pt_regs").pointer()
+    sp = int(frame.read_register("sp")) % 2**64
+    regs = gdb.Value(sp).cast(QG_PT_REGS).dereference()
+    record = int(regs["stackframe"].address) % 2**64
+    if int(frame.read_register("x29")) % 2**64 != record:
+        return None  # not a handler's frame whose record is in pt_regs
+    if (int(regs["pstate"]) >> 2) & 3 != 1:
+        return None  # from user mode: the kernel stack ends here
+    saved = {"x%d" % i: int(regs["regs"][i]) % 2**64 for i in range(31)}
+    saved.update(sp=int(regs["sp"]) % 2**64, pc=int(regs["pc"]) % 2**64)
+    return saved
 
 def qg_task_arm64(cpu):
     sp_el0 = _kernel_sp_el0() if _el() == 1 else None

@@ -74,6 +74,7 @@ class Tally:
     allowed_stacks: int = 0  # agreeing only with an allowance: neither equal nor different
     frames: int = 0  # gdb's frames compared, all stacks
     tailcalls: int = 0  # of them, gdb's tail-call frames
+    crossed: int = 0  # stacks gdb walked on past an exception taken in the kernel
     processes: int = 0
     processes_equal: int = 0
     variables: set[str] = field(default_factory=set)  # where gdb read the current task
@@ -132,6 +133,7 @@ def compare_moment(
         tally.stacks += 1
         tally.frames += len(theirs.frames)
         tally.tailcalls += sum(f.kind == "tailcall" for f in theirs.frames)
+        tally.crossed += theirs.crossed > 0
         tally.functions.update(f.symbol for f in theirs.frames)
         verdict = judge(theirs, [pc for pc, _ in ours.kernel_frames], ours.ended, starts)
         if verdict.equal:
@@ -158,7 +160,8 @@ def summary(tally: Tally) -> str:
         f" of the {tally.judged} compared whole ({tally.agreeing:.1%}), {tally.allowed_stacks}"
         f" allowed, {len(tally.differences)} different",
         f"gdb's frames compared: {tally.frames} ({tally.frames / max(tally.stacks, 1):.1f} a"
-        f" stack), of them tail-call frames: {tally.tailcalls}",
+        f" stack), of them tail-call frames: {tally.tailcalls}; stacks gdb walked on past an"
+        f" exception taken in the kernel: {tally.crossed}",
         f"allowances by kind (stacks): {dict(tally.kinds.most_common()) or 'none'}",
         f"allowances (stacks): {dict(tally.allowed.most_common()) or 'none'}",
         f"processes {tally.processes_equal}/{tally.processes} ({processes:.1%}), current task"

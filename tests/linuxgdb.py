@@ -65,29 +65,60 @@ def _before(pc):
     except gdb.MemoryError:
         return ""
 
+def _interrupted(frame):
+    # The registers an exception entry saved, where the walk goes on in the code it interrupted
+    # (an architecture's script says; none here: the walk stops at the entry).
+    return None
+
+def _registers():
+    frame = gdb.newest_frame()
+    return {name: int(frame.read_register(name)) % 2**64 for name in QG_REGISTERS}
+
+def _set_registers(values):
+    for name, value in values.items():
+        gdb.execute("set $%s = %#x" % (name, value), to_string=True)
+
+QG_REGISTERS = ()  # what _interrupted gives, which the walk puts back in the vCPU after it
+
 def qg_stack():
-    out, frame, stop = [], gdb.newest_frame(), "limit"
-    while frame is not None and len(out) < 64:
-        pc, kind = frame.pc(), frame.type()
-        if pc < 0xffff800000000000:
-            stop = "user"
-            break
-        if kind != gdb.INLINE_FRAME:
-            lookup = pc if not out else pc - 1
-            out.append([pc, _KINDS.get(kind, str(kind)), _symbol(lookup),
-                        _before(pc) if out else ""])
-            if _ENTRY[0] <= pc < _ENTRY[1]:
-                stop = "entry"
+    # At an entry the exception came into from the kernel (_interrupted), gdb walks on from the
+    # registers it saved: they are put in the vCPU for that (gdb then unwinds the interrupted
+    # code as the innermost frame, its CFI at its pc), and the vCPU's own put back after.
+    out, frame, stop, exact, own, crossed = [], gdb.newest_frame(), "limit", True, None, 0
+    try:
+        while frame is not None and len(out) < 64:
+            pc, kind = frame.pc(), frame.type()
+            if pc < 0xffff800000000000:
+                stop = "user"
                 break
-        try:
-            older = frame.older()
-        except gdb.error as err:
-            stop = "error: " + str(err)
-            break
-        if older is None:
-            stop = "outermost: " + gdb.frame_stop_reason_string(frame.unwind_stop_reason())
-        frame = older
-    print("QGSTACK " + json.dumps({"frames": out, "stop": stop}).encode().hex())
+            if kind != gdb.INLINE_FRAME:
+                lookup = pc if exact else pc - 1
+                out.append([pc, _KINDS.get(kind, str(kind)), _symbol(lookup),
+                            "" if exact else _before(pc)])
+                exact = False
+                if _ENTRY[0] <= pc < _ENTRY[1]:
+                    saved = _interrupted(frame) if len(out) > 1 else None
+                    if saved is None:
+                        stop = "entry"
+                        break
+                    own = own or _registers()
+                    _set_registers(saved)
+                    frame, exact, crossed = gdb.newest_frame(), True, crossed + 1
+                    continue
+            try:
+                older = frame.older()
+            except gdb.error as err:
+                stop = "error: " + str(err)
+                break
+            if older is None:
+                stop = "outermost: " + gdb.frame_stop_reason_string(frame.unwind_stop_reason())
+            frame = older
+    finally:
+        if own is not None:
+            _set_registers(own)
+            assert _registers() == own, "the vCPU's registers are not back"
+    found = {"frames": out, "stop": stop, "crossed": crossed}
+    print("QGSTACK " + json.dumps(found).encode().hex())
 
 def _has(name):
     return gdb.lookup_global_symbol(name) is not None or gdb.lookup_static_symbol(name) is not None
@@ -183,6 +214,7 @@ class GdbStack:
     frames: tuple[GdbFrame, ...]  # leaf first
     stop: str  # "entry", "user", "limit", "error: ..." or "outermost: ..."
     log: tuple[str, ...]  # gdb's words on tail-call frames while it walked this moment
+    crossed: int = 0  # exceptions taken in the kernel it walked across (arm64: aarch64gdb.py)
 
     @property
     def reached_entry(self) -> bool:
@@ -275,7 +307,7 @@ class KernelOracle(GdbMi):
             GdbFrame(pc, kind, symbol, bytes.fromhex(before))
             for pc, kind, symbol, before in found["frames"]
         )
-        return GdbStack(frames, found["stop"], tuple(dict.fromkeys(self.log)))
+        return GdbStack(frames, found["stop"], tuple(dict.fromkeys(self.log)), found["crossed"])
 
     def task(self, cpu: int) -> GdbTask:
         self.log += _explanations(self.command(f"-thread-select {cpu + 1}"))

@@ -106,6 +106,21 @@ def pair_stored_at(insn: int, offset: int) -> tuple[int, int] | None:
     return insn & 0x1F, (insn >> 10) & 0x1F
 
 
+def stored_at(insn: int, offset: int) -> int | None:
+    """Rt of ``str xt, [sp, #offset]`` (unsigned offset; 31: xzr); None for any other
+    instruction."""
+    if insn & 0xFFC0_03E0 != 0xF900_0000 | SP << 5 or ((insn >> 10) & 0xFFF) * 8 != offset:
+        return None
+    return insn & 0x1F
+
+
+def moved_imm(insn: int) -> tuple[int, int] | None:
+    """(Rd, value) of ``mov xd, #value`` as MOVZ (64-bit); None for any other instruction."""
+    if insn & 0xFF80_0000 != 0xD280_0000:
+        return None
+    return insn & 0x1F, ((insn >> 5) & 0xFFFF) << ((insn >> 21) & 3) * 16
+
+
 def _is_add(insn: int, rd: int, rn: int) -> bool:
     """ADD (immediate), 64-bit, ``rd`` from ``rn`` (``mov x29, sp`` is ``add x29, sp, #0``)."""
     return insn & 0xFF80_0000 == 0x9100_0000 and insn & 0x3FF == rn << 5 | rd

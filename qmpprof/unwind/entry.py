@@ -46,7 +46,9 @@ class SavedFrame:
     """Where an exception entry saves the interrupted registers (Linux's ``pt_regs``), in bytes
     from the frame's start: ``count`` registers from ``regs`` (DWARF 0..count-1), then the
     stack pointer, the pc and the status (whose bits 3..2 are the exception level it came
-    from); the frame record the entry adds at ``record``; ``size`` in all."""
+    from); the frame record the entry adds at ``record``, and the word saying what kind of
+    record it is at ``kind`` (Linux's ``frame_record_meta.type``, from 6.13; None: no such word);
+    ``size`` in all."""
 
     regs: int
     count: int
@@ -55,6 +57,7 @@ class SavedFrame:
     status: int
     record: int
     size: int
+    kind: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +72,10 @@ class EntryCode:
     number the guest OS gives the user stack pointer it reads for those (DWARF has none).
     ``linked``: the record a kernel-mode handler adds holds the interrupted code's fp and pc
     (the walk checks that pc against the saved one); else it is zeroed, the saved frame found
-    from the record's address alone. ``pc_unsaved``: where in a kernel-mode or 64-bit user
-    handler the record is set but the saved frame holds no pc and status yet (the pc is the
-    exception link register's)."""
+    from the record's address alone, its kind word ``record_kind`` where the frame has one
+    (Linux's FRAME_META_TYPE_PT_REGS, read from the handlers' code). ``pc_unsaved``: where in a
+    kernel-mode or 64-bit user handler the record is set but the saved frame holds no pc and
+    status yet (the pc is the exception link register's)."""
 
     user: tuple[Span, ...]
     vectors: Span
@@ -84,6 +88,7 @@ class EntryCode:
     user_sp: int | None = None
     linked: bool = True
     pc_unsaved: tuple[Span, ...] = ()
+    record_kind: int | None = None
 
     def holds_link(self, pc: int) -> bool:
         """Whether at link address ``pc`` the interrupted pc may be only in the exception
@@ -214,7 +219,13 @@ class EntryStep:
         sp, pc, status = (read((base + off) & mask) for off in (frame.sp, frame.pc, frame.status))
         if elr is not None:
             pc, status = elr, _EL1
-        record = (read(fp), read((fp + word) & mask))
+        record = [read(fp), read((fp + word) & mask)]
+        kind = self.code.record_kind
+        if kind is not None and frame.kind is not None:
+            # The zeroed record's kind word, which the kernel's own unwinder checks: zero too
+            # when it is the handlers'.
+            found = read((base + frame.kind) & mask)
+            record.append(None if found is None else found ^ kind)
         if sp is None or pc is None or status is None or None in record or None in values:
             return StopReason.READ_FAILED
         if record[1] != pc if self.code.linked else any(record):

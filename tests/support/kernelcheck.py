@@ -10,7 +10,7 @@ what a reader returned (or the error it raised: a kernel that fails is a row, no
 
 Without paths: the kernels of the architecture (amd64 unless told) the tests boot
 (``fixtures/build/linux``, ``linux-6.1``, ``linux-5.10``, ``linux-7``; arm64:
-``linux-arm64-6.1``, ``linux-arm64``, ``linux-arm64-7``: read, not booted) and every one of
+``linux-arm64-6.1``, ``linux-arm64``, ``linux-arm64-7``) and every one of
 it ``scripts/check-kernels`` fetched (``fixtures/build/kernels/<release>/``, arm64's releases
 ending in ``-arm64`` or ``-arm64-16k``). An arm64 row
 says what the Image reader found (``arm64_image_facts``: the form shipped, the page size its

@@ -20,8 +20,10 @@ from qmpprof.arch.aarch64code import (
     branch_target,
     is_eret,
     is_jump,
+    moved_imm,
     pair_stored_at,
     sets_fp,
+    stored_at,
 )
 from qmpprof.arch.base import PrologueRule
 from qmpprof.dwarf.cfi import Kind
@@ -278,6 +280,13 @@ def test_exception_code_s_instructions_are_decoded() -> None:
     assert pair_stored_at(0xA912FFFF, 0x130) is None
     assert pair_stored_at(0xA9BE7BFD, -32) is None  # stp x29, x30, [sp, #-32]!
     assert pair_stored_at(0xA912FC1F, 0x128) is None  # stp xzr, xzr, [x0, #0x128]
+    # 7.2's record kind: mov x0, #2; str x0, [sp, #312] (its word in frame_record_meta); not a
+    # 32-bit move or store, another offset or base.
+    assert moved_imm(0xD2800040) == (0, 2) and moved_imm(0xD2A00021) == (1, 0x10000)
+    assert moved_imm(0x52800040) is None  # mov w0, #2
+    assert stored_at(0xF9009FE0, 312) == 0 and stored_at(0xF9009FE0, 0x130) is None
+    assert stored_at(0xF9009C20, 312) is None  # str x0, [x1, #312]
+    assert stored_at(0xB9013BE0, 312) is None  # str w0, [sp, #312]
     assert is_eret(0xD69F03E0) and not is_eret(0xD65F03C0)  # eret, ret
     jumps = (0x1400042A, 0xD61F03C0, 0xD65F03C0, 0xD69F03E0, 0xD4210000)  # b, br, ret, eret, brk
     assert all(map(is_jump, jumps))

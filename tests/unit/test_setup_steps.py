@@ -30,7 +30,7 @@ STEPS = {
     "build-riscv64-guest": [],
     "build-fixtures": [],
     "setup-browser": ["pip install"],
-    **{f"fetch-linux-dbg {s}": [f"fetch-linux {s}"] for s in [*X86, *ARM64, *RISCV64]},
+    **{f"fetch-linux-dbg {s}": [f"fetch-linux {s}"] for s in [*X86, *ARM64, "arm64-7", *RISCV64]},
     "fetch-qemu": [],
     "fetch-prometheus": [],
 }  # the step each stub logs as (its name and first argument) -> the steps it needs ended first

@@ -188,20 +188,21 @@ def test_a_handler_s_zeroed_record_leads_into_the_saved_registers() -> None:
     assert raw.via[2] is Via.FRAME_POINTER
 
 
-# 7.2's pt_regs (its BTF) and handlers (objdump of its Image): the record zeroed at +0x128, x29
-# set at el1h_64_*+0x5c, the pc and status stored at +0x60; an el0t_64_* handler (here the user
-# span at BASE + 0x1300) the same.
-PT_REGS_7 = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
+# 7.2's pt_regs (its BTF) and handlers (objdump of its Image): the record zeroed at +0x128, its
+# kind word (FRAME_META_TYPE_PT_REGS, 2) at +0x138, x29 set at el1h_64_*+0x5c, the pc and status
+# stored at +0x60; an el0t_64_* handler (here the user span at BASE + 0x1300) the same.
+PT_REGS_7 = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320, kind=312)
 USER_HANDLER_PC_UNSAVED = BASE + 0x1384
 ENTRY_7 = replace(
-    ENTRY, frame=PT_REGS_7, linked=False,
+    ENTRY, frame=PT_REGS_7, linked=False, record_kind=2,
     pc_unsaved=((HANDLER + 0x60, HANDLER + 0x64), (BASE + 0x1384, BASE + 0x1388)),
 )  # fmt: skip
 
 
-def zeroed(base: int, frame: SavedFrame = PT_REGS_7) -> dict[int, int]:
-    """A 6.13+ record in the saved frame at ``base``: zeros."""
-    return {base + frame.record: 0, base + frame.record + 8: 0}
+def zeroed(base: int, frame: SavedFrame = PT_REGS_7, kind: int = 2) -> dict[int, int]:
+    """A 6.13+ record in the saved frame at ``base``: zeros, then its kind word."""
+    assert frame.kind is not None
+    return {base + frame.record: 0, base + frame.record + 8: 0, base + frame.kind: kind}
 
 
 def test_a_7x_handler_s_frame_leads_into_its_saved_registers() -> None:
@@ -217,6 +218,10 @@ def test_a_7x_handler_s_frame_leads_into_its_saved_registers() -> None:
     assert raw.pcs == (BASE + 0x1000, HANDLER + 0x64, BASE + 16, CALLER)
     assert raw.via == (Via.REGS, Via.FRAME_POINTER, Via.ENTRY, Via.PROLOGUE)
     assert raw.exact[2] and raw.stop is StopReason.END
+    # A zeroed record of another kind (FINAL, 1: a user entry's) is no saved frame of the
+    # kernel's: the record, zeros, is then the stack's end, as for the kernel's own unwinder.
+    raw = walk(BASE + 0x1000, KSTACK, KSTACK + 0x10, words | zeroed(frame, kind=1), ENTRY_7)
+    assert raw.pcs == (BASE + 0x1000, HANDLER + 0x64) and raw.stop is StopReason.END
 
 
 def test_between_a_handler_s_record_and_its_pc_store_the_pc_is_the_link_register_s() -> None:
@@ -309,11 +314,12 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     kernel = LinuxKernel.load(image(series))
     entry = entry_code(kernel)
     assert isinstance(entry, EntryCode)
-    # pt_regs from BTF: the same in 6.1 and 6.12; 7.x's record (a zeroed one, then its type)
-    # moved 8 bytes down and the frame is 16 bytes smaller.
-    moved = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
-    assert entry.frame == (moved if series == "7" else PT_REGS)
+    # pt_regs from BTF: the same in 6.1 and 6.12; 7.x's record (a zeroed one, then its kind
+    # word: struct frame_record_meta) moved 8 bytes down and the frame is 16 bytes smaller.
+    assert entry.frame == (PT_REGS_7 if series == "7" else PT_REGS)
     assert entry.linked is (series != "7")  # 7.x's handlers zero the record (from 6.13)
+    # ... and give it a kind (FRAME_META_TYPE_PT_REGS, 2; from user mode FINAL, 1).
+    assert entry.record_kind == (2 if series == "7" else None)
     # x29 set, then the pc stored (objdump of each Image): the four el1h_64_* and el0t_64_*.
     kernel_mode, user_mode = {"6.1": (0x58, 0x178), "6.12": (0x58, 0x17C), "7": (0x60, 0x184)}[
         series
@@ -331,8 +337,10 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
     assert set(entry.pc_unsaved) == {(start + off, start + off + 4) for start, off in unsaved}
     # check-kernels' account: every entry's handler of a shape it knows.
     way = "pc saved after it, returns through a branch"
-    record = "zeroed" if series == "7" else "{x29, pc}"
-    shapes = [f"record {record}, {way}"] * 4 + [f"record zeroed, {way}"] * 8
+    kernel_record, user_record = {"7": ("zeroed (kind 2)", "zeroed (kind 1)")}.get(
+        series, ("{x29, pc}", "zeroed")
+    )
+    shapes = [f"record {kernel_record}, {way}"] * 4 + [f"record {user_record}, {way}"] * 8
     assert entry_shapes(kernel) == [(0x200 + 0x80 * i, True, s) for i, s in enumerate(shapes)]
 
 
@@ -342,6 +350,8 @@ def test_arm64_linux_s_exception_code_is_read_from_its_code(series: str) -> None
         # el1h_64_irq+0x5c: add x29, sp, #0x120, not at pt_regs' record (0x128)
         (0x5C, 0x910483FD, "vectors+0x280: no add x29, sp, #0x128 (pt_regs' record)"),
         (0x50, 0xA9128BE1, "records are not of one shape"),  # +0x50: stp x1, x2, not zeros
+        (0x54, 0xD2800060, "records are not of one kind"),  # +0x54: mov x0, #3, not #2
+        (0x58, 0xF9009BE0, "records are not of one kind"),  # +0x58: str x0 at 0x130, not 0x138
     ],
 )
 def test_7x_code_changed_gives_no_model_and_says_where(off: int, word: int, said: str) -> None:
@@ -352,8 +362,7 @@ def test_7x_code_changed_gives_no_model_and_says_where(off: int, word: int, said
     assert irq is not None and vectors is not None
     at = irq + off - text_addr
     text[at : at + 4] = word.to_bytes(4, "little")
-    frame = SavedFrame(regs=0, count=31, sp=248, pc=256, status=264, record=296, size=320)
-    found = exception_code(Code(bytes(text), text_addr, kernel.functions), vectors, frame)
+    found = exception_code(Code(bytes(text), text_addr, kernel.functions), vectors, PT_REGS_7)
     assert isinstance(found, str) and said in found, found
 
 

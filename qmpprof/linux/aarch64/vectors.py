@@ -13,8 +13,10 @@ saves x0..x30, sp, ELR (the pc) and SPSR into ``pt_regs``, then stores the frame
 at BTF's offset, or the code is not the one this module knows). What the kernel-mode handlers
 store there (``stp`` to that offset just before) is read too: to 6.12 the record {x29, ELR}
 (``stp x29, x22``; zeroed from user mode: the final record); from 6.13 a zeroed record in all
-of them (``stp xzr, xzr``, then a type word after it the walk does not need), ``pt_regs``
-then found from the record's address alone (``EntryCode.linked``). Any other store there is
+of them (``stp xzr, xzr``), then the record's kind word (``mov x0, #kind; str x0`` to
+``frame_record_meta.type`` in BTF: FRAME_META_TYPE_PT_REGS from the kernel, FINAL from user
+mode), ``pt_regs`` then found from the record's address and checked by its kind, as the
+kernel's own unwinder does (``EntryCode.linked``, ``record_kind``). Any other store there is
 not the code this module knows. The pc and status go into ``pt_regs`` after x29 is set (``stp
 x22, x23``, 5.10 to 7.2): until that store the interrupted pc is only in ELR_EL1
 (``EntryCode.pc_unsaved``). Then the handlers come in two shapes:
@@ -48,8 +50,10 @@ from qmpprof.arch.aarch64code import (
     is_eret,
     is_hint,
     is_jump,
+    moved_imm,
     pair_stored_at,
     sets_fp,
+    stored_at,
 )
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.linux.btf import BtfError
@@ -118,8 +122,12 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | s
     if user is None or back is None or user & (kernel | back):
         return "its handlers lead out of the entry code, or into the same code from both modes"
     records = {handler.linked for handler in from_kernel}
+    kinds = {handler.kind for handler in from_kernel}
     if None in records or len(records) != 1:
         return "its kernel-mode handlers' records are not of one shape it knows"
+    zeroed = records == {False}
+    if zeroed and frame.kind is not None and (None in kinds or len(kinds) != 1):
+        return "its kernel-mode handlers' zeroed records are not of one kind it reads"
     user.add((vectors + _USER_HALF.start, vectors + _USER_HALF.stop))
     saving, restoring = set(), back
     # Where the record is set and the pc not yet saved: in the kernel-mode and 64-bit user
@@ -150,8 +158,9 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | s
         link=ELR,
         unsaved=tuple(sorted(unsaved)),
         user_sp=SP_EL0,
-        linked=records == {True},
+        linked=not zeroed,
         pc_unsaved=tuple(sorted(pc_unsaved)),
+        record_kind=kinds.pop() if zeroed and frame.kind is not None else None,
     )
 
 
@@ -160,21 +169,24 @@ class _Handler:
     """A handler's function (``span``), where its frame record is set (``record``: just after
     ``add x29, sp, #...``) and where ``pt_regs`` holds the pc (``pc_saved``: after the first
     store to it from the record on; the record's address when there is none), whether it
-    ``eret``s itself (``returns``) and what it stores in the record (``linked``: x29 and a
-    register, True; zeros, False; anything else, None)."""
+    ``eret``s itself (``returns``), what it stores in the record (``linked``: x29 and a
+    register, True; zeros, False; anything else, None) and in its kind word (``kind``: the
+    value moved there; None without one)."""
 
     span: Span
     record: int
     pc_saved: int
     returns: bool
     linked: bool | None
+    kind: int | None
 
     def shape(self) -> str:
         """The handler's shape in a few words, as check-kernels reports it."""
         stored = {True: "record {x29, pc}", False: "record zeroed", None: "record unknown"}
+        kind = "" if self.kind is None else f" (kind {self.kind})"
         pc = ", pc saved after it" if self.pc_saved > self.record else ""
         way_back = "erets itself" if self.returns else "returns through a branch"
-        return f"{stored[self.linked]}{pc}, {way_back}"
+        return f"{stored[self.linked]}{kind}{pc}, {way_back}"
 
 
 def _linked(stored: tuple[int, int] | None) -> bool | None:
@@ -185,11 +197,28 @@ def _linked(stored: tuple[int, int] | None) -> bool | None:
     return True if stored is not None and stored[0] == _FP and stored[1] != _XZR else None
 
 
+def _kind_word(words: list[tuple[int, int]], offset: int) -> int | None:
+    """The value the last ``str xn, [sp, #offset]`` of ``words`` (address, instruction) stores,
+    put in xn by the last ``mov xn, #value`` before it; None without both."""
+    for at in reversed(range(len(words))):
+        source = stored_at(words[at][1], offset)
+        if source is None:
+            continue
+        moves = (moved_imm(insn) for _, insn in reversed(words[:at]))
+        return next((move[1] for move in moves if move is not None and move[0] == source), None)
+    return None
+
+
 def _saved_frame(kernel: LinuxKernel) -> SavedFrame | None:
-    """``pt_regs`` as BTF lays it out; None without BTF or with another layout."""
+    """``pt_regs`` as BTF lays it out; None without BTF or with another layout. From 6.13 its
+    record is a ``struct frame_record_meta``, whose kind word the frame's ``kind`` is."""
     btf = kernel.btf
     if btf is None:
         return None
+    try:
+        kind: int | None = btf.offset_of("pt_regs.stackframe.type")
+    except (KeyError, BtfError):
+        kind = None  # to 6.12: u64 stackframe[2], the record alone
     try:
         return SavedFrame(
             regs=btf.offset_of("pt_regs.regs"),
@@ -199,6 +228,7 @@ def _saved_frame(kernel: LinuxKernel) -> SavedFrame | None:
             status=btf.offset_of("pt_regs.pstate"),
             record=btf.offset_of("pt_regs.stackframe"),
             size=btf.size_of(btf.struct("pt_regs").id),
+            kind=kind,
         )
     except (KeyError, BtfError):
         return None
@@ -245,7 +275,10 @@ class Code:
             record,
         )
         returns = any(is_eret(insn) for _, insn in words)
-        return _Handler((target, self.ends[at]), record, pc_saved, returns, _linked(stored))
+        before = [(pc, insn) for pc, insn in words if pc < record]
+        kind = None if frame.kind is None else _kind_word(before, frame.kind)
+        span = (target, self.ends[at])
+        return _Handler(span, record, pc_saved, returns, _linked(stored), kind)
 
     def reach(self, starts: list[int]) -> set[Span] | None:
         """The functions run from those at ``starts``: through their ``b``s out of them and
