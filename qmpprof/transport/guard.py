@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -199,7 +200,9 @@ def _clean(command: Command, paused: int, owner: int) -> str | None:
 
 
 def _leftover_stub(filename: str) -> str | None:
-    """The folder of qmpprof's gdbstub whose chardev has ``filename``, when nobody holds it."""
+    """The folder of qmpprof's gdbstub whose chardev has ``filename``, when it is a leftover by
+    stubdir.py's rules (this script imports none of qmpprof): a ``qmpprof-gdb-`` directory, not
+    a link, this user's, mode 0700, whose lock nobody holds."""
     found = re.fullmatch(r"disconnected:unix:(/[^,]*/qmpprof-gdb-[A-Za-z0-9_]+)/gdb\.sock(,.*)?",
                          filename)  # fmt: skip
     if found is None:
@@ -210,6 +213,9 @@ def _leftover_stub(filename: str) -> str | None:
     except OSError:
         return None
     try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
+            return None  # a user's stub in a folder named as ours: never touched
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a run holds it
     except OSError:
         return None

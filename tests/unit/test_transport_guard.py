@@ -143,3 +143,19 @@ def test_what_is_not_the_dead_runs_stays(qmp: FakeQmp, tmp_path: Path) -> None:
         os.close(lock)
     assert qmp.commands == ["qmp_capabilities", "query-chardev", "qom-get"]
     assert held.exists()
+
+
+def test_a_stub_in_a_folder_named_as_ours_but_not_0700_stays(qmp: FakeQmp, tmp_path: Path) -> None:
+    """stubdir.py's rule: a folder of qmpprof's is this user's, mode 0700 (a user's stub in a
+    lookalike folder is never touched)."""
+    lookalike = stub_folder(tmp_path)
+    lookalike.chmod(0o755)
+    qmp.replies["query-chardev"] = [
+        {"label": "gdb", "filename": f"disconnected:unix:{lookalike}/gdb.sock,server=on"},
+    ]
+    guard = PauseGuard(str(tmp_path / "qmp.sock"))
+    guard.settled()
+    assert died(guard) == 0
+    qmp.thread.join(timeout=30)
+    assert qmp.commands == ["qmp_capabilities", "query-chardev", "qom-get"]
+    assert lookalike.exists()
