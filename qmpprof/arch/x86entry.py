@@ -8,13 +8,15 @@ handler's call, the pushes still to come say where the frame will lie, and so wh
 CPU pushed lies now. A pushed register holds its value at the pc unless the way there wrote it
 first (an instruction naming it as its first operand, ``xchg``'s second too; one that writes
 registers it does not name counts as writing them all); ``push esp`` and ``pushal`` push the
-stack pointer as it was before the instruction. A pop or any other write to the stack pointer,
-a conditional or indirect jump, another call, a return or a trap instruction ends the way with
-no answer, as does a way longer than any entry's.
+stack pointer as it was before the instruction, and a register set from it (``mov reg, esp``,
+``lea reg, [esp + n]``) and pushed unchanged pushes that stack address. A pop or any other
+write to the stack pointer, a conditional or indirect jump, another call, a return or a trap
+instruction ends the way with no answer, as does a way longer than any entry's.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +39,8 @@ _BOTH_WRITTEN = frozenset(["xchg", "xadd", "cmpxchg"])
 _UNNAMED = ("mul", "imul", "div", "idiv", "c", "rd", "xlat", "lahf", "lods", "stos", "movs", "rep")
 _ALL = frozenset(stem for stem in _PARTS.values() if stem != "sp")
 _ENDS = ("j", "ret", "iret", "int", "pop", "leave", "enter", "sys", "hlt", "ud", "loop")
+# A register set to a stack address: "eax, esp", "rax, [rsp + 0x10]" (capstone's Intel syntax).
+_FROM_SP = re.compile(r"(\w+), (?:[er]sp|\[[er]sp(?: ([+-]) (\w+))?\])$")
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class _Way:
     saved: list[tuple[int, int]] = field(default_factory=list)
     addresses: list[tuple[int, int]] = field(default_factory=list)
     written: set[str] = field(default_factory=set)
+    held: dict[str, int] = field(default_factory=dict)  # register stem -> the stack address
 
 
 def path_to_call(
@@ -86,6 +91,8 @@ def _follow(way: _Way, mnemonic: str, ops: str, word: int, names: Sequence[str])
             stem = _PARTS.get(reg)
             if stem == "sp":
                 way.addresses.append((-way.depth, before))
+            elif stem in way.held:
+                way.addresses.append((-way.depth, way.held[stem]))
             elif reg in names and stem not in way.written:
                 way.saved.append((-way.depth, names.index(reg)))
         return True
@@ -97,5 +104,12 @@ def _follow(way: _Way, mnemonic: str, ops: str, word: int, names: Sequence[str])
         way.written.update(_ALL)
     operands = ops.split(", ")
     named = operands if mnemonic in _BOTH_WRITTEN else operands[:1]
-    way.written.update(_PARTS[op] for op in named if op in _PARTS)
+    stems = {_PARTS[op] for op in named if op in _PARTS}
+    way.written.update(stems)
+    for stem in stems:
+        way.held.pop(stem, None)
+    taken = _FROM_SP.match(ops) if mnemonic in ("mov", "lea") else None
+    if taken and len(operands[0]) > 2 and (mnemonic == "lea") == ("[" in ops):
+        offset = 0 if taken[3] is None else int(taken[3], 0) * (-1 if taken[2] == "-" else 1)
+        way.held[_PARTS[operands[0]]] = -way.depth + offset  # a whole register, not ax
     return "sp" not in way.written

@@ -157,6 +157,13 @@ def test_a_walk_stopped_after_pushal_crosses_into_the_user_chain() -> None:
         ("83 c4 04 54", None),  # add $4, %esp: the stack moved otherwise
         ("74 00 54", None),  # a conditional jump
         ("9c 54", PathToCall(8, (), ((-8, -4),))),  # pushfd: a word of flags
+        # The i386 test guest's isr_common: push %ebp; mov %esp,%ebp; lea 8(%esp),%eax;
+        # push %eax: the argument is the stack address lea took, 4 above the pc's stack.
+        ("55 89 e5 8d 44 24 08 50", PathToCall(8, ((-4, 5),), ((-8, 4),))),
+        ("89 e0 50", PathToCall(4, (), ((-4, 0),))),  # mov %esp,%eax; push %eax
+        ("8d 44 24 f8 50", PathToCall(4, (), ((-4, -8),))),  # lea -8(%esp),%eax; push %eax
+        ("8d 44 24 08 31 c0 50", PathToCall(4, (), ())),  # ... xor %eax,%eax: no address now
+        ("8d 04 24 89 c3 53", PathToCall(4, (), ())),  # mov %eax,%ebx: not followed
     ],
 )
 def test_the_way_to_the_call_and_what_it_pushes(code: str, expected: PathToCall | None) -> None:
