@@ -13,9 +13,9 @@ DWARF) into user code: its first user frame must be the interrupted pc the kerne
 
 A moment stopped inside the trap entry (a vector stub, or ``alltraps`` before its call of
 ``trap``) has its trap frame half built: the frame after the leaf must be at the eip the CPU
-pushed, which gdb reads by running the guest on to ``trap`` and reading ``tf->eip`` there (the
-entry code's own instructions run in between: nothing changes the interrupted pc). gdb's stack,
-kept pc and stack pointer are read on every vCPU before the guest runs on so.
+pushed, which gdb reads by stepping that vCPU alone to the entry's ``call trap`` and reading
+``tf->eip`` there (the entry code's own instructions run in between: nothing changes the
+interrupted pc). gdb's stack and kept pc are read on every vCPU before any of them steps.
 
 The second CPU's scheduler was called by ``mpenter``, which the start code (entryother.S,
 copied to 0x7000: in no ELF) called: gdb ends those stacks in "??" and so does qmpprof, frame
@@ -102,6 +102,7 @@ class HobbyOracle(I386Oracle):
         super().__init__(kernel, user_dir, port, scripts / "qg.py")
         (scripts / "qgtf.py").write_text(_TF_SCRIPT)
         self.command(f'-interpreter-exec console "source {scripts / "qgtf.py"}"')
+        self.command("-gdb-set scheduler-locking step")  # trap_eip steps one vCPU alone
 
     def run_to(self, location: str) -> None:
         """Let the stopped guest run on to a temporary breakpoint at ``location``."""
@@ -113,14 +114,19 @@ class HobbyOracle(I386Oracle):
     def select(self, cpu: int) -> None:
         self.command(f"-thread-select {cpu + 1}")
 
-    def trap_eip(self, esp: int) -> tuple[int, int]:
-        """The eip and cs the CPU pushed for the trap whose entry a vCPU stopped in with stack
-        pointer ``esp``: the guest runs on to the call of ``trap`` with that frame, the one
-        whose CPU part lies just above ``esp``, closer than a whole frame (a trap taken inside
-        the entry pushes its frame below; one taken by another process after a switch, or on
-        the other vCPU, on another stack, which may be the next page), where gdb reads ``tf``."""
-        self.run_to(f'-c "(unsigned int)&tf->eip - {esp}u < sizeof(*tf)" trap')
-        return self.value("tf->eip"), self.value("tf->cs")
+    def trap_eip(self, call: int) -> tuple[int, int]:
+        """The eip and cs the CPU pushed for the trap whose entry the selected vCPU stopped in:
+        gdb steps that vCPU alone (scheduler-locking; QEMU single-steps with interrupts off, so
+        no trap nests) through the entry's straight-line code to its ``call trap`` at ``call``,
+        where the stack's top is the ``tf`` argument, and reads ``tf->eip`` and ``tf->cs``."""
+        for _ in range(64):  # the longest path: a vector stub's three, alltraps' ten
+            if self.value("$pc") == call:
+                tf = "(*(struct trapframe **)$esp)"
+                return self.value(f"{tf}->eip"), self.value(f"{tf}->cs")
+            lines = self.command("-exec-step-instruction")
+            if not any(line.startswith("*stopped") for line in lines):
+                self._until(lambda line: line.startswith("*stopped"))
+        raise AssertionError(f"64 steps never reached the call of trap at {call:#x}")
 
     def value(self, expression: str) -> int:
         lines = self.command(f'-data-evaluate-expression "(unsigned int)({expression})"')
@@ -142,12 +148,11 @@ class Seen:
 
     theirs: list[str]
     user_pc: int
-    esp: int
 
 
 def seen_on(oracle: HobbyOracle, cpu: int) -> Seen:
     oracle.select(cpu)
-    return Seen(oracle.stack(), oracle.user_pc(cpu), oracle.value("$esp"))
+    return Seen(oracle.stack(), oracle.user_pc(cpu))
 
 
 def kernel_part(names: list[str]) -> list[str]:
@@ -185,7 +190,7 @@ async def compare(tmp_path: Path) -> tuple[int, list[str], dict[str, int], int]:
                 assert not outcome.was_running
                 samples = sorted(outcome.last, key=lambda s: s.cpu)
                 assert [s.cpu for s in samples] == list(range(SMP))
-                # Before judge: it may run the guest on to ``trap``.
+                # Before judge: it may step a vCPU on to the call of ``trap``.
                 seen = [seen_on(oracle, cpu) for cpu in range(SMP)]
                 for sample, truth in zip(samples, seen, strict=True):
                     same, note = judge(sample, truth, oracle, entry)
@@ -243,7 +248,7 @@ def judge(sample: Sample, seen: Seen, oracle: HobbyOracle, entry: range) -> tupl
     ours = [f.symbol or "??" for f in frames]
     if sample.mode is Mode.KERNEL and frames[0].pc in entry:
         oracle.select(sample.cpu)
-        eip, cs = oracle.trap_eip(seen.esp)
+        eip, cs = oracle.trap_eip(entry.stop - 5)  # entry_code ends after the call's 5 bytes
         crossed = len(frames) > 1 and frames[1].pc == eip and frames[1].kernel == (cs & 3 == 0)
         return crossed and whole_user_chain(sample), "in the trap entry"
     if from_start_code(sample):
