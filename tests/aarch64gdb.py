@@ -131,4 +131,4 @@ class Aarch64KernelOracle(KernelOracle):
 
     def let_go(self) -> None:
         """Disconnect, the guest left stopped: QEMU resumes a guest on a detach only."""
-        self.command("-target-disconnect")
+        self.disconnect()

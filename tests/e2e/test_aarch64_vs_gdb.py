@@ -148,9 +148,10 @@ async def compare(
             linux = session.load(spec)
             run = await session.start(spec, guest=linux)
             try:
-                for moment in range(2 * MOMENTS):
-                    # MOMENTS, and more (MOMENTS at most) until the workload's programs were
-                    # met: `head` runs briefly, and a loaded host catches it less often.
+                for moment in range(4 * MOMENTS):
+                    # MOMENTS, and more (3 * MOMENTS at most) until the workload's programs were
+                    # met: `head` runs briefly, and a loaded host catches it less often (not in
+                    # 200 moments of a CI run on 6.1; a moment takes ~0.1 s).
                     if moment >= MOMENTS and tally.names >= WORKLOAD:
                         break
                     seen = await stopped_moment(oracle, run, rng)

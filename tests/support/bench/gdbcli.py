@@ -31,6 +31,7 @@ class GdbMi:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
         self._buf = b""
+        self._attached = True  # close() interrupts the guest and detaches
         self._until(lambda line: line.startswith("(gdb)"))
         # mi-async lets -exec-interrupt be sent while the target runs.
         # A bt that wanders off through garbage would print thousands of frames: cap it.
@@ -91,12 +92,18 @@ class GdbMi:
         self.command("-exec-continue")
         return sum(1 for line in lines if line.startswith('~"#'))
 
+    def disconnect(self) -> None:
+        """Leave the gdbstub without a word to QEMU: the guest stays as it is (stopped)."""
+        self.command("-target-disconnect")
+        self._attached = False
+
     def close(self) -> None:
-        """Detach (QEMU resumes the guest) and end gdb."""
+        """Detach (QEMU resumes the guest) and end gdb; disconnected: end gdb only."""
         try:
             if self._proc.poll() is None:
-                self._interrupt()
-                self.command("-target-detach")
+                if self._attached:
+                    self._interrupt()
+                    self.command("-target-detach")
                 self.command("-gdb-exit")
         except (TransportError, GuestGoneError, BrokenPipeError):
             pass  # gdb is going away either way
