@@ -204,12 +204,16 @@ async def test_the_pointer_goes_with_the_stack_and_the_task_is_read_again_when_s
     )
     # The pointer, and the stamp of the task expected (the vCPU's last), with the window.
     assert identifier.reads_for(r0) == ((BASES[0] + CURRENT, 8), layout.stamp_range(IDLE))
-    # Within RECHECK, the pointer alone identifies the task, even without its stamp.
+    # Within RECHECK, with the window, the pointer and the stamp identify the task; a
+    # kernel-mode pause without the stamp (it expected another task) reads it, no more.
     transport.calls.clear()
-    cache = PageCache()
-    await identifier.identify(transport, r0, cache)
+    await identifier.identify(transport, r0, paused(memory, identifier.reads_for(r0)))
+    assert [c for c in transport.calls if c.startswith("read")] == []
+    await identifier.identify(transport, r0, PageCache())
+    stamp, size = layout.stamp_range(IDLE)
     assert [c for c in transport.calls if c.startswith("read")] == [
-        f"read:{BASES[0] + CURRENT:#x}+0x8"  # the pointer, not its page
+        f"read:{BASES[0] + CURRENT:#x}+0x8",  # the pointer, not its page
+        f"read:{stamp:#x}+{size:#x}",
     ]
     # Past it, the task is read again: the pid changed (the pointer now holds another task).
     memory.task(layout, IDLE, 77, 77, "kworker/0:2", PF_KTHREAD, IDLE)
@@ -391,7 +395,8 @@ async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
 
     async def pause_reads() -> list[str]:
         transport.calls.clear()
-        found = await identifier.identify(transport, r0, PageCache())
+        window = paused(memory, identifier.reads_for(r0))  # the stamp, once the task is known
+        found = await identifier.identify(transport, r0, window)
         assert found.process is not None
         return [c for c in transport.calls if c.startswith("read") and c != pointer]
 
@@ -476,7 +481,8 @@ async def test_preload_places_every_process_before_the_first_stop(
     await identifier.current.preload(read, [0, 1])
     await identifier.preload(read, await task_list(read, init, layout))
     assert tables.pgds == [pgd]  # the code probe went through the process's own tables
-    # The first stop: each vCPU's pointer is read with its stack, nothing else.
+    # The first stop: each vCPU's pointer is read with its stack; nothing else but, in kernel
+    # mode, the stamp of a task no earlier sample there expected.
     for cpu, rip in ((0, 0x40_0010), (1, KERNEL.start + 16)):
         r = regs(cpu, rip)
         assert identifier.reads_for(r) == ((BASES[cpu] + CURRENT, 8),)
@@ -487,7 +493,10 @@ async def test_preload_places_every_process_before_the_first_stop(
         )
         transport.calls.clear()
         found = await identifier.identify(transport, r, seen)
-        assert not [c for c in transport.calls if c.startswith("read")]
+        stamp, size = layout.stamp_range(KWORKER)
+        assert [c for c in transport.calls if c.startswith("read")] == (
+            [] if cpu == 0 else [f"read:{stamp:#x}+{size:#x}"]
+        )
         assert found.process is not None and found.process.pid == (1230, 55)[cpu]
         if cpu == 0:
             assert found.space.find(0x40_0010) is not None  # [myapp], placed

@@ -6,8 +6,9 @@ same during a system call.
 
 In a pause, the current task's pointer and the stamp of the task expected (the owner of the
 stack page, else the vCPU's last task) are read with the stack window: when the pointer holds
-the expected task and its stamp is the one read before, nothing more is read; a stamp that
-changed (an exec, a task_struct reused) has the task read again in the pause.
+the expected task and its stamp is the one read before, nothing more is read; in kernel mode
+another task known before has its stamp read then; a stamp that changed (an exec, a task_struct
+reused) has the task read again in the pause.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from qmpprof.linux.running.modules import ModuleList
 from qmpprof.linux.running.pagetables import PageTables, holds, split
 from qmpprof.linux.running.spaces import Spaces
 from qmpprof.linux.running.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
-from qmpprof.memory import Reader, kernel_reader, reader
+from qmpprof.memory import Reader, kernel_reader, read_one, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -250,6 +251,15 @@ class LinuxIdentifier:
         if task is None:
             return self.kernel
         stamp = self._stamp(task, cache)
+        if stamp is None and not regs.user and self.tasks.known(task):
+            # In kernel mode, not the task expected (the owner of the stack page: another task
+            # behind the pointer now, or the sample on an interrupt stack): its stamp read now,
+            # so that a task_struct reused, or a task exec'd, since it was read is not named as
+            # it was where no walk reaches its user code to tell (test_riscv64_linux_e2e's
+            # moments 0.1 s apart: head's task_struct holding an xz thread, named head). In
+            # user mode the space must hold the pc (below).
+            raw = await read_one(read, *layout.stamp_range(task))
+            stamp = None if raw is None else layout.stamp_of(raw)
         seen = self.tasks.fresh(task, stamp)
         # Trusted by its age alone, a task whose space lacks the user pc has exec'd since; one
         # whose user space was gone (exiting) may be gone too, its task_struct another's now:

@@ -229,6 +229,10 @@ class Tasks:
             return seen
         return seen if now - seen.checked <= self.recheck else None
 
+    def known(self, task: int) -> bool:
+        """Whether something was read of ``task`` (at any age)."""
+        return self._seen.get(task) is not None
+
     def put(self, task: int, found: Task | None, identity: Identity) -> Seen:
         return self._seen.put(task, Seen(identity, self.clock(), found))
 
