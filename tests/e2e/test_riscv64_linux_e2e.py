@@ -57,8 +57,13 @@ QG_VA_PA = None  # kernel_map.va_pa_offset: the linear map's offset from physica
 def _reg(name):
     return int(gdb.parse_and_eval("$" + name)) & (2**64 - 1)
 
+QG_OFFSETS = {}  # task_struct's members' offsets, read once
+
 def _offset(member):
-    return int(gdb.parse_and_eval("(unsigned long)&((struct task_struct *)0)->" + member))
+    if member not in QG_OFFSETS:
+        QG_OFFSETS[member] = int(
+            gdb.parse_and_eval("(unsigned long)&((struct task_struct *)0)->" + member))
+    return QG_OFFSETS[member]
 
 def _fields(read, task):
     pid, tgid, comm = (_offset(m) for m in ("pid", "tgid", "comm"))
@@ -72,6 +77,9 @@ def _physical(addr, size):
     return bytes(gdb.selected_inferior().read_memory(addr - QG_VA_PA, size))
 
 def _read_task(task, threads):
+    if task < 1 << 63:
+        return None  # neither tp nor sscratch holds a task: a vCPU in OpenSBI (M-mode), whose
+                     # trap entry swaps tp for its scratch (fw_base.S), sscratch 0 in S-mode
     for thread in threads:
         gdb.execute("thread %d" % thread, to_string=True)
         try:

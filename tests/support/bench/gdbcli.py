@@ -31,7 +31,8 @@ class GdbMi:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
         self._buf = b""
-        self._attached = True  # close() interrupts the guest and detaches
+        self._attached = True  # close() detaches (interrupting the guest if it runs)
+        self._running = False
         self._until(lambda line: line.startswith("(gdb)"))
         # mi-async lets -exec-interrupt be sent while the target runs.
         # A bt that wanders off through garbage would print thousands of frames: cap it.
@@ -49,8 +50,11 @@ class GdbMi:
             if not chunk:
                 raise GuestGoneError("gdb exited")
             self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.decode(errors="replace").rstrip("\r")
+        raw, _, self._buf = self._buf.partition(b"\n")
+        line = raw.decode(errors="replace").rstrip("\r")
+        if line.startswith(("^running", "*running", "*stopped")):
+            self._running = not line.startswith("*stopped")  # the target, as gdb last said
+        return line
 
     def _until(self, done: Callable[[str], bool]) -> list[str]:
         deadline = time.monotonic() + self.timeout
@@ -71,7 +75,8 @@ class GdbMi:
             raise GuestGoneError("gdb exited") from err
         lines = self._until(lambda line: line.startswith("^"))
         if lines[-1].startswith("^error"):
-            raise TransportError(f"gdb: {command}: {lines[-1]}")
+            said = " ".join(line[2:-1] for line in lines if line.startswith('&"'))
+            raise TransportError(f"gdb: {command}: {lines[-1]} {said}".rstrip())
         return lines + self._until(lambda line: line.startswith("(gdb)"))
 
     def attach(self, address: str) -> None:
@@ -102,7 +107,8 @@ class GdbMi:
         try:
             if self._proc.poll() is None:
                 if self._attached:
-                    self._interrupt()
+                    if self._running:  # never -exec-interrupt a stopped target: no *stopped
+                        self._interrupt()
                     self.command("-target-detach")
                 self.command("-gdb-exit")
         except (TransportError, GuestGoneError, BrokenPipeError):
