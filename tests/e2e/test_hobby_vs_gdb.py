@@ -21,7 +21,7 @@ The second CPU's scheduler was called by ``mpenter``, which the start code (entr
 copied to 0x7000: in no ELF) called: gdb ends those stacks in "??" and so does qmpprof, frame
 for frame, but qmpprof draws that frame as user code (below the kernel boundary, reached by a
 frame pointer: an open point of issue 34). Those moments are counted apart ("from the start
-code") and judged by the names alone.
+code") and judged by the names alone, up to the trap entry where there is one.
 """
 
 from __future__ import annotations
@@ -252,7 +252,9 @@ def judge(sample: Sample, seen: Seen, oracle: HobbyOracle, entry: range) -> tupl
         crossed = len(frames) > 1 and frames[1].pc == eip and frames[1].kernel == (cs & 3 == 0)
         return crossed and whole_user_chain(sample), "in the trap entry"
     if from_start_code(sample):
-        return ours == theirs, "from the start code"
+        # Up to the trap entry where gdb stops knowing (a trap taken in the scheduler: gdb's
+        # "??" past alltraps, qmpprof's crossing its frame into the scheduler), else whole.
+        return kernel_part(ours) == kernel_part(theirs), "from the start code"
     if gdb_lost(ours, theirs):
         return in_a_user_chain(sample), "gdb lost"
     if sample.mode is Mode.USER:
