@@ -66,7 +66,8 @@ class EntryCode:
     back to it), ``vectors`` (the kernel half of the vector table) and its ``entries`` (the
     points an exception from the kernel lands on), ``saving`` (the handlers of exceptions
     from the kernel, which save ``frame``), ``restoring`` (the way back, which loads it again);
-    ``link``: the DWARF number of the exception link register the guest OS reads.
+    ``link``: the DWARF number of the exception link register the guest OS reads, by the
+    transport's name ``link_name``.
     ``unsaved``: where, entered from user mode, nothing of the user's is saved or changed yet
     (the table's user half, the user-mode handlers' first instructions); ``user_sp``: the
     number the guest OS gives the user stack pointer it reads for those (DWARF has none).
@@ -89,6 +90,11 @@ class EntryCode:
     linked: bool = True
     pc_unsaved: tuple[Span, ...] = ()
     record_kind: int | None = None
+    link_name: str = ""  # the transport's names of the link register and the user one
+    user_sp_name: str = ""
+
+    def step(self, bias: int, arch: InstructionSet) -> EntryStep:
+        return EntryStep(self, bias, arch)
 
     def holds_link(self, pc: int) -> bool:
         """Whether at link address ``pc`` the interrupted pc may be only in the exception

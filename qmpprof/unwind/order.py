@@ -11,9 +11,14 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import SymbolTable
 from qmpprof.elf.trapframe import TrapFrameLayout
-from qmpprof.unwind.entry import EntryCode, EntryStep
 from qmpprof.unwind.scan import ReturnScanStep
-from qmpprof.unwind.steps import CfiStep, PrologueStep, UnwindStep, frame_pointer_only
+from qmpprof.unwind.steps import (
+    CfiStep,
+    ExceptionEntry,
+    PrologueStep,
+    UnwindStep,
+    frame_pointer_only,
+)
 from qmpprof.unwind.trapframe import TrapFrameStep
 
 
@@ -27,19 +32,19 @@ def steps_for(
     symbols: SymbolTable | None = None,
     own: Sequence[UnwindStep] = (),
     starts: Callable[[], Sequence[int]] | None = None,
-    entry: EntryCode | None = None,
+    entry: ExceptionEntry | None = None,
     trap: TrapFrameLayout | None = None,
 ) -> tuple[UnwindStep, ...]:
     """The steps for a module at ``bias``, from what it provides, best first: the steps its
     guest OS brings (``own``: x86_64 Linux's ORC tables) alone, as they cover all of its code;
-    else its exception entry code (``entry.py``), CFI, the trap frame its DWARF describes
-    (``trapframe.py``), prologue analysis, the code followed to its return (``scan.py``; first,
-    for an interrupted interrupt entry), frame pointers."""
+    else its exception entry code (``entry.py``, ``savedregs.py``), CFI, the trap frame its
+    DWARF describes (``trapframe.py``), prologue analysis, the code followed to its return
+    (``scan.py``; first, for an interrupted interrupt entry), frame pointers."""
     if own:
         return tuple(own)
     steps: list[UnwindStep] = []
     if entry is not None:
-        steps.append(EntryStep(entry, bias, arch))
+        steps.append(entry.step(bias, arch))
     if cfi is not None:
         steps.append(CfiStep(cfi, bias, arch))
     if trap is not None and code:

@@ -22,12 +22,11 @@ from qmpprof.elf.symbols import SymbolTable
 from qmpprof.memo import Memo
 from qmpprof.model import Frame, Mapping
 from qmpprof.unwind.order import steps_for
-from qmpprof.unwind.steps import UnwindStep
+from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
 from qmpprof.unwind.tailcall import CodeImage, TailCallFinder
 
 if TYPE_CHECKING:
     from qmpprof.elf.trapframe import TrapFrameLayout
-    from qmpprof.unwind.entry import EntryCode
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,7 +77,7 @@ class Module:
         own: Sequence[UnwindStep] = (),
         calls: CodeImage | None = None,
         starts: Callable[[], Sequence[int]] | None = None,
-        entry: EntryCode | None = None,
+        entry: ExceptionEntry | None = None,
         trap: TrapFrameLayout | None = None,
         outermost: tuple[int, int] | None = None,
     ) -> Module:

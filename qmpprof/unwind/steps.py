@@ -58,6 +58,40 @@ class UnwindStep(Protocol):
         ...
 
 
+class ExceptionEntry(Protocol):
+    """A kernel's exception entry and exit code as the guest OS read it (``entry.EntryCode``:
+    arm64's shape; ``savedregs.SavedRegsEntry``: riscv64's), and the step that crosses it.
+    ``link``: the DWARF number the exception link register's value is put at for the walk,
+    ``link_name`` the transport's name for it; ``user_sp``/``user_sp_name`` likewise for a user
+    stack pointer apart from the general registers (None: none)."""
+
+    @property
+    def link(self) -> int: ...
+
+    @property
+    def link_name(self) -> str: ...
+
+    @property
+    def user_sp(self) -> int | None: ...
+
+    @property
+    def user_sp_name(self) -> str: ...
+
+    def holds_link(self, pc: int) -> bool:
+        """Whether at link address ``pc`` the interrupted pc may be only in the link
+        register."""
+        ...
+
+    def holds_user(self, pc: int) -> bool:
+        """Whether at link address ``pc`` the user's pc and stack pointer are only in the link
+        register and the user stack pointer."""
+        ...
+
+    def step(self, bias: int, arch: InstructionSet) -> UnwindStep:
+        """The unwinding step for this code in a module at ``bias``."""
+        ...
+
+
 class CfiStep:
     """The CFI row of the pc: most rows are "CFA = register + offset, registers saved at CFA+n"
     (precompiled as ``Rule.saved_at``), the rest go through the general rule interpreter."""

@@ -63,6 +63,8 @@ ENTRY = EntryCode(
         (BASE + 0x1300, BASE + 0x1304),
     ),
     user_sp=SP_EL0,
+    link_name="ELR_EL1",
+    user_sp_name="SP_EL0",
 )
 USER_PC, USER_SP, USER_FP = 0x40_1000, 0x7FFF_F000, 0x7FFF_F010
 KSTACK = 0xFFFF_8000_0800_8000

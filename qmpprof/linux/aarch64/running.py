@@ -24,7 +24,7 @@ from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader, reader
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.entry import EntryCode
+from qmpprof.unwind.steps import ExceptionEntry
 
 _VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
 _BADDR = 0x0000_FFFF_FFFF_FFFE  # TTBR1_EL1's table address (48-bit physical addresses)
@@ -59,7 +59,7 @@ class Aarch64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return CpuContext.from_btf(btf, arch)
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
+    def entry_code(self, kernel: LinuxKernel) -> ExceptionEntry | str | None:
         return entry_code(kernel)
 
     def current_task(

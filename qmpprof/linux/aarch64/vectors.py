@@ -161,6 +161,8 @@ def exception_code(code: Code, vectors: int, frame: SavedFrame) -> EntryCode | s
         linked=not zeroed,
         pc_unsaved=tuple(sorted(pc_unsaved)),
         record_kind=kinds.pop() if zeroed and frame.kind is not None else None,
+        link_name="ELR_EL1",  # as QEMU's gdbstub names them
+        user_sp_name="SP_EL0",
     )
 
 

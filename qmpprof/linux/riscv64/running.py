@@ -14,6 +14,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.arch.riscv64 import va_bits
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.riscv64.entry import entry_code
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
@@ -24,7 +25,7 @@ from qmpprof.memory import Reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.entry import EntryCode
+from qmpprof.unwind.steps import ExceptionEntry
 
 _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0
 _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel is ET_DYN)
@@ -32,10 +33,6 @@ TP = 4  # x4: the thread pointer, ``current`` in the kernel (arch/riscv/include/
 SCRATCH = "sscratch"
 # struct kernel_mapping's members the linear map is read from, in Riscv64Platform.linear_map's order
 _MAPPING = ("page_offset", "va_pa_offset", "virt_addr", "size", "va_kernel_pa_offset")
-ENTRY_NOTE = (
-    "riscv64's exception entry is not described yet: a kernel stack is not followed across it"
-    " into the interrupted code"
-)
 # A page-table entry (privileged ISA, Sv39/48/57): V at bit 0, R/W/X at bits 1..3 (any of them
 # set: a leaf, which maps a page of its level's size), the PPN at bits 10..53: the physical
 # address is the PPN shifted left by 12, the masked entry by 2.
@@ -163,8 +160,8 @@ class Riscv64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         raise KeyError("nothing: riscv64's switch frame (thread_struct) is not read yet")
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
-        return ENTRY_NOTE
+    def entry_code(self, kernel: LinuxKernel) -> ExceptionEntry | str | None:
+        return entry_code(kernel)
 
     def current_task(
         self, arch: InstructionSet, clock: Callable[[], float], recheck: float

@@ -31,11 +31,9 @@ from qmpprof.memory import Reader, kernel_reader, read_one, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.space import AddressSpace, Module
+from qmpprof.unwind.steps import ExceptionEntry
 
-LINK_REGISTER = "ELR_EL1"  # the exception link register, as QEMU's gdbstub names it
-USER_SP = "SP_EL0"  # the user stack pointer, likewise
 MODULES_RECHECK = 2.0  # seconds between two reads of the module list's links
 MODULES_RETRY = 1.0  # seconds between two tries, in a pause, of a list not wholly read
 # Seconds between two confirmations of the tasks sampled lately: an exec or a reused task is
@@ -70,7 +68,7 @@ class LinuxIdentifier:
         cpus: Sequence[int] = (0,),
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
-        entry: EntryCode | None = None,
+        entry: ExceptionEntry | None = None,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``control``: a transport that reads kernel memory while the guest runs, for
@@ -205,9 +203,9 @@ class LinuxIdentifier:
 
     async def _exception_link(self, transport: GuestTransport, regs: Registers) -> Registers | None:
         """``regs`` with the exception link register, read in this pause for a sample taken
-        where the interrupted pc is only there (``EntryCode.holds_link``), and the user stack
+        where the interrupted pc is only there (``ExceptionEntry.holds_link``), and the user stack
         pointer with it where the interrupted code is the user's and nothing of it is saved yet
-        (``EntryCode.holds_user``); None otherwise."""
+        (``ExceptionEntry.holds_user``); None otherwise."""
         entry = self.entry
         if entry is None or regs.user:
             return None
@@ -215,17 +213,21 @@ class LinuxIdentifier:
         # the space's first module may be one of them).
         link = regs.pc - self.kernel_modules[0].bias
         if entry.holds_link(link):
-            names: tuple[str, ...] = (LINK_REGISTER,)
+            names: tuple[str, ...] = (entry.link_name,)
         elif entry.holds_user(link) and entry.user_sp is not None:
-            names = (LINK_REGISTER, USER_SP)
+            names = (entry.link_name, entry.user_sp_name)
         else:
             return None
-        values = await transport.system_registers(regs.cpu, names)
+        # Read with the registers already (QMP's ``info registers`` text: riscv64's sepc), else
+        # asked for.
+        values = {name: regs.special[name] for name in names if name in regs.special}
+        if len(values) < len(names):
+            values = await transport.system_registers(regs.cpu, names)
         if any(name not in values for name in names):
             return None
-        gprs = {**regs.gprs, entry.link: values[LINK_REGISTER]}
-        if entry.user_sp is not None and USER_SP in values:
-            gprs[entry.user_sp] = values[USER_SP]
+        gprs = {**regs.gprs, entry.link: values[entry.link_name]}
+        if entry.user_sp is not None and entry.user_sp_name in values:
+            gprs[entry.user_sp] = values[entry.user_sp_name]
         return dataclasses.replace(regs, gprs=gprs)
 
     async def _identify(

@@ -18,8 +18,8 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
 from qmpprof.linux.x86_64.orctables import INDIRECT_THUNKS, unaliased
 from qmpprof.model import Mapping
-from qmpprof.unwind.entry import EntryCode
 from qmpprof.unwind.space import Module
+from qmpprof.unwind.steps import ExceptionEntry
 from qmpprof.unwind.tailcall import CodeImage, TargetKind
 
 
@@ -27,13 +27,13 @@ def kernel_module(
     kernel: LinuxKernel,
     slide: int,
     arch: InstructionSet,
-    entry: EntryCode | None = None,
+    entry: ExceptionEntry | None = None,
     *,
     lines: bool = False,
     debug: ElfImage | None = None,
 ) -> Module:
     """The kernel image as loaded at ``slide`` (runtime - link address); ``entry``: its
-    exception code where the walk needs it described (arm64's, ``entry.entry_code``);
+    exception code where the walk needs it described (arm64's, riscv64's);
     ``debug``: the image's debug file, whose DWARF gives the lines (else the image's own)."""
     low, high = kernel.span
     image = kernel.image

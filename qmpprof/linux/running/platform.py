@@ -18,7 +18,7 @@ from qmpprof.linux.running.pagetables import PageTables
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.entry import EntryCode
+from qmpprof.unwind.steps import ExceptionEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class LinuxPlatform(Protocol):
         KeyError naming what the BTF lacks."""
         ...
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
+    def entry_code(self, kernel: LinuxKernel) -> ExceptionEntry | str | None:
         """The kernel's exception entry code as the walk needs it described, where the image's
         unwinding tables do not cover it; None when not needed, or one line saying why it is
         not described."""

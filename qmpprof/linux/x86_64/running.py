@@ -23,7 +23,7 @@ from qmpprof.linux.x86_64.idt import ALIGN, GATE, decode_idt, slide_from_gates
 from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
 from qmpprof.memory import reader
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.entry import EntryCode
+from qmpprof.unwind.steps import ExceptionEntry
 
 
 async def idt_slide(
@@ -77,7 +77,7 @@ class X86_64Platform:
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
         return InactiveTaskFrame.from_btf(btf, arch)
 
-    def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
+    def entry_code(self, kernel: LinuxKernel) -> ExceptionEntry | str | None:
         return None
 
     def current_task(
