@@ -43,6 +43,11 @@ async def stopped_moment(oracle: KernelOracle, run: Run, rng: random.Random) -> 
     guest is sampled without stop/cont). The caller compares, then resumes it."""
     time.sleep(rng.uniform(0.005, 0.05))
     oracle.stop_guest()
+    return await sampled(run)
+
+
+async def sampled(run: Run) -> list[Observed]:
+    """qmpprof's one-shot of the 2-vCPU guest gdb holds stopped."""
     sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
     outcome = await sampler.run(one_shot=True)
     assert not outcome.was_running  # gdb holds the guest: no stop/cont by us
@@ -113,20 +118,14 @@ def compare_moment(
     where: str,
     starts: FunctionStarts,
     tally: Tally,
+    *,
+    processes: bool = True,
 ) -> None:
+    """``processes``: compare each vCPU's process too (gdb reads its current task)."""
     tally.moments += 1
     for ours in seen:
-        task = oracle.task(ours.cpu)
-        want = task.expected()
-        tally.processes += 1
-        tally.variables.add(task.variable)
-        tally.names.add(want[1])
-        if ours.process == want:
-            tally.processes_equal += 1
-        else:
-            tally.wrong_processes.append(
-                f"{where} cpu {ours.cpu}: gdb {want} qmpprof {ours.process}"
-            )
+        if processes:
+            compare_process(oracle, ours, where, tally)
         if not ours.kernel_mode:
             continue
         theirs = oracle.stack(ours.cpu)
@@ -146,10 +145,23 @@ def compare_moment(
             gdb = " ".join(f"{f.symbol}@{f.pc:#x}{'(tc)' * (f.kind == 'tailcall')}"
                            for f in theirs.frames)  # fmt: skip
             tally.differences.append(
-                f"{where} cpu {ours.cpu} ({want[1]}): {verdict.difference}\n"
+                f"{where} cpu {ours.cpu}: {verdict.difference}\n"
                 f"  gdb     {gdb} [{theirs.stop}]\n  qmpprof {describe(ours.kernel_frames)}\n"
                 + "".join(f"  gdb says: {line}\n" for line in theirs.log)
             )
+
+
+def compare_process(oracle: KernelOracle, ours: Observed, where: str, tally: Tally) -> None:
+    """The vCPU's process, ours against the current task gdb reads."""
+    task = oracle.task(ours.cpu)
+    want = task.expected()
+    tally.processes += 1
+    tally.variables.add(task.variable)
+    tally.names.add(want[1])
+    if ours.process == want:
+        tally.processes_equal += 1
+    else:
+        tally.wrong_processes.append(f"{where} cpu {ours.cpu}: gdb {want} qmpprof {ours.process}")
 
 
 def summary(tally: Tally) -> str:
