@@ -14,6 +14,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.arch.riscv64 import va_bits
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.riscv64.threadstruct import ThreadStruct
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
@@ -161,7 +162,7 @@ class Riscv64Platform:
         )
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
-        raise KeyError("nothing: riscv64's switch frame (thread_struct) is not read yet")
+        return ThreadStruct.from_btf(btf, arch)
 
     def entry_code(self, kernel: LinuxKernel) -> EntryCode | str | None:
         return ENTRY_NOTE
