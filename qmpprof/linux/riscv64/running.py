@@ -158,7 +158,12 @@ class Riscv64Platform:
         if bits is None:
             return None
         return PageTables(
-            loaded.read, linear.offset, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1)
+            loaded.read,
+            linear.offset,
+            levels(bits),
+            RISCV64_ENTRIES,
+            1 << (bits - 1),
+            span=1 << bits,
         )
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
