@@ -48,10 +48,10 @@ def vmlinux_dbg() -> Path:
 
 @contextlib.contextmanager
 def running_riscv64_guest(
-    tmp_path: Path, *, smp: int = 2, gdb_port: int | None = None
+    tmp_path: Path, *, smp: int = 2, gdb_port: int | None = None, append: str = ""
 ) -> Iterator[Riscv64Guest]:
     """Boot the guest on ``smp`` vCPUs and yield it once the workload runs; ``gdb_port``:
-    QEMU's gdbstub there."""
+    QEMU's gdbstub there; ``append``: more of the kernel's command line."""
     sock_dir = Path(tempfile.mkdtemp(prefix="rv64-", dir="/tmp"))  # short Unix socket paths
     guest = Riscv64Guest(
         qmp_socket=sock_dir / "qmp.sock",
@@ -63,7 +63,7 @@ def running_riscv64_guest(
         "--qmp-socket", str(guest.qmp_socket),
         "--console", str(guest.console),
         "--smp", str(smp),
-        "--append", "qmpprof.nokallsyms",
+        "--append", f"qmpprof.nokallsyms {append}".strip(),
     ]  # fmt: skip
     if gdb_port is not None:
         cmd += ["--gdb", str(gdb_port)]

@@ -15,6 +15,7 @@ from qmpprof.arch.riscv64 import va_bits
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.riscv64.entry import entry_code
+from qmpprof.linux.riscv64.threadstruct import ThreadStruct
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
@@ -154,11 +155,16 @@ class Riscv64Platform:
         if bits is None:
             return None
         return PageTables(
-            loaded.read, linear.offset, levels(bits), RISCV64_ENTRIES, 1 << (bits - 1)
+            loaded.read,
+            linear.offset,
+            levels(bits),
+            RISCV64_ENTRIES,
+            1 << (bits - 1),
+            span=1 << bits,
         )
 
     def switch_layout(self, btf: Btf, arch: InstructionSet) -> SwitchLayout:
-        raise KeyError("nothing: riscv64's switch frame (thread_struct) is not read yet")
+        return ThreadStruct.from_btf(btf, arch)
 
     def entry_code(self, kernel: LinuxKernel) -> ExceptionEntry | str | None:
         return entry_code(kernel)

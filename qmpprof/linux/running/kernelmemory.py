@@ -58,7 +58,7 @@ def beyond_user_mode(
     walk = None
     if kernel is not None:
         known = kernel.tables
-        walk = PageTables(physical, known.direct_map, known.levels, known.entries, known.user_end)
+        walk = known.over(physical)
 
     async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         found = await through_cpus(ranges)
@@ -80,7 +80,7 @@ def beyond_user_mode(
 async def _through_tables(walk: PageTables, root: int, addr: int, size: int) -> bytes | None:
     """[addr, addr + size) translated page by page through the table at ``root``, read in the
     linear map; None when a page is not mapped."""
-    size_mask = walk.user_end - 1
+    size_mask = walk.span - 1
     pieces = []
     at, end = addr, addr + size
     while at < end:

@@ -183,9 +183,7 @@ class TaskListReader:
         tables = self.spaces.tables
         walk = None
         if tables is not None:  # its entries and levels: arm64's are not x86_64's
-            walk = PageTables(
-                read, tables.direct_map, tables.levels, tables.entries, tables.user_end
-            )
+            walk = tables.over(read)
         out = []
         for i, (at, (task, leader, version, saved)) in enumerate(first):
             more = second[3 * i : 3 * i + 3]

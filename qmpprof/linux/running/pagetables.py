@@ -60,17 +60,22 @@ class PageTables:
         entries: EntryFormat = X86_64_ENTRIES,
         end: int | None = None,
         kept: dict[int, bytes | None] | None = None,
+        span: int | None = None,
     ) -> None:
         """``end``: where user space ends (None: half of what the levels translate, as on
-        x86_64: 2^47 with four levels, 2^56 with five). ``kept``: table pages of any level kept
-        by the caller across walkers, used only as guesses: ``reader`` reads every entry a
-        guess gave again in the request that reads the data, and walks again what changed (so
-        a user page costs one request, not one per level and another for the data)."""
+        x86_64: 2^47 with four levels, 2^56 with five). ``span``: the addresses a top-level
+        table translates, taken below it (None: ``end``, as arm64's, whose kernel half has a
+        table of its own; riscv64's kernel half is in every process's table, above ``end``).
+        ``kept``: table pages of any level kept by the caller across walkers, used only as
+        guesses: ``reader`` reads every entry a guess gave again in the request that reads the
+        data, and walks again what changed (so a user page costs one request, not one per level
+        and another for the data)."""
         self.read = read
         self.direct_map = direct_map
         self.levels = levels
         self.entries = entries
         self.user_end = user_end(levels) if end is None else end
+        self.span = self.user_end if span is None else span
         self._tables: dict[int, bytes | None] = {}  # a table's kernel address -> its page
         self._kept = kept
         self._guessed: dict[int, int | None] = {}  # an entry's address -> what a guess said
@@ -78,7 +83,9 @@ class PageTables:
 
     def over(self, read: Reader) -> PageTables:
         """The same tables walked through ``read`` (a pause's reads, say), nothing kept."""
-        return PageTables(read, self.direct_map, self.levels, self.entries, self.user_end)
+        return PageTables(
+            read, self.direct_map, self.levels, self.entries, self.user_end, span=self.span
+        )
 
     def forget(self) -> None:
         """Drop the table pages read so far (page tables change as processes run)."""

@@ -4,8 +4,9 @@ it entered the kernel with (the ``pt_regs`` at the top of its kernel stack).
 
 Each instruction set's Linux saves them its own way, described by the kernel's BTF: x86_64's
 ``inactive_task_frame`` on the stack at ``thread.sp`` (``linux.x86_64.taskframe``), arm64's
-``thread.cpu_context`` in the task itself (``linux.aarch64.cpucontext``): the instruction set's
-platform says which (``platform.LinuxPlatform.switch_layout``).
+``thread.cpu_context`` in the task itself (``linux.aarch64.cpucontext``), riscv64's ``thread``'s
+ra, sp and s0..s11 (``linux.riscv64.threadstruct``): the instruction set's platform says which
+(``platform.LinuxPlatform.switch_layout``).
 """
 
 from __future__ import annotations
