@@ -183,7 +183,7 @@ def test_runs_ended_at_random_instants_leave_the_domain_as_found(
         assert "Traceback" not in said, said
         resumed += "the guest (" in said and "runs again" in said
         assert machine.state()[0] == libvirt.VIR_DOMAIN_RUNNING, (cut, said)
-        assert leftovers(machine) == [], cut
+        assert leftovers(machine) == [], (cut, said)
     assert resumed == len(range(2, RUNS - 1, len(cuts)))  # the guard, after every SIGKILL
 
     with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as run:
