@@ -109,7 +109,8 @@ def _follow(way: _Way, mnemonic: str, ops: str, word: int, names: Sequence[str])
     for stem in stems:
         way.held.pop(stem, None)
     taken = _FROM_SP.match(ops) if mnemonic in ("mov", "lea") else None
-    if taken and len(operands[0]) > 2 and (mnemonic == "lea") == ("[" in ops):
+    # Into a whole register of this instruction set (not ax, not x86_64's eax or r8d).
+    if taken and operands[0] in names and (mnemonic == "lea") == ("[" in ops):
         offset = 0 if taken[3] is None else int(taken[3], 0) * (-1 if taken[2] == "-" else 1)
-        way.held[_PARTS[operands[0]]] = -way.depth + offset  # a whole register, not ax
+        way.held[_PARTS[operands[0]]] = -way.depth + offset
     return "sp" not in way.written

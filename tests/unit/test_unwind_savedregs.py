@@ -11,6 +11,7 @@ from guestvm import BUILD_ROOT
 
 from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.arch.riscv64code import SP, decode, length, word
+from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.riscv64 import entry as riscv64_entry
 from qmpprof.linux.riscv64.entry import SEPC, entry_code
@@ -130,13 +131,13 @@ def test_a_kernel_whose_entry_stores_other_than_pt_regs_is_said_in_one_line(
     kernel: LinuxKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A pt_regs whose status lies where the entry stores nothing: the code is not read.
-    real = riscv64_entry._pt_regs
+    real = riscv64_entry.pt_regs  # as entry.py imported it
 
-    def moved(k: LinuxKernel) -> dict[str, int] | None:
-        found = real(k)
+    def moved(btf: Btf) -> dict[str, int] | None:
+        found = real(btf)
         return None if found is None else {**found, "status": found["status"] + 0x100}
 
-    monkeypatch.setattr(riscv64_entry, "_pt_regs", moved)
+    monkeypatch.setattr(riscv64_entry, "pt_regs", moved)
     found = entry_code(kernel)
     assert isinstance(found, str) and "no shape qmpprof knows" in found
     assert "pt_regs" in found and "\n" not in found

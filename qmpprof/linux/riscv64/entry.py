@@ -21,14 +21,14 @@ entry. Checked on trixie's riscv64 6.12.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmpprof.arch.riscv64code import SP, decode, is_call, length, word
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.riscv64.ptregs import SPP, pt_regs
 from qmpprof.unwind.savedregs import SavedRegsEntry
 
 SEPC = 0x1000 + 0x141  # sepc, CSR 0x141, at 4096 + its number (the psABI's DWARF numbering)
-_SPP = 1 << 8  # sstatus.SPP: the previous privilege was S-mode
-_MEMBERS = ("epc", "ra", "sp", "s0", "t6", "status")  # each checked against the stores
-_WORD = 8
 _COUNT = 32  # x0..x31: x0's slot holds epc
 
 
@@ -39,7 +39,7 @@ def entry_code(kernel: LinuxKernel) -> SavedRegsEntry | str | None:
     entry, back = symbols.address_of("handle_exception"), symbols.address_of("ret_from_exception")
     if entry is None:
         return None
-    offsets = _pt_regs(kernel)
+    offsets = None if kernel.btf is None else pt_regs(kernel.btf)
     extents = [symbols.extent(at) for at in (entry, back) if at is not None]
     code = image.text_bytes
     if offsets is None or len(extents) != 2 or code is None:
@@ -61,7 +61,7 @@ def entry_code(kernel: LinuxKernel) -> SavedRegsEntry | str | None:
         count=_COUNT,
         pc=offsets["epc"],
         status=offsets["status"],
-        from_kernel=_SPP,
+        from_kernel=SPP,
         link=SEPC,
         link_name="sepc",
     )
@@ -74,22 +74,19 @@ def _unknown(why: str) -> str:
     )
 
 
-def _pt_regs(kernel: LinuxKernel) -> dict[str, int] | None:
-    """``struct pt_regs``'s members the walk reads, by BTF; None unless laid out as general
-    register n at 8n (epc in x0's place)."""
-    btf = kernel.btf
-    if btf is None:
-        return None
-    try:
-        found = {name: btf.offset_of(f"pt_regs.{name}") for name in _MEMBERS}
-    except KeyError:
-        return None
-    base = found["epc"]
-    if (found["ra"], found["sp"], found["s0"], found["t6"]) != tuple(
-        base + _WORD * n for n in (1, 2, 8, 31)
-    ):
-        return None
-    return found
+def _instructions(
+    code: bytes, text: int, start: int, end: int
+) -> Iterator[tuple[int, int, tuple[str, int, int, int]]]:
+    """Each instruction in [start, end) of the text at ``text``: its address, size and
+    ``decode``'s reading; it ends early where the text does."""
+    at = start
+    while at < end:
+        insn = word(code, at - text)
+        if insn is None:
+            return
+        size = length(code, at - text)
+        yield at, size, decode(insn)
+        at += size
 
 
 def _entry_shape(
@@ -99,20 +96,14 @@ def _entry_shape(
     and where ``pt_regs`` is whole: after the last store to sp-relative memory before its first
     call, once the stores covered the members the walk reads."""
     first_write, last_store, stored = None, None, set()
-    at = start
-    while at < end:
-        insn = word(code, at - text)
-        if insn is None:
-            return "handle_exception runs past the kernel's text"
-        kind, rd, rs1, imm = decode(insn)
+    for at, size, (kind, rd, rs1, imm) in _instructions(code, text, start, end):
         if is_call(kind, rd):
             break
         if kind == "sd" and rs1 == SP and first_write is not None:
-            last_store = at + length(code, at - text)
+            last_store = at + size
             stored.add(imm)
         elif rd == SP and kind in ("addi", "ld", "write") and first_write is None:
             first_write = at
-        at += length(code, at - text)
     if first_write is None or last_store is None:
         return "handle_exception builds no frame at sp before its call"
     if not set(offsets.values()) <= stored:
@@ -123,13 +114,7 @@ def _entry_shape(
 def _sp_load(code: bytes, text: int, start: int, end: int, sp_offset: int) -> int | None:
     """The end of ``ret_from_exception``'s ``ld sp, <pt_regs.sp>(sp)``: pt_regs whole until
     then."""
-    at = start
-    while at < end:
-        insn = word(code, at - text)
-        if insn is None:
-            return None
-        size = length(code, at - text)
-        if decode(insn) == ("ld", SP, SP, sp_offset):
+    for at, size, found in _instructions(code, text, start, end):
+        if found == ("ld", SP, SP, sp_offset):
             return at + size
-        at += size
     return None

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.riscv64.ptregs import SPP, pt_regs
 from qmpprof.model import Registers
 
-_SPP = 1 << 8  # sstatus.SPP: the trap came from supervisor mode
 # thread_struct.s[i]: s0, s1 are x8, x9; s2..s11 are x18..x27 (the psABI's callee-saved)
 _S_REGISTERS = (8, 9, *range(18, 28))
 _WORD = 8
@@ -51,11 +51,8 @@ class ThreadStruct:
         s = btf.field("thread_struct.s")
         if btf.array(s.type_id)[1] != len(_S_REGISTERS):
             raise KeyError("thread_struct.s: not s0..s11")
-        epc = btf.offset_of("pt_regs.epc")
-        if (
-            btf.offset_of("pt_regs.ra") != epc + _WORD
-            or btf.offset_of("pt_regs.t6") != epc + 31 * _WORD
-        ):
+        offsets = pt_regs(btf)
+        if offsets is None:
             raise KeyError("pt_regs: not epc then x1..x31")
         return cls(
             thread=btf.offset_of("task_struct.thread"),
@@ -64,8 +61,8 @@ class ThreadStruct:
             sp=btf.offset_of("thread_struct.sp"),
             s=s.offset,
             regs_size=btf.size_of(regs),
-            epc=epc,
-            status=btf.offset_of("pt_regs.status"),
+            epc=offsets["epc"],
+            status=offsets["status"],
         )
 
     @property
@@ -94,7 +91,7 @@ class ThreadStruct:
 
     def user_registers(self, top: bytes, arch: InstructionSet) -> Registers | None:
         base = len(top) - self.regs_size
-        if base < 0 or _word(top, base + self.status) & _SPP:
+        if base < 0 or _word(top, base + self.status) & SPP:
             return None
         pc = _word(top, base + self.epc)
         gprs = {n: _word(top, base + self.epc + _WORD * n) for n in range(1, 32)}
