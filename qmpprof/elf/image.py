@@ -98,6 +98,10 @@ class ElfImage:
         # Where the segments are loaded in physical memory (p_paddr): a kernel's code runs
         # there before it turns paging on.
         self.physical_ranges: tuple[tuple[int, int], ...] = tuple(headers.physical)
+        self._moves = tuple(
+            (vaddr, vaddr + memsz, start - vaddr)
+            for (vaddr, _, memsz), (start, _) in zip(headers.loads, headers.physical, strict=True)
+        )
         self.entry: int | None = headers.entry
         text = self._sections.get(".text")
         self.text_addr: int = text.addr if text is not None else 0
@@ -173,6 +177,14 @@ class ElfImage:
     def code_ranges(self) -> list[tuple[int, int]]:
         """(start, end) addresses of every executable section."""
         return [(h.addr, h.addr + h.size) for h in self._section_list if h.flags & _SHF_EXECINSTR]
+
+    def physical(self, addr: int) -> int | None:
+        """Where link address ``addr`` is loaded in physical memory (its segment's p_paddr);
+        None when no segment holds it."""
+        for lo, hi, move in self._moves:
+            if lo <= addr < hi:
+                return addr + move
+        return None
 
     def code_at(self, addr: int, size: int) -> bytes | None:
         """The file's bytes of an executable section at link address ``addr`` (None when no

@@ -15,9 +15,12 @@ paused at the reset vector, whose firmware loads the kernel later): a vCPU whose
 file's code, or one with paging on in user mode (a kernel started it), or in kernel mode at a
 pc in the kernel's half of the address space (a kernel linked elsewhere than the file: then
 none of the places reading is a mismatch too; in user mode it decides nothing, a kernel may
-unmap itself there). ``attach`` looks at the vCPUs while the guest runs, for up to ``WAIT``
-seconds; when none showed a kernel meanwhile (the guest paused before its kernel loaded), the
-first sample that does checks, in its pause, before it is kept: a mismatch then ends the run.
+unmap itself there). A kernel's first instructions run where its code is loaded (p_paddr),
+paging off or identity-mapped, before it jumps to its link addresses: a pc in the file's
+code there shows the kernel too, and the places are read at their load addresses then.
+``attach`` looks at the vCPUs while the guest runs, for up to ``WAIT`` seconds; when none
+showed a kernel meanwhile (the guest paused before its kernel loaded), the first sample that
+does checks, in its pause, before it is kept: a mismatch then ends the run.
 """
 
 from __future__ import annotations
@@ -48,11 +51,17 @@ class KernelCheck:
         self.image = image
         self.arch = arch
         self.code = [(lo, hi) for lo, hi in image.code_ranges() if hi - lo >= PLACE]
+        # The code's load addresses where they are not its link addresses: (start, end, link).
+        self.loaded = [
+            (at, at + hi - lo, lo)
+            for lo, hi in self.code
+            if (at := image.physical(lo)) is not None and at != lo
+        ]
         self.done = not self.code  # a file with no code has nothing to compare
 
     def runs_kernel(self, regs: Registers) -> bool:
         """Whether ``regs`` show a kernel running (the moment the check can be made)."""
-        if self._holds(regs.pc):
+        if self._holds(regs.pc) or self._linked(regs.pc) is not None:
             return True
         paging = regs.special.get("paging", 1)
         return bool(paging) and (regs.user or regs.pc >= self.arch.kernel_boundary)
@@ -76,14 +85,16 @@ class KernelCheck:
         too few places read. Raises KernelMismatchError when it is not: too few of the places
         the same, or none read while the kernel runs at a pc outside the file's code."""
         pc = regs.pc
-        places = self.places([pc])
-        running = await read([(at, PLACE) for at in places])
+        early = self._linked(pc)  # the kernel runs where it is loaded: its code is read there
+        places = self.places([pc if early is None else early])
+        where = places if early is None else [self.image.physical(at) or at for at in places]
+        running = await read([(at, PLACE) for at in where])
         compared = [
             (at, self._same(at, data))
             for at, data in zip(places, running, strict=True)
             if data is not None
         ]
-        if not compared and not regs.user and not self._holds(pc):
+        if not compared and not regs.user and not self._holds(pc) and early is None:
             raise KernelMismatchError(
                 f"the guest runs kernel code at {pc:#x}, and none of {self.image.path}'s code"
                 " reads in the guest: give the kernel file the guest booted"
@@ -107,6 +118,13 @@ class KernelCheck:
 
     def _holds(self, pc: int) -> bool:
         return any(lo <= pc < hi for lo, hi in self.code)
+
+    def _linked(self, pc: int) -> int | None:
+        """The link address of a ``pc`` in the file's code at its load address, else None."""
+        for lo, hi, link in self.loaded:
+            if lo <= pc < hi:
+                return pc - lo + link
+        return None
 
     async def attach(self, control: GuestTransport) -> None:
         """Check while the guest runs, through ``control``, when a vCPU shows a kernel within

@@ -46,14 +46,18 @@ def fp(guest_build: None) -> ElfImage:
     return ElfImage.load(BUILD_ROOT / "fp" / "kernel.elf")
 
 
-def running(image: ElfImage, patched: Sequence[int] = ()) -> Reader:
-    """Guest memory holding ``image``'s code at its link addresses, the bytes at ``patched``
-    changed (what a kernel patching itself at boot does); nothing else reads."""
+def running(image: ElfImage, patched: Sequence[int] = (), *, loaded: bool = False) -> Reader:
+    """Guest memory holding ``image``'s code at its link addresses (``loaded``: at its load
+    addresses, paging off), the bytes at ``patched`` changed (what a kernel patching itself at
+    boot does); nothing else reads."""
+    load = image.physical(image.text_addr)
+    assert load is not None
+    moved = image.text_addr - load if loaded else 0  # one move for all the code, as here
 
     async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for addr, size in ranges:
-            code = image.code_at(addr, size)
+            code = image.code_at(addr + moved, size)
             if code is not None and addr in patched:
                 code = bytes(b ^ 0xFF for b in code)
             out.append(code)
@@ -133,9 +137,26 @@ async def test_a_kernel_running_where_the_file_has_no_code_is_a_mismatch(cfi: El
 def test_the_check_waits_for_a_kernel_to_run(cfi: ElfImage) -> None:
     check = KernelCheck(cfi, X86_64)
     assert not check.runs_kernel(x86(0, 0xFFF0, 0, long_mode=False, cr0=0x60000010))  # reset
-    assert not check.runs_kernel(x86(0, 0x100040, 0, long_mode=False, cr0=0x11))  # no paging
-    assert not check.runs_kernel(in_kernel(0x101000))  # paging on, low: a boot trampoline
+    assert not check.runs_kernel(x86(0, 0x7C00, 0, long_mode=False, cr0=0x11))  # a loader
+    assert not check.runs_kernel(in_kernel(0x8000))  # paging on, low: a firmware's trampoline
     assert check.runs_kernel(in_kernel(text_pc(cfi)))
+    # The kernel's own first instructions, where its code is loaded (p_paddr 1 MiB here),
+    # paging off or identity-mapped: the kernel runs.
+    assert cfi.physical(cfi.text_addr) == 0x100000
+    assert check.runs_kernel(x86(0, 0x100040, 0, long_mode=False, cr0=0x11))
+    assert check.runs_kernel(in_kernel(0x101000))
+
+
+async def test_a_kernel_at_its_load_address_is_checked_there(cfi: ElfImage, fp: ElfImage) -> None:
+    # A boot sampled in the kernel's first instructions, before paging (what a recorded boot
+    # sees): the places are read at their load addresses, and the other build is told apart.
+    pc = cfi.physical(text_pc(cfi))
+    assert pc is not None
+    early = x86(0, pc, 0, long_mode=False, cr0=0x11)
+    assert await KernelCheck(cfi, X86_64).check(running(cfi, loaded=True), early)
+    assert not await KernelCheck(cfi, X86_64).check(running(cfi), early)  # not there: undecided
+    with pytest.raises(KernelMismatchError, match=r"code differs from the guest's at \d+ of"):
+        await KernelCheck(fp, X86_64).check(running(cfi, loaded=True), early)
 
 
 def test_the_places_lie_in_the_files_code(cfi: ElfImage) -> None:
