@@ -112,7 +112,8 @@ class Capture(Generic[Space, Raw]):
         self, regs: Registers, stats: SamplerStats, start: float
     ) -> Captured[Space, Raw]:
         mode = Mode.KERNEL if regs.pc >= self.boundary else Mode.USER
-        if regs.user != (mode is Mode.USER):
+        # A vCPU that translates nothing (firmware) is on neither side of the boundary.
+        if regs.user != (mode is Mode.USER) and regs.special.get("paging", 1):
             stats.mode_mismatch += 1
         captured: Captured[Space, Raw] = Captured(regs, self._clock() - start, mode)
         if self.keep is not None and mode is not self.keep:

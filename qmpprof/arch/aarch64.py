@@ -114,9 +114,14 @@ class AArch64(FrameRecordsOnly):
         return None  # TPIDR_EL1 holds it (per_cpu_registers), not among the sampled ones
 
     def prologue(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
-        return PROLOGUES.analyze(code, code_addr, pc, func_start)
+        return PROLOGUES.analyze(code, code_addr, pc, func_start, func_end)
 
     def is_call_before(self, code: bytes, ra: int) -> bool:
         # BL and BLR: the two ways to call, each one 4-byte instruction.

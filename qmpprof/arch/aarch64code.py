@@ -176,7 +176,9 @@ def _sp_writeback(insn: int) -> int | None:
     return None
 
 
-def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> PrologueRule | None:
+def _analyze(
+    code: bytes, code_addr: int, pc: int, func_start: int | None, _end: int | None
+) -> PrologueRule | None:
     off = pc - code_addr
     if off < 0 or off + 4 > len(code) or off & 3:
         return None

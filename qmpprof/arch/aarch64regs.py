@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Mapping
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.arch.base import core_registers, frame_registers, gdb_reply, per_cpu
@@ -41,10 +42,14 @@ def aarch64_registers(cpu: int, gprs: dict[int, int], pstate: int) -> Registers:
 class AArch64Formats:
     """The ``RegisterFormats`` of qemu-system-aarch64."""
 
+    extra: tuple[str, ...] = ()
+
     def from_monitor(self, text: str) -> list[Registers]:
         return per_cpu(text, _monitor_block)
 
-    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+    def from_gdb(
+        self, cpu: int, payload: bytes, extra: Mapping[str, int] | None = None
+    ) -> Registers:
         *words, cpsr = core_registers(gdb_reply(payload), _CORE, AARCH64.name)
         return aarch64_registers(cpu, dict(enumerate(words)), cpsr)
 

@@ -192,10 +192,16 @@ class InstructionSet(Protocol):
         ...
 
     def prologue(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` in ``code`` (at ``code_addr``) by
-        analysing the function's instructions; None: no answer (frame pointers then)."""
+        analysing the function's instructions (``func_start``..``func_end``: its symbol's
+        extent, as far as known); None: no answer (frame pointers then)."""
         ...
 
     def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
@@ -290,12 +296,19 @@ class FrameRecordsOnly:
 class RegisterFormats(Protocol):
     """How QEMU prints one target family's registers."""
 
+    # Registers the gdbstub's ``g`` lacks and a sample needs, read with it (``p``), by the
+    # names the target description gives them.
+    extra: tuple[str, ...]
+
     def from_monitor(self, text: str) -> list[Registers]:
         """Every vCPU's registers from ``info registers`` text (one block per vCPU)."""
         ...
 
-    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
-        """One vCPU's registers from a gdbstub ``g`` reply (hex text)."""
+    def from_gdb(
+        self, cpu: int, payload: bytes, extra: Mapping[str, int] | None = None
+    ) -> Registers:
+        """One vCPU's registers from a gdbstub ``g`` reply (hex text), and the values of
+        ``extra`` that read."""
         ...
 
 

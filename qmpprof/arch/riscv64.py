@@ -100,9 +100,14 @@ class RiscV64(FrameRecordsOnly):
         return None
 
     def prologue(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
-        return PROLOGUES.analyze(code, code_addr, pc, func_start)
+        return PROLOGUES.analyze(code, code_addr, pc, func_start, func_end)
 
     def is_call_before(self, code: bytes, ra: int) -> bool:
         # A call is 4 bytes (jal, jalr) or 2 (c.jalr): either may end right before ra.

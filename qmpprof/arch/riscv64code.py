@@ -14,7 +14,9 @@ from s0 there skips the caller; the same holds once the epilogue (``ld ra``, ``l
 - the epilogue, followed forward from the pc to its ``ret`` along straight code, says exactly
   where ra and s0 are and how far sp still moves up;
 - when a branch or a call comes first, the prologue, followed from the function's start to the
-  pc, says how far sp moved down and where ra and s0 were stored.
+  pc, says how far sp moved down and where ra and s0 were stored;
+- when a branch comes first there too, a function none of whose instructions (its symbol's
+  extent) writes sp, ra or s0 is a leaf: ra, whichever way the pc was reached.
 
 Answers are cached per (code, pc, function start).
 """
@@ -27,6 +29,7 @@ from qmpprof.arch.prologuecache import CachedAnalysis
 RA, SP, FP = 1, 2, 8  # x1, x2, x8 (s0)
 _MAX_SCAN = 4096  # bytes from the function's start: a longer prologue is left to frame records
 _MAX_EPILOGUE = 32  # instructions followed forward to a return
+_MAX_LEAF = 4096  # bytes of a function read whole for a write to sp, ra or s0
 _MASK64 = (1 << 64) - 1
 # Opcodes (bits 6..0) of the 32-bit instructions that write their integer rd.
 _WRITES_RD = frozenset({0x37, 0x17, 0x6F, 0x67, 0x03, 0x13, 0x33, 0x1B, 0x3B, 0x2F, 0x73})
@@ -142,7 +145,9 @@ def is_call(kind: str, rd: int) -> bool:
     return kind in ("jal", "jalr") and rd in (RA, 5)
 
 
-def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> PrologueRule | None:
+def _analyze(
+    code: bytes, code_addr: int, pc: int, func_start: int | None, func_end: int | None
+) -> PrologueRule | None:
     off = pc - code_addr
     if off < 0 or off + 2 > len(code) or off & 1:
         return None
@@ -151,7 +156,28 @@ def _analyze(code: bytes, code_addr: int, pc: int, func_start: int | None) -> Pr
         return ahead
     if func_start is None or not 0 <= pc - func_start <= _MAX_SCAN or func_start < code_addr:
         return None
-    return _prologue(code, func_start - code_addr, off)
+    found = _prologue(code, func_start - code_addr, off)
+    if found is None and func_end is not None and _leaf(code, func_start, func_end, code_addr):
+        return PrologueRule(0, ra_register=RA)
+    return found
+
+
+def _leaf(code: bytes, start: int, end: int, code_addr: int) -> bool:
+    """Whether no instruction of the function at ``start``..``end`` writes sp, ra or s0 (nor
+    calls): an assembly leaf, whose every path leaves the caller's sp and ra as they came,
+    however it branches (``memset``'s computed jump into its run of stores)."""
+    at, stop = start - code_addr, end - code_addr
+    if stop - at > _MAX_LEAF or stop > len(code):
+        return False
+    while at < stop:
+        insn = word(code, at)
+        if insn is None:
+            return False
+        kind, rd, _, _ = decode(insn)
+        if kind not in ("sd", "branch") and rd in (SP, RA, FP):
+            return False
+        at += length(code, at)
+    return True
 
 
 def _epilogue(code: bytes, off: int) -> PrologueRule | None:

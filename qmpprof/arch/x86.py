@@ -105,9 +105,14 @@ class X86:
         return base if not regs.user and base >= _UPPER_HALF else None
 
     def prologue(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
-        return analyzer(self.address_size).analyze(code, code_addr, pc, func_start)
+        return analyzer(self.address_size).analyze(code, code_addr, pc, func_start, func_end)
 
     def return_scan(self, code: bytes, code_addr: int, pc: int) -> ReturnRule | None:
         return scanner(self.address_size).scan(code, code_addr, pc)

@@ -80,11 +80,17 @@ class PrologueAnalyzer:
         self._cached = CachedAnalysis(self._analyze)
 
     def analyze(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
         """How to find the caller at link address ``pc`` inside ``code`` (which starts at
-        ``code_addr``); ``func_start`` comes from the symbol table. None: use frame pointers."""
-        return self._cached.analyze(code, code_addr, pc, func_start)
+        ``code_addr``); ``func_start`` comes from the symbol table (``func_end``: not needed
+        here). None: use frame pointers."""
+        return self._cached.analyze(code, code_addr, pc, func_start, func_end)
 
     @property
     def cs(self) -> object:
@@ -104,7 +110,7 @@ class PrologueAnalyzer:
         return None
 
     def _analyze(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self, code: bytes, code_addr: int, pc: int, func_start: int | None, _end: int | None
     ) -> PrologueRule | None:
         here = self._insn_at(code, code_addr, pc)
         if here is None:

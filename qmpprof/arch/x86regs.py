@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Mapping
 
 from qmpprof.arch.base import core_registers, frame_registers, gdb_reply, per_cpu
 from qmpprof.arch.x86 import I386, X86, X86_64
@@ -93,10 +94,14 @@ def _numbered(isa: X86, named: dict[str, int]) -> dict[int, int]:
 class X86Formats:
     """The ``RegisterFormats`` of QEMU's x86 targets (qemu-system-x86_64 and -i386)."""
 
+    extra: tuple[str, ...] = ()
+
     def from_monitor(self, text: str) -> list[Registers]:
         return per_cpu(text, _monitor_block)
 
-    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+    def from_gdb(
+        self, cpu: int, payload: bytes, extra: Mapping[str, int] | None = None
+    ) -> Registers:
         named = self.gdb_named(payload)
         return x86_registers(
             cpu,

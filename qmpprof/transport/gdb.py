@@ -31,7 +31,6 @@ this transport is several times cheaper. Facts about QEMU 7.2's stub this module
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -45,8 +44,8 @@ from qmpprof.transport.gdbpackets import (
     encode_packet,
     includes,
     is_stop_reply,
+    numbered,
     parse_thread_ids,
-    register_numbers,
 )
 
 # Seconds a stub has to answer once attached: longer, and it lost the packet or stopped answering
@@ -99,7 +98,9 @@ class GdbTransport:
         # The process id, when the stub spells ids pPID.TID (it then wants D;PID).
         self._pid = int(first[1:].partition(b".")[0], 16) if first.startswith(b"p") else None
         self._chunk = chunk
-        self._numbers: dict[str, int] | None = None  # system registers' numbers, once read
+        self._numbers: dict[str, int] | None = None  # registers' numbers, once read
+        # The registers read with each ``g`` (``formats.extra``) and their numbers.
+        self._extra: tuple[tuple[str, int], ...] = ()
         # The thread the stub will have selected once it has read what we wrote (None: unknown).
         self._selected: int | None = None
         self._running = False
@@ -148,6 +149,11 @@ class GdbTransport:
         self = cls(channel, threads, chunk, formats)
         try:
             self.formats = formats or await self._target_formats(address)
+            if self.formats.extra:
+                numbers = await self._register_numbers()
+                self._extra = tuple(
+                    (name, numbers[name]) for name in self.formats.extra if name in numbers
+                )
         except BaseException:
             await channel.close()
             raise
@@ -221,13 +227,21 @@ class GdbTransport:
 
     async def _register_packet(self, cpu: int) -> bytes:
         (reply,) = await self._on_cpu(cpu, [b"g"])
-        if len(reply) < 4 or reply.startswith(b"E"):
-            raise TransportError(f"the gdbstub refused the registers of vCPU {cpu}: {reply!r}")
-        return reply
+        return _checked(cpu, reply)
 
     async def registers(self, cpu: int) -> Registers:
+        """``cpu``'s ``g`` registers, and those its formats read beside them (``extra``: the
+        privilege mode riscv64's ``g`` lacks) in the same round trip."""
         assert self.formats is not None  # connect found them
-        return self.formats.from_gdb(cpu, await self._register_packet(cpu))
+        if not self._extra:
+            return self.formats.from_gdb(cpu, await self._register_packet(cpu))
+        reply, *values = await self._on_cpu(cpu, [b"g", *(b"p%x" % n for _, n in self._extra)])
+        extra = {
+            name: int.from_bytes(raw, "little")
+            for (name, _), value in zip(self._extra, values, strict=True)
+            if not value.startswith(b"E") and (raw := _unhex(value))
+        }
+        return self.formats.from_gdb(cpu, _checked(cpu, reply), extra)
 
     async def register_packet(self, cpu: int) -> bytes:
         """``cpu``'s raw ``g`` reply (hex text), for a target's own reading of every register."""
@@ -267,13 +281,8 @@ class GdbTransport:
     async def read_system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         """``system_registers`` of a stopped guest: read with ``p`` at the numbers the target
         description gives them."""
-        if self._numbers is None:
-            xml = await self.target_xml()
-            self._numbers = {}
-            for annex in includes(xml):
-                with contextlib.suppress(TransportError):
-                    self._numbers.update(register_numbers(await self.target_xml(annex)))
-        wanted = [(name, self._numbers[name]) for name in names if name in self._numbers]
+        numbers = await self._register_numbers()
+        wanted = [(name, numbers[name]) for name in names if name in numbers]
         if not wanted:
             return {}
         replies = await self._on_cpu(cpu, [b"p%x" % number for _, number in wanted])
@@ -283,6 +292,18 @@ class GdbTransport:
             if raw:
                 out[name] = int.from_bytes(raw, "little")
         return out
+
+    async def _register_numbers(self) -> dict[str, int]:
+        """Every register's number for ``p``, from the target description (read once)."""
+        if self._numbers is None:
+            features: list[str | None] = []
+            for annex in includes(await self.target_xml()):
+                try:
+                    features.append(await self.target_xml(annex))
+                except TransportError:
+                    features.append(None)
+            self._numbers = numbered(features)
+        return self._numbers
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         """Guest-virtual memory as ``cpu`` sees it, in pipelined ``m`` requests."""
@@ -445,6 +466,13 @@ def _data(
     if data is None:
         return MemoryReadError(addr, size, "gdbstub answered no hex")
     return data
+
+
+def _checked(cpu: int, reply: bytes) -> bytes:
+    """A ``g`` reply, refused with the reply when it is an error."""
+    if len(reply) < 4 or reply.startswith(b"E"):
+        raise TransportError(f"the gdbstub refused the registers of vCPU {cpu}: {reply!r}")
+    return reply
 
 
 def _unhex(text: bytes) -> bytes | None:

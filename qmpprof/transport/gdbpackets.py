@@ -8,6 +8,7 @@ No I/O here: ``qmpprof.transport.gdb`` does the talking and hands the packets ov
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from zlib import adler32
 
 from qmpprof.errors import TransportError
@@ -99,7 +100,6 @@ def architecture(target_xml: str) -> str | None:
 
 
 _INCLUDE = re.compile(r'<xi:include\s+href="([^"]+)"')
-_NUMBERED_REG = re.compile(r'<reg\s[^>]*?name="([^"]+)"[^>]*?regnum="(\d+)"')
 
 
 def includes(target_xml: str) -> list[str]:
@@ -107,7 +107,30 @@ def includes(target_xml: str) -> list[str]:
     return _INCLUDE.findall(target_xml)
 
 
-def register_numbers(feature_xml: str) -> dict[str, int]:
-    """The registers a feature's description numbers itself (``regnum``: QEMU's system
-    registers, ``TCR_EL1`` among them), by name: the numbers ``p`` packets take."""
-    return {name: int(number) for name, number in _NUMBERED_REG.findall(feature_xml)}
+_REG = re.compile(r"<reg\s[^>]*>")
+_NAME = re.compile(r'\bname="([^"]+)"')
+_REGNUM = re.compile(r'\bregnum="(\d+)"')
+
+
+def numbered(features: Sequence[str | None]) -> dict[str, int]:
+    """Every register of a target's features (its included annexes, in their order; None for
+    one that did not read) by name, numbered as gdb numbers them for ``p``: in order from 0,
+    each ``regnum`` setting the number of its register and of those after it. After a feature
+    that did not read, a register without ``regnum`` has no known number until one sets it
+    (riscv64's ``priv``, the one register of riscv-64bit-virtual.xml, is known only by its
+    place: after the core's 33 and the FPU's 32 on QEMU 7.2, number 65)."""
+    out: dict[str, int] = {}
+    number: int | None = 0
+    for feature in features:
+        if feature is None:
+            number = None
+            continue
+        for reg in _REG.findall(feature):
+            name, regnum = _NAME.search(reg), _REGNUM.search(reg)
+            if regnum is not None:
+                number = int(regnum[1])
+            if name is not None and number is not None:
+                out[name[1]] = number
+            if number is not None:
+                number += 1
+    return out

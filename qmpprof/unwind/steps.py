@@ -148,12 +148,10 @@ class PrologueStep:
         if not interrupted:
             return None  # a caller stands at a call site, where frame pointers are right
         link_pc = pc - self.bias
-        func_start = None
-        if self.symbols is not None:
-            hit = self.symbols.lookup(link_pc)
-            func_start = None if hit is None else link_pc - hit[1]
+        extent = None if self.symbols is None else self.symbols.extent(link_pc)
+        func_start, func_end = (None, None) if extent is None else extent
         arch = self.arch
-        rule = arch.prologue(self.code, self.code_addr, link_pc, func_start)
+        rule = arch.prologue(self.code, self.code_addr, link_pc, func_start, func_end)
         if rule is None:
             return None
         mask, read = arch.mask, word_reader(memory, arch)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ AT_VECTOR = 0.9
 PROFILE_S = 5.0  # guest run time of the profile, ticks back to back
 MASK = (1 << 64) - 1
 PROFILE_DEADLINE = 120.0  # seconds: a stalled run fails here instead of holding CI
+WORKLOAD = {"head", "xz", "init"}  # the workload's programs (fixtures/riscv64-guest/init)
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +182,11 @@ def test_kernel_stacks_walk_call_by_call(guest: Riscv64Guest) -> None:
     tally.check()
 
 
-async def profile(guest: Riscv64Guest) -> tuple[Profile, SamplerStats]:
-    """A PROFILE_S profile at 10 ms of both vCPUs, ticks back to back, within a deadline."""
+async def profile(guest: Riscv64Guest, os: str = "cr3") -> tuple[Profile, SamplerStats]:
+    """A PROFILE_S profile at 10 ms of both vCPUs, ticks back to back, within a deadline;
+    ``os``: the guest OS option ("auto": Linux's platform, chosen by itself)."""
     sampling = SamplerConfig(interval=0.01, duration=PROFILE_S)
-    spec = session.RunSpec(reach=Reach(guest.qmp_socket), kernel=vmlinux_dbg(), os="cr3",
+    spec = session.RunSpec(reach=Reach(guest.qmp_socket), kernel=vmlinux_dbg(), os=os,
                            sampling=sampling)  # fmt: skip
     run = await session.start(spec)
     sampler = Sampler(run.transport, run.unwinder, run.identifier, run.config)
@@ -209,3 +212,37 @@ def test_a_profile_takes_every_tick_asked(guest: Riscv64Guest) -> None:
     assert tally.deep >= 2, tally.deep
     assert tally.at_vector <= AT_VECTOR * tally.kernel, (tally.at_vector, tally.kernel)
     assert tally.named >= NAMED * tally.frames, (tally.named, tally.frames)
+
+
+FIRMWARE_BASE = re.compile(r"^Firmware Base\s*:\s*0x([0-9a-f]+)\s*$", re.MULTILINE)
+FIRMWARE_SIZE = re.compile(r"^Firmware Size\s*:\s*(\d+) KB\s*$", re.MULTILINE)
+
+
+def test_the_firmware_is_where_opensbi_says_it_is(guest: Riscv64Guest) -> None:
+    # Linux's platform through the private gdbstub, whose priv register says a vCPU runs in
+    # M-mode. The truth, from the same guest: where OpenSBI says on the console it was loaded
+    # (its banner's Firmware Base and Size). Every sample whose pc is there is [firmware], and
+    # every [firmware] sample's pc is there; one entered from user code is under that
+    # process (the workload's: its misaligned loads, which OpenSBI emulates, bring it there).
+    text = guest.console_text()
+    base, size = FIRMWARE_BASE.search(text), FIRMWARE_SIZE.search(text)
+    assert base is not None and size is not None, text[:2000]
+    low = int(base[1], 16)
+    high = low + int(size[1]) * 1024
+    recorded, stats = asyncio.run(profile(guest, os="auto"))
+    assert run_state(guest.qmp_socket) == "running"
+    firmware = under_process = 0
+    processes: Counter[str] = Counter()
+    for record, count in zip(recorded.stacks, recorded.counts, strict=True):
+        leaf = recorded.frames_of(record)[0]
+        named = leaf.module is not None and leaf.module.name == "[firmware]"
+        assert named == (low <= leaf.pc < high), (record, hex(leaf.pc), hex(low), hex(high))
+        firmware += count * named
+        if named and record.process is not None:
+            under_process += count
+            processes[record.process.thread or ""] += count
+    print(f"firmware {low:#x}-{high:#x}: {firmware} of {sum(recorded.counts)} samples,"
+          f" {under_process} under a process {processes.most_common(4)}")  # fmt: skip
+    assert firmware > 0 and under_process > 0, (firmware, under_process)
+    assert set(processes) <= WORKLOAD, processes
+    assert stats.mode_mismatch == 0, stats.mode_mismatch  # firmware is on neither side

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -59,7 +59,12 @@ class ToyIsa:
         return None
 
     def prologue(
-        self, code: bytes, code_addr: int, pc: int, func_start: int | None
+        self,
+        code: bytes,
+        code_addr: int,
+        pc: int,
+        func_start: int | None,
+        func_end: int | None = None,
     ) -> PrologueRule | None:
         self.asked["prologue"] += 1
         return X86_64.prologue(code, code_addr, pc, func_start)
@@ -74,13 +79,17 @@ class ToyIsa:
 class ToyFormats:
     """QEMU's x86 registers, as the toy's."""
 
+    extra: tuple[str, ...] = ()
+
     def __init__(self, isa: ToyIsa) -> None:
         self.isa = isa
 
     def from_monitor(self, text: str) -> list[Registers]:
         return [self._ours(regs) for regs in X86Formats().from_monitor(text)]
 
-    def from_gdb(self, cpu: int, payload: bytes) -> Registers:
+    def from_gdb(
+        self, cpu: int, payload: bytes, extra: Mapping[str, int] | None = None
+    ) -> Registers:
         return self._ours(X86Formats().from_gdb(cpu, payload))
 
     def _ours(self, regs: Registers) -> Registers:

@@ -41,6 +41,17 @@ MEMCHR = 0xFFFF_FFFF_80A5_AFCE
 MEMCHR_CODE = bytes.fromhex(
     "411122e006e400082a9693f5f50f630bc50083470500130715006386b7003a85e319c5fe0145a260026441018280"
 )
+MEMSET = 0xFFFF_FFFF_80A6_5468
+# Debian's 6.12 riscv64 __memset (arch/riscv/lib/memset.S, 0xfc bytes): branches, then a
+# computed jump (auipc; jr a5) into a run of 32 sd, looped back to: never a write to sp or ra.
+MEMSET_CODE = bytes.fromhex(
+    "aa8293360601f5e293867200e19a638a5600338756402380b2008502e3edd2fe198e93f5f50f93968500d58d9396"
+    "0501d58d93960502d58d137786ffb386e2001377870f11cf3307e04013070710b382e240970700009387e7000583"
+    "ba97828723b0b20023b4b20023b8b20023bcb20023b0b20223b4b20223b8b20223bcb20223b0b20423b4b20423b8"
+    "b20423bcb20423b0b20623b4b20623b8b20623bcb20623b0b20823b4b20823b8b20823bcb20823b0b20a23b4b20a"
+    "23b8b20a23bcb20a23b0b20c23b4b20c23b8b20c23bcb20c23b0b20e23b4b20e23b8b20e23bcb20e93820210e3ee"
+    "d2f61d8a01cab386c2002380b2008502e3edd2fe8280"
+)
 STRLEN = 0xFFFF_FFFF_80A6_56A0
 STRLEN_CODE = bytes.fromhex("130000002a8383420300638402000503ddbf3305a3408280")
 # liblzma.so.5.8.1 (trixie's liblzma5, riscv64), lzma_code's first 0x1e bytes at 0x3fca: built
@@ -100,6 +111,25 @@ def test_gdb_reply_built_by_hand() -> None:
     words = [n * 0x100 for n in range(32)] + [0x1_0000]
     regs = FORMATS.from_gdb(0, struct.pack("<33Q", *words).hex().encode())
     assert (regs.pc, regs.sp, regs.fp, regs.user) == (0x1_0000, 0x200, 0x800, True)
+
+
+def test_the_privilege_mode_read_with_g_says_the_mode() -> None:
+    # priv (QEMU's gdbstub, read beside g): 0 user, 1 supervisor, 3 machine. OpenSBI runs at
+    # physical addresses in the lower half: by the pc alone it would be user code.
+    words = [n * 0x100 for n in range(32)] + [0x8000_0408]
+    payload = struct.pack("<33Q", *words).hex().encode()
+    assert FORMATS.extra == ("priv", "mstatus", "mepc")
+    supervisor = FORMATS.from_gdb(0, payload, {"priv": 1})
+    assert not supervisor.user and supervisor.special.get("paging", 1)  # a kernel linked low
+    firmware = FORMATS.from_gdb(0, payload, {"priv": 3, "mstatus": 0x1800, "mepc": 0x10_0000})
+    assert not firmware.user and firmware.special["paging"] == 0
+    assert "user_pc" not in firmware.special  # entered from M-mode (MPP 3): no user code
+    entered = {"priv": 3, "mstatus": 0x0000_000A_0000_0080, "mepc": 0x2A_AAAB_1234}  # MPP 0
+    from_user = FORMATS.from_gdb(0, payload, entered)
+    assert from_user.special["user_pc"] == 0x2A_AAAB_1234 and from_user.special["paging"] == 0
+    from_kernel = FORMATS.from_gdb(0, payload, {**entered, "mstatus": 0x0A_0000_0880})  # MPP 1
+    assert "user_pc" not in from_kernel.special
+    assert FORMATS.from_gdb(0, payload, {"priv": 0}).user
 
 
 @pytest.mark.parametrize(
@@ -189,6 +219,20 @@ def test_an_assembly_leaf_keeps_its_caller_in_ra() -> None:
         assert rule == PrologueRule(0, ra_register=RA), offset
     assert RISCV64.prologue(STRLEN_CODE, STRLEN, STRLEN + 0xA, None) is None  # loops: unknown
     assert RISCV64.prologue(STRLEN_CODE, STRLEN, STRLEN + 0x3, STRLEN) is None  # mid-instruction
+
+
+def test_a_leaf_that_branches_is_known_by_its_whole_body() -> None:
+    # test_riscv64_vs_gdb found kernel_init_pages missing under memset+0x60, the target of
+    # its computed jump: neither the epilogue (32 stores, then a branch back) nor the prologue
+    # (a branch at +6) reach the pc in straight code, and frame records skip ra's caller.
+    end = MEMSET + len(MEMSET_CODE)
+    for offset in (0x60, 0x6C, 0xE0, 0xEA, 0xF0):
+        assert RISCV64.prologue(MEMSET_CODE, MEMSET, MEMSET + offset, MEMSET) is None
+        rule = RISCV64.prologue(MEMSET_CODE, MEMSET, MEMSET + offset, MEMSET, end)
+        assert rule == PrologueRule(0, ra_register=RA), hex(offset)
+    # A function that saves ra anywhere is no such leaf: the vfs_read prologue, cut short.
+    cut = VFS_READ + 0x30
+    assert RISCV64.prologue(VFS_READ_CODE, VFS_READ, cut, VFS_READ, VFS_READ + 0x40) is None
 
 
 @pytest.mark.parametrize(

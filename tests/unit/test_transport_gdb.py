@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 from test_arch_x86regs import CAPTURED_G
+from test_transport_gdbpackets import RISCV64_FEATURES
 
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.transport import gdbchannel
@@ -394,3 +395,33 @@ async def test_a_lost_packet_is_told_at_once_when_the_guest_runs(
         assert asked == [runs]  # asked once, after LOOK_AFTER
         with pytest.raises(TransportError, match="nothing for b'qLost'"):
             await transport.registers(0)  # the channel is done either way
+
+
+async def test_registers_a_target_lacks_in_g_come_with_it_in_one_round_trip() -> None:
+    # riscv64: g has x0..x31 and pc; priv (the mode) is the one register of a feature that
+    # gives it no number, read with p at its place in the description, beside every g.
+    names = ("cpu.xml", "fpu.xml", "virtual.xml", "csr.xml")
+    annexes = dict(zip(names, RISCV64_FEATURES, strict=True))
+    target = "".join(f'<xi:include href="{name}"/>' for name in annexes)
+
+    def riscv64(body: bytes) -> bytes | list[bytes] | None:
+        if body.startswith(b"qXfer:features:read:"):
+            annex = body.split(b":")[3].decode()
+            text = annexes.get(annex, f"<target><architecture>riscv:rv64</architecture>{target}")
+            return b"l" + text.encode()
+        if body == b"g":
+            return struct.pack("<33Q", *range(32), 0x8000_0408).hex().encode()
+        if body.startswith(b"p"):
+            value = {65: 3, 833: 0x80, 898: 0x1_2345}.get(int(body[1:], 16))
+            return b"E01" if value is None else value.to_bytes(8, "little").hex().encode()
+        return qemu_like(body)
+
+    async with (
+        FakeStub(riscv64) as stub,
+        await GdbTransport.connect(stub.address, timeout=2) as transport,
+    ):
+        connected = len(stub.packets)
+        regs = await transport.registers(0)
+        assert stub.packets[connected:] == [b"Hg01", b"g", b"p41", b"p341", b"p382"]
+        assert regs.pc == 0x8000_0408 and not regs.user and regs.special["paging"] == 0
+        assert regs.special["user_pc"] == 0x1_2345  # mstatus.MPP 0: entered from user code

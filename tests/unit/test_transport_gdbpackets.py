@@ -13,8 +13,8 @@ from qmpprof.transport.gdbpackets import (
     decode_body,
     encode_packet,
     includes,
+    numbered,
     parse_thread_ids,
-    register_numbers,
 )
 
 # --- framing -----------------------------------------------------------------------------------
@@ -113,8 +113,27 @@ def test_included_annexes_of_a_target_description() -> None:
     assert includes("<target></target>") == []
 
 
+RISCV64_FEATURES = [  # qemu-system-riscv64 7.2's (-M virt), shortened: what counts is order
+    '<feature name="org.gnu.gdb.riscv.cpu">'
+    + "".join(f'<reg name="x{n}" bitsize="64" type="int"/>' for n in range(32))
+    + '<reg name="pc" bitsize="64" type="code_ptr"/></feature>',
+    "".join(f'<reg name="ft{n}" bitsize="64" type="riscv_double"/>' for n in range(32)),
+    '<feature name="org.gnu.gdb.riscv.virtual"><reg name="priv" bitsize="64"/></feature>',
+    '<reg name="sstatus" bitsize="64" regnum="322"/><reg name="satp" bitsize="64" regnum="449"/>'
+    '<reg name="mstatus" bitsize="64" regnum="833"/><reg name="mepc" bitsize="64" regnum="898"/>',
+]
+
+
 def test_registers_numbered_by_their_description() -> None:
-    numbers = register_numbers(AARCH64_SYSREGS)
+    numbers = numbered([AARCH64_SYSREGS])
     assert numbers == {"ID_MMFR5": 86, "SP_EL0": 138, "TCR_EL1": 174, "TTBR1_EL1": 175}
-    # The core registers are numbered by their order, not by regnum: none is taken.
-    assert register_numbers('<reg name="x0" bitsize="64"/><reg name="pc" bitsize="64"/>') == {}
+    # Registers without regnum are numbered by their place, from 0 across the features (QEMU
+    # 7.2's riscv64 priv: p41 read 3, M-mode, at the reset vector).
+    riscv = numbered(RISCV64_FEATURES)
+    assert (riscv["x0"], riscv["pc"], riscv["ft0"], riscv["priv"]) == (0, 32, 33, 65)
+    assert (riscv["sstatus"], riscv["satp"]) == (322, 449)
+    # After a feature that did not read, places are unknown until a regnum says.
+    unread = numbered([RISCV64_FEATURES[0], None, *RISCV64_FEATURES[2:]])
+    assert "priv" not in unread and unread["pc"] == 32 and unread["satp"] == 449
+    # A regnum sets the number of the registers after it too.
+    assert numbered(['<reg name="a" regnum="7"/><reg name="b"/>']) == {"a": 7, "b": 8}

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
+from qmpprof.guest.firmware import Firmware
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap, linear_reader
 from qmpprof.linux.running.modules import ModuleList
@@ -98,6 +99,7 @@ class LinuxIdentifier:
         self.clock = clock
         self.tasks = Tasks(clock, recheck)
         self._last: dict[int, int] = {}  # vCPU -> the task it ran at its last sample
+        self.firmware = Firmware((), arch)  # a vCPU that translates nothing runs the firmware
         self._modules_read = clock()
         self._modules_tried = -MODULES_RETRY  # never: the first kernel-mode sample may try
         self._modules_lock = asyncio.Lock()
@@ -167,7 +169,7 @@ class LinuxIdentifier:
         return self.current is not None and (bool(self.current.bases) or not self.current.per_cpu)
 
     def reads_for(self, regs: Registers) -> Sequence[tuple[int, int]]:
-        if self.current is None or (regs.user and self.hidden):
+        if self.current is None or (regs.user and self.hidden) or self.firmware.runs(regs):
             return ()  # not through the vCPU (identify reads them physically)
         pointer = self.current.reads_for(regs)
         expected = self.current.owner(regs) or self._last.get(regs.cpu)
@@ -178,6 +180,8 @@ class LinuxIdentifier:
     async def identify(
         self, transport: GuestTransport, regs: Registers, cache: PageCache
     ) -> Identity:
+        if self.firmware.runs(regs):
+            return await self._in_firmware(transport, regs, cache)
         if self.module_list is not None and not self.module_list.read_whole and not regs.user:
             await self._read_modules(self.module_list)
         wanted = () if self.current is None else self.current.wants(regs)
@@ -187,6 +191,26 @@ class LinuxIdentifier:
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)
+
+    async def _in_firmware(
+        self, transport: GuestTransport, regs: Registers, cache: PageCache
+    ) -> Identity:
+        """A vCPU in the firmware (riscv64's M-mode: OpenSBI, emulating what the CPU traps on,
+        such as a misaligned load): one ``[firmware]`` frame, under the process whose user code
+        it was entered from (``special["user_pc"]``: riscv64's mepc, where mstatus.MPP says user
+        mode; that process's task is in the registers as in user mode), else under no process."""
+        firmware = self.firmware.identity(regs)
+        user_pc = regs.special.get("user_pc")
+        if user_pc is None or self.current is None:
+            return firmware
+        gprs = {**regs.gprs, self.arch.pc: user_pc}
+        entered = dataclasses.replace(regs, pc=user_pc, user=True, gprs=gprs)
+        wanted = self.current.wants(entered)
+        if wanted:
+            found = await transport.system_registers(regs.cpu, wanted)
+            entered = dataclasses.replace(entered, special={**entered.special, **found})
+        process = (await self._identify(transport, entered, cache)).process
+        return dataclasses.replace(firmware, process=process)
 
     async def _read_modules(self, modules: ModuleList) -> None:
         """The module list not all read yet (the vCPUs were in user mode when tried, the guest

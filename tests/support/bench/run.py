@@ -22,9 +22,9 @@ from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec
 from qmpprof.transport.base import Reach
 from support.bench import report
-from support.bench.aarch64run import aarch64_run
 from support.bench.guest import Fixture, Guest, boot
 from support.bench.intervals import pause_intervals, ratios
+from support.bench.isaruns import aarch64_run, riscv64_run
 from support.bench.linuxbig import linux_big
 from support.bench.linuxchurn import linux_churn
 from support.bench.linuxoffcpu import linux_offcpu
@@ -301,6 +301,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     if cfg.linux:
         linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
         linux.update(await aarch64_run(2 * cfg.duration, log))
+        linux.update(await riscv64_run(2 * cfg.duration, log))
         linux.update(await linux_offcpu(ROOT, cfg.duration, log))
         linux.update(await linux_big(ROOT, cfg.duration, log))
     result: dict[str, object] = {

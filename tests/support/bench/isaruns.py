@@ -1,0 +1,96 @@
+"""qmpprof on the test guests of the other instruction sets, as ``qmpprof --qmp-socket S
+--kernel K`` runs them, at 10 ms on 2 vCPUs: the median pause of a sample, its first pause and
+its truncated share, keys named by the instruction set (``aarch64_pause_ms``,
+``riscv64_pause_ms``, beside the x86_64 Linux guest's ``linux_pause_ms``).
+
+- aarch64: tests/aarch64vm.py, bookworm's arm64 6.1 under qemu-system-aarch64, KASLR on,
+  ``-cpu max``.
+- riscv64: tests/riscv64vm.py, trixie's riscv64 6.12 under qemu-system-riscv64 (OpenSBI), its
+  -dbg vmlinux, the xz workload."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from qmpprof.errors import QmpprofError
+from qmpprof.sampler import SamplerConfig
+from qmpprof.session import RunSpec, start
+from qmpprof.transport.base import Reach
+from support.bench.qmpprof_run import settle
+
+INTERVAL = 0.010
+
+
+class Booted(Protocol):
+    qmp_socket: Path
+
+
+async def aarch64_run(duration: float, log: Callable[[str], None]) -> dict[str, object]:
+    """``duration`` seconds of guest run time sampled on the aarch64 guest."""
+    try:
+        from aarch64vm import image, running_aarch64_guest
+    except ImportError as err:
+        return _unmeasured("aarch64", f"{err}", log)
+    return await _run(
+        "aarch64",
+        lambda tmp: running_aarch64_guest(tmp, "6.1", dump_kallsyms=False),
+        lambda: image("6.1"),
+        duration,
+        log,
+    )
+
+
+async def riscv64_run(duration: float, log: Callable[[str], None]) -> dict[str, object]:
+    """``duration`` seconds of guest run time sampled on the riscv64 guest."""
+    try:
+        from riscv64vm import running_riscv64_guest, vmlinux_dbg
+    except ImportError as err:
+        return _unmeasured("riscv64", f"{err}", log)
+    return await _run("riscv64", running_riscv64_guest, vmlinux_dbg, duration, log)
+
+
+def _unmeasured(name: str, why: str, log: Callable[[str], None]) -> dict[str, object]:
+    log(f"{name} run: {why}: not measured")
+    return {f"{name}_pause_ms": None, f"{name}_first_pause_ms": None}
+
+
+async def _run(
+    name: str,
+    boot: Callable[[Path], contextlib.AbstractContextManager[Booted]],
+    kernel: Callable[[], Path],
+    duration: float,
+    log: Callable[[str], None],
+) -> dict[str, object]:
+    sampling = SamplerConfig(interval=INTERVAL, duration=duration)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            with boot(Path(tmp)) as guest:
+                spec = RunSpec(reach=Reach(guest.qmp_socket), kernel=kernel(), sampling=sampling)
+                run = await start(spec)
+                try:
+                    settle()
+                    await run.run()
+                finally:
+                    gc.unfreeze()
+                    await run.transport.close()
+        except (QmpprofError, RuntimeError, TimeoutError) as err:
+            return _unmeasured(name, f"{err}", log)
+    ms = [p * 1e3 for p in run.stats.pauses]
+    samples = len(run.profile)
+    median = statistics.median(ms) if ms else None
+    log(
+        f"{name}: {samples} samples, {run.profile.truncated} truncated, median pause"
+        f" {median} ms, first {ms[0] if ms else None} ms"
+    )
+    return {
+        f"{name}_pause_ms": median,
+        f"{name}_first_pause_ms": ms[0] if ms else None,
+        f"{name}_truncated_share": run.profile.truncated / samples if samples else None,
+        f"{name}_samples": samples,
+    }
