@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from qmpprof.arch.aarch64code import PROLOGUES, is_hint, signed
 from qmpprof.arch.base import FrameRecordsOnly, PrologueRule
-from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
 _UPPER_HALF = 0xFF80_0000_0000_0000  # bits 63..55 set: the TTBR1 half for any T1SZ
@@ -37,7 +36,6 @@ _BIT55 = 1 << 55
 # The lower half's plain-form bound when TCR_EL1 is unknown: 48-bit addresses, the smallest
 # user virtual-address size of Linux on arm64 (4K pages, 4 levels; Debian's 6.1 and 6.12).
 _PLAIN_LOW = 1 << 48
-_LINEAR_BITS = 48  # VA_BITS_MIN of a 52-bit kernel (4 KiB or 16 KiB pages)
 
 
 def tnsz(tcr_el1: int) -> tuple[int, int]:
@@ -76,20 +74,6 @@ class AArch64(FrameRecordsOnly):
         # TTBR0's half: 64 - T0SZ bits (48 with 4 levels of 4 KiB pages, as without TCR_EL1).
         return _PLAIN_LOW if self.t0sz is None else 1 << (64 - self.t0sz)
 
-    @property
-    def linear_map_end(self) -> int | None:
-        # Linux's PAGE_END, _PAGE_END(VA_BITS_MIN): the linear map is the lower half of the
-        # kernel's space, of at most 48 bits (a 52-bit kernel keeps its modules, vmalloc area
-        # and image where a 48-bit one has them: 0xffff800000000000 up).
-        if self.t1sz is None:
-            return None
-        return (1 << 64) - (1 << (min(64 - self.t1sz, _LINEAR_BITS) - 1))
-
-    @property
-    def per_cpu_registers(self) -> tuple[str, ...]:
-        # Linux's this-CPU offset, at EL1 (a kernel at EL2 under VHE keeps it in TPIDR_EL2).
-        return ("TPIDR_EL1",)
-
     def translated(self, values: Mapping[str, int]) -> AArch64:
         """Under TCR_EL1's sizes (as QEMU's gdbstub reports it) return addresses are stripped
         of pointer-authentication codes; without it, this one."""
@@ -109,9 +93,6 @@ class AArch64(FrameRecordsOnly):
             return value if plain else None
         code_bits = (1 << (64 - size)) - 1
         return value | (_MASK ^ code_bits) if upper else value & code_bits
-
-    def per_cpu_base(self, regs: Registers) -> int | None:
-        return None  # TPIDR_EL1 holds it (per_cpu_registers), not among the sampled ones
 
     def prologue(
         self,

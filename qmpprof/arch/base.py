@@ -152,20 +152,6 @@ class InstructionSet(Protocol):
         tables' levels decide (x86_64: walked by ``linux.running.pagetables``)."""
         ...
 
-    @property
-    def linear_map_end(self) -> int | None:
-        """Where the kernel's map of all physical memory ends as the translation settings put
-        it (arm64 Linux: its modules and vmalloc area lie above, up to the kernel image); None
-        where only the kernel image's start bounds it."""
-        ...
-
-    @property
-    def per_cpu_registers(self) -> tuple[str, ...]:
-        """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU
-        base in user mode as in kernel mode, read on every vCPU when memory does not say it;
-        empty when none (``per_cpu_base`` reads it from the sampled registers)."""
-        ...
-
     def translated(self, values: Mapping[str, int]) -> InstructionSet:
         """This instruction set under the guest's translation settings (``values`` of
         ``translation_registers`` read from it); itself when they change nothing."""
@@ -185,10 +171,6 @@ class InstructionSet(Protocol):
         """The interrupted pc and stack pointer of the frame the CPU pushed on a trap, its pc
         at ``slot``, as a return from the trap takes them; None when that is not such a frame
         (a read that fails included)."""
-        ...
-
-    def per_cpu_base(self, regs: Registers) -> int | None:
-        """The kernel's per-CPU base as the CPU holds it in kernel mode, None when not known."""
         ...
 
     def prologue(

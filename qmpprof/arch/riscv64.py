@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from qmpprof.arch.base import FrameRecordsOnly, PrologueRule
 from qmpprof.arch.riscv64code import PROLOGUES, RA, decode, is_call, is_return, length, word
-from qmpprof.model import Registers
 
 _MASK = (1 << 64) - 1
 _UPPER_HALF = 1 << 63
@@ -75,14 +74,6 @@ class RiscV64(FrameRecordsOnly):
     def user_space_end(self) -> int | None:
         return None if self.bits is None else 1 << (self.bits - 1)
 
-    @property
-    def linear_map_end(self) -> int | None:
-        return None
-
-    @property
-    def per_cpu_registers(self) -> tuple[str, ...]:
-        return ()  # no register holds it: Linux reads __per_cpu_offset[cpu]
-
     def translated(self, values: Mapping[str, int]) -> RiscV64:
         """Under satp's mode (as QEMU's gdbstub reports it) the halves are that mode's; bare or
         without satp, this one."""
@@ -95,9 +86,6 @@ class RiscV64(FrameRecordsOnly):
             return None
         half = 1 << ((self.bits or _WIDEST) - 1)
         return value if value < half or value >= (1 << 64) - half else None
-
-    def per_cpu_base(self, regs: Registers) -> int | None:
-        return None
 
     def prologue(
         self,

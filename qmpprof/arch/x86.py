@@ -19,7 +19,6 @@ from qmpprof.arch.base import PathToCall, PrologueRule, ReadWord, ReturnRule
 from qmpprof.arch.x86code import analyzer, branches, lone_jump, scanner
 from qmpprof.arch.x86entry import path_to_call
 from qmpprof.arch.x86scan import function_starts, is_call_before
-from qmpprof.model import Registers
 
 _UPPER_HALF = 0xFFFF_8000_0000_0000
 
@@ -58,14 +57,6 @@ class X86:
     def user_space_end(self) -> int | None:
         return None  # four or five levels of page tables: 2^47 or 2^56
 
-    @property
-    def linear_map_end(self) -> int | None:
-        return None  # the direct map lies below the vmalloc area and the image: not needed
-
-    @property
-    def per_cpu_registers(self) -> tuple[str, ...]:
-        return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
-
     def translated(self, values: Mapping[str, int]) -> X86:
         return self
 
@@ -98,11 +89,6 @@ class X86:
             return pc, after
         sp = read(after)
         return None if sp is None else (pc, sp)
-
-    def per_cpu_base(self, regs: Registers) -> int | None:
-        # In kernel mode (after swapgs) GS holds the per-CPU base; in user mode the user's.
-        base = regs.special.get("gs_base", 0)
-        return base if not regs.user and base >= _UPPER_HALF else None
 
     def prologue(
         self,

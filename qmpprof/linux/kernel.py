@@ -24,11 +24,10 @@ from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.linux import cache
 from qmpprof.linux.btf import Btf, BtfError, Kind
 from qmpprof.linux.kallsyms import read_kallsyms
-from qmpprof.linux.platform import BootTask, KernelFilePlatform
+from qmpprof.linux.platform import BootTask, KernelFilePlatform, OwnTables
 from qmpprof.linux.platforms import boot_image, kernel_file
 from qmpprof.linux.symbols import KernelSymbols, parse_symbol_map
 from qmpprof.linux.taskstates import task_state_array
-from qmpprof.linux.x86_64.orctables import OrcLayout, OrcTable, numbering
 
 Picks = tuple[list[int], list[int], Sequence[int]]  # text symbols' starts, ends, name indexes
 # Symbols that say an ELF is a Linux kernel (with .symtab or kallsyms).
@@ -52,7 +51,7 @@ class LinuxKernel:
     image: ElfImage
     symbols: KernelSymbols
     functions: SymbolTable
-    orc: OrcTable | None
+    tables: OwnTables | None  # its own unwinding tables (x86_64's ORC), as its platform read them
     btf: Btf | None
     span: tuple[int, int]  # link addresses of the kernel's loaded upper-half code
     missing: tuple[str, ...] = ()
@@ -76,21 +75,20 @@ class LinuxKernel:
             symbols = _symbols(image, kallsyms)
             new_symbols = symbols if kallsyms is None else None
         functions, text_picks = _functions(image, symbols, None if kallsyms else index)
-        orc = _orc(image, index)
+        platform = kernel_file(image.arch.name)
+        tables: OwnTables | None = None
+        notes: list[str] = []
+        if platform is not None:
+            cached = None if index is None else index.orc
+            tables, notes = platform.own_tables(image, cached, functions.starts)
         btf, missing = _btf(image, index)
-        if orc is None:
-            missing.insert(
-                0, "no ORC tables (CONFIG_UNWINDER_ORC): kernel stacks by frame pointers"
-            )
-        else:
-            orc.regs, odd = numbering(image.section(".orc_header"), orc, functions.starts)
-            missing += [odd] if odd else []
+        missing = notes + missing
         new_index = None  # kept when built here: not with --kallsyms (not the image's own)
-        if kallsyms is None and _stale(index, text_picks, orc, btf):
-            new_index = _index(image, text_picks, orc, btf)
+        if kallsyms is None and _stale(index, text_picks, tables, btf):
+            new_index = _index(image, text_picks, tables, btf)
         if unpacked is not None or new_symbols is not None or new_index is not None:
             cache.store(key, unpacked, new_symbols, new_index)
-        return cls(image, symbols, functions, orc, btf, _span(image), tuple(missing))
+        return cls(image, symbols, functions, tables, btf, _span(image), tuple(missing))
 
     @property
     def path(self) -> str:
@@ -98,7 +96,7 @@ class LinuxKernel:
 
     def prepare(self) -> LinuxKernel:
         """Build what the first sample would otherwise build inside its pause."""
-        if self.orc is None:
+        if self.tables is None:
             self.image.prepare()
         return self
 
@@ -283,24 +281,6 @@ def _functions(
     return SymbolTable.from_sorted(starts, ends, chosen), (starts, ends, fresh)
 
 
-def _orc(image: ElfImage, index: cache.KernelIndex | None) -> OrcTable | None:
-    """The image's ORC table, built on the index's offsets when they fit its sections."""
-    cached = None if index is None else index.orc
-    entries = image.section(".orc_unwind")
-    header = image.section_header(".orc_unwind_ip")
-    if cached is not None and entries is not None and header is not None:
-        fits = header.addr == cached.base and header.size == 4 * len(cached.offsets)
-        with contextlib.suppress(ValueError):
-            if fits:
-                return OrcTable(
-                    cached.base, cached.offsets, entries, OrcLayout(cached.layout), cached.end
-                )
-    try:
-        return OrcTable.from_image(image)
-    except ValueError as err:  # .orc_unwind not one entry per ip, a table of no sense
-        raise KernelImageError(image.path, f"unreadable ORC tables: {err}") from err
-
-
 def _btf(image: ElfImage, index: cache.KernelIndex | None) -> tuple[Btf | None, list[str]]:
     """The image's BTF (on the index's type index when it fits) and what a run lacks without."""
     data = image.section(".BTF")
@@ -318,7 +298,7 @@ def _btf(image: ElfImage, index: cache.KernelIndex | None) -> tuple[Btf | None, 
 def _stale(
     index: cache.KernelIndex | None,
     text_picks: Picks | None,
-    orc: OrcTable | None,
+    tables: OwnTables | None,
     btf: Btf | None,
 ) -> bool:
     """Whether something was built here rather than taken from ``index`` (all or a part of it
@@ -328,7 +308,7 @@ def _stale(
     cached_orc = None if index.orc is None else index.orc.offsets
     return (
         (text_picks is not None and text_picks is not index.functions)
-        or (orc is not None and orc.offsets is not cached_orc)
+        or (tables is not None and tables.offsets is not cached_orc)
         or (btf is not None and btf.index is not index.btf)
     )
 
@@ -336,12 +316,10 @@ def _stale(
 def _index(
     image: ElfImage,
     text_picks: Picks | None,
-    orc: OrcTable | None,
+    tables: OwnTables | None,
     btf: Btf | None,
 ) -> cache.KernelIndex:
-    orc_index = None
-    if orc is not None:
-        orc_index = cache.OrcIndex(orc.base, orc.end, orc.layout.value, orc.offsets)
+    orc_index = None if tables is None else tables.index()
     btf_index = None if btf is None else btf.with_names(_NAMED_KINDS)
     return cache.KernelIndex(image.size, text_picks, orc_index, btf_index)
 

@@ -9,11 +9,13 @@ of this package's top.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.cache import OrcIndex
 from qmpprof.linux.symbols import KernelSymbols
 
 
@@ -23,6 +25,20 @@ class BootTask:
 
     init_task: int
     thread_size: int
+
+
+class OwnTables(Protocol):
+    """Unwinding tables a kernel image carries of its own (x86_64's ORC), as its platform
+    built them; the running platform hands them to the walk (``LinuxPlatform.kernel_steps``)."""
+
+    @property
+    def offsets(self) -> Sequence[int]:
+        """The tables' index (whether it is the cached one: ``offsets is`` the cache's)."""
+        ...
+
+    def index(self) -> OrcIndex:
+        """What the cache keeps of them (all but what the image holds as it is)."""
+        ...
 
 
 class KernelFilePlatform(Protocol):
@@ -58,4 +74,13 @@ class KernelFilePlatform(Protocol):
 
     def boot_task(self, image: ElfImage, symbols: KernelSymbols, btf: Btf) -> BootTask | None:
         """``init_task`` and ``THREAD_SIZE`` as the boot code has them; None."""
+        ...
+
+    def own_tables(
+        self, image: ElfImage, cached: OrcIndex | None, starts: Sequence[int]
+    ) -> tuple[OwnTables | None, list[str]]:
+        """The image's own unwinding tables (built on ``cached``, the cache's, when it fits;
+        ``starts``: the functions' starts), and a line for each thing a run lacks or should know
+        of them; None where the image has none (or the instruction set no such tables).
+        KernelImageError when they are unreadable."""
         ...

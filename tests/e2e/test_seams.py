@@ -55,9 +55,6 @@ class ToyIsa:
         self.asked["trap_frame_sp"] += 1
         return X86_64.trap_frame_sp(after_pc, read)
 
-    def per_cpu_base(self, regs: Registers) -> int | None:
-        return None
-
     def prologue(
         self,
         code: bytes,

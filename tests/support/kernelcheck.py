@@ -50,10 +50,12 @@ from qmpprof.linux.kallsyms import check_kallsyms
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import locate_current
 from qmpprof.linux.running.guest import Layouts
-from qmpprof.linux.running.image import kernel_module, target_kind
+from qmpprof.linux.running.image import kernel_module
+from qmpprof.linux.running.platforms import linux_platform
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.linux.x86_64 import orctables as orc
 from qmpprof.linux.x86_64.idt import entry_text_symbols
+from qmpprof.linux.x86_64.running import X86_64 as X86_64_LINUX
 from qmpprof.unwind.entry import EntryCode
 from support.kerneltable import markdown, markdown_arm64
 
@@ -91,7 +93,9 @@ def load(path: Path) -> tuple[LinuxKernel, Layouts, float]:
     seconds that took (``support.bench.linuxload.phases``: load, module, layouts)."""
     start = time.perf_counter()
     kernel = LinuxKernel.load(path).prepare()
-    kernel_module(kernel, 0, kernel.image.arch)
+    platform = linux_platform(kernel.image.arch.name)
+    assert platform is not None, kernel.image.arch.name
+    kernel_module(kernel, 0, kernel.image.arch, platform)
     layouts = Layouts.of(kernel)
     return kernel, layouts, time.perf_counter() - start
 
@@ -204,7 +208,7 @@ def thunk_names(kernel: LinuxKernel) -> dict[str, str]:
         addr = kernel.symbols.address_of(name)
         found = None if addr is None else kernel.functions.lookup(addr)
         if found is not None:
-            out[found[0]] = target_kind(found[0]).value
+            out[found[0]] = X86_64_LINUX.target_kind(found[0]).value
     return out
 
 
@@ -331,8 +335,8 @@ def symbol_at(symbols: KernelSymbols, addr: int) -> str | None:
 def orc_facts(kernel: LinuxKernel) -> Row:
     """The ORC table, which numbering of its registers the load chose and from what, and
     whether the entries themselves show that numbering (``orc.core_of``)."""
-    table = kernel.orc
-    if table is None:
+    table = kernel.tables
+    if not isinstance(table, orc.OrcTable):
         return {"entries": 0}
     header = kernel.image.section(".orc_header")
     regs = table.regs

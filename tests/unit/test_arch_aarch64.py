@@ -22,6 +22,7 @@ from qmpprof.dwarf.cfi import CfiTable, Kind, Rule
 from qmpprof.dwarf.program import RegRule
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import TransportError
+from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
 from qmpprof.model import Mapping, Registers, StopReason
 from qmpprof.unwind.chain import AddressSpace, Module, Unwinder, Via
 from qmpprof.unwind.steps import CfiStep
@@ -241,10 +242,11 @@ def test_a_signed_return_address_without_translation_settings_stops_the_walk() -
 def test_the_linear_map_ends_below_the_modules_vmalloc_and_image() -> None:
     # PAGE_END: 0xffff800000000000 for 48-bit and 52-bit kernels alike (VA_BITS_MIN 48), where
     # bookworm's 6.12 puts its modules and vmalloc'd task stacks (0xffff800080028000 seen).
-    assert AARCH64.linear_map_end is None  # TCR_EL1 not known
-    assert AARCH64.translated({"TCR_EL1": TCR_48}).linear_map_end == 0xFFFF_8000_0000_0000
-    assert AARCH64.translated({"TCR_EL1": 12 | 12 << 16}).linear_map_end == 0xFFFF_8000_0000_0000
-    assert AARCH64.translated({"TCR_EL1": 25 | 25 << 16}).linear_map_end == 0xFFFF_FFC0_0000_0000
+    end = AARCH64_LINUX.linear_map_end
+    assert end(AARCH64) is None  # TCR_EL1 not known
+    assert end(AARCH64.translated({"TCR_EL1": TCR_48})) == 0xFFFF_8000_0000_0000
+    assert end(AARCH64.translated({"TCR_EL1": 12 | 12 << 16})) == 0xFFFF_8000_0000_0000
+    assert end(AARCH64.translated({"TCR_EL1": 25 | 25 << 16})) == 0xFFFF_FFC0_0000_0000
 
 
 def test_a_user_image_is_walked_with_the_guests_translation_settings() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import json
 import random
@@ -44,7 +45,7 @@ from qmpprof.linux.btf import Btf, BtfError
 from qmpprof.linux.bzimage import vmlinux_bytes
 from qmpprof.linux.kallsyms import check_kallsyms, read_kallsyms
 from qmpprof.linux.kallsymtables import LONG_RUN, decodings
-from qmpprof.linux.kernel import LinuxKernel, _orc
+from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.guest import Layouts
 from qmpprof.linux.running.modules import ModuleList
 from qmpprof.linux.running.pagetables import DIRECT_MAP_4, PageTables
@@ -53,7 +54,9 @@ from qmpprof.linux.running.vma import read_exec_vmas
 from qmpprof.linux.running.vmcoreinfo import check, parse, read_vmcoreinfo
 from qmpprof.linux.symbols import parse_symbol_map
 from qmpprof.linux.x86_64.idt import GATE, decode_idt, slide_from_gates
+from qmpprof.linux.x86_64.kernelfile import _orc
 from qmpprof.linux.x86_64.orctables import numbering
+from qmpprof.linux.x86_64.running import X86_64 as X86_64_LINUX
 from qmpprof.model import NO_CPU, Frame, Mode, Sample, Stack, StopReason
 from qmpprof.naming import Detail, Naming
 from qmpprof.output import FORMATS, diff, native, render
@@ -267,7 +270,7 @@ def test_damaged_small_btf_sections_read_from_scratch(kernel: LinuxKernel) -> No
 
 
 class Sections:
-    """A kernel image as ``kernel._orc`` reads it: sections by name."""
+    """A kernel image as ``x86_64.kernelfile._orc`` reads it: sections by name."""
 
     def __init__(self, path: str, sections: dict[str, tuple[int, bytes]]) -> None:
         self.path = path
@@ -341,7 +344,7 @@ def cached_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: LinuxK
     """A small cache entry of every part: the first 500 symbols, a BTF index, ORC offsets."""
     monkeypatch.setenv("QMPPROF_CACHE_DIR", str(tmp_path))
     symbols = kernel.symbols
-    assert kernel.btf is not None and kernel.orc is not None
+    assert kernel.btf is not None and kernel.tables is not None
     few = type(symbols)(
         symbols.addrs[:500], symbols.types[:500], symbols.names[:500], symbols.modules[:500]
     )
@@ -391,7 +394,8 @@ def test_walks_of_random_guest_memory_end(kernel: LinuxKernel, kernel_510: Linux
             assert layouts.tasks and layouts.modules and layouts.vmas and old.vmas
             for task in (await task_list(read, start, layouts.tasks))[:8]:
                 await read_task(read, task, layouts.tasks, KERNEL_HALF)
-            await ModuleList(read, start, layouts.modules, kernel.orc, X86_64).refresh()
+            steps = functools.partial(X86_64_LINUX.module_steps, kernel, X86_64)
+            await ModuleList(read, start, layouts.modules, steps, X86_64).refresh()
             await read_exec_vmas(read, start, layouts.vmas, 1 << 47)
             await read_exec_vmas(read, memory.pointer(), old.vmas, 1 << 47)
             tables = PageTables(read, DIRECT_MAP_4)

@@ -33,6 +33,7 @@ from qmpprof.linux.running.pagetables import X86_64_ENTRIES, PageTables
 from qmpprof.linux.running.spaces import Spaces
 from qmpprof.linux.running.tasks import PF_KTHREAD, RECHECK, Task, TaskLayout, task_list
 from qmpprof.linux.running.vma import VM_EXEC, Vma, VmaLayout
+from qmpprof.linux.x86_64.running import X86_64 as X86_64_LINUX
 from qmpprof.memory import Reader
 from qmpprof.model import Mapping, Process, Registers
 from qmpprof.pagecache import PAGE, PageCache, PageMissing
@@ -57,7 +58,9 @@ def make(
     clock: Callable[[], float] = lambda: 0.0,
 ) -> LinuxIdentifier:
     """The identifier as LinuxGuest.attach puts it together, from these parts."""
-    current = CurrentTask(CURRENT, per_cpu_offset, X86_64, clock, recheck)
+    current = CurrentTask(
+        CURRENT, per_cpu_offset, X86_64, clock, recheck, X86_64_LINUX.per_cpu_base
+    )
     spaces = Spaces(AddressSpace(()), vmas, UserFiles(None), tables, clock)
     return LinuxIdentifier(
         [KERNEL], X86_64, layout=layout, current=current, spaces=spaces,

@@ -57,7 +57,7 @@ def test_bookworm_images_load_at_their_link_address(series: str) -> None:
     assert kernel.image.text_addr == link
     assert kernel.span[0] == link
     assert kernel.btf is not None and kernel.btf.find("task_struct") is not None
-    assert kernel.orc is None and kernel.missing[0].startswith("no ORC tables")
+    assert kernel.tables is None and not any("ORC" in line for line in kernel.missing)
     # kallsyms_relative_base was patched by the relocations: every symbol is in the image
     # (6.12's data symbols too, up to _end: the header's image_size).
     end = kernel.image.load_range[1]

@@ -30,6 +30,7 @@ from qmpprof.linux.running.tasks import TaskLayout
 from qmpprof.linux.running.vma import VmaLayout
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.linux.x86_64.orctables import OrcTable
+from qmpprof.linux.x86_64.running import X86_64 as X86_64_LINUX
 
 SLIDE = 0x1E00_0000
 FILES = ("vmlinux", "symbols.bin", "index.bin")
@@ -53,11 +54,11 @@ def orc_lookup(orc: OrcTable, pc: int) -> object:
 
 def snapshot(kernel: LinuxKernel) -> dict[str, object]:
     """Everything a run takes from a loaded kernel, in comparable form."""
-    orc, btf, image = kernel.orc, kernel.btf, kernel.image
-    assert orc is not None and btf is not None
+    orc, btf, image = kernel.tables, kernel.btf, kernel.image
+    assert isinstance(orc, OrcTable) and btf is not None
     low, high = kernel.span
     pcs = range(low, min(high, low + (48 << 20)), 997)  # every 997th byte of the code
-    module = kernel_module(kernel, SLIDE, X86_64)
+    module = kernel_module(kernel, SLIDE, X86_64, X86_64_LINUX)
     return {
         "symbols": (kernel.symbols.addrs, kernel.symbols.types, kernel.symbols.names),
         "modules": kernel.symbols.modules,

@@ -13,10 +13,12 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.errors import ElfError, KernelImageError, SymbolMapError
 from qmpprof.guest.base import KernelFile
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.running.image import kernel_module, target_kind
+from qmpprof.linux.running.image import kernel_module
 from qmpprof.linux.running.linuxos import LINUX
 from qmpprof.linux.x86_64.orcstep import OrcStep
 from qmpprof.linux.x86_64.orctables import RETPOLINE_THUNK, unaliased
+from qmpprof.linux.x86_64.running import X86_64 as X86_64_LINUX
+from qmpprof.linux.x86_64.running import target_kind
 from qmpprof.unwind.tailcall import TargetKind
 
 SLIDE = 0x1E00_0000  # a multiple of 2 MiB, as KASLR moves the kernel
@@ -29,7 +31,7 @@ def kernel(linux_dir: Path) -> LinuxKernel:
 
 def test_the_bzimage_from_boot_has_all_a_run_needs(kernel: LinuxKernel) -> None:
     assert kernel.missing == ()
-    assert kernel.orc is not None and kernel.btf is not None
+    assert kernel.tables is not None and kernel.btf is not None
     low, high = kernel.span
     assert low == kernel.image.text_addr == kernel.symbols.address_of("_text")
     assert low < kernel.symbols.address_of("schedule") < high  # type: ignore[operator]
@@ -41,7 +43,7 @@ def test_the_bzimage_from_boot_has_all_a_run_needs(kernel: LinuxKernel) -> None:
 def test_the_module_at_a_slide_unwinds_by_orc_and_names_slid_addresses(
     kernel: LinuxKernel,
 ) -> None:
-    module = kernel_module(kernel, SLIDE, X86_64)
+    module = kernel_module(kernel, SLIDE, X86_64, X86_64_LINUX)
     low, high = kernel.span
     assert (module.start, module.end, module.bias) == (low + SLIDE, high + SLIDE, SLIDE)
     assert module.kernel and module.name == "vmlinux"
@@ -57,13 +59,13 @@ def test_thunks_are_marked_on_61_only(kernel: LinuxKernel) -> None:
     """6.1 brackets its retpoline thunks with __indirect_thunk_start/_end (their ORC reads as
     an end of stack there); 6.12 has neither the symbols nor the need."""
     assert kernel.thunks is None
-    (step,) = kernel_module(kernel, SLIDE, X86_64).steps
+    (step,) = kernel_module(kernel, SLIDE, X86_64, X86_64_LINUX).steps
     assert isinstance(step, OrcStep) and step.code.thunks is None
     old = LinuxKernel.load(linuxkernel.linux_dir("6.1") / "vmlinuz")
     thunk = old.symbols.address_of("__x86_indirect_thunk_r11")
     assert old.thunks is not None and thunk is not None
     assert old.thunks[0] < thunk < old.thunks[1]
-    (step,) = kernel_module(old, SLIDE, X86_64).steps
+    (step,) = kernel_module(old, SLIDE, X86_64, X86_64_LINUX).steps
     assert isinstance(step, OrcStep) and step.code.thunks == old.thunks
 
 

@@ -16,7 +16,7 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.arch.riscv64 import RISCV64
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.symbols import Symbol, SymbolTable
-from qmpprof.linux.running.image import target_kind
+from qmpprof.linux.x86_64.running import target_kind
 from qmpprof.model import Mapping, StopReason
 from qmpprof.unwind.chain import AddressSpace, Module, RawStack, Unwinder
 from qmpprof.unwind.tailcall import CodeImage, Outcome, TailCallFinder, with_tail_calls

@@ -8,8 +8,8 @@ from __future__ import annotations
 from aarch64vm import image
 
 from qmpprof.arch.aarch64 import AARCH64
+from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.linux.running.image import target_kind
 from qmpprof.unwind.tailcall import CodeImage, Outcome, TailCallFinder
 
 
@@ -19,7 +19,11 @@ def test_arm64_memset_is_crossed_never_made_a_frame() -> None:
     gets no frame between them."""
     linux = LinuxKernel.load(image("7"))
     code = CodeImage(
-        linux.image.text_addr, linux.image.text_bytes, linux.functions, target_kind, AARCH64
+        linux.image.text_addr,
+        linux.image.text_bytes,
+        linux.functions,
+        AARCH64_LINUX.target_kind,
+        AARCH64,
     )
     memset = linux.symbols.address_of("memset")
     generic = linux.symbols.address_of("__pi_memset_generic")

@@ -4,6 +4,7 @@ name: the per-CPU area, ``__entry_task``, the module list, the initial task."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qmpprof.elf.image import ElfImage
@@ -12,7 +13,8 @@ from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_kernel
 from qmpprof.linux.aarch64.modulelist import module_list
 from qmpprof.linux.aarch64.percpu import entry_task_link, per_cpu_layout
 from qmpprof.linux.btf import Btf
-from qmpprof.linux.platform import BootTask
+from qmpprof.linux.cache import OrcIndex
+from qmpprof.linux.platform import BootTask, OwnTables
 from qmpprof.linux.symbols import KernelSymbols
 
 
@@ -37,6 +39,11 @@ class Aarch64KernelFile:
 
     def boot_task(self, image: ElfImage, symbols: KernelSymbols, btf: Btf) -> BootTask | None:
         return boot_task(image, symbols, btf)
+
+    def own_tables(
+        self, image: ElfImage, cached: OrcIndex | None, starts: Sequence[int]
+    ) -> tuple[OwnTables | None, list[str]]:
+        return None, []  # its kernel stacks are walked by CFI and frame records
 
 
 AARCH64_FILE = Aarch64KernelFile()

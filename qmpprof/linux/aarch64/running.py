@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from qmpprof.arch.aarch64 import tnsz
+from qmpprof.arch.aarch64 import AArch64, tnsz
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
@@ -18,15 +18,19 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
 from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader, reader
+from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry
+from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
+from qmpprof.unwind.tailcall import TargetKind
 
 _VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
+_LINEAR_BITS = 48  # VA_BITS_MIN of a 52-bit kernel (4 KiB or 16 KiB pages)
 _BADDR = 0x0000_FFFF_FFFF_FFFE  # TTBR1_EL1's table address (48-bit physical addresses)
 
 
@@ -89,6 +93,43 @@ class Aarch64Platform:
             return await tables.physical(root, addr & ((1 << bits) - 1))
 
         return walk
+
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        # Linux's this-CPU offset, at EL1 (a kernel at EL2 under VHE keeps it in TPIDR_EL2).
+        return ("TPIDR_EL1",)
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        return None  # TPIDR_EL1 holds it (per_cpu_registers), not among the sampled ones
+
+    def linear_map_end(self, arch: InstructionSet) -> int | None:
+        """Linux's PAGE_END, _PAGE_END(VA_BITS_MIN): the linear map is the lower half of the
+        kernel's space, of at most 48 bits (a 52-bit kernel keeps its modules, vmalloc area
+        and image where a 48-bit one has them: 0xffff800000000000 up); None before TCR_EL1's
+        T1SZ is known."""
+        t1sz = arch.t1sz if isinstance(arch, AArch64) else None
+        if t1sz is None:
+            return None
+        return (1 << 64) - (1 << (min(64 - t1sz, _LINEAR_BITS) - 1))
+
+    def kernel_steps(
+        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
+    ) -> Sequence[UnwindStep]:
+        return ()  # no tables of its own: CFI, prologues and frame records
+
+    async def module_steps(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        read: Reader,
+        at: int,
+        layout: ModuleLayout,
+        bias: int,
+    ) -> Sequence[UnwindStep]:
+        return ()
+
+    def target_kind(self, name: str) -> TargetKind:
+        return TargetKind.FUNCTION  # no thunks or trampolines the search must know
 
 
 async def slide_by_vectors(

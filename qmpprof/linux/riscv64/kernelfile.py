@@ -6,12 +6,14 @@ so that nothing is looked for in its code. The boot ``Image`` is told by its hea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import KernelImageError
 from qmpprof.linux.btf import Btf
-from qmpprof.linux.platform import BootTask
+from qmpprof.linux.cache import OrcIndex
+from qmpprof.linux.platform import BootTask, OwnTables
 from qmpprof.linux.symbols import KernelSymbols
 
 MAGIC = b"RSC\x05"  # the Image header's magic2, at MAGIC_AT
@@ -47,6 +49,11 @@ class Riscv64KernelFile:
 
     def boot_task(self, image: ElfImage, symbols: KernelSymbols, btf: Btf) -> BootTask | None:
         return None
+
+    def own_tables(
+        self, image: ElfImage, cached: OrcIndex | None, starts: Sequence[int]
+    ) -> tuple[OwnTables | None, list[str]]:
+        return None, []  # its kernel stacks are walked by CFI and frame records
 
 
 RISCV64_FILE = Riscv64KernelFile()

@@ -18,6 +18,7 @@ from qmpprof.linux.riscv64.entry import entry_code
 from qmpprof.linux.riscv64.threadstruct import ThreadStruct
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
 from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
@@ -26,7 +27,8 @@ from qmpprof.memory import Reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry
+from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
+from qmpprof.unwind.tailcall import TargetKind
 
 _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0
 _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel is ET_DYN)
@@ -199,6 +201,35 @@ class Riscv64Platform:
 
     def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
         return None
+
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        return ()  # no register holds it: Linux reads __per_cpu_offset[cpu]
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        return None
+
+    def linear_map_end(self, arch: InstructionSet) -> int | None:
+        return None
+
+    def kernel_steps(
+        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
+    ) -> Sequence[UnwindStep]:
+        return ()  # no tables of its own: CFI, prologues and frame records
+
+    async def module_steps(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        read: Reader,
+        at: int,
+        layout: ModuleLayout,
+        bias: int,
+    ) -> Sequence[UnwindStep]:
+        return ()
+
+    def target_kind(self, name: str) -> TargetKind:
+        return TargetKind.FUNCTION  # no thunks or trampolines the search must know
 
 
 RISCV64 = Riscv64Platform()

@@ -76,7 +76,8 @@ def locate_current(kernel: LinuxKernel) -> tuple[PerCpuVariable, str | None]:
 class CurrentTask:
     """Reads each vCPU's current task pointer at ``base + offset`` (``offset``: the pointer's
     place in the per-CPU area); ``per_cpu_offset``: the runtime address of the
-    ``__per_cpu_offset`` array (None: unknown)."""
+    ``__per_cpu_offset`` array (None: unknown); ``base_of``: the per-CPU base as a vCPU's
+    registers hold it, where they do (the platform's ``per_cpu_base``)."""
 
     def __init__(
         self,
@@ -85,9 +86,11 @@ class CurrentTask:
         arch: InstructionSet,
         clock: Callable[[], float],
         recheck: float,
+        base_of: Callable[[Registers], int | None] | None = None,
     ) -> None:
         self.offset = offset
         self.per_cpu_offset = per_cpu_offset
+        self.base_of = base_of
         self.arch = arch
         self.clock = clock
         self.recheck = recheck
@@ -154,8 +157,8 @@ class CurrentTask:
             addr = self.per_cpu_offset + 8 * regs.cpu
             await fetch_piece(read, cache, addr, 8)
             base = cache.read_u64(addr)
-        else:
-            base = self.arch.per_cpu_base(regs)
+        elif self.base_of is not None:
+            base = self.base_of(regs)
         if base:
             self.bases[regs.cpu] = base
         return base or None

@@ -7,6 +7,7 @@ the control channel while the guest runs, and handed to ``identify.LinuxIdentifi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,12 +86,16 @@ class Layouts:
 
 
 async def _system_registers(
-    transport: GuestTransport, arch: InstructionSet, cpus: Sequence[int]
+    transport: GuestTransport,
+    arch: InstructionSet,
+    per_cpu: tuple[str, ...],
+    cpus: Sequence[int],
 ) -> tuple[dict[str, int], dict[int, int]]:
     """The first vCPU's translation registers, and each vCPU's per-CPU base from the system
-    register that holds it (``per_cpu_registers``: arm64's TPIDR_EL1, exact in every mode, where
-    6.1's kallsyms place no ``__per_cpu_offset``), one stop a vCPU; empty where unreadable."""
-    translation, per_cpu = arch.translation_registers, arch.per_cpu_registers
+    register that holds it (``per_cpu``, the platform's ``per_cpu_registers``: arm64's
+    TPIDR_EL1, exact in every mode, where 6.1's kallsyms place no ``__per_cpu_offset``), one stop
+    a vCPU; empty where unreadable."""
+    translation = arch.translation_registers
     values: dict[str, int] = {}
     bases: dict[int, int] = {}
     for cpu in cpus:
@@ -166,7 +171,8 @@ class LinuxGuest:
         translation: list[str] = []
         cpus = await control.cpus()
         # Read once per attach (the sampler's walker takes the instruction set from here).
-        values, bases = await _system_registers(transport, self.arch, cpus)
+        per_cpu = self.platform.per_cpu_registers
+        values, bases = await _system_registers(transport, self.arch, per_cpu, cpus)
         if self.arch.translation_registers:
             self.arch = self.arch.translated(values)
             if not values:
@@ -177,9 +183,9 @@ class LinuxGuest:
                 )
         offsets = kernel.per_cpu_offsets
         unplaced = len(bases) < len(cpus) and offsets is None
-        if layouts.current is not None and unplaced and self.arch.per_cpu_registers:
+        if layouts.current is not None and unplaced and per_cpu:
             translation.append(
-                f"no __per_cpu_offset found and {self.arch.per_cpu_registers[0]} not readable"
+                f"no __per_cpu_offset found and {per_cpu[0]} not readable"
                 " over this transport: stacks without process names (use the gdbstub)"
             )
         arch, platform = self.arch, self.platform
@@ -191,19 +197,24 @@ class LinuxGuest:
         if isinstance(entry, str):  # the walk then stops at an exception's entry
             translation.append(entry)
             entry = None
-        modules = [kernel_module(kernel, slide, arch, entry, lines=self.lines, debug=self.debug)]
+        modules = [
+            kernel_module(kernel, slide, arch, platform, entry, lines=self.lines, debug=self.debug)
+        ]
         head = kernel.module_list
         module_list = None
         if layouts.modules is not None and head is not None:
             debug = self._module_debug(translation)
-            module_list = ModuleList(read, head + slide, layouts.modules, kernel.orc, arch, debug)
+            steps = functools.partial(platform.module_steps, kernel, arch)
+            module_list = ModuleList(read, head + slide, layouts.modules, steps, arch, debug)
             modules += await module_list.refresh() or []
         in_registers = platform.current_task(arch, self.clock, RECHECK)
         current = in_registers
         if in_registers is None and layouts.current is not None:
             per_cpu_offset = None if offsets is None else offsets + slide
             place = layouts.current.at(slide)
-            current = CurrentTask(place, per_cpu_offset, arch, self.clock, RECHECK)
+            current = CurrentTask(
+                place, per_cpu_offset, arch, self.clock, RECHECK, platform.per_cpu_base
+            )
             current.bases.update(bases)
             await current.preload(read, cpus)
         linear = None
@@ -211,7 +222,8 @@ class LinuxGuest:
         low, high = kernel.image.load_range  # the whole image, its data too
         mapped = kernel.address("_stext", slide) or low + slide
         image = (low + slide, high + slide, mapped)
-        top = image[0] if arch.linear_map_end is None else min(image[0], arch.linear_map_end)
+        linear_end = platform.linear_map_end(arch)
+        top = image[0] if linear_end is None else min(image[0], linear_end)
         # The linear map is measured at the per-CPU slots of the current task's pointer.
         slotted = None if in_registers is not None else current
         if slotted is not None:

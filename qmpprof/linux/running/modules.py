@@ -3,13 +3,13 @@
 The ``modules`` list links every ``struct module`` (through its ``list`` member). Of each: its
 name, where its text is (``mem[MOD_TEXT]`` from 6.4, ``core_layout`` before), its symbols as the
 kernel keeps them for kallsyms (``kallsyms->symtab``/``strtab``: Elf64_Sym at runtime
-addresses) and its ORC tables (``arch.orc_unwind_ip``/``orc_unwind``, sorted when the module was
-loaded; x86 only: an arm64 ``mod_arch_specific`` has none). Offsets come from the kernel's
-BTF. Each module becomes a ``Module`` named ``[name]``, unwound by its ORC; frames in it are
-named ``function [name]``. A module without ORC tables (arm64) is unwound as the kernel's own
-code is there: by frame records, with prologue analysis of its text, read once: a leaf
-function keeps no record, and its caller is told only by the code (its return address still
-in x30).
+addresses) and its own unwinding tables where its platform reads them (``OwnSteps``: x86_64's
+ORC, ``arch.orc_unwind_ip``/``orc_unwind``; an arm64 ``mod_arch_specific`` has none). Offsets
+come from the kernel's BTF. Each module becomes a ``Module`` named ``[name]``, unwound by its
+own tables; frames in it are named ``function [name]``. A module without them (arm64) is
+unwound as the kernel's own code is there: by frame records, with prologue analysis of its
+text, read once: a leaf function keeps no record, and its caller is told only by the code (its
+return address still in x30).
 
 Read when a run starts, through QMP (memsave needs no stop), and again every few seconds while
 the guest runs (``ModuleList``: the list's links, then only the modules not seen before).
@@ -26,25 +26,28 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.symbols import Symbol, SymbolTable
 from qmpprof.linux.btf import Btf, Kind
 from qmpprof.linux.running.moduledebug import DebugLayout, module_lines
-from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
-from qmpprof.linux.x86_64.orctables import OrcTable
 from qmpprof.memory import Reader, read_ints, read_one
 from qmpprof.model import Mapping
 from qmpprof.pagecache import PAGE
 from qmpprof.unwind.space import Module
+from qmpprof.unwind.steps import UnwindStep
+
+# A module's own unwinding steps, as its platform reads them (x86_64: its ORC tables): of the
+# ``struct module`` at an address, by the kernel's layout, for code at a bias; none: ().
+OwnSteps = Callable[[Reader, int, "ModuleLayout", int], Awaitable[Sequence[UnwindStep]]]
 
 MAX_MODULES = 4096
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 _STT_FUNC = 2
 # Symbols kept of one module: several times the most a real one has (amdgpu: some 30,000).
 MAX_SYMBOLS = 1 << 17
-_MAX_ORCS = 1 << 22
 _MAX_STRTAB = 16 << 20  # a module's string table read at most: a name past it is damage
 _KSYM_NAME_LEN = 512  # the longest symbol name the kernel keeps, and its NUL
 # Text read for prologue analysis (modules without ORC tables): of one module (the largest known:
@@ -125,11 +128,11 @@ class ModuleList:
         read: Reader,
         head: int,
         layout: ModuleLayout,
-        kernel_orc: OrcTable | None,
+        own_steps: OwnSteps | None,
         arch: InstructionSet,
         debug: DebugLayout | None = None,
     ) -> None:
-        self.read, self.head, self.layout, self.kernel_orc = read, head, layout, kernel_orc
+        self.read, self.head, self.layout, self.own_steps = read, head, layout, own_steps
         self.arch = arch
         self.debug = debug  # where modules' build-ids and sections are: lines wanted
         self.known: dict[int, Module | None] | None = None  # struct module -> Module, in order
@@ -186,13 +189,14 @@ class ModuleList:
                 f"module {name}: {symbols.cut} symbols, the first {MAX_SYMBOLS:,} kept"
             )
         named = symbols.table if len(symbols.table) else None
-        table = await _orc(read, at, layout, self.kernel_orc)
         mapping = Mapping(f"[{name}]", base, base + size, True)
+        own: Sequence[UnwindStep] = ()
+        if self.own_steps is not None:
+            own = await self.own_steps(read, at, layout, mapping.bias)
         lines = None
         if self.debug is not None:
             lines = await module_lines(read, at, name, self.debug, self.notes)
-        if table is not None:
-            own = (OrcStep(OrcCode(table), mapping.bias, arch),)
+        if own:
             return Module.build(mapping, arch, symbols=named, lines=lines, own=own)
         if size > min(MAX_TEXT, text_left):
             self.notes.append(
@@ -257,28 +261,3 @@ async def _symbols(
         if end >= 0:
             symbols.append(Symbol(value, size, names[name:end].decode("utf-8", "replace")))
     return _Symbols(SymbolTable(symbols), count if count > MAX_SYMBOLS else 0)
-
-
-async def _orc(
-    read: Reader, at: int, layout: ModuleLayout, kernel_orc: OrcTable | None
-) -> OrcTable | None:
-    if layout.orc is None:
-        return None
-    num_orcs, orc_ip, orc = layout.orc
-    count, ips, entries = await read_ints(
-        read, [(at + num_orcs, 4), (at + orc_ip, 8), (at + orc, 8)]
-    )
-    if not count or not ips or not entries or count > _MAX_ORCS:
-        return None
-    ip_bytes, orc_bytes = await read([(ips, 4 * count), (entries, 6 * count)])
-    if ip_bytes is None or orc_bytes is None:
-        return None
-    try:
-        # A module's tables are written as its kernel's are.
-        if kernel_orc is None:
-            return OrcTable.from_sections(ip_bytes, ips, orc_bytes)
-        return OrcTable.from_sections(
-            ip_bytes, ips, orc_bytes, kernel_orc.layout, regs=kernel_orc.regs
-        )
-    except ValueError:
-        return None

@@ -5,7 +5,7 @@ instruction set: it asks the platform."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -14,11 +14,14 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import PageTables
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader
+from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry
+from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
+from qmpprof.unwind.tailcall import TargetKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,4 +102,47 @@ class LinuxPlatform(Protocol):
         """Where a kernel address is in physical memory with no vCPU in kernel mode to
         translate it (arm64: the kernel's own tables, at TTBR1_EL1, walked physically); None
         where the platform has no such way."""
+        ...
+
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU
+        base in user mode as in kernel mode, read on every vCPU when memory does not say it;
+        empty when none (``per_cpu_base`` reads it from the sampled registers)."""
+        ...
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        """The kernel's per-CPU base as the vCPU holds it in kernel mode, None when not known."""
+        ...
+
+    def linear_map_end(self, arch: InstructionSet) -> int | None:
+        """Where the kernel's map of all physical memory ends under the translation settings
+        ``arch`` was read with (arm64: its modules and vmalloc area lie above, up to the kernel
+        image); None where only the kernel image's start bounds it."""
+        ...
+
+    def kernel_steps(
+        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
+    ) -> Sequence[UnwindStep]:
+        """The walk's steps through the kernel image's own tables (``kernel.tables``: x86_64's
+        ORC), at ``slide``; none where it has none (then CFI, prologues and frame records)."""
+        ...
+
+    async def module_steps(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        read: Reader,
+        at: int,
+        layout: ModuleLayout,
+        bias: int,
+    ) -> Sequence[UnwindStep]:
+        """The walk's steps through the own tables of the module whose ``struct module`` is at
+        ``at`` (read through ``read``: x86_64's ORC), for its code at ``bias``; none where it
+        has none or they do not read."""
+        ...
+
+    def target_kind(self, name: str) -> TargetKind:
+        """What a jump or call to the kernel symbol ``name`` means for the tail-call search (the
+        kernel's thunks and trampolines, by their names)."""
         ...

@@ -29,6 +29,7 @@ from itertools import islice
 from operator import add, le
 
 from qmpprof.elf.image import ElfImage
+from qmpprof.linux.cache import OrcIndex
 from qmpprof.memo import Memo
 
 MASK64 = (1 << 64) - 1
@@ -258,6 +259,10 @@ class OrcTable:
         if layout is None:  # only then is the version banner searched for (in 7 MB)
             layout = detect_layout(entries, kernel_version(image.section(".rodata") or b""))
         return cls.from_sections(ip_bytes, ip_addr, entries, layout)
+
+    def index(self) -> OrcIndex:
+        """What the kernel's cache keeps of the table (``platform.OwnTables``)."""
+        return OrcIndex(self.base, self.end, self.layout.value, self.offsets)
 
     def __len__(self) -> int:
         return len(self.offsets)

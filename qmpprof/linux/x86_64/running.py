@@ -5,7 +5,7 @@ description, its ORC tables cover it."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
@@ -14,16 +14,24 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
+from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import PageTables, page_tables
 from qmpprof.linux.running.platform import LoadedKernel
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.linux.symbols import KernelSymbols
 from qmpprof.linux.x86_64.idt import ALIGN, GATE, decode_idt, slide_from_gates
+from qmpprof.linux.x86_64.moduleorc import module_orc
+from qmpprof.linux.x86_64.orcstep import OrcCode, OrcStep
+from qmpprof.linux.x86_64.orctables import INDIRECT_THUNKS, OrcTable, unaliased
 from qmpprof.linux.x86_64.taskframe import InactiveTaskFrame
-from qmpprof.memory import reader
+from qmpprof.memory import Reader, reader
+from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry
+from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
+from qmpprof.unwind.tailcall import TargetKind
+
+_KERNEL_HALF = 0xFFFF_8000_0000_0000  # x86_64's canonical upper half
 
 
 async def idt_slide(
@@ -90,6 +98,58 @@ class X86_64Platform:
 
     def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
         return None
+
+    @property
+    def per_cpu_registers(self) -> tuple[str, ...]:
+        return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
+
+    def per_cpu_base(self, regs: Registers) -> int | None:
+        # In kernel mode (after swapgs) GS holds the per-CPU base; in user mode the user's.
+        base = regs.special.get("gs_base", 0)
+        return base if not regs.user and base >= _KERNEL_HALF else None
+
+    def linear_map_end(self, arch: InstructionSet) -> int | None:
+        return None  # the direct map lies below the vmalloc area and the image: not needed
+
+    def kernel_steps(
+        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
+    ) -> Sequence[UnwindStep]:
+        if not isinstance(kernel.tables, OrcTable):
+            return ()
+        return (OrcStep(OrcCode(kernel.tables, kernel.functions, kernel.thunks), slide, arch),)
+
+    async def module_steps(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        read: Reader,
+        at: int,
+        layout: ModuleLayout,
+        bias: int,
+    ) -> Sequence[UnwindStep]:
+        # A module's tables are written as its kernel's are.
+        kernel_orc = kernel.tables if isinstance(kernel.tables, OrcTable) else None
+        table = await module_orc(read, at, layout, kernel_orc)
+        return () if table is None else (OrcStep(OrcCode(table), bias, arch),)
+
+    def target_kind(self, name: str) -> TargetKind:
+        return target_kind(name)
+
+
+def target_kind(name: str) -> TargetKind:
+    """What a jump or call to the kernel symbol ``name`` means for the tail-call search. The
+    names are the same from 5.10 to 7.3 once a 6.16+ startup-code alias's ``__pi_`` prefix is
+    left out (``orctables.unaliased``): ``__x86_indirect_*`` (``orctables.INDIRECT_THUNKS``:
+    the target is in a register), ``__x86_return_thunk``/``*untrain_ret`` (a ``ret``),
+    ``__SCT__*`` (static-call trampolines: no DWARF, gdb stops there)."""
+    name = unaliased(name)
+    if name.startswith(INDIRECT_THUNKS):
+        return TargetKind.INDIRECT
+    if name.endswith(("return_thunk", "untrain_ret")):
+        return TargetKind.RETURN
+    if name.startswith("__SCT__"):
+        return TargetKind.OPAQUE
+    return TargetKind.FUNCTION
 
 
 X86_64 = X86_64Platform()

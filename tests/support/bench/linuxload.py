@@ -35,11 +35,12 @@ def phases(path: Path) -> dict[str, float]:
     from qmpprof.linux.kernel import LinuxKernel
     from qmpprof.linux.running.guest import Layouts
     from qmpprof.linux.running.image import kernel_module
+    from qmpprof.linux.x86_64.running import X86_64
 
     marks = {"imports": time.perf_counter()}
     kernel = LinuxKernel.load(path).prepare()
     marks["load"] = time.perf_counter()
-    kernel_module(kernel, 0, arch.by_name("x86_64"))
+    kernel_module(kernel, 0, arch.by_name("x86_64"), X86_64)
     assert kernel.btf is not None
     Layouts.of(kernel)
     marks["module_and_layouts"] = time.perf_counter()
