@@ -204,8 +204,10 @@ class StackReader:
         end = min(end, self._stack_ends.get(key, end))
         deepest = self._deepest.get(key)
         if deepest is not None:
-            end = min(end, _align_up(deepest + SLACK))
-        return lo, end
+            # An SP higher in its page than the deepest byte earlier walks from it read still
+            # gets its SLACK (never a window that ends below its start).
+            end = min(end, _align_up(max(deepest, regs.sp) + SLACK))
+        return lo, max(end, lo)
 
     async def _take_window(
         self,

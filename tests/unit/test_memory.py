@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fakes import FakeTransport, regs
+
 from qmpprof.memory import MAX_REFETCH, THROUGH_AHEAD, StackReader
 from qmpprof.pagecache import PAGE, PageCache
 
@@ -45,3 +47,24 @@ async def test_pages_past_the_refetch_budget_count_as_unmapped() -> None:
 
     found = await StackReader(transport=None).complete(0, cache, walk, through)  # type: ignore[arg-type]
     assert found.count(None) == 2
+
+
+async def test_an_sp_above_what_earlier_walks_read_in_its_page_still_gets_a_window() -> None:
+    # On riscv64 a walk from SP page+0x100 read nothing past SP+8; the next sample's SP, in the
+    # same page, was 0xe00 higher: its window ended 1,664 bytes below its start, and QEMU 7.2's
+    # memsave, sent that negative size, died (qmpprof --transport qmp on the riscv64 guest).
+    page = STACK
+    memory = {page + i * PAGE: bytes(PAGE) for i in range(4)}
+    transport = FakeTransport({0: regs(0, 0x40_1000, page + 0x100)}, memory)
+    stacks = StackReader(transport)
+    low = regs(0, 0x40_1000, page + 0x100)
+    first = PageCache()
+    await stacks.prefetch(low, first)
+    stacks.learn(low, PageCache())  # a walk that read nothing: the deepest byte is SP + 8
+    transport.calls.clear()
+    high = regs(0, 0x40_1000, page + 0xF00)
+    cache = PageCache()
+    await stacks.prefetch(high, cache)
+    sizes = [int(call.split("+")[1], 16) for call in transport.calls if call.startswith("read:")]
+    assert sizes and all(size > 0 for size in sizes), transport.calls
+    assert cache.read(page + 0xF00, 8) == bytes(8)  # the window holds SP

@@ -49,10 +49,11 @@ async def aarch64_run(duration: float, log: Callable[[str], None]) -> dict[str, 
 async def riscv64_run(duration: float, log: Callable[[str], None]) -> dict[str, object]:
     """``duration`` seconds of guest run time sampled on the riscv64 guest."""
     try:
-        from riscv64vm import running_riscv64_guest, vmlinux_dbg
+        from riscv64vm import ROOTFS, running_riscv64_guest, vmlinux_dbg
     except ImportError as err:
         return _unmeasured("riscv64", f"{err}", log)
-    return await _run("riscv64", running_riscv64_guest, vmlinux_dbg, duration, log)
+    # Its user programs given, as the x86_64 Linux guest's run (linuxrun.py) gives them.
+    return await _run("riscv64", running_riscv64_guest, vmlinux_dbg, duration, log, ROOTFS)
 
 
 def _unmeasured(name: str, why: str, log: Callable[[str], None]) -> dict[str, object]:
@@ -66,12 +67,18 @@ async def _run(
     kernel: Callable[[], Path],
     duration: float,
     log: Callable[[str], None],
+    user_dir: Path | None = None,
 ) -> dict[str, object]:
     sampling = SamplerConfig(interval=INTERVAL, duration=duration)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with boot(Path(tmp)) as guest:
-                spec = RunSpec(reach=Reach(guest.qmp_socket), kernel=kernel(), sampling=sampling)
+                spec = RunSpec(
+                    reach=Reach(guest.qmp_socket),
+                    kernel=kernel(),
+                    sampling=sampling,
+                    user_dir=user_dir,
+                )
                 run = await start(spec)
                 try:
                     settle()
