@@ -118,7 +118,7 @@ def test_the_privilege_mode_read_with_g_says_the_mode() -> None:
     # physical addresses in the lower half: by the pc alone it would be user code.
     words = [n * 0x100 for n in range(32)] + [0x8000_0408]
     payload = struct.pack("<33Q", *words).hex().encode()
-    assert FORMATS.extra == ("priv", "mstatus", "mepc")
+    assert FORMATS.extra == ("priv", "mstatus", "mepc", "sscratch")
     supervisor = FORMATS.from_gdb(0, payload, {"priv": 1})
     assert not supervisor.user and supervisor.special.get("paging", 1)  # a kernel linked low
     firmware = FORMATS.from_gdb(0, payload, {"priv": 3, "mstatus": 0x1800, "mepc": 0x10_0000})
