@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -16,6 +16,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from linuxvm import Mapping
 
+from qmpprof.arch.base import InstructionSet
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols
 from qmpprof.model import Frame, StopReason
 from qmpprof.profile import Profile
@@ -205,3 +206,61 @@ def check_user_frames(
         else:
             tally.wrong[f"{where}: .dynsym covering it: {covering or 'none'}"] += count
     return tally
+
+
+@dataclass
+class UserTally:
+    """A program's user frames (xz's): in a file of the run's --user-dir (``rootfs``), at a
+    return address a call precedes in that file's code (``arch.is_call_before``), named by a
+    symbol of that file covering it."""
+
+    arch: InstructionSet
+    rootfs: Path
+    total: int = 0
+    placed: int = 0
+    files: Counter[str] = field(default_factory=Counter)
+    names: Counter[str] = field(default_factory=Counter)
+    wrong: Counter[str] = field(default_factory=Counter)  # not placed
+    misnamed: Counter[str] = field(default_factory=Counter)
+
+    def __str__(self) -> str:
+        return (
+            f"xz's user frames placed {self.placed}/{self.total}, by file {dict(self.files)},"
+            f" names {self.names.most_common(8)}, not placed {self.wrong.most_common(8)}"
+        )
+
+    def check(self, frame: Frame, *, exact: bool, count: int) -> None:
+        """One user frame, ``count`` times; ``exact``: the interrupted pc (no call before it)."""
+        self.total += count
+        module = frame.module
+        if module is None or module.path is None:
+            self.wrong[f"{frame.pc:#x}: in no file"] += count
+            return
+        path = Path(module.path).resolve()
+        if self.rootfs.resolve() not in path.parents:
+            self.wrong[f"{frame.pc:#x}: {path} is not --user-dir's"] += count
+            return
+        self.files[module.name] += count
+        link = frame.pc - module.bias
+        elf = shared_object(path)
+        word = code_word(path, elf.loads, link - 4)
+        if not exact and (word is None or not self.arch.is_call_before(word, link)):
+            self.wrong[f"{frame.pc:#x} in {module.name}: no call before it"] += count
+            return
+        self.placed += count
+        if frame.symbol is not None:
+            self.names[frame.symbol] += count
+            at = link if exact else link - 1
+            if frame.symbol not in elf.covering(at):
+                self.misnamed[f"{frame.symbol} at {link:#x} in {module.name}"] += count
+
+
+def code_word(path: Path, loads: Sequence[tuple[int, int, int]], vaddr: int) -> bytes | None:
+    """The 4 bytes of the file at ``path`` at link address ``vaddr`` (``loads``: its PT_LOADs
+    as (offset, size, start)); None outside them."""
+    for offset, size, start in loads:
+        if start <= vaddr < start + size:
+            with path.open("rb") as f:
+                f.seek(offset + vaddr - start)
+                return f.read(4)
+    return None

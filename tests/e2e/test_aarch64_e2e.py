@@ -39,7 +39,7 @@ from aarch64vm import (
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from guestvm import run_state
-from linuxframes import shared_object
+from linuxframes import UserTally, code_word
 from qemumark import boots_qemu
 
 from qmpprof.arch.aarch64 import AARCH64
@@ -198,7 +198,7 @@ def test_a_5s_profile_is_whole_and_places_xz_and_a_signed_program_from_their_fil
     text = TextSymbols(guest.symbols)
     kernel = whole = stitched = xz = xz_user = vectored = 0
     broken: Counter[tuple[str, str | None, int]] = Counter()  # (stop, root, depth) not whole
-    user = UserTally()
+    user = UserTally(AARCH64, ROOTFS)
     stops: Counter[tuple[str, str, str]] = Counter()
     for record, count in zip(profile.stacks, profile.counts, strict=True):
         frames = profile.frames_of(record)
@@ -293,7 +293,7 @@ def check_signed_program(profile: Profile, guest: Aarch64Guest) -> None:
             total += count
             link = frame.pc - (frame.module.bias if frame.module is not None else 0)
             at = link if depth == 0 else link - 1  # a return address: its call
-            word = _code_word(path, loads, link - 4)
+            word = code_word(path, loads, link - 4)
             if frame.pc >> va_bits:
                 wrong[f"{frame.pc:#x}: bits above {va_bits} set"] += count
             elif frame.module is None or frame.module.name != SIGNED:
@@ -419,57 +419,6 @@ def kernel_part_whole(frames: Sequence[Frame], stop: StopReason, text: TextSymbo
         return entered_64(root)
     alone = len(kernel) == 1 and (root == "vectors" or root in USER_ENTRIES)
     return stop is StopReason.END and (rooted(root) or alone)
-
-
-@dataclass
-class UserTally:
-    """xz's user frames: in which file, at a return address a call precedes, named right."""
-
-    total: int = 0
-    placed: int = 0
-    files: Counter[str] = field(default_factory=Counter)
-    names: Counter[str] = field(default_factory=Counter)
-    wrong: Counter[str] = field(default_factory=Counter)  # not placed
-    misnamed: Counter[str] = field(default_factory=Counter)
-
-    def __str__(self) -> str:
-        return (
-            f"xz's user frames placed {self.placed}/{self.total}, by file {dict(self.files)},"
-            f" names {self.names.most_common(8)}, not placed {self.wrong.most_common(8)}"
-        )
-
-    def check(self, frame: Frame, *, exact: bool, count: int) -> None:
-        self.total += count
-        module = frame.module
-        if module is None or module.path is None:
-            self.wrong[f"{frame.pc:#x}: in no file"] += count
-            return
-        path = Path(module.path).resolve()
-        if ROOTFS.resolve() not in path.parents:
-            self.wrong[f"{frame.pc:#x}: {path} is not --user-dir's"] += count
-            return
-        self.files[module.name] += count
-        link = frame.pc - module.bias
-        elf = shared_object(path)
-        word = _code_word(path, elf.loads, link - 4)
-        if not exact and (word is None or not AARCH64.is_call_before(word, link)):
-            self.wrong[f"{frame.pc:#x} in {module.name}: no call before it"] += count
-            return
-        self.placed += count
-        if frame.symbol is not None:
-            self.names[frame.symbol] += count
-            at = link if exact else link - 1
-            if frame.symbol not in elf.covering(at):
-                self.misnamed[f"{frame.symbol} at {link:#x} in {module.name}"] += count
-
-
-def _code_word(path: Path, loads: Sequence[tuple[int, int, int]], vaddr: int) -> bytes | None:
-    for offset, size, start in loads:
-        if start <= vaddr < start + size:
-            with path.open("rb") as f:
-                f.seek(offset + vaddr - start)
-                return f.read(4)
-    return None
 
 
 STACKS = re.compile(
