@@ -18,16 +18,14 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
-from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import AARCH64_ENTRIES, PageTables
-from qmpprof.linux.running.platform import LoadedKernel
+from qmpprof.linux.running.platform import LoadedKernel, NoOwnTables
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader, reader
 from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
-from qmpprof.unwind.tailcall import TargetKind
+from qmpprof.unwind.steps import ExceptionEntry
 
 _VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
 _LINEAR_BITS = 48  # VA_BITS_MIN of a 52-bit kernel (4 KiB or 16 KiB pages)
@@ -35,7 +33,7 @@ _BADDR = 0x0000_FFFF_FFFF_FFFE  # TTBR1_EL1's table address (48-bit physical add
 
 
 @dataclass(frozen=True, slots=True)
-class Aarch64Platform:
+class Aarch64Platform(NoOwnTables):
     name: str = "aarch64"
 
     async def slide(
@@ -111,25 +109,6 @@ class Aarch64Platform:
         if t1sz is None:
             return None
         return (1 << 64) - (1 << (min(64 - t1sz, _LINEAR_BITS) - 1))
-
-    def kernel_steps(
-        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
-    ) -> Sequence[UnwindStep]:
-        return ()  # no tables of its own: CFI, prologues and frame records
-
-    async def module_steps(
-        self,
-        kernel: LinuxKernel,
-        arch: InstructionSet,
-        read: Reader,
-        at: int,
-        layout: ModuleLayout,
-        bias: int,
-    ) -> Sequence[UnwindStep]:
-        return ()
-
-    def target_kind(self, name: str) -> TargetKind:
-        return TargetKind.FUNCTION  # no thunks or trampolines the search must know
 
 
 async def slide_by_vectors(

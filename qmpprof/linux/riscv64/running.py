@@ -18,17 +18,15 @@ from qmpprof.linux.riscv64.entry import entry_code
 from qmpprof.linux.riscv64.threadstruct import ThreadStruct
 from qmpprof.linux.running.current import CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
-from qmpprof.linux.running.modules import ModuleLayout
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
-from qmpprof.linux.running.platform import LoadedKernel
+from qmpprof.linux.running.platform import LoadedKernel, NoOwnTables
 from qmpprof.linux.running.slide import slide_by_banner
 from qmpprof.linux.running.switch import SwitchLayout
 from qmpprof.memory import Reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
-from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
-from qmpprof.unwind.tailcall import TargetKind
+from qmpprof.unwind.steps import ExceptionEntry
 
 _PPN = (1 << 44) - 1  # satp's root page number, bits 43..0
 _ET_EXEC = 2  # e_type of an ELF linked at fixed addresses (a relocatable kernel is ET_DYN)
@@ -128,7 +126,7 @@ class RegisterTask(CurrentTask):
 
 
 @dataclass(frozen=True, slots=True)
-class Riscv64Platform:
+class Riscv64Platform(NoOwnTables):
     name: str = "riscv64"
 
     async def slide(
@@ -211,25 +209,6 @@ class Riscv64Platform:
 
     def linear_map_end(self, arch: InstructionSet) -> int | None:
         return None
-
-    def kernel_steps(
-        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
-    ) -> Sequence[UnwindStep]:
-        return ()  # no tables of its own: CFI, prologues and frame records
-
-    async def module_steps(
-        self,
-        kernel: LinuxKernel,
-        arch: InstructionSet,
-        read: Reader,
-        at: int,
-        layout: ModuleLayout,
-        bias: int,
-    ) -> Sequence[UnwindStep]:
-        return ()
-
-    def target_kind(self, name: str) -> TargetKind:
-        return TargetKind.FUNCTION  # no thunks or trampolines the search must know
 
 
 RISCV64 = Riscv64Platform()

@@ -146,3 +146,30 @@ class LinuxPlatform(Protocol):
         """What a jump or call to the kernel symbol ``name`` means for the tail-call search (the
         kernel's thunks and trampolines, by their names)."""
         ...
+
+
+class NoOwnTables:
+    """The part of a ``LinuxPlatform`` whose kernel brings no unwinding tables of its own
+    (arm64, riscv64: the walk takes CFI, prologues and frame records) and no thunks the
+    tail-call search must know."""
+
+    __slots__ = ()
+
+    def kernel_steps(
+        self, kernel: LinuxKernel, slide: int, arch: InstructionSet
+    ) -> Sequence[UnwindStep]:
+        return ()
+
+    async def module_steps(
+        self,
+        kernel: LinuxKernel,
+        arch: InstructionSet,
+        read: Reader,
+        at: int,
+        layout: ModuleLayout,
+        bias: int,
+    ) -> Sequence[UnwindStep]:
+        return ()
+
+    def target_kind(self, name: str) -> TargetKind:
+        return TargetKind.FUNCTION
