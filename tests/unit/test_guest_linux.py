@@ -25,6 +25,7 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
+from qmpprof.linux.running import current as current_module
 from qmpprof.linux.running import spaces as spaces_module
 from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.linux.running.identify import MODULES_RECHECK, LinuxIdentifier
@@ -932,3 +933,33 @@ async def test_an_exec_into_an_mm_at_the_old_one_s_address_is_placed_anew(
     xz = replace(task, comm="xz", leader_comm="xz")
     found = (await spaces.space_of(read, xz, [0x40_1000])).find(0x40_1000)
     assert found is not None and found.name == "[xz]"  # its file not read: by name
+
+
+async def test_preload_tries_again_while_no_vcpu_reads_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # arm64 7.x over QMP: attached while both vCPUs ran user code (KPTI: the kernel unmapped),
+    # one read of __per_cpu_offset found nothing, and no user-mode sample named its process until
+    # a kernel-mode one had read a base (test_aarch64_vs_gdb[7], 7 of its first 10 vCPU-moments).
+    monkeypatch.setattr(current_module, "PRELOAD_PAUSE", 0.0)
+    table = struct.pack("<2Q", *BASES)
+    passes: list[int] = []
+
+    async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        passes.append(len(ranges))
+        if len(passes) < 3:  # the first two passes: every vCPU in user mode
+            return [None] * len(ranges)
+        return [table[a - PER_CPU_OFFSET : a - PER_CPU_OFFSET + n] for a, n in ranges]
+
+    current = CurrentTask(CURRENT, PER_CPU_OFFSET, X86_64, lambda: 0.0, RECHECK)
+    await current.preload(read, [0, 1])
+    assert current.bases == {0: BASES[0], 1: BASES[1]} and len(passes) == 3
+    never = CurrentTask(CURRENT, PER_CPU_OFFSET, X86_64, lambda: 0.0, RECHECK)
+    passes.clear()
+
+    async def nothing(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        passes.append(len(ranges))
+        return [None] * len(ranges)
+
+    await never.preload(nothing, [0, 1], tries=4)
+    assert never.bases == {} and len(passes) == 4  # bounded: attach goes on without

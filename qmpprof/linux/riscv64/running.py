@@ -16,7 +16,7 @@ from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.riscv64.entry import entry_code
 from qmpprof.linux.riscv64.threadstruct import ThreadStruct
-from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.current import PRELOAD_TRIES, CurrentTask
 from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.pagetables import EntryFormat, PageTables
 from qmpprof.linux.running.platform import LoadedKernel, NoOwnTables
@@ -111,7 +111,7 @@ class RegisterTask(CurrentTask):
             return ()
         return (SCRATCH,)
 
-    async def preload(self, read: Reader, cpus: Sequence[int]) -> None:
+    async def preload(self, read: Reader, cpus: Sequence[int], tries: int = PRELOAD_TRIES) -> None:
         return None  # no per-CPU base to read
 
     async def running(self, read: Reader) -> dict[int, int]:

@@ -16,6 +16,7 @@ whose stack the stack pointer is on, that task is the one expected on that stack
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 
 _OWNERS_LIMIT = 4096
+PRELOAD_TRIES = 10  # passes over the per-CPU bases while none reads (0.2 s at most)
+PRELOAD_PAUSE = 0.02  # seconds between two
 # The per-CPU variables that hold the current task, by the kernels' names: on x86_64 pcpu_hot
 # (its field current_task) from 6.2 to 6.14, current_task before and after; on arm64
 # __entry_task (the kernel's SP_EL0 holds it too; this one is there in user mode as well).
@@ -100,12 +103,20 @@ class CurrentTask:
         # said so
         self._owners: Memo[tuple[int, int], tuple[int, float]] = Memo(_OWNERS_LIMIT)
 
-    async def preload(self, read: Reader, cpus: Sequence[int]) -> None:
-        """Every vCPU's per-CPU base, read while the guest runs (before the first stop)."""
+    async def preload(self, read: Reader, cpus: Sequence[int], tries: int = PRELOAD_TRIES) -> None:
+        """Every vCPU's per-CPU base, read while the guest runs (before the first stop), in up
+        to ``tries`` passes PRELOAD_PAUSE apart while none reads: a kernel that unmaps itself
+        in user mode (KPTI) reads through a vCPU only while one runs the kernel, and a guest
+        whose vCPUs spin in user code may have none there at one instant (arm64 7.x over QMP:
+        then no user-mode sample named its process until a kernel-mode one had read a base)."""
         if self.per_cpu_offset is None:
             return
-        found = await read_ints(read, [(self.per_cpu_offset + 8 * cpu, 8) for cpu in cpus])
-        self.bases.update({cpu: base for cpu, base in zip(cpus, found, strict=True) if base})
+        for attempt in range(tries):
+            found = await read_ints(read, [(self.per_cpu_offset + 8 * cpu, 8) for cpu in cpus])
+            self.bases.update({cpu: base for cpu, base in zip(cpus, found, strict=True) if base})
+            if self.bases or attempt + 1 == tries:
+                return
+            await asyncio.sleep(PRELOAD_PAUSE)
 
     async def running(self, read: Reader) -> dict[int, int]:
         """Each vCPU's current task (of the vCPUs whose per-CPU base is known): task -> vCPU."""
