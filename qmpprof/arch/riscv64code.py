@@ -23,6 +23,8 @@ Answers are cached per (code, pc, function start).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from qmpprof.arch.base import PrologueRule
 from qmpprof.arch.prologuecache import CachedAnalysis
 
@@ -166,18 +168,27 @@ def _leaf(code: bytes, start: int, end: int, code_addr: int) -> bool:
     """Whether no instruction of the function at ``start``..``end`` writes sp, ra or s0 (nor
     calls): an assembly leaf, whose every path leaves the caller's sp and ra as they came,
     however it branches (``memset``'s computed jump into its run of stores)."""
-    at, stop = start - code_addr, end - code_addr
-    if stop - at > _MAX_LEAF or stop > len(code):
+    if end - start > _MAX_LEAF or end - code_addr > len(code):
         return False
-    while at < stop:
-        insn = word(code, at)
+    return not any(
+        kind not in ("sd", "branch") and rd in (SP, RA, FP)
+        for _, _, (kind, rd, _, _) in instructions(code, code_addr, start, end)
+    )
+
+
+def instructions(
+    code: bytes, code_addr: int, start: int, end: int
+) -> Iterator[tuple[int, int, tuple[str, int, int, int]]]:
+    """Each instruction in [start, end) of ``code`` (at ``code_addr``): its address, size and
+    ``decode``'s reading; it ends early where the code does."""
+    at = start
+    while at < end:
+        insn = word(code, at - code_addr)
         if insn is None:
-            return False
-        kind, rd, _, _ = decode(insn)
-        if kind not in ("sd", "branch") and rd in (SP, RA, FP):
-            return False
-        at += length(code, at)
-    return True
+            return
+        size = length(code, at - code_addr)
+        yield at, size, decode(insn)
+        at += size
 
 
 def _epilogue(code: bytes, off: int) -> PrologueRule | None:

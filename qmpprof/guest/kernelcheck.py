@@ -87,7 +87,7 @@ class KernelCheck:
         pc = regs.pc
         early = self._linked(pc)  # the kernel runs where it is loaded: its code is read there
         places = self.places([pc if early is None else early])
-        where = places if early is None else [self.image.physical(at) or at for at in places]
+        where = places if early is None else [self._load_address(at) for at in places]
         running = await read([(at, PLACE) for at in where])
         compared = [
             (at, self._same(at, data))
@@ -118,6 +118,12 @@ class KernelCheck:
 
     def _holds(self, pc: int) -> bool:
         return any(lo <= pc < hi for lo, hi in self.code)
+
+    def _load_address(self, at: int) -> int:
+        """Where link address ``at`` of the file's code is loaded (itself where no segment
+        says otherwise)."""
+        found = self.image.physical(at)
+        return at if found is None else found
 
     def _linked(self, pc: int) -> int | None:
         """The link address of a ``pc`` in the file's code at its load address, else None."""

@@ -236,12 +236,7 @@ class GdbTransport:
         if not self._extra:
             return self.formats.from_gdb(cpu, await self._register_packet(cpu))
         reply, *values = await self._on_cpu(cpu, [b"g", *(b"p%x" % n for _, n in self._extra)])
-        extra = {
-            name: int.from_bytes(raw, "little")
-            for (name, _), value in zip(self._extra, values, strict=True)
-            if not value.startswith(b"E") and (raw := _unhex(value))
-        }
-        return self.formats.from_gdb(cpu, _checked(cpu, reply), extra)
+        return self.formats.from_gdb(cpu, _checked(cpu, reply), _values(self._extra, values))
 
     async def register_packet(self, cpu: int) -> bytes:
         """``cpu``'s raw ``g`` reply (hex text), for a target's own reading of every register."""
@@ -286,12 +281,7 @@ class GdbTransport:
         if not wanted:
             return {}
         replies = await self._on_cpu(cpu, [b"p%x" % number for _, number in wanted])
-        out: dict[str, int] = {}
-        for (name, _), reply in zip(wanted, replies, strict=True):
-            raw = None if reply.startswith(b"E") else _unhex(reply)
-            if raw:
-                out[name] = int.from_bytes(raw, "little")
-        return out
+        return _values(wanted, replies)
 
     async def _register_numbers(self) -> dict[str, int]:
         """Every register's number for ``p``, from the target description (read once)."""
@@ -466,6 +456,16 @@ def _data(
     if data is None:
         return MemoryReadError(addr, size, "gdbstub answered no hex")
     return data
+
+
+def _values(wanted: Sequence[tuple[str, int]], replies: Sequence[bytes]) -> dict[str, int]:
+    """The registers ``p`` replies gave, by name (one that answered an error left out)."""
+    out: dict[str, int] = {}
+    for (name, _), reply in zip(wanted, replies, strict=True):
+        raw = None if reply.startswith(b"E") else _unhex(reply)
+        if raw:
+            out[name] = int.from_bytes(raw, "little")
+    return out
 
 
 def _checked(cpu: int, reply: bytes) -> bytes:

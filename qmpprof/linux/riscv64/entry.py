@@ -21,9 +21,7 @@ entry. Checked on trixie's riscv64 6.12.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from qmpprof.arch.riscv64code import SP, decode, is_call, length, word
+from qmpprof.arch.riscv64code import SP, instructions, is_call
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.linux.riscv64.ptregs import SPP, pt_regs
 from qmpprof.unwind.savedregs import SavedRegsEntry
@@ -74,21 +72,6 @@ def _unknown(why: str) -> str:
     )
 
 
-def _instructions(
-    code: bytes, text: int, start: int, end: int
-) -> Iterator[tuple[int, int, tuple[str, int, int, int]]]:
-    """Each instruction in [start, end) of the text at ``text``: its address, size and
-    ``decode``'s reading; it ends early where the text does."""
-    at = start
-    while at < end:
-        insn = word(code, at - text)
-        if insn is None:
-            return
-        size = length(code, at - text)
-        yield at, size, decode(insn)
-        at += size
-
-
 def _entry_shape(
     code: bytes, text: int, start: int, end: int, offsets: dict[str, int]
 ) -> tuple[int, int] | str:
@@ -96,7 +79,7 @@ def _entry_shape(
     and where ``pt_regs`` is whole: after the last store to sp-relative memory before its first
     call, once the stores covered the members the walk reads."""
     first_write, last_store, stored = None, None, set()
-    for at, size, (kind, rd, rs1, imm) in _instructions(code, text, start, end):
+    for at, size, (kind, rd, rs1, imm) in instructions(code, text, start, end):
         if is_call(kind, rd):
             break
         if kind == "sd" and rs1 == SP and first_write is not None:
@@ -114,7 +97,7 @@ def _entry_shape(
 def _sp_load(code: bytes, text: int, start: int, end: int, sp_offset: int) -> int | None:
     """The end of ``ret_from_exception``'s ``ld sp, <pt_regs.sp>(sp)``: pt_regs whole until
     then."""
-    for at, size, found in _instructions(code, text, start, end):
+    for at, size, found in instructions(code, text, start, end):
         if found == ("ld", SP, SP, sp_offset):
             return at + size
     return None

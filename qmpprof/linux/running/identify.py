@@ -184,10 +184,7 @@ class LinuxIdentifier:
             return await self._in_firmware(transport, regs, cache)
         if self.module_list is not None and not self.module_list.read_whole and not regs.user:
             await self._read_modules(self.module_list)
-        wanted = () if self.current is None else self.current.wants(regs)
-        if wanted:  # the current task in a system register the sample did not read
-            found = await transport.system_registers(regs.cpu, wanted)
-            regs = dataclasses.replace(regs, special={**regs.special, **found})
+        regs = await self._with_wanted(transport, regs)
         identity = await self._identify(transport, regs, cache)
         linked = await self._exception_link(transport, regs)
         return identity if linked is None else dataclasses.replace(identity, registers=linked)
@@ -205,12 +202,18 @@ class LinuxIdentifier:
             return firmware
         gprs = {**regs.gprs, self.arch.pc: user_pc}
         entered = dataclasses.replace(regs, pc=user_pc, user=True, gprs=gprs)
-        wanted = self.current.wants(entered)
-        if wanted:
-            found = await transport.system_registers(regs.cpu, wanted)
-            entered = dataclasses.replace(entered, special={**entered.special, **found})
+        entered = await self._with_wanted(transport, entered)
         process = (await self._identify(transport, entered, cache)).process
         return dataclasses.replace(firmware, process=process)
+
+    async def _with_wanted(self, transport: GuestTransport, regs: Registers) -> Registers:
+        """``regs`` with the system registers the current task is in where the sample did not
+        read them (riscv64's sscratch over a transport that reads it apart), read now."""
+        wanted = () if self.current is None else self.current.wants(regs)
+        if not wanted:
+            return regs
+        found = await transport.system_registers(regs.cpu, wanted)
+        return dataclasses.replace(regs, special={**regs.special, **found})
 
     async def _read_modules(self, modules: ModuleList) -> None:
         """The module list not all read yet (the vCPUs were in user mode when tried, the guest

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from qmpprof.arch.base import InstructionSet
+from qmpprof.arch.x86 import X86_64 as X86_64_ISA
 from qmpprof.errors import KernelMismatchError
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
@@ -30,8 +31,6 @@ from qmpprof.model import Registers
 from qmpprof.transport.base import GuestTransport
 from qmpprof.unwind.steps import ExceptionEntry, UnwindStep
 from qmpprof.unwind.tailcall import TargetKind
-
-_KERNEL_HALF = 0xFFFF_8000_0000_0000  # x86_64's canonical upper half
 
 
 async def idt_slide(
@@ -106,7 +105,7 @@ class X86_64Platform:
     def per_cpu_base(self, regs: Registers) -> int | None:
         # In kernel mode (after swapgs) GS holds the per-CPU base; in user mode the user's.
         base = regs.special.get("gs_base", 0)
-        return base if not regs.user and base >= _KERNEL_HALF else None
+        return base if not regs.user and base >= X86_64_ISA.shared_from else None
 
     def linear_map_end(self, arch: InstructionSet) -> int | None:
         return None  # the direct map lies below the vmalloc area and the image: not needed
