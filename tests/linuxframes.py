@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
@@ -264,3 +265,45 @@ def code_word(path: Path, loads: Sequence[tuple[int, int, int]], vaddr: int) -> 
                 f.seek(offset + vaddr - start)
                 return f.read(4)
     return None
+
+
+@dataclass
+class ProcStackTally:
+    """Off-CPU kernel stacks (``--one-shot --off-cpu`` JSON frames) against the guest's own
+    /proc/PID/stack: each task's frames, those in a ``skipped`` range left out (what /proc
+    leaves out of its listing), name for name."""
+
+    skipped: Sequence[tuple[int | None, int | None]]
+    equal: int = 0
+    compared: int = 0
+    unequal: list[tuple[int, str, list[str | None], list[str]]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, symbols: KernelSymbols) -> ProcStackTally:
+        """Leaving out the scheduler's and the locks' text (``__sched_text_start``..,
+        ``__lock_text_start``..), which /proc/PID/stack leaves out, as the kernel says."""
+        return cls(
+            [
+                (
+                    symbols.address_of(f"__{part}_text_start"),
+                    symbols.address_of(f"__{part}_text_end"),
+                )
+                for part in ("sched", "lock")
+            ]
+        )
+
+    def add(
+        self, tid: int, program: str, frames: list[dict[str, Any]], expected: list[str]
+    ) -> None:
+        """One task's frames (kernel ones, leaf first) and /proc's names (empty: not read)."""
+        ours = [
+            f.get("symbol")
+            for f in frames
+            if not any(lo <= int(f["address"], 16) < hi for lo, hi in self.skipped if lo and hi)
+        ]
+        if not expected:
+            return
+        self.compared += 1
+        self.equal += ours == expected
+        if ours != expected:
+            self.unequal.append((tid, program, ours, expected))

@@ -39,7 +39,7 @@ from aarch64vm import (
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from guestvm import run_state
-from linuxframes import UserTally, code_word
+from linuxframes import ProcStackTally, UserTally, code_word
 from qemumark import boots_qemu
 
 from qmpprof.arch.aarch64 import AARCH64
@@ -454,13 +454,9 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path:
     tasks = {t["process"]["tid"]: t for t in json.loads(run.stdout)["tasks"]}
     assert len(tasks) > 40 and tasks[1]["process"]["program"] == "init", sorted(tasks)
     text, symbols = TextSymbols(guest.symbols), guest.symbols
-    skipped = [
-        (symbols.address_of(f"__{part}_text_start"), symbols.address_of(f"__{part}_text_end"))
-        for part in ("sched", "lock")
-    ]
     asleep = {tid: t for tid, t in tasks.items() if t["cpu"] is None and t["state"] in "SDI"}
     expected = proc_stacks(guest)
-    equal, compared, unequal = 0, 0, []
+    tally = ProcStackTally.of(symbols)
     for tid, task in sorted(asleep.items()):
         frames = [f for f in task["frames"] or [] if int(f["address"], 16) >= 1 << 63]
         names = [f.get("symbol") for f in frames]
@@ -469,16 +465,8 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path:
             assert frame["symbol"] in text.names_at(int(frame["address"], 16) - 1), (tid, frame)
         root = "ret_from_fork" if task["process"]["program"].startswith("[") else "el0t_64_sync"
         assert names[-1] == root, (tid, names)
-        ours = [
-            f["symbol"]
-            for f in frames
-            if not any(lo <= int(f["address"], 16) < hi for lo, hi in skipped if lo and hi)
-        ]
-        if expected.get(tid):
-            compared += 1
-            equal += ours == expected[tid]
-            if ours != expected[tid]:
-                unequal.append((tid, task["process"]["program"], ours, expected[tid]))
+        tally.add(tid, task["process"]["program"], frames, expected.get(tid) or [])
+    equal, compared, unequal = tally.equal, tally.compared, tally.unequal
     print(f"off CPU: {len(asleep)} tasks asleep, {equal}/{compared} as /proc/PID/stack")
     print("unequal:", unequal)
     assert compared >= 30 and equal >= AGREE * compared, unequal

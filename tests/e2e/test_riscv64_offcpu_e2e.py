@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 from guestvm import run_state
+from linuxframes import ProcStackTally
 from riscv64vm import ROOT, Riscv64Guest, running_riscv64_guest, vmlinux_dbg
 
 from qmpprof.linux.kernel import LinuxKernel
@@ -79,12 +80,8 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Riscv64Guest) -> None:
     assert run_state(guest.qmp_socket) == "running"
     tasks = {t["process"]["tid"]: t for t in json.loads(run.stdout)["tasks"]}
     symbols = LinuxKernel.load(vmlinux_dbg()).symbols
-    skipped = [
-        (symbols.address_of(f"__{part}_text_start"), symbols.address_of(f"__{part}_text_end"))
-        for part in ("sched", "lock")
-    ]
     asleep = {tid: t for tid, t in tasks.items() if t["cpu"] is None and t["state"] in "SDI"}
-    equal, compared, unequal = 0, 0, []
+    tally = ProcStackTally.of(symbols)
     for tid, task in sorted(asleep.items()):
         frames = [f for f in task["frames"] or [] if int(f["address"], 16) >= 1 << 63]
         names = [f.get("symbol") for f in frames]
@@ -92,16 +89,8 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Riscv64Guest) -> None:
         assert len(names) >= 3 and names[0] == "__schedule", (tid, names)
         kthread = task["process"]["program"].startswith("[")
         assert names[-1] == ("ret_from_fork" if kthread else "handle_exception"), (tid, names)
-        ours = [
-            f.get("symbol")
-            for f in frames
-            if not any(lo <= int(f["address"], 16) < hi for lo, hi in skipped if lo and hi)
-        ]
-        if expected.get(tid):
-            compared += 1
-            equal += ours == expected[tid]
-            if ours != expected[tid]:
-                unequal.append((tid, task["process"]["program"], ours, expected[tid]))
+        tally.add(tid, task["process"]["program"], frames, expected.get(tid) or [])
+    equal, compared, unequal = tally.equal, tally.compared, tally.unequal
     print(f"off CPU: {len(asleep)} tasks asleep, {equal}/{compared} as /proc/PID/stack")
     print("unequal:", unequal)
     assert compared >= 30 and equal >= AGREE * compared, unequal
