@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 
 from qemu.qmp import ConnectError as QmpConnectError
 from qemu.qmp import ExecInterruptedError, ExecuteError, Message, QMPClient, QMPError, StateError
+from qemu.qmp.qmp_client import GreetingError, NegotiationError
 
 import qmpprof.transport.hmp as hmp
 import qmpprof.transport.vmmark as vmmark
@@ -40,6 +41,7 @@ from qmpprof.transport.guard import PauseGuard
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
 _INVALID_ADDR = "Invalid addr"
 _SHM = "/dev/shm"
+_SESSION_TRIES = 3  # connections tried when an event came in the way of the negotiation
 _MARK_WITHIN = 1.0  # seconds the end of a run gives the removal of its mark
 # memsaves in flight at once, each with a file of its own: a read of thousands of ranges (a
 # process's 65,530 mappings) waits for a free file rather than opening one per range, and QEMU
@@ -103,23 +105,8 @@ class QmpTransport:
         where = f"{tcp[0]}:{tcp[1]}" if tcp is not None else str(socket_path)
         if socket_path is not None and not Path(socket_path).exists():
             raise ConnectError(f"no QMP socket at {where} (is QEMU running with -qmp unix:...?)")
-        client = _QuietClient("qmpprof")
         address: str | tuple[str, int] = tcp if tcp is not None else os.fspath(socket_path or "")
-        try:
-            await asyncio.wait_for(client.connect(address), timeout)
-        except TimeoutError as err:
-            await _quiet_disconnect(client)
-            raise ConnectError(
-                f"{where}: no QMP greeting within {timeout:g} s"
-                " (not a QMP server, or another client is connected)"
-            ) from err
-        except QmpConnectError as err:
-            raise ConnectError(f"{where}: {_connect_reason(err)}") from err
-        except AssertionError as err:
-            # qemu.qmp asserts it is running once negotiated; the peer may have closed the
-            # connection just before (QEMU killed, the monitor's client cut).
-            await _quiet_disconnect(client)
-            raise ConnectError(f"{where}: closed the connection during the QMP greeting") from err
+        client = await _negotiated(address, where, timeout)
         chosen: Literal["memsave", "hmp"] = "hmp" if tcp is not None else "memsave"
         if memory != "auto":
             chosen = memory
@@ -401,6 +388,46 @@ async def register_formats(client: MonitorClient, where: str) -> RegisterFormats
         raise ConnectError(f"{where}: QEMU emulates {target or 'an unknown target'}:"
                            f" qmpprof reads {', '.join(arch.names())}")  # fmt: skip
     return formats
+
+
+async def _negotiated(address: str | tuple[str, int], where: str, timeout: float) -> _QuietClient:
+    """A client past the greeting and ``qmp_capabilities``; ConnectError when that is not
+    possible within ``timeout``.
+
+    QEMU runs a socket's QMP monitor in its I/O thread and emits events from the main thread:
+    an event emitted as a client connects (another client's ``stop``, a gdbstub's continue)
+    can reach it before the greeting or in place of the reply to ``qmp_capabilities``, while
+    the monitor still counts as negotiated from its previous client (seen on QEMU 7.2 and 11.1:
+    a connection in a few hundred made while another client stopped and resumed the guest;
+    a test's connection right after gdb resumed it). qemu.qmp takes
+    either for a peer that is no QMP server: such a connection is tried again, a few times."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    for attempt in range(_SESSION_TRIES):
+        client = _QuietClient("qmpprof")
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(client.connect(address), max(left, 0.0))
+        except TimeoutError as err:
+            await _quiet_disconnect(client)
+            raise ConnectError(
+                f"{where}: no QMP greeting within {timeout:g} s"
+                " (not a QMP server, or another client is connected)"
+            ) from err
+        except QmpConnectError as err:
+            await _quiet_disconnect(client)
+            if (
+                isinstance(err.exc, GreetingError | NegotiationError)
+                and attempt + 1 < _SESSION_TRIES
+            ):
+                continue
+            raise ConnectError(f"{where}: {_connect_reason(err)}") from err
+        except AssertionError as err:
+            # qemu.qmp asserts it is running once negotiated; the peer may have closed the
+            # connection just before (QEMU killed, the monitor's client cut).
+            await _quiet_disconnect(client)
+            raise ConnectError(f"{where}: closed the connection during the QMP greeting") from err
+        return client
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 async def _quiet_disconnect(client: MonitorClient) -> None:

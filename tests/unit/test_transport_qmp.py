@@ -61,6 +61,53 @@ async def test_a_server_gone_right_after_negotiating_is_a_connect_error(tmp_path
             await QmpTransport.connect(path, timeout=2)
 
 
+_GREETING = b'{"QMP": {"version": {"qemu": {"major": 7}}, "capabilities": []}}\r\n'
+_EVENT = b'{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "RESUME"}\r\n'
+
+
+def _event_in_the_way(first: int) -> tuple[list[str], Any]:
+    """A QEMU whose first ``first`` connections get an event in the way of the negotiation
+    (before the greeting, then in place of qmp_capabilities' reply, in turn); the others are
+    answered. Returns the log of what each connection met, and the server's handler."""
+    met: list[str] = []
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind = "answered" if len(met) >= first else ("before", "instead")[len(met) % 2]
+        met.append(kind)
+        writer.write(_EVENT + _GREETING if kind == "before" else _GREETING)
+        async for message in _json_messages(reader):
+            if message["execute"] == "qmp_capabilities" and kind == "instead":
+                writer.write(_EVENT)
+                continue
+            answer: object = {"arch": "x86_64"} if message["execute"] == "query-target" else {}
+            writer.write(json.dumps({"return": answer, "id": message.get("id")}).encode() + b"\r\n")
+        writer.close()
+
+    return met, talk
+
+
+async def test_an_event_in_the_way_of_the_negotiation_is_tried_again(tmp_path: Path) -> None:
+    """QEMU can send an event before its greeting or before the reply to qmp_capabilities
+    (qmp.py's ``_negotiated``): another connection, and the run goes on."""
+    met, talk = _event_in_the_way(2)
+    path = tmp_path / "events.sock"
+    server = await asyncio.start_unix_server(talk, path)
+    async with server:
+        transport = await QmpTransport.connect(path, timeout=2)
+        await transport.close()
+    assert met == ["before", "instead", "answered"]
+
+
+async def test_a_server_that_never_negotiates_is_tried_a_few_times(tmp_path: Path) -> None:
+    met, talk = _event_in_the_way(100)
+    path = tmp_path / "events.sock"
+    server = await asyncio.start_unix_server(talk, path)
+    async with server:
+        with pytest.raises(ConnectError, match=r"events\.sock: not a QMP server"):
+            await QmpTransport.connect(path, timeout=2)
+    assert met == ["before", "instead", "before"]
+
+
 async def test_silent_server_times_out(tmp_path: Path) -> None:
     writers: list[asyncio.StreamWriter] = []
 
