@@ -80,10 +80,12 @@ def running_aarch64_guest(
     dump_kallsyms: bool = True,
     append: str = "",
     gdb_port: int | None = None,
+    cpu: str = "max",
 ) -> Iterator[Aarch64Guest]:
     """Boot the guest on the arm64 ``series`` kernel and yield it once the workload
     runs and the guest's kallsyms are decoded (``dump_kallsyms=False``: 8 s sooner, no
-    ``symbols``); ``append``: more kernel parameters; ``gdb_port``: QEMU's gdbstub there."""
+    ``symbols``); ``append``: more kernel parameters; ``gdb_port``: QEMU's gdbstub there;
+    ``cpu``: QEMU's -cpu (``cortex-a57``: KPTI, where ``max`` has E0PD)."""
     qemumark.booting("running_aarch64_guest")
     sock_dir = Path(tempfile.mkdtemp(prefix="a64-", dir="/tmp"))  # short Unix socket paths
     guest = Aarch64Guest(
@@ -98,6 +100,7 @@ def running_aarch64_guest(
         "--qmp-socket", str(guest.qmp_socket),
         "--console", str(guest.console),
         "--kernel", str(guest.kernel),
+        "--cpu", cpu,
     ]  # fmt: skip
     extra = append if dump_kallsyms else f"{append} qmpprof.nokallsyms"
     if extra.strip():

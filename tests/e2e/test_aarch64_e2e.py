@@ -11,6 +11,7 @@ dumped by init on the console once the workload runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -48,6 +49,7 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Frame, Mode, StopReason
 from qmpprof.output import native
 from qmpprof.profile import Profile
+from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -451,11 +453,59 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path:
     run = one_shot(guest, "--off-cpu", "--json")
     assert run.returncode == 0, run.stderr
     assert run_state(guest.qmp_socket) == "running"
-    tasks = {t["process"]["tid"]: t for t in json.loads(run.stdout)["tasks"]}
+    check_tasks_asleep(guest, json.loads(run.stdout)["tasks"], proc_stacks(guest))
+    check_off_cpu_profile(guest, tmp_path)
+
+
+def test_off_cpu_tasks_are_read_with_every_vcpu_at_el0(guest: Aarch64Guest) -> None:
+    """Paused where every vCPU runs user code, no vCPU translates a kernel address (-cpu max
+    has E0PD): the tasks' vmalloc'd stacks are read through the kernel's own tables, which
+    TTBR1_EL1 holds (on 6.1 no symbol names ``init_mm``); the same stacks as above."""
+    expected = proc_stacks(guest)  # init prints them once it runs
+    assert asyncio.run(pause_at_el0(guest.qmp_socket)), "no moment with every vCPU at EL0"
+    try:
+        run = one_shot(guest, "--off-cpu", "--json")
+        assert run.returncode == 0, run.stderr
+        assert run_state(guest.qmp_socket) == "paused"
+        check_tasks_asleep(guest, json.loads(run.stdout)["tasks"], expected)
+    finally:
+        asyncio.run(resume(guest.qmp_socket))
+    assert run_state(guest.qmp_socket) == "running"
+
+
+async def pause_at_el0(qmp_socket: Path, tries: int = 200) -> bool:
+    """Stop the guest where every vCPU is at EL0 (its pc in the lower half), resuming it
+    between tries; False when no stop of ``tries`` found one (the guest left running)."""
+    transport = await QmpTransport.connect(qmp_socket)
+    try:
+        for _ in range(tries):
+            await transport.stop()
+            pcs = [(await transport.registers(cpu)).pc for cpu in await transport.cpus()]
+            if all(pc < 1 << 63 for pc in pcs):
+                return True
+            await transport.cont()
+        return False
+    finally:
+        await transport.close()
+
+
+async def resume(qmp_socket: Path) -> None:
+    transport = await QmpTransport.connect(qmp_socket)
+    try:
+        await transport.cont()
+    finally:
+        await transport.close()
+
+
+def check_tasks_asleep(
+    guest: Aarch64Guest, found: list[dict[str, Any]], expected: dict[int, list[str]]
+) -> None:
+    """The tasks of a ``--off-cpu --json`` one-shot: each asleep as described above, against
+    ``expected`` (``proc_stacks``)."""
+    tasks = {t["process"]["tid"]: t for t in found}
     assert len(tasks) > 40 and tasks[1]["process"]["program"] == "init", sorted(tasks)
     text, symbols = TextSymbols(guest.symbols), guest.symbols
     asleep = {tid: t for tid, t in tasks.items() if t["cpu"] is None and t["state"] in "SDI"}
-    expected = proc_stacks(guest)
     tally = ProcStackTally.of(symbols)
     for tid, task in sorted(asleep.items()):
         frames = [f for f in task["frames"] or [] if int(f["address"], 16) >= 1 << 63]
@@ -476,7 +526,6 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path:
         names = [f["symbol"] for f in asleep[tid]["frames"] if int(f["address"], 16) >= 1 << 63]
         assert ("do_wait" if tid == 1 else "hrtimer_nanosleep") in names, names
         assert (tid, asleep[tid]["process"]["program"]) not in {u[:2] for u in unequal}
-    check_off_cpu_profile(guest, tmp_path)
 
 
 def check_off_cpu_profile(guest: Aarch64Guest, tmp_path: Path) -> None:

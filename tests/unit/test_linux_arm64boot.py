@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from qmpprof.linux.aarch64.bootcode import read_boot_task
+from qmpprof.linux.aarch64.trampoline import swapper_offset
 from qmpprof.linux.platform import BootTask
 from qmpprof.linux.taskstates import state_array_in
 
@@ -55,3 +56,35 @@ def test_the_state_array_is_found_by_its_strings() -> None:
     data = strings.ljust(48, b"\0") + decoy + array
     assert state_array_in(data, base) == base + 48 + 16
     assert state_array_in(strings.ljust(48, b"\0") + decoy, base) is None
+
+
+# tramp_map_kernel on 6.1: mrs x30, ttbr1_el1; add x30, x30, #2, lsl #12;
+# and x30, x30, #0xfffeffffffffffff; msr ttbr1_el1, x30
+TRAMP = [0xD538203E, 0x91400BDE, 0x924FFBDE, 0xD518203E]
+NOP = 0xD503201F
+
+
+def test_the_trampolines_offset_is_what_it_adds() -> None:
+    assert swapper_offset(code([NOP, *TRAMP, NOP, *TRAMP])) == 0x2000
+    assert swapper_offset(code([NOP, NOP])) is None
+
+
+@pytest.mark.parametrize(
+    ("index", "word"),
+    [
+        (1, 0x91400BDD),  # add x29, x30, ...: another register
+        (1, 0xD1400BDE),  # sub: the way back to the trampoline
+        (2, 0xB24003DE),  # orr x30, x30, #USER_ASID_FLAG: not the kernel's ASID
+        (3, 0xD518203D),  # msr ttbr1_el1, x29
+    ],
+)
+def test_another_sequence_says_nothing(index: int, word: int) -> None:
+    words = list(TRAMP)
+    words[index] = word
+    assert swapper_offset(code([NOP, *words])) is None
+
+
+def test_copies_that_disagree_say_nothing() -> None:
+    other = [TRAMP[0], 0x91400FDE, *TRAMP[2:]]  # add x30, x30, #3, lsl #12
+    assert swapper_offset(code([*TRAMP, *other])) is None
+    assert swapper_offset(code([NOP, *TRAMP[:3]])) is None  # cut short

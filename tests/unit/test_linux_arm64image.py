@@ -9,13 +9,15 @@ Image does."""
 from __future__ import annotations
 
 import gzip
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from aarch64vm import image
+from aarch64vm import SERIES, image
+from elftools.elf.elffile import ELFFile
 from fakes import FakeTransport
 from kernelpack import PACK, ZBOOT_NAMES, ZBOOT_PAYLOAD_AT, zboot
 
@@ -29,6 +31,7 @@ from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
 from qmpprof.linux.aarch64.running import slide_by_vectors
+from qmpprof.linux.aarch64.trampoline import swapper_offset
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.linux.running.guest import Layouts
 from qmpprof.linux.running.offcpu import OffCpuLayout
@@ -337,3 +340,33 @@ async def test_the_slide_of_a_guest_paused_at_el0_comes_from_its_vector_base() -
         VectorBase(None, pages),
     ):
         assert await slide_by_vectors(other, other, kernel, AARCH64) is None
+
+
+def _dbg_symbols(path: Path, names: Sequence[str]) -> dict[str, int]:
+    """``names``' values in a -dbg vmlinux's symbol table, read raw (pyelftools' symbol
+    objects take seconds over its 200,000 symbols)."""
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        table = elf.get_section_by_name(".symtab")
+        strings = elf.get_section(table["sh_link"]).data()
+        entries = table.data()
+    at = {
+        m.start(): name
+        for name in names
+        for m in re.finditer(re.escape(name.encode()) + b"\0", strings)
+    }
+    found = {}
+    for name_at, _, _, _, value, _ in struct.iter_unpack("<IBBHQQ", entries):
+        if name_at in at:
+            found[at[name_at]] = value
+    return found
+
+
+@pytest.mark.parametrize("series", sorted(SERIES))
+def test_the_trampolines_tables_lie_below_the_kernels_by_what_its_code_adds(series: str) -> None:
+    """KPTI's trampoline moves TTBR1_EL1 from its tables to the kernel's by an immediate read
+    from the Image's code (``trampoline``): the distance from ``tramp_pg_dir`` to
+    ``swapper_pg_dir`` in the -dbg vmlinux (whose symbols the Image's kallsyms lack)."""
+    tables = _dbg_symbols(SERIES[series] / "vmlinux-dbg", ("tramp_pg_dir", "swapper_pg_dir"))
+    code = LinuxKernel.load(image(series)).image.text_bytes
+    assert swapper_offset(code) == tables["swapper_pg_dir"] - tables["tramp_pg_dir"]

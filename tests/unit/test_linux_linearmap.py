@@ -163,9 +163,25 @@ def test_arm64_walks_the_kernels_tables_at_ttbr1_physically() -> None:
         fake.physical[table] = bytes(data)
     ttbr1 = 0x0042 << 48 | tables[0] | 1  # an ASID and CnP around the table's address
     loaded = SimpleNamespace(registers={"TCR_EL1": 16 | 16 << 16, "TTBR1_EL1": ttbr1},
-                             control=fake)  # fmt: skip
+                             control=fake, address=lambda name: va)  # fmt: skip
     walk = AARCH64_LINUX.kernel_walk(cast(LoadedKernel, loaded))
     assert walk is not None
     assert asyncio.run(walk(va)) == page + 0x9A8
     assert asyncio.run(walk(va + 0x1000)) is None  # not mapped
     assert AARCH64_LINUX.kernel_walk(cast(LoadedKernel, SimpleNamespace(registers={}))) is None
+    # KPTI at EL0: TTBR1_EL1 holds the trampoline's tables, which map no kernel text; the
+    # kernel's lie where the trampoline's code moves it (two pages above, as on 6.1).
+    code = b"".join(
+        w.to_bytes(4, "little") for w in (0xD538203E, 0x91400BDE, 0x924FFBDE, 0xD518203E)
+    )
+    fake.physical[0x3FFF_E000] = bytes(4096)
+    trampoline = SimpleNamespace(
+        registers={"TCR_EL1": 16 | 16 << 16, "TTBR1_EL1": 0x0043 << 48 | 0x3FFF_E000},
+        control=fake, address=lambda name: va,
+        kernel=SimpleNamespace(image=SimpleNamespace(text_bytes=code)),
+    )  # fmt: skip
+    assert asyncio.run(AARCH64_LINUX.kernel_root(cast(LoadedKernel, trampoline))) == tables[0]
+    walk = AARCH64_LINUX.kernel_walk(cast(LoadedKernel, trampoline))
+    assert walk is not None and asyncio.run(walk(va)) == page + 0x9A8
+    trampoline.kernel.image.text_bytes = b""  # no trampoline in the code: not found
+    assert asyncio.run(AARCH64_LINUX.kernel_root(cast(LoadedKernel, trampoline))) is None

@@ -13,6 +13,7 @@ from qmpprof.arch.aarch64 import AArch64, tnsz
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
+from qmpprof.linux.aarch64.trampoline import swapper_offset
 from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
@@ -73,24 +74,45 @@ class Aarch64Platform(NoOwnTables):
         return None
 
     def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
-        """The kernel's tables at TTBR1_EL1 (its BADDR, bits 47..1: the ASID above, CnP in bit
-        0), walked in physical memory with 4 KiB pages over the 64 - T1SZ bits of the kernel's
-        half: a vCPU at EL0 translates no kernel address (E0PD, KPTI), yet its TTBR1_EL1 holds
-        the kernel's tables where E0PD rather than KPTI hides them (QEMU 7.2's -cpu max, seen
-        on bookworm's 6.12)."""
-        ttbr1, tcr = loaded.registers.get("TTBR1_EL1"), loaded.registers.get("TCR_EL1")
-        if ttbr1 is None or tcr is None:
+        """The kernel's tables (``kernel_root``) walked in physical memory with 4 KiB pages over
+        the 64 - T1SZ bits of the kernel's half: a vCPU at EL0 translates no kernel address
+        (E0PD, KPTI)."""
+        tables = _kernel_tables(loaded)
+        if tables is None:
             return None
-        bits = 64 - tnsz(tcr)[1]
-        tables = PageTables(
-            _physical(loaded.control), 0, -(-(bits - 12) // 9), AARCH64_ENTRIES, 1 << bits
-        )
-        root = ttbr1 & _BADDR
+        root: list[int | None] = []
 
         async def walk(addr: int) -> int | None:
-            return await tables.physical(root, addr & ((1 << bits) - 1))
+            if not root:
+                root.append(await self.kernel_root(loaded))
+            return (
+                None
+                if root[0] is None
+                else await tables.physical(root[0], addr & (tables.span - 1))
+            )
 
         return walk
+
+    async def kernel_root(self, loaded: LoadedKernel) -> int | None:
+        """The first vCPU's TTBR1_EL1's table (its BADDR, bits 47..1: the ASID above, CnP in
+        bit 0) where it maps the kernel's text: the kernel's own tables at EL1, and at EL0
+        where E0PD rather than KPTI hides them (QEMU 7.2's -cpu max, seen on bookworm's
+        6.12); else the table KPTI's trampoline moves it to (``trampoline``: at EL0 it holds
+        the trampoline's tables, seen on bookworm's 6.1). None over a transport without
+        system registers, or where neither maps the kernel's text."""
+        tables, ttbr1 = _kernel_tables(loaded), loaded.registers.get("TTBR1_EL1")
+        if tables is None or ttbr1 is None:
+            return None
+        base = ttbr1 & _BADDR
+        text = loaded.address("_stext") or loaded.address("_text")
+        if text is None:
+            return base
+        if await tables.physical(base, text & (tables.span - 1)) is not None:
+            return base
+        offset = swapper_offset(loaded.kernel.image.text_bytes)
+        if offset is None or await tables.physical(base + offset, text & (tables.span - 1)) is None:
+            return None
+        return base + offset
 
     @property
     def per_cpu_registers(self) -> tuple[str, ...]:
@@ -137,6 +159,17 @@ async def slide_by_vectors(
     link, text = banner
     (seen,) = await reader(control, cpus[0])([((link + slide) & arch.mask, len(text))])
     return slide if seen in (text, None) else None
+
+
+def _kernel_tables(loaded: LoadedKernel) -> PageTables | None:
+    """The kernel half's tables as TCR_EL1 sizes them (64 - T1SZ bits), walked in physical
+    memory; None without TCR_EL1."""
+    tcr = loaded.registers.get("TCR_EL1")
+    if tcr is None:
+        return None
+    bits = 64 - tnsz(tcr)[1]
+    levels = -(-(bits - 12) // 9)
+    return PageTables(_physical(loaded.control), 0, levels, AARCH64_ENTRIES, 1 << bits)
 
 
 def _physical(control: GuestTransport) -> Reader:

@@ -200,6 +200,9 @@ class Riscv64Platform(NoOwnTables):
     def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
         return None
 
+    async def kernel_root(self, loaded: LoadedKernel) -> int | None:
+        return None
+
     @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         return ()  # no register holds it: Linux reads __per_cpu_offset[cpu]

@@ -200,13 +200,6 @@ class LinuxGuest:
         modules = [
             kernel_module(kernel, slide, arch, platform, entry, lines=self.lines, debug=self.debug)
         ]
-        head = kernel.module_list
-        module_list = None
-        if layouts.modules is not None and head is not None:
-            debug = self._module_debug(translation)
-            steps = functools.partial(platform.module_steps, kernel, arch)
-            module_list = ModuleList(read, head + slide, layouts.modules, steps, arch, debug)
-            modules += await module_list.refresh() or []
         in_registers = platform.current_task(arch, self.clock, RECHECK)
         current = in_registers
         if in_registers is None and layouts.current is not None:
@@ -252,6 +245,23 @@ class LinuxGuest:
                 spaces.tables = await platform.page_tables(loaded, found)
             return found
 
+        # What no vCPU at EL0 translates (modules, vmalloc'd stacks) through the kernel's tables.
+        self.kernel_tables = None
+        if linear is not None and spaces.tables is not None and layouts.vmas is not None:
+            seen = beyond_user_mode(control, cpus, linear)
+            root = await kernel_root(seen, kernel, slide, layouts.vmas.pgd)
+            if root is None:  # no init_mm named: the tables the registers lead to
+                physical = await platform.kernel_root(loaded)
+                root = None if physical is None else linear.offset + physical
+            self.kernel_tables = None if root is None else KernelTables(spaces.tables, root)
+        head = kernel.module_list
+        module_list = None
+        if layouts.modules is not None and head is not None:
+            debug = self._module_debug(translation)
+            steps = functools.partial(platform.module_steps, kernel, arch)
+            beyond = beyond_user_mode(control, cpus, linear, self.kernel_tables)
+            module_list = ModuleList(beyond, head + slide, layouts.modules, steps, arch, debug)
+            modules += await module_list.refresh() or []
         self.identifier = LinuxIdentifier(
             modules,
             arch,
@@ -271,11 +281,6 @@ class LinuxGuest:
         if layouts.tasks is not None and init_task is not None:
             await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
-        self.kernel_tables = None
-        if linear is not None and spaces.tables is not None and layouts.vmas is not None:
-            seen = beyond_user_mode(control, cpus, linear)
-            root = await kernel_root(seen, kernel, slide, layouts.vmas.pgd)
-            self.kernel_tables = None if root is None else KernelTables(spaces.tables, root)
         self.task_reader = await self._task_reader(
             beyond_user_mode(control, cpus, linear, self.kernel_tables), slide, current, spaces
         )

@@ -104,6 +104,12 @@ class LinuxPlatform(Protocol):
         where the platform has no such way."""
         ...
 
+    async def kernel_root(self, loaded: LoadedKernel) -> int | None:
+        """The physical address of the kernel's own page tables where no symbol names them
+        (``init_mm``), as the vCPUs' registers lead to them (arm64: TTBR1_EL1); None where
+        the platform has no such way."""
+        ...
+
     @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         """The system registers (as QEMU's gdbstub names them) that hold the kernel's per-CPU

@@ -98,6 +98,9 @@ class X86_64Platform:
     def kernel_walk(self, loaded: LoadedKernel) -> Callable[[int], Awaitable[int | None]] | None:
         return None
 
+    async def kernel_root(self, loaded: LoadedKernel) -> int | None:
+        return None
+
     @property
     def per_cpu_registers(self) -> tuple[str, ...]:
         return ()  # GS in kernel mode; KERNEL_GS_BASE (not read) in user mode
