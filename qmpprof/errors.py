@@ -156,6 +156,11 @@ class KernelMismatchError(QmpprofError):
         super().__init__(f"running kernel does not match the image: {detail}")
 
 
+class NoKernelRunningError(KernelMismatchError):
+    """No vCPU ran the kernel while the slide was looked for (every vCPU in user code, where
+    the kernel may be unmapped): nothing to match the image against."""
+
+
 class DescribeError(QmpprofError):
     """A kernel description (``--describe``) that cannot be read, or whose expressions do not
     fit the kernel's DWARF: the message names the key and the term."""

@@ -128,6 +128,11 @@ def running_aarch64_guest(
 
 
 def _kallsyms(guest: Aarch64Guest) -> KernelSymbols:
+    return parse_symbol_map(kallsyms_text(guest), str(guest.console))
+
+
+def kallsyms_text(guest: Aarch64Guest) -> str:
+    """The guest's /proc/kallsyms, as init dumped it on the console."""
     found = _DUMP.search(guest.console_text())
     if found is None:
         raise RuntimeError(f"{guest.console}: no kallsyms dump")
@@ -135,7 +140,7 @@ def _kallsyms(guest: Aarch64Guest) -> KernelSymbols:
         text = gzip.decompress(base64.b64decode("".join(found[1].split())))
     except (binascii.Error, OSError, EOFError, zlib.error) as err:
         raise RuntimeError(f"{guest.console}: the kallsyms dump does not decode: {err}") from err
-    return parse_symbol_map(text.decode(), str(guest.console))
+    return text.decode()
 
 
 class TextSymbols:

@@ -55,6 +55,9 @@ class LinuxKernel:
     btf: Btf | None
     span: tuple[int, int]  # link addresses of the kernel's loaded upper-half code
     missing: tuple[str, ...] = ()
+    # Where --kallsyms says the kernel was (its _text less the image's): the slide of the boot
+    # it was taken from, 0 for a System.map; None without --kallsyms.
+    kallsyms_slide: int | None = None
 
     @classmethod
     def load(cls, path: str | Path, kallsyms: str | Path | None = None) -> LinuxKernel:
@@ -70,9 +73,9 @@ class LinuxKernel:
         if index is not None and index.vmlinux_size != image.size:
             index = None  # not the index of this vmlinux: the cached one was replaced
         symbols = None if kallsyms is not None else cache.load_symbols(key)
-        new_symbols = None
+        new_symbols, given = None, None
         if symbols is None:
-            symbols = _symbols(image, kallsyms)
+            symbols, given = _symbols(image, kallsyms)
             new_symbols = symbols if kallsyms is None else None
         functions, text_picks = _functions(image, symbols, None if kallsyms else index)
         platform = kernel_file(image.arch.name)
@@ -88,7 +91,8 @@ class LinuxKernel:
             new_index = _index(image, text_picks, tables, btf)
         if unpacked is not None or new_symbols is not None or new_index is not None:
             cache.store(key, unpacked, new_symbols, new_index)
-        return cls(image, symbols, functions, tables, btf, _span(image), tuple(missing))
+        span = _span(image)
+        return cls(image, symbols, functions, tables, btf, span, tuple(missing), given)
 
     @property
     def path(self) -> str:
@@ -324,21 +328,25 @@ def _index(
     return cache.KernelIndex(image.size, text_picks, orc_index, btf_index)
 
 
-def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:
+def _symbols(image: ElfImage, kallsyms: str | Path | None) -> tuple[KernelSymbols, int | None]:
     """kallsyms from the image, or from ``--kallsyms``: a System.map, or a /proc/kallsyms taken
     from a guest that booted with KASLR, whose addresses are moved back to link addresses by
-    where it says ``_text`` is against the image."""
+    where it says ``_text`` (or ``_stext``) is against the image (that shift returned too;
+    None without it)."""
     if kallsyms is None:
-        return read_kallsyms(image)
+        return read_kallsyms(image), None
     try:
         text = Path(kallsyms).read_text(errors="replace")
     except OSError as err:
         raise SymbolMapError(str(kallsyms), err.strerror or str(err)) from err
     symbols = parse_symbol_map(text, str(kallsyms))
-    start = symbols.address_of("_text")
-    if start is None:
-        raise SymbolMapError(str(kallsyms), "no _text symbol: not this kernel's symbols")
-    shift = start - image.text_addr
+    start: int | None = symbols.address_of("_text")
+    linked: int | None = image.text_addr
+    if start is None:  # arm64's /proc/kallsyms leaves out the head (_text): its _stext then
+        start, linked = symbols.address_of("_stext"), read_kallsyms(image).address_of("_stext")
+    if start is None or linked is None:
+        raise SymbolMapError(str(kallsyms), "no _text or _stext symbol: not this kernel's symbols")
+    shift = start - linked
     if shift:
         # Only the image moves: per-CPU symbols (absolute offsets) and modules stay.
         addrs = [
@@ -346,7 +354,7 @@ def _symbols(image: ElfImage, kallsyms: str | Path | None) -> KernelSymbols:
             for a, module in zip(symbols.addrs, symbols.modules, strict=True)
         ]
         symbols = KernelSymbols(addrs, symbols.types, symbols.names, symbols.modules)
-    return symbols
+    return symbols, shift
 
 
 def _span(image: ElfImage) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from aarch64vm import (
     TextSymbols,
     from_kernel_entry,
     from_user_entry,
+    kallsyms_text,
     module_ko,
     named_at,
     past_user_entry,
@@ -39,7 +40,7 @@ from aarch64vm import (
 )
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
-from guestvm import run_state
+from guestvm import free_tcp_port, run_state
 from linuxframes import ProcStackTally, UserTally, code_word
 from qemumark import boots_qemu
 
@@ -49,6 +50,7 @@ from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.model import Frame, Mode, StopReason
 from qmpprof.output import native
 from qmpprof.profile import Profile
+from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
@@ -473,6 +475,30 @@ def test_off_cpu_tasks_are_read_with_every_vcpu_at_el0(guest: Aarch64Guest) -> N
     assert run_state(guest.qmp_socket) == "running"
 
 
+def test_over_qmp_alone_a_guest_paused_at_el0_takes_the_slide_of_its_kallsyms(
+    guest: Aarch64Guest, tmp_path: Path
+) -> None:
+    """Over QMP (no system registers: no VBAR_EL1) with every vCPU at EL0 the guest says
+    nothing of its slide; the /proc/kallsyms of its boot (--kallsyms) does, and a one-shot
+    takes it, saying it did, and samples both vCPUs' user code."""
+    kallsyms = tmp_path / "kallsyms"
+    kallsyms.write_text(kallsyms_text(guest))
+    image = LinuxKernel.load(guest.kernel).symbols
+    slide = (guest.symbols.address_of("_stext") or 0) - (image.address_of("_stext") or 0)
+    assert asyncio.run(pause_at_el0(guest.qmp_socket)), "no moment with every vCPU at EL0"
+    try:
+        run = one_shot(guest, "--transport", "qmp", "--kallsyms", str(kallsyms), "--json", "-v")
+        assert run.returncode == 0, run.stderr
+        assert f"KASLR slide {slide:#x} as --kallsyms says" in run.stderr, run.stderr
+        stacks = json.loads(run.stdout)
+        assert sorted(s["cpu"] for s in stacks) == [0, 1] and all(
+            s["mode"] == "user" and s["frames"] for s in stacks
+        ), stacks
+    finally:
+        asyncio.run(resume(guest.qmp_socket))
+    assert run_state(guest.qmp_socket) == "running"
+
+
 async def pause_at_el0(qmp_socket: Path, tries: int = 200) -> bool:
     """Stop the guest where every vCPU is at EL0 (its pc in the lower half), resuming it
     between tries; False when no stop of ``tries`` found one (the guest left running)."""
@@ -495,6 +521,55 @@ async def resume(qmp_socket: Path) -> None:
         await transport.cont()
     finally:
         await transport.close()
+
+
+@boots_qemu
+def test_a_kpti_guest_paused_with_every_vcpu_at_el0_is_read_whole(tmp_path: Path) -> None:
+    """-cpu cortex-a57 has no E0PD: the kernel, with KASLR, unmaps itself at EL0 (KPTI), where
+    VBAR_EL1 holds the trampoline's vectors (not the kernel's, as gdb reads it) and TTBR1_EL1
+    the trampoline's tables. Paused with every vCPU at EL0, a one-shot still finds the guest's
+    slide (where the trampoline reads the kernel's vectors), names every process and reads
+    every task asleep whole, as /proc/PID/stack (the kernel's tables where the trampoline's
+    code moves TTBR1_EL1: 6.1 names no init_mm)."""
+    with running_aarch64_guest(tmp_path, "6.1", append="qmpprof.stacks", cpu="cortex-a57") as guest:
+        expected = proc_stacks(guest)
+        image = LinuxKernel.load(guest.kernel).symbols
+        slide = (guest.symbols.address_of("_stext") or 0) - (image.address_of("_stext") or 0)
+        vectors = (image.address_of("vectors") or 0) + slide
+        assert asyncio.run(pause_at_el0(guest.qmp_socket)), "no moment with every vCPU at EL0"
+        try:
+            bases = asyncio.run(vector_bases(guest.qmp_socket, free_tcp_port()))
+            assert None not in bases and vectors not in bases, bases  # the trampoline's
+            run = one_shot(guest, "--off-cpu", "--json", "-v")
+            assert run.returncode == 0, run.stderr
+            assert f"KASLR slide {slide:#x}" in run.stderr, run.stderr
+            tasks = json.loads(run.stdout)["tasks"]
+            running = [t for t in tasks if t["cpu"] is not None]
+            assert len(running) == 2 and all(t["process"]["program"] for t in running), running
+            check_tasks_asleep(guest, tasks, expected)
+        finally:
+            asyncio.run(resume(guest.qmp_socket))
+        assert run_state(guest.qmp_socket) == "running"
+
+
+async def vector_bases(qmp_socket: Path, port: int) -> list[int | None]:
+    """Each vCPU's VBAR_EL1 as QEMU's gdbstub reads it, through a gdbstub opened for it over
+    QMP and closed after (the guest paused, and left so)."""
+    qmp = await QmpTransport.connect(qmp_socket)
+    try:
+        await qmp.hmp(f"gdbserver tcp:127.0.0.1:{port}")
+        transport = await GdbTransport.connect(f"127.0.0.1:{port}", was_running=False)
+        try:
+            bases = []
+            for cpu in await transport.cpus():
+                found = await transport.system_registers(cpu, ("VBAR_EL1", "VBAR"))
+                bases.append(found.get("VBAR_EL1", found.get("VBAR")))
+            return bases
+        finally:
+            await transport.close(running=False)
+    finally:
+        await qmp.hmp("gdbserver none")
+        await qmp.close()
 
 
 def check_tasks_asleep(

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from qmpprof.linux.aarch64.bootcode import read_boot_task
-from qmpprof.linux.aarch64.trampoline import swapper_offset
+from qmpprof.linux.aarch64.trampoline import swapper_offset, vectors_literal
 from qmpprof.linux.platform import BootTask
 from qmpprof.linux.taskstates import state_array_in
 
@@ -88,3 +88,16 @@ def test_copies_that_disagree_say_nothing() -> None:
     other = [TRAMP[0], 0x91400FDE, *TRAMP[2:]]  # add x30, x30, #3, lsl #12
     assert swapper_offset(code([*TRAMP, *other])) is None
     assert swapper_offset(code([NOP, *TRAMP[:3]])) is None  # cut short
+
+
+# tramp_vectors+0x44c on 6.1: isb; ldr x30, 0xffff800009654000; prfm ...; msr vbar_el1, x30
+ENTRY = 0xFFFF_8000_0965_144C
+LITERAL = [0xD5033FDF, 0x58015D9E, 0xF98203C9, 0xD518C01E]
+
+
+def test_the_vector_entry_loads_the_kernels_vectors_from_a_literal() -> None:
+    assert vectors_literal(code(LITERAL), ENTRY) == 0xFFFF_8000_0965_4000
+    backwards = [0x58FFFFFE, LITERAL[3]]  # ldr x30, . - 4
+    assert vectors_literal(code(backwards), ENTRY) == ENTRY - 4
+    assert vectors_literal(code([LITERAL[1], 0xD518C01D]), ENTRY) is None  # msr of x29
+    assert vectors_literal(code(LITERAL[:3]), ENTRY) is None  # no msr vbar_el1

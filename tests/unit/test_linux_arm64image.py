@@ -9,6 +9,7 @@ Image does."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import re
 import struct
 from collections.abc import Callable, Sequence
@@ -23,14 +24,14 @@ from kernelpack import PACK, ZBOOT_NAMES, ZBOOT_PAYLOAD_AT, zboot
 
 from qmpprof.arch.aarch64 import AARCH64
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import KernelImageError
+from qmpprof.errors import KernelImageError, NoKernelRunningError
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64 import kernelimage as arm64image
 from qmpprof.linux.aarch64 import relr as arm64relr
 from qmpprof.linux.aarch64.cpucontext import CpuContext
 from qmpprof.linux.aarch64.kernelimage import elf_of_image, is_arm64_image, is_arm64_kernel
 from qmpprof.linux.aarch64.running import AARCH64 as AARCH64_LINUX
-from qmpprof.linux.aarch64.running import slide_by_vectors
+from qmpprof.linux.aarch64.running import slide_by_trampoline, slide_by_vectors
 from qmpprof.linux.aarch64.trampoline import swapper_offset
 from qmpprof.linux.kernel import LinuxKernel, looks_like_linux
 from qmpprof.linux.running.guest import Layouts
@@ -370,3 +371,70 @@ def test_the_trampolines_tables_lie_below_the_kernels_by_what_its_code_adds(seri
     tables = _dbg_symbols(SERIES[series] / "vmlinux-dbg", ("tramp_pg_dir", "swapper_pg_dir"))
     code = LinuxKernel.load(image(series)).image.text_bytes
     assert swapper_offset(code) == tables["swapper_pg_dir"] - tables["tramp_pg_dir"]
+
+
+class Trampoline(VectorBase):
+    """vCPUs at EL0 under KPTI: VBAR_EL1 the trampoline's vectors at ``alias``, TTBR1_EL1 its
+    tables, which map the code of ``pages`` (physical) from ``alias`` up, and two pages above
+    them the kernel's, which map its data (the last page) too; tables built in physical memory."""
+
+    ROOT = 0x4000_0000  # the trampoline's top-level table; the kernel's two pages above
+
+    def __init__(self, alias: int, pages: list[bytes]) -> None:
+        super().__init__(alias, {})
+        for root, mapped in ((self.ROOT, len(pages) - 1), (self.ROOT + 0x2000, len(pages))):
+            tables = [root + 0x10_0000 * level for level in range(4)]
+            for level, (table, below) in enumerate(itertools.pairwise(tables)):
+                entry = bytearray(PAGE)
+                index = (alias >> (39 - 9 * level)) & 511
+                entry[8 * index : 8 * index + 8] = (below | 0b11).to_bytes(8, "little")
+                self.physical[table] = bytes(entry)
+            last = bytearray(PAGE)
+            for i, data in enumerate(pages[:mapped]):
+                index = ((alias >> 12) & 511) + i
+                at = 0x5000_0000 + i * PAGE
+                last[8 * index : 8 * index + 8] = (at | 0b11).to_bytes(8, "little")
+                self.physical[at] = data
+            self.physical[tables[3]] = bytes(last)
+
+    async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
+        self.calls.append(f"system_registers:{cpu}")
+        ttbr1 = 0x0043 << 48 | self.ROOT  # a user ASID (odd) on the trampoline's table
+        return {"VBAR_EL1": self.vbar or 0, "TTBR1_EL1": ttbr1, "TCR_EL1": 16 | 16 << 16}
+
+
+async def test_the_slide_of_a_kpti_guest_paused_at_el0_comes_from_its_trampoline() -> None:
+    """VBAR_EL1 holds the trampoline's vectors (no slide gives it): their entry loads the
+    kernel's ``vectors`` from a literal, relocated at boot (6.1's own trampoline code here,
+    where the -dbg vmlinux puts ``tramp_vectors``)."""
+    kernel = LinuxKernel.load(image("6.1"))
+    vectors = kernel.symbols.address_of("vectors")
+    (start,) = _dbg_symbols(SERIES["6.1"] / "vmlinux-dbg", ("tramp_vectors",)).values()
+    assert vectors is not None
+    at = start - kernel.image.text_addr
+    pages = [kernel.image.text_bytes[at + i * PAGE : at + (i + 1) * PAGE] for i in range(4)]
+    slide, alias = 0x51F8_FAE0_0000, 0xFFFF_FFFF_FE60_0000
+    literal = bytearray(pages[3])  # .entry.tramp.rodata: the link address, then relocated
+    assert int.from_bytes(literal[:8], "little") == vectors
+    literal[:8] = (vectors + slide).to_bytes(8, "little")
+    guest = Trampoline(alias, [*pages[:3], bytes(literal)])
+    assert await slide_by_vectors(guest, guest, kernel, AARCH64) is None
+    assert await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest) == slide
+    # A literal no slide gives, or vectors whose tables do not map them: not from here.
+    literal[:8] = (vectors + slide + 8).to_bytes(8, "little")
+    odd = Trampoline(alias, [*pages[:3], bytes(literal)])
+    assert await slide_by_trampoline(odd, odd, kernel, AARCH64) is None
+    away = Trampoline(alias, [*pages[:3], bytes(literal)])
+    away.vbar = alias + 0x10_0000
+    assert await slide_by_trampoline(away, away, kernel, AARCH64) is None
+
+
+async def test_with_no_vcpu_in_the_kernel_and_no_register_a_given_slide_is_asked_for() -> None:
+    """Over QMP (no system registers) with every vCPU at EL0 nothing in the guest gives the
+    slide: with --kallsyms (``kallsyms_slide``) the search ends at once, for the caller to take
+    that one (``LinuxGuest.attach``, which says so)."""
+    kernel = replace(LinuxKernel.load(image("6.12")), kallsyms_slide=0x3A3A_C120_0000)
+    guest = VectorBase(None, {})
+    with pytest.raises(NoKernelRunningError, match="no vCPU runs in the kernel"):
+        await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest)
+    assert guest.calls.count("registers:0") == 1  # one look, no waiting for a vCPU in the kernel

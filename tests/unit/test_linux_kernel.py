@@ -105,11 +105,13 @@ def test_a_kallsyms_file_from_a_kaslr_boot_is_moved_back_to_link_addresses(
     path.write_text("\n".join(lines) + "\n")
     loaded = LinuxKernel.load(linux_dir / "vmlinuz", kallsyms=path)
     assert loaded.symbols.address_of("schedule") == schedule
+    assert loaded.kallsyms_slide == SLIDE  # the boot's, taken where the guest says nothing
+    assert kernel.kallsyms_slide is None
     assert loaded.symbols.address_of("pcpu_hot") == 0x351C0
     assert loaded.symbols.address_of("hot_read", "qmpprof_hot") == 0xFFFF_FFFF_C000_1000
     without_text = tmp_path / "no-text"
     without_text.write_text(lines[1] + "\n")
-    with pytest.raises(SymbolMapError, match="no _text symbol"):
+    with pytest.raises(SymbolMapError, match="no _text or _stext symbol"):
         LinuxKernel.load(linux_dir / "vmlinuz", kallsyms=without_text)
 
 

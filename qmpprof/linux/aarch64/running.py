@@ -1,8 +1,10 @@
 """arm64's running Linux (``running.platform.LinuxPlatform``): the slide from the vector base
-(VBAR_EL1, in every mode: a guest paused with every vCPU at EL0 too), else from where the
-image's banner reads (no IDT), the processes' page tables walked in the linear map (4 KiB pages, the
-levels the user space's size needs), a task off CPU's ``thread.cpu_context`` (``cpucontext``)
-and the exception entry code as its vectors lead to it (``vectors``)."""
+(VBAR_EL1, in every mode: a guest paused with every vCPU at EL0 too), or under KPTI at EL0 from
+where the trampoline reads the kernel's vectors, else from where the image's banner reads (no
+IDT); the kernel's own tables at TTBR1_EL1 (or where the trampoline moves it), the processes'
+page tables walked in the linear map (4 KiB pages, the levels the user space's size needs), a
+task off CPU's ``thread.cpu_context`` (``cpucontext``) and the exception entry code as its
+vectors lead to it (``vectors``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from qmpprof.arch.aarch64 import AArch64, tnsz
 from qmpprof.arch.base import InstructionSet
 from qmpprof.linux import bannerslide
 from qmpprof.linux.aarch64.cpucontext import CpuContext
-from qmpprof.linux.aarch64.trampoline import swapper_offset
+from qmpprof.linux.aarch64.trampoline import swapper_offset, vectors_literal
 from qmpprof.linux.aarch64.vectors import entry_code
 from qmpprof.linux.btf import Btf
 from qmpprof.linux.kernel import LinuxKernel
@@ -31,6 +33,8 @@ from qmpprof.unwind.steps import ExceptionEntry
 _VBAR = ("VBAR_EL1", "VBAR")  # the vector base register, by the names a gdbstub may give it
 _LINEAR_BITS = 48  # VA_BITS_MIN of a 52-bit kernel (4 KiB or 16 KiB pages)
 _BADDR = 0x0000_FFFF_FFFF_FFFE  # TTBR1_EL1's table address (48-bit physical addresses)
+_EL0_SYNC = 0x400  # a vector table's entry for a synchronous exception from 64-bit EL0
+_ENTRY_SIZE = 0x80  # bytes of a vector entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,8 @@ class Aarch64Platform(NoOwnTables):
         transport: GuestTransport,
     ) -> int:
         found = await slide_by_vectors(control, transport, kernel, arch)
+        if found is None:
+            found = await slide_by_trampoline(control, transport, kernel, arch)
         return await slide_by_banner(control, kernel, arch) if found is None else found
 
     async def page_tables(
@@ -161,15 +167,60 @@ async def slide_by_vectors(
     return slide if seen in (text, None) else None
 
 
+async def slide_by_trampoline(
+    control: GuestTransport, transport: GuestTransport, kernel: LinuxKernel, arch: InstructionSet
+) -> int | None:
+    """The slide KPTI's trampoline gives, the first vCPU at EL0: its VBAR_EL1 holds the
+    trampoline's vectors, whose entry for an exception from 64-bit EL0 loads the kernel's
+    ``vectors`` from a literal (``trampoline.vectors_literal``) once it has moved TTBR1_EL1 to
+    the kernel's tables (``trampoline.swapper_offset``): the entry read through the
+    trampoline's tables (TTBR1_EL1, walked physically), the literal through the kernel's; that
+    address less where the image links ``vectors``. None over a transport without system
+    registers, or where the registers lead to no such literal (no KPTI, or a vCPU in the
+    kernel)."""
+    vectors, cpus = kernel.symbols.address_of("vectors"), await control.cpus()
+    if vectors is None or not cpus:
+        return None
+    found = await transport.system_registers(cpus[0], (*_VBAR, "TTBR1_EL1", "TCR_EL1"))
+    vbar = next((found[name] for name in _VBAR if name in found), None)
+    ttbr1, tcr = found.get("TTBR1_EL1"), found.get("TCR_EL1")
+    if vbar is None or ttbr1 is None or tcr is None:
+        return None
+    tables = _tables(control, tcr)
+    physical = _physical(control)
+
+    async def through_tables(root: int, addr: int, size: int) -> bytes | None:
+        place = await tables.physical(root, addr & (tables.span - 1))
+        return None if place is None else (await physical([(place, size)]))[0]
+
+    entry, root = (vbar + _EL0_SYNC) & arch.mask, ttbr1 & _BADDR
+    code = await through_tables(root, entry, _ENTRY_SIZE)
+    literal = None if code is None else vectors_literal(code, entry)
+    # The literal is read once the kernel is mapped: through the kernel's tables.
+    offset = None if literal is None else swapper_offset(kernel.image.text_bytes)
+    value = None
+    if literal is not None and offset is not None:
+        value = await through_tables(root + offset, literal, 8)
+    if value is None or len(value) != 8:
+        return None
+    slide = (int.from_bytes(value, "little") - vectors) & arch.mask
+    if slide % bannerslide.ALIGN or kernel.span[1] + slide > arch.mask:
+        return None
+    return slide
+
+
 def _kernel_tables(loaded: LoadedKernel) -> PageTables | None:
     """The kernel half's tables as TCR_EL1 sizes them (64 - T1SZ bits), walked in physical
     memory; None without TCR_EL1."""
     tcr = loaded.registers.get("TCR_EL1")
-    if tcr is None:
-        return None
+    return None if tcr is None else _tables(loaded.control, tcr)
+
+
+def _tables(control: GuestTransport, tcr: int) -> PageTables:
+    """The kernel half's tables under TCR_EL1 ``tcr``, walked in physical memory."""
     bits = 64 - tnsz(tcr)[1]
     levels = -(-(bits - 12) // 9)
-    return PageTables(_physical(loaded.control), 0, levels, AARCH64_ENTRIES, 1 << bits)
+    return PageTables(_physical(control), 0, levels, AARCH64_ENTRIES, 1 << bits)
 
 
 def _physical(control: GuestTransport) -> Reader:

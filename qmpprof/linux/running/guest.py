@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from qmpprof.arch.base import InstructionSet
 from qmpprof.elf.image import ElfImage
-from qmpprof.errors import UsageError
+from qmpprof.errors import NoKernelRunningError, UsageError
 from qmpprof.guest.base import Attached, FoundTask, Identity
 from qmpprof.guest.userfiles import UserFiles
 from qmpprof.linux.btf import Btf, BtfError
@@ -189,7 +189,15 @@ class LinuxGuest:
                 " over this transport: stacks without process names (use the gdbstub)"
             )
         arch, platform = self.arch, self.platform
-        slide = await platform.slide(control, kernel, arch, transport)
+        try:
+            slide = await platform.slide(control, kernel, arch, transport)
+        except NoKernelRunningError:
+            if kernel.kallsyms_slide is None:
+                raise
+            slide = kernel.kallsyms_slide  # the user's word, where the guest can say nothing
+            translation.append(
+                f"KASLR slide {slide:#x} as --kallsyms says: no vCPU ran the kernel to check it"
+            )
         read = kernel_reader(control, cpus)
         own = await read_vmcoreinfo(read, kernel, slide)
         checks = None if own is None else check(own, kernel, slide)

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from qmpprof.arch.base import InstructionSet
-from qmpprof.errors import KernelMismatchError
+from qmpprof.errors import KernelMismatchError, NoKernelRunningError
 from qmpprof.linux import bannerslide
 from qmpprof.linux.kernel import LinuxKernel
 from qmpprof.memory import reader
@@ -16,6 +16,7 @@ from qmpprof.transport.base import GuestTransport
 
 WAIT = 10.0  # seconds to wait for a vCPU in the kernel (a guest busy in user code)
 _IDLE = 0.02  # seconds between two looks at the vCPUs then
+_NO_KERNEL = "no vCPU runs in the kernel: no KASLR slide (kernel not booted?)"
 
 
 _CODE = 64  # bytes of code around a vCPU's pc compared with the image's
@@ -55,12 +56,13 @@ async def slide_by_banner(
     vCPU in the kernel allows. Kernel memory reads through a vCPU only while it runs in the
     kernel (arm64 unmaps the kernel at EL0 where the CPU needs it), and the guest runs on: a
     pass in which the vCPU left for user code may find nothing, and is tried again, up to
-    ``passes`` times; while every vCPU runs user code, for up to ``wait`` seconds."""
+    ``passes`` times; while every vCPU runs user code, for up to ``wait`` seconds (not at all
+    with ``--kallsyms``, whose slide the caller may take then: NoKernelRunningError)."""
     found = bannerslide.banner(kernel.image)
     if found is None:
         raise KernelMismatchError("the vCPU's registers show no IDT and the image no banner")
     link, text = found
-    problem = "no vCPU runs in the kernel: no KASLR slide (kernel not booted?)"
+    problem = _NO_KERNEL
     deadline = time.monotonic() + wait
     tried = 0
     while tried < passes:
@@ -84,8 +86,10 @@ async def slide_by_banner(
                 break
         if in_kernel:
             tried += 1
-        elif time.monotonic() > deadline:
+        elif kernel.kallsyms_slide is not None or time.monotonic() > deadline:
             break
         else:
             await asyncio.sleep(_IDLE)
+    if problem == _NO_KERNEL:
+        raise NoKernelRunningError(problem)
     raise KernelMismatchError(problem)
