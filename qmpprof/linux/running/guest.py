@@ -166,7 +166,10 @@ class LinuxGuest:
         code placed, read through the control channel while the guest runs."""
         control = transport.control
         if control is None:
-            raise UsageError("a Linux guest needs QMP to find its KASLR slide: give --qmp-socket")
+            raise UsageError(
+                "a Linux guest is read over QMP between samples (its KASLR slide, its tasks),"
+                " which the VM's own gdbstub (--gdb) does not carry: give --qmp-socket alone"
+            )
         kernel, layouts = self.kernel, self.layouts
         translation: list[str] = []
         cpus = await control.cpus()
