@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from qmpprof.errors import QmpprofError
-from qmpprof.transport.base import Address, Opened, Reach
+from qmpprof.transport.base import Address, Forwarding, Opened, Reach
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast, fast_over
 from qmpprof.transport.qmp import QmpTransport
@@ -35,10 +35,41 @@ class GdbKind:
     needs = frozenset({Address.GDB})
 
     async def open(self, reach: Reach, passed_over: str | None) -> Opened:
-        was_running = await _running_by_qmp(reach.qmp_socket)
-        gdb = await GdbTransport.connect(reach.gdb or "", was_running=was_running)
+        qmp = await _qmp_beside(reach.qmp_socket)
+        try:
+            was_running = None if qmp is None else await qmp.is_running()
+            gdb = await GdbTransport.connect(reach.gdb or "", was_running=was_running)
+        except BaseException:
+            if qmp is not None:
+                await qmp.close()
+            raise
         notes = () if gdb.state_known else (_SILENT_STUB,)
-        return Opened(gdb, f"gdbstub at {reach.gdb}", notes, GDB_WINDOW)
+        if qmp is None:
+            return Opened(gdb, f"gdbstub at {reach.gdb}", notes, GDB_WINDOW)
+        both = GdbBesideQmp(gdb, qmp)
+        return Opened(both, f"gdbstub at {reach.gdb}, QMP beside it", notes, GDB_WINDOW)
+
+
+class GdbBesideQmp(Forwarding):
+    """The VM's own gdbstub for the samples, and QMP at the socket given beside it as the
+    control channel: what a guest OS reads while the guest runs (a Linux guest's slide, its
+    tasks and modules), and the run state (QEMU 8.1 and later's stub does not say it)."""
+
+    def __init__(self, gdb: GdbTransport, qmp: QmpTransport) -> None:
+        super().__init__(gdb)
+        self._gdb, self._qmp = gdb, qmp
+        gdb.look_with(qmp.is_running)
+
+    @property
+    def control(self) -> QmpTransport:
+        return self._qmp
+
+    async def close(self) -> None:
+        """Detach (leaving the guest as it was found), then close QMP."""
+        try:
+            await self._gdb.close()
+        finally:
+            await self._qmp.close()
 
 
 class PrivateGdbKind:
@@ -119,19 +150,15 @@ def _mark_notes(qmp: QmpTransport) -> tuple[str, ...]:
     return () if qmp.mark is None or qmp.mark.note is None else (qmp.mark.note,)
 
 
-async def _running_by_qmp(socket: Path) -> bool | None:
-    """Whether the guest runs, by QMP at ``socket`` before a gdbstub attaches (which stops it);
-    None when no QMP answers there."""
+async def _qmp_beside(socket: Path) -> QmpTransport | None:
+    """QMP at ``socket``, to tell the run state before a gdbstub attaches (which stops it) and
+    to read while the guest runs; None when no QMP answers there."""
     if not socket.is_socket():
         return None
     try:
-        qmp = await QmpTransport.connect(socket, timeout=1.0)
+        return await QmpTransport.connect(socket, timeout=1.0)
     except QmpprofError:
         return None
-    try:
-        return await qmp.is_running()
-    finally:
-        await qmp.close()
 
 
 async def quit_qemu(socket: Path, timeout: float) -> None:

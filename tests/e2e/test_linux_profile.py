@@ -23,6 +23,8 @@ qmpprof runs, its frames named from then on.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import linuxkernel
 import pytest
+from guestvm import free_tcp_port, run_state
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
 from linuxkernel import linux_dir
 from linuxvm import BUILD, ROOTFS, Mapping, running_linux_guest, wait_console
@@ -44,6 +47,7 @@ from qmpprof.linux import initramfs
 from qmpprof.model import Mode
 from qmpprof.output import native
 from qmpprof.profile import Profile
+from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -302,3 +306,56 @@ def test_a_module_loaded_during_the_run_is_named(tmp_path: Path) -> None:
     assert any(t < first for t, _, _ in samples)  # sampled before the load too
     after = [unnamed for t, _, unnamed in samples if t > first]
     assert sum(after) <= 0.02 * len(after), (sum(after), len(after))
+
+
+def test_the_vms_own_gdbstub_with_qmp_beside_it_samples_as_qmp_does(tmp_path: Path) -> None:
+    """A VM started with -gdb has its gdbstub already: no private one opens (qmpprof samples
+    over QMP alone then). ``--gdb`` with ``--qmp-socket`` samples through that stub, QMP beside
+    it reading what Linux needs while the guest runs (its slide, tasks, modules). Paused, a
+    one-shot through the stub and one over QMP alone see the same moment: the same stacks,
+    address for address, under the same processes; a sampling run through the stub leaves the
+    guest running, its samples under named processes."""
+    port = free_tcp_port()
+    kernel = linux_dir("6.12") / "vmlinuz"
+    with running_linux_guest(
+        tmp_path, kaslr=True, smp=2, gdb_port=port, dump_kallsyms=False
+    ) as guest:
+        base = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
+        base += ["--kernel", str(kernel)]
+        stub = ["--gdb", f"127.0.0.1:{port}"]
+        asyncio.run(_set_running(guest.qmp_socket, False))
+        try:
+            seen = []
+            for way in (stub, ["--transport", "qmp"]):
+                run = subprocess.run(
+                    [*base, *way, "--one-shot", "--json"],
+                    capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+                assert run.returncode == 0, run.stderr
+                seen.append([
+                    (s["cpu"], s["process"], [f["address"] for f in s["frames"]])
+                    for s in json.loads(run.stdout)
+                ])  # fmt: skip
+            assert seen[0] == seen[1] and len(seen[0]) == 2, seen
+            assert run_state(guest.qmp_socket) == "paused"
+        finally:
+            asyncio.run(_set_running(guest.qmp_socket, True))
+        folded = tmp_path / "stub.folded"
+        run = subprocess.run(
+            [*base, *stub, "--duration", "1", "-o", str(folded)],
+            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert run_state(guest.qmp_socket) == "running"
+        lines = folded.read_text().splitlines()
+        samples = sum(int(line.rsplit(" ", 1)[1]) for line in lines)
+        unnamed = sum(int(line.rsplit(" ", 1)[1]) for line in lines if "(pid " not in line)
+        assert samples >= 100 and unnamed <= samples // 20, (samples, unnamed, run.stderr)
+
+
+async def _set_running(qmp_socket: Path, running: bool) -> None:
+    transport = await QmpTransport.connect(qmp_socket)
+    try:
+        await (transport.cont() if running else transport.stop())
+    finally:
+        await transport.close()

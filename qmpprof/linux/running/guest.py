@@ -167,8 +167,8 @@ class LinuxGuest:
         control = transport.control
         if control is None:
             raise UsageError(
-                "a Linux guest is read over QMP between samples (its KASLR slide, its tasks),"
-                " which the VM's own gdbstub (--gdb) does not carry: give --qmp-socket alone"
+                "a Linux guest is read over QMP between samples (its KASLR slide, its tasks):"
+                " give the VM's --qmp-socket beside --gdb"
             )
         kernel, layouts = self.kernel, self.layouts
         translation: list[str] = []
