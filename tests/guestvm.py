@@ -253,6 +253,20 @@ def run_state(qmp_socket: Path) -> str:
     return asyncio.run(ask())
 
 
+def set_running(qmp_socket: Path, running: bool) -> None:
+    """Resume (``running``) or pause the VM, over a QMP connection of its own."""
+    from qmpprof.transport.qmp import QmpTransport
+
+    async def order() -> None:
+        transport = await QmpTransport.connect(qmp_socket)
+        try:
+            await (transport.cont() if running else transport.stop())
+        finally:
+            await transport.close()
+
+    asyncio.run(order())
+
+
 def process_cr3s(guest: Guest) -> dict[int, tuple[str, int]]:
     """pid -> (program, CR3) of every process, as the guest printed them at boot."""
     found = _PROCESS_LINE.findall(guest.console_text())

@@ -40,7 +40,7 @@ from aarch64vm import (
 )
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
-from guestvm import free_tcp_port, run_state
+from guestvm import free_tcp_port, run_state, set_running
 from linuxframes import ProcStackTally, UserTally, code_word
 from qemumark import boots_qemu
 
@@ -471,7 +471,7 @@ def test_off_cpu_tasks_are_read_with_every_vcpu_at_el0(guest: Aarch64Guest) -> N
         assert run_state(guest.qmp_socket) == "paused"
         check_tasks_asleep(guest, json.loads(run.stdout)["tasks"], expected)
     finally:
-        asyncio.run(resume(guest.qmp_socket))
+        set_running(guest.qmp_socket, True)
     assert run_state(guest.qmp_socket) == "running"
 
 
@@ -495,7 +495,7 @@ def test_over_qmp_alone_a_guest_paused_at_el0_takes_the_slide_of_its_kallsyms(
             s["mode"] == "user" and s["frames"] for s in stacks
         ), stacks
     finally:
-        asyncio.run(resume(guest.qmp_socket))
+        set_running(guest.qmp_socket, True)
     assert run_state(guest.qmp_socket) == "running"
 
 
@@ -511,14 +511,6 @@ async def pause_at_el0(qmp_socket: Path, tries: int = 200) -> bool:
                 return True
             await transport.cont()
         return False
-    finally:
-        await transport.close()
-
-
-async def resume(qmp_socket: Path) -> None:
-    transport = await QmpTransport.connect(qmp_socket)
-    try:
-        await transport.cont()
     finally:
         await transport.close()
 
@@ -548,7 +540,7 @@ def test_a_kpti_guest_paused_with_every_vcpu_at_el0_is_read_whole(tmp_path: Path
             assert len(running) == 2 and all(t["process"]["program"] for t in running), running
             check_tasks_asleep(guest, tasks, expected)
         finally:
-            asyncio.run(resume(guest.qmp_socket))
+            set_running(guest.qmp_socket, True)
         assert run_state(guest.qmp_socket) == "running"
 
 

@@ -23,7 +23,6 @@ qmpprof runs, its frames named from then on.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import signal
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import linuxkernel
 import pytest
-from guestvm import free_tcp_port, run_state
+from guestvm import free_tcp_port, run_state, set_running
 from linuxframes import GuestNames, check_user_frames, kernel_names, whole_kernel_part
 from linuxkernel import linux_dir
 from linuxvm import BUILD, ROOTFS, Mapping, running_linux_guest, wait_console
@@ -47,7 +46,6 @@ from qmpprof.linux import initramfs
 from qmpprof.model import Mode
 from qmpprof.output import native
 from qmpprof.profile import Profile
-from qmpprof.transport.qmp import QmpTransport
 
 pytestmark = [pytest.mark.qemu, pytest.mark.linux]
 
@@ -323,7 +321,7 @@ def test_the_vms_own_gdbstub_with_qmp_beside_it_samples_as_qmp_does(tmp_path: Pa
         base = [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket)]
         base += ["--kernel", str(kernel)]
         stub = ["--gdb", f"127.0.0.1:{port}"]
-        asyncio.run(_set_running(guest.qmp_socket, False))
+        set_running(guest.qmp_socket, False)
         try:
             seen = []
             for way in (stub, ["--transport", "qmp"]):
@@ -339,7 +337,7 @@ def test_the_vms_own_gdbstub_with_qmp_beside_it_samples_as_qmp_does(tmp_path: Pa
             assert seen[0] == seen[1] and len(seen[0]) == 2, seen
             assert run_state(guest.qmp_socket) == "paused"
         finally:
-            asyncio.run(_set_running(guest.qmp_socket, True))
+            set_running(guest.qmp_socket, True)
         folded = tmp_path / "stub.folded"
         run = subprocess.run(
             [*base, *stub, "--duration", "1", "-o", str(folded)],
@@ -351,11 +349,3 @@ def test_the_vms_own_gdbstub_with_qmp_beside_it_samples_as_qmp_does(tmp_path: Pa
         samples = sum(int(line.rsplit(" ", 1)[1]) for line in lines)
         unnamed = sum(int(line.rsplit(" ", 1)[1]) for line in lines if "(pid " not in line)
         assert samples >= 100 and unnamed <= samples // 20, (samples, unnamed, run.stderr)
-
-
-async def _set_running(qmp_socket: Path, running: bool) -> None:
-    transport = await QmpTransport.connect(qmp_socket)
-    try:
-        await (transport.cont() if running else transport.stop())
-    finally:
-        await transport.close()

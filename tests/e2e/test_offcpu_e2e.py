@@ -14,7 +14,6 @@ serves every check.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -23,12 +22,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from guestvm import run_state
+from guestvm import run_state, set_running
 from linuxkernel import BOOTED, linux_dir
 from linuxvm import ROOTFS, running_linux_guest
 
 from qmpprof.linux.kernel import LinuxKernel
-from qmpprof.transport.qmp import QmpTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE = re.compile(
@@ -53,22 +51,6 @@ def oracle(console: str) -> dict[int, tuple[str, list[str]]]:
         names = re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", stack, re.M)
         found[int(pid)] = (letter, names)
     return found
-
-
-async def pause(qmp_socket: Path) -> None:
-    transport = await QmpTransport.connect(qmp_socket)
-    try:
-        await transport.stop()
-    finally:
-        await transport.close()
-
-
-async def resume(qmp_socket: Path) -> None:
-    transport = await QmpTransport.connect(qmp_socket)
-    try:
-        await transport.cont()
-    finally:
-        await transport.close()
 
 
 def scheduler_ranges(kernel: LinuxKernel, text: int) -> list[tuple[int, int]]:
@@ -102,7 +84,7 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
         assert result.returncode == 0, result.stderr
         assert run_state(guest.qmp_socket) == "running"
         if series == BOOTED[0]:  # a paused guest is read as it stands, and stays paused
-            asyncio.run(pause(guest.qmp_socket))
+            set_running(guest.qmp_socket, False)
             paused = subprocess.run(
                 [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
                  "--kernel", str(vmlinuz), "--one-shot", "--off-cpu"],
@@ -111,7 +93,7 @@ def test_off_cpu_stacks_and_states_are_the_guests_own(series: str, tmp_path: Pat
             assert paused.returncode == 0, paused.stderr
             assert run_state(guest.qmp_socket) == "paused"
             assert "Tasks: " in paused.stdout and ": D (disk sleep)" in paused.stdout
-            asyncio.run(resume(guest.qmp_socket))
+            set_running(guest.qmp_socket, True)
         runs = {flag: sampling_run(guest.qmp_socket, vmlinuz, tmp_path, flag) for flag in FLAGS}
         assert run_state(guest.qmp_socket) == "running"
     assert len(expected) == TASKS, guest.console_text()
