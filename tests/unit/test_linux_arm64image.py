@@ -438,3 +438,14 @@ async def test_with_no_vcpu_in_the_kernel_and_no_register_a_given_slide_is_asked
     with pytest.raises(NoKernelRunningError, match="no vCPU runs in the kernel"):
         await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest)
     assert guest.calls.count("registers:0") == 1  # one look, no waiting for a vCPU in the kernel
+
+
+async def test_a_paused_guest_with_no_vcpu_in_the_kernel_fails_at_once() -> None:
+    """Paused with every vCPU at EL0 (its user's pause, a debugger's), no vCPU will enter the
+    kernel: no waiting for one (``slide.WAIT``), the one clear error at once."""
+    kernel = LinuxKernel.load(image("6.12"))
+    guest = VectorBase(None, {})
+    guest.running = False
+    with pytest.raises(NoKernelRunningError, match="no vCPU runs in the kernel"):
+        await AARCH64_LINUX.slide(guest, kernel, AARCH64, guest)
+    assert guest.calls.count("registers:0") == 1

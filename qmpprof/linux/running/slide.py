@@ -57,7 +57,8 @@ async def slide_by_banner(
     kernel (arm64 unmaps the kernel at EL0 where the CPU needs it), and the guest runs on: a
     pass in which the vCPU left for user code may find nothing, and is tried again, up to
     ``passes`` times; while every vCPU runs user code, for up to ``wait`` seconds (not at all
-    with ``--kallsyms``, whose slide the caller may take then: NoKernelRunningError)."""
+    in a paused guest, nor with ``--kallsyms``, whose slide the caller may take then:
+    NoKernelRunningError)."""
     found = bannerslide.banner(kernel.image)
     if found is None:
         raise KernelMismatchError("the vCPU's registers show no IDT and the image no banner")
@@ -88,6 +89,8 @@ async def slide_by_banner(
             tried += 1
         elif kernel.kallsyms_slide is not None or time.monotonic() > deadline:
             break
+        elif not await control.is_running():
+            break  # paused (by its user, a debugger): no vCPU will get to the kernel
         else:
             await asyncio.sleep(_IDLE)
     if problem == _NO_KERNEL:
