@@ -53,7 +53,8 @@ class GdbKind:
 class GdbBesideQmp(Forwarding):
     """The VM's own gdbstub for the samples, and QMP at the socket given beside it as the
     control channel: what a guest OS reads while the guest runs (a Linux guest's slide, its
-    tasks and modules), and the run state (QEMU 8.1 and later's stub does not say it)."""
+    tasks and modules); it told the run state before the stub attached (QEMU 8.1 and later's
+    stub does not say it), and tells the stub's channel whether the guest runs (``look_with``)."""
 
     def __init__(self, gdb: GdbTransport, qmp: QmpTransport) -> None:
         super().__init__(gdb)
