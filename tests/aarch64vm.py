@@ -1,6 +1,6 @@
 """Run the aarch64 test guest (Debian's arm64 kernel + fixtures/aarch64-guest) under
-qemu-system-aarch64 for tests: bookworm's 6.1 and 6.12, and unstable's 7.x with bookworm's user
-space (the same initramfs).
+qemu-system-aarch64 for tests: bookworm's 6.1 and 6.12, and unstable's 7.x, all with one
+initramfs (bookworm's busybox, unstable's xz, liblzma and libc: scripts/build-aarch64-guest).
 
 ``running_aarch64_guest`` boots it through scripts/run-aarch64-guest (KASLR on), waits for the
 workload line on the console, decodes the guest's own /proc/kallsyms (gzipped and base64-encoded

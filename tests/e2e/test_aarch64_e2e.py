@@ -1,5 +1,6 @@
-"""End to end on qemu-system-aarch64: bookworm's arm64 6.1 and 6.12 and unstable's 7.x (bookworm's
-user space, no test module: ``aarch64vm.WITH_MODULE``) booted with KASLR on, 2 vCPUs,
+"""End to end on qemu-system-aarch64: bookworm's arm64 6.1 and 6.12 and unstable's 7.x (no test
+module there: ``aarch64vm.WITH_MODULE``), with unstable's xz, liblzma and libc (signed with
+pointer authentication, BTI) under bookworm's busybox, booted with KASLR on, 2 vCPUs,
 ``-cpu max`` (pointer authentication signs the kernel's return addresses), and qmpprof
 ``--one-shot`` on it through the private gdbstub with ``--kernel`` the arm64 Image as shipped.
 Every kernel frame must be named as the guest's own /proc/kallsyms names its address, the slide
@@ -170,13 +171,16 @@ def stacks_text(stacks: Sequence[dict[str, Any]]) -> str:
 
 
 ROOTFS = ROOT / "fixtures" / "build" / "aarch64-guest" / "rootfs"
-# Debian's xz and what it runs on
-XZ_FILES = {"xz", "liblzma.so.5.4.1", "libc.so.6", "ld-linux-aarch64.so.1"}
+# Debian's xz (unstable's) and what it runs on, by the names of the files the guest maps
+LIBLZMA = (ROOTFS / "usr" / "lib" / "aarch64-linux-gnu" / "liblzma.so.5").resolve().name
+XZ_FILES = {"xz", LIBLZMA, "libc.so.6", "ld-linux-aarch64.so.1"}
 SAMPLED = 0.9  # of the ticks, on each vCPU
 WHOLE = 0.95  # of the kernel parts: every frame named, down to a root or into user code
-PLACED = 0.9  # of xz's user frames: in a file of --user-dir, a call before each return
-# address (measured 85-98 % while a library mapped after its process's space was placed stayed
-# unplaced in kernel-mode samples; 96-98 % since its space is read again then)
+PLACED = 0.95  # of xz's user frames: in a file of --user-dir, a call before each return
+# address (issue 35's share; measured 85-98 % while a library mapped after its process's space
+# was placed stayed unplaced in kernel-mode samples, 96-98 % since its space is read again then;
+# with unstable's user space, signed with pointer authentication: 96.8, 97.6 and 97.8 % on 6.1,
+# 6.12 and 7.2 in one run)
 WITH_USER = 0.95  # of xz's samples while it has a user space: with user frames (85 % when an
 # exception entered from user mode caught at its vector was one kernel frame; 99.7-100 % since)
 
@@ -239,7 +243,7 @@ def test_a_5s_profile_is_whole_and_places_xz_and_a_signed_program_from_their_fil
     print("stops (program, mode, stop):", stops.most_common(16))
     assert kernel > 200 and whole >= WHOLE * kernel, (whole, kernel)
     # xz's frames in its files at their places, named only by a .dynsym symbol covering them.
-    assert user.total >= 50 and user.files.keys() <= XZ_FILES and "liblzma.so.5.4.1" in user.files
+    assert user.total >= 50 and user.files.keys() <= XZ_FILES and LIBLZMA in user.files
     assert user.placed >= PLACED * user.total, user.wrong.most_common(10)
     assert not user.misnamed, user.misnamed
     assert {"lzma_code", "__libc_start_main"} <= set(user.names), user.names

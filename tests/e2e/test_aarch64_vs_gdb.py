@@ -1,9 +1,8 @@
 """qmpprof's kernel stacks, frame names and processes against gdb-multiarch's, at random moments
-of the aarch64 test guest on bookworm's arm64 6.1 and 6.12 and unstable's 7.x (bookworm's user
-space; from 6.13 the EL1 entry's frame record in pt_regs is zeroed, pt_regs found from its
-address) (2 vCPUs, KASLR on, ``-cpu max``,
-booted with ``arm64.nopauth``: gdb 13.1 cannot strip a kernel return address's
-pointer-authentication code, aarch64gdb.py says why).
+of the aarch64 test guest on bookworm's arm64 6.1 and 6.12 and unstable's 7.x (from 6.13 the
+EL1 entry's frame record in pt_regs is zeroed, pt_regs found from its address) (2 vCPUs, KASLR
+on, ``-cpu max``, booted with ``arm64.nopauth``: gdb 13.1 cannot strip a kernel return
+address's pointer-authentication code, aarch64gdb.py says why).
 
 gdb (``aarch64gdb.Aarch64KernelOracle``: one session on the kernel's -dbg vmlinux moved by the
 slide) interrupts the guest at each moment; qmpprof then samples the stopped guest over QMP (a
