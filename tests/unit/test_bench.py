@@ -130,6 +130,11 @@ def test_the_interval_ratios_are_of_the_medians() -> None:
     assert missing["pause_interval_ratio"] is None and missing["serve_pause_ratio"] is None
 
 
+def test_the_host_touch_ratio_is_of_the_medians() -> None:
+    found = intervals.host_touch({0.010: [0.2, 0.3, 0.1], 1.0: [4.0, 5.0, 6.0]})
+    assert found == {"host_touch_10ms_ms": 0.2, "host_touch_1s_ms": 5.0, "host_touch_ratio": 25.0}
+
+
 def test_the_pause_ratios_come_from_keys_of_the_same_run() -> None:
     result = {"default_pause_ms": 1.2, "gdbstub_pause_ms": 1.0, "first_pause_ms": 3.0}
     assert intervals.ratios(result) == {"default_pause_ratio": 1.2, "first_pause_ratio": 2.5}

@@ -11,12 +11,20 @@
 - ``default_pause_ratio`` (the default path over the bare gdbstub loop) and
   ``first_pause_ratio`` (a fresh run's first pause over the default path's median): ratios of
   keys the bench measures elsewhere in the same run (``ratios``).
+- ``host_touch_ratio``: the host's share, with no QEMU in it: the time this process takes to
+  write one byte in each page of ``TOUCH_BYTES`` of its own memory after sleeping 1 s, over the
+  same after sleeping 10 ms (``host_touch_1s_ms``, ``host_touch_10ms_ms``). A sample's pause
+  touches memory qmpprof, QEMU and the socket layers last touched one interval before: where
+  the host makes memory untouched for a second slow to touch again (measured 20x on this
+  project's host, docs/bench.md), every pause at a long interval pays it, whatever the
+  sampler does, and ``pause_interval_ratio`` is read against this.
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,9 @@ SHORT, LONG = 0.010, 1.0
 _SHORT_SECONDS, _LONG_SECONDS = 0.5, 5.0  # per stretch: ~40 and ~5 samples
 SERVE_SECONDS = 10.0  # its budget may stretch the interval to seconds: a few ticks, at least
 _WINDOW = 60  # seconds serve's ring keeps: all of a round's
+TOUCH_BYTES = 8 << 20  # of this process's memory, written a byte a page (2,048 pages)
+_TOUCHES = 6  # per interval, the two in turn
+_PAGE = 4096
 
 
 async def pause_intervals(
@@ -52,13 +63,41 @@ async def pause_intervals(
         await sampler.teardown()
     served = await serve_pauses(guest.qmp_path, fixture.kernel, SERVE_SECONDS)
     found = summary(pauses[SHORT], pauses[LONG], served)
+    found.update(host_touch(host_touches()))
     log(
         f"pause by interval: {found['pause_10ms_ms']} ms at 10 ms ({len(pauses[SHORT])}), "
         f"{found['pause_1s_ms']} ms at 1 s ({len(pauses[LONG])}), serve "
         f"{found['serve_pause_ms']} ms ({len(served)}): {found['pause_interval_ratio']}x, "
-        f"serve {found['serve_pause_ratio']}x"
+        f"serve {found['serve_pause_ratio']}x; the host re-touching memory idle 1 s: "
+        f"{found['host_touch_1s_ms']} ms vs 10 ms: {found['host_touch_10ms_ms']} ms "
+        f"({found['host_touch_ratio']}x)"
     )
     return found
+
+
+def host_touches() -> dict[float, list[float]]:
+    """Milliseconds to write a byte in each page of TOUCH_BYTES of this process's memory,
+    after sleeping each interval (the guest runs on, untouched by this)."""
+    memory = bytearray(TOUCH_BYTES)
+    found: dict[float, list[float]] = {SHORT: [], LONG: []}
+    for _ in range(_TOUCHES):
+        for interval in (SHORT, LONG):
+            time.sleep(interval)
+            start = time.perf_counter()
+            for at in range(0, TOUCH_BYTES, _PAGE):
+                memory[at] += 1
+            found[interval].append((time.perf_counter() - start) * 1e3)
+    return found
+
+
+def host_touch(touches: dict[float, list[float]]) -> dict[str, Any]:
+    """The medians of ``host_touches`` and the 1 s one over the 10 ms one."""
+    short, long = _median(touches[SHORT]), _median(touches[LONG])
+    return {
+        "host_touch_10ms_ms": short,
+        "host_touch_1s_ms": long,
+        "host_touch_ratio": _ratio(long, short),
+    }
 
 
 async def serve_pauses(qmp_path: str, kernel: Path, seconds: float) -> list[float]:
