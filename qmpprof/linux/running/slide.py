@@ -63,7 +63,7 @@ async def slide_by_banner(
     if found is None:
         raise KernelMismatchError("the vCPU's registers show no IDT and the image no banner")
     link, text = found
-    problem = _NO_KERNEL
+    problem = ""  # why the banner's slide was not found, once a vCPU was in the kernel
     deadline = time.monotonic() + wait
     tried = 0
     while tried < passes:
@@ -93,6 +93,6 @@ async def slide_by_banner(
             break  # paused (by its user, a debugger): no vCPU will get to the kernel
         else:
             await asyncio.sleep(_IDLE)
-    if problem == _NO_KERNEL:
-        raise NoKernelRunningError(problem)
+    if not tried:  # no pass met a vCPU in the kernel
+        raise NoKernelRunningError(_NO_KERNEL)
     raise KernelMismatchError(problem)
