@@ -14,11 +14,11 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from qmpprof.errors import GuestGoneError, KernelMismatchError, TransportError
-from qmpprof.guest.base import GuestIdentifier, Identified
+from qmpprof.errors import GuestGoneError, KernelMismatchError, QmpprofError, TransportError
+from qmpprof.guest.base import Complete, GuestIdentifier, Identified
 from qmpprof.memory import Reader, StackReader
 from qmpprof.model import Mode, Process, Registers, Stack
-from qmpprof.pagecache import PageCache
+from qmpprof.pagecache import PageCache, PageMissing, page_of
 from qmpprof.stats import SamplerStats
 from qmpprof.transport.base import GuestTransport
 
@@ -26,6 +26,7 @@ Space = TypeVar("Space")
 Space_contra = TypeVar("Space_contra", contravariant=True)
 Raw = TypeVar("Raw")
 T = TypeVar("T")
+_REWALK_MISSES = 64  # pages a walk again may find missing before the last try stands
 
 
 class StackUnwinder(Protocol[Space_contra, Raw]):
@@ -55,6 +56,11 @@ class Captured(Generic[Space, Raw]):
     process: Process | None = None
     raw: Raw | None = None
     error: str | None = None
+    # A process whose code was in files not read yet: asked after cont (``Capture.complete``)
+    # for its space with them read, to walk ``walked`` over the pause's ``cache`` again.
+    complete: Complete[Space] | None = None
+    walked: Registers | None = None
+    cache: PageCache | None = None
 
 
 class Capture(Generic[Space, Raw]):
@@ -139,12 +145,40 @@ class Capture(Generic[Space, Raw]):
                 captured.raw = await self._walk(captured, walked, cache, identity, stats)
             if identity.memory is None:
                 self.stacks.learn(regs, cache)
+            if identity.complete is not None:
+                captured.complete, captured.walked, captured.cache = (
+                    identity.complete,
+                    walked,
+                    cache,
+                )
         except (GuestGoneError, KernelMismatchError):
             raise  # the guest is gone, or the kernel file is not its kernel: the run ends
         except Exception as err:  # one bad sample (a refused read, an unwinder bug) is data
             captured.error = f"{type(err).__name__}: {err}"
         self._phase(stats, "memory", mark)
         return captured
+
+    async def complete(self, captured: Sequence[Captured[Space, Raw]]) -> None:
+        """After cont: each capture whose process's code was in files not read yet (a program
+        started since the run began), walked again in its space with them read, over the
+        memory its pause read (a page the pause did not read ends the walk there: the guest
+        has run since). When nothing better comes, the pause's walk stands."""
+        for one in captured:
+            complete, one.complete = one.complete, None
+            regs, cache, one.cache = one.walked, one.cache, None
+            if complete is None or regs is None or cache is None or one.raw is None:
+                continue
+            try:
+                fresh = await complete()
+            except QmpprofError:
+                continue  # a guest gone shows at the next stop
+            if fresh is None:
+                continue
+            try:
+                one.raw = _walk_over(self.unwinder, regs, cache, fresh.space)
+            except Exception:  # an unwinder bug: the pause's walk stands
+                continue
+            one.space = fresh.space
 
     async def _walk(
         self,
@@ -183,6 +217,18 @@ class Capture(Generic[Space, Raw]):
 
     def _phase(self, stats: SamplerStats, name: str, since: float) -> None:
         stats.phase_time[name] += self._clock() - since
+
+
+def _walk_over(
+    unwinder: StackUnwinder[Space, Raw], regs: Registers, cache: PageCache, space: Space
+) -> Raw:
+    """A walk over what ``cache`` holds alone: a page it lacks counts as unmapped."""
+    for _ in range(_REWALK_MISSES):
+        try:
+            return unwinder.unwind(regs, cache, space)
+        except PageMissing as miss:
+            cache.pages[page_of(miss.addr)] = None
+    return unwinder.unwind(regs, cache, space)
 
 
 async def _together(

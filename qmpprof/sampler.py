@@ -241,6 +241,7 @@ class Sampler(Generic[Space, Raw]):
         self.stats.pauses.append(self._clock() - began)
         self.stats.wall_time = self._clock() - self._start
         self.stats.ticks += 1
+        await self.capture.complete(captured)  # a program's files the pause had not read
         samples = [s for s in map(self._finish, captured) if s is not None]
         if self._off_cpu is not None:
             at = began - self._start

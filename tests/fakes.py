@@ -288,6 +288,7 @@ class KernelIdentity(Generic[Space]):
     memory: Reader | None = None  # as the vCPU sees it
     registers: Registers | None = None  # as sampled
     reread_mappings: None = None  # its space is never read again
+    complete: None = None  # nor its files
 
 
 class KernelIdentifier(Generic[Space]):

@@ -179,8 +179,16 @@ class Identified(Protocol[Space_co]):
         when there is nothing new to read; None: never asked."""
         ...
 
+    @property
+    def complete(self) -> Complete[Space_co] | None:
+        """Asked once after cont when the pause placed the process's code in files it had not
+        read yet (a program started since the run began): the identity with them read, to
+        walk the pause's memory again in (None: nothing better); None: never asked."""
+        ...
+
 
 RereadMappings = Callable[[Sequence[int]], Awaitable[Identified[Space_co] | None]]
+Complete = Callable[[], Awaitable[Identified[Space_co] | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +202,7 @@ class Identity:
     memory: Reader | None = None
     registers: Registers | None = None
     reread_mappings: RereadMappings[AddressSpace] | None = None
+    complete: Complete[AddressSpace] | None = None
 
 
 class GuestIdentifier(Protocol[Space_co]):

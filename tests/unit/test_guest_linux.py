@@ -727,6 +727,41 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
     assert again is not None and again.name == "myapp" and again.mapping.path is not None
 
 
+async def test_a_process_waiting_for_its_files_is_placed_with_them_right_after_the_pause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_build: None
+) -> None:
+    """A program started since the run began, met in a pause before its file was read: after
+    cont (``complete``) its files are read and it is placed again through its own tables, for
+    the pause's walk to be walked again in; once placed, nothing more is asked."""
+    program = BUILD_ROOT / "cfi" / "user" / "spin.elf"
+    (tmp_path / "myapp").write_bytes(program.read_bytes())
+    files = UserFiles(tmp_path)
+    mm, pgd = MYAPP_MM, 0xFFFF_8880_0600_0000
+    myapp_mapped(monkeypatch)
+
+    class Tables(_Tables):
+        def reader(self, pgd: int) -> Reader:
+            self.pgds.append(pgd)
+
+            async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+                return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
+
+            return read
+
+    spaces, task = myapp_spaces(files, cast(PageTables, Tables()))
+    memory = Memory()
+    memory.put(mm + MYAPP_PGD_AT, struct.pack("<Q", pgd))
+    read = reader(memory, [])
+    first = await spaces.space_of(read, task)
+    assert spaces.waiting(task) and first.find(0x40_1000).mapping.path is None  # type: ignore[union-attr]
+    placed = await spaces.complete(read, task)
+    assert placed is not None and not spaces.waiting(task) and not files.unread
+    module = placed.find(0x40_1000)
+    assert module is not None and module.name == "myapp" and module.mapping.path is not None
+    assert await spaces.space_of(read, task) is placed
+    assert await spaces.complete(read, task) is None  # not waiting any more
+
+
 async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_build: None
 ) -> None:

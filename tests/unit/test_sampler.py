@@ -729,6 +729,7 @@ class ReadAgain:
     asked: list[tuple[int, ...]]
     memory: None = None
     registers: None = None
+    complete: None = None
 
     @property
     def reread_mappings(self) -> Callable[[Sequence[int]], Awaitable[ReadAgain | None]]:
@@ -750,6 +751,56 @@ class ReadAgainIdentifier:
         self, transport: FakeTransport, regs: Registers, cache: PageCache
     ) -> ReadAgain:
         return self.identity
+
+
+@dataclass(frozen=True, slots=True)
+class Completing:
+    """An identity whose process's files are read after cont (``complete``), counting asks."""
+
+    process: Process | None
+    space: FakeSpace
+    fresh: Completing | None
+    calls: list[str]  # the transport's, so far
+    asked: list[bool]  # each ask: whether the guest was let run before it
+    memory: None = None
+    registers: None = None
+    reread_mappings: None = None
+
+    @property
+    def complete(self) -> Callable[[], Awaitable[Completing | None]]:
+        async def read_files() -> Completing | None:
+            self.asked.append("cont" in self.calls)
+            return self.fresh
+
+        return read_files
+
+
+@pytest.mark.parametrize("read_since", [True, False])
+async def test_a_walk_in_files_not_read_yet_is_walked_again_after_cont(
+    read_since: bool,
+) -> None:
+    """A program started since the run began, its files not read when the pause met it: after
+    cont the guest OS reads them and the pause's walk is walked again, over the pause's
+    memory, in the space with them; when nothing better comes the pause's walk stands."""
+    process = Process(7, "app", 0)
+    user_main, *kernel = SPACE.symbols
+    library = FakeSpace((user_main, (0x7F00_0000, 0x7F00_0100, "lib_fn"), *kernel))
+    asked: list[bool] = []
+    transport = FakeTransport({0: regs(0, 0x7F00_0010, rsp=0x7FFF_0000)}, {})
+    fresh = Completing(process, library, None, transport.calls, asked) if read_since else None
+    identity = Completing(process, SPACE, fresh, transport.calls, asked)
+    sampler = Sampler(
+        transport,
+        FramePointerUnwinder(),
+        ReadAgainIdentifier(identity),  # type: ignore[arg-type]
+        SamplerConfig(),
+        clock=transport.clock,
+    )
+    outcome = await sampler.run(one_shot=True)
+    assert asked == [True]  # once, after cont
+    (sample,) = outcome.last
+    assert sample.stack.frames[0].symbol == ("lib_fn" if read_since else None)
+    assert transport.calls.count("stop") == transport.calls.count("cont") == 1
 
 
 @pytest.mark.parametrize("mapped_since", [True, False])

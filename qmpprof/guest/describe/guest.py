@@ -13,6 +13,7 @@ space, as without a description); the run goes on and ends with one warning line
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from qmpprof.elf.dwarftypes import DwarfTypes
@@ -147,7 +148,7 @@ class DescribedIdentifier:
             )
         else:
             process = Process(found.pid, found.name, found.root, space_name="root")
-        return Identity(process, base.space, base.memory, base.registers, base.reread_mappings)
+        return dataclasses.replace(base, process=process)
 
     def warnings(self) -> list[str]:
         """The run's lines on what the description could not read (samples, --off-cpu tasks)."""

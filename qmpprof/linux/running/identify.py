@@ -340,12 +340,23 @@ class LinuxIdentifier:
             identity = dataclasses.replace(identity, memory=self._through(read, memory))
         if seen.task is None or identity is self.kernel or self.spaces is None:
             return identity
+        waiting = self.spaces.waiting(seen.task) and self.control is not None
         return dataclasses.replace(
             identity,
             reread_mappings=functools.partial(
                 self._reread_mappings, read, task, seen.task, regs, identity
             ),
+            complete=functools.partial(self._complete, seen.task, identity) if waiting else None,
         )
+
+    async def _complete(self, task: Task, identity: Identity) -> Identity | None:
+        """After cont: ``identity`` in its process's space placed again with the files it
+        waited for read (a program started since the run began); None: nothing better."""
+        assert self.spaces is not None and self.control is not None
+        space = await self.spaces.complete(kernel_reader(self.control, self.cpus), task)
+        if space is None:
+            return None
+        return dataclasses.replace(identity, space=space, reread_mappings=None, complete=None)
 
     async def _reread_mappings(
         self,

@@ -176,7 +176,7 @@ class Spaces:
         return await self._place_through_tables(read, key, vmas)
 
     async def _place_through_tables(
-        self, read: Reader, key: Key, vmas: tuple[Vma, ...]
+        self, read: Reader, key: Key, vmas: tuple[Vma, ...], *, partial: bool = False
     ) -> AddressSpace | None:
         """Place a process between samples: its code through its own page tables."""
         if self.tables is None or self.vmas is None:
@@ -184,7 +184,7 @@ class Spaces:
         pgd = await self._pgd(read, key[0])
         if pgd is None:
             return None
-        return await self._place(key, vmas, self.tables.reader(pgd), pgd=pgd)
+        return await self._place(key, vmas, self.tables.reader(pgd), pgd=pgd, partial=partial)
 
     async def _pgd(self, read: Reader, mm: int) -> int | None:
         assert self.vmas is not None
@@ -232,14 +232,34 @@ class Spaces:
         if not self.files.read_one():
             return False
         ready = [
-            (key, placed.vmas)
+            (key, placed)
             for key, placed in self._placed.items()
             if placed.waiting and all(not v.name or self.files.read(v.name) for v in placed.vmas)
         ]
-        for key, vmas in ready:
-            if await self._place_through_tables(read, key, vmas) is None:
+        for key, placed in ready:
+            again = await self._place_through_tables(read, key, placed.vmas, partial=placed.partial)
+            if again is None:
                 del self._placed[key]  # the next sample places it
         return True
+
+    def waiting(self, task: Task) -> bool:
+        """Whether ``task``'s process's space was placed without files not read yet."""
+        placed = self._placed.get(_key(task)) if task.mm else None
+        return placed is not None and placed.waiting
+
+    async def complete(self, read: Reader, task: Task) -> AddressSpace | None:
+        """After cont, through ``read`` (kernel memory, while the guest runs): the space of
+        ``task``'s process placed again with the files it waited for read now (None: not
+        waiting, or its page tables unreadable; then the next sample places it)."""
+        key = _key(task)
+        placed = self._placed.get(key) if task.mm else None
+        if placed is None or not placed.waiting:
+            return None
+        for vma in placed.vmas:
+            if vma.name and not self.files.read(vma.name):
+                self.files.candidates(vma.name)
+                self.files.unread.discard(vma.name)
+        return await self._place_through_tables(read, key, placed.vmas, partial=placed.partial)
 
     async def confirm(self, read: Reader) -> bool:
         """Every CONFIRM_EVERY seconds, through ``read`` (kernel memory, while the guest runs):
