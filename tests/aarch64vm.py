@@ -26,10 +26,17 @@ from pathlib import Path
 
 import qemumark
 from guestvm import _check_alive, _die_with_parent, _wait_qmp
+from linuxvm import Mapping, parse_maps_line
 
 from qmpprof.linux.symbols import TEXT_TYPES, KernelSymbols, parse_symbol_map
 
 ROOT = Path(__file__).resolve().parent.parent
+# The long-lived xz's /proc/PID/maps, as fixtures/aarch64-guest/init prints them.
+_XZ_MAPS = re.compile(
+    r"^qmpprof-aarch64: maps of xz pid (\d+) feeder (\d+) begin\r?\n(.*?)"
+    r"^qmpprof-aarch64: maps end",
+    re.M | re.S,
+)
 SERIES = {
     "6.1": ROOT / "fixtures" / "build" / "linux-arm64-6.1",
     "6.12": ROOT / "fixtures" / "build" / "linux-arm64",
@@ -59,6 +66,24 @@ class Aarch64Guest:
 
     def console_text(self) -> str:
         return self.console.read_text(errors="replace") if self.console.exists() else ""
+
+    def xz_maps(self, timeout: float = 60.0) -> tuple[int, list[Mapping]]:
+        """The pid of the guest's long-lived xz and its /proc/PID/maps, as /init prints them
+        once in the background after the workload line (waited for up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while (match := _XZ_MAPS.search(self.console_text())) is None:
+            _check_alive(self)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.console}: no maps of xz")
+            time.sleep(0.1)
+        return int(match[1]), [parse_maps_line(line) for line in match[3].splitlines()]
+
+    def xz_feed(self) -> tuple[int, int]:
+        """The pids of the long-lived xz and of the loop feeding it (both run every 2 s)."""
+        self.xz_maps()
+        match = _XZ_MAPS.search(self.console_text())
+        assert match is not None
+        return int(match[1]), int(match[2])
 
 
 def image(series: str) -> Path:

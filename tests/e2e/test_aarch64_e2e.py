@@ -1,6 +1,7 @@
 """End to end on qemu-system-aarch64: bookworm's arm64 6.1 and 6.12 and unstable's 7.x (no test
 module there: ``aarch64vm.WITH_MODULE``), with unstable's xz, liblzma and libc (signed with
-pointer authentication, BTI) under bookworm's busybox, booted with KASLR on, 2 vCPUs,
+pointer authentication, BTI) under bookworm's busybox (one long-lived xz's /proc/PID/maps
+printed by init: where its frames must be), booted with KASLR on, 2 vCPUs,
 ``-cpu max`` (pointer authentication signs the kernel's return addresses), and qmpprof
 ``--one-shot`` on it through the private gdbstub with ``--kernel`` the arm64 Image as shipped.
 Every kernel frame must be named as the guest's own /proc/kallsyms names its address, the slide
@@ -42,7 +43,7 @@ from aarch64vm import (
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from guestvm import free_tcp_port, run_state, set_running
-from linuxframes import ProcStackTally, UserTally, code_word
+from linuxframes import ProcStackTally, UserTally, check_user_frames, code_word, user_frames
 from qemumark import boots_qemu
 
 from qmpprof.arch.aarch64 import AARCH64
@@ -188,6 +189,9 @@ PLACED = 0.95  # of xz's user frames: in a file of --user-dir, a call before eac
 # was placed stayed unplaced in kernel-mode samples, 96-98 % since its space is read again then;
 # with unstable's user space, signed with pointer authentication: 96.8, 97.6 and 97.8 % on 6.1,
 # 6.12 and 7.2 in one run)
+MAPPED_FRAMES = 100  # of the long-lived xz's user frames, the least checked (299-532 in two
+# whole-file runs on 6.1, 6.12 and 7.2, every one where its /proc/PID/maps puts them; before a
+# first sample's walk was walked again once its files were read, 86-93 % of them)
 WITH_USER = 0.95  # of xz's samples while it has a user space: with user frames (85 % when an
 # exception entered from user mode caught at its vector was one kernel frame; 99.7-100 % since)
 
@@ -253,6 +257,23 @@ def test_a_5s_profile_is_whole_and_places_xz_and_a_signed_program_from_their_fil
     assert user.total >= 50 and user.files.keys() <= XZ_FILES and LIBLZMA in user.files
     assert user.placed >= PLACED * user.total, user.wrong.most_common(10)
     assert not user.misnamed, user.misnamed
+    # The long-lived xz's frames against the guest's own /proc/PID/maps of it: the file and
+    # the offset in it of each, named only by a covering .dynsym symbol. A frame in a mapping
+    # whose file was not read yet (a walk in a first pause not walked again) is not placed.
+    xz_pid, xz_maps = guest.xz_maps()
+    mapped = check_user_frames(profile, xz_pid, xz_maps, ROOTFS)
+    unread = sum(
+        count
+        for frame, _exact, count in user_frames(profile, xz_pid)
+        if frame.module is not None and frame.module.path is None
+    )
+    print(
+        f"xz pid {xz_pid}: user frames where its /proc/PID/maps puts them"
+        f" {mapped.placed}/{mapped.total} ({unread} in a file not read yet),"
+        f" by file {dict(mapped.files)}"
+    )
+    assert mapped.total >= MAPPED_FRAMES and mapped.placed >= PLACED * mapped.total, mapped.wrong
+    assert mapped.named_right == mapped.named, mapped.wrong
     assert {"lzma_code", "__libc_start_main"} <= set(user.names), user.names
     assert stitched > 0  # xz's system calls: the kernel's frames, then xz's own
     assert vectored > 0 and xz_user >= WITH_USER * xz, (vectored, xz_user, xz)
@@ -440,21 +461,29 @@ STACKS = re.compile(
     r"^qmpprof-aarch64: stack of (\d+)\r?\n(.*?)(?=^qmpprof-aarch64: )", re.M | re.S
 )
 STACKS_END = "qmpprof-aarch64: stacks end"
-# Of the tasks asleep in both views: the same functions (the rest ran meanwhile), as x86_64
-# asks; 55 of 55 on 6.1 and 55 of 57 on 6.12 measured (a kworker and rcu_sched had run).
-AGREE = 0.95
+# Of the tasks asleep in both views: the same functions. Allowance: tasks that ran between
+# init's dump and the moment (the oracle cannot see they ran): kernel threads a timer woke
+# (rcu_sched, khugepaged, unstable's 7.x kdamond: CONFIG_DAMON_STAT_ENABLED_DEFAULT) and the
+# workload's pipe writers, at most MOVED of them (0-2 of 52-58 compared in ~40 checks on 6.1,
+# 6.12 and 7.2; 3 of 57 once on 7.2, which failed the 95 % share asked before).
+MOVED = 5
 
 
 def proc_stacks(guest: Aarch64Guest) -> dict[int, list[str]]:
-    """tid -> the functions of its /proc/PID/stack, leaf first, as init dumped them."""
+    """tid -> the functions of its /proc/PID/stack, leaf first, as init dumped them; but the
+    long-lived xz and the loop feeding it, which run every 2 s: where they wait at the dump is
+    not where they wait at a later moment (the head | xz loop's processes are gone by then)."""
     deadline = time.monotonic() + 120
     while STACKS_END not in guest.console_text():
         assert time.monotonic() < deadline, guest.console_text()[-2000:]
         time.sleep(0.5)
-    return {
+    stacks = {
         int(tid): re.findall(r"^\[<[0-9a-f]+>\] ([^+\s]+)\+", text, re.M)
         for tid, text in STACKS.findall(guest.console_text())
     }
+    running = guest.xz_feed()
+    assert all(pid in stacks for pid in running), (running, sorted(stacks))
+    return {tid: names for tid, names in stacks.items() if tid not in running}
 
 
 def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Aarch64Guest, tmp_path: Path) -> None:
@@ -597,7 +626,7 @@ def check_tasks_asleep(
     equal, compared, unequal = tally.equal, tally.compared, tally.unequal
     print(f"off CPU: {len(asleep)} tasks asleep, {equal}/{compared} as /proc/PID/stack")
     print("unequal:", unequal)
-    assert compared >= 30 and equal >= AGREE * compared, unequal
+    assert compared >= 30 and len(unequal) <= MOVED, unequal
     # init's sleep (for an hour) and init waiting for it: in both views, the same.
     sleeper = next(t for t in asleep.values() if t["process"]["program"] == "sleep")
     for tid in (1, sleeper["process"]["tid"]):
