@@ -683,6 +683,23 @@ def myapp_mapped(monkeypatch: pytest.MonkeyPatch) -> list[Vma]:
     return mapped
 
 
+class MyappTables(_Tables):
+    """Page tables under which myapp's code is ``program``'s, loaded at 0x400000."""
+
+    def __init__(self, program: Path) -> None:
+        super().__init__()
+        self.program = program
+
+    def reader(self, pgd: int) -> Reader:
+        self.pgds.append(pgd)
+
+        async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+            image = ElfImage.load(self.program)
+            return [image.file_bytes(a - 0x40_0000, n) for a, n in ranges]
+
+        return read
+
+
 def myapp_spaces(files: UserFiles, tables: PageTables | None) -> tuple[Spaces, Task]:
     vmas = cast(VmaLayout, SimpleNamespace(pgd=MYAPP_PGD_AT, map_count=0x50))
     spaces = Spaces(AddressSpace([KERNEL]), vmas, files, tables, lambda: 0.0)
@@ -701,16 +718,7 @@ async def test_a_process_met_in_a_pause_with_an_unread_file_is_placed_when_it_is
     mm, pgd = MYAPP_MM, 0xFFFF_8880_0600_0000
     myapp_mapped(monkeypatch)
 
-    class Tables(_Tables):
-        def reader(self, pgd: int) -> Reader:
-            self.pgds.append(pgd)
-
-            async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-                return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
-
-            return read
-
-    tables = Tables()
+    tables = MyappTables(program)
     spaces, task = myapp_spaces(files, cast(PageTables, tables))
     memory = Memory()
     memory.put(mm + MYAPP_PGD_AT, struct.pack("<Q", pgd))
@@ -739,16 +747,7 @@ async def test_a_process_waiting_for_its_files_is_placed_with_them_right_after_t
     mm, pgd = MYAPP_MM, 0xFFFF_8880_0600_0000
     myapp_mapped(monkeypatch)
 
-    class Tables(_Tables):
-        def reader(self, pgd: int) -> Reader:
-            self.pgds.append(pgd)
-
-            async def read(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-                return [ElfImage.load(program).file_bytes(a - 0x40_0000, n) for a, n in ranges]
-
-            return read
-
-    spaces, task = myapp_spaces(files, cast(PageTables, Tables()))
+    spaces, task = myapp_spaces(files, cast(PageTables, MyappTables(program)))
     memory = Memory()
     memory.put(mm + MYAPP_PGD_AT, struct.pack("<Q", pgd))
     read = reader(memory, [])
