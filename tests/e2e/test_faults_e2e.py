@@ -1,7 +1,9 @@
 """Fault injection: RUNS runs of the real command line against the real bundled guest, each ended
 at a random point of its start or of its sampling by SIGINT, SIGTERM, QEMU killed, or its QMP
 connection closed (a relay between qmpprof and QEMU, which the test cuts). Seeded: the seed is
-in the test's id, each run's draw in its failure message.
+in the test's id, each run's draw in its failure message. Each run is qmpprof's ``main``
+forked from a process that imported qmpprof once (tests/support/forkserver.py): the imports
+of 200 interpreters were a third to half of the test's time, and are not what it tests.
 
 After each run: the guest is in the run state it had before (some runs start on a paused
 guest), QEMU has no gdbstub and the private temporary directory is empty, stderr holds no
@@ -28,8 +30,6 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 from qmpevents import QmpEvents
+from support.forkserver import ForkServer, Run
 from witnessvm import Vm, vm
 
 from qmpprof.output import folded
@@ -59,6 +60,8 @@ PAUSES = 12  # of the guest by a sampling run (0.2 s at 10 ms: ~20), drawn from 
 POINT_TIMEOUT = 120.0  # a guard against a hung run, not a speed check
 SUMMARY = re.compile(r"^Samples: (\d+) ", re.MULTILINE)
 ROOT = Path(__file__).resolve().parents[2]
+# What a run imports, imported once by the fork server (tests/support/forkserver.py).
+PRELOAD = ("qmpprof.cli.sample", "qmpprof.guest.registry")
 
 
 class Relay:
@@ -161,21 +164,19 @@ def handlers_installed(pid: int) -> bool:
     return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
-def spawn(target: Machine, out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+def spawn(server: ForkServer, target: Machine, out: Path) -> Run:
     """qmpprof (this tree's), once its handlers are in place."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qmpprof", "--qmp-socket", str(target.socket), "-v",
-         "--duration", DURATION, "-o", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
+    proc = server.start(
+        ["--qmp-socket", str(target.socket), "-v", "--duration", DURATION, "-o", str(out)]
+    )
     while not handlers_installed(proc.pid):
         time.sleep(0.001)
     return proc
 
 
-def unfaulted(target: Machine, out: Path, env: dict[str, str]) -> None:
+def unfaulted(server: ForkServer, target: Machine, out: Path) -> None:
     """A run without a fault: it takes the fast path and writes what it collected."""
-    proc = spawn(target, out, env)
+    proc = spawn(server, target, out)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and FAST in err, err
     collected = SUMMARY.search(err)
@@ -183,7 +184,7 @@ def unfaulted(target: Machine, out: Path, env: dict[str, str]) -> None:
     assert sum(c for _, c in folded.parse(out.read_text())) == int(collected[1])
 
 
-def reach(proc: subprocess.Popen[str], target: Machine, line: str | None, pauses: int) -> str:
+def reach(proc: Run, target: Machine, line: str | None, pauses: int) -> str:
     """Wait until the run writes a line starting with ``line`` (None: it has begun), then
     until QEMU has told of ``pauses`` whole pauses of the guest (a STOP, then a RESUME) since
     that line was read; or until it ends. What it wrote meanwhile."""
@@ -221,7 +222,7 @@ def reach(proc: subprocess.Popen[str], target: Machine, line: str | None, pauses
     return seen
 
 
-def inject(kind: str, proc: subprocess.Popen[str], target: Machine) -> None:
+def inject(kind: str, proc: Run, target: Machine) -> None:
     if kind in ("SIGINT", "SIGTERM"):
         proc.send_signal(signal.Signals[kind])
     elif kind == "qmp-closed":
@@ -262,15 +263,16 @@ def check(draw: str, kind: str, code: int, err: str, out: Path, private: Path) -
 def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     private = Path(tempfile.mkdtemp(prefix="fip-", dir="/tmp"))  # qmpprof's TMPDIR
-    # Each run is a new interpreter: where the environment turns bytecode writing off
-    # (PYTHONDONTWRITEBYTECODE), each compiled qmpprof's modules again, half of its start's
-    # CPU; the runs share a cache of the test's own instead.
+    # The fork server's interpreter: where the environment turns bytecode writing off
+    # (PYTHONDONTWRITEBYTECODE), it would compile qmpprof's modules, and each run the ones
+    # it imports later; they share a cache of the test's own instead.
     inherited = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env = {**inherited, "TMPDIR": str(private), "PYTHONPATH": str(ROOT),
            "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}  # fmt: skip
     outcomes: dict[str, int] = {}
     boots = 0
-    with ExitStack() as stack:
+    # The QEMUs in ``stack`` (a killed one's closes it); one server forks every run.
+    with ForkServer(env, ROOT, PRELOAD) as server, ExitStack() as stack:
         target: Machine | None = None
         try:
             for run in range(RUNS):
@@ -282,14 +284,14 @@ def test_runs_ended_at_random_points_leave_everything_as_found(tmp_path: Path, s
                     boots += 1
                     target = stack.enter_context(machine(tmp_path, boots))
                     if boots == 1:
-                        unfaulted(target, tmp_path / "unfaulted.folded", env)
+                        unfaulted(server, target, tmp_path / "unfaulted.folded")
                 state = "paused" if paused else "running"
                 draw = f"run {run}: {kind} at {stage} + {pauses} pauses, guest {state}"
                 witness = target.vm.witness
                 if paused:
                     witness.execute("stop")
                 out = tmp_path / f"run{run}.folded"
-                proc = spawn(target, out, env)
+                proc = spawn(server, target, out)
                 before = reach(proc, target, STAGES[stage], pauses)
                 inject(kind, proc, target)
                 _, rest = proc.communicate(timeout=60)
