@@ -54,7 +54,8 @@ class UserFiles:
                 break
 
     def candidates(self, name: str) -> list[ElfImage]:
-        """The readable ELF files of this name (read and indexed once)."""
+        """The readable ELF files of this name (read and indexed once: no longer unread)."""
+        self.unread.discard(name)
         out = []
         for path in self._by_name.get(name, ()):
             if path not in self._images:

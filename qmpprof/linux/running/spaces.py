@@ -237,8 +237,7 @@ class Spaces:
             if placed.waiting and all(not v.name or self.files.read(v.name) for v in placed.vmas)
         ]
         for key, placed in ready:
-            again = await self._place_through_tables(read, key, placed.vmas, partial=placed.partial)
-            if again is None:
+            if await self._place_again(read, key, placed) is None:
                 del self._placed[key]  # the next sample places it
         return True
 
@@ -258,7 +257,11 @@ class Spaces:
         for vma in placed.vmas:
             if vma.name and not self.files.read(vma.name):
                 self.files.candidates(vma.name)
-                self.files.unread.discard(vma.name)
+        return await self._place_again(read, key, placed)
+
+    async def _place_again(self, read: Reader, key: Key, placed: Placed) -> AddressSpace | None:
+        """A process placed while its files were not read, placed again through its tables
+        (in part still, when it was placed in part)."""
         return await self._place_through_tables(read, key, placed.vmas, partial=placed.partial)
 
     async def confirm(self, read: Reader) -> bool:
