@@ -7,7 +7,7 @@ imports are shared. (test_faults_e2e starts 200 runs: their imports were a third
 its time.)
 
 ``Run`` answers as much of ``subprocess.Popen`` as such a test uses: ``pid``, ``stderr`` (read
-by its file descriptor), ``send_signal``, ``poll``, ``communicate`` and ``returncode``, the
+by its file descriptor), ``send_signal``, ``communicate`` and ``returncode``, the
 exit status the server reads when it reaps the run."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import TracebackType
 
 # The server: argv[1] its socket, argv[2:] the modules to import before the first run.
 SERVER = r"""
-import atexit, importlib, json, os, signal, socket, sys, traceback
+import atexit, importlib, json, os, socket, sys, traceback
 path, preload = sys.argv[1], sys.argv[2:]
 for name in preload:
     importlib.import_module(name)
@@ -100,9 +100,6 @@ class Run:
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, sig)
-
-    def poll(self) -> int | None:
-        return self.wait(0.0)
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.returncode is None:
