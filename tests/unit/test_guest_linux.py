@@ -29,6 +29,7 @@ from qmpprof.linux.running import current as current_module
 from qmpprof.linux.running import spaces as spaces_module
 from qmpprof.linux.running.current import CurrentTask, PerCpuVariable, locate_current
 from qmpprof.linux.running.identify import MODULES_RECHECK, LinuxIdentifier
+from qmpprof.linux.running.linearmap import LinearMap
 from qmpprof.linux.running.modules import ModuleLayout, ModuleList
 from qmpprof.linux.running.pagetables import X86_64_ENTRIES, PageTables
 from qmpprof.linux.running.spaces import Spaces
@@ -57,6 +58,7 @@ def make(
     control: FakeTransport | None = None,
     recheck: float = RECHECK,
     clock: Callable[[], float] = lambda: 0.0,
+    linear: LinearMap | None = None,
 ) -> LinuxIdentifier:
     """The identifier as LinuxGuest.attach puts it together, from these parts."""
     current = CurrentTask(
@@ -66,7 +68,7 @@ def make(
     return LinuxIdentifier(
         [KERNEL], X86_64, layout=layout, current=current, spaces=spaces,
         module_list=module_list, control=control, thread_size=0x4000, clock=clock,
-        recheck=recheck,
+        recheck=recheck, linear=linear,
     )  # fmt: skip
 
 
@@ -383,6 +385,40 @@ async def test_mappings_are_confirmed_between_samples_so_pauses_need_not_read_th
     now[0] = 30.0  # no sample of it for long: not looked at any more
     await identifier.housekeep()
     assert reads[-1] == "pause"
+
+
+async def test_between_samples_kernel_memory_no_vcpu_maps_is_read_through_the_linear_map(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each vCPU in user mode while the guest runs (arm64's KPTI unmaps the kernel at EL0):
+    housekeeping reads the kernel physically through the linear map. A file's name that did
+    not read so had left xz's libc unnamed (``[anon]``) for 16 samples (CI, arm64 6.12)."""
+    mm, file, name_at = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0700_0000, 0xFFFF_8880_0700_0100
+    offset = 0xFFFF_8880_0000_0000  # the linear map: kernel address - physical
+    memory = guest(layout, (APP_LEADER, APP_LEADER))
+    memory.task(layout, APP_LEADER, 1230, 1230, "myapp", 0, APP_LEADER)
+    memory.put(APP_LEADER + layout.mm, struct.pack("<Q", mm))
+    memory.put(name_at, b"libc.so.6\0")
+    transport, control = FakeTransport({}, memory.frozen()), FakeTransport({}, {})
+    control.physical = {page - offset: data for page, data in memory.frozen().items()}
+    names: list[str | None] = []
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        (raw,) = await read([(name_at, 9)])
+        names.append(None if raw is None else raw.decode())
+        return [Vma(0x40_0000, 0x40_1000, 0, VM_EXEC, file, names[-1])]
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    now = [0.0]
+    identifier = make(
+        layout, PER_CPU_OFFSET, vmas=cast(VmaLayout, SimpleNamespace(pgd=0x48, map_count=0x50)),
+        control=control, recheck=0.1, clock=lambda: now[0],
+        linear=LinearMap(offset, offset + (1 << 40), offset),
+    )  # fmt: skip
+    await identifier.identify(transport, regs(0, 0x40_0010), PageCache())
+    now[0] = 3.0  # confirmed: read between samples
+    await identifier.housekeep()
+    assert names == ["libc.so.6", "libc.so.6"] and "read_physical" in control.calls
 
 
 async def test_tasks_are_confirmed_between_samples_so_pauses_read_only_new_ones(
@@ -839,6 +875,34 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
     await spaces.space_of(read, task, [0x40_1000, 0x7D00_0000_0000, 0x7C00_0000_0000])
     assert reads == [mm, mm, mm, mm]
     assert spaces.holds(task, [0x7D00_0000_0008, 0x7C00_0000_0008, 0x7E00_0000_0000])
+
+
+async def test_a_mapping_whose_file_name_did_not_read_is_read_again_at_the_next_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file's name that did not read (the kernel unmapped under the vCPU that read it) leaves
+    its mapping unnamed: not trusted, the next sample reads the mappings again; named, they
+    are trusted."""
+    mm = 0xFFFF_8880_0500_0000
+    mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0xFFFF_8880_0700_0000, None)]
+    reads = []
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        reads.append(at)
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x50))
+    spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
+    task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
+    read = reader(Memory(), [])
+    first = (await spaces.space_of(read, task, [0x40_1000])).find(0x40_1000)
+    assert first is not None and first.name == "[anon]" and reads == [mm]
+    mapped[:] = [replace(mapped[0], name="libc.so.6")]
+    again = (await spaces.space_of(read, task, [0x40_1000])).find(0x40_1000)
+    assert again is not None and again.name == "[libc.so.6]" and reads == [mm, mm]
+    await spaces.space_of(read, task, [0x40_1000])
+    assert reads == [mm, mm]  # named: trusted
 
 
 async def test_a_module_without_orc_tables_is_unwound_by_its_code_read_from_memory(

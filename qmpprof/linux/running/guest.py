@@ -287,13 +287,15 @@ class LinuxGuest:
             cpus=cpus,
             clock=self.clock,
             entry=entry,
+            kernel_tables=self.kernel_tables,
         )
         init_task = kernel.address("init_task", slide)
         if layouts.tasks is not None and init_task is not None:
-            await self.identifier.preload(read, await task_list(read, init_task, layouts.tasks))
+            beyond = self.identifier.kernel_memory()
+            await self.identifier.preload(beyond, await task_list(beyond, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
         self.task_reader = await self._task_reader(
-            beyond_user_mode(control, cpus, linear, self.kernel_tables), slide, current, spaces
+            self.identifier.kernel_memory(), slide, current, spaces
         )
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [

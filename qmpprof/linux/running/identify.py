@@ -23,12 +23,13 @@ from qmpprof.arch.base import InstructionSet
 from qmpprof.guest.base import Identity
 from qmpprof.guest.firmware import Firmware
 from qmpprof.linux.running.current import CurrentTask
+from qmpprof.linux.running.kernelmemory import KernelTables, beyond_user_mode
 from qmpprof.linux.running.linearmap import LinearMap, linear_reader
 from qmpprof.linux.running.modules import ModuleList
 from qmpprof.linux.running.pagetables import PageTables, holds, split
 from qmpprof.linux.running.spaces import Spaces
 from qmpprof.linux.running.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
-from qmpprof.memory import Reader, kernel_reader, read_one, reader
+from qmpprof.memory import Reader, read_one, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -70,6 +71,7 @@ class LinuxIdentifier:
         clock: Callable[[], float] = time.monotonic,
         recheck: float = RECHECK,
         entry: ExceptionEntry | None = None,
+        kernel_tables: KernelTables | None = None,
     ) -> None:
         """``kernel_modules``: the kernel image's Module, then the loaded modules'.
         ``control``: a transport that reads kernel memory while the guest runs, for
@@ -79,7 +81,9 @@ class LinuxIdentifier:
         ``find_linear``: measures the linear map between samples, when attach could not (no
         vCPU was in kernel mode then, or no per-CPU base was known). ``cpus``: the vCPUs
         ``control`` reads kernel memory through, in turn. ``entry``: the image's exception
-        code, whose samples at an exception's entry need the exception link register."""
+        code, whose samples at an exception's entry need the exception link register.
+        ``kernel_tables``: the kernel's own tables, for what between samples no vCPU and no
+        linear map reads (vmalloc'd memory while each vCPU is in user mode)."""
         self.arch = arch
         self.entry = entry
         self.layout = layout
@@ -89,6 +93,7 @@ class LinuxIdentifier:
         self.control = control
         self.thread_size = thread_size
         self.linear = linear
+        self.kernel_tables = kernel_tables
         self.find_linear = find_linear
         self._linear_tries = 0
         self.cpus = cpus
@@ -153,7 +158,7 @@ class LinuxIdentifier:
             return
         if self.control is None:
             return
-        read = kernel_reader(self.control, self.cpus)
+        read = self.kernel_memory()
         if self.spaces is not None and (
             await self.spaces.settle(read) or await self.spaces.confirm(read)
         ):
@@ -161,6 +166,13 @@ class LinuxIdentifier:
         if self.layout is not None and now - self._tasks_confirmed >= TASKS_CONFIRM_EVERY:
             self._tasks_confirmed = now
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
+
+    def kernel_memory(self) -> Reader:
+        """Kernel memory while the guest runs, whatever mode its vCPUs are in at each read: through
+        them, else physically (a name read while each was at EL0 under arm64's KPTI failed, and
+        a library's mapping went unnamed for seconds: 16 samples of xz's libc in ``[anon]``)."""
+        assert self.control is not None
+        return beyond_user_mode(self.control, self.cpus, self.linear, self.kernel_tables)
 
     def _bases_known(self) -> bool:
         """Whether the linear map can be measured: a vCPU's per-CPU base known (its current-task
@@ -353,7 +365,7 @@ class LinuxIdentifier:
         """After cont: ``identity`` in its process's space placed again with the files it
         waited for read (a program started since the run began); None: nothing better."""
         assert self.spaces is not None and self.control is not None
-        space = await self.spaces.complete(kernel_reader(self.control, self.cpus), task)
+        space = await self.spaces.complete(self.kernel_memory(), task)
         if space is None:
             return None
         return dataclasses.replace(identity, space=space, reread_mappings=None, complete=None)

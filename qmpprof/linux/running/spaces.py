@@ -22,6 +22,7 @@ done between samples (``confirm``, first for a space placed so in part).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -126,7 +127,8 @@ class Spaces:
             return seen.space  # trusted past RECHECK: ``confirm`` reads it between samples
         if many:
             found = await find_exec_vmas(read, task.mm, self.vmas, self.user_end, pcs)
-            before = () if seen is None else seen.vmas
+            spans = {(v.start, v.end) for v in found}  # read now: a name lacking before, say
+            before = () if seen is None else [v for v in seen.vmas if (v.start, v.end) not in spans]
             vmas = tuple(sorted({*before, *found}, key=lambda v: v.start))
         else:
             vmas = tuple(await read_exec_vmas(read, task.mm, self.vmas, self.user_end))
@@ -222,7 +224,11 @@ class Spaces:
         user = await user_modules(code, vmas, self.files, load=load, arch=self.arch)
         space = AddressSpace([*self.kernel.modules, *user]) if user else self.kernel
         waiting = any(vma.name and not self.files.read(vma.name) for vma in vmas)
-        self._placed.put(key, Placed(space, self.clock(), vmas, waiting, pgd=pgd, partial=partial))
+        # A file's name that did not read leaves its code unnamed (``[anon]``): not trusted, the
+        # next sample reads the mappings again (``confirm`` first, between samples).
+        checked = self.clock() if _named(vmas) else -math.inf
+        placed = Placed(space, checked, vmas, waiting, pgd=pgd, partial=partial)
+        self._placed.put(key, placed)
         return space
 
     async def settle(self, read: Reader) -> bool:
@@ -314,7 +320,8 @@ class Spaces:
         if self._placed.get(key) is not placed:
             return True  # read again meanwhile, or started over
         if found == placed.vmas:
-            self._placed[key] = dataclasses.replace(placed, checked=self.clock(), partial=False)
+            checked = self.clock() if _named(found) else -math.inf
+            self._placed[key] = dataclasses.replace(placed, checked=checked, partial=False)
         elif not placed.partial or await self._place_through_tables(read, key, found) is None:
             del self._placed[key]
         return True
@@ -333,6 +340,11 @@ def _or_else(first: Reader, second: Callable[[], Reader]) -> Reader:
         return found
 
     return read
+
+
+def _named(vmas: Sequence[Vma]) -> bool:
+    """Whether each mapping of a file has the file's name (a read of it may fail)."""
+    return all(v.name or not v.file for v in vmas)
 
 
 def _holds(placed: Placed, pcs: Sequence[int]) -> bool:
