@@ -1,9 +1,11 @@
-"""Run the teaching-kernel-shaped guest (fixtures/hobby) under qemu-system-i386 for tests.
+"""Run the teaching-kernel-shaped guests (fixtures/hobby, i386; fixtures/hobby64, x86_64) for
+tests.
 
-``running_hobby`` boots it on SMP (two) vCPUs with a QMP socket (and a gdbstub on ``gdb_port``
-for the oracle), waits until every CPU and every user program said it runs, and kills QEMU
-whatever happens. The guest is a ``Guest`` of tests/guestvm.py (variant ``hobby``), so its
-oracles (gdb_backtrace, ...) apply.
+``running_hobby`` boots one on SMP (two) vCPUs with a QMP socket (and a gdbstub on
+``gdb_port`` for the oracle), waits until every CPU and every user program said it runs, and
+kills QEMU whatever happens. The guest is a ``Guest`` of tests/guestvm.py (variant ``hobby``
+or ``hobby64``), so its oracles (gdb_backtrace, ...) apply. ``every_hobby`` runs a test on
+each build (``hobby``: a ``Hobby``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from guestvm import (
     BOOT_TIMEOUT,
     BUILD_ROOT,
+    ROOT,
     Guest,
     _die_with_parent,
     _wait_qmp,
@@ -27,23 +32,76 @@ from guestvm import (
     wait_console,
 )
 
-BUILD_DIR = BUILD_ROOT / "hobby"
 SMP = 2
-# What the kernel prints once every CPU runs (fixtures/hobby/main.c), and each user program
-# once it runs (fixtures/hobby/user/*.c).
-RUNNING_LINES = (f"hobby: scheduler running on {SMP} cpus", "crunch: running", "chatter: running")
+
+
+@dataclass(frozen=True)
+class Hobby:
+    """One build of the guest: its sources in fixtures/``name`` (built in fixtures/build/
+    ``name``), the QEMU that boots it, where its kernel's link address puts the kernel/user
+    boundary (kernel.ld), its ``KERNBASE`` (kernel.h: kernel virtual = physical + KERNBASE),
+    the trap frame's pc member and the context's (kernel.h: struct trapframe, struct context),
+    the frame pointer's name, a word's size, where the trap frame is at the entry's ``call trap``
+    (entry.S: the argument on the stack, or in rdi) and how many instructions the timer's and
+    the system call's vector stubs and ``alltraps`` run up to that call, the call included."""
+
+    arch: str
+    name: str
+    qemu: str
+    boundary: int
+    kernbase: int
+    pc: str
+    fp: str
+    word: int
+    tf_at_call: str
+    entry_steps: int
+
+    @property
+    def build_dir(self) -> Path:
+        return BUILD_ROOT / self.name
+
+    @property
+    def description(self) -> Path:
+        """The kernel description shipped beside its sources (--describe)."""
+        return ROOT / "fixtures" / self.name / "describe.toml"
+
+    @property
+    def running_lines(self) -> tuple[str, ...]:
+        """What the kernel prints once every CPU runs (main.c), and each user program once it
+        runs (fixtures/hobby/user/*.c)."""
+        return (
+            f"{self.name}: scheduler running on {SMP} cpus",
+            "crunch: running",
+            "chatter: running",
+        )
+
+
+# Entry steps: each stub's push(es) and jmp; alltraps' pushes, moves and call (i386: 10; x86_64:
+# 15 pushes, the move of rsp to rdi, the call).
+HOBBY_I386 = Hobby(
+    "i386", "hobby", "qemu-system-i386", 0x8010_0000, 0x8000_0000, "eip", "ebp", 4,
+    "(*(struct trapframe **)$esp)", 3 + 3 + 10,
+)  # fmt: skip
+HOBBY_X86_64 = Hobby(
+    "x86_64", "hobby64", "qemu-system-x86_64", 0x4010_0000, 0x4000_0000, "rip", "rbp", 8,
+    "((struct trapframe *)$rdi)", 3 + 3 + 17,
+)  # fmt: skip
+HOBBIES = (HOBBY_I386, HOBBY_X86_64)
+every_hobby = pytest.mark.parametrize("hobby", HOBBIES, ids=[h.arch for h in HOBBIES])
 
 
 @contextlib.contextmanager
-def running_hobby(tmp_path: Path, *, gdb_port: int | None = None) -> Iterator[Guest]:
-    """Boot the hobby guest on the ``qemu-system-i386`` first on PATH, on SMP vCPUs, and yield
-    it once QMP accepts connections, every CPU runs and its programs run."""
-    build_fixtures(("hobby",))
+def running_hobby(
+    tmp_path: Path, hobby: Hobby = HOBBY_I386, *, gdb_port: int | None = None
+) -> Iterator[Guest]:
+    """Boot ``hobby`` on its QEMU first on PATH, on SMP vCPUs, and yield it once QMP accepts
+    connections, every CPU runs and its programs run."""
+    build_fixtures((hobby.name,))
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="qh-", dir="/tmp"))
-    console = tmp_path / f"console-hobby-{time.monotonic_ns()}.txt"
+    console = tmp_path / f"console-{hobby.name}-{time.monotonic_ns()}.txt"
     cmd = [
-        "qemu-system-i386", "-kernel", str(BUILD_DIR / "kernel.elf"),
+        hobby.qemu, "-kernel", str(hobby.build_dir / "kernel.elf"),
         "-accel", "tcg", "-smp", str(SMP), "-m", "64M",
         "-display", "none", "-no-reboot", "-monitor", "none",
         "-qmp", f"unix:{sock_dir / 'qmp.sock'},server=on,wait=off",
@@ -55,16 +113,16 @@ def running_hobby(tmp_path: Path, *, gdb_port: int | None = None) -> Iterator[Gu
     guest = Guest(
         qmp_socket=sock_dir / "qmp.sock",
         console=console,
-        variant="hobby",
+        variant=hobby.name,
         smp=SMP,
-        build_dir=BUILD_DIR,
+        build_dir=hobby.build_dir,
         process=process,
         gdb_port=gdb_port,
     )
     try:
         deadline = time.monotonic() + BOOT_TIMEOUT
         _wait_qmp(guest, deadline)
-        for line in RUNNING_LINES:
+        for line in hobby.running_lines:
             wait_console(guest, line, max(deadline - time.monotonic(), 0.1))
         yield guest
     finally:

@@ -66,11 +66,16 @@ class PathToCall:
     handler, say): ``depth`` bytes pushed on the way; ``saved``: each pushed word whose value is
     a register's as it is at the pc (its offset from the stack pointer at the pc, the register's
     DWARF number); ``addresses``: each pushed word that holds a stack address (its offset, and
-    the address's offset from the same stack pointer: ``push esp`` pushes its own word's end)."""
+    the address's offset from the same stack pointer: ``push esp`` pushes its own word's end);
+    ``held``: each register that holds a stack address at the call (its DWARF number, and the
+    address's offset from that stack pointer: ``mov rdi, rsp`` before the call); ``written``:
+    the registers the way writes (DWARF numbers: any other holds its value at the pc)."""
 
     depth: int
     saved: tuple[tuple[int, int], ...] = ()
     addresses: tuple[tuple[int, int], ...] = ()
+    held: tuple[tuple[int, int], ...] = ()
+    written: frozenset[int] = frozenset()
 
 
 class InstructionSet(Protocol):

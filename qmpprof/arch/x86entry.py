@@ -9,7 +9,8 @@ CPU pushed lies now. A pushed register holds its value at the pc unless the way 
 first (an instruction naming it as its first operand, ``xchg``'s second too; one that writes
 registers it does not name counts as writing them all); ``push esp`` and ``pushal`` push the
 stack pointer as it was before the instruction, and a register set from it (``mov reg, esp``,
-``lea reg, [esp + n]``) and pushed unchanged pushes that stack address. A pop or any other
+``lea reg, [esp + n]``) and pushed unchanged pushes that stack address; one still holding it at
+the call is said so (x86_64's handler takes the frame's address in rdi). A pop or any other
 write to the stack pointer, a conditional or indirect jump, another call, a return or a trap
 instruction ends the way with no answer, as does a way longer than any entry's.
 """
@@ -33,6 +34,7 @@ _SMALL = {"ax": ("al", "ah"), "bx": ("bl", "bh"), "cx": ("cl", "ch"), "dx": ("dl
 _PARTS = {
     name: stem for stem, small in _SMALL.items() for name in (stem, f"e{stem}", f"r{stem}", *small)
 } | {f"r{n}{s}": f"r{n}" for n in range(8, 16) for s in ("", "d", "w", "b")}
+_WORDS = frozenset(f"r{n}w" for n in range(8, 16))  # x86_64's other 16-bit registers
 _NOT_WRITES = frozenset(["cmp", "test", "bt", "nop", "cli", "sti", "cld", "std", "lfence"])
 _BOTH_WRITTEN = frozenset(["xchg", "xadd", "cmpxchg"])
 # Instructions that write registers they do not name (mul's edx:eax, lodsd's esi, cpuid's four).
@@ -69,7 +71,17 @@ def path_to_call(
             if mnemonic == "call":
                 if ops != hex(target):
                     return None
-                return PathToCall(way.depth, tuple(way.saved), tuple(way.addresses))
+                held = tuple(
+                    (names.index(name), offset)
+                    for stem, offset in way.held.items()
+                    if (name := _whole(stem, word)) in names
+                )
+                written = frozenset(
+                    names.index(name)
+                    for stem in way.written
+                    if (name := _whole(stem, word)) in names
+                )
+                return PathToCall(way.depth, tuple(way.saved), tuple(way.addresses), held, written)
             if mnemonic == "jmp":
                 if not ops.startswith("0x"):
                     return None
@@ -80,9 +92,14 @@ def path_to_call(
     return None
 
 
+def _whole(stem: str, word: int) -> str:
+    """The whole register of a stem for this word size: ``di`` -> ``rdi`` or ``edi``."""
+    return stem if stem.startswith("r") and stem[1:].isdigit() else "re"[word == 4] + stem
+
+
 def _follow(way: _Way, mnemonic: str, ops: str, word: int, names: Sequence[str]) -> bool:
     """One instruction's pushes and writes; False: the way ends here, unanswered."""
-    if mnemonic == "push" and _PARTS.get(ops) == ops:
+    if mnemonic == "push" and (ops in _SMALL or ops in _WORDS):
         return False  # a 16-bit register: two bytes, not a stack word
     if mnemonic in ("push", "pushal", _FLAGS[word]):
         before = -way.depth  # the stack pointer before the instruction, from the pc's

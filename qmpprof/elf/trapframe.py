@@ -4,10 +4,11 @@ A kernel without CFI for its entry code (a teaching kernel's ``alltraps``, say) 
 interrupted registers into a struct and calls its handler with a pointer to it. The handler is
 the function whose one parameter points to a struct with members named like the instruction
 set's pc, stack pointer and frame pointer (``eip``, ``esp``, ``ebp``); where the pointer lies
-at the handler's entry is the parameter's location there, an offset from the handler's CFA
-(``DW_OP_fbreg`` under a ``DW_OP_call_frame_cfa`` frame base: a stack argument). A handler
-taking the pointer in a register leaves DWARF unable to tell where it was once the handler has
-returned: no layout then. Only the units whose bytes name all three members are parsed
+at the handler's entry is the parameter's location there: an offset from the handler's CFA
+(``DW_OP_fbreg`` under a ``DW_OP_call_frame_cfa`` frame base: a stack argument, i386's), or a
+register (``DW_OP_reg5``: x86_64's rdi). DWARF cannot tell what a register held once the
+handler has returned: the entry code's own instructions do (``mov rdi, rsp`` right before the
+call: ``unwind/trapframe.py``). Only the units whose bytes name all three members are parsed
 (``dwarfunits``): a kernel with none, a Linux vmlinux, is passed over in seconds, not minutes.
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from qmpprof.elf.image import ElfImage
 
 _DW_OP_FBREG, _DW_OP_CALL_FRAME_CFA = 0x91, 0x9C
+_DW_OP_REG0, _DW_OP_REG31, _DW_OP_REGX = 0x50, 0x6F, 0x90
 _SEARCHED = (".debug_info", ".debug_str", ".debug_abbrev")
 _SKIPPED_TYPES = ("DW_TAG_typedef", "DW_TAG_const_type", "DW_TAG_volatile_type")
 
@@ -30,14 +32,16 @@ _SKIPPED_TYPES = ("DW_TAG_typedef", "DW_TAG_const_type", "DW_TAG_volatile_type")
 @dataclass(frozen=True, slots=True)
 class TrapFrameLayout:
     """``handler``: the handler's link address; its caller's stack pointer at the return
-    (the handler's CFA) plus ``argument`` holds the trap frame's address; ``pc``, ``sp``,
-    ``fp``: the byte offsets of those registers' members in the frame."""
+    (the handler's CFA) plus ``argument`` holds the trap frame's address, or (``register``:
+    its DWARF number) the handler takes the address in that register; ``pc``, ``sp``, ``fp``:
+    the byte offsets of those registers' members in the frame."""
 
     handler: int
     argument: int
     pc: int
     sp: int
     fp: int
+    register: int | None = None
 
 
 def trap_frame_layout(image: ElfImage) -> TrapFrameLayout | None:
@@ -78,14 +82,21 @@ def _layout(image: ElfImage, die: Any, wanted: tuple[str, str, str]) -> TrapFram
     members = _pointee_members(params[0].get_DIE_from_attribute("DW_AT_type"))
     if members is None or not all(name in members for name in wanted):
         return None
+    pc, sp, fp = (members[name] for name in wanted)
+    handler = die.attributes["DW_AT_low_pc"].value
+    attr = params[0].attributes.get("DW_AT_location")
+    exprs = [] if attr is None else image.location_exprs(params[0], attr)
+    first = exprs[0] if exprs else b""  # a location list's first entry: the handler's entry
+    register = _register(first)
+    if register is not None:
+        return TrapFrameLayout(handler, 0, pc, sp, fp, register)
     base = die.attributes.get("DW_AT_frame_base")
     if base is None or bytes(base.value) != bytes([_DW_OP_CALL_FRAME_CFA]):
         return None
-    argument = _fbreg_at_entry(image, params[0])
-    if argument is None:
+    if len(first) < 2 or first[0] != _DW_OP_FBREG:
         return None
-    pc, sp, fp = (members[name] for name in wanted)
-    return TrapFrameLayout(die.attributes["DW_AT_low_pc"].value, argument, pc, sp, fp)
+    argument = _sleb(first[1:])
+    return None if argument is None else TrapFrameLayout(handler, argument, pc, sp, fp)
 
 
 def _pointee_members(die: Any) -> dict[str, int] | None:
@@ -107,14 +118,23 @@ def _pointee_members(die: Any) -> dict[str, int] | None:
     return members
 
 
-def _fbreg_at_entry(image: ElfImage, param: Any) -> int | None:
-    """The parameter's ``DW_OP_fbreg`` offset where it is first described (a location list's
-    first entry: the handler's entry), None for any other location."""
-    attr = param.attributes.get("DW_AT_location")
-    exprs = [] if attr is None else image.location_exprs(param, attr)
-    if not exprs or len(exprs[0]) < 2 or exprs[0][0] != _DW_OP_FBREG:
-        return None
-    return _sleb(exprs[0][1:])
+def _register(expr: bytes) -> int | None:
+    """The register a location expression names alone (``DW_OP_reg<n>``, ``DW_OP_regx n``)."""
+    if len(expr) == 1 and _DW_OP_REG0 <= expr[0] <= _DW_OP_REG31:
+        return expr[0] - _DW_OP_REG0
+    if len(expr) >= 2 and expr[0] == _DW_OP_REGX:
+        return _uleb(expr[1:])
+    return None
+
+
+def _uleb(data: bytes) -> int | None:
+    value = shift = 0
+    for byte in data:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value
+    return None
 
 
 def _sleb(data: bytes) -> int | None:

@@ -1,5 +1,6 @@
-"""The teaching-kernel-shaped guest (fixtures/hobby) profiled with its shipped description
-(fixtures/hobby/describe.toml) and no flag but --kernel, --user-dir and --describe, on every QEMU.
+"""The teaching-kernel-shaped guests (fixtures/hobby, hobby64) profiled with their shipped
+descriptions (describe.toml beside their sources) and no flag but --kernel, --user-dir and
+--describe, on every QEMU.
 
 At MOMENTS random moments gdb stops the guest and qmpprof samples it stopped: each vCPU's
 sample's pid and name must be the guest's own table's, ``cpus[i].proc->pid`` and ``->name`` for
@@ -22,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from guestvm import ROOT, free_tcp_port
-from hobbyvm import SMP, running_hobby
+from guestvm import free_tcp_port
+from hobbyvm import SMP, Hobby, every_hobby, running_hobby
 from qemus import every_qemu
 from test_hobby_vs_gdb import HobbyOracle
 
@@ -33,18 +34,17 @@ from qmpprof.sampler import Sampler, SamplerConfig
 from qmpprof.session import RunSpec
 from qmpprof.transport.qmp import QmpTransport
 
-pytestmark = [pytest.mark.qemu, every_qemu]
+pytestmark = [pytest.mark.qemu, every_qemu, every_hobby]
 
-DESCRIPTION = ROOT / "fixtures" / "hobby" / "describe.toml"
 MOMENTS = 100
 REQUIRED = 0.99
 # fixtures/hobby/proc.c spawns these, in this order (test_hobby_guest.py reads them with gdb).
 TABLE = {(1, "crunch"), (2, "chatter"), (3, "chatter")}
 _TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*)) (\w+)\\n"')
-# qg_task(i): cpus[i]'s process, and the pid of the process whose page directory vCPU i's CR3
-# holds ("kernel": none's). KERNBASE: fixtures/hobby/kernel.h (CR3 holds V2P(pgdir)).
+# qg_task(i, kernbase): cpus[i]'s process, and the pid of the process whose page table vCPU i's
+# CR3 holds ("kernel": none's). CR3 holds V2P(pgdir): pgdir - KERNBASE (kernel.h).
 _SCRIPT = r"""
-def qg_task(cpu):
+def qg_task(cpu, kernbase):
     proc = gdb.parse_and_eval("cpus[%d].proc" % cpu)
     if int(proc) == 0:
         task = "none"
@@ -55,22 +55,25 @@ def qg_task(cpu):
     cr3, owner = int(gdb.parse_and_eval("$cr3")), "kernel"
     for i in range(int(gdb.parse_and_eval("sizeof(procs) / sizeof(procs[0])"))):
         p = gdb.parse_and_eval("procs[%d]" % i)
-        if int(p["state"]) != 0 and int(p["pgdir"]) - 0x80000000 == cr3:
+        if int(p["state"]) != 0 and int(p["pgdir"]) - kernbase == cr3:
             owner = str(int(p["pid"]))
     print("QGTASK %s %s" % (task, owner))
 """
 
 
 class TaskOracle(HobbyOracle):
-    def __init__(self, kernel: Path, user_dir: Path, port: int, scripts: Path) -> None:
-        super().__init__(kernel, user_dir, port, scripts)
+    def __init__(
+        self, hobby: Hobby, kernel: Path, user_dir: Path, port: int, scripts: Path
+    ) -> None:
+        super().__init__(hobby, kernel, user_dir, port, scripts)
         (scripts / "qgtask.py").write_text(_SCRIPT)
         self.command(f'-interpreter-exec console "source {scripts / "qgtask.py"}"')
 
     def task(self, cpu: int) -> tuple[tuple[int, str] | None, int | None]:
         """The pid and name of ``cpus[cpu]``'s process (None: none), and the pid of the process
         whose page directory vCPU ``cpu`` has loaded (None: the kernel's)."""
-        lines = self.command(f'-interpreter-exec console "python qg_task({cpu})"')
+        call = f"qg_task({cpu}, {self.hobby.kernbase})"
+        lines = self.command(f'-interpreter-exec console "python {call}"')
         found = [m for line in lines for m in [_TASK.match(line)] if m]
         assert found, lines
         task = None if found[0][1] == "none" else (int(found[0][2]), found[0][3])
@@ -80,7 +83,9 @@ class TaskOracle(HobbyOracle):
 Task = tuple[int, str] | None
 
 
-async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str], Counter[int]]:
+async def compare(
+    tmp_path: Path, hobby: Hobby
+) -> tuple[list[Task], list[str], list[str], Counter[int]]:
     """gdb's task on each vCPU at each moment, the vCPUs where qmpprof's differs, those where
     the process in CR3 is not ``cpus[i]``'s, and how often each vCPU had a process's CR3."""
     port = free_tcp_port()
@@ -88,15 +93,15 @@ async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str], Cou
     truths: list[Task] = []
     differences, strangers = [], []
     loaded_on: Counter[int] = Counter()
-    with running_hobby(tmp_path, gdb_port=port) as guest:
+    with running_hobby(tmp_path, hobby, gdb_port=port) as guest:
         spec = RunSpec(
             kernel=guest.kernel_elf,
             user_dir=guest.user_dir,
-            os_options=(("describe", DESCRIPTION),),
+            os_options=(("describe", hobby.description),),
         )
         identifier = session.load(spec)
         unwinder = session.unwinder(spec, identifier)
-        oracle = TaskOracle(guest.kernel_elf, guest.user_dir, port, tmp_path)
+        oracle = TaskOracle(hobby, guest.kernel_elf, guest.user_dir, port, tmp_path)
         transport = await QmpTransport.connect(guest.qmp_socket)
         try:
             for moment in range(MOMENTS):
@@ -123,8 +128,8 @@ async def compare(tmp_path: Path) -> tuple[list[Task], list[str], list[str], Cou
     return truths, differences, strangers, loaded_on
 
 
-def test_pids_and_names_are_the_guests_own(tmp_path: Path) -> None:
-    truths, differences, strangers, loaded_on = asyncio.run(compare(tmp_path))
+def test_pids_and_names_are_the_guests_own(tmp_path: Path, hobby: Hobby) -> None:
+    truths, differences, strangers, loaded_on = asyncio.run(compare(tmp_path, hobby))
     counts, samples = Counter(truths), SMP * MOMENTS
     print(f"{samples - len(differences)} of {samples} samples agree; gdb's tasks: {counts}")
     print("\n".join(differences))
@@ -140,16 +145,16 @@ def test_pids_and_names_are_the_guests_own(tmp_path: Path) -> None:
 
 
 def test_a_run_labels_its_samples_by_pid_and_goes_on_past_unmapped_memory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, hobby: Hobby, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run.folded"
     unmapped = tmp_path / "unmapped.toml"
-    # 0x40000000: neither the user's 4 MiB nor the kernel's map (fixtures/hobby/kernel.h).
-    unmapped.write_text('current = "cpus[$cpu].proc"\npid = "*(int *)0x40000000"\n')
-    with running_hobby(tmp_path) as guest:
+    # 0x20000000: neither the user's 4 MiB nor the kernel's map (kernel.h: KERNBASE on).
+    unmapped.write_text('current = "cpus[$cpu].proc"\npid = "*(int *)0x20000000"\n')
+    with running_hobby(tmp_path, hobby) as guest:
         files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
         run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5"]
-        code = main([*run, "--describe", str(DESCRIPTION), "-o", str(out)])
+        code = main([*run, "--describe", str(hobby.description), "-o", str(out)])
         said = capsys.readouterr().err
         unreadable = main([*run, "--describe", str(unmapped)])
         warned = capsys.readouterr().err
@@ -160,6 +165,6 @@ def test_a_run_labels_its_samples_by_pid_and_goes_on_past_unmapped_memory(
     assert with_pids and with_pids <= {f"{name} (pid {pid})" for pid, name in TABLE}, labels
     assert unreadable == 0, warned
     lines = [line for line in warned.splitlines() if "could not be read" in line]
-    assert len(lines) == 1 and lines[0].endswith(" (first: unmapped memory at 0x40000000)")
+    assert len(lines) == 1 and lines[0].endswith(" (first: unmapped memory at 0x20000000)")
     assert lines[0].startswith("Warning: unmapped.toml: 'pid' could not be read in "), lines
     assert "Traceback" not in warned

@@ -1,8 +1,8 @@
-"""The teaching-kernel-shaped guest (fixtures/hobby) on every QEMU: its own tables say what its
-sources promise (three processes, crunch, chatter, chatter, with pids 1-3; both CPUs found and
-started, each one's current process one of them or none, never the same on both), and a run
-with no flag but --kernel and --user-dir splits kernel from user where the kernel's ELF says,
-each stack whole down to its program's ``_start``."""
+"""The teaching-kernel-shaped guests (fixtures/hobby, hobby64) on every QEMU: their own tables say
+what its sources promise (three processes, crunch, chatter, chatter, with pids 1-3; both CPUs found
+and started, each one's current process one of them or none, never the same on both), and a run with
+no flag but --kernel and --user-dir splits kernel from user where the kernel's ELF says, each stack
+whole down to its program's ``_start``."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 from guestvm import free_tcp_port, run_gdb
-from hobbyvm import SMP, running_hobby
+from hobbyvm import SMP, Hobby, every_hobby, running_hobby
 from qemus import every_qemu
 
 from qmpprof.cli import main
 from qmpprof.model import Mode
 from qmpprof.output import native
 
-pytestmark = [pytest.mark.qemu, every_qemu]
+pytestmark = [pytest.mark.qemu, every_qemu, every_hobby]
 
 _PROC = re.compile(r'^proc (\d+) "(\w*)" (\w+)$', re.MULTILINE)
 _CURRENT = re.compile(r"^current (\d+) (-?\d+) (\d+)$", re.MULTILINE)
 
 
-def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
-    with running_hobby(tmp_path, gdb_port=free_tcp_port()) as guest:
+def test_process_table_as_gdb_reads_it(tmp_path: Path, hobby: Hobby) -> None:
+    with running_hobby(tmp_path, hobby, gdb_port=free_tcp_port()) as guest:
         commands = [
             f'printf "proc %d \\"%s\\" %d\\n", procs[{i}].pid, procs[{i}].name, procs[{i}].state'
             for i in range(4)
@@ -49,10 +49,10 @@ def test_process_table_as_gdb_reads_it(tmp_path: Path) -> None:
 
 
 def test_the_kernel_boundary_is_read_from_the_elf(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, hobby: Hobby, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run.qmpprof"
-    with running_hobby(tmp_path) as guest:
+    with running_hobby(tmp_path, hobby) as guest:
         files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
         run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5", "-v"]
         code = main([*run, "-o", str(out)])
@@ -65,7 +65,7 @@ def test_the_kernel_boundary_is_read_from_the_elf(
     assert "disagreed with the kernel boundary" not in read, read
     assert "disagreed with the kernel boundary" in guessed, guessed
     profile = native.load(out)
-    assert profile.facts["kernel boundary"] == "0x80100000"
+    assert profile.facts["kernel boundary"] == f"{hobby.boundary:#x}"
     # chatter's system calls and crunch's loops: both sides are sampled.
     assert len(profile.select(Mode.KERNEL)) > 0 and len(profile.select(Mode.USER)) > 0
     # A stack that reaches a program's entry point (_start, which nothing calls) is whole.

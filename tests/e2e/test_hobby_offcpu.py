@@ -1,11 +1,10 @@
-"""--off-cpu on the teaching-kernel-shaped guest (fixtures/hobby) by its shipped description
-(fixtures/hobby/describe.toml), on every QEMU and two vCPUs: gdb stops the guest where a CPU's
-scheduler wakes the sleepers (holding the process table's lock: no task on the other CPU
-changes state meanwhile) until WANTED sleeping tasks were seen; at each, qmpprof lists every task
-switched out, and they must be the tasks the guest's own table holds asleep (``procs[i].state``
+"""--off-cpu on the teaching-kernel-shaped guests (fixtures/hobby, hobby64) by their shipped
+descriptions (describe.toml beside their sources), on every QEMU and two vCPUs: gdb stops the guest
+where a CPU's scheduler wakes the sleepers (holding the process table's lock: no task on the other
+CPU changes state meanwhile) until WANTED sleeping tasks were seen; at each, qmpprof lists every
+task switched out, and they must be the tasks the guest's own table holds asleep (``procs[i].state``
 = SLEEPING, by pid, as many), each kernel stack = the frame-pointer chain gdb reads by hand from
-``procs[i].context`` (eip, then each saved ebp's return address), frame for frame.
-"""
+``procs[i].context`` (its pc, then each saved frame pointer's return address), frame for frame."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from guestvm import ROOT, free_tcp_port
-from hobbyvm import running_hobby
+from guestvm import free_tcp_port
+from hobbyvm import Hobby, every_hobby, running_hobby
 from qemus import every_qemu
 from test_hobby_vs_gdb import HobbyOracle
 
@@ -22,52 +21,53 @@ from qmpprof import offcpu, session
 from qmpprof.session import RunSpec
 from qmpprof.transport.qmp import QmpTransport
 
-pytestmark = [pytest.mark.qemu, every_qemu]
+pytestmark = [pytest.mark.qemu, every_qemu, every_hobby]
 
-DESCRIPTION = ROOT / "fixtures" / "hobby" / "describe.toml"
 WANTED = 3  # sleeping tasks compared, at least
 MAX_TICKS = 120  # ticks stopped at, at most, to find them (it stops once WANTED were seen)
 NPROC, SLEEPING = 8, 1  # fixtures/hobby/kernel.h: procs[NPROC], enum procstate
 
 
-def sleepers(oracle: HobbyOracle, boundary: int) -> dict[int, list[int]]:
+def sleepers(oracle: HobbyOracle, hobby: Hobby, boundary: int) -> dict[int, list[int]]:
     """Each sleeping task's pid and its kernel chain as gdb reads the guest's memory."""
     found = {}
+    word = "unsigned int" if hobby.word == 4 else "unsigned long long"
     for i in range(NPROC):
         if oracle.value(f"procs[{i}].state") != SLEEPING:
             continue
         context = f"procs[{i}].context"
-        chain, fp = [oracle.value(f"{context}->eip")], oracle.value(f"{context}->ebp")
+        chain = [oracle.value(f"{context}->{hobby.pc}")]
+        fp = oracle.value(f"{context}->{hobby.fp}")
         while fp >= boundary:
-            ret = oracle.value(f"*(unsigned int *){fp + 4}")
+            ret = oracle.value(f"*({word} *){fp + hobby.word}")
             if ret < boundary:
                 break
             chain.append(ret)
-            fp = oracle.value(f"*(unsigned int *){fp}")
+            fp = oracle.value(f"*({word} *){fp}")
         found[oracle.value(f"procs[{i}].pid")] = chain
     return found
 
 
-async def compare(tmp_path: Path) -> tuple[int, list[str]]:
+async def compare(tmp_path: Path, hobby: Hobby) -> tuple[int, list[str]]:
     """The tasks gdb found asleep over the moments, and where qmpprof differs."""
     port, counted, differences = free_tcp_port(), 0, []
-    with running_hobby(tmp_path, gdb_port=port) as guest:
+    with running_hobby(tmp_path, hobby, gdb_port=port) as guest:
         spec = RunSpec(
             kernel=guest.kernel_elf,
             user_dir=guest.user_dir,
-            os_options=(("describe", DESCRIPTION),),
+            os_options=(("describe", hobby.description),),
         )
         identifier = session.load(spec)
         unwinder = session.unwinder(spec, identifier)
         boundary = unwinder.kernel_boundary
-        oracle = HobbyOracle(guest.kernel_elf, guest.user_dir, port, tmp_path)
+        oracle = HobbyOracle(hobby, guest.kernel_elf, guest.user_dir, port, tmp_path)
         transport = await QmpTransport.connect(guest.qmp_socket)
         try:
             oracle.stop()
             for moment in range(MAX_TICKS):
                 oracle.run_to("wakeup_sleepers")  # each tick: the sleepers not woken yet
                 views = await offcpu.every_task(transport, identifier, unwinder, boundary)
-                theirs = sleepers(oracle, boundary)
+                theirs = sleepers(oracle, hobby, boundary)
                 ours = {}
                 for view in views:
                     assert view.process is not None and view.stack is not None
@@ -84,8 +84,8 @@ async def compare(tmp_path: Path) -> tuple[int, list[str]]:
     return counted, differences
 
 
-def test_sleeping_tasks_stacks_are_the_guests_own_record(tmp_path: Path) -> None:
-    counted, differences = asyncio.run(compare(tmp_path))
+def test_sleeping_tasks_stacks_are_the_guests_own_record(tmp_path: Path, hobby: Hobby) -> None:
+    counted, differences = asyncio.run(compare(tmp_path, hobby))
     print(f"{counted} sleeping tasks compared")
     assert not differences, "\n".join(differences)
     assert counted >= WANTED  # the chatters sleep between their system calls

@@ -10,7 +10,7 @@ import pytest
 from fakes import x86
 
 from qmpprof.arch.base import PathToCall
-from qmpprof.arch.x86 import I386
+from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.elf.trapframe import TrapFrameLayout
 from qmpprof.model import Mapping, StopReason
 from qmpprof.pagecache import PAGE, PageCache, page_of
@@ -170,4 +170,99 @@ def test_the_way_to_the_call_and_what_it_pushes(code: str, expected: PathToCall 
     body = bytes.fromhex(code)
     end = CODE_ADDR + len(body) + 5
     whole = body + b"\xe8" + rel32(HANDLER, end) + b"\x90" * (HANDLER - end + 1)
-    assert I386.path_to_call(whole, CODE_ADDR, CODE_ADDR, HANDLER) == expected
+    found = I386.path_to_call(whole, CODE_ADDR, CODE_ADDR, HANDLER)
+    pushed = None if found is None else PathToCall(found.depth, found.saved, found.addresses)
+    assert pushed == expected
+
+
+# x86_64: the entry of fixtures/hobby64 in short. The handler takes the frame in rdi, set from
+# the stack pointer right before the call; r15 pushes as two bytes.
+VEC64 = CODE_ADDR
+ALLTRAPS64 = VEC64 + 9
+CALL64 = ALLTRAPS64 + 8
+HANDLER64 = CALL64 + 8
+RAX, RDI, R15 = 0, 5, 15
+INSNS64: tuple[tuple[int, bytes, tuple[int | str, ...]], ...] = (
+    (VEC64, b"\x6a\x00", (0,)),  # push $0: no error code from the CPU
+    (VEC64 + 2, b"\x6a\x40", (64,)),  # push $64
+    (VEC64 + 4, b"\xe9" + rel32(ALLTRAPS64, VEC64 + 9), ()),  # jmp alltraps
+    (ALLTRAPS64, b"\x41\x57", ("r15",)),  # push %r15
+    (ALLTRAPS64 + 2, b"\x55", ("rbp",)),  # push %rbp
+    (ALLTRAPS64 + 3, b"\x57", ("rdi",)),  # push %rdi
+    (ALLTRAPS64 + 4, b"\x50", ("rax",)),  # push %rax
+    (ALLTRAPS64 + 5, b"\x48\x89\xe7", ()),  # mov %rsp, %rdi: trap(tf)'s argument
+    (CALL64, b"\xe8" + rel32(HANDLER64, CALL64 + 5), ()),  # call trap
+    (CALL64 + 5, b"\x58", ()),  # trapret: pop %rax ...
+    (CALL64 + 6, b"\x90" * 2, ()),
+    (HANDLER64, b"\xc3", ()),  # trap: ret
+)
+CODE64 = b"".join(code for _, code, _ in INSNS64)
+# rax, rdi, rbp, r15, trapno, err, then what the CPU pushed: rip, cs, rflags, rsp, ss.
+LAYOUT64 = TrapFrameLayout(HANDLER64, 0, pc=48, sp=72, fp=16, register=RDI)
+USER64 = (USER_PC, 0x1B, 0x202, USER_SP, 0x23)
+REGS64 = {"r15": 15, "rbp": USER_EBP, "rdi": 0x51, "rax": 0xA}
+
+
+def stack64_at(pc: int) -> tuple[PageCache, dict[int, int]]:
+    """Memory and the registers when the CPU entered the vector (from user mode) and ran each
+    instruction up to ``pc``."""
+    sp = KSTACK_TOP - 8 * len(USER64)
+    words = {sp + 8 * i: value for i, value in enumerate(USER64)}
+    rdi, at = REGS64["rdi"], VEC64
+    while at != pc:
+        addr, code, pushed = next(insn for insn in INSNS64 if insn[0] == at)
+        for value in pushed:
+            sp -= 8
+            words[sp] = REGS64[value] if isinstance(value, str) else value
+        rdi = sp if code == b"\x48\x89\xe7" else rdi
+        jump = code[0] == 0xE9
+        at = addr + len(code) + (struct.unpack("<i", code[1:])[0] if jump else 0)
+    words[USER_EBP], words[USER_EBP + 8] = 0, USER_CALLER
+    cache = PageCache()
+    for addr, value in words.items():
+        page = bytearray(cache.pages.get(page_of(addr)) or bytes(PAGE))
+        struct.pack_into("<Q", page, addr - page_of(addr), value)
+        cache.pages[page_of(addr)] = bytes(page)
+    regs = {X86_64.pc: pc, X86_64.sp: sp, X86_64.fp: USER_EBP, RDI: rdi, RAX: 0xA, R15: 15}
+    return cache, regs
+
+
+def pcs64() -> list[int]:
+    out, at = [], VEC64
+    while at <= CALL64:
+        out.append(at)
+        _, code, _ = next(insn for insn in INSNS64 if insn[0] == at)
+        at = at + len(code) + (struct.unpack("<i", code[1:])[0] if code[0] == 0xE9 else 0)
+    return out
+
+
+@pytest.mark.parametrize("pc", pcs64())
+def test_x86_64_a_frame_whose_address_the_handler_takes_in_rdi_is_crossed_at_each_pc(
+    pc: int,
+) -> None:
+    """The frame the handler will take in rdi (``mov %rsp, %rdi`` right before the call), from
+    each pc of the way there: the user's registers the CPU pushed, the frame pointer pushed by
+    the entry (or still in its register)."""
+    step = TrapFrameStep(LAYOUT64, CODE64, CODE_ADDR, 0, X86_64)
+    cache, regs = stack64_at(pc)
+    outcome = step.step(regs, pc, True, cache)
+    assert isinstance(outcome, tuple), outcome
+    new, how = outcome
+    assert (new[X86_64.pc], new[X86_64.sp], new[X86_64.fp]) == (USER_PC, USER_SP, USER_EBP)
+    assert how == EXACT
+
+
+def test_x86_64_at_the_return_from_the_handler_the_frame_is_at_the_stack_pointer() -> None:
+    step = TrapFrameStep(LAYOUT64, CODE64, CODE_ADDR, 0, X86_64)
+    cache, regs = stack64_at(CALL64)  # the handler returns with the stack as at the call
+    outcome = step.step({**regs, X86_64.pc: CALL64 + 5 - 1}, CALL64 + 5 - 1, False, cache)
+    assert isinstance(outcome, tuple), outcome
+    new, _ = outcome
+    assert (new[X86_64.pc], new[X86_64.sp], new[X86_64.fp]) == (USER_PC, USER_SP, USER_EBP)
+
+
+def test_x86_64_the_way_says_which_registers_hold_stack_addresses_and_which_it_writes() -> None:
+    found = X86_64.path_to_call(CODE64, CODE_ADDR, ALLTRAPS64, HANDLER64)
+    assert found is not None and found.depth == 32 and dict(found.held) == {RDI: -32}
+    assert found.saved == ((-8, R15), (-16, X86_64.fp), (-24, RDI), (-32, RAX))
+    assert RDI in found.written and RAX not in found.written
