@@ -1,10 +1,10 @@
-"""Run the teaching-kernel-shaped guests (fixtures/hobby, i386; fixtures/hobby64, x86_64) for
-tests.
+"""Run the teaching-kernel-shaped guests (fixtures/hobby, i386; fixtures/hobby64, x86_64;
+fixtures/hobbyrs, x86_64 in Rust) for tests.
 
 ``running_hobby`` boots one on SMP (two) vCPUs with a QMP socket (and a gdbstub on
 ``gdb_port`` for the oracle), waits until every CPU and every user program said it runs, and
-kills QEMU whatever happens. The guest is a ``Guest`` of tests/guestvm.py (variant ``hobby``
-or ``hobby64``), so its oracles (gdb_backtrace, ...) apply. ``every_hobby`` runs a test on
+kills QEMU whatever happens. The guest is a ``Guest`` of tests/guestvm.py (variant: the
+build's name), so its oracles (gdb_backtrace, ...) apply. ``every_hobby`` runs a test on
 each build (``hobby``: a ``Hobby``).
 """
 
@@ -36,14 +36,31 @@ SMP = 2
 
 
 @dataclass(frozen=True)
+class Names:
+    """How gdb (in C) names a build's CPUs, processes, their count and its trap frame's type;
+    the kernel's 32-bit integer type (a description's cast names it); the namespace of its
+    functions in gdb's names (a Rust crate's: ``#[no_mangle]`` ones are named plain by their
+    symbols)."""
+
+    cpus: str
+    procs: str
+    ncpu: str
+    trapframe: str
+    integer: str = "int"
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
 class Hobby:
     """One build of the guest: its sources in fixtures/``name`` (built in fixtures/build/
     ``name``), the QEMU that boots it, where its kernel's link address puts the kernel/user
-    boundary (kernel.ld), its ``KERNBASE`` (kernel.h: kernel virtual = physical + KERNBASE),
-    the trap frame's pc member and the context's (kernel.h: struct trapframe, struct context),
-    the frame pointer's name, a word's size, where the trap frame is at the entry's ``call trap``
-    (entry.S: the argument on the stack, or in rdi) and how many instructions the timer's and
-    the system call's vector stubs and ``alltraps`` run up to that call, the call included."""
+    boundary (kernel.ld), its ``KERNBASE`` (kernel virtual = physical + KERNBASE), the trap
+    frame's pc member and the context's, the frame pointer's name, a word's size, where the
+    trap frame is at the entry's ``call trap`` (``{tf}``: its type; i386: the argument on the
+    stack, x86_64: in rdi) and how many instructions the timer's and the system call's vector
+    stubs and ``alltraps`` run up to that call, the call included. ``names``: how gdb (in C,
+    ``set language c``) names the kernel's CPUs, processes, their count and the trap frame's
+    type: C's globals, or rustc's statics quoted whole."""
 
     arch: str
     name: str
@@ -55,6 +72,7 @@ class Hobby:
     word: int
     tf_at_call: str
     entry_steps: int
+    names: Names = Names("cpus", "procs", "ncpu", "struct trapframe")
 
     @property
     def build_dir(self) -> Path:
@@ -67,7 +85,7 @@ class Hobby:
 
     @property
     def running_lines(self) -> tuple[str, ...]:
-        """What the kernel prints once every CPU runs (main.c), and each user program once it
+        """What the kernel prints once every CPU runs (main), and each user program once it
         runs (fixtures/hobby/user/*.c)."""
         return (
             f"{self.name}: scheduler running on {SMP} cpus",
@@ -75,18 +93,48 @@ class Hobby:
             "chatter: running",
         )
 
+    @property
+    def cpus(self) -> str:
+        return self.names.cpus
 
+    @property
+    def procs(self) -> str:
+        return self.names.procs
+
+    @property
+    def ncpu(self) -> str:
+        return self.names.ncpu
+
+    def function(self, name: str) -> str:
+        """A kernel function as gdb (in C) names it."""
+        return f"'{self.names.namespace}{name}'" if self.names.namespace else name
+
+    @property
+    def trap_frame(self) -> str:
+        """The trap frame's address at the entry's call of the handler, as gdb reads it."""
+        return self.tf_at_call.format(tf=self.names.trapframe)
+
+
+RUST_NAMES = Names(
+    "'hobbyrs::CPUS'", "'hobbyrs::PROCS'", "'hobbyrs::NCPUS'", "'hobbyrs::TrapFrame'", "i32",
+    "hobbyrs::",
+)  # fmt: skip
 # Entry steps: each stub's push(es) and jmp; alltraps' pushes, moves and call (i386: 10; x86_64:
 # 15 pushes, the move of rsp to rdi, the call).
 HOBBY_I386 = Hobby(
     "i386", "hobby", "qemu-system-i386", 0x8010_0000, 0x8000_0000, "eip", "ebp", 4,
-    "(*(struct trapframe **)$esp)", 3 + 3 + 10,
+    "(*({tf} **)$esp)", 3 + 3 + 10,
 )  # fmt: skip
 HOBBY_X86_64 = Hobby(
     "x86_64", "hobby64", "qemu-system-x86_64", 0x4010_0000, 0x4000_0000, "rip", "rbp", 8,
-    "((struct trapframe *)$rdi)", 3 + 3 + 17,
+    "(({tf} *)$rdi)", 3 + 3 + 17,
 )  # fmt: skip
-HOBBIES = (HOBBY_I386, HOBBY_X86_64)
+# The x86_64 kernel in Rust: hobby64's boot and entry code, its own Rust.
+HOBBY_RUST = Hobby(
+    "rust", "hobbyrs", "qemu-system-x86_64", 0x4010_0000, 0x4000_0000, "rip", "rbp", 8,
+    "(({tf} *)$rdi)", 3 + 3 + 17, RUST_NAMES,
+)  # fmt: skip
+HOBBIES = (HOBBY_I386, HOBBY_X86_64, HOBBY_RUST)
 every_hobby = pytest.mark.parametrize("hobby", HOBBIES, ids=[h.arch for h in HOBBIES])
 
 

@@ -12,6 +12,7 @@ URL of the flame graph are printed, and the guest is stopped.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def ensure_built(checkout: Path, variant: str, err: TextIO) -> Path:
     print(f"qmpprof: building the bundled guest ({script})", file=err, flush=True)
     try:
         # make's output goes to stderr (file descriptor 2): stdout is for the demo's result.
-        done = subprocess.run([script], stdout=2, check=False)
+        env = dict(os.environ, QMPPROF_GUEST_VARIANTS=variant)  # that build alone
+        done = subprocess.run([script], stdout=2, check=False, env=env)
     except OSError as error:
         raise QmpprofError(f"cannot run {script}: {error.strerror}") from None
     if done.returncode != 0 or not (build / "kernel.elf").is_file():

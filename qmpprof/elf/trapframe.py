@@ -14,7 +14,7 @@ call: ``unwind/trapframe.py``). Only the units whose bytes name all three member
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,8 @@ class TrapFrameLayout:
     """``handler``: the handler's link address; its caller's stack pointer at the return
     (the handler's CFA) plus ``argument`` holds the trap frame's address, or (``register``:
     its DWARF number) the handler takes the address in that register; ``pc``, ``sp``, ``fp``:
-    the byte offsets of those registers' members in the frame."""
+    the byte offsets of those registers' members in the frame; ``registers``: the other
+    registers it keeps (DWARF number, offset)."""
 
     handler: int
     argument: int
@@ -42,6 +43,7 @@ class TrapFrameLayout:
     sp: int
     fp: int
     register: int | None = None
+    registers: tuple[tuple[int, int], ...] = ()
 
 
 def trap_frame_layout(image: ElfImage) -> TrapFrameLayout | None:
@@ -63,19 +65,25 @@ def trap_frame_layout(image: ElfImage) -> TrapFrameLayout | None:
         if cu.cu_offset not in naming:
             continue
         for die in _functions(cu.get_top_DIE()):
-            layout = _layout(image, die, wanted)
+            layout = _layout(image, die, wanted, arch.names)
             if layout is not None:
                 return layout
     return None
 
 
 def _functions(top: Any) -> Iterator[Any]:
+    """The functions defined under ``top``, in its namespaces too (rustc puts a crate's
+    functions in the crate's namespace, C++ compilers theirs)."""
     for die in top.iter_children():
         if die.tag == "DW_TAG_subprogram" and "DW_AT_low_pc" in die.attributes:
             yield die
+        elif die.tag == "DW_TAG_namespace":
+            yield from _functions(die)
 
 
-def _layout(image: ElfImage, die: Any, wanted: tuple[str, str, str]) -> TrapFrameLayout | None:
+def _layout(
+    image: ElfImage, die: Any, wanted: tuple[str, str, str], names: Sequence[str]
+) -> TrapFrameLayout | None:
     params = [c for c in die.iter_children() if c.tag == "DW_TAG_formal_parameter"]
     if len(params) != 1 or "DW_AT_type" not in params[0].attributes:
         return None
@@ -83,20 +91,28 @@ def _layout(image: ElfImage, die: Any, wanted: tuple[str, str, str]) -> TrapFram
     if members is None or not all(name in members for name in wanted):
         return None
     pc, sp, fp = (members[name] for name in wanted)
+    # The other registers the frame keeps (rax .. r15, eax .. edi), by their DWARF numbers.
+    kept = tuple(
+        (number, members[name])
+        for number, name in enumerate(names)
+        if name in members and name not in wanted
+    )
     handler = die.attributes["DW_AT_low_pc"].value
     attr = params[0].attributes.get("DW_AT_location")
     exprs = [] if attr is None else image.location_exprs(params[0], attr)
     first = exprs[0] if exprs else b""  # a location list's first entry: the handler's entry
     register = _register(first)
     if register is not None:
-        return TrapFrameLayout(handler, 0, pc, sp, fp, register)
+        return TrapFrameLayout(handler, 0, pc, sp, fp, register, kept)
     base = die.attributes.get("DW_AT_frame_base")
     if base is None or bytes(base.value) != bytes([_DW_OP_CALL_FRAME_CFA]):
         return None
     if len(first) < 2 or first[0] != _DW_OP_FBREG:
         return None
     argument = _sleb(first[1:])
-    return None if argument is None else TrapFrameLayout(handler, argument, pc, sp, fp)
+    if argument is None:
+        return None
+    return TrapFrameLayout(handler, argument, pc, sp, fp, registers=kept)
 
 
 def _pointee_members(die: Any) -> dict[str, int] | None:

@@ -1,9 +1,10 @@
 """Crossing a trap frame that no CFI describes (``elf/trapframe.py`` reads its layout from the
 kernel's DWARF): at the return address of a call to the trap handler, the caller's stack holds
-the frame's address, and the frame the interrupted registers. A handler taking the address in a
-register (x86_64: rdi) was given it by the instruction right before the call, which set it from
-the stack pointer (``mov rdi, rsp``; ``lea rdi, [rsp + n]``): the frame is there, above the
-stack pointer at the return. The interrupted pc is exact.
+the frame's address, and the frame the interrupted registers (each one it has a member for is
+taken from it). A handler taking the address in a register (x86_64: rdi) was given it by the
+instruction right before the call, which set it from the stack pointer (``mov rdi, rsp``; ``lea
+rdi, [rsp + n]``): the frame is there, above the stack pointer at the return. The interrupted
+pc is exact.
 
 A frame still being built (the CPU stopped in the entry code, between the vector it entered by
 and the handler's call) is read from the code: the pushes still to come before that call
@@ -73,6 +74,12 @@ class TrapFrameStep:
             return StopReason.READ_FAILED
         new = dict(cur)
         new[arch.pc], new[arch.sp], new[arch.fp] = new_pc, sp, fp
+        for reg, offset in layout.registers:  # the rest as the frame kept them, else unknown
+            value = read((frame + offset) & mask)
+            if value is None:
+                new.pop(reg, None)
+            else:
+                new[reg] = value
         return new, EXACT
 
     def _partial(self, cur: Regs, link_pc: int, memory: PageCache) -> Outcome:

@@ -41,20 +41,21 @@ REQUIRED = 0.99
 # fixtures/hobby/proc.c spawns these, in this order (test_hobby_guest.py reads them with gdb).
 TABLE = {(1, "crunch"), (2, "chatter"), (3, "chatter")}
 _TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*)) (\w+)\\n"')
-# qg_task(i, kernbase): cpus[i]'s process, and the pid of the process whose page table vCPU i's
-# CR3 holds ("kernel": none's). CR3 holds V2P(pgdir): pgdir - KERNBASE (kernel.h).
+# qg_task(i, cpus, procs, kernbase): cpus[i]'s process, and the pid of the process whose page
+# table vCPU i's CR3 holds ("kernel": none's), the kernel's arrays as gdb names them. CR3 holds
+# V2P(pgdir): pgdir - KERNBASE. A name is bytes (C's char[16], Rust's [u8; 16]).
 _SCRIPT = r"""
-def qg_task(cpu, kernbase):
-    proc = gdb.parse_and_eval("cpus[%d].proc" % cpu)
+def qg_task(cpu, cpus, procs, kernbase):
+    proc = gdb.parse_and_eval("%s[%d].proc" % (cpus, cpu))
     if int(proc) == 0:
         task = "none"
     else:
-        name = proc["name"].string(length=16).split("\0")[0]
-        task = "%d %s" % (int(proc["pid"]), name)
+        name = bytes(int(proc["name"][i]) & 0xFF for i in range(16)).split(b"\0")[0]
+        task = "%d %s" % (int(proc["pid"]), name.decode())
     gdb.execute("thread %d" % (cpu + 1), to_string=True)
     cr3, owner = int(gdb.parse_and_eval("$cr3")), "kernel"
-    for i in range(int(gdb.parse_and_eval("sizeof(procs) / sizeof(procs[0])"))):
-        p = gdb.parse_and_eval("procs[%d]" % i)
+    for i in range(int(gdb.parse_and_eval("sizeof(%s) / sizeof(%s[0])" % (procs, procs)))):
+        p = gdb.parse_and_eval("%s[%d]" % (procs, i))
         if int(p["state"]) != 0 and int(p["pgdir"]) - kernbase == cr3:
             owner = str(int(p["pid"]))
     print("QGTASK %s %s" % (task, owner))
@@ -72,7 +73,8 @@ class TaskOracle(HobbyOracle):
     def task(self, cpu: int) -> tuple[tuple[int, str] | None, int | None]:
         """The pid and name of ``cpus[cpu]``'s process (None: none), and the pid of the process
         whose page directory vCPU ``cpu`` has loaded (None: the kernel's)."""
-        call = f"qg_task({cpu}, {self.hobby.kernbase})"
+        hobby = self.hobby
+        call = f'qg_task({cpu}, \\"{hobby.cpus}\\", \\"{hobby.procs}\\", {hobby.kernbase})'
         lines = self.command(f'-interpreter-exec console "python {call}"')
         found = [m for line in lines for m in [_TASK.match(line)] if m]
         assert found, lines
@@ -150,7 +152,9 @@ def test_a_run_labels_its_samples_by_pid_and_goes_on_past_unmapped_memory(
     out = tmp_path / "run.folded"
     unmapped = tmp_path / "unmapped.toml"
     # 0x20000000: neither the user's 4 MiB nor the kernel's map (kernel.h: KERNBASE on).
-    unmapped.write_text('current = "cpus[$cpu].proc"\npid = "*(int *)0x20000000"\n')
+    current = hobby.cpus.strip("'").removeprefix(hobby.names.namespace)  # as described
+    pid = f"*({hobby.names.integer} *)0x20000000"
+    unmapped.write_text(f'current = "{current}[$cpu].proc"\npid = "{pid}"\n')
     with running_hobby(tmp_path, hobby) as guest:
         files = ["--kernel", str(guest.kernel_elf), "--user-dir", str(guest.user_dir)]
         run = ["--qmp-socket", str(guest.qmp_socket), *files, "--duration", "0.5"]

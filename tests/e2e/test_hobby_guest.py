@@ -26,16 +26,19 @@ _CURRENT = re.compile(r"^current (\d+) (-?\d+) (\d+)$", re.MULTILINE)
 
 def test_process_table_as_gdb_reads_it(tmp_path: Path, hobby: Hobby) -> None:
     with running_hobby(tmp_path, hobby, gdb_port=free_tcp_port()) as guest:
-        commands = [
-            f'printf "proc %d \\"%s\\" %d\\n", procs[{i}].pid, procs[{i}].name, procs[{i}].state'
+        procs, cpus = hobby.procs, hobby.cpus  # C's globals, or Rust's statics quoted whole
+        commands = ["set language c"]
+        commands += [
+            f'printf "proc %d \\"%s\\" %d\\n", {procs}[{i}].pid, (char *)&{procs}[{i}].name, '
+            f"{procs}[{i}].state"
             for i in range(4)
         ]
         commands += [
-            f'printf "current {i} %d %d\\n", cpus[{i}].proc ? cpus[{i}].proc - procs : -1, '
-            f"cpus[{i}].started"
+            f'printf "current {i} %d %d\\n", {cpus}[{i}].proc ? {cpus}[{i}].proc - {procs} : -1, '
+            f"{cpus}[{i}].started"
             for i in range(SMP)
         ]
-        commands.append('printf "ncpu %d\\n", ncpu')
+        commands.append(f'printf "ncpu %d\\n", {hobby.ncpu}')
         output = run_gdb(guest, None, commands)
     procs = _PROC.findall(output)
     assert [(pid, name) for pid, name, _ in procs] == [

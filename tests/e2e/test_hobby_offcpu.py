@@ -33,9 +33,9 @@ def sleepers(oracle: HobbyOracle, hobby: Hobby, boundary: int) -> dict[int, list
     found = {}
     word = "unsigned int" if hobby.word == 4 else "unsigned long long"
     for i in range(NPROC):
-        if oracle.value(f"procs[{i}].state") != SLEEPING:
+        if oracle.value(f"{hobby.procs}[{i}].state") != SLEEPING:
             continue
-        context = f"procs[{i}].context"
+        context = f"{hobby.procs}[{i}].context"
         chain = [oracle.value(f"{context}->{hobby.pc}")]
         fp = oracle.value(f"{context}->{hobby.fp}")
         while fp >= boundary:
@@ -44,7 +44,7 @@ def sleepers(oracle: HobbyOracle, hobby: Hobby, boundary: int) -> dict[int, list
                 break
             chain.append(ret)
             fp = oracle.value(f"*({word} *){fp}")
-        found[oracle.value(f"procs[{i}].pid")] = chain
+        found[oracle.value(f"{hobby.procs}[{i}].pid")] = chain
     return found
 
 
@@ -65,7 +65,8 @@ async def compare(tmp_path: Path, hobby: Hobby) -> tuple[int, list[str]]:
         try:
             oracle.stop()
             for moment in range(MAX_TICKS):
-                oracle.run_to("wakeup_sleepers")  # each tick: the sleepers not woken yet
+                # Each tick: the sleepers not woken yet.
+                oracle.run_to(hobby.function("wakeup_sleepers"))
                 views = await offcpu.every_task(transport, identifier, unwinder, boundary)
                 theirs = sleepers(oracle, hobby, boundary)
                 ours = {}

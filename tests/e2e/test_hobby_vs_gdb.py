@@ -37,7 +37,7 @@ from pathlib import Path
 import capstone
 import pytest
 from guestvm import free_tcp_port
-from hobbyvm import SMP, Hobby, every_hobby, running_hobby
+from hobbyvm import RUST_NAMES, SMP, Hobby, every_hobby, running_hobby
 from qemus import every_qemu
 from test_unwind_vs_gdb_i386 import I386Oracle
 
@@ -94,9 +94,9 @@ def qg_frames():
             frame = frame.older()
         except gdb.error:
             break
-def qg_tf(cpu, pc):
+def qg_tf(cpu, cpus, pc):
     try:
-        proc = "cpus[%d].proc" % cpu
+        proc = "%s[%d].proc" % (cpus, cpu)
         print("QGTF %x" % int(gdb.parse_and_eval("%s ? %s->tf->%s : 0" % (proc, proc, pc))))
     except gdb.error:
         print("QGTF -1")
@@ -109,6 +109,7 @@ class HobbyOracle(I386Oracle):
     ) -> None:
         super().__init__(kernel, user_dir, port, scripts / "qg.py")
         self.hobby = hobby
+        self.command("-gdb-set language c")  # a Rust kernel's statics by their quoted names
         (scripts / "qgtf.py").write_text(_TF_SCRIPT)
         self.command(f'-interpreter-exec console "source {scripts / "qgtf.py"}"')
         self.command("-gdb-set scheduler-locking step")  # trap_eip steps one vCPU alone
@@ -131,7 +132,7 @@ class HobbyOracle(I386Oracle):
         ``cs``."""
         for _ in range(64):  # the longest path: a vector stub's three, alltraps' 17 (x86_64)
             if self.value("$pc") == call:
-                tf = self.hobby.tf_at_call
+                tf = self.hobby.trap_frame
                 return self.value(f"{tf}->{self.hobby.pc}"), self.value(f"{tf}->cs")
             lines = self.command("-exec-step-instruction")
             if not any(line.startswith("*stopped") for line in lines):
@@ -146,7 +147,7 @@ class HobbyOracle(I386Oracle):
 
     def user_pc(self, cpu: int) -> int:
         """The user pc the kernel kept for the process ``cpu`` runs (0: none runs)."""
-        call = f"qg_tf({cpu}, '{self.hobby.pc}')"
+        call = f'qg_tf({cpu}, \\"{self.hobby.cpus}\\", \\"{self.hobby.pc}\\")'
         lines = self.command(f'-interpreter-exec console "python {call}"')
         found = [int(m.group(1), 16) for line in lines for m in [_TF.match(line)] if m]
         assert found and found[0] >= 0, lines
@@ -163,7 +164,13 @@ class Seen:
 
 def seen_on(oracle: HobbyOracle, cpu: int) -> Seen:
     oracle.select(cpu)
-    return Seen(oracle.stack(), oracle.user_pc(cpu))
+    return Seen([plain(name) for name in oracle.stack()], oracle.user_pc(cpu))
+
+
+def plain(name: str | None) -> str:
+    """A function's name without the Rust kernel's crate (gdb names each by its DWARF, qmpprof
+    a ``#[no_mangle]`` one by its symbol: ``trap``, ``hobbyrs::trap``)."""
+    return (name or "??").removeprefix(RUST_NAMES.namespace)
 
 
 def kernel_part(names: list[str]) -> list[str]:
@@ -261,7 +268,7 @@ def judge(
 ) -> tuple[bool, str]:
     """Whether qmpprof's stack is gdb's (see the module's docstring), and the kind of moment."""
     frames, theirs = sample.stack.frames, seen.theirs
-    ours = [f.symbol or "??" for f in frames]
+    ours = [plain(f.symbol) for f in frames]
     if sample.mode is Mode.KERNEL and frames[0].pc in entry:
         oracle.select(sample.cpu)
         eip, cs = oracle.trap_eip(entry.stop - 5)  # entry_code ends after the call's 5 bytes
@@ -292,7 +299,7 @@ def from_start_code(sample: Sample) -> bool:
     copies entryother.S to 0x7000), which qmpprof takes for user code."""
     frames = sample.stack.frames
     return (
-        len(frames) >= 2 and frames[-2].symbol == "mpenter" and frames[-1].module is None
+        len(frames) >= 2 and plain(frames[-2].symbol) == "mpenter" and frames[-1].module is None
         and not frames[-1].kernel and all(f.kernel for f in frames[:-1])
     )  # fmt: skip
 

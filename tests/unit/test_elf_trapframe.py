@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from guestvm import BUILD_ROOT, build_fixtures
 from test_unwind_chain import memory
 
-from qmpprof.arch.x86 import I386
+from qmpprof.arch.x86 import I386, X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.elf.trapframe import TrapFrameLayout, trap_frame_layout
 from qmpprof.pagecache import PAGE, PageCache, page_of
@@ -26,6 +27,21 @@ def test_the_hobby_kernels_trap_frame_as_its_source_lays_it_out() -> None:
     # then eip, cs, eflags, esp; ebp is pushal's third word. trap(tf) takes tf on the stack.
     assert (layout.pc, layout.sp, layout.fp, layout.argument) == (56, 68, 8, 0)
     assert layout.handler == image.symbols.address_of("trap")
+
+
+@pytest.mark.parametrize("name", ["hobby64", "hobbyrs"])
+def test_x86_64_kernels_hand_their_trap_frame_in_rdi(name: str) -> None:
+    build_fixtures((name,))
+    image = ElfImage.load(BUILD_ROOT / name / "kernel.elf")
+    layout = trap_frame_layout(image)
+    assert layout is not None
+    # struct trapframe (fixtures/hobby64/kernel.h; TrapFrame in fixtures/hobbyrs/kernel.rs):
+    # rax .. r15 (rbp the seventh word), trapno, err, then rip, cs, rflags, rsp. trap(tf) takes
+    # tf in rdi (DWARF register 5); the Rust kernel's trap lies in its crate's namespace.
+    assert (layout.pc, layout.sp, layout.fp, layout.register) == (136, 160, 48, 5)
+    assert layout.handler == image.symbols.address_of("trap")
+    kept = dict(layout.registers)
+    assert kept[X86_64.names.index("rax")] == 0 and kept[X86_64.names.index("r15")] == 112
 
 
 def test_a_kernel_whose_handlers_take_no_trap_frame_has_none() -> None:

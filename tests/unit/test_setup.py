@@ -67,7 +67,7 @@ def test_the_demo_plan_sets_up_only_what_the_demo_uses(tmp_path: Path) -> None:
     assert runs == [
         "run: /bin/false -m venv .venv",
         "run: .venv/bin/pip install -q --disable-pip-version-check -e .",
-        "run: scripts/build-fixtures",
+        "run: scripts/build-fixtures cfi",  # the demo's guest alone (no Rust kernel)
     ]
     named = [word for word in NOT_FOR_THE_DEMO if any(word in line for line in lines)]
     assert named == []
@@ -79,7 +79,7 @@ def test_the_full_plan_still_sets_up_everything(tmp_path: Path) -> None:
         "qemu-system-arm", "gdb-multiarch", "gcc-aarch64-linux-gnu", "gdb", "golang-go",
         "dwarves", "bpftool", "qemu-system-misc", "debuginfod", "tmux",
         "libvirt-daemon", "libvirt-clients", "pkg-config", "libvirt-dev",
-        "libvirt-daemon-driver-qemu",
+        "libvirt-daemon-driver-qemu", "rustc",
     }  # fmt: skip
     series = ["6.12", "6.1", "5.10", "7", "arm64-6.1", "arm64-6.12", "arm64-7", "riscv64-6.12"]
     assert [line.removeprefix("run: ") for line in lines if line.startswith("run: ")] == [
@@ -211,10 +211,10 @@ def test_the_venv_is_installed_once_and_a_demo_install_is_no_full_one(tmp_path: 
     env = system_tools(tmp_path, log)
     pip = "pip install -q --disable-pip-version-check -e"
     for args, calls in [
-        (["demo"], [f"{pip} .", "build-fixtures "]),
-        (["demo"], ["build-fixtures "]),
+        (["demo"], [f"{pip} .", "build-fixtures cfi"]),
+        (["demo"], ["build-fixtures cfi"]),
         ([], [f"{pip} .[dev]", "build-fixtures "]),
-        (["demo"], ["build-fixtures "]),
+        (["demo"], ["build-fixtures cfi"]),
         ([], ["build-fixtures "]),
     ]:
         log.write_text("")

@@ -198,7 +198,9 @@ INSNS64: tuple[tuple[int, bytes, tuple[int | str, ...]], ...] = (
 )
 CODE64 = b"".join(code for _, code, _ in INSNS64)
 # rax, rdi, rbp, r15, trapno, err, then what the CPU pushed: rip, cs, rflags, rsp, ss.
-LAYOUT64 = TrapFrameLayout(HANDLER64, 0, pc=48, sp=72, fp=16, register=RDI)
+LAYOUT64 = TrapFrameLayout(
+    HANDLER64, 0, pc=48, sp=72, fp=16, register=RDI, registers=((RAX, 0), (RDI, 8), (R15, 24))
+)
 USER64 = (USER_PC, 0x1B, 0x202, USER_SP, 0x23)
 REGS64 = {"r15": 15, "rbp": USER_EBP, "rdi": 0x51, "rax": 0xA}
 
@@ -259,6 +261,8 @@ def test_x86_64_at_the_return_from_the_handler_the_frame_is_at_the_stack_pointer
     assert isinstance(outcome, tuple), outcome
     new, _ = outcome
     assert (new[X86_64.pc], new[X86_64.sp], new[X86_64.fp]) == (USER_PC, USER_SP, USER_EBP)
+    # The other registers as the frame kept them (rdi: the user's, not the frame's address).
+    assert (new[RDI], new[RAX], new[R15]) == (REGS64["rdi"], REGS64["rax"], REGS64["r15"])
 
 
 def test_x86_64_the_way_says_which_registers_hold_stack_addresses_and_which_it_writes() -> None:
