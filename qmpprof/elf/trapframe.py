@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qmpprof.dwarf.encoding import CfiDecodeError, Reader
 from qmpprof.elf.dwarfunits import Unit, units_naming
 
 if TYPE_CHECKING:
@@ -144,20 +145,14 @@ def _register(expr: bytes) -> int | None:
 
 
 def _uleb(data: bytes) -> int | None:
-    value = shift = 0
-    for byte in data:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value
-    return None
+    try:
+        return Reader(data).uleb()
+    except CfiDecodeError:  # runs past its end
+        return None
 
 
 def _sleb(data: bytes) -> int | None:
-    value = shift = 0
-    for byte in data:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value - (1 << shift) if byte & 0x40 else value
-    return None
+    try:
+        return Reader(data).sleb()
+    except CfiDecodeError:
+        return None

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.qemu, every_qemu, every_hobby]
 
 MOMENTS = 100
 REQUIRED = 0.99
-# fixtures/hobby/proc.c spawns these, in this order (test_hobby_guest.py reads them with gdb).
+# fixtures/hobby/sched.c (userinit) spawns these, in this order (test_hobby_guest.py reads
+# them with gdb).
 TABLE = {(1, "crunch"), (2, "chatter"), (3, "chatter")}
 _TASK = re.compile(r'~"QGTASK (none|(\d+) (\w*)) (\w+)\\n"')
 # qg_task(i, cpus, procs, kernbase): cpus[i]'s process, and the pid of the process whose page

@@ -246,7 +246,7 @@ def entry_code(kernel: Path) -> range:
 
 def entry_stops(kernel: Path, entry: range, hobby: Hobby) -> list[int]:
     """Each instruction of the timer's and the system call's vector stubs (``vector32``,
-    ``vector64``: trap.c) up to their jump, and of ``alltraps`` up to its call."""
+    ``vector64``: segments.c) up to their jump, and of ``alltraps`` up to its call."""
     image = ElfImage.load(kernel)
     mode = capstone.CS_MODE_32 if hobby.word == 4 else capstone.CS_MODE_64
     decoder = capstone.Cs(capstone.CS_ARCH_X86, mode)
@@ -295,7 +295,7 @@ def judge(
 
 
 def from_start_code(sample: Sample) -> bool:
-    """The stack ends in ``mpenter``'s caller, the start code in no ELF (fixtures/hobby/main.c
+    """The stack ends in ``mpenter``'s caller, the start code in no ELF (fixtures/hobby/machine.c
     copies entryother.S to 0x7000), which qmpprof takes for user code."""
     frames = sample.stack.frames
     return (

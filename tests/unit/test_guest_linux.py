@@ -841,6 +841,24 @@ async def test_code_a_pause_cannot_see_is_compared_through_the_process_s_tables(
     assert tables.pgds == [pgd] and walked == [0x40_0000]
 
 
+def counted_vmas(monkeypatch: pytest.MonkeyPatch, mapped: list[Vma]) -> list[int]:
+    """``mapped`` as any process's mappings; the mm of each read of them, in a list."""
+    reads: list[int] = []
+
+    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
+        reads.append(at)
+        return list(mapped)
+
+    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
+    return reads
+
+
+def myapp_alone() -> Spaces:
+    """Spaces with no files and no page tables."""
+    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x50))
+    return Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
+
+
 async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_page(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -849,15 +867,8 @@ async def test_a_user_pc_no_mapping_holds_has_the_mappings_read_again_once_per_p
     still lacking is not read again."""
     mm = 0xFFFF_8880_0500_0000
     mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0, "myapp")]
-    reads = []
-
-    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
-        reads.append(at)
-        return list(mapped)
-
-    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x50))
-    spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
+    reads = counted_vmas(monkeypatch, mapped)
+    spaces = myapp_alone()
     task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
     read = reader(Memory(), [])
     await spaces.space_of(read, task, [0x40_1000])
@@ -885,15 +896,8 @@ async def test_a_mapping_whose_file_name_did_not_read_is_read_again_at_the_next_
     are trusted."""
     mm = 0xFFFF_8880_0500_0000
     mapped = [Vma(0x40_0000, 0x40_8000, 0, VM_EXEC, 0xFFFF_8880_0700_0000, None)]
-    reads = []
-
-    async def vmas_of(read: Reader, at: int, _layout: object, _end: int) -> list[Vma]:
-        reads.append(at)
-        return list(mapped)
-
-    monkeypatch.setattr(spaces_module, "read_exec_vmas", vmas_of)
-    vmas = cast(VmaLayout, SimpleNamespace(pgd=0x58, map_count=0x50))
-    spaces = Spaces(AddressSpace([KERNEL]), vmas, UserFiles(None), None, lambda: 0.0)
+    reads = counted_vmas(monkeypatch, mapped)
+    spaces = myapp_alone()
     task = Task(1230, 1230, "myapp", False, "myapp", mm, 0)
     read = reader(Memory(), [])
     first = (await spaces.space_of(read, task, [0x40_1000])).find(0x40_1000)

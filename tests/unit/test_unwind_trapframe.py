@@ -73,20 +73,29 @@ def stack_at(pc: int, start: int, cpu: tuple[int, ...]) -> tuple[PageCache, int,
         jump = code[0] == 0xE9
         at = addr + len(code) + (struct.unpack("<i", code[1:])[0] if jump else 0)
     words[USER_EBP], words[USER_EBP + 4] = 0, USER_CALLER  # the user's frame record
+    return memory_of(words, "<I"), sp, ebp
+
+
+def memory_of(words: dict[int, int], word: str) -> PageCache:
+    """Pages holding ``words`` (address -> value, packed as ``word``), zeros around them."""
     cache = PageCache()
     for addr, value in words.items():
         page = bytearray(cache.pages.get(page_of(addr)) or bytes(PAGE))
-        struct.pack_into("<I", page, addr - page_of(addr), value)
+        struct.pack_into(word, page, addr - page_of(addr), value)
         cache.pages[page_of(addr)] = bytes(page)
-    return cache, sp, ebp
+    return cache
 
 
-def pcs_from(start: int) -> list[int]:
+def pcs_from(
+    start: int,
+    insns: tuple[tuple[int, bytes, tuple[int | str, ...]], ...] = INSNS,
+    call: int = CALL,
+) -> list[int]:
     """Each instruction's address on the way from ``start`` to the call, the call's included."""
     out, at = [], start
-    while at <= CALL:
+    while at <= call:
         out.append(at)
-        _, code, _ = next(insn for insn in INSNS if insn[0] == at)
+        _, code, _ = next(insn for insn in insns if insn[0] == at)
         at = at + len(code) + (struct.unpack("<i", code[1:])[0] if code[0] == 0xE9 else 0)
     return out
 
@@ -220,25 +229,12 @@ def stack64_at(pc: int) -> tuple[PageCache, dict[int, int]]:
         jump = code[0] == 0xE9
         at = addr + len(code) + (struct.unpack("<i", code[1:])[0] if jump else 0)
     words[USER_EBP], words[USER_EBP + 8] = 0, USER_CALLER
-    cache = PageCache()
-    for addr, value in words.items():
-        page = bytearray(cache.pages.get(page_of(addr)) or bytes(PAGE))
-        struct.pack_into("<Q", page, addr - page_of(addr), value)
-        cache.pages[page_of(addr)] = bytes(page)
+    cache = memory_of(words, "<Q")
     regs = {X86_64.pc: pc, X86_64.sp: sp, X86_64.fp: USER_EBP, RDI: rdi, RAX: 0xA, R15: 15}
     return cache, regs
 
 
-def pcs64() -> list[int]:
-    out, at = [], VEC64
-    while at <= CALL64:
-        out.append(at)
-        _, code, _ = next(insn for insn in INSNS64 if insn[0] == at)
-        at = at + len(code) + (struct.unpack("<i", code[1:])[0] if code[0] == 0xE9 else 0)
-    return out
-
-
-@pytest.mark.parametrize("pc", pcs64())
+@pytest.mark.parametrize("pc", pcs_from(VEC64, INSNS64, CALL64))
 def test_x86_64_a_frame_whose_address_the_handler_takes_in_rdi_is_crossed_at_each_pc(
     pc: int,
 ) -> None:
