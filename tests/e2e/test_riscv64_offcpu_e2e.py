@@ -39,9 +39,12 @@ DUMP = (
 ).replace("MARK", MARK)
 STACKS = re.compile(rf"^{MARK} stack of (\d+)\r?\n(.*?)(?=^{MARK} )", re.M | re.S)
 STACKS_END = f"{MARK} stacks end"
-# Of the tasks asleep in both views: the same functions (the rest ran between the two readings:
-# 59 of 61 measured, PID 1 itself, which printed them, and rcu_sched).
-AGREE = 0.95
+# Of the tasks asleep in both views: the same functions. Left out: PID 1, the shell that printed
+# them, waiting for its cat then (do_wait) and for /init at the moment (``wait``: sigsuspend).
+# Allowance: tasks that ran between the dump and the moment (the oracle cannot see they ran),
+# kernel threads a timer woke (rcu_sched), at most MOVED of them (0-1 of 60-62 compared in each
+# of 3 runs; the 95 % share asked before counted PID 1 among them).
+MOVED = 3
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,10 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Riscv64Guest) -> None:
     """Every task asleep has a whole kernel stack, from its saved ra to its entry
     (``handle_exception`` for a process, ``ret_from_fork`` for a kernel thread); the kernel's
     own unwinder (/proc/PID/stack, which leaves out the scheduler's functions: ``.sched.text``
-    and ``.spinlock.text``) agrees function for function for AGREE of those asleep in both."""
+    and ``.spinlock.text``) agrees function for function for those asleep in both, all but
+    MOVED at most."""
     expected = proc_stacks(guest)
+    expected.pop(1)  # the shell that printed them waits elsewhere now (see MOVED)
     start = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "qmpprof", "--qmp-socket", str(guest.qmp_socket),
@@ -93,4 +98,4 @@ def test_off_cpu_tasks_wait_where_the_kernel_says(guest: Riscv64Guest) -> None:
     equal, compared, unequal = tally.equal, tally.compared, tally.unequal
     print(f"off CPU: {len(asleep)} tasks asleep, {equal}/{compared} as /proc/PID/stack")
     print("unequal:", unequal)
-    assert compared >= 30 and equal >= AGREE * compared, unequal
+    assert compared >= 30 and len(unequal) <= MOVED, unequal
