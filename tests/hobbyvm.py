@@ -93,18 +93,6 @@ class Hobby:
             "chatter: running",
         )
 
-    @property
-    def cpus(self) -> str:
-        return self.names.cpus
-
-    @property
-    def procs(self) -> str:
-        return self.names.procs
-
-    @property
-    def ncpu(self) -> str:
-        return self.names.ncpu
-
     def function(self, name: str) -> str:
         """A kernel function as gdb (in C) names it."""
         return f"'{self.names.namespace}{name}'" if self.names.namespace else name

@@ -62,7 +62,7 @@ class TrapFrameStep:
             if frame is None:
                 return StopReason.READ_FAILED
         else:
-            held = self._held_at(ra - 5)
+            held = self._held_at(ra - 5, layout.register)
             if held is None:
                 return None
             frame = (cur[arch.sp] + held) & mask
@@ -115,10 +115,10 @@ class TrapFrameStep:
         new[arch.fp] = fp
         return new, EXACT
 
-    def _held_at(self, call: int) -> int | None:
-        """The stack address the handler's register holds at the call at link address ``call``
-        (its offset from the stack pointer there), as the one instruction right before the
-        call set it; None: no such instruction."""
+    def _held_at(self, call: int, register: int) -> int | None:
+        """The stack address ``register`` holds at the call at link address ``call`` (its
+        offset from the stack pointer there), as the one instruction right before the call set
+        it; None: no such instruction."""
         try:
             return self._held[call]
         except KeyError:
@@ -129,7 +129,7 @@ class TrapFrameStep:
                 self.code, self.code_addr, call - size, self.layout.handler
             )
             if path is not None and path.depth == 0:
-                found = dict(path.held).get(self.layout.register or 0)
+                found = dict(path.held).get(register)
                 if found is not None:
                     break
         return self._held.put(call, found)

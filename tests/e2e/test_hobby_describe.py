@@ -75,7 +75,9 @@ class TaskOracle(HobbyOracle):
         """The pid and name of ``cpus[cpu]``'s process (None: none), and the pid of the process
         whose page directory vCPU ``cpu`` has loaded (None: the kernel's)."""
         hobby = self.hobby
-        call = f'qg_task({cpu}, \\"{hobby.cpus}\\", \\"{hobby.procs}\\", {hobby.kernbase})'
+        call = (
+            f'qg_task({cpu}, \\"{hobby.names.cpus}\\", \\"{hobby.names.procs}\\", {hobby.kernbase})'
+        )
         lines = self.command(f'-interpreter-exec console "python {call}"')
         found = [m for line in lines for m in [_TASK.match(line)] if m]
         assert found, lines
@@ -153,7 +155,7 @@ def test_a_run_labels_its_samples_by_pid_and_goes_on_past_unmapped_memory(
     out = tmp_path / "run.folded"
     unmapped = tmp_path / "unmapped.toml"
     # 0x20000000: neither the user's 4 MiB nor the kernel's map (kernel.h: KERNBASE on).
-    current = hobby.cpus.strip("'").removeprefix(hobby.names.namespace)  # as described
+    current = hobby.names.cpus.strip("'").removeprefix(hobby.names.namespace)  # as described
     pid = f"*({hobby.names.integer} *)0x20000000"
     unmapped.write_text(f'current = "{current}[$cpu].proc"\npid = "{pid}"\n')
     with running_hobby(tmp_path, hobby) as guest:

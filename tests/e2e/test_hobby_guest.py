@@ -26,7 +26,10 @@ _CURRENT = re.compile(r"^current (\d+) (-?\d+) (\d+)$", re.MULTILINE)
 
 def test_process_table_as_gdb_reads_it(tmp_path: Path, hobby: Hobby) -> None:
     with running_hobby(tmp_path, hobby, gdb_port=free_tcp_port()) as guest:
-        procs, cpus = hobby.procs, hobby.cpus  # C's globals, or Rust's statics quoted whole
+        procs, cpus = (
+            hobby.names.procs,
+            hobby.names.cpus,
+        )  # C's globals, or Rust's statics quoted whole
         commands = ["set language c"]
         commands += [
             f'printf "proc %d \\"%s\\" %d\\n", {procs}[{i}].pid, (char *)&{procs}[{i}].name, '
@@ -38,7 +41,7 @@ def test_process_table_as_gdb_reads_it(tmp_path: Path, hobby: Hobby) -> None:
             f"{cpus}[{i}].started"
             for i in range(SMP)
         ]
-        commands.append(f'printf "ncpu %d\\n", {hobby.ncpu}')
+        commands.append(f'printf "ncpu %d\\n", {hobby.names.ncpu}')
         output = run_gdb(guest, None, commands)
     procs = _PROC.findall(output)
     assert [(pid, name) for pid, name, _ in procs] == [

@@ -33,9 +33,9 @@ def sleepers(oracle: HobbyOracle, hobby: Hobby, boundary: int) -> dict[int, list
     found = {}
     word = "unsigned int" if hobby.word == 4 else "unsigned long long"
     for i in range(NPROC):
-        if oracle.value(f"{hobby.procs}[{i}].state") != SLEEPING:
+        if oracle.value(f"{hobby.names.procs}[{i}].state") != SLEEPING:
             continue
-        context = f"{hobby.procs}[{i}].context"
+        context = f"{hobby.names.procs}[{i}].context"
         chain = [oracle.value(f"{context}->{hobby.pc}")]
         fp = oracle.value(f"{context}->{hobby.fp}")
         while fp >= boundary:
@@ -44,7 +44,7 @@ def sleepers(oracle: HobbyOracle, hobby: Hobby, boundary: int) -> dict[int, list
                 break
             chain.append(ret)
             fp = oracle.value(f"*({word} *){fp}")
-        found[oracle.value(f"{hobby.procs}[{i}].pid")] = chain
+        found[oracle.value(f"{hobby.names.procs}[{i}].pid")] = chain
     return found
 
 

@@ -147,7 +147,7 @@ class HobbyOracle(I386Oracle):
 
     def user_pc(self, cpu: int) -> int:
         """The user pc the kernel kept for the process ``cpu`` runs (0: none runs)."""
-        call = f'qg_tf({cpu}, \\"{self.hobby.cpus}\\", \\"{self.hobby.pc}\\")'
+        call = f'qg_tf({cpu}, \\"{self.hobby.names.cpus}\\", \\"{self.hobby.pc}\\")'
         lines = self.command(f'-interpreter-exec console "python {call}"')
         found = [int(m.group(1), 16) for line in lines for m in [_TF.match(line)] if m]
         assert found and found[0] >= 0, lines

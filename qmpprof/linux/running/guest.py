@@ -290,13 +290,11 @@ class LinuxGuest:
             kernel_tables=self.kernel_tables,
         )
         init_task = kernel.address("init_task", slide)
+        beyond = self.identifier.kernel_memory()
         if layouts.tasks is not None and init_task is not None:
-            beyond = self.identifier.kernel_memory()
             await self.identifier.preload(beyond, await task_list(beyond, init_task, layouts.tasks))
         # The states' names are read where a vCPU in user mode cannot see them too.
-        self.task_reader = await self._task_reader(
-            self.identifier.kernel_memory(), slide, current, spaces
-        )
+        self.task_reader = await self._task_reader(beyond, slide, current, spaces)
         names = ", ".join(m.name for m in modules[1:]) or "none"
         detail = [
             f"Linux kernel {kernel.path}: KASLR slide {slide:#x}, {len(modules) - 1} modules"
@@ -358,12 +356,11 @@ class LinuxGuest:
         return await self.task_reader.versions(read, [t.at for t in tasks])
 
     async def _kernel_memory(self, transport: GuestTransport) -> Reader:
-        """Kernel memory through the vCPUs in turn, then what none of them mapped (each in user
-        mode: arm64's KPTI) physically through the linear map where it is known (slower: the
-        monitor's ``xp`` over QMP), and the rest (vmalloc'd stacks) through the kernel's own
-        page tables."""
-        cpus = await transport.cpus()
-        return beyond_user_mode(transport, cpus, self.identifier.linear, self.kernel_tables)
+        """Kernel memory through ``transport``'s vCPUs in turn, then what none of them mapped
+        (each in user mode: arm64's KPTI) physically through the linear map where it is known
+        (slower: the monitor's ``xp`` over QMP), and the rest (vmalloc'd stacks) through the
+        kernel's own page tables."""
+        return self.identifier.kernel_memory(transport, await transport.cpus())
 
     async def housekeep(self) -> None:
         await self.identifier.housekeep()

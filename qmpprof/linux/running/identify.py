@@ -167,12 +167,17 @@ class LinuxIdentifier:
             self._tasks_confirmed = now
             await self.tasks.confirm(read, self.layout, self.arch.shared_from)
 
-    def kernel_memory(self) -> Reader:
-        """Kernel memory while the guest runs, whatever mode its vCPUs are in at each read: through
-        them, else physically (a name read while each was at EL0 under arm64's KPTI failed, and
-        a library's mapping went unnamed for seconds: 16 samples of xz's libc in ``[anon]``)."""
-        assert self.control is not None
-        return beyond_user_mode(self.control, self.cpus, self.linear, self.kernel_tables)
+    def kernel_memory(
+        self, transport: GuestTransport | None = None, cpus: Sequence[int] | None = None
+    ) -> Reader:
+        """Kernel memory whatever mode the vCPUs are in at each read: through them, else
+        physically (a name read while each was at EL0 under arm64's KPTI failed, and a
+        library's mapping went unnamed for seconds: 16 samples of xz's libc in ``[anon]``).
+        Through ``control`` and ``cpus`` unless given others."""
+        transport = self.control if transport is None else transport
+        assert transport is not None
+        cpus = self.cpus if cpus is None else cpus
+        return beyond_user_mode(transport, cpus, self.linear, self.kernel_tables)
 
     def _bases_known(self) -> bool:
         """Whether the linear map can be measured: a vCPU's per-CPU base known (its current-task
