@@ -10,6 +10,7 @@ after cont; only a guest gone, or a kernel file that is not the guest's, ends th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -86,6 +87,8 @@ class Capture(Generic[Space, Raw]):
         self.boundary = boundary
         self.keep = keep
         self._clock = clock
+        # Per vCPU, the last walk: its registers, the memory it read and its space.
+        self._walks: dict[int, tuple[Registers, PageCache, Space]] = {}
 
     async def every_cpu(
         self, cpus: Sequence[int], stats: SamplerStats, start: float, *, stop: bool
@@ -143,6 +146,7 @@ class Capture(Generic[Space, Raw]):
                     cache = cache.above(self.boundary)
                 identity = fresh
                 captured.raw = await self._walk(captured, walked, cache, identity, stats)
+            self._walks[regs.cpu] = (walked, cache, identity.space)
             if identity.memory is None:
                 self.stacks.learn(regs, cache)
             if identity.complete is not None:
@@ -179,6 +183,14 @@ class Capture(Generic[Space, Raw]):
             except Exception:  # an unwinder bug: the pause's walk stands
                 continue
             one.space = fresh.space
+
+    def rehearse(self) -> None:
+        """Each vCPU's last walk again over a copy of the memory it read, the result dropped:
+        run between ticks so that the unwinder's code and tables are warm at the next stop.
+        Reads nothing from the guest and changes no state but the unwinder's caches."""
+        for regs, cache, space in list(self._walks.values()):
+            with contextlib.suppress(Exception):  # a walk that failed in the pause may again
+                _walk_over(self.unwinder, regs, cache.above(0), space)
 
     async def _walk(
         self,

@@ -45,6 +45,12 @@ from qmpprof.transport.base import GuestTransport
 
 Space = TypeVar("Space")
 Raw = TypeVar("Raw")
+# A wait this long or longer ends with a warm-up LEAD seconds before the stop: what the stop
+# will touch, in QEMU and here, has not been touched for as long, and on some hosts memory idle
+# for 0.1-1 s costs 10-20x more to touch again (docs/bench.md, issue 36). Shorter waits keep it
+# warm by themselves.
+WARM_AFTER = 0.040
+LEAD = 0.004
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +211,28 @@ class Sampler(Generic[Space, Raw]):
 
     async def _wait(self, seconds: float) -> None:
         """Sleep until the next tick, or less when a stop is requested meanwhile (an interval
-        the overhead budget lengthened may be seconds long)."""
+        the overhead budget lengthened may be seconds long); a long wait warms up first."""
+        if seconds >= WARM_AFTER:
+            await self._sleep_or_woken(seconds - LEAD)
+            if self._stop_requested:
+                return
+            began = self._clock()
+            await self._warm_up()
+            seconds = LEAD - (self._clock() - began)
+        await self._sleep_or_woken(max(0.0, seconds))
+
+    async def _warm_up(self) -> None:
+        """The guest running, touch what the coming stop will: QEMU's main loop and monitor
+        through the control channel (a run-state query, where the transport has one), and
+        here the last tick's walks again over the memory they read (no guest read). Its
+        answers are dropped; a guest gone shows at the stop."""
+        control = self.transport.control
+        if control is not None:
+            with contextlib.suppress(QmpprofError):
+                await control.is_running()
+        self.capture.rehearse()
+
+    async def _sleep_or_woken(self, seconds: float) -> None:
         if self._woken is None:
             self._woken = asyncio.Event()
         sleeping = asyncio.ensure_future(self._sleep(seconds))

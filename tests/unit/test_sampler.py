@@ -15,6 +15,7 @@ from fakes import (
     FakeTransport,
     FramePointerUnwinder,
     KernelIdentifier,
+    RawStack,
     frame_chain,
     regs,
 )
@@ -25,7 +26,7 @@ from qmpprof.memory import ALIGN, PIECE, SLACK
 from qmpprof.model import NO_CPU, Frame, Mode, Process, Registers, Sample, Stack, StopReason
 from qmpprof.naming import Naming
 from qmpprof.pagecache import PageCache, PageMissing
-from qmpprof.sampler import Sampler, SamplerConfig
+from qmpprof.sampler import LEAD, WARM_AFTER, Sampler, SamplerConfig
 from qmpprof.stats import SamplerStats
 
 K = X86_64.kernel_boundary
@@ -829,3 +830,43 @@ async def test_a_walk_into_user_code_its_space_lacks_asks_once_for_the_space_rea
     (sample,) = outcome.last
     assert sample.stack.frames[0].symbol == ("lib_fn" if mapped_since else None)
     assert transport.calls.count("stop") == transport.calls.count("cont") == 1
+
+
+class CountingUnwinder(FramePointerUnwinder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks: list[int] = []  # the pc each unwind() started from
+
+    def unwind(self, regs: Registers, cache: PageCache, space: FakeSpace) -> RawStack:
+        self.walks.append(regs.pc)
+        return super().unwind(regs, cache, space)
+
+
+async def test_a_long_wait_warms_up_just_before_the_stop_without_reading_the_guest() -> None:
+    """At a 1 s interval each wait ends with a run-state query on the control channel and the
+    last tick's walk again over the memory it read, LEAD before the stop; nothing is read from
+    the guest meanwhile and the tick comes when it would have."""
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    unwinder = CountingUnwinder()
+    sampler = make(transport, unwinder, interval=1.0, duration=3.0)
+    await sampler.run()
+    calls = transport.calls
+    stops = [i for i, call in enumerate(calls) if call == "stop"]
+    assert len(stops) == 3
+    for before, stop in itertools.pairwise(stops):
+        between = calls[calls.index("cont", before) + 1 : stop]
+        assert between == ["is_running"]  # the warm-up: no read, no stop
+    assert transport.clock.sleeps == pytest.approx([1.0 - LEAD, LEAD] * 3)
+    assert len(unwinder.walks) == 3 + 2  # a walk per tick, and the last one again before two
+    assert sampler.stats.run_time == pytest.approx(3.0)
+
+
+async def test_short_waits_are_not_warmed_up() -> None:
+    r0, pages = kernel_cpu()
+    transport = FakeTransport({0: r0}, pages)
+    unwinder = CountingUnwinder()
+    sampler = make(transport, unwinder, interval=WARM_AFTER / 2, duration=WARM_AFTER * 2)
+    await sampler.run()
+    assert transport.calls.count("is_running") == 1  # the run's own, at its start
+    assert len(unwinder.walks) == sampler.stats.ticks == 4
