@@ -11,6 +11,7 @@ its truncated share, keys named by the instruction set (``aarch64_pause_ms``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
 import tempfile
@@ -20,7 +21,7 @@ from typing import Protocol
 
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import RunSpec, start
+from qmpprof.session import Run, RunSpec, start
 from qmpprof.transport.base import Reach
 from support.bench.qmpprof_run import settle
 
@@ -43,6 +44,7 @@ async def aarch64_run(duration: float, log: Callable[[str], None]) -> dict[str, 
         lambda: image("6.1"),
         duration,
         log,
+        off_cpu=True,
     )
 
 
@@ -68,8 +70,14 @@ async def _run(
     duration: float,
     log: Callable[[str], None],
     user_dir: Path | None = None,
+    *,
+    off_cpu: bool = False,
 ) -> dict[str, object]:
+    """The run as the command makes it; with ``off_cpu``, a second one with ``--off-cpu`` on
+    the same guest after it: ``{name}_offcpu_rate_share``, its ticks per second of guest run
+    time over the rate asked (issue 36: at least 0.9)."""
     sampling = SamplerConfig(interval=INTERVAL, duration=duration)
+    found: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with boot(Path(tmp)) as guest:
@@ -79,13 +87,18 @@ async def _run(
                     sampling=sampling,
                     user_dir=user_dir,
                 )
-                run = await start(spec)
-                try:
-                    settle()
-                    await run.run()
-                finally:
-                    gc.unfreeze()
-                    await run.transport.close()
+                run = await _sampled(spec)
+                if off_cpu:
+                    offcpu = await _sampled(dataclasses.replace(spec, off_cpu=True))
+                    share = offcpu.stats.rate_hz() / offcpu.stats.requested_hz
+                    found[f"{name}_offcpu_rate_share"] = round(share, 3)
+                    stats = offcpu.stats
+                    log(
+                        f"{name} --off-cpu: {stats.rate_hz():.1f} Hz of guest run time"
+                        f" ({stats.requested_hz:.0f} asked; {stats.wall_rate_hz():.1f} Hz of"
+                        f" wall time), median pause {statistics.median(stats.pauses) * 1e3:.2f}"
+                        f" ms, {len(offcpu.profile)} samples on and off CPU in {stats.ticks} ticks"
+                    )
         except (QmpprofError, RuntimeError, TimeoutError) as err:
             return _unmeasured(name, f"{err}", log)
     ms = [p * 1e3 for p in run.stats.pauses]
@@ -95,9 +108,21 @@ async def _run(
         f"{name}: {samples} samples, {run.profile.truncated} truncated, median pause"
         f" {median} ms, first {ms[0] if ms else None} ms"
     )
-    return {
+    return found | {
         f"{name}_pause_ms": median,
         f"{name}_first_pause_ms": ms[0] if ms else None,
         f"{name}_truncated_share": run.profile.truncated / samples if samples else None,
         f"{name}_samples": samples,
     }
+
+
+async def _sampled(spec: RunSpec) -> Run:
+    """One run of ``spec``, sampled to its end, its transport closed."""
+    run = await start(spec)
+    try:
+        settle()
+        await run.run()
+    finally:
+        gc.unfreeze()
+        await run.transport.close()
+    return run

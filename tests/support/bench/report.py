@@ -57,6 +57,8 @@ BOUNDS: tuple[tuple[str, str, float | None, float | None], ...] = (
     ("serve's pause vs the command's at 10 ms", "serve_pause_ratio", None, 1.5),
     ("default pause vs the bare gdbstub loop's", "default_pause_ratio", None, 1.1),
     ("a run's first pause vs the default's median", "first_pause_ratio", None, 2.0),
+    ("Linux sample vs bundled guest, alternated (issue 36)", "linux_pause_ratio", None, 1.2),
+    ("aarch64 --off-cpu: rate in run time vs asked", "aarch64_offcpu_rate_share", 0.9, None),
 )
 
 
