@@ -120,7 +120,8 @@ def _view(
 def _kernel_part(raw: RawStack, boundary: int) -> RawStack:
     """The kernel frames of a walk that went on into user mode (the user frames come from the
     saved user registers instead)."""
-    n = next((i for i, pc in enumerate(raw.pcs) if pc < boundary), len(raw.pcs))
+    walked = len(raw.pcs) - 1 if raw.outer_kernel else len(raw.pcs)  # the last is kernel's
+    n = next((i for i, pc in enumerate(raw.pcs[:walked]) if pc < boundary), len(raw.pcs))
     if n == len(raw.pcs):
         return raw
     return RawStack(raw.pcs[:n], StopReason.END, raw.exact[:n], raw.via[:n])

@@ -39,12 +39,16 @@ __all__ = ["AddressSpace", "Module", "RawStack", "Unwinder", "Via"]
 @dataclass(frozen=True, slots=True)
 class RawStack:
     """Return addresses leaf first. ``exact[i]``: pcs[i] is where the CPU was (the leaf, or code
-    interrupted by a trap/signal frame), not a return address. ``via[i]``: how frame i was found."""
+    interrupted by a trap/signal frame), not a return address. ``via[i]``: how frame i was found.
+    ``outer_kernel``: the last pc is kernel code below the kernel boundary, in no module (a
+    CPU's start code copied to low memory called the kernel's first function), not user code.
+    """
 
     pcs: tuple[int, ...]
     stop: StopReason
     exact: tuple[bool, ...] = ()
     via: tuple[Via, ...] = ()
+    outer_kernel: bool = False
 
 
 TRAP_SCAN = 32  # words above a kernel's fake frame searched for the trap frame
@@ -125,6 +129,18 @@ class Unwinder:
                     # is in RCX). Stop rather than make up a caller.
                     return RawStack(tuple(pcs), StopReason.NO_CFI, tuple(exacts), tuple(vias))
                 new[sp_reg] = user_sp
+            # A plain return address into no file is user code only under a trap frame;
+            # without one, the kernel was called from code outside every file (a CPU's start
+            # code copied to 0x7000), which nothing called.
+            plain = crossed and not signal and via is not Via.PROLOGUE
+            if (
+                plain and find(new[pc_reg] - 1) is None
+                and self._trap_frame_above(new[sp_reg], new[pc_reg], memory) is None
+            ):  # fmt: skip
+                return RawStack(
+                    (*pcs, new[pc_reg]), StopReason.END, (*exacts, False), (*vias, via),
+                    outer_kernel=True,
+                )  # fmt: skip
             exact = signal or crossed
             sp_guessed = crossed and via is Via.FRAME_POINTER and not signal
             if sp_guessed:
@@ -193,7 +209,8 @@ class Unwinder:
         """The user addresses of ``raw`` (a pc, a return address's call) that no module of
         ``space`` holds: a space read before its process mapped that code."""
         exacts = raw.exact or (True,) + (False,) * (len(raw.pcs) - 1)
-        lookups = (pc if exact else pc - 1 for pc, exact in zip(raw.pcs, exacts, strict=True))
+        user = raw.pcs[:-1] if raw.outer_kernel else raw.pcs
+        lookups = (pc if exact else pc - 1 for pc, exact in zip(user, exacts, strict=False))
         boundary = self.kernel_boundary
         return tuple(at for at in lookups if at < boundary and space.find(at) is None)
 
@@ -216,11 +233,13 @@ class Unwinder:
             for chain in chains:  # each walked pc, then the tail-call pcs found below it
                 tails += [False] + [True] * (0 if chain is None else len(chain.pcs))
         frames: list[Frame] = []
-        for pc, exact, tail in zip(pcs, exacts, tails, strict=True):
-            key = (pc, exact, boundary, lines)
+        outer = len(pcs) - 1 if raw.outer_kernel else -1
+        for n, (pc, exact, tail) in enumerate(zip(pcs, exacts, tails, strict=True)):
+            below = 0 if n == outer else boundary  # kernel code below the boundary: kernel
+            key = (pc, exact, below, lines)
             found = cache.get(key)
             if found is None:
-                found = cache.put(key, frames_at(pc, exact, space, boundary, lines))
+                found = cache.put(key, frames_at(pc, exact, space, below, lines))
             # Rare (a few frames a stack at most): marked on a copy, the cache keeps one kind.
             frames += (replace(f, tail_call=True) for f in found) if tail else found
         return Stack(tuple(frames), raw.stop)

@@ -20,9 +20,9 @@ interrupted pc). gdb's stack and kept pc are read on every vCPU before any of th
 
 The second CPU's scheduler was called by ``mpenter``, which the start code (entryother.S,
 copied to 0x7000: in no ELF) called: gdb ends those stacks in "??" and so does qmpprof, frame
-for frame, but qmpprof draws that frame as user code (below the kernel boundary, reached by a
-frame pointer: an open point of issue 34). Those moments are counted apart ("from the start
-code") and judged by the names alone, up to the trap entry where there is one.
+for frame, with that frame drawn as kernel code (below the kernel boundary, but reached with
+no trap frame and in no program). Those moments are counted apart ("from the start code") and
+judged by the names, up to the trap entry where there is one.
 """
 
 from __future__ import annotations
@@ -277,7 +277,9 @@ def judge(
     if from_start_code(sample):
         # Up to the trap entry where gdb stops knowing (a trap taken in the scheduler: gdb's
         # "??" past alltraps, qmpprof's crossing its frame into the scheduler), else whole.
-        return kernel_part(ours) == kernel_part(theirs), "from the start code"
+        # And that frame is kernel code, where the walk ends whole.
+        outermost = frames[-1].kernel and sample.stack.stop.whole
+        return kernel_part(ours) == kernel_part(theirs) and outermost, "from the start code"
     if gdb_lost(ours, theirs):
         return in_a_user_chain(sample, chains), "gdb lost"
     if sample.mode is Mode.USER:
@@ -296,12 +298,9 @@ def judge(
 
 def from_start_code(sample: Sample) -> bool:
     """The stack ends in ``mpenter``'s caller, the start code in no ELF (fixtures/hobby/machine.c
-    copies entryother.S to 0x7000), which qmpprof takes for user code."""
+    copies entryother.S to 0x7000)."""
     frames = sample.stack.frames
-    return (
-        len(frames) >= 2 and plain(frames[-2].symbol) == "mpenter" and frames[-1].module is None
-        and not frames[-1].kernel and all(f.kernel for f in frames[:-1])
-    )  # fmt: skip
+    return len(frames) >= 2 and plain(frames[-2].symbol) == "mpenter" and frames[-1].module is None
 
 
 def whole_user_chain(sample: Sample, chains: Chains) -> bool:

@@ -279,6 +279,26 @@ def test_frame_pointer_walk_crosses_a_fake_trap_frame_into_user_code() -> None:
     assert raw.stop is StopReason.END
 
 
+def test_kernel_code_called_from_start_code_in_no_file_ends_there_as_kernel() -> None:
+    """A second CPU's start code, copied to 0x7000 (below the boundary, in no file), calls the
+    kernel's first function: no trap frame above the frame, no user code at its return address.
+    Its frame is kernel code and the outermost one; the space is not missing it."""
+    kernel_rbp, start_rbp = KSTACK + 0x40, KSTACK + 0x100
+    words = {
+        kernel_rbp: start_rbp,  # mpenter's frame: saved rbp...
+        kernel_rbp + 8: 0x7077,  # ...and the return address into the start code
+        start_rbp: 0,
+        start_rbp + 8: 0,
+    }
+    space = AddressSpace([make_module("kernel", KBASE, KBASE + 0x10000, kernel=True)])
+    unwinder = Unwinder(X86_64)
+    raw = unwinder.unwind(regs(KBASE + 0x110, KSTACK, kernel_rbp, cpl=0), memory(words), space)
+    assert raw.pcs == (KBASE + 0x110, 0x7077)
+    assert raw.stop is StopReason.END and raw.outer_kernel
+    assert [f.kernel for f in unwinder.resolve(raw, space).frames] == [True, True]
+    assert unwinder.unplaced(raw, space) == ()
+
+
 def test_user_code_never_returns_into_the_kernel() -> None:
     words = {USTACK + 8: KBASE + 0x10}
     raw = Unwinder(X86_64).unwind(
