@@ -222,7 +222,7 @@ class Capture(Generic[Space, Raw]):
                 unwinds += self._clock() - mark
 
         try:
-            return await self.stacks.complete(regs.cpu, cache, attempt, memory)
+            return await self.stacks.complete(regs, cache, attempt, memory)
         finally:
             stats.phase_time["unwind"] += unwinds
             stats.phase_time["memory"] -= unwinds  # counted once, as unwinding
