@@ -6,6 +6,7 @@ for with --kernel-only / --user-only) are counted apart, they are not failures.
 
 from __future__ import annotations
 
+import math
 import statistics
 from array import array
 from collections import Counter
@@ -106,6 +107,7 @@ class SamplerStats:
 
 
 TRUSTED_MARGIN = 5.0  # points: below this many samples a profile's shares are too rough
+TRUSTED_SAMPLES = math.ceil(0.25 * (196 / TRUSTED_MARGIN) ** 2)  # 385: the fewest within it
 
 
 def few_samples_margin(samples: int) -> float | None:

@@ -16,6 +16,7 @@ from the ring's immutable seconds and rendered there, so rendering never lengthe
 from __future__ import annotations
 
 import http.server
+import math
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from qmpprof.profile import Profile
 from qmpprof.serve import metrics, views
 from qmpprof.serve.ring import SecondSlice, merge
 from qmpprof.serve.vm import FLUSH, Vm
+from qmpprof.stats import TRUSTED_SAMPLES, few_samples_margin
 
 GRACE = 3 * FLUSH  # how long a profile request waits past its N seconds for the last second
 
@@ -129,14 +131,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _profile(self, vm: Vm, picked: Sequence[SecondSlice], seconds: int) -> Profile:
         interval_ms = vm.interval * 1e3  # the one in force (a budget may have lengthened it)
+        samples = sum(s.samples for s in picked)
         facts = {
             "guest": vm.name,
-            "samples": str(sum(s.samples for s in picked)),
+            "samples": str(samples),
             "interval": f"{interval_ms:.3g} ms",
             "seconds": f"last {seconds} s",
         }
         if vm.boundary is not None:
             facts[BOUNDARY_KEY] = f"{vm.boundary:#x}"
+        short = too_short(samples, seconds)
+        if short is not None:
+            facts["note"] = short
         return merge(picked, interval_ms, facts)
 
     def _send(self, status: int, kind: str, body: bytes) -> None:
@@ -149,6 +155,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         """One line per request is noise for a daemon polled every few seconds."""
+
+
+def too_short(samples: int, seconds: int) -> str | None:
+    """What a profile of ``samples`` over ``seconds`` says when they are too few for its
+    shares to mean much (the budget sets the rate: a window too short for it says so), with
+    the window that would hold enough at the same rate; None when they are enough."""
+    margin = few_samples_margin(samples) if samples else 100.0
+    if margin is None:
+        return None
+    enough = math.ceil(seconds * TRUSTED_SAMPLES / samples) if samples else None
+    ask = f"ask for {enough} s or more" if enough is not None else "ask for a longer window"
+    return (
+        f"only {samples} samples in {seconds} s at the interval in force: a share is known to"
+        f" +-{margin:.0f} points (95 %); {ask}"
+    )
 
 
 def _sealed(seconds: tuple[SecondSlice, ...], end: float) -> bool:

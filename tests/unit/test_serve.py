@@ -3,6 +3,7 @@ QEMUs: tests/e2e/test_serve_guests.py)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -17,10 +18,11 @@ from qmpprof.cli import main
 from qmpprof.naming import Naming
 from qmpprof.profile import Profile
 from qmpprof.serve import metrics
-from qmpprof.serve.endpoints import ServeState, listen
+from qmpprof.serve.endpoints import ServeState, listen, too_short
 from qmpprof.serve.ring import Ring, merge
 from qmpprof.serve.vm import Vm
 from qmpprof.session import RunSpec
+from qmpprof.stats import TRUSTED_SAMPLES
 from qmpprof.transport import Reach
 
 # ---- the ring -------------------------------------------------------------------------------
@@ -187,6 +189,17 @@ def test_endpoints_answer_and_refuse_in_one_line() -> None:
             assert body.decode().startswith(text) and body.count(b"\n") == 1
     with board_server(filled_vm("only")) as base:
         assert get(f"{base}/flamegraph.svg?seconds=1")[0] == 200
+
+
+def test_a_window_too_short_for_the_rate_says_so_and_how_long_would_do() -> None:
+    """16 samples in 2 s (the budget's rate): the SVG's facts say so, with the window that
+    would hold enough at that rate; 400 are enough: nothing said."""
+    with board_server(filled_vm("a")) as base:
+        body = get(f"{base}/flamegraph.svg?vm=a&seconds=2")[2].decode()
+    assert "only 16 samples in 2 s at the interval in force" in body
+    assert f"ask for {math.ceil(2 * TRUSTED_SAMPLES / 16)} s or more" in body
+    assert too_short(400, 2) is None
+    assert too_short(0, 2) is not None and "longer window" in str(too_short(0, 2))
 
 
 def test_a_bug_while_answering_is_a_one_line_500(monkeypatch: pytest.MonkeyPatch) -> None:
