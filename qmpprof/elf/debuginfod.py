@@ -10,7 +10,9 @@ A large file shows a progress bar on a terminal (tqdm). Fetches happen while fil
 before the guest is touched: never inside a pause.
 
 Nothing here fails a run: a server that does not answer, lacks the file or breaks off gives
-one line (``Fetched.note``), and the run goes on without what it would have brought.
+one line (``Fetched.note``), and the run goes on without what it would have brought. A server
+that gave no answer within the timeout is not asked again for QUIET_FOR seconds (a run's other
+files, a daemon's next VMs): its timeouts do not add up file after file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import http.client
 import os
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ from qmpprof.elf.image import ElfImage
 from qmpprof.errors import ElfError
 
 DEFAULT_TIMEOUT = 90.0  # elfutils' own default
+QUIET_FOR = 300.0  # seconds a server that did not answer is left alone
+_quiet: dict[str, float] = {}  # a server -> when it failed to answer (time.monotonic)
 CHUNK = 1 << 20
 BAR_FROM = 8 << 20  # files this large get a progress bar
 
@@ -74,6 +79,10 @@ def debuginfo(build_id: str, what: str) -> Fetched:
         return Fetched(None)
     why = []
     for server in urls:
+        since = _quiet.get(server)
+        if since is not None and time.monotonic() - since < QUIET_FOR:
+            why.append(f"{server}: no answer within {timeout():g} s before: not asked again")
+            continue
         try:
             _download(f"{server}/buildid/{build_id}/debuginfo", cached, what)
             return Fetched(cached)
@@ -81,6 +90,8 @@ def debuginfo(build_id: str, what: str) -> Fetched:
             why.append(f"{server}: {err.code} {err.reason}")
         except (OSError, ValueError, http.client.HTTPException) as err:  # refused, timed out,
             # broken off, a bad URL or reply
+            if _timed_out(err):
+                _quiet[server] = time.monotonic()
             why.append(f"{server}: {_reason(err)}")
     return Fetched(None, f"debuginfod: no debug file for {what} ({build_id}): {'; '.join(why)}")
 
@@ -101,11 +112,18 @@ def debug_image(build_id: str, what: str) -> tuple[ElfImage | None, str | None]:
     return debug, None
 
 
+def _timed_out(err: BaseException) -> bool:
+    """No answer within the timeout: while reading, or connecting (wrapped by urllib)."""
+    return isinstance(err, TimeoutError) or (
+        isinstance(err, urllib.error.URLError) and isinstance(err.reason, TimeoutError)
+    )
+
+
 def _reason(err: BaseException) -> str:
+    if _timed_out(err):
+        return f"no answer within {timeout():g} s (DEBUGINFOD_TIMEOUT)"
     if isinstance(err, urllib.error.URLError):
         return str(err.reason)
-    if isinstance(err, TimeoutError):
-        return f"no answer within {timeout():g} s (DEBUGINFOD_TIMEOUT)"
     return str(err) or type(err).__name__
 
 

@@ -11,6 +11,7 @@ import http.server
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -60,6 +61,7 @@ def environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in ("DEBUGINFOD_URLS", "DEBUGINFOD_TIMEOUT", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DEBUGINFOD_CACHE_PATH", str(tmp_path / "cache"))
+    monkeypatch.setattr(debuginfod, "_quiet", {})  # no server left alone by an earlier test
     return tmp_path / "cache"
 
 
@@ -120,6 +122,26 @@ def test_a_server_that_does_not_answer_is_given_up_after_the_timeout(
         f"debuginfod: no debug file for the kernel ({ID}): {url}: no answer within 0.3 s "
         "(DEBUGINFOD_TIMEOUT)"
     )
+
+
+def test_a_server_that_did_not_answer_is_not_asked_again_for_the_next_files(
+    monkeypatch: pytest.MonkeyPatch, server: tuple[str, type[_Handler]]
+) -> None:
+    """Its timeout is paid once, not once a file; the next server is still asked each time."""
+    empty, _ = server
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("DEBUGINFOD_URLS", f"{url} {empty}")
+        monkeypatch.setenv("DEBUGINFOD_TIMEOUT", "0.3")
+        first = debuginfod.debuginfo(ID, "the kernel")
+        started = time.monotonic()
+        second = debuginfod.debuginfo(ID.replace("7", "8"), "a module")
+        took = time.monotonic() - started
+    assert first.note is not None and second.note is not None
+    assert f"{url}: no answer within 0.3 s (DEBUGINFOD_TIMEOUT)" in first.note
+    assert f"{url}: no answer within 0.3 s before: not asked again" in second.note
+    assert f"{empty}: 404" in second.note
+    assert took < 0.3  # not waited for again
 
 
 @pytest.mark.parametrize("bad", ["", "zz", "../../etc"])
