@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -21,9 +20,9 @@ from typing import Protocol
 
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import Run, RunSpec, start
+from qmpprof.session import RunSpec
 from qmpprof.transport.base import Reach
-from support.bench.qmpprof_run import settle
+from support.bench.qmpprof_run import sampled
 
 INTERVAL = 0.010
 
@@ -87,12 +86,13 @@ async def _run(
                     sampling=sampling,
                     user_dir=user_dir,
                 )
-                run = await _sampled(spec)
+                run = await sampled(spec)
                 if off_cpu:
-                    offcpu = await _sampled(dataclasses.replace(spec, off_cpu=True))
-                    share = offcpu.stats.rate_hz() / offcpu.stats.requested_hz
-                    found[f"{name}_offcpu_rate_share"] = round(share, 3)
+                    offcpu = await sampled(dataclasses.replace(spec, off_cpu=True))
                     stats = offcpu.stats
+                    found[f"{name}_offcpu_rate_share"] = round(
+                        stats.rate_hz() / stats.requested_hz, 3
+                    )
                     log(
                         f"{name} --off-cpu: {stats.rate_hz():.1f} Hz of guest run time"
                         f" ({stats.requested_hz:.0f} asked; {stats.wall_rate_hz():.1f} Hz of"
@@ -114,15 +114,3 @@ async def _run(
         f"{name}_truncated_share": run.profile.truncated / samples if samples else None,
         f"{name}_samples": samples,
     }
-
-
-async def _sampled(spec: RunSpec) -> Run:
-    """One run of ``spec``, sampled to its end, its transport closed."""
-    run = await start(spec)
-    try:
-        settle()
-        await run.run()
-    finally:
-        gc.unfreeze()
-        await run.transport.close()
-    return run

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import RunSpec, start
+from qmpprof.session import RunSpec
 from qmpprof.transport.base import Reach
-from support.bench.qmpprof_run import settle
+from support.bench.qmpprof_run import sampled
 
 INTERVAL = 0.010  # the command line's default
 BIG = "qmpprof.big"  # the kernel command-line word
@@ -56,12 +56,7 @@ async def linux_big(root: Path, duration: float, log: Callable[[str], None]) -> 
                     user_dir=ROOTFS,
                     sampling=SamplerConfig(interval=INTERVAL, duration=duration),
                 )
-                run = await start(spec)
-                settle()
-                try:
-                    await run.run()
-                finally:
-                    await run.transport.close()
+                run = await sampled(spec)
                 pauses[big] += run.stats.pauses
         except (QmpprofError, RuntimeError, TimeoutError) as err:
             log(f"linux big: {err}")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
-from qmpprof.session import RunSpec, start
+from qmpprof.session import RunSpec
 from qmpprof.transport.base import Reach
-from support.bench.qmpprof_run import settle
+from support.bench.qmpprof_run import sampled
 
 INTERVAL = 0.010
 SLEEPERS = "qmpprof.sleepers"  # the kernel command-line word
@@ -52,12 +52,7 @@ async def linux_offcpu(
                         off_cpu=off_cpu,
                         sampling=SamplerConfig(interval=INTERVAL, duration=duration),
                     )
-                    run = await start(spec)
-                    settle()
-                    try:
-                        await run.run()
-                    finally:
-                        await run.transport.close()
+                    run = await sampled(spec)
                     pauses[off_cpu] += run.stats.pauses
                     waiting = {r.process for r in run.profile.stacks if r.state is not None}
                     tasks = max(tasks, len(waiting))

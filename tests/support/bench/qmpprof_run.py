@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from qmpprof.guest.base import Guest
-from qmpprof.session import Connection, RunSpec, attach, connect, load, sampler, start
+from qmpprof.session import Connection, Run, RunSpec, attach, connect, load, sampler, start
 from qmpprof.transport.base import Reach
 from support.bench.methods import Paced
 
@@ -82,19 +82,26 @@ def settle() -> None:
     gc.freeze()
 
 
+async def sampled(spec: RunSpec) -> Run:
+    """One run of ``spec`` as the command makes it (built, loaded files moved out of the
+    collector's sight), sampled to its end, its transport closed."""
+    run = await start(spec)
+    settle()
+    try:
+        await run.run()
+    finally:
+        gc.unfreeze()
+        await run.transport.close()
+    return run
+
+
 async def first_pause_ms(spec: RunSpec, tries: int) -> list[float]:
     """The first sample's pause of ``tries`` fresh runs, each built as the command builds it
     (ELF files loaded, transport opened) and sampling 5 ticks: what a run pays in its first
     stop with every cache cold."""
     pauses = []
     for _ in range(tries):
-        run = await start(spec)
-        settle()
-        try:
-            await run.run()
-        finally:
-            gc.unfreeze()
-            await run.transport.close()
+        run = await sampled(spec)
         if run.stats.pauses:
             pauses.append(run.stats.pauses[0] * 1e3)
     return pauses
