@@ -137,7 +137,9 @@ class Capture(Generic[Space, Raw]):
             walked = regs if identity.registers is None else identity.registers
             if identity.memory is not None:  # user memory the vCPU does not show: read again
                 cache = cache.above(self.boundary)
+            seen.asked = []  # what the walk reads through page tables (identify's reader)
             captured.raw = await self._walk(captured, walked, cache, identity, stats)
+            through, seen.asked = seen.asked, None
             reread = identity.reread_mappings
             lacking = () if reread is None else self.unwinder.unplaced(captured.raw, identity.space)
             fresh = await reread(lacking) if reread is not None and lacking else None
@@ -147,8 +149,11 @@ class Capture(Generic[Space, Raw]):
                 identity = fresh
                 captured.raw = await self._walk(captured, walked, cache, identity, stats)
             self._walks[regs.cpu] = (walked, cache, identity.space)
+            # User memory read through the task's tables: the window learns the kernel's part.
             if identity.memory is None:
                 self.stacks.learn(regs, cache)
+            else:
+                self.stacks.learn(regs, cache, self.boundary, through)
             if identity.complete is not None:
                 captured.complete, captured.walked, captured.cache = (
                     identity.complete,

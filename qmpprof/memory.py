@@ -24,6 +24,10 @@ MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 # last walk from there used (riscv64's xz under system calls: 1.2 pages of the 3.5 fetched).
 THROUGH_AHEAD = 2
 MAX_BEYOND = 4  # pieces outside the window fetched with it because the last walk there read them
+# The kernel memory the last walk from a stack read through a task's page tables (riscv64 and
+# arm64 read no user page in kernel mode: the entries and the user stack's page in the linear
+# map) is fetched with the next window there, up to this much.
+MAX_THROUGH = 3 * PAGE
 ALIGN = 64  # a window starts at SP rounded down to this
 SLACK = 256  # bytes a window reaches past the highest byte walks from its SP page read
 PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
@@ -84,6 +88,24 @@ def reader(transport: GuestTransport, cpu: int) -> Reader:
         return [None if n <= 0 else _bytes(next(found)) for _, n in ranges]
 
     return read
+
+
+def held(read: Reader, cache: PageCache) -> Reader:
+    """``read`` answering first from what ``cache`` holds (the pieces fetched with a stack
+    window), reading the rest in one request; while ``cache.asked`` is a list, each range
+    asked is noted there."""
+
+    async def read_held(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        if cache.asked is not None:
+            cache.asked.extend((a, n) for a, n in ranges if n > 0)
+        rest = [i for i, (a, n) in enumerate(ranges) if n <= 0 or not cache.has(a, n)]
+        found = iter(await read([ranges[i] for i in rest]) if rest else [])
+        lacking = set(rest)
+        return [
+            next(found) if i in lacking else cache.read(a, n) for i, (a, n) in enumerate(ranges)
+        ]
+
+    return read_held
 
 
 def kernel_reader(transport: GuestTransport, cpus: Sequence[int]) -> Reader:
@@ -161,6 +183,8 @@ class StackReader:
         self._beyond: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
         # Per stack, the pages after a missing one the last walk through page tables used.
         self._ahead: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
+        # Per stack, the kernel memory its last walk read through a task's page tables.
+        self._through: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
 
     async def prefetch(
         self,
@@ -171,8 +195,8 @@ class StackReader:
     ) -> None:
         """The stack window at SP, and in the same request what the last walk from this SP
         page read beyond it (a system call's user stack beneath the kernel's) and the pieces
-        ``also`` (the identifier's: into ``into``). ``cache`` and ``into`` are the sample's
-        fresh caches."""
+        ``also`` (the identifier's: into ``into``, with what the last walk from here read
+        through page tables). ``cache`` and ``into`` are the sample's fresh caches."""
         key = _stack_key(regs)
         lo, end = self._window_range(regs, key)
         # Where the stack ends is not known yet: the window goes page by page (in the same
@@ -180,7 +204,10 @@ class StackReader:
         known = key in self._stack_ends or key in self._deepest
         window = [(lo, end - lo)] if known else _by_page(lo, end)
         beyond = self._beyond.get(key, ())
-        wanted = () if into is None else also
+        # Not for user code, which reads no kernel page (riscv64 keys its user stacks as the
+        # entry's first instructions do theirs: the same sp, space 0).
+        through = () if regs.user else self._through.get(key, ())
+        wanted = () if into is None else (*also, *through)
         try:
             found = await self.transport.read_many(regs.cpu, [*window, *beyond, *wanted])
         except TransportError:
@@ -245,10 +272,24 @@ class StackReader:
                 cache.pages[page] = None
                 return
 
-    def learn(self, regs: Registers, cache: PageCache) -> None:
+    def learn(
+        self,
+        regs: Registers,
+        cache: PageCache,
+        floor: int = 0,
+        through: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Remember the first unmapped page above SP that this sample met, the highest byte
-        its walk read near SP, and what it read beyond the window's reach."""
+        its walk read near SP, what it read beyond the window's reach at or above ``floor``
+        (below it, user memory the walk read otherwise than as the vCPU sees it: a window
+        there would not read it) and the kernel memory it read to do so (``through``: page
+        tables, the linear map), when that is not more than MAX_THROUGH."""
         key = _stack_key(regs)
+        kept = tuple(dict.fromkeys(through))
+        if kept and sum(n for _, n in kept) <= MAX_THROUGH:
+            self._through.put(key, kept)
+        else:
+            self._through.pop(key, None)
         start = page = page_of(regs.sp)
         while page < cache.hi or cache.pages.get(page) is not None:
             page += PAGE
@@ -268,7 +309,9 @@ class StackReader:
         # sample (an interrupt stack leads to whichever task it interrupted).
         guessed = self._beyond.get(key, ())
         beyond = sorted(
-            _around(p + span[0], p + span[1]) for p, span in used.items() if not start <= p < reach
+            _around(p + span[0], p + span[1])
+            for p, span in used.items()
+            if not start <= p < reach and p >= floor
         )
         if guessed and not any(page_of(a) in used for a, _ in guessed):
             beyond = []
@@ -348,5 +391,9 @@ def _around(low: int, high: int) -> tuple[int, int]:
 
 
 def _stack_key(regs: Registers) -> tuple[int, int]:
-    # Kernel stacks look the same in every address space; user stacks belong to their own.
+    # Kernel stacks look the same in every address space; user stacks belong to their own. A
+    # vCPU that translates nothing (firmware: riscv64's M-mode with the interrupted user sp)
+    # reads its SP's page physically: what it finds there tells nothing of the stack's.
+    if not regs.special.get("paging", 1):
+        return (-1, page_of(regs.sp))
     return (regs.space if regs.user else 0, page_of(regs.sp))

@@ -40,10 +40,11 @@ class PageCache:
     said it is not mapped. ``pieces``: reads smaller than a page (a pointer, a few fields, the
     part of a user stack a walk read last time): start address -> size and bytes, or None when
     unmapped. ``used`` holds, per page read outside the window, the lowest and highest offsets
-    read there (the stack reader learns from it where walks go).
+    read there (the stack reader learns from it where walks go). ``asked``, while a list: the
+    ranges a reader over this cache (``memory.held``) was asked for.
     """
 
-    __slots__ = ("data", "hi", "lo", "pages", "pieces", "top", "used")
+    __slots__ = ("asked", "data", "hi", "lo", "pages", "pieces", "top", "used")
 
     def __init__(self) -> None:
         self.pages: dict[int, bytes | None] = {}
@@ -51,6 +52,7 @@ class PageCache:
         self.used: dict[int, list[int]] = {}
         self.lo = self.hi = self.top = 0  # the window is [lo, hi)
         self.data = b""
+        self.asked: list[tuple[int, int]] | None = None
 
     def above(self, boundary: int) -> PageCache:
         """A cache of what this one holds at or above ``boundary`` (the kernel's memory, the

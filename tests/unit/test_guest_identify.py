@@ -13,10 +13,12 @@ from typing import cast
 import pytest
 from fakes import FakeTransport, read_each, x86
 from guestvm import BUILD_ROOT
-from test_guest_linux import APP_LEADER, KWORKER, PER_CPU_OFFSET, paused
+from test_guest_linux import APP_LEADER, KWORKER, PER_CPU_OFFSET, RECHECK, paused
 from test_guest_linux import guest as linux_guest
 from test_guest_linux import make as make_linux
 
+from qmpprof.arch.riscv64 import RISCV64
+from qmpprof.arch.riscv64regs import riscv64_registers
 from qmpprof.arch.x86 import X86_64
 from qmpprof.elf.image import ElfImage
 from qmpprof.errors import MemoryReadError, UsageError
@@ -26,6 +28,7 @@ from qmpprof.guest.emerald import EmeraldIdentifier
 from qmpprof.guest.metadata import METADATA_ADDR
 from qmpprof.guest.programs import ProgramIndex
 from qmpprof.linux.btf import Btf
+from qmpprof.linux.riscv64.running import RegisterTask
 from qmpprof.linux.running import spaces as spaces_module
 from qmpprof.linux.running.tasks import PF_KTHREAD, TaskLayout
 from qmpprof.linux.running.vma import VM_EXEC, Vma, VmaLayout
@@ -290,6 +293,7 @@ def test_a_missing_user_dir_is_a_usage_error(tmp_path: Path) -> None:
 MM_A, MM_B = 0xFFFF_8880_0500_0000, 0xFFFF_8880_0700_0000  # two mm_structs' addresses
 SHELL_CODE, XZ_CODE = 0x40_0000, 0x50_0000  # where each program's code is mapped
 STACK = 0xFFFF_C900_0001_0000  # the task's kernel stack
+KERNEL_PC = 0xFFFF_FFFF_8100_0010  # in KERNEL (test_guest_linux.py)
 
 
 @pytest.fixture(scope="module")
@@ -442,3 +446,24 @@ async def test_a_walk_its_space_answers_for_reads_nothing_more(
     assert await walked(trusted, [XZ_CODE + 0x20, 0x7E00_0000_0010]) is trusted
     assert churn.reads() == [stamp_read(churn)]  # ...then never again
     assert lacking.process == trusted.process
+
+
+async def test_a_task_a_register_holds_is_known_by_its_stamp_read_with_the_window(
+    layout: TaskLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """riscv64 Linux keeps the current task in tp: a kernel-mode sample asks for that task's
+    stamp with its window (in its request), so a task met before costs the pause no read of its
+    own, and one exec'd since is still seen by its stamp."""
+    churn = Churn(layout, monkeypatch)
+    churn.identifier.current = RegisterTask(RISCV64, lambda: 0.0, RECHECK)
+    churn.run(1230, "xz", MM_A, XZ_CODE)
+    gprs = {2: STACK + 0x3F00, 4: APP_LEADER, 8: 0, RISCV64.pc: KERNEL_PC}
+    sample = riscv64_registers(0, gprs, {})
+    assert churn.identifier.reads_for(sample) == (layout.stamp_range(APP_LEADER),)
+    first = await churn.sample(sample, stamped=True)
+    assert first.process is not None and first.process.label == "xz (pid 1230)"
+    again = await churn.sample(sample, stamped=True)
+    assert churn.reads() == [] and again.process == first.process
+    churn.run(1230, "sh", MM_B, SHELL_CODE)
+    execd = await churn.sample(sample, stamped=True)
+    assert execd.process is not None and execd.process.label == "sh (pid 1230)"

@@ -117,9 +117,12 @@ class RegisterTask(CurrentTask):
     async def running(self, read: Reader) -> dict[int, int]:
         return {}  # the registers are read in a pause only
 
-    async def pointer(self, read: Reader, regs: Registers, cache: PageCache) -> int | None:
+    def held(self, regs: Registers) -> int | None:
         found = self._kernel(regs.gprs.get(TP))
         return self._kernel(regs.special.get(SCRATCH)) if found is None else found
+
+    async def pointer(self, read: Reader, regs: Registers, cache: PageCache) -> int | None:
+        return self.held(regs)
 
     def _kernel(self, value: int | None) -> int | None:
         return value if value is not None and value >= self.arch.shared_from else None

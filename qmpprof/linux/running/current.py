@@ -137,6 +137,11 @@ class CurrentTask:
             return ()
         return (((base + self.offset) & self.arch.mask, 8),)
 
+    def held(self, regs: Registers) -> int | None:
+        """The current task where the sampled registers hold it (None: in memory, read by
+        ``pointer``)."""
+        return None
+
     def owner(self, regs: Registers) -> int | None:
         """The task whose stack the stack pointer is on, when the current task's pointer said
         so within ``recheck`` seconds: the task a sample there expects."""

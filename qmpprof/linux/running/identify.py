@@ -29,7 +29,7 @@ from qmpprof.linux.running.modules import ModuleList
 from qmpprof.linux.running.pagetables import PageTables, holds, split
 from qmpprof.linux.running.spaces import Spaces
 from qmpprof.linux.running.tasks import RECHECK, Stamp, Task, TaskLayout, Tasks, read_task
-from qmpprof.memory import Reader, read_one, reader
+from qmpprof.memory import Reader, held, read_one, reader
 from qmpprof.model import Registers
 from qmpprof.pagecache import PageCache
 from qmpprof.transport.base import GuestTransport
@@ -189,8 +189,9 @@ class LinuxIdentifier:
         if self.current is None or (regs.user and self.hidden) or self.firmware.runs(regs):
             return ()  # not through the vCPU (identify reads them physically)
         pointer = self.current.reads_for(regs)
-        expected = self.current.owner(regs) or self._last.get(regs.cpu)
-        if not pointer or expected is None or self.layout is None:
+        held = self.current.held(regs)  # riscv64's tp: the task itself, its stamp read with it
+        expected = held or self.current.owner(regs) or self._last.get(regs.cpu)
+        if (not pointer and held is None) or expected is None or self.layout is None:
             return pointer
         return (*pointer, self.layout.stamp_range(expected))
 
@@ -282,7 +283,9 @@ class LinuxIdentifier:
             return self.kernel
         linear = self.linear
         viewed = regs.user and self.hidden and linear is not None
-        read = reader(transport, regs.cpu)
+        # What the sample fetched with its window (the task's stamp, what the last walk from
+        # this stack read through page tables) is not read again.
+        read = held(reader(transport, regs.cpu), cache)
         if viewed and linear is not None:
             read, cache = linear_reader(transport, linear, regs.cpu), PageCache()
         task = await current.pointer(read, regs, cache)
