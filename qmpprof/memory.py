@@ -25,9 +25,10 @@ MAX_REFETCH = 8  # pages fetched on the unwinder's demand per sample
 THROUGH_AHEAD = 2
 MAX_BEYOND = 4  # pieces outside the window fetched with it because the last walk there read them
 # The kernel memory the last walk from a stack read through a task's page tables (riscv64 and
-# arm64 read no user page in kernel mode: the entries and the user stack's page in the linear
-# map) is fetched with the next window there, up to this much.
-MAX_THROUGH = 3 * PAGE
+# arm64 read no user page in kernel mode: the entries and the user stack's pages in the linear
+# map) is fetched with the next window there, up to this much: the pages a first walk through
+# them fetches, and their entries.
+MAX_THROUGH = (1 + THROUGH_AHEAD) * PAGE + PAGE // 8
 ALIGN = 64  # a window starts at SP rounded down to this
 SLACK = 256  # bytes a window reaches past the highest byte walks from its SP page read
 PIECE = 2048  # bytes read around what a walk read beyond its window (one gdbstub packet)
@@ -183,7 +184,9 @@ class StackReader:
         self._beyond: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
         # Per stack, the pages after a missing one the last walk through page tables used.
         self._ahead: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
-        # Per stack, the kernel memory its last walk read through a task's page tables.
+        # Per stack, the first page its last walk read through a task's page tables, and the
+        # kernel memory it read to do so.
+        self._first: Memo[tuple[int, int], int] = Memo(_STACK_ENDS_LIMIT)
         self._through: Memo[tuple[int, int], tuple[tuple[int, int], ...]] = Memo(_STACK_ENDS_LIMIT)
 
     async def prefetch(
@@ -333,6 +336,13 @@ class StackReader:
         key = _stack_key(regs)
         ahead = self._ahead.get(key, THROUGH_AHEAD)
         firsts: list[int] = []  # the pages missing when asked for, through page tables
+        first = self._first.get(key)
+        if through is not None and first is not None:
+            # The page the last walk from here lacked first, before the walk asks: not one
+            # walk more (its bytes likely came with the window, ``prefetch``).
+            fetched += 1
+            firsts.append(first)
+            await _fetch_through(cache, first, ahead, through)
         while True:
             try:
                 found = attempt()
@@ -343,12 +353,8 @@ class StackReader:
                 if fetched < self.max_refetch:
                     fetched += 1
                     if through is not None:
-                        # A walk goes up the stack: the next pages come in the same request.
                         firsts.append(page)
-                        pages = [page + i * PAGE for i in range(1 + ahead)]
-                        pages = [p for p in pages if p not in cache.pages and p < 1 << 64]
-                        read = await through([(p, PAGE) for p in pages])
-                        cache.pages.update(zip(pages, read, strict=True))
+                        await _fetch_through(cache, page, ahead, through)
                     else:
                         await fetch(self.transport, cache, regs.cpu, page, PAGE)
                 else:
@@ -356,7 +362,20 @@ class StackReader:
                 continue
             if firsts:
                 self._ahead.put(key, _pages_used_after(firsts, cache))
+            used = [p for p in firsts if p in cache.used]
+            if used:
+                self._first.put(key, used[0])
+            else:
+                self._first.pop(key, None)
             return found
+
+
+async def _fetch_through(cache: PageCache, page: int, ahead: int, through: Reader) -> None:
+    """``page`` read through ``through`` into ``cache`` and, in the same request, ``ahead``
+    pages after it (a walk goes up the stack)."""
+    pages = [page + i * PAGE for i in range(1 + ahead)]
+    pages = [p for p in pages if p not in cache.pages and p < 1 << 64]
+    cache.pages.update(zip(pages, await through([(p, PAGE) for p in pages]), strict=True))
 
 
 def _pages_used_after(firsts: Sequence[int], cache: PageCache) -> int:

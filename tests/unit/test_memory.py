@@ -200,3 +200,30 @@ async def test_a_vcpu_that_translates_nothing_teaches_the_user_stack_s_window_no
     window = PageCache()
     await stacks.prefetch(user, window)
     assert window.read(page + 0x100, 8) == bytes(8)
+
+
+async def test_the_page_a_walk_lacked_first_is_read_before_the_next_walk_from_there_asks() -> None:
+    """A kernel-mode walk lacks the user stack's page and is run again once it is read: the
+    next walk from the same kernel stack has that page read before it starts (one walk, not
+    two); one from another kernel stack does not."""
+    mapped = {STACK: bytes([1]) * PAGE}
+    requests: list[list[int]] = []
+
+    async def through(ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        requests.append([addr for addr, _ in ranges])
+        return [mapped.get(addr) for addr, _ in ranges]
+
+    stacks = StackReader(transport=None)  # type: ignore[arg-type]  # never read directly
+    walks: list[int] = []
+    for sample in (IN_KERNEL, IN_KERNEL, regs(0, IN_KERNEL.pc, IN_KERNEL.sp + 4 * PAGE)):
+        cache = PageCache()
+        tries = [0]
+
+        def walk(cache: PageCache = cache, tries: list[int] = tries) -> bytes | None:
+            tries[0] += 1
+            return cache.read(STACK + 8, 8)
+
+        assert await stacks.complete(sample, cache, walk, through) == bytes([1]) * 8
+        walks.append(tries[0])
+    assert walks == [2, 1, 2]
+    assert requests[1] == [STACK]  # ahead as many pages as the last walk used: none
