@@ -6,7 +6,8 @@ its truncated share, keys named by the instruction set (``aarch64_pause_ms``,
 - aarch64: tests/aarch64vm.py, bookworm's arm64 6.1 under qemu-system-aarch64, KASLR on,
   ``-cpu max``.
 - riscv64: tests/riscv64vm.py, trixie's riscv64 6.12 under qemu-system-riscv64 (OpenSBI), its
-  -dbg vmlinux, the xz workload."""
+  -dbg vmlinux, the xz workload; sampled in turn with the x86_64 Linux guest (tests/linuxvm.py),
+  so that the two pauses compare within one stretch of the host's time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from qmpprof.errors import QmpprofError
 from qmpprof.sampler import SamplerConfig
 from qmpprof.session import RunSpec
 from qmpprof.transport.base import Reach
+from support.bench.linuxrun import STRETCH, alternate
 from support.bench.qmpprof_run import sampled
 
 INTERVAL = 0.010
@@ -47,14 +49,57 @@ async def aarch64_run(duration: float, log: Callable[[str], None]) -> dict[str, 
     )
 
 
-async def riscv64_run(duration: float, log: Callable[[str], None]) -> dict[str, object]:
-    """``duration`` seconds of guest run time sampled on the riscv64 guest."""
+async def riscv64_run(root: Path, duration: float, log: Callable[[str], None]) -> dict[str, object]:
+    """``duration`` seconds of guest run time sampled on the riscv64 guest, in stretches
+    alternated with the x86_64 Linux guest's (linuxrun.py's), both on 2 vCPUs with their user
+    programs given: ``riscv64_pause_ratio``, the riscv64 median pause over the x86_64 one in
+    the same stretches (issue 33: at most 1.5), immune to the host's speed drifting between
+    two runs."""
     try:
+        from linuxvm import ROOTFS as LINUX_ROOTFS
+        from linuxvm import running_linux_guest
         from riscv64vm import ROOTFS, running_riscv64_guest, vmlinux_dbg
     except ImportError as err:
         return _unmeasured("riscv64", f"{err}", log)
-    # Its user programs given, as the x86_64 Linux guest's run (linuxrun.py) gives them.
-    return await _run("riscv64", running_riscv64_guest, vmlinux_dbg, duration, log, ROOTFS)
+    sampling = SamplerConfig(interval=INTERVAL, duration=STRETCH)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            with (
+                running_riscv64_guest(Path(tmp)) as riscv64,
+                running_linux_guest(Path(tmp), kaslr=True, smp=2, dump_kallsyms=False) as x86,
+            ):
+                specs = (
+                    RunSpec(
+                        reach=Reach(riscv64.qmp_socket),
+                        kernel=vmlinux_dbg(),
+                        user_dir=ROOTFS,
+                        sampling=sampling,
+                    ),
+                    RunSpec(
+                        reach=Reach(x86.qmp_socket),
+                        kernel=root / "fixtures" / "build" / "linux" / "vmlinuz",
+                        user_dir=LINUX_ROOTFS,
+                        sampling=sampling,
+                    ),
+                )
+                pauses, truncated, samples = await alternate(specs, duration)
+        except (QmpprofError, RuntimeError, TimeoutError) as err:
+            return _unmeasured("riscv64", f"{err}", log)
+    ms, x86_ms = ([p * 1e3 for p in run] for run in pauses)
+    median, x86_median = statistics.median(ms), statistics.median(x86_ms)
+    log(
+        f"riscv64: {samples} samples, {truncated} truncated, median pause {median:.3f} ms,"
+        f" first {ms[0]:.3f} ms; the x86_64 Linux guest in the same stretches: median"
+        f" {x86_median:.3f} ms"
+    )
+    return {
+        "riscv64_pause_ms": median,
+        "riscv64_first_pause_ms": ms[0],
+        "riscv64_truncated_share": truncated / samples if samples else None,
+        "riscv64_samples": samples,
+        "riscv64_linux_pause_ms": x86_median,
+        "riscv64_pause_ratio": round(median / x86_median, 3) if x86_median > 0 else None,
+    }
 
 
 def _unmeasured(name: str, why: str, log: Callable[[str], None]) -> dict[str, object]:

@@ -64,7 +64,7 @@ async def linux_run(root: Path, duration: float, log: Callable[[str], None]) -> 
                         sampling=sampling,
                     ),
                 )
-                pauses, truncated, samples = await _alternate(specs, duration)
+                pauses, truncated, samples = await alternate(specs, duration)
         except (QmpprofError, RuntimeError, TimeoutError) as err:
             log(f"linux run: {err}")
             return empty
@@ -85,7 +85,7 @@ async def linux_run(root: Path, duration: float, log: Callable[[str], None]) -> 
     }
 
 
-async def _alternate(
+async def alternate(
     specs: tuple[RunSpec, ...], duration: float
 ) -> tuple[list[list[float]], int, int]:
     """Sample each guest in turn, STRETCH seconds at a time, the others stopped; every pause

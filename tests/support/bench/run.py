@@ -301,7 +301,7 @@ async def bench(cfg: Config, log: Callable[[str], None]) -> dict[str, object]:
     if cfg.linux:
         linux.update(await linux_churn(ROOT, CHURN_SECONDS, log))
         linux.update(await aarch64_run(2 * cfg.duration, log))
-        linux.update(await riscv64_run(2 * cfg.duration, log))
+        linux.update(await riscv64_run(ROOT, 2 * cfg.duration, log))
         linux.update(await linux_offcpu(ROOT, cfg.duration, log))
         linux.update(await linux_big(ROOT, cfg.duration, log))
     result: dict[str, object] = {
