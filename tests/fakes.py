@@ -19,7 +19,7 @@ from qmpprof.arch.x86 import X86_64
 from qmpprof.arch.x86regs import x86_registers
 from qmpprof.dwarf.cfi import CfiTable
 from qmpprof.elf.symbols import SymbolTable
-from qmpprof.errors import MemoryReadError
+from qmpprof.errors import MemoryReadError, TransportError
 from qmpprof.memory import Reader
 from qmpprof.model import (
     Frame,
@@ -33,7 +33,7 @@ from qmpprof.model import (
 )
 from qmpprof.pagecache import PAGE, PageCache, page_of
 from qmpprof.profile import Profile
-from qmpprof.transport.base import GuestTransport
+from qmpprof.transport.base import GuestTransport, each_registers
 from qmpprof.unwind.space import Module
 
 KERNEL_BOUNDARY = X86_64.kernel_boundary
@@ -110,6 +110,10 @@ class FakeTransport:
         if isinstance(self._regs, dict):
             return self._regs[cpu]
         return self._regs(cpu, self.stops)
+
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
+        await self.stop()
+        return await each_registers(self, cpus)
 
     async def read(self, cpu: int, addr: int, size: int) -> bytes:
         self._call(f"read:{addr:#x}+{size:#x}")

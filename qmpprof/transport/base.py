@@ -4,13 +4,14 @@ declares to the registry (``TransportKind``) and what opening one gives (``Opene
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from qmpprof.errors import MemoryReadError
+from qmpprof.errors import MemoryReadError, TransportError
 from qmpprof.model import Registers
 
 # How QMP reads guest memory: memsave into a file, HMP ``x``, or the one the address suits.
@@ -38,6 +39,12 @@ class GuestTransport(Protocol):
         ...
 
     async def registers(self, cpu: int) -> Registers: ...
+
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
+        """``stop``, then each of ``cpus``' registers, or the TransportError its read raised
+        (``each_registers``); a transport that can sends the reads with the stop, in one round
+        trip (a gdbstub: QEMU stops the guest at ``\\x03`` before it reads what follows)."""
+        ...
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         """Those of ``cpu``'s system registers ``names`` (as QEMU's gdbstub names them:
@@ -195,6 +202,12 @@ class Forwarding:
     async def registers(self, cpu: int) -> Registers:
         return await self.inner.registers(cpu)
 
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
+        """One after the other, through this transport's own ``stop`` and ``registers`` (a
+        subclass that changes those may not send them together)."""
+        await self.stop()
+        return await each_registers(self, cpus)
+
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         return await self.inner.system_registers(cpu, names)
 
@@ -220,3 +233,21 @@ class Forwarding:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+async def each_registers(
+    transport: GuestTransport, cpus: Sequence[int]
+) -> list[Registers | TransportError]:
+    """Each of ``cpus``' registers, asked together, or the TransportError its read raised;
+    any other error raises. A lone vCPU is awaited directly (a task costs event-loop turns in
+    the middle of the guest's pause)."""
+    if len(cpus) == 1:
+        try:
+            return [await transport.registers(cpus[0])]
+        except TransportError as err:
+            return [err]
+    found = await asyncio.gather(*(transport.registers(c) for c in cpus), return_exceptions=True)
+    for one in found:
+        if isinstance(one, BaseException) and not isinstance(one, TransportError):
+            raise one
+    return [one for one in found if isinstance(one, Registers | TransportError)]

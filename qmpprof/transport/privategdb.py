@@ -33,7 +33,7 @@ import os
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from qmpprof.errors import ConnectError, GuestHeldError, QmpprofError
+from qmpprof.errors import ConnectError, GuestHeldError, QmpprofError, TransportError
 from qmpprof.model import Registers
 from qmpprof.transport.base import Forwarding, GuestTransport, MemoryPath
 from qmpprof.transport.gdb import GdbTransport
@@ -212,7 +212,7 @@ class PrivateGdbTransport(Forwarding):
         self._resumed = True
         self._qmp.settled()
 
-    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers]:
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
         """Stop and read the registers of ``cpus`` in one round trip (see GdbTransport)."""
         await self._check_stopped_elsewhere()
         self._qmp.pausing()

@@ -35,7 +35,7 @@ from qmpprof.errors import (
     TransportError,
 )
 from qmpprof.model import Registers
-from qmpprof.transport.base import MemoryPath
+from qmpprof.transport.base import MemoryPath, each_registers
 from qmpprof.transport.guard import PauseGuard
 
 _GONE = (ExecInterruptedError, StateError, EOFError, ConnectionError)
@@ -206,6 +206,12 @@ class QmpTransport:
     async def cont(self) -> None:
         await self._execute("cont")
         self.settled()
+
+    async def stop_and_registers(self, cpus: Sequence[int]) -> list[Registers | TransportError]:
+        """One after the other: QEMU serves QMP commands in turn, and most of a command's cost
+        is QEMU's (measured on 7.2: sending them together saved nothing)."""
+        await self.stop()
+        return await each_registers(self, cpus)
 
     async def cpus(self) -> list[int]:
         reply = await self._execute("query-cpus-fast")

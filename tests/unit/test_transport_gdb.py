@@ -10,10 +10,12 @@ import struct
 from collections.abc import Callable
 
 import pytest
+from fakes import FakeTransport, x86
 from test_arch_x86regs import CAPTURED_G
 from test_transport_gdbpackets import RISCV64_FEATURES
 
 from qmpprof.errors import ConnectError, GuestGoneError, MemoryReadError, TransportError
+from qmpprof.model import Registers
 from qmpprof.transport import gdbchannel
 from qmpprof.transport.gdb import GdbTransport
 from qmpprof.transport.gdbpackets import encode_packet
@@ -425,3 +427,23 @@ async def test_registers_a_target_lacks_in_g_come_with_it_in_one_round_trip() ->
         assert stub.packets[connected:] == [b"Hg01", b"g", b"p41", b"p341", b"p382"]
         assert regs.pc == 0x8000_0408 and not regs.user and regs.special["paging"] == 0
         assert regs.special["user_pc"] == 0x1_2345  # mstatus.MPP 0: entered from user code
+
+
+async def test_a_vcpu_whose_registers_are_refused_is_told_apart_from_the_others() -> None:
+    """``each_registers`` (every transport's ``stop_and_registers``): a vCPU's refused read
+    is that vCPU's error, the others' registers stand; any other error ends the call."""
+
+    class OneRefused(FakeTransport):
+        async def registers(self, cpu: int) -> Registers:
+            if cpu == 1:
+                raise TransportError("E14")
+            if cpu == 2:
+                raise GuestGoneError("QEMU went away")
+            return await super().registers(cpu)
+
+    transport = OneRefused({0: x86(0, 0x1000)}, {})
+    first, second = await transport.stop_and_registers([0, 1])
+    assert isinstance(first, Registers) and first.pc == 0x1000
+    assert isinstance(second, TransportError)
+    with pytest.raises(GuestGoneError):
+        await transport.stop_and_registers([0, 2])

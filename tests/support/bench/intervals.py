@@ -8,7 +8,8 @@
 - ``serve_pause_ratio``: ``qmpprof serve`` at its defaults (its command line parsed, no flags but
   the socket) follows the same guest for ``SERVE_SECONDS``, in a thread as serve does, between
   the stretches: ``serve_pause_ms`` (its median pause) over ``pause_10ms_ms``.
-- ``default_pause_ratio`` (the default path over the bare gdbstub loop) and
+- ``default_pause_ratio`` (the default path over the bare gdbstub loop, the faster of its
+  ``gdbstub`` and ``gdbstub-fused`` ways) and
   ``first_pause_ratio`` (a fresh run's first pause over the default path's median): ratios of
   keys the bench measures elsewhere in the same run (``ratios``).
 - ``host_touch_ratio``: the host's share, with no QEMU in it: the time this process takes to
@@ -132,9 +133,16 @@ def ratios(result: dict[str, Any]) -> dict[str, float | None]:
     """Ratios of pauses the bench measured in this run."""
     default, first = result.get("default_pause_ms"), result.get("first_pause_ms")
     return {
-        "default_pause_ratio": _ratio(default, result.get("gdbstub_pause_ms")),
+        "default_pause_ratio": _ratio(default, _floor(result)),
         "first_pause_ratio": _ratio(first, default),
     }
+
+
+def _floor(result: dict[str, Any]) -> float | None:
+    """The bare gdbstub loop's pause: the faster of its two ways, the stop and the register
+    read in turn (``gdbstub``) or in one write (``gdbstub-fused``, as qmpprof sends them)."""
+    found = [result.get(key) for key in ("gdbstub_pause_ms", "gdbstub_fused_pause_ms")]
+    return min((f for f in found if isinstance(f, float)), default=None)
 
 
 def _median(values: list[float]) -> float | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from qmpprof.arch.x86regs import X86Formats
-from qmpprof.errors import MemoryReadError, QmpprofError
+from qmpprof.errors import MemoryReadError, QmpprofError, TransportError
 from qmpprof.transport import hmp
 from qmpprof.transport.gdb import GdbTransport
 from support.bench.gdbcli import GdbMi, gdb_batch_backtrace
@@ -177,6 +177,8 @@ class GdbstubLoop:
         try:
             if not self._fused:
                 regs = await transport.registers(0)
+            if isinstance(regs, TransportError):
+                raise regs
             await transport.read(0, regs.sp & ~(PAGE - 1), PAGE)
         finally:
             await transport.cont()
