@@ -87,36 +87,56 @@ class _State:
         return _State(self.cfa_reg, self.cfa_offset, self.cfa_expr, dict(self.regs or {}))
 
 
+class _Reached(Exception):
+    """The row ``_Run.until`` asked for is built: the program need not run further."""
+
+
 def compile_rows(
-    data: bytes, base_addr: int, cie: Cie, fde_range: tuple[int, int], pc_range: tuple[int, int]
+    data: bytes,
+    base_addr: int,
+    cie: Cie,
+    fde_range: tuple[int, int],
+    pc_range: tuple[int, int],
+    until: int | None = None,
 ) -> list[Rule]:
-    """Rows of one FDE whose instructions are ``data[fde_range[0]:fde_range[1]]``.
+    """Rows of one FDE whose instructions are ``data[fde_range[0]:fde_range[1]]``; with
+    ``until``, only the row covering that address (none if no row does), the program run no
+    further than that row: an FDE's first lookup in a pause builds one row, not all of them.
 
     Malformed or unknown instructions end the table early: the rows decoded so far stay valid,
     addresses after the failure get no row (the unwinder then falls back).
     """
     out: list[Rule] = []
-    run = _Run(data, base_addr, cie, pc_range[0], out)
+    run = _Run(data, base_addr, cie, pc_range[0], out, until)
     try:
         run.execute(cie.init_start, cie.init_end)
         run.initial = run.state.copy()
         run.execute(*fde_range)
         if pc_range[1] > run.loc:
             run.advance(pc_range[1])
-    except CfiDecodeError:
+    except (CfiDecodeError, _Reached):
         pass
     return out
 
 
 class _Run:
-    __slots__ = ("base_addr", "cie", "data", "initial", "loc", "out", "saved", "state")
+    __slots__ = ("base_addr", "cie", "data", "initial", "loc", "out", "saved", "state", "until")
 
-    def __init__(self, data: bytes, base_addr: int, cie: Cie, loc: int, out: list[Rule]) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        base_addr: int,
+        cie: Cie,
+        loc: int,
+        out: list[Rule],
+        until: int | None = None,
+    ) -> None:
         self.data = data
         self.base_addr = base_addr
         self.cie = cie
         self.loc = loc
         self.out = out
+        self.until = until  # build only the row covering this address (None: every row)
         self.state = _State(regs={})
         self.initial: _State | None = None  # None while running the CIE's initial instructions
         self.saved: list[_State] = []
@@ -126,6 +146,10 @@ class _Run:
             return
         if new_loc < self.loc:
             raise CfiDecodeError("location moves backwards")
+        until = self.until
+        if until is not None and new_loc <= until:
+            self.loc = new_loc  # a row before the one asked for: not built
+            return
         if new_loc > self.loc:
             s = self.state
             regs = tuple(sorted((s.regs or {}).items()))
@@ -140,6 +164,8 @@ class _Run:
                 )
             )  # fmt: skip
             self.loc = new_loc
+            if until is not None:
+                raise _Reached
 
     def set_reg(self, reg: int, rule: RegRule) -> None:
         assert self.state.regs is not None

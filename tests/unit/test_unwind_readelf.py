@@ -191,3 +191,21 @@ def test_i386_guest_cfi_matches_readelf() -> None:
         image = ElfImage.load(path)
         assert image.cfi is not None and image.cfi.address_size == 4
         assert compare(image.cfi, readelf_frames(path)[".eh_frame"], I386_NAMES) >= 10, path
+
+
+@pytest.mark.parametrize("variant", ["cfi", "fp"])
+def test_a_row_looked_up_alone_is_the_row_the_whole_fde_compiles(
+    variant: str, guest_build: None
+) -> None:
+    """``row_for`` builds the row at its pc alone (the program run no further); at every row's
+    first and last address it equals the row of the FDE compiled whole, and past the FDE there
+    is none."""
+    path = Path(__file__).parents[2] / "fixtures" / "build" / variant / "kernel.elf"
+    whole, alone = ElfImage.load(path).cfi, ElfImage.load(path).cfi
+    assert whole is not None and alone is not None
+    checked = 0
+    for fde in whole.fdes():
+        for rule in whole.rows(fde):
+            assert alone.row_for(rule.start) == rule and alone.row_for(rule.end - 1) == rule
+            checked += 1
+    assert checked >= 50
