@@ -143,11 +143,10 @@ class Capture(Generic[Space, Raw]):
                 identity = fresh
                 captured.raw = await self._walk(captured, walked, cache, identity, stats)
             self._walks[regs.cpu] = (walked, cache, identity.space)
-            # User memory read through the task's tables: the window learns the kernel's part.
-            if identity.memory is None:
-                self.stacks.learn(regs, cache)
-            else:
-                self.stacks.learn(regs, cache, self.boundary, through)
+            # User memory read through the task's tables (``through``: empty otherwise): the
+            # window learns the kernel's part.
+            floor = 0 if identity.memory is None else self.boundary
+            self.stacks.learn(regs, cache, floor, through)
             if identity.complete is not None:
                 captured.complete, captured.walked, captured.cache = (
                     identity.complete,
